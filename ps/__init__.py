@@ -1,0 +1,35 @@
+"""Parameter server: sharded dense and sparse tables with server-side optimizers."""
+from ps.client import DenseResult, PSClient
+from ps.config import AdmissionSpec, EvictionSpec, InitializerSpec, OptimizerSpec, ShardConfig, TableSpec
+from ps.errors import (
+    InvalidArgumentError,
+    NonFiniteError,
+    PSError,
+    ResourceExhaustedError,
+    ShapeMismatchError,
+    ShardUnavailableError,
+    TableExistsError,
+    TableNotFoundError,
+)
+from ps.server import build_server, serve
+
+__all__ = [
+    "PSClient",
+    "DenseResult",
+    "AdmissionSpec",
+    "EvictionSpec",
+    "InitializerSpec",
+    "OptimizerSpec",
+    "ShardConfig",
+    "TableSpec",
+    "PSError",
+    "InvalidArgumentError",
+    "NonFiniteError",
+    "ResourceExhaustedError",
+    "ShapeMismatchError",
+    "ShardUnavailableError",
+    "TableExistsError",
+    "TableNotFoundError",
+    "build_server",
+    "serve",
+]

@@ -1,0 +1,537 @@
+"""PSClient: the Python API workers use to talk to a set of shards.
+
+Dense calls fan out one stream per shard, concurrently, and reassemble the
+slices; sparse calls deduplicate ids, group them by owning shard and send one
+request per shard (split further when large), concurrently, returning rows in
+the caller's order. Every call has a deadline; UNAVAILABLE is retried with
+backoff. Arrays may be numpy arrays or torch tensors (CPU or CUDA): results
+come back as the same kind, on the same device.
+
+Thread-safety: a PSClient may be shared by threads.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+import grpc
+import numpy as np
+import torch
+
+from ps.config import (
+    DENSE,
+    SPARSE,
+    AdmissionSpec,
+    EvictionSpec,
+    InitializerSpec,
+    OptimizerSpec,
+    TableSpec,
+)
+from ps.errors import (
+    DeadlineExceededError,
+    InternalError,
+    InvalidArgumentError,
+    NonFiniteError,
+    PSError,
+    ResourceExhaustedError,
+    ShardUnavailableError,
+    TableExistsError,
+    TableNotFoundError,
+)
+from ps.partition import SlotMap
+from ps.shard import ShardStats, TableInfo
+from ps.table import PushResult
+from ps.wire import info_from_proto, spec_to_proto, stats_from_proto
+from tessera.codec import as_numpy, from_wire, pack, to_wire, unpack
+from tessera.rpc import channel_options, retry_unavailable
+from tessera.v1 import ps_pb2 as pb
+
+__all__ = ["PSClient", "DenseResult"]
+
+_SERVICE = "/tessera.v1.ParameterServer/"
+_ERROR_OF = {
+    grpc.StatusCode.NOT_FOUND: TableNotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: TableExistsError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAVAILABLE: ShardUnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+}
+
+
+@dataclass(frozen=True)
+class DenseResult:
+    """Outcome of a dense push: per-shard slice versions after it, and staleness when known."""
+
+    versions: tuple[int, ...]
+    staleness: tuple[int, ...]
+
+
+@dataclass
+class _Dense:
+    spec: TableSpec
+    ranges: list[tuple[int, int]]  # [start, stop) per shard
+    chunk: list[int]  # chunk_elems per shard
+
+
+class _Shard:
+    def __init__(self, address: str, options: list) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=options)
+        u = lambda m: self.channel.unary_unary(_SERVICE + m)  # noqa: E731 - raw bytes in and out
+        self.create, self.describe, self.stats = u("CreateTable"), u("DescribeTable"), u("Stats")
+        self.pull_sparse, self.push_sparse = u("PullSparse"), u("PushSparse")
+        self.push_dense = self.channel.stream_stream(_SERVICE + "PushDense")
+        self.pull_dense = self.channel.unary_stream(_SERVICE + "PullDense")
+
+
+class PSClient:
+    """Connects to the shards at ``addresses`` (shard i at addresses[i]).
+
+    ``timeout``: deadline per call in seconds. ``retries``: retries of a call
+    that found its shard UNAVAILABLE (backoff 0.1 s doubling, up to 2 s).
+    ``wire_dtype``: "float16"/"bfloat16" sends pushes and pulls at that
+    precision (tables stay float32), None sends float32.
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str] | str,
+        timeout: float = 60.0,
+        retries: int = 6,
+        wire_dtype: str | None = None,
+        worker: str = "",
+        max_request_bytes: int = 16 << 20,
+    ) -> None:
+        if isinstance(addresses, str):
+            addresses = [a for a in addresses.split(",") if a]
+        if not addresses:
+            raise ValueError("PSClient needs at least one shard address")
+        if wire_dtype not in (None, "float32", "float16", "bfloat16"):
+            raise ValueError(f"wire_dtype must be float32, float16 or bfloat16, got {wire_dtype!r}")
+        self.addresses = list(addresses)
+        self.num_shards = len(self.addresses)
+        self.timeout = timeout
+        self.retries = retries
+        self.wire_dtype = wire_dtype or "float32"
+        self.worker = worker
+        self.max_request_bytes = max_request_bytes
+        opts = channel_options()
+        self._shards = [_Shard(a, opts) for a in self.addresses]
+        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * self.num_shards), thread_name_prefix="psclient")
+        self._dense: dict[str, _Dense] = {}
+        self._sparse: dict[str, tuple[TableSpec, SlotMap]] = {}
+        self._meta_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        for s in self._shards:
+            s.channel.close()
+
+    def __enter__(self) -> "PSClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Block until every shard accepts connections (raises ShardUnavailableError)."""
+        for s in self._shards:
+            try:
+                grpc.channel_ready_future(s.channel).result(timeout=timeout)
+            except grpc.FutureTimeoutError:
+                raise ShardUnavailableError(f"shard {s.address} not reachable within {timeout} s") from None
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, shard: int, fn: Any, request: bytes) -> bytes:
+        s = self._shards[shard]
+        deadline = time.monotonic() + self.timeout
+        try:
+            return retry_unavailable(
+                lambda: fn(request, timeout=max(0.01, deadline - time.monotonic())), self.retries, deadline=deadline
+            )
+        except grpc.RpcError as e:
+            raise _typed(e, s.address) from None
+
+    def _fan_out(self, jobs: list[Any]) -> list[Any]:
+        """Run zero-arg callables concurrently; re-raise the first error after all finish."""
+        if len(jobs) == 1:
+            return [jobs[0]()]
+        futs = [self._pool.submit(j) for j in jobs]
+        results, first_error = [], None
+        for f in futs:
+            try:
+                results.append(f.result())
+            except BaseException as e:  # noqa: BLE001
+                results.append(None)
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error
+        return results
+
+    # ------------------------------------------------------------------ tables
+    def create_table(self, spec: TableSpec) -> bool:
+        """Create ``spec`` on every shard. True if any shard created it; identical re-creation is a no-op.
+
+        Raises TableExistsError if a table of that name exists with another spec.
+        """
+        req = pb.CreateTableRequest(spec=spec_to_proto(spec), num_shards=self.num_shards).SerializeToString()
+        replies = self._fan_out([lambda i=i: self._call(i, self._shards[i].create, req) for i in range(self.num_shards)])
+        infos = []
+        created = False
+        for raw in replies:
+            msg, _ = unpack(pb.CreateTableReply, raw)
+            created |= msg.created
+            infos.append(info_from_proto(msg.info))
+        self._remember(infos)
+        return created
+
+    def create_dense(
+        self,
+        name: str,
+        shape: Sequence[int] | int,
+        optimizer: str | OptimizerSpec = "sgd",
+        init: str | InitializerSpec | Any = "zeros",
+        seed: int = 0,
+        allow_nonfinite: bool = False,
+        **hparams: float,
+    ) -> bool:
+        """Create a dense table. ``init`` is an initializer name/spec, or an array of initial values."""
+        values = None
+        if not isinstance(init, (str, InitializerSpec)):
+            values, init = init, "zeros"
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        spec = TableSpec(
+            name, DENSE, shape=shape, optimizer=_opt(optimizer, hparams), initializer=_init(init), seed=seed,
+            allow_nonfinite=allow_nonfinite,
+        )
+        created = self.create_table(spec)
+        if values is not None and created:
+            self.assign_dense(name, values)
+        return created
+
+    def create_sparse(
+        self,
+        name: str,
+        dim: int,
+        optimizer: str | OptimizerSpec = "sgd",
+        init: str | InitializerSpec = "zeros",
+        seed: int = 0,
+        admission: AdmissionSpec | None = None,
+        eviction: EvictionSpec | None = None,
+        num_slots: int = 4096,
+        allow_nonfinite: bool = False,
+        **hparams: float,
+    ) -> bool:
+        spec = TableSpec(
+            name, SPARSE, dim=dim, optimizer=_opt(optimizer, hparams), initializer=_init(init), seed=seed,
+            admission=admission or AdmissionSpec(), eviction=eviction or EvictionSpec(), num_slots=num_slots,
+            allow_nonfinite=allow_nonfinite,
+        )
+        return self.create_table(spec)
+
+    def describe(self, name: str) -> list[TableInfo]:
+        req = pb.DescribeTableRequest(table=name).SerializeToString()
+        raws = self._fan_out([lambda i=i: self._call(i, self._shards[i].describe, req) for i in range(self.num_shards)])
+        infos = [info_from_proto(unpack(pb.TableInfo, r)[0]) for r in raws]
+        self._remember(infos)
+        return infos
+
+    def _remember(self, infos: list[TableInfo]) -> None:
+        spec = infos[0].spec
+        for i, info in enumerate(infos):
+            if info.shard_index != i or info.num_shards != self.num_shards:
+                raise InvalidArgumentError(
+                    f"shard at {self.addresses[i]} is shard {info.shard_index} of {info.num_shards}; "
+                    f"the client expected {i} of {self.num_shards} (check the order of --ps addresses)"
+                )
+        with self._meta_lock:
+            if spec.kind == DENSE:
+                self._dense[spec.name] = _Dense(
+                    spec, [(i.offset, i.offset + i.length) for i in infos], [i.chunk_elems for i in infos]
+                )
+            else:
+                self._sparse[spec.name] = (spec, SlotMap(spec.num_slots, self.num_shards))
+
+    def _dense_meta(self, name: str) -> _Dense:
+        if name not in self._dense:
+            self.describe(name)
+            if name not in self._dense:
+                raise InvalidArgumentError(f"table {name!r} is sparse; use the sparse calls")
+        return self._dense[name]
+
+    def _sparse_meta(self, name: str) -> tuple[TableSpec, SlotMap]:
+        if name not in self._sparse:
+            self.describe(name)
+            if name not in self._sparse:
+                raise InvalidArgumentError(f"table {name!r} is dense; use the dense calls")
+        return self._sparse[name]
+
+    # ------------------------------------------------------------------ dense
+    def pull_dense(self, name: str, out: Any = None) -> Any:
+        """The whole table. Into ``out`` (numpy array or torch tensor of the table's size, filled in
+        place and returned) or a new float32 numpy array of the table's shape."""
+        meta = self._dense_meta(name)
+        flat = np.empty(meta.spec.numel, np.float32)
+        req = pb.PullDenseRequest(table=name, dtype=self.wire_dtype).SerializeToString()
+
+        def one(i: int) -> int:
+            start, stop = meta.ranges[i]
+            s = self._shards[i]
+
+            def attempt() -> int:
+                version = 0
+                got = 0
+                for raw in s.pull_dense(req, timeout=self.timeout):
+                    msg, pl = unpack(pb.DenseChunk, raw, (15,))
+                    data = from_wire(pl.get(15, b""), msg.dtype, None, what=f"table {name!r} reply")
+                    a = start + msg.offset
+                    flat[a : a + data.size] = data
+                    got += data.size
+                    version = msg.version
+                if got != stop - start:
+                    raise InternalError(f"table {name!r}: shard {s.address} returned {got} of {stop - start} elements")
+                return version
+
+            try:
+                return retry_unavailable(attempt, self.retries)
+            except grpc.RpcError as e:
+                raise _typed(e, s.address) from None
+
+        self._fan_out([lambda i=i: one(i) for i in range(self.num_shards)])
+        arr = flat.reshape(meta.spec.shape)
+        return arr if out is None else _fill(out, arr, name)
+
+    def push_dense(
+        self, name: str, grad: Any, base_version: int = -1, return_params: bool = False, out: Any = None
+    ) -> Any:
+        """Push a gradient for the whole table (same numel as the table); the shards apply their optimizer.
+
+        With ``return_params`` the updated values stream back in the same call
+        and are returned (into ``out`` if given, else like ``grad``); otherwise
+        returns a DenseResult.
+        """
+        return self._push_dense(name, grad, pb.DENSE_OP_GRADIENT, base_version, return_params, out)
+
+    def assign_dense(self, name: str, values: Any) -> DenseResult:
+        """Overwrite the table's values (optimizer state and version are kept)."""
+        return self._push_dense(name, values, pb.DENSE_OP_ASSIGN, -1, False, None)
+
+    def _push_dense(self, name: str, grad: Any, op: int, base_version: int, return_params: bool, out: Any) -> Any:
+        meta = self._dense_meta(name)
+        g = as_numpy(grad).reshape(-1)
+        if g.size != meta.spec.numel:
+            raise InvalidArgumentError(
+                f"table {name!r}: pushed {g.size} elements ({tuple(np.shape(as_numpy(grad)))}), table has {meta.spec.numel} {meta.spec.shape}"
+            )
+        if op == pb.DENSE_OP_GRADIENT:
+            _check_finite(meta.spec, g)  # all shards or none: do not let the finite part apply
+        flat = np.empty(meta.spec.numel, np.float32) if return_params else None
+        wire = self.wire_dtype
+
+        def one(i: int) -> tuple[int, int]:
+            start, stop = meta.ranges[i]
+            chunk = meta.chunk[i]
+            s = self._shards[i]
+
+            def requests() -> Iterator[bytes]:
+                for off in range(0, stop - start, chunk):
+                    part = g[start + off : min(stop, start + off + chunk)]
+                    head = pb.DenseChunk(offset=off)
+                    if off == 0:
+                        head.table, head.op, head.base_version = name, op, base_version  # type: ignore[assignment]
+                        head.return_params, head.reply_dtype, head.worker = return_params, wire, self.worker
+                    dtype, data = to_wire(part, wire)
+                    head.dtype = dtype
+                    yield pack(head, {15: data})
+
+            def attempt() -> tuple[int, int]:
+                version = staleness = -1
+                for raw in s.push_dense(requests(), timeout=self.timeout):
+                    msg, pl = unpack(pb.DenseChunk, raw, (15,))
+                    if 15 in pl and flat is not None:
+                        data = from_wire(pl[15], msg.dtype, None, what=f"table {name!r} reply")
+                        a = start + msg.offset
+                        flat[a : a + data.size] = data
+                    else:
+                        version, staleness = msg.version, msg.staleness
+                return version, staleness
+
+            try:
+                return retry_unavailable(attempt, self.retries)
+            except grpc.RpcError as e:
+                raise _typed(e, s.address) from None
+
+        res = self._fan_out([lambda i=i: one(i) for i in range(self.num_shards)])
+        if flat is not None:
+            arr = flat.reshape(meta.spec.shape)
+            return _fill(out, arr, name) if out is not None else _like(grad, arr)
+        return DenseResult(tuple(v for v, _ in res), tuple(s for _, s in res))
+
+    # ------------------------------------------------------------------ sparse
+    def _group(self, name: str, ids: Any) -> tuple[TableSpec, np.ndarray, np.ndarray, list[list[np.ndarray]]]:
+        """(spec, unique ids, inverse, per shard: index arrays into unique ids, split to fit a request)."""
+        spec, slots = self._sparse_meta(name)
+        arr = _ids(ids, name)
+        uniq, inverse = np.unique(arr, return_inverse=True)
+        owner = slots.shard_of(uniq)
+        per_req = max(1, self.max_request_bytes // (spec.dim * 4 + 16))
+        order = np.argsort(owner, kind="stable")
+        bounds = np.searchsorted(owner[order], np.arange(self.num_shards + 1))
+        groups = []
+        for i in range(self.num_shards):
+            idx = order[bounds[i] : bounds[i + 1]]
+            groups.append([idx[j : j + per_req] for j in range(0, len(idx), per_req)])
+        return spec, uniq, inverse.reshape(-1), groups
+
+    def pull_sparse(self, name: str, ids: Any, return_versions: bool = False) -> Any:
+        """Rows for ``ids`` (any shape of int64 ids; result shape ids.shape + (dim,)), in the caller's order.
+
+        Missing rows are created on the shards with the table's initializer.
+        Result: numpy float32 for numpy/list ids; a torch tensor on the ids'
+        device for torch ids. With ``return_versions`` also returns int64 row versions.
+        """
+        spec, uniq, inverse, groups = self._group(name, ids)
+        rows = np.empty((len(uniq), spec.dim), np.float32)
+        versions = np.empty(len(uniq), np.int64)
+
+        def one(i: int, idx: np.ndarray) -> None:
+            req = pack(pb.PullSparseRequest(table=name, dtype=self.wire_dtype), {15: np.ascontiguousarray(uniq[idx])})
+            msg, pl = unpack(pb.PullSparseReply, self._call(i, self._shards[i].pull_sparse, req), (14, 15))
+            rows[idx] = from_wire(pl.get(15, b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
+            versions[idx] = from_wire(pl.get(14, b""), "int64", (len(idx),), what=f"table {name!r} versions")
+
+        self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, g in enumerate(groups) for idx in g])
+        shape = tuple(np.shape(ids)) + (spec.dim,)
+        result = _like(ids, rows[inverse].reshape(shape))
+        if return_versions:
+            return result, _like(ids, versions[inverse].reshape(np.shape(ids)))
+        return result
+
+    def push_sparse(self, name: str, ids: Any, grads: Any, base_versions: Any = None) -> PushResult:
+        """Push row gradients (grads: ids.shape + (dim,)); duplicate ids are summed first.
+
+        ``base_versions`` (same shape as ids): the row versions the gradients
+        were computed from, so the shards can measure staleness.
+        """
+        spec, uniq, inverse, groups = self._group(name, ids)
+        g = as_numpy(grads).reshape(-1, spec.dim) if np.size(as_numpy(grads)) else np.zeros((0, spec.dim), np.float32)
+        if g.shape[0] != len(inverse):
+            raise InvalidArgumentError(
+                f"table {name!r}: {g.shape[0]} gradient rows for {len(inverse)} ids (dim {spec.dim})"
+            )
+        _check_finite(spec, g)
+        summed = np.zeros((len(uniq), spec.dim), np.float32)
+        if len(inverse) == len(uniq):
+            summed[inverse] = g  # no duplicates: a scatter, not a sum
+        else:
+            torch.from_numpy(summed).index_add_(0, torch.from_numpy(inverse), torch.from_numpy(np.ascontiguousarray(g, np.float32)))
+        base = None
+        if base_versions is not None:
+            base = np.full(len(uniq), -1, np.int64)
+            np.maximum.at(base, inverse, as_numpy(base_versions).reshape(-1).astype(np.int64))
+
+        def one(i: int, idx: np.ndarray) -> PushResult:
+            head = pb.PushSparseRequest(table=name, dim=spec.dim, worker=self.worker)
+            dtype, data = to_wire(summed[idx], self.wire_dtype)
+            head.dtype = dtype
+            payloads: dict[int, Any] = {14: np.ascontiguousarray(uniq[idx]), 15: data}
+            if base is not None:
+                payloads[13] = np.ascontiguousarray(base[idx])
+            msg, _ = unpack(pb.PushSparseReply, self._call(i, self._shards[i].push_sparse, pack(head, payloads)))
+            return PushResult(msg.applied, msg.dropped, msg.mean_staleness, msg.max_staleness)
+
+        parts = self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, gr in enumerate(groups) for idx in gr])
+        measured = [p for p in parts if p.mean_staleness >= 0]
+        return PushResult(
+            sum(p.applied for p in parts),
+            sum(p.dropped for p in parts),
+            float(np.mean([p.mean_staleness for p in measured])) if measured else -1.0,
+            max((p.max_staleness for p in parts), default=-1),
+        )
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> list[ShardStats]:
+        req = pb.StatsRequest().SerializeToString()
+        raws = self._fan_out([lambda i=i: self._call(i, self._shards[i].stats, req) for i in range(self.num_shards)])
+        return [stats_from_proto(unpack(pb.StatsReply, r)[0]) for r in raws]
+
+
+# ---------------------------------------------------------------------- helpers
+def _typed(e: grpc.RpcError, address: str) -> PSError:
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    cls = _ERROR_OF.get(code, InternalError)  # type: ignore[arg-type]
+    err = cls(f"{details} [shard {address}, {code.name if code else 'unknown'}]")
+    err.code = code  # type: ignore[attr-defined]
+    return err
+
+
+def _check_finite(spec: TableSpec, g: np.ndarray) -> None:
+    if not spec.allow_nonfinite and g.dtype.kind == "f" and not np.isfinite(g).all():
+        bad = int(g.size - np.count_nonzero(np.isfinite(g)))
+        raise NonFiniteError(f"table {spec.name!r}: gradient holds {bad} NaN/Inf value(s); rejected before sending")
+
+
+def _opt(optimizer: str | OptimizerSpec, hparams: dict[str, float]) -> OptimizerSpec:
+    if isinstance(optimizer, OptimizerSpec):
+        if hparams:
+            raise ValueError("pass hyperparameters inside the OptimizerSpec or as keywords, not both")
+        return optimizer
+    return OptimizerSpec(optimizer, hparams)
+
+
+def _init(init: str | InitializerSpec) -> InitializerSpec:
+    return init if isinstance(init, InitializerSpec) else InitializerSpec(init)
+
+
+def _ids(ids: Any, table: str) -> np.ndarray:
+    """Ids as a flat int64 array; values that do not fit int64 are an error, not a wrap-around."""
+    if isinstance(ids, torch.Tensor):
+        if ids.is_floating_point() or ids.is_complex():
+            raise InvalidArgumentError(f"table {table!r}: ids must be integers, got {ids.dtype}")
+        return ids.detach().cpu().reshape(-1).to(torch.int64).numpy()
+    try:
+        arr = np.asarray(ids)
+    except OverflowError:
+        raise InvalidArgumentError(f"table {table!r}: an id does not fit in 64 bits") from None
+    if arr.dtype == object:
+        try:
+            arr = np.asarray(ids, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):
+            raise InvalidArgumentError(f"table {table!r}: ids must be integers in the int64 range") from None
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    if arr.dtype.kind == "u":
+        if arr.max() > np.iinfo(np.int64).max:
+            raise InvalidArgumentError(
+                f"table {table!r}: id {int(arr.max())} is out of range for int64 (ids are signed 64-bit)"
+            )
+    elif arr.dtype.kind != "i":
+        raise InvalidArgumentError(f"table {table!r}: ids must be integers, got dtype {arr.dtype}")
+    return arr.reshape(-1).astype(np.int64, copy=False)
+
+
+def _like(x: Any, arr: np.ndarray) -> Any:
+    """``arr`` as the caller's kind: a torch tensor on x's device if x is a tensor, else numpy."""
+    if not isinstance(x, torch.Tensor):
+        return arr
+    t = torch.from_numpy(arr)
+    return t if x.device.type == "cpu" else t.to(x.device)
+
+
+def _fill(out: Any, arr: np.ndarray, table: str) -> Any:
+    """Copy ``arr`` into the caller's buffer ``out`` (numpy array or torch tensor, same numel) and return it."""
+    n = out.numel() if isinstance(out, torch.Tensor) else np.size(out)
+    if n != arr.size:
+        raise InvalidArgumentError(f"table {table!r}: out has {n} elements, the table has {arr.size}")
+    if isinstance(out, torch.Tensor):
+        with torch.no_grad():
+            out.copy_(torch.from_numpy(arr).view(out.shape))
+    else:
+        np.copyto(out, arr.reshape(np.shape(out)))
+    return out

@@ -1,0 +1,197 @@
+"""Plain, frozen configuration objects for tables and shards, checked on creation."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from ps.errors import InvalidArgumentError
+
+__all__ = [
+    "OptimizerSpec",
+    "InitializerSpec",
+    "AdmissionSpec",
+    "EvictionSpec",
+    "TableSpec",
+    "ShardConfig",
+    "OPTIMIZER_DEFAULTS",
+    "INITIALIZER_DEFAULTS",
+    "DENSE",
+    "SPARSE",
+]
+
+DENSE = "dense"
+SPARSE = "sparse"
+
+# optimizer -> hyperparameters it accepts, with defaults (torch.optim's where torch has it)
+OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {
+    "sgd": {"lr": 0.01, "weight_decay": 0.0},
+    "momentum": {"lr": 0.01, "momentum": 0.9, "weight_decay": 0.0},
+    "nesterov": {"lr": 0.01, "momentum": 0.9, "weight_decay": 0.0},
+    "adagrad": {"lr": 0.01, "lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator": 0.0, "eps": 1e-10},
+    "rowwise_adagrad": {"lr": 0.01, "weight_decay": 0.0, "initial_accumulator": 0.0, "eps": 1e-10},
+    "adam": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
+    "adamw": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01},
+    "ftrl": {"lr": 0.05, "beta": 1.0, "l1": 0.0, "l2": 0.0, "initial_accumulator": 0.0},
+}
+
+INITIALIZER_DEFAULTS: dict[str, dict[str, float]] = {
+    "zeros": {},
+    "constant": {"value": 0.0},
+    "uniform": {"low": -0.05, "high": 0.05},
+    "normal": {"mean": 0.0, "std": 0.01},
+}
+
+
+def _resolve(kind: str, name: str, given: Mapping[str, float], table: dict[str, dict[str, float]]) -> dict[str, float]:
+    if name not in table:
+        raise InvalidArgumentError(f"unknown {kind} {name!r}; choose one of {sorted(table)}")
+    unknown = sorted(set(given) - set(table[name]))
+    if unknown:
+        raise InvalidArgumentError(f"{kind} {name!r}: unknown parameter(s) {unknown}; accepted: {sorted(table[name])}")
+    out = dict(table[name])
+    for k, v in given.items():
+        if not math.isfinite(float(v)):
+            raise InvalidArgumentError(f"{kind} {name!r}: parameter {k} must be finite, got {v}")
+        out[k] = float(v)
+    return out
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A server-side optimizer by name; missing hyperparameters take their defaults."""
+
+    name: str = "sgd"
+    hparams: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        resolved = _resolve("optimizer", self.name, self.hparams, OPTIMIZER_DEFAULTS)
+        if resolved["lr"] <= 0:
+            raise InvalidArgumentError(f"optimizer {self.name!r}: lr must be > 0, got {resolved['lr']}")
+        for b in ("beta1", "beta2", "momentum"):
+            if b in resolved and not 0.0 <= resolved[b] < 1.0:
+                raise InvalidArgumentError(f"optimizer {self.name!r}: {b} must be in [0, 1), got {resolved[b]}")
+        object.__setattr__(self, "hparams", resolved)
+
+
+@dataclass(frozen=True)
+class InitializerSpec:
+    name: str = "zeros"
+    params: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        resolved = _resolve("initializer", self.name, self.params, INITIALIZER_DEFAULTS)
+        if self.name == "uniform" and resolved["low"] > resolved["high"]:
+            raise InvalidArgumentError("initializer 'uniform': low must be <= high")
+        if self.name == "normal" and resolved["std"] < 0:
+            raise InvalidArgumentError("initializer 'normal': std must be >= 0")
+        object.__setattr__(self, "params", resolved)
+
+
+@dataclass(frozen=True)
+class AdmissionSpec:
+    """Create a sparse row only after ``min_count`` sightings, or with ``probability`` per sighting."""
+
+    min_count: int = 0
+    probability: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.min_count < 0:
+            raise InvalidArgumentError(f"admission.min_count must be >= 0, got {self.min_count}")
+        if not 0.0 <= self.probability <= 1.0:
+            raise InvalidArgumentError(f"admission.probability must be in [0, 1], got {self.probability}")
+        if self.min_count > 1 and self.probability > 0:
+            raise InvalidArgumentError("admission: set min_count or probability, not both")
+
+    @property
+    def enabled(self) -> bool:
+        return self.min_count > 1 or 0.0 < self.probability < 1.0
+
+
+@dataclass(frozen=True)
+class EvictionSpec:
+    """Evict rows untouched for ``ttl_steps`` table updates, and/or beyond ``max_rows`` (LRU)."""
+
+    ttl_steps: int = 0
+    max_rows: int = 0
+
+    def __post_init__(self) -> None:
+        if self.ttl_steps < 0 or self.max_rows < 0:
+            raise InvalidArgumentError("eviction.ttl_steps and eviction.max_rows must be >= 0")
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """What a table is. Two specs are the same table iff they compare equal.
+
+    Dense: ``shape`` is the logical shape of the whole table. Sparse: rows of
+    width ``dim`` keyed by int64 ids, hashed to ``num_slots`` virtual slots.
+    """
+
+    name: str
+    kind: str
+    shape: tuple[int, ...] = ()
+    dim: int = 0
+    dtype: str = "float32"
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    initializer: InitializerSpec = field(default_factory=InitializerSpec)
+    seed: int = 0
+    admission: AdmissionSpec = field(default_factory=AdmissionSpec)
+    eviction: EvictionSpec = field(default_factory=EvictionSpec)
+    num_slots: int = 4096
+    allow_nonfinite: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if not self.name or len(self.name) > 256:
+            raise InvalidArgumentError("table name must be 1..256 characters")
+        if self.dtype != "float32":
+            raise InvalidArgumentError(f"table {self.name!r}: storage dtype must be float32, got {self.dtype!r}")
+        if not 0 <= self.seed < 2**64:
+            raise InvalidArgumentError(f"table {self.name!r}: seed must fit in uint64")
+        if self.kind == DENSE:
+            if not self.shape or any(s <= 0 for s in self.shape):
+                raise InvalidArgumentError(f"table {self.name!r}: dense shape must be non-empty and positive, got {self.shape}")
+            if self.optimizer.name == "rowwise_adagrad":
+                raise InvalidArgumentError(f"table {self.name!r}: rowwise_adagrad is for sparse tables")
+            if self.admission.enabled or self.eviction.ttl_steps or self.eviction.max_rows:
+                raise InvalidArgumentError(f"table {self.name!r}: admission/eviction apply to sparse tables only")
+        elif self.kind == SPARSE:
+            if self.dim <= 0:
+                raise InvalidArgumentError(f"table {self.name!r}: sparse dim must be > 0, got {self.dim}")
+            if self.shape:
+                raise InvalidArgumentError(f"table {self.name!r}: sparse tables take dim, not shape")
+            if self.num_slots <= 0:
+                raise InvalidArgumentError(f"table {self.name!r}: num_slots must be > 0")
+        else:
+            raise InvalidArgumentError(f"table {self.name!r}: kind must be 'dense' or 'sparse', got {self.kind!r}")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """One shard server. ``max_bytes`` bounds params + optimizer state held (0: no bound)."""
+
+    shard_index: int = 0
+    num_shards: int = 1
+    host: str = "127.0.0.1"
+    port: int = 0
+    chunk_elems: int = 1 << 18
+    max_message_bytes: int = 64 << 20
+    max_ids_per_request: int = 1 << 20
+    max_bytes: int = 0
+    workers: int = 16
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
+            raise ValueError(f"shard index {self.shard_index} out of range for {self.num_shards} shards")
+        if self.chunk_elems < 1 or self.chunk_elems * 4 + 4096 > self.max_message_bytes:
+            raise ValueError("chunk_elems must be >= 1 and a float32 chunk must fit in max_message_bytes")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port {self.port} out of range")

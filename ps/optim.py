@@ -1,0 +1,172 @@
+"""Server-side optimizers on a slice of a table (plain torch, in place).
+
+Each optimizer updates ``param`` in place from ``grad`` and its own state
+tensors, following torch.optim's single-tensor update order so a dense slice
+matches torch.optim to float32 rounding. ``step`` is the 1-based update count:
+a Python int for a dense slice, or an (n, 1) float64 tensor of per-row counts
+for sparse rows (the lazy variants: a row's moments and bias correction
+advance only when that row is pushed).
+
+State is either elementwise (same shape as the param) or row-wise (one value
+per row: ``rowwise_adagrad``).
+"""
+from __future__ import annotations
+
+from typing import Callable, Mapping, Union
+
+import torch
+
+__all__ = ["Optimizer", "make_optimizer"]
+
+Step = Union[int, torch.Tensor]
+
+
+class Optimizer:
+    """An update rule with named state. ``rowwise`` names the states that hold one value per row."""
+
+    name: str = ""
+    elementwise_state: tuple[str, ...] = ()
+    rowwise_state: tuple[str, ...] = ()
+
+    def __init__(self, hparams: Mapping[str, float]) -> None:
+        self.h = dict(hparams)
+
+    def init_state(self, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Fresh state for ``param`` ((n,) for dense slices, (n, dim) for rows)."""
+        fill = self.h.get("initial_accumulator", 0.0)
+        state = {k: torch.full_like(param, fill if k in ("sum", "n") else 0.0) for k in self.elementwise_state}
+        for k in self.rowwise_state:
+            state[k] = torch.full((param.shape[0],), fill, dtype=param.dtype)
+        return state
+
+    def update(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], step: Step) -> None:
+        raise NotImplementedError
+
+
+def _decayed(grad: torch.Tensor, param: torch.Tensor, wd: float) -> torch.Tensor:
+    return grad.add(param, alpha=wd) if wd else grad
+
+
+def _as_scale(x: Step) -> Step:
+    return x.to(torch.float32) if isinstance(x, torch.Tensor) else x
+
+
+class SGD(Optimizer):
+    name = "sgd"
+
+    def update(self, param, grad, state, step):
+        param.add_(_decayed(grad, param, self.h["weight_decay"]), alpha=-self.h["lr"])
+
+
+class Momentum(Optimizer):
+    """Heavy-ball momentum (torch.optim.SGD with momentum, dampening 0); Nesterov if ``nesterov``."""
+
+    name = "momentum"
+    elementwise_state = ("momentum_buffer",)
+    nesterov = False
+
+    def update(self, param, grad, state, step):
+        mu = self.h["momentum"]
+        g = _decayed(grad, param, self.h["weight_decay"])
+        buf = state["momentum_buffer"]
+        buf.mul_(mu).add_(g)  # buf starts at 0, so step 1 gives buf = g as in torch
+        if self.nesterov:
+            g = g.add(buf, alpha=mu)
+        else:
+            g = buf
+        param.add_(g, alpha=-self.h["lr"])
+
+
+class Nesterov(Momentum):
+    name = "nesterov"
+    nesterov = True
+
+
+class Adagrad(Optimizer):
+    name = "adagrad"
+    elementwise_state = ("sum",)
+
+    def update(self, param, grad, state, step):
+        g = _decayed(grad, param, self.h["weight_decay"])
+        lr, decay = self.h["lr"], self.h["lr_decay"]
+        clr = lr / (1 + (step - 1) * decay)
+        state["sum"].addcmul_(g, g, value=1)
+        std = state["sum"].sqrt().add_(self.h["eps"])
+        if isinstance(clr, torch.Tensor):
+            param.sub_(g / std * clr.to(param.dtype))
+        else:
+            param.addcdiv_(g, std, value=-clr)
+
+
+class RowwiseAdagrad(Optimizer):
+    """One accumulator per row: acc += mean(g^2 over the row); p -= lr g / (sqrt(acc) + eps)."""
+
+    name = "rowwise_adagrad"
+    rowwise_state = ("sum",)
+
+    def update(self, param, grad, state, step):
+        g = _decayed(grad, param, self.h["weight_decay"])
+        acc = state["sum"]
+        acc.add_(g.square().mean(dim=1))
+        param.sub_(g / (acc.sqrt().add(self.h["eps"]))[:, None] * self.h["lr"])
+
+
+class Adam(Optimizer):
+    name = "adam"
+    elementwise_state = ("exp_avg", "exp_avg_sq")
+    decoupled = False
+
+    def update(self, param, grad, state, step):
+        lr, b1, b2, eps, wd = (self.h[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay"))
+        if self.decoupled:
+            param.mul_(1 - lr * wd)
+            g = grad
+        else:
+            g = _decayed(grad, param, wd)
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        bc1 = 1 - b1**step
+        bc2_sqrt = (1 - b2**step) ** 0.5
+        if isinstance(step, torch.Tensor):
+            denom = (v.sqrt() / bc2_sqrt.to(v.dtype)).add_(eps)
+            param.sub_(m / denom * (lr / bc1).to(param.dtype))
+        else:
+            denom = (v.sqrt() / bc2_sqrt).add_(eps)
+            param.addcdiv_(m, denom, value=-(lr / bc1))
+
+
+class AdamW(Adam):
+    name = "adamw"
+    decoupled = True
+
+
+class FTRL(Optimizer):
+    """FTRL-Proximal (McMahan et al., KDD 2013, Algorithm 1), per coordinate.
+
+    n += g^2; sigma = (sqrt(n_new) - sqrt(n_old)) / lr; z += g - sigma * w;
+    w = 0 if |z| <= l1 else -(z - sign(z) l1) / ((beta + sqrt(n)) / lr + l2).
+    """
+
+    name = "ftrl"
+    elementwise_state = ("z", "n")
+
+    def update(self, param, grad, state, step):
+        lr, beta, l1, l2 = (self.h[k] for k in ("lr", "beta", "l1", "l2"))
+        z, n = state["z"], state["n"]
+        n_new = n + grad * grad
+        sigma = (n_new.sqrt() - n.sqrt()) / lr
+        z.add_(grad - sigma * param)
+        n.copy_(n_new)
+        w = -(z - torch.sign(z) * l1) / ((beta + n.sqrt()) / lr + l2)
+        param.copy_(torch.where(z.abs() <= l1, torch.zeros_like(w), w))
+
+
+_OPTIMIZERS: dict[str, Callable[[Mapping[str, float]], Optimizer]] = {
+    c.name: c for c in (SGD, Momentum, Nesterov, Adagrad, RowwiseAdagrad, Adam, AdamW, FTRL)
+}
+
+
+def make_optimizer(name: str, hparams: Mapping[str, float]) -> Optimizer:
+    """The optimizer called ``name`` (already validated by OptimizerSpec)."""
+    return _OPTIMIZERS[name](hparams)

@@ -1,0 +1,213 @@
+"""The PS gRPC servicer: decode, call the Shard, encode, map errors to status codes.
+
+Requests arrive as raw bytes and are decoded here (not by gRPC) so that
+malformed input becomes INVALID_ARGUMENT with a message, and bulk tensor
+bytes are read in place.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import Any, Callable, Iterator
+
+import grpc
+
+from ps.errors import (
+    DtypeError,
+    InvalidArgumentError,
+    MalformedMessageError,
+    PSError,
+    ResourceExhaustedError,
+    ShapeMismatchError,
+    TableExistsError,
+    TableNotFoundError,
+)
+from ps.shard import Shard
+from ps.table import ASSIGN, GRADIENT, DenseTable
+from ps.wire import info_to_proto, spec_from_proto, stats_to_proto
+from tessera.codec import WIRE_FLOAT_DTYPES, CodecError, from_wire, pack, to_wire, unpack
+from tessera.v1 import ps_pb2 as pb
+
+__all__ = ["PSServicer", "STATUS_OF", "SERVICE_NAME"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "tessera.v1.ParameterServer"
+
+# error class -> status code; the first match along the class's MRO wins
+STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
+    TableNotFoundError: grpc.StatusCode.NOT_FOUND,
+    TableExistsError: grpc.StatusCode.ALREADY_EXISTS,
+    InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
+    CodecError: grpc.StatusCode.INVALID_ARGUMENT,
+    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def _status_of(exc: BaseException) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+class PSServicer:
+    """Handlers take (request bytes or iterator of bytes, context) and return bytes."""
+
+    def __init__(self, shard: Shard) -> None:
+        self.shard = shard
+
+    # ------------------------------------------------------------------ plumbing
+    def _fail(self, method: str, context: grpc.ServicerContext, exc: BaseException) -> None:
+        code = _status_of(exc)
+        self.shard.errors[code.name] += 1
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", method)
+            msg = f"{method}: internal error: {type(exc).__name__}: {exc}"
+        else:
+            log.info("%s rejected (%s): %s", method, code.name, exc)
+            msg = str(exc)
+        context.abort(code, msg)
+
+    def _decode(self, cls: type, raw: bytes, payloads: tuple[int, ...] = ()) -> tuple[Any, dict[int, memoryview]]:
+        self.shard.bytes_in += len(raw)
+        try:
+            return unpack(cls, raw, payloads)
+        except CodecError as e:
+            raise MalformedMessageError(f"{cls.__name__}: {e}") from None
+
+    def _out(self, data: bytes) -> bytes:
+        self.shard.bytes_out += len(data)
+        return data
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        def guard(name: str, fn: Callable) -> Callable:
+            if inspect.isgeneratorfunction(fn):
+
+                @functools.wraps(fn)
+                def gen(request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
+                    self.shard.requests[name] += 1
+                    try:
+                        yield from fn(request, context)
+                    except Exception as e:  # noqa: BLE001 - translated to a status
+                        self._fail(name, context, e)
+
+                return gen
+
+            @functools.wraps(fn)
+            def unary(request: Any, context: grpc.ServicerContext) -> bytes:
+                self.shard.requests[name] += 1
+                try:
+                    return fn(request, context)
+                except Exception as e:  # noqa: BLE001
+                    self._fail(name, context, e)
+                    raise  # unreachable: abort raises
+
+            return unary
+
+        uu = grpc.unary_unary_rpc_method_handler
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "CreateTable": uu(guard("CreateTable", self.CreateTable)),
+                "DescribeTable": uu(guard("DescribeTable", self.DescribeTable)),
+                "PushDense": grpc.stream_stream_rpc_method_handler(guard("PushDense", self.PushDense)),
+                "PullDense": grpc.unary_stream_rpc_method_handler(guard("PullDense", self.PullDense)),
+                "PullSparse": uu(guard("PullSparse", self.PullSparse)),
+                "PushSparse": uu(guard("PushSparse", self.PushSparse)),
+                "Stats": uu(guard("Stats", self.Stats)),
+            },
+        )
+
+    # ------------------------------------------------------------------ tables
+    def CreateTable(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        req, _ = self._decode(pb.CreateTableRequest, raw)
+        created, info = self.shard.create_table(spec_from_proto(req.spec), req.num_shards or None)
+        return self._out(pb.CreateTableReply(created=created, info=info_to_proto(info)).SerializeToString())
+
+    def DescribeTable(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        req, _ = self._decode(pb.DescribeTableRequest, raw)
+        return self._out(info_to_proto(self.shard.info(req.table)).SerializeToString())
+
+    def Stats(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        self._decode(pb.StatsRequest, raw)
+        return self._out(stats_to_proto(self.shard.stats()).SerializeToString())
+
+    # ------------------------------------------------------------------ dense
+    def PushDense(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        update = None
+        table: DenseTable | None = None
+        reply_dtype = "float32"
+        want = False
+        try:
+            for raw in request_iterator:
+                msg, pl = self._decode(pb.DenseChunk, raw, (15,))
+                if update is None:
+                    table = self.shard.dense(msg.table)
+                    reply_dtype = _float_dtype(msg.reply_dtype, table.spec.name, "reply_dtype")
+                    want = msg.return_params
+                    op = ASSIGN if msg.op == pb.DENSE_OP_ASSIGN else GRADIENT
+                    update = table.begin_update(op, msg.base_version)
+                elif msg.table and msg.table != table.spec.name:  # type: ignore[union-attr]
+                    raise InvalidArgumentError(f"push to table {table.spec.name!r} carries a chunk for {msg.table!r}")  # type: ignore[union-attr]
+                name = table.spec.name  # type: ignore[union-attr]
+                dtype = _float_dtype(msg.dtype, name, "dtype")
+                data = from_wire(pl.get(15, b""), dtype, None, what=f"table {name!r}: chunk at offset {msg.offset}")
+                values = update.apply(msg.offset, data)
+                if want:
+                    yield self._out(pack(pb.DenseChunk(offset=msg.offset, dtype=reply_dtype), {15: to_wire(values, reply_dtype)[1]}))
+            if update is None:
+                raise InvalidArgumentError("PushDense: empty stream (no chunks)")
+            result = update.commit()
+            yield self._out(
+                pb.DenseChunk(table=table.spec.name, version=result.version, staleness=result.max_staleness).SerializeToString()  # type: ignore[union-attr]
+            )
+        finally:
+            if update is not None:
+                update.abort()  # no-op after commit
+
+    def PullDense(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        req, _ = self._decode(pb.PullDenseRequest, raw)
+        table = self.shard.dense(req.table)
+        dtype = _float_dtype(req.dtype, table.spec.name, "dtype")
+        version, blocks = table.snapshot()
+        for k, block in enumerate(blocks):
+            head = pb.DenseChunk(offset=k * table.chunk_elems, dtype=dtype, version=version)
+            yield self._out(pack(head, {15: to_wire(block, dtype)[1]}))
+
+    # ------------------------------------------------------------------ sparse
+    def PullSparse(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        req, pl = self._decode(pb.PullSparseRequest, raw, (15,))
+        table = self.shard.sparse(req.table)
+        dtype = _float_dtype(req.dtype, req.table, "dtype")
+        ids = from_wire(pl.get(15, b""), "int64", None, what=f"table {req.table!r}: ids")
+        values, versions = self.shard.pull_sparse(req.table, ids)
+        head = pb.PullSparseReply(dtype=dtype, dim=table.dim)
+        return self._out(pack(head, {14: memoryview(versions).cast("B"), 15: to_wire(values, dtype)[1]}))
+
+    def PushSparse(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        req, pl = self._decode(pb.PushSparseRequest, raw, (13, 14, 15))
+        table = self.shard.sparse(req.table)
+        name = req.table
+        dtype = _float_dtype(req.dtype, name, "dtype")
+        ids = from_wire(pl.get(14, b""), "int64", None, what=f"table {name!r}: ids")
+        if req.dim != table.dim:
+            raise ShapeMismatchError(f"table {name!r}: gradient dim {req.dim} != table dim {table.dim}")
+        grads = from_wire(pl.get(15, b""), dtype, (len(ids), table.dim), what=f"table {name!r}: gradient rows")
+        base = None
+        if len(pl.get(13, b"")):
+            base = from_wire(pl[13], "int64", None, what=f"table {name!r}: base_versions")
+        r = self.shard.push_sparse(name, ids, grads, base)
+        return self._out(
+            pb.PushSparseReply(
+                applied=r.applied, dropped=r.dropped, mean_staleness=r.mean_staleness, max_staleness=r.max_staleness
+            ).SerializeToString()
+        )
+
+
+def _float_dtype(dtype: str, table: str, field: str) -> str:
+    dtype = dtype or "float32"
+    if dtype not in WIRE_FLOAT_DTYPES:
+        raise DtypeError(f"table {table!r}: {field} {dtype!r} not accepted; use one of {list(WIRE_FLOAT_DTYPES)}")
+    return dtype

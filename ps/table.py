@@ -1,0 +1,444 @@
+"""One shard's part of a table: values, optimizer state and versions.
+
+``DenseTable`` holds a contiguous range of a dense table, stored as blocks of
+``chunk_elems`` elements (the wire chunk). An update stages new blocks (values
+and state are cloned, then updated) and swaps them in only when the whole
+push arrived and validated, so a rejected or broken push changes nothing, and
+committed blocks are never mutated: a pull streams a consistent snapshot
+without holding the lock.
+
+``SparseTable`` holds the rows whose ids map to this shard, created lazily on
+first pull with a deterministic initializer, with optional admission and
+eviction, and lazy optimizer updates that touch only the pushed rows.
+
+Thread-safety: each table has one lock; methods take it themselves.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from ps.config import TableSpec
+from ps.errors import NonFiniteError, ResourceExhaustedError, ShapeMismatchError, WrongShardError
+from ps.initializers import init_dense, init_rows, table_key, uniform01
+from ps.optim import Optimizer, make_optimizer
+from ps.partition import SlotMap, dense_range
+
+__all__ = ["DenseTable", "DenseUpdate", "SparseTable", "PushResult", "StalenessStats", "GRADIENT", "ASSIGN"]
+
+GRADIENT = "gradient"
+ASSIGN = "assign"
+
+
+def _check_finite(spec: TableSpec, x: np.ndarray, what: str) -> None:
+    if not spec.allow_nonfinite and not np.isfinite(x).all():
+        bad = int(np.size(x) - np.count_nonzero(np.isfinite(x)))
+        raise NonFiniteError(f"table {spec.name!r}: {what} holds {bad} NaN/Inf value(s); rejected (nothing applied)")
+
+
+@dataclass
+class StalenessStats:
+    """Running staleness of applied updates (version applied against - version computed from)."""
+
+    count: int = 0
+    total: int = 0
+    max: int = 0
+
+    def add(self, staleness: np.ndarray | int) -> None:
+        s = np.atleast_1d(np.asarray(staleness, dtype=np.int64))
+        s = s[s >= 0]
+        if s.size:
+            self.count += int(s.size)
+            self.total += int(s.sum())
+            self.max = max(self.max, int(s.max()))
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.count if self.count else -1.0
+
+
+@dataclass(frozen=True)
+class PushResult:
+    applied: int
+    dropped: int
+    mean_staleness: float
+    max_staleness: int
+    version: int = 0
+
+
+class _Block:
+    """Immutable once committed: values and optimizer state of one chunk."""
+
+    __slots__ = ("param", "state")
+
+    def __init__(self, param: torch.Tensor, state: dict[str, torch.Tensor]) -> None:
+        self.param = param
+        self.state = state
+
+    def clone(self) -> "_Block":
+        return _Block(self.param.clone(), {k: v.clone() for k, v in self.state.items()})
+
+
+class DenseTable:
+    """Shard ``shard_index``'s contiguous range of a dense table and the optimizer state for it."""
+
+    def __init__(self, spec: TableSpec, shard_index: int, num_shards: int, chunk_elems: int) -> None:
+        self.spec = spec
+        self.start, self.stop = dense_range(spec.numel, shard_index, num_shards)
+        self.length = self.stop - self.start
+        self.chunk_elems = chunk_elems
+        self.optimizer: Optimizer = make_optimizer(spec.optimizer.name, spec.optimizer.hparams)
+        key = table_key(spec.name, spec.seed)
+        self._blocks: list[_Block] = []
+        for off in range(0, self.length, chunk_elems):
+            n = min(chunk_elems, self.length - off)
+            p = torch.from_numpy(init_dense(spec.initializer, key, self.start + off, self.start + off + n))
+            self._blocks.append(_Block(p, self.optimizer.init_state(p)))
+        self.version = 0
+        self.staleness = StalenessStats()
+        self.rejected = 0
+        self.lock = threading.Lock()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    def block_len(self, k: int) -> int:
+        return min(self.chunk_elems, self.length - k * self.chunk_elems)
+
+    def param_bytes(self) -> int:
+        return self.length * 4
+
+    def state_bytes(self) -> int:
+        return sum(v.numel() * v.element_size() for b in self._blocks for v in b.state.values())
+
+    def snapshot(self) -> tuple[int, list[torch.Tensor]]:
+        """(version, value blocks) as of now; the blocks never change afterwards."""
+        with self.lock:
+            return self.version, [b.param for b in self._blocks]
+
+    def values(self) -> np.ndarray:
+        """This shard's range as one float32 array (a copy)."""
+        _, blocks = self.snapshot()
+        return torch.cat(blocks).numpy() if blocks else np.zeros(0, np.float32)
+
+    def begin_update(self, op: str, base_version: int = -1, timeout: float = 60.0) -> "DenseUpdate":
+        """Start a push. Holds the table lock until commit() or abort()."""
+        if not self.lock.acquire(timeout=timeout):
+            raise ResourceExhaustedError(f"table {self.spec.name!r}: timed out waiting for a concurrent push")
+        return DenseUpdate(self, op, base_version)
+
+
+class DenseUpdate:
+    """A push in progress: chunks are validated and staged; commit() swaps them in atomically."""
+
+    def __init__(self, table: DenseTable, op: str, base_version: int) -> None:
+        self.table = table
+        self.op = op
+        self.base_version = base_version
+        self.staged: dict[int, _Block] = {}
+        self.done = False
+
+    def apply(self, offset: int, data: np.ndarray) -> torch.Tensor:
+        """Stage the update of the chunk at ``offset`` (shard-relative); returns its new values."""
+        t = self.table
+        name = t.spec.name
+        if offset < 0 or offset % t.chunk_elems or offset >= max(t.length, 1):
+            raise ShapeMismatchError(
+                f"table {name!r}: chunk offset {offset} is not a multiple of {t.chunk_elems} inside this shard's {t.length} elements"
+            )
+        k = offset // t.chunk_elems
+        if k in self.staged:
+            raise ShapeMismatchError(f"table {name!r}: chunk at offset {offset} sent twice in one push")
+        if data.ndim != 1 or data.shape[0] != t.block_len(k):
+            raise ShapeMismatchError(
+                f"table {name!r}: chunk at offset {offset} has {data.size} elements, expected {t.block_len(k)}"
+            )
+        _check_finite(t.spec, data, "gradient" if self.op == GRADIENT else "assigned values")
+        block = t._blocks[k].clone()
+        incoming = torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
+        if self.op == ASSIGN:
+            block.param = incoming
+        else:
+            t.optimizer.update(block.param, incoming, block.state, t.version + 1)
+        self.staged[k] = block
+        return block.param
+
+    def commit(self) -> PushResult:
+        """Swap the staged blocks in. The push must have covered every chunk of the range."""
+        t = self.table
+        try:
+            if len(self.staged) != t.num_blocks:
+                missing = t.num_blocks - len(self.staged)
+                raise ShapeMismatchError(
+                    f"table {t.spec.name!r}: push covered {len(self.staged)} of {t.num_blocks} chunks ({missing} missing); nothing applied"
+                )
+            staleness = t.version - self.base_version if self.base_version >= 0 else -1
+            for k, b in self.staged.items():
+                t._blocks[k] = b
+            if self.op == GRADIENT:
+                t.version += 1
+                t.staleness.add(staleness)
+            return PushResult(t.num_blocks, 0, float(staleness), staleness, t.version)
+        finally:
+            self._release()
+
+    def abort(self) -> None:
+        if not self.done:
+            self.table.rejected += 1
+        self._release()
+
+    def _release(self) -> None:
+        if not self.done:
+            self.done = True
+            self.staged.clear()
+            self.table.lock.release()
+
+
+class SparseTable:
+    """The rows of a sparse table that hash to this shard.
+
+    Rows live in preallocated arrays grown by doubling; ``_index`` maps id ->
+    row. Every row carries a version (updates applied) and the table step of
+    its last touch (for TTL/LRU eviction).
+    """
+
+    def __init__(
+        self, spec: TableSpec, shard_index: int, num_shards: int, max_bytes_fn=lambda extra: None
+    ) -> None:
+        self.spec = spec
+        self.dim = spec.dim
+        self.shard_index = shard_index
+        self.slots = SlotMap(spec.num_slots, num_shards)
+        self.optimizer = make_optimizer(spec.optimizer.name, spec.optimizer.hparams)
+        self._key = table_key(spec.name, spec.seed)
+        self._reserve = max_bytes_fn  # raises ResourceExhaustedError when growth is over budget
+        self._index: dict[int, int] = {}
+        self._free: list[int] = []
+        self._cap = 0
+        self._n_alloc = 0  # rows [0, _n_alloc) have been handed out at least once
+        self.values = torch.zeros((0, self.dim))
+        self.state: dict[str, torch.Tensor] = self.optimizer.init_state(self.values)
+        self.versions = np.zeros(0, np.int64)
+        self.last_touch = np.zeros(0, np.int64)
+        self.row_ids = np.zeros(0, np.int64)
+        self._seen: dict[int, int] = {}  # admission: sightings of ids not yet admitted
+        self.step = 0  # pushes applied to this table on this shard
+        self.updates = 0
+        self.evicted = 0
+        self.dropped = 0
+        self.rejected = 0
+        self.staleness = StalenessStats()
+        self.lock = threading.Lock()
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def rows(self) -> int:
+        return len(self._index)
+
+    def _bytes_per_row(self) -> tuple[int, int]:
+        per_param = self.dim * 4
+        per_state = sum(v[:1].numel() * v.element_size() for v in self.state.values()) if self._cap else (
+            4 * (self.dim * len(self.optimizer.elementwise_state) + len(self.optimizer.rowwise_state))
+        )
+        return per_param, per_state
+
+    def param_bytes(self) -> int:
+        return self.rows * self._bytes_per_row()[0]
+
+    def state_bytes(self) -> int:
+        return self.rows * self._bytes_per_row()[1]
+
+    # ------------------------------------------------------------------ validation
+    def check_ids(self, ids: np.ndarray) -> None:
+        if ids.size:
+            owner = self.slots.shard_of(ids)
+            wrong = np.nonzero(owner != self.shard_index)[0]
+            if wrong.size:
+                i = int(wrong[0])
+                raise WrongShardError(
+                    f"table {self.spec.name!r}: id {int(ids[i])} belongs to shard {int(owner[i])}, not {self.shard_index} "
+                    f"({wrong.size} misrouted id(s); client and server disagree on num_shards or slots)"
+                )
+
+    # ------------------------------------------------------------------ storage
+    def _grow(self, need: int) -> None:
+        cap = max(1024, self._cap)
+        while cap < need:
+            cap *= 2
+        if cap == self._cap:
+            return
+        self._reserve(sum(self._bytes_per_row()) * (cap - self._cap))
+        values = torch.empty((cap, self.dim))
+        values[: self._cap] = self.values[: self._cap]
+        self.values = values
+        new_state = self.optimizer.init_state(torch.empty((cap, self.dim)))
+        for k, v in new_state.items():
+            v[: self._cap] = self.state[k][: self._cap]
+        self.state = new_state
+        self.versions = np.resize(self.versions, cap)
+        self.last_touch = np.resize(self.last_touch, cap)
+        self.row_ids = np.resize(self.row_ids, cap)
+        self._cap = cap
+
+    def _lookup(self, ids: np.ndarray) -> np.ndarray:
+        get = self._index.get
+        return np.fromiter((get(i, -1) for i in ids.tolist()), dtype=np.int64, count=len(ids))
+
+    def _admit(self, ids: np.ndarray) -> np.ndarray:
+        """Mask of the missing ``ids`` (unique) admitted now; counts sightings of the rest."""
+        adm = self.spec.admission
+        if not adm.enabled:
+            return np.ones(len(ids), bool)
+        if adm.probability > 0:
+            seen = np.fromiter((self._seen.get(i, 0) for i in ids.tolist()), np.int64, len(ids))
+            with np.errstate(over="ignore"):
+                u = uniform01(ids.view(np.uint64) ^ self._key ^ (seen.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)))
+            ok = u <= adm.probability
+        else:
+            seen = np.fromiter((self._seen.get(i, 0) + 1 for i in ids.tolist()), np.int64, len(ids))
+            ok = seen >= adm.min_count
+        for i, s, a in zip(ids.tolist(), seen.tolist(), ok.tolist()):
+            if a:
+                self._seen.pop(i, None)
+            else:
+                self._seen[i] = s + 1 if adm.probability > 0 else s
+        return ok
+
+    def _create(self, ids: np.ndarray) -> np.ndarray:
+        """Allocate and initialize rows for new ``ids``; returns their row numbers."""
+        n = len(ids)
+        if self.spec.eviction.max_rows and self.rows + n > self.spec.eviction.max_rows:
+            self._evict_lru(self.rows + n - self.spec.eviction.max_rows)
+        take = min(n, len(self._free))
+        rows = [self._free.pop() for _ in range(take)]
+        fresh = n - take
+        if fresh:
+            self._grow(self._n_alloc + fresh)
+            rows.extend(range(self._n_alloc, self._n_alloc + fresh))
+            self._n_alloc += fresh
+        r = np.asarray(rows, dtype=np.int64)
+        rt = torch.from_numpy(r)
+        self.values[rt] = torch.from_numpy(init_rows(self.spec.initializer, self._key, ids, self.dim))
+        fill = self.spec.optimizer.hparams.get("initial_accumulator", 0.0)
+        for k, v in self.state.items():
+            v[rt] = fill if k in ("sum", "n") else 0.0
+        self.versions[r] = 0
+        self.last_touch[r] = self.step
+        self.row_ids[r] = ids
+        for i, row in zip(ids.tolist(), rows):
+            self._index[i] = row
+        return r
+
+    def _drop_rows(self, rows: np.ndarray) -> None:
+        for i in self.row_ids[rows].tolist():
+            del self._index[i]
+        self._free.extend(rows.tolist())
+        self.evicted += len(rows)
+
+    def _evict_lru(self, count: int) -> None:
+        live = np.fromiter(self._index.values(), np.int64, len(self._index))
+        if count <= 0 or not live.size:
+            return
+        count = min(count, live.size)
+        oldest = live[np.argpartition(self.last_touch[live], count - 1)[:count]]
+        self._drop_rows(oldest)
+
+    def evict_expired(self) -> int:
+        """Drop rows untouched for more than ttl_steps table updates; returns how many."""
+        ttl = self.spec.eviction.ttl_steps
+        if not ttl or not self._index:
+            return 0
+        with self.lock:
+            live = np.fromiter(self._index.values(), np.int64, len(self._index))
+            old = live[self.last_touch[live] < self.step - ttl]
+            if old.size:
+                self._drop_rows(old)
+            return int(old.size)
+
+    # ------------------------------------------------------------------ API
+    def pull(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows for int64 ``ids`` (any order, duplicates allowed): (float32 (n, dim), int64 versions).
+
+        Missing rows are created with the initializer (unless admission says
+        not yet: then the initial values are returned but nothing is stored).
+        """
+        self.check_ids(ids)
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        with self.lock:
+            rows = self._lookup(uniq)
+            missing = np.nonzero(rows < 0)[0]
+            out_vals = np.empty((len(uniq), self.dim), np.float32)
+            out_vers = np.zeros(len(uniq), np.int64)
+            if missing.size:
+                admitted = missing[self._admit(uniq[missing])]
+                if admitted.size:
+                    rows[admitted] = self._create(uniq[admitted])
+                pending = missing[rows[missing] < 0]
+                if pending.size:
+                    out_vals[pending] = init_rows(self.spec.initializer, self._key, uniq[pending], self.dim)
+            have = np.nonzero(rows >= 0)[0]
+            if have.size:
+                r = rows[have]
+                out_vals[have] = self.values[torch.from_numpy(r)].numpy()
+                out_vers[have] = self.versions[r]
+                self.last_touch[r] = self.step
+        return out_vals[inverse], out_vers[inverse]
+
+    def push(self, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None) -> PushResult:
+        """Apply row gradients (duplicate ids are summed). Rows not present are dropped and counted."""
+        name = self.spec.name
+        if grads.ndim != 2 or grads.shape != (len(ids), self.dim):
+            raise ShapeMismatchError(
+                f"table {name!r}: gradient shape {tuple(grads.shape)} does not match {len(ids)} ids x dim {self.dim}"
+            )
+        if base_versions is not None and base_versions.shape != ids.shape:
+            raise ShapeMismatchError(f"table {name!r}: {base_versions.size} base versions for {ids.size} ids")
+        self.check_ids(ids)
+        _check_finite(self.spec, grads, "gradient")
+        uniq, inverse = np.unique(ids, return_inverse=True)
+        g = torch.zeros((len(uniq), self.dim))
+        g.index_add_(0, torch.from_numpy(inverse.astype(np.int64)), torch.from_numpy(np.array(grads, np.float32)))
+        base = None
+        if base_versions is not None:
+            base = np.full(len(uniq), -1, np.int64)
+            np.maximum.at(base, inverse, base_versions)  # the newest version any copy was computed from
+        with self.lock:
+            rows = self._lookup(uniq)
+            have = np.nonzero(rows >= 0)[0]
+            dropped = len(uniq) - have.size
+            stale = np.zeros(0, np.int64)
+            if have.size:
+                r = rows[have]
+                rt = torch.from_numpy(r)
+                param = self.values[rt]
+                state = {k: v[rt] for k, v in self.state.items()}
+                step = torch.from_numpy(self.versions[r] + 1).to(torch.float64)[:, None]
+                self.optimizer.update(param, g[torch.from_numpy(have)], state, step)
+                self.values[rt] = param
+                for k, v in state.items():
+                    self.state[k][rt] = v
+                if base is not None:
+                    b = base[have]
+                    stale = np.where(b >= 0, self.versions[r] - b, -1)
+                    self.staleness.add(stale)
+                self.versions[r] += 1
+                self.last_touch[r] = self.step
+            self.step += 1
+            self.updates += int(have.size)
+            self.dropped += dropped
+            valid = stale[stale >= 0]
+        if self.spec.eviction.ttl_steps:
+            self.evict_expired()
+        return PushResult(
+            int(have.size), dropped, float(valid.mean()) if valid.size else -1.0, int(valid.max()) if valid.size else -1, self.step
+        )
+
+    def items(self) -> Iterator[tuple[int, int]]:
+        """(id, row) pairs of live rows (a snapshot)."""
+        with self.lock:
+            return iter(list(self._index.items()))

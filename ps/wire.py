@@ -1,0 +1,122 @@
+"""Protobuf messages <-> PS domain values. Pure and symmetric."""
+from __future__ import annotations
+
+from ps.config import (
+    DENSE,
+    SPARSE,
+    AdmissionSpec,
+    EvictionSpec,
+    InitializerSpec,
+    OptimizerSpec,
+    TableSpec,
+)
+from ps.errors import InvalidArgumentError
+from ps.shard import ShardStats, TableInfo, TableStats
+from tessera.v1 import ps_pb2 as pb
+
+__all__ = [
+    "spec_to_proto",
+    "spec_from_proto",
+    "info_to_proto",
+    "info_from_proto",
+    "stats_to_proto",
+    "stats_from_proto",
+]
+
+_KIND_TO_PB = {DENSE: pb.TABLE_KIND_DENSE, SPARSE: pb.TABLE_KIND_SPARSE}
+_KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
+
+
+def spec_to_proto(spec: TableSpec) -> pb.TableSpec:
+    return pb.TableSpec(
+        name=spec.name,
+        kind=_KIND_TO_PB[spec.kind],
+        shape=list(spec.shape),
+        dim=spec.dim,
+        dtype=spec.dtype,
+        optimizer=pb.OptimizerSpec(name=spec.optimizer.name, hparams=dict(spec.optimizer.hparams)),
+        initializer=pb.InitializerSpec(name=spec.initializer.name, params=dict(spec.initializer.params)),
+        seed=spec.seed,
+        admission=pb.AdmissionSpec(min_count=spec.admission.min_count, probability=spec.admission.probability),
+        eviction=pb.EvictionSpec(ttl_steps=spec.eviction.ttl_steps, max_rows=spec.eviction.max_rows),
+        num_slots=spec.num_slots,
+        allow_nonfinite=spec.allow_nonfinite,
+    )
+
+
+def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
+    """Raises InvalidArgumentError naming the table and the bad field."""
+    if msg.kind not in _KIND_FROM_PB:
+        raise InvalidArgumentError(f"table {msg.name!r}: kind must be dense or sparse")
+    return TableSpec(
+        name=msg.name,
+        kind=_KIND_FROM_PB[msg.kind],
+        shape=tuple(msg.shape),
+        dim=msg.dim,
+        dtype=msg.dtype or "float32",
+        optimizer=OptimizerSpec(msg.optimizer.name or "sgd", dict(msg.optimizer.hparams)),
+        initializer=InitializerSpec(msg.initializer.name or "zeros", dict(msg.initializer.params)),
+        seed=msg.seed,
+        admission=AdmissionSpec(msg.admission.min_count, msg.admission.probability),
+        eviction=EvictionSpec(msg.eviction.ttl_steps, msg.eviction.max_rows),
+        num_slots=msg.num_slots or 4096,
+        allow_nonfinite=msg.allow_nonfinite,
+    )
+
+
+def info_to_proto(info: TableInfo) -> pb.TableInfo:
+    return pb.TableInfo(
+        spec=spec_to_proto(info.spec),
+        shard_index=info.shard_index,
+        num_shards=info.num_shards,
+        offset=info.offset,
+        length=info.length,
+        chunk_elems=info.chunk_elems,
+        version=info.version,
+    )
+
+
+def info_from_proto(msg: pb.TableInfo) -> TableInfo:
+    return TableInfo(
+        spec_from_proto(msg.spec), msg.shard_index, msg.num_shards, msg.offset, msg.length, msg.chunk_elems, msg.version
+    )
+
+
+def stats_to_proto(s: ShardStats) -> pb.StatsReply:
+    return pb.StatsReply(
+        shard_index=s.shard_index,
+        num_shards=s.num_shards,
+        tables=[
+            pb.TableStats(
+                name=t.name, kind=_KIND_TO_PB[t.kind], rows=t.rows, elements=t.elements,
+                param_bytes=t.param_bytes, state_bytes=t.state_bytes, version=t.version, offset=t.offset,
+                length=t.length, evicted=t.evicted, dropped=t.dropped, rejected=t.rejected,
+                mean_staleness=t.mean_staleness, max_staleness=t.max_staleness,
+            )
+            for t in s.tables
+        ],
+        requests=s.requests,
+        errors=s.errors,
+        bytes_in=s.bytes_in,
+        bytes_out=s.bytes_out,
+        uptime_s=s.uptime_s,
+    )
+
+
+def stats_from_proto(msg: pb.StatsReply) -> ShardStats:
+    return ShardStats(
+        msg.shard_index,
+        msg.num_shards,
+        [
+            TableStats(
+                t.name, _KIND_FROM_PB.get(t.kind, "?"), t.rows, t.elements, t.param_bytes, t.state_bytes, t.version,
+                t.offset, t.length, t.evicted, t.dropped, t.rejected, t.mean_staleness, t.max_staleness,
+            )
+            for t in msg.tables
+        ],
+        dict(msg.requests),
+        dict(msg.errors),
+        msg.bytes_in,
+        msg.bytes_out,
+        msg.uptime_s,
+    )

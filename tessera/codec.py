@@ -1,0 +1,221 @@
+"""Tensor codec: numpy/torch arrays <-> (dtype name, shape, raw little-endian bytes).
+
+Two layers:
+
+* ``pack``/``unpack`` frame a protobuf message whose bulk ``bytes`` fields are
+  sent beside it, not through it. The result is ordinary protobuf wire format
+  (a message may carry its fields in any order), so any protobuf client can
+  read and write it; the Python fast path only avoids copying megabytes into
+  and out of protobuf objects. ``unpack`` returns zero-copy memoryviews.
+* ``to_wire``/``from_wire`` turn arrays into bytes of a wire dtype and back,
+  checking that the byte count matches dtype and shape.
+
+Nothing here is pickled: a tensor is its dtype name, its shape and its bytes.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence, TypeVar
+
+import numpy as np
+import torch
+from google.protobuf.message import DecodeError, Message
+
+__all__ = [
+    "CodecError",
+    "DTYPES",
+    "WIRE_FLOAT_DTYPES",
+    "pack",
+    "unpack",
+    "to_wire",
+    "from_wire",
+    "as_numpy",
+    "tensor_to_proto",
+    "tensor_from_proto",
+]
+
+
+class CodecError(ValueError):
+    """Raised for bytes that do not decode: truncated, malformed, unknown dtype."""
+
+
+# dtype name on the wire -> numpy dtype holding the bytes (bfloat16 travels as uint16 bits).
+DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+    "int64": np.dtype("<i8"),
+    "int32": np.dtype("<i4"),
+    "int8": np.dtype("i1"),
+    "uint8": np.dtype("u1"),
+    "bool": np.dtype("?"),
+}
+WIRE_FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+_NP_NAMES = {np.dtype(v).newbyteorder("="): k for k, v in DTYPES.items() if k != "bfloat16"}
+
+M = TypeVar("M", bound=Message)
+
+
+# --------------------------------------------------------------------------- framing
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise CodecError("malformed message: truncated varint")
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+
+
+def pack(msg: Message, payloads: Mapping[int, Any] | None = None) -> bytes:
+    """Serialize ``msg`` plus bulk ``bytes`` fields given as buffers, with one copy.
+
+    ``payloads`` maps field number -> bytes-like (bytes, memoryview, contiguous
+    numpy array). Those fields must be unset in ``msg``.
+    """
+    parts: list[Any] = [msg.SerializeToString()]
+    for field, data in (payloads or {}).items():
+        mv = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+        parts.append(_varint((field << 3) | 2))
+        parts.append(_varint(len(mv)))
+        parts.append(mv)
+    return b"".join(parts)
+
+
+def unpack(cls: type[M], buf: bytes, payload_fields: Sequence[int] = ()) -> tuple[M, dict[int, memoryview]]:
+    """Parse ``buf`` as ``cls``; fields in ``payload_fields`` come back as zero-copy views.
+
+    Raises CodecError on malformed input.
+    """
+    mv = memoryview(buf)
+    end = len(mv)
+    pos = 0
+    header: list[memoryview] = []
+    payloads: dict[int, memoryview] = {}
+    wanted = set(payload_fields)
+    while pos < end:
+        start = pos
+        key, pos = _read_varint(mv, pos, end)
+        field, wire_type = key >> 3, key & 7
+        if field == 0:
+            raise CodecError("malformed message: field number 0")
+        if wire_type == 0:
+            _, pos = _read_varint(mv, pos, end)
+        elif wire_type == 1:
+            pos += 8
+        elif wire_type == 5:
+            pos += 4
+        elif wire_type == 2:
+            length, pos = _read_varint(mv, pos, end)
+            if field in wanted:
+                if pos + length > end:
+                    raise CodecError(f"malformed message: field {field} truncated")
+                payloads[field] = mv[pos : pos + length]
+                pos += length
+                continue
+            pos += length
+        else:
+            raise CodecError(f"malformed message: unsupported wire type {wire_type}")
+        if pos > end:
+            raise CodecError(f"malformed message: field {field} truncated")
+        header.append(mv[start:pos])
+    msg = cls()
+    try:
+        msg.ParseFromString(b"".join(header))
+    except DecodeError as e:
+        raise CodecError(f"malformed message: {e}") from None
+    return msg, payloads
+
+
+# --------------------------------------------------------------------------- arrays
+def as_numpy(x: Any) -> np.ndarray:
+    """A CPU numpy view (or copy, for CUDA / bfloat16) of a numpy array or torch tensor."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach()
+        if x.device.type != "cpu":
+            x = x.cpu()
+        if x.dtype == torch.bfloat16:
+            x = x.float()
+        return x.numpy()
+    return np.asarray(x)
+
+
+def to_wire(x: Any, wire_dtype: str | None = None) -> tuple[str, memoryview]:
+    """Encode an array as (dtype name, little-endian C-order bytes).
+
+    ``wire_dtype`` casts floats (e.g. "float16", "bfloat16"); None keeps the dtype.
+    """
+    if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and wire_dtype in (None, "bfloat16"):
+        t = x.detach().cpu().contiguous()
+        return "bfloat16", memoryview(t.view(torch.int16).numpy().view(np.uint16)).cast("B")
+    arr = as_numpy(x)
+    if wire_dtype == "bfloat16":
+        t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(torch.bfloat16)
+        return "bfloat16", memoryview(t.view(torch.int16).numpy().view(np.uint16)).cast("B")
+    if wire_dtype is not None:
+        if wire_dtype not in DTYPES:
+            raise CodecError(f"unknown wire dtype {wire_dtype!r}")
+        arr = arr.astype(DTYPES[wire_dtype], copy=False)
+    name = _NP_NAMES.get(arr.dtype.newbyteorder("="))
+    if name is None:
+        raise CodecError(f"dtype {arr.dtype} has no wire encoding")
+    arr = np.ascontiguousarray(arr, dtype=DTYPES[name])
+    return name, memoryview(arr).cast("B")
+
+
+def from_wire(data: Any, dtype: str, shape: Sequence[int] | None = None, what: str = "tensor") -> np.ndarray:
+    """Decode bytes into a read-only numpy array (bfloat16 decodes to float32).
+
+    Raises CodecError naming ``what`` when the dtype is unknown or the byte
+    count does not match the shape.
+    """
+    if dtype not in DTYPES:
+        raise CodecError(f"{what}: unknown dtype {dtype!r}")
+    npdt = DTYPES[dtype]
+    nbytes = len(data) if not isinstance(data, memoryview) else data.nbytes
+    if shape is None:
+        if nbytes % npdt.itemsize:
+            raise CodecError(f"{what}: {nbytes} bytes is not a whole number of {dtype} elements")
+        shape = (nbytes // npdt.itemsize,)
+    if any(s < 0 for s in shape):
+        raise CodecError(f"{what}: negative dimension in shape {tuple(shape)}")
+    expected = int(np.prod(shape, dtype=np.int64)) * npdt.itemsize
+    if nbytes != expected:
+        raise CodecError(
+            f"{what}: {nbytes} bytes but dtype {dtype} and shape {tuple(shape)} need {expected} (truncated or malformed)"
+        )
+    arr = np.frombuffer(data, dtype=npdt).reshape(shape)
+    if dtype == "bfloat16":
+        bits = torch.from_numpy(arr.astype(np.int16, copy=True).view(np.int16))
+        return bits.view(torch.bfloat16).float().numpy()
+    return arr
+
+
+def tensor_to_proto(x: Any, wire_dtype: str | None = None) -> Any:
+    """numpy/torch -> tessera.v1.Tensor (for small tensors; bulk paths use pack())."""
+    from tessera.v1.tensor_pb2 import Tensor as PbTensor
+
+    name, data = to_wire(x, wire_dtype)
+    return PbTensor(dtype=name, shape=list(np.shape(as_numpy(x)) if not isinstance(x, torch.Tensor) else x.shape), data=bytes(data))
+
+
+def tensor_from_proto(msg: Any, what: str = "tensor") -> np.ndarray:
+    """tessera.v1.Tensor -> numpy array (validated)."""
+    return from_wire(msg.data, msg.dtype, list(msg.shape), what)

@@ -1,0 +1,55 @@
+"""Channel/server options and the retry policy shared by every gRPC component."""
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable, TypeVar
+
+import grpc
+
+__all__ = ["DEFAULT_MAX_MESSAGE", "server_options", "channel_options", "retry_unavailable"]
+
+DEFAULT_MAX_MESSAGE = 64 << 20  # bulk data is chunked well below this
+
+T = TypeVar("T")
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+    ]
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+        ("grpc.enable_retries", 0),  # we retry ourselves: only UNAVAILABLE, with backoff
+    ]
+
+
+def retry_unavailable(
+    fn: Callable[[], T], retries: int = 5, base_delay: float = 0.1, max_delay: float = 2.0, deadline: float | None = None
+) -> T:
+    """Call ``fn``; on UNAVAILABLE retry with jittered exponential backoff.
+
+    Gives up after ``retries`` retries or when ``deadline`` (time.monotonic())
+    would pass; other errors propagate at once.
+    """
+    attempt = 0
+    while True:
+        try:
+            return fn()
+        except grpc.RpcError as e:
+            code = e.code() if hasattr(e, "code") else None
+            if code != grpc.StatusCode.UNAVAILABLE or attempt >= retries:
+                raise
+            delay = min(max_delay, base_delay * 2**attempt) * (0.5 + random.random() / 2)
+            if deadline is not None and time.monotonic() + delay > deadline:
+                raise
+            time.sleep(delay)
+            attempt += 1

@@ -1,0 +1,294 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TableKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TABLE_KIND_UNSPECIFIED: _ClassVar[TableKind]
+    TABLE_KIND_DENSE: _ClassVar[TableKind]
+    TABLE_KIND_SPARSE: _ClassVar[TableKind]
+
+class DenseOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DENSE_OP_GRADIENT: _ClassVar[DenseOp]
+    DENSE_OP_ASSIGN: _ClassVar[DenseOp]
+TABLE_KIND_UNSPECIFIED: TableKind
+TABLE_KIND_DENSE: TableKind
+TABLE_KIND_SPARSE: TableKind
+DENSE_OP_GRADIENT: DenseOp
+DENSE_OP_ASSIGN: DenseOp
+
+class OptimizerSpec(_message.Message):
+    __slots__ = ("name", "hparams")
+    class HparamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HPARAMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    hparams: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., hparams: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class InitializerSpec(_message.Message):
+    __slots__ = ("name", "params")
+    class ParamsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    params: _containers.ScalarMap[str, float]
+    def __init__(self, name: _Optional[str] = ..., params: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class AdmissionSpec(_message.Message):
+    __slots__ = ("min_count", "probability")
+    MIN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    min_count: int
+    probability: float
+    def __init__(self, min_count: _Optional[int] = ..., probability: _Optional[float] = ...) -> None: ...
+
+class EvictionSpec(_message.Message):
+    __slots__ = ("ttl_steps", "max_rows")
+    TTL_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ttl_steps: int
+    max_rows: int
+    def __init__(self, ttl_steps: _Optional[int] = ..., max_rows: _Optional[int] = ...) -> None: ...
+
+class TableSpec(_message.Message):
+    __slots__ = ("name", "kind", "shape", "dim", "dtype", "optimizer", "initializer", "seed", "admission", "eviction", "num_slots", "allow_nonfinite")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    INITIALIZER_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_FIELD_NUMBER: _ClassVar[int]
+    NUM_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: TableKind
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dim: int
+    dtype: str
+    optimizer: OptimizerSpec
+    initializer: InitializerSpec
+    seed: int
+    admission: AdmissionSpec
+    eviction: EvictionSpec
+    num_slots: int
+    allow_nonfinite: bool
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., shape: _Optional[_Iterable[int]] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., seed: _Optional[int] = ..., admission: _Optional[_Union[AdmissionSpec, _Mapping]] = ..., eviction: _Optional[_Union[EvictionSpec, _Mapping]] = ..., num_slots: _Optional[int] = ..., allow_nonfinite: bool = ...) -> None: ...
+
+class CreateTableRequest(_message.Message):
+    __slots__ = ("spec", "num_shards")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    num_shards: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class TableInfo(_message.Message):
+    __slots__ = ("spec", "shard_index", "num_shards", "offset", "length", "chunk_elems", "version")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ELEMS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    spec: TableSpec
+    shard_index: int
+    num_shards: int
+    offset: int
+    length: int
+    chunk_elems: int
+    version: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., chunk_elems: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+
+class CreateTableReply(_message.Message):
+    __slots__ = ("created", "info")
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    info: TableInfo
+    def __init__(self, created: bool = ..., info: _Optional[_Union[TableInfo, _Mapping]] = ...) -> None: ...
+
+class DescribeTableRequest(_message.Message):
+    __slots__ = ("table",)
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    def __init__(self, table: _Optional[str] = ...) -> None: ...
+
+class DenseChunk(_message.Message):
+    __slots__ = ("table", "offset", "dtype", "op", "base_version", "return_params", "reply_dtype", "version", "staleness", "worker", "data")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RETURN_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    offset: int
+    dtype: str
+    op: DenseOp
+    base_version: int
+    return_params: bool
+    reply_dtype: str
+    version: int
+    staleness: int
+    worker: str
+    data: bytes
+    def __init__(self, table: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., op: _Optional[_Union[DenseOp, str]] = ..., base_version: _Optional[int] = ..., return_params: bool = ..., reply_dtype: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., worker: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PullDenseRequest(_message.Message):
+    __slots__ = ("table", "dtype")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dtype: str
+    def __init__(self, table: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class PullSparseRequest(_message.Message):
+    __slots__ = ("table", "dtype", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dtype: str
+    ids: bytes
+    def __init__(self, table: _Optional[str] = ..., dtype: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class PullSparseReply(_message.Message):
+    __slots__ = ("dtype", "dim", "versions", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    dim: int
+    versions: bytes
+    data: bytes
+    def __init__(self, dtype: _Optional[str] = ..., dim: _Optional[int] = ..., versions: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushSparseRequest(_message.Message):
+    __slots__ = ("table", "dtype", "dim", "worker", "base_versions", "ids", "data")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dtype: str
+    dim: int
+    worker: str
+    base_versions: bytes
+    ids: bytes
+    data: bytes
+    def __init__(self, table: _Optional[str] = ..., dtype: _Optional[str] = ..., dim: _Optional[int] = ..., worker: _Optional[str] = ..., base_versions: _Optional[bytes] = ..., ids: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushSparseReply(_message.Message):
+    __slots__ = ("applied", "dropped", "mean_staleness", "max_staleness")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    applied: int
+    dropped: int
+    mean_staleness: float
+    max_staleness: int
+    def __init__(self, applied: _Optional[int] = ..., dropped: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TableStats(_message.Message):
+    __slots__ = ("name", "kind", "rows", "elements", "param_bytes", "state_bytes", "version", "offset", "length", "evicted", "dropped", "rejected", "mean_staleness", "max_staleness")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    PARAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: TableKind
+    rows: int
+    elements: int
+    param_bytes: int
+    state_bytes: int
+    version: int
+    offset: int
+    length: int
+    evicted: int
+    dropped: int
+    rejected: int
+    mean_staleness: float
+    max_staleness: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., rows: _Optional[int] = ..., elements: _Optional[int] = ..., param_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+
+class StatsReply(_message.Message):
+    __slots__ = ("shard_index", "num_shards", "tables", "requests", "errors", "bytes_in", "bytes_out", "uptime_s")
+    class RequestsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    num_shards: int
+    tables: _containers.RepeatedCompositeFieldContainer[TableStats]
+    requests: _containers.ScalarMap[str, int]
+    errors: _containers.ScalarMap[str, int]
+    bytes_in: int
+    bytes_out: int
+    uptime_s: float
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., requests: _Optional[_Mapping[str, int]] = ..., errors: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
