@@ -1,0 +1,168 @@
+"""``tessera ps ...``: run a shard, print cluster stats, or try a local cluster."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from ps.client import PSClient
+from ps.config import ShardConfig
+from ps.shard import ShardStats
+
+__all__ = ["add_ps_commands", "start_local_shards", "stop_processes"]
+
+
+def add_ps_commands(sub: Any) -> None:
+    ps = sub.add_parser("ps", help="parameter server shards").add_subparsers(dest="ps_command", required=True)
+
+    s = ps.add_parser("serve", help="run one shard server (until SIGTERM)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=0, help="port (0: pick a free one and print it)")
+    s.add_argument("--shard-index", type=int, default=0)
+    s.add_argument("--num-shards", type=int, default=1)
+    s.add_argument("--max-bytes", type=int, default=0, help="bound on params + optimizer state held (0: none)")
+    s.add_argument("--chunk-elems", type=int, default=1 << 18, help="dense wire chunk in elements")
+    s.add_argument("--threads", type=int, default=16, help="RPC worker threads")
+    s.add_argument("--ready-file", default=None, help="write the bound port here once serving")
+    s.set_defaults(func=_serve)
+
+    st = ps.add_parser("stats", help="print per-shard tables, sizes and request counts")
+    st.add_argument("--ps", required=True, help="HOST:PORT,... of every shard, in shard order")
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.set_defaults(func=_stats)
+
+    q = ps.add_parser("quickstart", help="start local shards, train a toy table on them, print stats, stop")
+    q.add_argument("--shards", type=int, default=2)
+    q.add_argument("--steps", type=int, default=200)
+    q.set_defaults(func=_quickstart)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ps.server import serve
+
+    cfg = ShardConfig(
+        shard_index=args.shard_index, num_shards=args.num_shards, host=args.host, port=args.port,
+        max_bytes=args.max_bytes, chunk_elems=args.chunk_elems, workers=args.threads,
+    )
+    serve(cfg, ready_file=args.ready_file)
+    return 0
+
+
+def format_stats(stats: list[ShardStats], addresses: list[str]) -> str:
+    lines = []
+    for addr, s in zip(addresses, stats):
+        reqs = ", ".join(f"{k}={v}" for k, v in sorted(s.requests.items())) or "-"
+        errs = ", ".join(f"{k}={v}" for k, v in sorted(s.errors.items())) or "-"
+        lines.append(
+            f"shard {s.shard_index}/{s.num_shards} at {addr}  up {s.uptime_s:.0f}s  in {s.bytes_in / 1e6:.1f} MB  out {s.bytes_out / 1e6:.1f} MB"
+        )
+        lines.append(f"  requests: {reqs}")
+        lines.append(f"  errors:   {errs}")
+        lines.append(f"  {'table':<20} {'kind':<7} {'rows':>10} {'elements':>12} {'param MB':>9} {'state MB':>9} {'version':>8} {'evicted':>8}")
+        for t in s.tables:
+            lines.append(
+                f"  {t.name:<20} {t.kind:<7} {t.rows:>10} {t.elements:>12} {t.param_bytes / 1e6:>9.2f} {t.state_bytes / 1e6:>9.2f} {t.version:>8} {t.evicted:>8}"
+            )
+    return "\n".join(lines)
+
+
+def _stats(args: argparse.Namespace) -> int:
+    addresses = [a for a in args.ps.split(",") if a]
+    with PSClient(addresses, timeout=10, retries=2) as client:
+        stats = client.stats()
+    if args.json:
+        print(json.dumps([s.__dict__ | {"tables": [t.__dict__ for t in s.tables]} for s in stats], indent=2))
+    else:
+        print(format_stats(stats, addresses))
+    return 0
+
+
+def start_local_shards(num_shards: int, extra_args: tuple[str, ...] = (), timeout: float = 60.0) -> tuple[list[subprocess.Popen], list[str]]:
+    """Start ``num_shards`` shard processes on free loopback ports; returns (processes, addresses).
+
+    Each child prints its bound port; we wait (with a deadline) for every one.
+    """
+    procs: list[subprocess.Popen] = []
+    addresses: list[str] = []
+    try:
+        for i in range(num_shards):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tessera.cli", "ps", "serve", "--shard-index", str(i), "--num-shards", str(num_shards), *extra_args],
+                    stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                )
+            )
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            line = _read_line(p, deadline)
+            if "listening on" not in line:
+                raise RuntimeError(f"shard failed to start: {line!r}")
+            addresses.append(line.split("listening on ")[1].split()[0])
+        return procs, addresses
+    except BaseException:
+        stop_processes(procs)
+        raise
+
+
+def _read_line(p: subprocess.Popen, deadline: float) -> str:
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    assert p.stdout is not None
+    sel.register(p.stdout, selectors.EVENT_READ)
+    while time.monotonic() < deadline:
+        if sel.select(timeout=0.2):
+            return p.stdout.readline()
+        if p.poll() is not None:
+            return f"exited with code {p.returncode}"
+    return "timed out"
+
+
+def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    end = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _quickstart(args: argparse.Namespace) -> int:
+    import numpy as np
+    from tqdm import tqdm
+
+    print(f"starting {args.shards} shard processes on loopback ...")
+    procs, addresses = start_local_shards(args.shards)
+    try:
+        print("shards at", ",".join(addresses))
+        with PSClient(addresses) as client:
+            rng = np.random.default_rng(0)
+            # least squares y = X w + b with w dense on the PS (Adam) and a per-id bias in a sparse table (Adagrad)
+            true_w = rng.normal(size=256).astype(np.float32)
+            client.create_dense("w", (256,), "adam", lr=0.05)
+            client.create_sparse("bias", 1, "adagrad", lr=0.5)
+            true_b = rng.normal(size=1000).astype(np.float32)
+            bar = tqdm(range(args.steps), desc="quickstart", unit="step", mininterval=0.5)
+            t0 = time.perf_counter()
+            for step in bar:
+                X = rng.normal(size=(64, 256)).astype(np.float32)
+                ids = rng.integers(0, 1000, size=64)
+                y = X @ true_w + true_b[ids]
+                w = client.pull_dense("w")
+                b = client.pull_sparse("bias", ids)[:, 0]
+                err = X @ w + b - y
+                client.push_dense("w", X.T @ err / len(y))
+                client.push_sparse("bias", ids, (err / len(y))[:, None])
+                bar.set_postfix(loss=f"{float(np.mean(err**2)):.4f}", ex_s=f"{(step + 1) * 64 / (time.perf_counter() - t0):.0f}")
+            print(format_stats(client.stats(), addresses))
+    finally:
+        stop_processes(procs)
+    return 0

@@ -1,0 +1,68 @@
+"""Shared fixtures: real shard servers, in this process or as child processes."""
+from __future__ import annotations
+
+import subprocess
+from typing import Callable, Iterator
+
+import pytest
+
+from ps.cli import start_local_shards, stop_processes
+from ps.client import PSClient
+from ps.config import ShardConfig
+from ps.server import build_server
+from ps.shard import Shard
+
+
+class InprocCluster:
+    """S shard servers in this process on 127.0.0.1 ports chosen at run time."""
+
+    def __init__(self, num_shards: int, **config: object) -> None:
+        self.servers = []
+        self.shards: list[Shard] = []
+        self.addresses: list[str] = []
+        for i in range(num_shards):
+            server, port, shard = build_server(ShardConfig(shard_index=i, num_shards=num_shards, **config))  # type: ignore[arg-type]
+            self.servers.append(server)
+            self.shards.append(shard)
+            self.addresses.append(f"127.0.0.1:{port}")
+        self.clients: list[PSClient] = []
+
+    def client(self, **kw: object) -> PSClient:
+        c = PSClient(self.addresses, timeout=kw.pop("timeout", 20.0), **kw)  # type: ignore[arg-type]
+        self.clients.append(c)
+        return c
+
+    def stop(self) -> None:
+        for c in self.clients:
+            c.close()
+        for s in self.servers:
+            s.stop(0)
+
+
+@pytest.fixture
+def inproc_cluster() -> Iterator[Callable[..., InprocCluster]]:
+    """Factory: inproc_cluster(num_shards, **ShardConfig fields) -> InprocCluster (stopped at teardown)."""
+    made: list[InprocCluster] = []
+
+    def make(num_shards: int = 1, **config: object) -> InprocCluster:
+        c = InprocCluster(num_shards, **config)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+@pytest.fixture
+def proc_cluster() -> Iterator[Callable[..., list[str]]]:
+    """Factory: proc_cluster(num_shards, *serve_args) -> addresses of shard *processes* (killed at teardown)."""
+    procs: list[subprocess.Popen] = []
+
+    def make(num_shards: int, *extra: str) -> list[str]:
+        p, addresses = start_local_shards(num_shards, tuple(extra))
+        procs.extend(p)
+        return addresses
+
+    yield make
+    stop_processes(procs, grace=3.0)
