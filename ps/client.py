@@ -331,7 +331,8 @@ class PSClient:
         if op == pb.DENSE_OP_GRADIENT:
             _check_finite(meta.spec, g)  # all shards or none: do not let the finite part apply
         flat = np.empty(meta.spec.numel, np.float32) if return_params else None
-        wire = self.wire_dtype
+        # values assigned are kept, not accumulated: never round them to a low-precision wire dtype
+        wire = self.wire_dtype if op == pb.DENSE_OP_GRADIENT else "float32"
 
         def one(i: int) -> tuple[int, int]:
             start, stop = meta.ranges[i]

@@ -1,0 +1,505 @@
+"""PS throughput benchmark: how close does the parameter server get to the bare transport?
+
+Measures, on loopback, with every server in its own process:
+
+(a) raw gRPC echo (python grpc, generic handlers, raw bytes, no protobuf) of
+    the dense payload: a bidi stream of 1 MiB chunks (the chunk the PS uses,
+    2^18 float32), the same over two echo servers at once (half each, like two
+    shards), and sequential unary calls of 16 MiB. ``raw_grpc_gbps`` is the
+    best of them: the baseline is the best bare gRPC transport.
+(b) PS dense push + pull of a 64 MiB float32 table (16M elements, Adam on the
+    shards) on 1 and on 2 shard processes (``ps.cli.start_local_shards``), two
+    ways: "separate" = push_dense(grad) then pull_dense(); "fused" =
+    push_dense(grad, return_params=True). ``dense_pushpull_gbps`` is the best
+    variant / shard count; ``dense_ratio`` = that / raw_grpc_gbps.
+(c) PS sparse pull_sparse + push_sparse of 4096 unique random ids x 64 dims from
+    a 1M-row table (adagrad, rows created before timing), 2 shards, fresh ids
+    each repeat: ``sparse_rows_per_s``, ``sparse_gbps`` (4096*64*4 bytes / time).
+(d) plain TCP echo of the dense payload (sendall in a thread + recv_into):
+    ``raw_tcp_gbps``.
+
+Throughput is always *payload bytes one way per second of round trip* (the
+payload goes out and comes back within the timed interval), in GB/s (1e9 B/s).
+Each measurement runs after a warm-up, several times (variants interleaved so
+noise hits them alike); "best" is from the minimum time, "median" from the
+median time.
+
+Run (about 1-2 minutes on 2 cores)::
+
+    python bench/ps_throughput.py                 # full run
+    python bench/ps_throughput.py --quick         # smoke run (~20 s): 16 MiB table, 100k rows
+    python bench/ps_throughput.py --json-out bench/out/ps.json
+
+It prints a table and, as its last line, one line of JSON (keys
+raw_grpc_gbps, raw_tcp_gbps, dense_pushpull_gbps, dense_ratio,
+sparse_rows_per_s, sparse_gbps, sparse_ratio, dense_vs_tcp, per-variant
+figures, ...). Every child process is stopped on exit, also on Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+MiB = 1 << 20
+CHUNK_BYTES = (1 << 18) * 4  # the PS dense wire chunk: 2^18 float32 = 1 MiB
+UNARY_BYTES = 16 * MiB
+ECHO_UNARY = "/bench.Echo/Unary"
+ECHO_STREAM = "/bench.Echo/Stream"
+
+
+# =========================================================================== echo servers (child processes)
+def _quiet_signals(stop: threading.Event | None = None) -> None:
+    """SIGTERM/SIGINT end the child quietly (the parent stops it; Ctrl-C reaches it too)."""
+    def handler(*_: object) -> None:
+        if stop is not None:
+            stop.set()
+        else:
+            os._exit(0)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def serve_grpc_echo() -> None:
+    import grpc
+
+    from tessera.rpc import server_options
+
+    class Echo(grpc.GenericRpcHandler):
+        def service(self, details: grpc.HandlerCallDetails):  # type: ignore[override]
+            if details.method == ECHO_UNARY:
+                return grpc.unary_unary_rpc_method_handler(lambda req, ctx: req)
+            if details.method == ECHO_STREAM:
+                return grpc.stream_stream_rpc_method_handler(lambda it, ctx: (r for r in it))
+            return None
+
+    stop = threading.Event()
+    _quiet_signals(stop)
+    server = grpc.server(ThreadPoolExecutor(max_workers=8), options=server_options())
+    server.add_generic_rpc_handlers((Echo(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(f"listening on 127.0.0.1:{port}", flush=True)
+    stop.wait()
+    server.stop(0).wait()
+
+
+def serve_tcp_echo() -> None:
+    _quiet_signals()
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    print(f"listening on 127.0.0.1:{srv.getsockname()[1]}", flush=True)
+
+    def echo(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        buf = bytearray(CHUNK_BYTES)
+        mv = memoryview(buf)
+        with conn:
+            while True:
+                n = conn.recv_into(buf)
+                if not n:
+                    return
+                conn.sendall(mv[:n])
+
+    while True:
+        conn, _ = srv.accept()
+        threading.Thread(target=echo, args=(conn,), daemon=True).start()
+
+
+def _first_line(p: subprocess.Popen, deadline: float) -> str:
+    """The child's first stdout line, or why there is none (exited / timed out)."""
+    import selectors
+
+    assert p.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(p.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if sel.select(timeout=0.2):
+                return p.stdout.readline()
+            if p.poll() is not None:
+                return f"exited with code {p.returncode}"
+    return "timed out"
+
+
+def spawn_echo(kind: str, procs: list[subprocess.Popen], timeout: float = 30.0) -> str:
+    """Start this script as an echo server of ``kind`` ("grpc"/"tcp"); returns its address."""
+    p = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--serve", kind],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    procs.append(p)
+    line = _first_line(p, time.monotonic() + timeout)
+    if "listening on" not in line:
+        raise RuntimeError(f"{kind} echo server failed to start: {line!r}")
+    return line.split("listening on ")[1].split()[0]
+
+
+# =========================================================================== timing
+@dataclass
+class Result:
+    name: str
+    payload: int  # bytes one way per timed call
+    times: list[float]
+    group: str = ""
+    rows: int = 0  # sparse: rows per timed call
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def best(self) -> float:
+        return min(self.times)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def gbps(self) -> float:
+        return self.payload / self.best / 1e9
+
+    @property
+    def gbps_median(self) -> float:
+        return self.payload / self.median / 1e9
+
+
+def interleaved(fns: dict[str, Callable[[], object]], repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Time each fn ``repeats`` times after ``warmup`` untimed calls, alternating between fns."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# =========================================================================== (a) raw gRPC
+def bench_grpc(addrs: list[str], nbytes: int, repeats: int, warmup: int) -> list[Result]:
+    import grpc
+    import numpy as np
+
+    from tessera.rpc import channel_options
+
+    payload = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    chunks = [payload[i : i + CHUNK_BYTES] for i in range(0, nbytes, CHUNK_BYTES)]
+    bigs = [payload[i : i + UNARY_BYTES] for i in range(0, nbytes, UNARY_BYTES)]
+    channels = [grpc.insecure_channel(a, options=channel_options()) for a in addrs]
+    try:
+        for ch in channels:
+            grpc.channel_ready_future(ch).result(timeout=30)
+        streams = [ch.stream_stream(ECHO_STREAM) for ch in channels]
+        unary = channels[0].unary_unary(ECHO_UNARY)
+        pool = ThreadPoolExecutor(max_workers=len(addrs))
+
+        def stream_one(k: int, parts: list[bytes]) -> int:
+            return sum(len(r) for r in streams[k](iter(parts), timeout=60))
+
+        def stream1() -> None:
+            assert stream_one(0, chunks) == nbytes
+
+        half = (len(chunks) + 1) // 2
+
+        def stream2() -> None:
+            futs = [pool.submit(stream_one, 0, chunks[:half]), pool.submit(stream_one, 1, chunks[half:])]
+            assert sum(f.result() for f in futs) == nbytes
+
+        def unary16() -> None:
+            assert sum(len(unary(b, timeout=60)) for b in bigs) == nbytes
+
+        fns: dict[str, Callable[[], object]] = {"grpc_stream": stream1, "grpc_unary": unary16}
+        if len(addrs) > 1:
+            fns["grpc_stream_2srv"] = stream2
+        t = interleaved(fns, repeats, warmup)
+        pool.shutdown()
+    finally:
+        for ch in channels:
+            ch.close()
+    notes = {
+        "grpc_stream": "bidi stream, 1 MiB chunks, 1 server",
+        "grpc_stream_2srv": "bidi stream, 1 MiB chunks, 2 servers (half each)",
+        "grpc_unary": "unary echo, 16 MiB messages, sequential",
+    }
+    return [Result(k, nbytes, v, "raw", note=notes[k]) for k, v in t.items()]
+
+
+# =========================================================================== (d) raw TCP
+def bench_tcp(addr: str, nbytes: int, repeats: int, warmup: int) -> Result:
+    host, port = addr.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=60)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload = memoryview(os.urandom(nbytes))
+    back = bytearray(nbytes)
+    view = memoryview(back)
+    try:
+        def roundtrip() -> None:
+            sender = threading.Thread(target=sock.sendall, args=(payload,))
+            sender.start()
+            got = 0
+            while got < nbytes:
+                n = sock.recv_into(view[got:])
+                if not n:
+                    raise RuntimeError("tcp echo closed the connection")
+                got += n
+            sender.join()
+
+        t = interleaved({"tcp": roundtrip}, repeats, warmup)["tcp"]
+        if bytes(view[:64]) != bytes(payload[:64]):
+            raise RuntimeError("tcp echo returned different bytes")
+    finally:
+        sock.close()
+    return Result("tcp_echo", nbytes, t, "raw", note="sendall thread + recv_into, 1 server")
+
+
+# =========================================================================== (b) PS dense
+def bench_dense(addrs: list[str], numel: int, repeats: int, warmup: int) -> list[Result]:
+    import numpy as np
+
+    from ps.client import PSClient
+
+    s = len(addrs)
+    name = "bench_dense"
+    grad = np.random.default_rng(2).standard_normal(numel, dtype=np.float32) * np.float32(1e-3)
+    push_t: list[float] = []
+    pull_t: list[float] = []
+    with PSClient(addrs, timeout=300) as c:
+        c.wait_ready()
+        c.create_dense(name, (numel,), "adam", lr=1e-3)
+
+        def separate() -> None:
+            t0 = time.perf_counter()
+            c.push_dense(name, grad)
+            t1 = time.perf_counter()
+            p = c.pull_dense(name)
+            push_t.append(t1 - t0)
+            pull_t.append(time.perf_counter() - t1)
+            assert p.size == numel
+
+        def fused() -> None:
+            p = c.push_dense(name, grad, return_params=True)
+            assert p.size == numel
+
+        t = interleaved({"separate": separate, "fused": fused}, repeats, warmup)
+        version = c.describe(name)[0].version
+    expect = (warmup + repeats) * 2
+    if version != expect:
+        raise RuntimeError(f"dense table at version {version}, expected {expect}")
+    nbytes = numel * 4
+    out = [
+        Result(f"dense_{s}shard_separate", nbytes, t["separate"], "dense", note="push_dense + pull_dense"),
+        Result(f"dense_{s}shard_fused", nbytes, t["fused"], "dense", note="push_dense(return_params=True)"),
+    ]
+    # halves of "separate" (one-way figures: payload / time of that half), for the analysis
+    out.append(Result(f"dense_{s}shard_push_only", nbytes, push_t[warmup:], "dense-part", note="push half of separate (one way)"))
+    out.append(Result(f"dense_{s}shard_pull_only", nbytes, pull_t[warmup:], "dense-part", note="pull half of separate (one way)"))
+    return out
+
+
+# =========================================================================== (c) PS sparse
+def bench_sparse(addrs: list[str], table_rows: int, batch: int, dim: int, repeats: int, warmup: int) -> tuple[Result, float]:
+    import numpy as np
+
+    from ps.client import PSClient
+
+    name = "bench_sparse"
+    rng = np.random.default_rng(3)
+    with PSClient(addrs, timeout=300) as c:
+        c.wait_ready()
+        c.create_sparse(name, dim, "adagrad", lr=0.01)
+        t0 = time.perf_counter()
+        step = 1 << 17
+        for lo in range(0, table_rows, step):
+            c.pull_sparse(name, np.arange(lo, min(table_rows, lo + step), dtype=np.int64))
+        populate_s = time.perf_counter() - t0
+        rows = sum(t.rows for s in c.stats() for t in s.tables if t.name == name)
+        if rows != table_rows:
+            raise RuntimeError(f"sparse table holds {rows} rows, expected {table_rows}")
+        n = warmup + repeats
+        id_sets = [rng.choice(table_rows, batch, replace=False).astype(np.int64) for _ in range(n)]
+        grads = rng.standard_normal((batch, dim), dtype=np.float32) * np.float32(1e-2)
+        it = iter(id_sets)
+
+        def pullpush() -> None:
+            ids = next(it)
+            r = c.pull_sparse(name, ids)
+            assert r.shape == (batch, dim)
+            c.push_sparse(name, ids, grads)
+
+        t = interleaved({"sparse": pullpush}, repeats, warmup)["sparse"]
+    res = Result(
+        f"sparse_{len(addrs)}shard_pullpush", batch * dim * 4, t, "sparse", rows=batch,
+        note=f"{batch} ids x {dim} from {table_rows} rows",
+    )
+    return res, populate_s
+
+
+# =========================================================================== main
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 16 MiB table, 100k rows, fewer repeats")
+    ap.add_argument("--json-out", default=None, help="also write the JSON result to this path")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5, quick 3)")
+    ap.add_argument("--dense-mib", type=int, default=None, help="dense table / echo payload in MiB (default 64, quick 16)")
+    ap.add_argument("--sparse-rows", type=int, default=None, help="sparse table rows (default 1M, quick 100k)")
+    ap.add_argument("--shards", default="1,2", help="shard counts for the dense benchmark (default 1,2)")
+    ap.add_argument("--serve", choices=("grpc", "tcp"), help=argparse.SUPPRESS)  # internal: run an echo server
+    args = ap.parse_args(argv)
+
+    if args.serve == "grpc":
+        serve_grpc_echo()
+        return 0
+    if args.serve == "tcp":
+        serve_tcp_echo()
+        return 0
+
+    quick = args.quick
+    repeats = args.repeats or (3 if quick else 5)
+    warmup = 1
+    sparse_repeats = repeats * (4 if quick else 6)
+    sparse_warmup = 3
+    dense_mib = args.dense_mib or (16 if quick else 64)
+    sparse_rows = args.sparse_rows or (100_000 if quick else 1_000_000)
+    shard_counts = [int(x) for x in args.shards.split(",") if x]
+    nbytes = dense_mib * MiB
+    numel = nbytes // 4
+    batch, dim = 4096, 64
+
+    from ps.cli import start_local_shards, stop_processes
+
+    t_start = time.perf_counter()
+    procs: list[subprocess.Popen] = []
+    results: list[Result] = []
+    extra: dict[str, object] = {}
+    try:
+        # (a) + (d): bare transports
+        log("starting echo servers")
+        grpc_addrs = [spawn_echo("grpc", procs), spawn_echo("grpc", procs)]
+        tcp_addr = spawn_echo("tcp", procs)
+        log(f"raw gRPC echo, {dense_mib} MiB")
+        results += bench_grpc(grpc_addrs, nbytes, repeats, warmup + 1)
+        log(f"raw TCP echo, {dense_mib} MiB")
+        results.append(bench_tcp(tcp_addr, nbytes, repeats, warmup + 1))
+        stop_processes(procs)
+        procs.clear()
+
+        # (b) + (c): the PS
+        for s in shard_counts:
+            log(f"starting {s} shard process(es)")
+            shard_procs, addrs = start_local_shards(s)
+            procs += shard_procs
+            log(f"PS dense {dense_mib} MiB adam, {s} shard(s)")
+            results += bench_dense(addrs, numel, repeats, warmup)
+            if s == 2:
+                log(f"PS sparse: populating {sparse_rows} rows, then {batch} ids x {dim}")
+                res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup)
+                results.append(res)
+                extra["sparse_populate_s"] = round(populate_s, 3)
+            stop_processes(procs)
+            procs.clear()
+        if 2 not in shard_counts:
+            log("starting 2 shard processes for the sparse benchmark")
+            shard_procs, addrs = start_local_shards(2)
+            procs += shard_procs
+            res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup)
+            results.append(res)
+            extra["sparse_populate_s"] = round(populate_s, 3)
+    except KeyboardInterrupt:
+        log("interrupted; stopping child processes")
+        return 130
+    finally:
+        stop_processes(procs)
+
+    by = {r.name: r for r in results}
+    raw = [r for r in results if r.name.startswith("grpc_")]
+    raw_best = max(raw, key=lambda r: r.gbps)
+    raw_grpc = raw_best.gbps
+    dense = [r for r in results if r.group == "dense"]
+    dense_best = max(dense, key=lambda r: r.gbps)
+    sparse = next(r for r in results if r.group == "sparse")
+    tcp = by["tcp_echo"]
+
+    # ------------------------------------------------------------------ table
+    hdr = f"{'measurement':<26} {'GB/s best':>9} {'GB/s med':>9} {'x raw gRPC':>10} {'ms min':>9} {'ms med':>9}  notes"
+    lines = [hdr, "-" * len(hdr)]
+    last_group = None
+    for r in results:
+        if last_group is not None and r.group != last_group:
+            lines.append("")
+        last_group = r.group
+        note = r.note + (f"; {r.rows / r.best:,.0f} rows/s best, {r.rows / r.median:,.0f} median" if r.rows else "")
+        lines.append(
+            f"{r.name:<26} {r.gbps:>9.3f} {r.gbps_median:>9.3f} {r.gbps / raw_grpc:>10.3f} {r.best * 1e3:>9.1f} {r.median * 1e3:>9.1f}  {note}"
+        )
+    wall = time.perf_counter() - t_start
+    print(
+        f"\nPS throughput on loopback: payload bytes one way per second of round trip (GB = 1e9 B); "
+        f"dense {dense_mib} MiB, {repeats} repeats after warm-up; sparse {sparse_repeats} repeats; {os.cpu_count()} CPUs\n"
+    )
+    print("\n".join(lines))
+    print(
+        f"\nraw gRPC baseline = {raw_best.name} ({raw_grpc:.3f} GB/s); best PS dense = {dense_best.name} "
+        f"({dense_best.gbps:.3f} GB/s, {dense_best.gbps / raw_grpc:.1%} of raw gRPC, {dense_best.gbps / tcp.gbps:.1%} of raw TCP); "
+        f"wall {wall:.1f} s\n"
+    )
+
+    # ------------------------------------------------------------------ JSON
+    out: dict[str, object] = {
+        "raw_grpc_gbps": round(raw_grpc, 4),
+        "raw_grpc_best": raw_best.name,
+        "raw_tcp_gbps": round(tcp.gbps, 4),
+        "dense_pushpull_gbps": round(dense_best.gbps, 4),
+        "dense_best": dense_best.name,
+        "dense_ratio": round(dense_best.gbps / raw_grpc, 4),
+        "dense_vs_tcp": round(dense_best.gbps / tcp.gbps, 4),
+        "sparse_rows_per_s": round(sparse.rows / sparse.best, 1),
+        "sparse_rows_per_s_median": round(sparse.rows / sparse.median, 1),
+        "sparse_gbps": round(sparse.gbps, 5),
+        "sparse_gbps_median": round(sparse.gbps_median, 5),
+        "sparse_ratio": round(sparse.gbps / raw_grpc, 5),
+        "sparse_ms_median": round(sparse.median * 1e3, 3),
+        "raw_grpc_gbps_median": round(raw_best.gbps_median, 4),
+        "raw_tcp_gbps_median": round(tcp.gbps_median, 4),
+        "dense_pushpull_gbps_median": round(dense_best.gbps_median, 4),
+        "dense_mib": dense_mib,
+        "sparse_table_rows": sparse_rows,
+        "repeats": repeats,
+        "quick": quick,
+        "cpus": os.cpu_count(),
+        "wall_s": round(wall, 1),
+        **extra,
+    }
+    for r in results:
+        if r.group != "sparse":
+            out[f"{r.name}_gbps"] = round(r.gbps, 4)
+            out[f"{r.name}_gbps_median"] = round(r.gbps_median, 4)
+    line = json.dumps(out, sort_keys=True)
+    if args.json_out:
+        d = os.path.dirname(os.path.abspath(args.json_out))
+        os.makedirs(d, exist_ok=True)
+        with open(args.json_out, "w") as f:
+            f.write(line + "\n")
+    print(line, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

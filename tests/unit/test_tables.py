@@ -1,0 +1,119 @@
+"""Tables as plain Python: staging and atomic commit, admission, eviction, versions."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ps.config import AdmissionSpec, EvictionSpec, InitializerSpec, OptimizerSpec, TableSpec
+from ps.errors import NonFiniteError, ShapeMismatchError
+from ps.initializers import init_rows, table_key
+from ps.table import GRADIENT, DenseTable, SparseTable
+
+
+def _dense(n: int = 10, chunk: int = 4, opt: str = "adam") -> DenseTable:
+    return DenseTable(TableSpec("d", "dense", shape=(n,), optimizer=OptimizerSpec(opt, {})), 0, 1, chunk)
+
+
+def _sparse(**kw) -> SparseTable:
+    spec = TableSpec("s", "sparse", dim=4, optimizer=OptimizerSpec("adagrad", {"lr": 0.1}),
+                     initializer=InitializerSpec("uniform"), **kw)
+    return SparseTable(spec, 0, 1)
+
+
+def test_dense_push_is_atomic() -> None:
+    t = _dense()
+    before = t.values().copy()
+    up = t.begin_update(GRADIENT, 0)
+    up.apply(0, np.ones(4, np.float32))
+    up.apply(4, np.ones(4, np.float32))
+    with pytest.raises(NonFiniteError):
+        up.apply(8, np.array([1.0, np.nan], np.float32))
+    up.abort()
+    np.testing.assert_array_equal(t.values(), before)
+    assert t.version == 0 and t.rejected == 1
+    up = t.begin_update(GRADIENT, 0)  # the lock was released
+    up.apply(0, np.ones(4, np.float32))
+    with pytest.raises(ShapeMismatchError, match="1 of 3 chunks"):
+        up.commit()
+    np.testing.assert_array_equal(t.values(), before)
+
+
+def test_dense_version_and_staleness() -> None:
+    t = _dense(opt="sgd")
+    for base in (0, 0, 1):
+        up = t.begin_update(GRADIENT, base)
+        for off in (0, 4, 8):
+            up.apply(off, np.ones(t.block_len(off // 4), np.float32))
+        r = up.commit()
+    assert t.version == 3 and r.max_staleness == 1  # applied at version 2, computed from 1
+    assert t.staleness.count == 3 and t.staleness.max == 1
+
+
+def test_dense_chunk_validation() -> None:
+    t = _dense()
+    up = t.begin_update(GRADIENT)
+    with pytest.raises(ShapeMismatchError, match="multiple of 4"):
+        up.apply(3, np.ones(4, np.float32))
+    with pytest.raises(ShapeMismatchError, match="expected 2"):
+        up.apply(8, np.ones(4, np.float32))
+    up.apply(0, np.ones(4, np.float32))
+    with pytest.raises(ShapeMismatchError, match="twice"):
+        up.apply(0, np.ones(4, np.float32))
+    up.abort()
+
+
+def test_sparse_rows_are_lazy_and_deterministic() -> None:
+    t = _sparse()
+    ids = np.array([7, 3, 7], np.int64)
+    vals, vers = t.pull(ids)
+    assert t.rows == 2 and vers.tolist() == [0, 0, 0]
+    np.testing.assert_array_equal(vals[0], vals[2])
+    np.testing.assert_array_equal(vals[:2], init_rows(t.spec.initializer, table_key("s", 0), ids[:2], 4))
+    r = t.push(np.array([3, 3, 99]), np.ones((3, 4), np.float32), base_versions=np.array([0, 0, 0]))
+    assert (r.applied, r.dropped) == (1, 1)  # 99 was never pulled: dropped, counted
+    _, vers = t.pull(np.array([3, 7]))
+    assert vers.tolist() == [1, 0]
+
+
+def test_admission_min_count() -> None:
+    t = _sparse(admission=AdmissionSpec(min_count=3))
+    ids = np.array([1, 2], np.int64)
+    for _ in range(2):
+        vals, _ = t.pull(ids)
+        assert t.rows == 0  # seen, not yet admitted: initial values served, nothing stored
+    np.testing.assert_array_equal(vals, init_rows(t.spec.initializer, t._key, ids, 4))
+    t.pull(ids)
+    assert t.rows == 2
+
+
+def test_admission_probability_is_deterministic_and_roughly_p() -> None:
+    a = _sparse(admission=AdmissionSpec(probability=0.25))
+    b = _sparse(admission=AdmissionSpec(probability=0.25))
+    ids = np.arange(4000, dtype=np.int64)
+    a.pull(ids)
+    b.pull(ids)
+    assert 800 < a.rows < 1200
+    assert set(a._index) == set(b._index)
+
+
+def test_eviction_lru_keeps_memory_bounded() -> None:
+    t = _sparse(eviction=EvictionSpec(max_rows=100))
+    for step in range(50):
+        ids = np.arange(step * 40, step * 40 + 40, dtype=np.int64)
+        t.pull(ids)
+        t.push(ids, np.ones((40, 4), np.float32))
+        assert t.rows <= 100
+    assert t._cap <= 1024  # storage reused through the free list, not grown
+    assert t.evicted == 50 * 40 - 100
+    # the survivors are the most recently used
+    assert set(t._index) == set(range(49 * 40 - 60, 50 * 40))
+
+
+def test_eviction_ttl() -> None:
+    t = _sparse(eviction=EvictionSpec(ttl_steps=5))
+    t.pull(np.array([1], np.int64))
+    hot = np.array([2], np.int64)
+    for _ in range(10):
+        t.pull(hot)
+        t.push(hot, np.ones((1, 4), np.float32))
+    assert 1 not in t._index and 2 in t._index and t.evicted == 1
