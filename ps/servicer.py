@@ -26,7 +26,7 @@ from ps.errors import (
 from ps.shard import Shard
 from ps.table import ASSIGN, GRADIENT, DenseTable
 from ps.wire import info_to_proto, spec_from_proto, stats_to_proto
-from tessera.codec import WIRE_FLOAT_DTYPES, CodecError, from_wire, pack, to_wire, unpack
+from tessera.codec import WIRE_FLOAT_DTYPES, CodecError, byte_view, from_wire, pack, to_wire, unpack
 from tessera.v1 import ps_pb2 as pb
 
 __all__ = ["PSServicer", "STATUS_OF", "SERVICE_NAME"]
@@ -184,7 +184,7 @@ class PSServicer:
         ids = from_wire(pl.get(15, b""), "int64", None, what=f"table {req.table!r}: ids")
         values, versions = self.shard.pull_sparse(req.table, ids)
         head = pb.PullSparseReply(dtype=dtype, dim=table.dim)
-        return self._out(pack(head, {14: memoryview(versions).cast("B"), 15: to_wire(values, dtype)[1]}))
+        return self._out(pack(head, {14: byte_view(versions), 15: to_wire(values, dtype)[1]}))
 
     def PushSparse(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         req, pl = self._decode(pb.PushSparseRequest, raw, (13, 14, 15))

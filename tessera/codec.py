@@ -27,6 +27,7 @@ __all__ = [
     "pack",
     "unpack",
     "to_wire",
+    "byte_view",
     "from_wire",
     "as_numpy",
     "tensor_to_proto",
@@ -157,6 +158,11 @@ def as_numpy(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def byte_view(arr: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without copying."""
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
+
+
 def to_wire(x: Any, wire_dtype: str | None = None) -> tuple[str, memoryview]:
     """Encode an array as (dtype name, little-endian C-order bytes).
 
@@ -164,11 +170,11 @@ def to_wire(x: Any, wire_dtype: str | None = None) -> tuple[str, memoryview]:
     """
     if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and wire_dtype in (None, "bfloat16"):
         t = x.detach().cpu().contiguous()
-        return "bfloat16", memoryview(t.view(torch.int16).numpy().view(np.uint16)).cast("B")
+        return "bfloat16", byte_view(t.view(torch.int16).numpy())
     arr = as_numpy(x)
     if wire_dtype == "bfloat16":
         t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(torch.bfloat16)
-        return "bfloat16", memoryview(t.view(torch.int16).numpy().view(np.uint16)).cast("B")
+        return "bfloat16", byte_view(t.view(torch.int16).numpy())
     if wire_dtype is not None:
         if wire_dtype not in DTYPES:
             raise CodecError(f"unknown wire dtype {wire_dtype!r}")
@@ -177,7 +183,7 @@ def to_wire(x: Any, wire_dtype: str | None = None) -> tuple[str, memoryview]:
     if name is None:
         raise CodecError(f"dtype {arr.dtype} has no wire encoding")
     arr = np.ascontiguousarray(arr, dtype=DTYPES[name])
-    return name, memoryview(arr).cast("B")
+    return name, byte_view(arr)
 
 
 def from_wire(data: Any, dtype: str, shape: Sequence[int] | None = None, what: str = "tensor") -> np.ndarray:
