@@ -40,6 +40,7 @@ from ps.errors import (
     ShardUnavailableError,
     TableExistsError,
     TableNotFoundError,
+    with_table,
 )
 from ps.partition import SlotMap
 from ps.shard import ShardStats, TableInfo
@@ -75,6 +76,13 @@ class _Dense:
     spec: TableSpec
     ranges: list[tuple[int, int]]  # [start, stop) per shard
     chunk: list[int]  # chunk_elems per shard
+
+
+@dataclass
+class _Sparse:
+    spec: TableSpec
+    slots: SlotMap
+    max_ids: list[int]  # per shard: most ids one request may carry (0: unknown)
 
 
 class _Shard:
@@ -123,7 +131,7 @@ class PSClient:
         self._shards = [_Shard(a, opts) for a in self.addresses]
         self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * self.num_shards), thread_name_prefix="psclient")
         self._dense: dict[str, _Dense] = {}
-        self._sparse: dict[str, tuple[TableSpec, SlotMap]] = {}
+        self._sparse: dict[str, _Sparse] = {}
         self._meta_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
@@ -147,7 +155,7 @@ class PSClient:
                 raise ShardUnavailableError(f"shard {s.address} not reachable within {timeout} s") from None
 
     # ------------------------------------------------------------------ plumbing
-    def _call(self, shard: int, fn: Any, request: bytes) -> bytes:
+    def _call(self, shard: int, fn: Any, request: bytes, table: str | None = None) -> bytes:
         s = self._shards[shard]
         deadline = time.monotonic() + self.timeout
         try:
@@ -155,7 +163,7 @@ class PSClient:
                 lambda: fn(request, timeout=max(0.01, deadline - time.monotonic())), self.retries, deadline=deadline
             )
         except grpc.RpcError as e:
-            raise _typed(e, s.address) from None
+            raise _typed(e, s.address, table) from None
 
     def _fan_out(self, jobs: list[Any]) -> list[Any]:
         """Run zero-arg callables concurrently; re-raise the first error after all finish."""
@@ -179,8 +187,12 @@ class PSClient:
 
         Raises TableExistsError if a table of that name exists with another spec.
         """
+        check = pb.CreateTableRequest(spec=spec_to_proto(spec), num_shards=self.num_shards, validate_only=True)
+        check_raw = check.SerializeToString()
+        # every shard must accept before any creates: a refusal on one shard must not leave the table on others
+        self._fan_out([lambda i=i: self._call(i, self._shards[i].create, check_raw, spec.name) for i in range(self.num_shards)])
         req = pb.CreateTableRequest(spec=spec_to_proto(spec), num_shards=self.num_shards).SerializeToString()
-        replies = self._fan_out([lambda i=i: self._call(i, self._shards[i].create, req) for i in range(self.num_shards)])
+        replies = self._fan_out([lambda i=i: self._call(i, self._shards[i].create, req, spec.name) for i in range(self.num_shards)])
         infos = []
         created = False
         for raw in replies:
@@ -205,10 +217,13 @@ class PSClient:
         if not isinstance(init, (str, InitializerSpec)):
             values, init = init, "zeros"
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        spec = TableSpec(
-            name, DENSE, shape=shape, optimizer=_opt(optimizer, hparams), initializer=_init(init), seed=seed,
-            allow_nonfinite=allow_nonfinite,
-        )
+        try:
+            spec = TableSpec(
+                name, DENSE, shape=shape, optimizer=_opt(optimizer, hparams), initializer=_init(init), seed=seed,
+                allow_nonfinite=allow_nonfinite,
+            )
+        except InvalidArgumentError as e:
+            raise with_table(name, e) from None
         created = self.create_table(spec)
         if values is not None and created:
             self.assign_dense(name, values)
@@ -227,16 +242,19 @@ class PSClient:
         allow_nonfinite: bool = False,
         **hparams: float,
     ) -> bool:
-        spec = TableSpec(
-            name, SPARSE, dim=dim, optimizer=_opt(optimizer, hparams), initializer=_init(init), seed=seed,
-            admission=admission or AdmissionSpec(), eviction=eviction or EvictionSpec(), num_slots=num_slots,
-            allow_nonfinite=allow_nonfinite,
-        )
+        try:
+            spec = TableSpec(
+                name, SPARSE, dim=dim, optimizer=_opt(optimizer, hparams), initializer=_init(init), seed=seed,
+                admission=admission or AdmissionSpec(), eviction=eviction or EvictionSpec(), num_slots=num_slots,
+                allow_nonfinite=allow_nonfinite,
+            )
+        except InvalidArgumentError as e:
+            raise with_table(name, e) from None
         return self.create_table(spec)
 
     def describe(self, name: str) -> list[TableInfo]:
         req = pb.DescribeTableRequest(table=name).SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, self._shards[i].describe, req) for i in range(self.num_shards)])
+        raws = self._fan_out([lambda i=i: self._call(i, self._shards[i].describe, req, name) for i in range(self.num_shards)])
         infos = [info_from_proto(unpack(pb.TableInfo, r)[0]) for r in raws]
         self._remember(infos)
         return infos
@@ -255,7 +273,9 @@ class PSClient:
                     spec, [(i.offset, i.offset + i.length) for i in infos], [i.chunk_elems for i in infos]
                 )
             else:
-                self._sparse[spec.name] = (spec, SlotMap(spec.num_slots, self.num_shards))
+                self._sparse[spec.name] = _Sparse(
+                    spec, SlotMap(spec.num_slots, self.num_shards), [i.max_ids_per_request for i in infos]
+                )
 
     def _dense_meta(self, name: str) -> _Dense:
         if name not in self._dense:
@@ -264,7 +284,7 @@ class PSClient:
                 raise InvalidArgumentError(f"table {name!r} is sparse; use the sparse calls")
         return self._dense[name]
 
-    def _sparse_meta(self, name: str) -> tuple[TableSpec, SlotMap]:
+    def _sparse_meta(self, name: str) -> _Sparse:
         if name not in self._sparse:
             self.describe(name)
             if name not in self._sparse:
@@ -300,7 +320,7 @@ class PSClient:
             try:
                 return retry_unavailable(attempt, self.retries)
             except grpc.RpcError as e:
-                raise _typed(e, s.address) from None
+                raise _typed(e, s.address, name) from None
 
         self._fan_out([lambda i=i: one(i) for i in range(self.num_shards)])
         arr = flat.reshape(meta.spec.shape)
@@ -328,11 +348,11 @@ class PSClient:
             raise InvalidArgumentError(
                 f"table {name!r}: pushed {g.size} elements ({tuple(np.shape(as_numpy(grad)))}), table has {meta.spec.numel} {meta.spec.shape}"
             )
-        if op == pb.DENSE_OP_GRADIENT:
-            _check_finite(meta.spec, g)  # all shards or none: do not let the finite part apply
         flat = np.empty(meta.spec.numel, np.float32) if return_params else None
         # values assigned are kept, not accumulated: never round them to a low-precision wire dtype
         wire = self.wire_dtype if op == pb.DENSE_OP_GRADIENT else "float32"
+        # all shards or none: check what will be sent, so no shard refuses a part the others apply
+        _check_finite(meta.spec, g, wire, "gradient" if op == pb.DENSE_OP_GRADIENT else "assigned values")
 
         def one(i: int) -> tuple[int, int]:
             start, stop = meta.ranges[i]
@@ -348,6 +368,7 @@ class PSClient:
                         head.return_params, head.reply_dtype, head.worker = return_params, wire, self.worker
                     dtype, data = to_wire(part, wire)
                     head.dtype = dtype
+                    head.last = off + chunk >= stop - start
                     yield pack(head, {15: data})
 
             def attempt() -> tuple[int, int]:
@@ -365,9 +386,12 @@ class PSClient:
             try:
                 return retry_unavailable(attempt, self.retries)
             except grpc.RpcError as e:
-                raise _typed(e, s.address) from None
+                raise _typed(e, s.address, name) from None
 
-        res = self._fan_out([lambda i=i: one(i) for i in range(self.num_shards)])
+        # a table smaller than the cluster leaves some shards an empty range: nothing to send them
+        res = self._fan_out(
+            [(lambda i=i: one(i)) if meta.ranges[i][1] > meta.ranges[i][0] else (lambda: (-1, -1)) for i in range(self.num_shards)]
+        )
         if flat is not None:
             arr = flat.reshape(meta.spec.shape)
             return _fill(out, arr, name) if out is not None else _like(grad, arr)
@@ -376,13 +400,21 @@ class PSClient:
     # ------------------------------------------------------------------ sparse
     def _group(self, name: str, ids: Any) -> tuple[TableSpec, np.ndarray, np.ndarray, list[list[np.ndarray]]]:
         """(spec, unique ids, inverse, per shard: index arrays into unique ids, split to fit a request)."""
-        spec, slots = self._sparse_meta(name)
+        meta = self._sparse_meta(name)
+        spec = meta.spec
         arr = _ids(ids, name)
         uniq, inverse = np.unique(arr, return_inverse=True)
-        owner = slots.shard_of(uniq)
+        owner = meta.slots.shard_of(uniq)
         per_req = max(1, self.max_request_bytes // (spec.dim * 4 + 16))
         order = np.argsort(owner, kind="stable")
         bounds = np.searchsorted(owner[order], np.arange(self.num_shards + 1))
+        for i in range(self.num_shards):  # all shards or none: refuse before sending anything
+            n, limit = int(bounds[i + 1] - bounds[i]), meta.max_ids[i]
+            if limit and min(n, per_req) > limit:
+                raise ResourceExhaustedError(
+                    f"table {name!r}: {n} ids for shard {i} exceed its limit of {limit} ids per request; "
+                    "split the batch or lower max_request_bytes"
+                )
         groups = []
         for i in range(self.num_shards):
             idx = order[bounds[i] : bounds[i + 1]]
@@ -402,7 +434,7 @@ class PSClient:
 
         def one(i: int, idx: np.ndarray) -> None:
             req = pack(pb.PullSparseRequest(table=name, dtype=self.wire_dtype), {15: np.ascontiguousarray(uniq[idx])})
-            msg, pl = unpack(pb.PullSparseReply, self._call(i, self._shards[i].pull_sparse, req), (14, 15))
+            msg, pl = unpack(pb.PullSparseReply, self._call(i, self._shards[i].pull_sparse, req, name), (14, 15))
             rows[idx] = from_wire(pl.get(15, b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
             versions[idx] = from_wire(pl.get(14, b""), "int64", (len(idx),), what=f"table {name!r} versions")
 
@@ -420,17 +452,22 @@ class PSClient:
         were computed from, so the shards can measure staleness.
         """
         spec, uniq, inverse, groups = self._group(name, ids)
-        g = as_numpy(grads).reshape(-1, spec.dim) if np.size(as_numpy(grads)) else np.zeros((0, spec.dim), np.float32)
+        ga = as_numpy(grads)
+        if ga.size and (ga.ndim < 1 or ga.shape[-1] != spec.dim):
+            raise InvalidArgumentError(
+                f"table {name!r}: gradient shape {tuple(ga.shape)} does not end in the table's dim {spec.dim}"
+            )
+        g = ga.reshape(-1, spec.dim) if ga.size else np.zeros((0, spec.dim), np.float32)
         if g.shape[0] != len(inverse):
             raise InvalidArgumentError(
                 f"table {name!r}: {g.shape[0]} gradient rows for {len(inverse)} ids (dim {spec.dim})"
             )
-        _check_finite(spec, g)
         summed = np.zeros((len(uniq), spec.dim), np.float32)
         if len(inverse) == len(uniq):
             summed[inverse] = g  # no duplicates: a scatter, not a sum
         else:
             torch.from_numpy(summed).index_add_(0, torch.from_numpy(inverse), torch.from_numpy(np.ascontiguousarray(g, np.float32)))
+        _check_finite(spec, summed, self.wire_dtype)  # what is sent: after summing duplicates and the wire cast
         base = None
         if base_versions is not None:
             base = np.full(len(uniq), -1, np.int64)
@@ -443,7 +480,7 @@ class PSClient:
             payloads: dict[int, Any] = {14: np.ascontiguousarray(uniq[idx]), 15: data}
             if base is not None:
                 payloads[13] = np.ascontiguousarray(base[idx])
-            msg, _ = unpack(pb.PushSparseReply, self._call(i, self._shards[i].push_sparse, pack(head, payloads)))
+            msg, _ = unpack(pb.PushSparseReply, self._call(i, self._shards[i].push_sparse, pack(head, payloads), name))
             return PushResult(msg.applied, msg.dropped, msg.mean_staleness, msg.max_staleness)
 
         parts = self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, gr in enumerate(groups) for idx in gr])
@@ -463,19 +500,28 @@ class PSClient:
 
 
 # ---------------------------------------------------------------------- helpers
-def _typed(e: grpc.RpcError, address: str) -> PSError:
+def _typed(e: grpc.RpcError, address: str, table: str | None = None) -> PSError:
     code = e.code() if hasattr(e, "code") else None
     details = e.details() if hasattr(e, "details") else str(e)
     cls = _ERROR_OF.get(code, InternalError)  # type: ignore[arg-type]
+    if table is not None and f"table {table!r}" not in (details or ""):
+        details = f"table {table!r}: {details}"  # e.g. gRPC's own "Received message larger than max"
     err = cls(f"{details} [shard {address}, {code.name if code else 'unknown'}]")
     err.code = code  # type: ignore[attr-defined]
     return err
 
 
-def _check_finite(spec: TableSpec, g: np.ndarray) -> None:
-    if not spec.allow_nonfinite and g.dtype.kind == "f" and not np.isfinite(g).all():
-        bad = int(g.size - np.count_nonzero(np.isfinite(g)))
-        raise NonFiniteError(f"table {spec.name!r}: gradient holds {bad} NaN/Inf value(s); rejected before sending")
+def _check_finite(spec: TableSpec, g: np.ndarray, wire: str, what: str = "gradient") -> None:
+    """Refuse NaN/Inf in what would be sent: ``g`` at ``wire`` precision (1e6 is Inf in float16)."""
+    if spec.allow_nonfinite:
+        return
+    dtype, data = to_wire(g, wire)
+    sent = from_wire(data, dtype, None)
+    if not np.isfinite(sent).all():
+        bad = int(sent.size - np.count_nonzero(np.isfinite(sent)))
+        raise NonFiniteError(
+            f"table {spec.name!r}: {what} holds {bad} NaN/Inf value(s) as {wire} on the wire; rejected before sending"
+        )
 
 
 def _opt(optimizer: str | OptimizerSpec, hparams: dict[str, float]) -> OptimizerSpec:
@@ -495,7 +541,9 @@ def _ids(ids: Any, table: str) -> np.ndarray:
     if isinstance(ids, torch.Tensor):
         if ids.is_floating_point() or ids.is_complex():
             raise InvalidArgumentError(f"table {table!r}: ids must be integers, got {ids.dtype}")
-        return ids.detach().cpu().reshape(-1).to(torch.int64).numpy()
+        if ids.dtype != getattr(torch, "uint64", None):
+            return ids.detach().cpu().reshape(-1).to(torch.int64).numpy()
+        ids = ids.detach().cpu().numpy()  # uint64: range-checked below, not wrapped by .to(int64)
     try:
         arr = np.asarray(ids)
     except OverflowError:

@@ -16,6 +16,7 @@ __all__ = [
     "ShardUnavailableError",
     "DeadlineExceededError",
     "InternalError",
+    "with_table",
 ]
 
 
@@ -69,3 +70,10 @@ class DeadlineExceededError(PSError):
 
 class InternalError(PSError):
     """A bug or an unexpected failure on the shard (INTERNAL)."""
+
+
+def with_table(table: str, exc: PSError) -> PSError:
+    """``exc`` with its message prefixed by ``table 'NAME': `` unless it already names the table."""
+    if f"table {table!r}" in str(exc):
+        return exc
+    return type(exc)(f"table {table!r}: {exc}")

@@ -90,6 +90,10 @@ class PSServicer:
                     self.shard.requests[name] += 1
                     try:
                         yield from fn(request, context)
+                    except grpc.RpcError:
+                        # the request stream failed inside gRPC (cancelled, message too large, deadline):
+                        # the call already has its status; this is not the shard's fault
+                        self.shard.errors["CANCELLED"] += 1
                     except Exception as e:  # noqa: BLE001 - translated to a status
                         self._fail(name, context, e)
 
@@ -123,8 +127,11 @@ class PSServicer:
     # ------------------------------------------------------------------ tables
     def CreateTable(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         req, _ = self._decode(pb.CreateTableRequest, raw)
-        created, info = self.shard.create_table(spec_from_proto(req.spec), req.num_shards or None)
-        return self._out(pb.CreateTableReply(created=created, info=info_to_proto(info)).SerializeToString())
+        created, info = self.shard.create_table(spec_from_proto(req.spec), req.num_shards or None, req.validate_only)
+        reply = pb.CreateTableReply(created=created)
+        if info is not None:
+            reply.info.CopyFrom(info_to_proto(info))
+        return self._out(reply.SerializeToString())
 
     def DescribeTable(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         req, _ = self._decode(pb.DescribeTableRequest, raw)
@@ -140,6 +147,7 @@ class PSServicer:
         table: DenseTable | None = None
         reply_dtype = "float32"
         want = False
+        last = False
         try:
             for raw in request_iterator:
                 msg, pl = self._decode(pb.DenseChunk, raw, (15,))
@@ -147,6 +155,10 @@ class PSServicer:
                     table = self.shard.dense(msg.table)
                     reply_dtype = _float_dtype(msg.reply_dtype, table.spec.name, "reply_dtype")
                     want = msg.return_params
+                    if msg.op not in (pb.DENSE_OP_GRADIENT, pb.DENSE_OP_ASSIGN):
+                        raise InvalidArgumentError(
+                            f"table {table.spec.name!r}: unknown op {msg.op}; use DENSE_OP_GRADIENT (0) or DENSE_OP_ASSIGN (1)"
+                        )
                     op = ASSIGN if msg.op == pb.DENSE_OP_ASSIGN else GRADIENT
                     update = table.begin_update(op, msg.base_version)
                 elif msg.table and msg.table != table.spec.name:  # type: ignore[union-attr]
@@ -157,8 +169,19 @@ class PSServicer:
                 values = update.apply(msg.offset, data)
                 if want:
                     yield self._out(pack(pb.DenseChunk(offset=msg.offset, dtype=reply_dtype), {15: to_wire(values, reply_dtype)[1]}))
+                if msg.last:
+                    last = True
+                    break  # commit now; never depend on how the stream ends
             if update is None:
                 raise InvalidArgumentError("PushDense: empty stream (no chunks)")
+            if not last:
+                # gRPC ends the request stream the same way when the client half-closes and when the
+                # call failed (message too large, connection lost): only an explicit last chunk commits
+                have, need = len(update.staged), table.num_blocks  # type: ignore[union-attr]
+                raise ShapeMismatchError(
+                    f"table {table.spec.name!r}: push stream ended without its last chunk "  # type: ignore[union-attr]
+                    f"({have} of {need} chunks, {need - have} missing); nothing applied"
+                )
             result = update.commit()
             yield self._out(
                 pb.DenseChunk(table=table.spec.name, version=result.version, staleness=result.max_staleness).SerializeToString()  # type: ignore[union-attr]

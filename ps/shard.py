@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ps.config import DENSE, ShardConfig, TableSpec
+from ps.config import DENSE, SPARSE, ShardConfig, TableSpec
 from ps.errors import DtypeError, InvalidArgumentError, ResourceExhaustedError, TableExistsError, TableNotFoundError
 from ps.optim import make_optimizer
 from ps.table import DenseTable, PushResult, SparseTable
@@ -29,6 +29,7 @@ class TableInfo:
     length: int = 0
     chunk_elems: int = 0
     version: int = 0
+    max_ids_per_request: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,20 @@ class Shard:
         self.bytes_out = 0
 
     # ------------------------------------------------------------------ tables
-    def create_table(self, spec: TableSpec, num_shards: int | None = None) -> tuple[bool, TableInfo]:
-        """Create ``spec`` (idempotent for an identical spec). Returns (created, info)."""
+    def create_table(
+        self, spec: TableSpec, num_shards: int | None = None, validate_only: bool = False
+    ) -> tuple[bool, TableInfo | None]:
+        """Create ``spec`` (idempotent for an identical spec). Returns (created, info).
+
+        ``validate_only``: run every check (and the memory budget) but create nothing; info is None
+        unless the table exists."""
         if num_shards is not None and num_shards != self.config.num_shards:
             raise InvalidArgumentError(
                 f"table {spec.name!r}: client assumes {num_shards} shards, this shard is {self.config.shard_index} of {self.config.num_shards}"
+            )
+        if spec.kind == SPARSE and spec.num_slots < self.config.num_shards:
+            raise InvalidArgumentError(
+                f"table {spec.name!r}: num_slots {spec.num_slots} is fewer than the {self.config.num_shards} shards"
             )
         with self._lock:
             existing = self.tables.get(spec.name)
@@ -91,10 +101,14 @@ class Shard:
                 length = -(-spec.numel // self.config.num_shards)
                 per_elem = 4 * (1 + _state_per_elem(spec))
                 self._reserve(length * per_elem, spec.name)
+                if validate_only:
+                    return True, None
                 table: DenseTable | SparseTable = DenseTable(
                     spec, self.config.shard_index, self.config.num_shards, self.config.chunk_elems
                 )
             else:
+                if validate_only:
+                    return True, None
                 table = SparseTable(
                     spec,
                     self.config.shard_index,
@@ -126,9 +140,13 @@ class Shard:
         t = self.table(name)
         if isinstance(t, DenseTable):
             return TableInfo(
-                t.spec, self.config.shard_index, self.config.num_shards, t.start, t.length, t.chunk_elems, t.version
+                t.spec, self.config.shard_index, self.config.num_shards, t.start, t.length, t.chunk_elems, t.version,
+                self.config.max_ids_per_request,
             )
-        return TableInfo(t.spec, self.config.shard_index, self.config.num_shards, version=t.step)
+        return TableInfo(
+            t.spec, self.config.shard_index, self.config.num_shards, version=t.step,
+            max_ids_per_request=self.config.max_ids_per_request,
+        )
 
     # ------------------------------------------------------------------ sparse
     def check_ids_request(self, name: str, n: int) -> None:

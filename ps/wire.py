@@ -10,7 +10,7 @@ from ps.config import (
     OptimizerSpec,
     TableSpec,
 )
-from ps.errors import InvalidArgumentError
+from ps.errors import InvalidArgumentError, with_table
 from ps.shard import ShardStats, TableInfo, TableStats
 from tessera.v1 import ps_pb2 as pb
 
@@ -48,6 +48,13 @@ def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
     """Raises InvalidArgumentError naming the table and the bad field."""
     if msg.kind not in _KIND_FROM_PB:
         raise InvalidArgumentError(f"table {msg.name!r}: kind must be dense or sparse")
+    try:
+        return _spec_from_proto(msg)
+    except InvalidArgumentError as e:
+        raise with_table(msg.name, e) from None
+
+
+def _spec_from_proto(msg: pb.TableSpec) -> TableSpec:
     return TableSpec(
         name=msg.name,
         kind=_KIND_FROM_PB[msg.kind],
@@ -73,12 +80,14 @@ def info_to_proto(info: TableInfo) -> pb.TableInfo:
         length=info.length,
         chunk_elems=info.chunk_elems,
         version=info.version,
+        max_ids_per_request=info.max_ids_per_request,
     )
 
 
 def info_from_proto(msg: pb.TableInfo) -> TableInfo:
     return TableInfo(
-        spec_from_proto(msg.spec), msg.shard_index, msg.num_shards, msg.offset, msg.length, msg.chunk_elems, msg.version
+        spec_from_proto(msg.spec), msg.shard_index, msg.num_shards, msg.offset, msg.length, msg.chunk_elems, msg.version,
+        msg.max_ids_per_request,
     )
 
 

@@ -98,15 +98,17 @@ class TableSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., shape: _Optional[_Iterable[int]] = ..., dim: _Optional[int] = ..., dtype: _Optional[str] = ..., optimizer: _Optional[_Union[OptimizerSpec, _Mapping]] = ..., initializer: _Optional[_Union[InitializerSpec, _Mapping]] = ..., seed: _Optional[int] = ..., admission: _Optional[_Union[AdmissionSpec, _Mapping]] = ..., eviction: _Optional[_Union[EvictionSpec, _Mapping]] = ..., num_slots: _Optional[int] = ..., allow_nonfinite: bool = ...) -> None: ...
 
 class CreateTableRequest(_message.Message):
-    __slots__ = ("spec", "num_shards")
+    __slots__ = ("spec", "num_shards", "validate_only")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    VALIDATE_ONLY_FIELD_NUMBER: _ClassVar[int]
     spec: TableSpec
     num_shards: int
-    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., num_shards: _Optional[int] = ...) -> None: ...
+    validate_only: bool
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., num_shards: _Optional[int] = ..., validate_only: bool = ...) -> None: ...
 
 class TableInfo(_message.Message):
-    __slots__ = ("spec", "shard_index", "num_shards", "offset", "length", "chunk_elems", "version")
+    __slots__ = ("spec", "shard_index", "num_shards", "offset", "length", "chunk_elems", "version", "max_ids_per_request")
     SPEC_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +116,7 @@ class TableInfo(_message.Message):
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ELEMS_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_IDS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     spec: TableSpec
     shard_index: int
     num_shards: int
@@ -121,7 +124,8 @@ class TableInfo(_message.Message):
     length: int
     chunk_elems: int
     version: int
-    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., chunk_elems: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
+    max_ids_per_request: int
+    def __init__(self, spec: _Optional[_Union[TableSpec, _Mapping]] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., chunk_elems: _Optional[int] = ..., version: _Optional[int] = ..., max_ids_per_request: _Optional[int] = ...) -> None: ...
 
 class CreateTableReply(_message.Message):
     __slots__ = ("created", "info")
@@ -138,7 +142,7 @@ class DescribeTableRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ...) -> None: ...
 
 class DenseChunk(_message.Message):
-    __slots__ = ("table", "offset", "dtype", "op", "base_version", "return_params", "reply_dtype", "version", "staleness", "worker", "data")
+    __slots__ = ("table", "offset", "dtype", "op", "base_version", "return_params", "reply_dtype", "version", "staleness", "worker", "last", "data")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +153,7 @@ class DenseChunk(_message.Message):
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     table: str
     offset: int
@@ -160,8 +165,9 @@ class DenseChunk(_message.Message):
     version: int
     staleness: int
     worker: str
+    last: bool
     data: bytes
-    def __init__(self, table: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., op: _Optional[_Union[DenseOp, str]] = ..., base_version: _Optional[int] = ..., return_params: bool = ..., reply_dtype: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., worker: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., op: _Optional[_Union[DenseOp, str]] = ..., base_version: _Optional[int] = ..., return_params: bool = ..., reply_dtype: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., worker: _Optional[str] = ..., last: bool = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PullDenseRequest(_message.Message):
     __slots__ = ("table", "dtype")

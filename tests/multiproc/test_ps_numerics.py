@@ -125,3 +125,10 @@ def test_low_precision_wire(client: PSClient, wire: str) -> None:
         )
     finally:
         lp.close()
+
+
+def test_table_smaller_than_the_cluster(client: PSClient) -> None:
+    """2 elements on 3 shards: one shard holds nothing and is simply not asked."""
+    client.create_dense("tiny", (2,), "sgd", lr=1.0, init=np.array([1.0, 2.0], np.float32))
+    np.testing.assert_array_equal(client.push_dense("tiny", np.ones(2, np.float32), return_params=True), [0.0, 1.0])
+    np.testing.assert_array_equal(client.pull_dense("tiny"), [0.0, 1.0])
