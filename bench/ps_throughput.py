@@ -24,11 +24,12 @@ Each measurement runs after a warm-up, several times (variants interleaved so
 noise hits them alike); "best" is from the minimum time, "median" from the
 median time.
 
-Run (about 1-2 minutes on 2 cores)::
+Run (about a minute on 2 cores)::
 
     python bench/ps_throughput.py                 # full run
     python bench/ps_throughput.py --quick         # smoke run (~20 s): 16 MiB table, 100k rows
     python bench/ps_throughput.py --json-out bench/out/ps.json
+    python bench/ps_throughput.py --shard-omp-threads 1   # shards with OMP_NUM_THREADS=1 (A/B)
 
 It prints a table and, as its last line, one line of JSON (keys
 raw_grpc_gbps, raw_tcp_gbps, dense_pushpull_gbps, dense_ratio,
@@ -357,10 +358,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: 16 MiB table, 100k rows, fewer repeats")
     ap.add_argument("--json-out", default=None, help="also write the JSON result to this path")
-    ap.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5, quick 3)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 10, quick 3; sparse: 6x / 4x that)")
     ap.add_argument("--dense-mib", type=int, default=None, help="dense table / echo payload in MiB (default 64, quick 16)")
     ap.add_argument("--sparse-rows", type=int, default=None, help="sparse table rows (default 1M, quick 100k)")
     ap.add_argument("--shards", default="1,2", help="shard counts for the dense benchmark (default 1,2)")
+    ap.add_argument(
+        "--shard-omp-threads", type=int, default=None,
+        help="set OMP_NUM_THREADS for the shard processes (default: inherit, i.e. the system as shipped)",
+    )
     ap.add_argument("--serve", choices=("grpc", "tcp"), help=argparse.SUPPRESS)  # internal: run an echo server
     args = ap.parse_args(argv)
 
@@ -372,18 +377,34 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     quick = args.quick
-    repeats = args.repeats or (3 if quick else 5)
+    repeats = args.repeats or (3 if quick else 10)
     warmup = 1
     sparse_repeats = repeats * (4 if quick else 6)
     sparse_warmup = 3
     dense_mib = args.dense_mib or (16 if quick else 64)
     sparse_rows = args.sparse_rows or (100_000 if quick else 1_000_000)
     shard_counts = [int(x) for x in args.shards.split(",") if x]
+    if not shard_counts or min(shard_counts) < 1:
+        ap.error("--shards needs at least one shard count >= 1")
     nbytes = dense_mib * MiB
     numel = nbytes // 4
     batch, dim = 4096, 64
 
     from ps.cli import start_local_shards, stop_processes
+
+    if args.shard_omp_threads is not None:
+        os.environ["OMP_NUM_THREADS"] = str(args.shard_omp_threads)  # inherited by start_local_shards' children
+    # Ctrl-C / SIGTERM: stop every child (finally below) and exit quietly. Ctrl-C also reaches the
+    # children (same process group), so a call in flight may fail with UNAVAILABLE before the
+    # KeyboardInterrupt surfaces: remember that we were interrupted.
+    interrupted: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
 
     t_start = time.perf_counter()
     procs: list[subprocess.Popen] = []
@@ -422,9 +443,11 @@ def main(argv: list[str] | None = None) -> int:
             res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup)
             results.append(res)
             extra["sparse_populate_s"] = round(populate_s, 3)
-    except KeyboardInterrupt:
-        log("interrupted; stopping child processes")
-        return 130
+    except BaseException as e:
+        if not interrupted and not isinstance(e, KeyboardInterrupt):
+            raise
+        log(f"interrupted ({type(e).__name__}); stopping child processes")
+        return 130 if not interrupted or interrupted[0] == signal.SIGINT else 143
     finally:
         stop_processes(procs)
 
@@ -484,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": repeats,
         "quick": quick,
         "cpus": os.cpu_count(),
+        "shard_omp_threads": args.shard_omp_threads,
         "wall_s": round(wall, 1),
         **extra,
     }

@@ -27,6 +27,10 @@ def add_ps_commands(sub: Any) -> None:
     s.add_argument("--max-bytes", type=int, default=0, help="bound on params + optimizer state held (0: none)")
     s.add_argument("--chunk-elems", type=int, default=1 << 18, help="dense wire chunk in elements")
     s.add_argument("--threads", type=int, default=16, help="RPC worker threads")
+    s.add_argument(
+        "--torch-threads", type=int, default=1,
+        help="intra-op threads for the optimizer math (default 1; 0 keeps torch's default, one per core)",
+    )
     s.add_argument("--ready-file", default=None, help="write the bound port here once serving")
     s.set_defaults(func=_serve)
 
@@ -42,8 +46,14 @@ def add_ps_commands(sub: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import torch
+
     from ps.server import serve
 
+    if args.torch_threads > 0:
+        # torch's default (an OpenMP pool of one thread per core in every shard process) oversubscribes
+        # the host as soon as shards or the client share cores; 1 MiB chunks gain little from it anyway
+        torch.set_num_threads(args.torch_threads)
     cfg = ShardConfig(
         shard_index=args.shard_index, num_shards=args.num_shards, host=args.host, port=args.port,
         max_bytes=args.max_bytes, chunk_elems=args.chunk_elems, workers=args.threads,

@@ -296,7 +296,8 @@ class PSClient:
         """The whole table. Into ``out`` (numpy array or torch tensor of the table's size, filled in
         place and returned) or a new float32 numpy array of the table's shape."""
         meta = self._dense_meta(name)
-        flat = np.empty(meta.spec.numel, np.float32)
+        direct = _direct_out(out, meta.spec.numel)  # straight into out: no temporary, no second copy
+        flat = direct if direct is not None else np.empty(meta.spec.numel, np.float32)
         req = pb.PullDenseRequest(table=name, dtype=self.wire_dtype).SerializeToString()
 
         def one(i: int) -> int:
@@ -323,6 +324,8 @@ class PSClient:
                 raise _typed(e, s.address, name) from None
 
         self._fan_out([lambda i=i: one(i) for i in range(self.num_shards)])
+        if direct is not None:
+            return out
         arr = flat.reshape(meta.spec.shape)
         return arr if out is None else _fill(out, arr, name)
 
@@ -348,7 +351,8 @@ class PSClient:
             raise InvalidArgumentError(
                 f"table {name!r}: pushed {g.size} elements ({tuple(np.shape(as_numpy(grad)))}), table has {meta.spec.numel} {meta.spec.shape}"
             )
-        flat = np.empty(meta.spec.numel, np.float32) if return_params else None
+        direct = _direct_out(out, meta.spec.numel) if return_params else None
+        flat = (direct if direct is not None else np.empty(meta.spec.numel, np.float32)) if return_params else None
         # values assigned are kept, not accumulated: never round them to a low-precision wire dtype
         wire = self.wire_dtype if op == pb.DENSE_OP_GRADIENT else "float32"
         # all shards or none: check what will be sent, so no shard refuses a part the others apply
@@ -392,6 +396,8 @@ class PSClient:
         res = self._fan_out(
             [(lambda i=i: one(i)) if meta.ranges[i][1] > meta.ranges[i][0] else (lambda: (-1, -1)) for i in range(self.num_shards)]
         )
+        if direct is not None:
+            return out
         if flat is not None:
             arr = flat.reshape(meta.spec.shape)
             return _fill(out, arr, name) if out is not None else _like(grad, arr)
@@ -571,6 +577,25 @@ def _like(x: Any, arr: np.ndarray) -> Any:
         return arr
     t = torch.from_numpy(arr)
     return t if x.device.type == "cpu" else t.to(x.device)
+
+
+def _direct_out(out: Any, numel: int) -> np.ndarray | None:
+    """A flat float32 numpy view of ``out`` that replies can be written into directly, else None.
+
+    Only where a copy would fill it identically: C-contiguous writable float32 numpy arrays and
+    contiguous CPU float32 tensors that do not require grad. On a failed call such an ``out`` may
+    be partly overwritten.
+    """
+    if isinstance(out, np.ndarray):
+        if out.dtype == np.float32 and out.size == numel and out.flags.c_contiguous and out.flags.writeable:
+            return out.reshape(-1)
+    elif isinstance(out, torch.Tensor):
+        if (
+            out.device.type == "cpu" and out.dtype == torch.float32 and out.numel() == numel
+            and out.is_contiguous() and not out.requires_grad
+        ):
+            return out.detach().numpy().reshape(-1)
+    return None
 
 
 def _fill(out: Any, arr: np.ndarray, table: str) -> Any:

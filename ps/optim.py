@@ -111,6 +111,10 @@ class RowwiseAdagrad(Optimizer):
         param.sub_(g / (acc.sqrt().add(self.h["eps"]))[:, None] * self.h["lr"])
 
 
+# the CPU kernel behind torch.optim.Adam(fused=True) (torch >= 2.4)
+_FUSED_ADAM = hasattr(torch, "_fused_adam_") and hasattr(torch, "_fused_adamw_")
+
+
 class Adam(Optimizer):
     name = "adam"
     elementwise_state = ("exp_avg", "exp_avg_sq")
@@ -118,12 +122,21 @@ class Adam(Optimizer):
 
     def update(self, param, grad, state, step):
         lr, b1, b2, eps, wd = (self.h[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay"))
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        if _FUSED_ADAM and not isinstance(step, torch.Tensor) and param.device.type == "cpu":
+            # one pass over p, g, m, v (torch.optim.Adam(fused=True)'s kernel) instead of ~8 passes
+            # and 3 temporaries. Rows with per-row steps (sparse lazy Adam) keep the general path.
+            fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+            fused(
+                [param], [grad.to(param.dtype).contiguous()], [m], [v], [], [torch.tensor(float(step))],
+                amsgrad=False, lr=lr, beta1=b1, beta2=b2, weight_decay=wd, eps=eps, maximize=False,
+            )
+            return
         if self.decoupled:
             param.mul_(1 - lr * wd)
             g = grad
         else:
             g = _decayed(grad, param, wd)
-        m, v = state["exp_avg"], state["exp_avg_sq"]
         m.lerp_(g, 1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
         bc1 = 1 - b1**step

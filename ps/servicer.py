@@ -95,6 +95,12 @@ class PSServicer:
                         # the call already has its status; this is not the shard's fault
                         self.shard.errors["CANCELLED"] += 1
                     except Exception as e:  # noqa: BLE001 - translated to a status
+                        if not context.is_active():
+                            # the client cancelled or went away mid-stream: nothing was applied and
+                            # nobody is listening; not an INTERNAL error
+                            self.shard.errors["CANCELLED"] += 1
+                            log.info("%s: cancelled by the client (%s)", name, type(e).__name__)
+                            return
                         self._fail(name, context, e)
 
                 return gen
