@@ -120,29 +120,16 @@ def serve_tcp_echo() -> None:
         threading.Thread(target=echo, args=(conn,), daemon=True).start()
 
 
-def _first_line(p: subprocess.Popen, deadline: float) -> str:
-    """The child's first stdout line, or why there is none (exited / timed out)."""
-    import selectors
-
-    assert p.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(p.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if sel.select(timeout=0.2):
-                return p.stdout.readline()
-            if p.poll() is not None:
-                return f"exited with code {p.returncode}"
-    return "timed out"
-
-
 def spawn_echo(kind: str, procs: list[subprocess.Popen], timeout: float = 30.0) -> str:
     """Start this script as an echo server of ``kind`` ("grpc"/"tcp"); returns its address."""
+    from ps.cli import read_first_line  # imported here: echo children stay free of torch
+
     p = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--serve", kind],
         stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     procs.append(p)
-    line = _first_line(p, time.monotonic() + timeout)
+    line = read_first_line(p, time.monotonic() + timeout)
     if "listening on" not in line:
         raise RuntimeError(f"{kind} echo server failed to start: {line!r}")
     return line.split("listening on ")[1].split()[0]

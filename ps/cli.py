@@ -13,7 +13,7 @@ from ps.client import PSClient
 from ps.config import ShardConfig
 from ps.shard import ShardStats
 
-__all__ = ["add_ps_commands", "start_local_shards", "stop_processes"]
+__all__ = ["add_ps_commands", "start_local_shards", "stop_processes", "read_first_line"]
 
 
 def add_ps_commands(sub: Any) -> None:
@@ -108,7 +108,7 @@ def start_local_shards(num_shards: int, extra_args: tuple[str, ...] = (), timeou
             )
         deadline = time.monotonic() + timeout
         for p in procs:
-            line = _read_line(p, deadline)
+            line = read_first_line(p, deadline)
             if "listening on" not in line:
                 raise RuntimeError(f"shard failed to start: {line!r}")
             addresses.append(line.split("listening on ")[1].split()[0])
@@ -118,17 +118,18 @@ def start_local_shards(num_shards: int, extra_args: tuple[str, ...] = (), timeou
         raise
 
 
-def _read_line(p: subprocess.Popen, deadline: float) -> str:
+def read_first_line(p: subprocess.Popen, deadline: float) -> str:
+    """The child's next stdout line, or why there is none (exited / timed out)."""
     import selectors
 
-    sel = selectors.DefaultSelector()
     assert p.stdout is not None
-    sel.register(p.stdout, selectors.EVENT_READ)
-    while time.monotonic() < deadline:
-        if sel.select(timeout=0.2):
-            return p.stdout.readline()
-        if p.poll() is not None:
-            return f"exited with code {p.returncode}"
+    with selectors.DefaultSelector() as sel:
+        sel.register(p.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if sel.select(timeout=0.2):
+                return p.stdout.readline()
+            if p.poll() is not None:
+                return f"exited with code {p.returncode}"
     return "timed out"
 
 
