@@ -173,14 +173,7 @@ class Shard:
 
     # ------------------------------------------------------------------ memory
     def held_bytes(self) -> int:
-        total = 0
-        for t in list(self.tables.values()):
-            if isinstance(t, DenseTable):
-                total += t.param_bytes() + t.state_bytes()
-            else:
-                p, s = t._bytes_per_row()
-                total += t._cap * (p + s)
-        return total
+        return sum(t.held_bytes() for t in list(self.tables.values()))
 
     def _reserve(self, extra: int, name: str) -> None:
         limit = self.config.max_bytes

@@ -117,6 +117,10 @@ class DenseTable:
     def state_bytes(self) -> int:
         return sum(v.numel() * v.element_size() for b in self._blocks for v in b.state.values())
 
+    def held_bytes(self) -> int:
+        """Memory this table holds on the shard (params + optimizer state)."""
+        return self.param_bytes() + self.state_bytes()
+
     def snapshot(self) -> tuple[int, list[torch.Tensor]]:
         """(version, value blocks) as of now; the blocks never change afterwards."""
         with self.lock:
@@ -256,6 +260,10 @@ class SparseTable:
 
     def state_bytes(self) -> int:
         return self.rows * self._bytes_per_row()[1]
+
+    def held_bytes(self) -> int:
+        """Memory allocated for rows on the shard, live or free (params + optimizer state)."""
+        return self._cap * sum(self._bytes_per_row())
 
     # ------------------------------------------------------------------ validation
     def check_ids(self, ids: np.ndarray) -> None:
