@@ -32,6 +32,7 @@ from ps.config import (
 )
 from ps.errors import (
     DeadlineExceededError,
+    FailedPreconditionError,
     InternalError,
     InvalidArgumentError,
     NonFiniteError,
@@ -42,10 +43,11 @@ from ps.errors import (
     TableNotFoundError,
     with_table,
 )
+from ps.consistency import SyncPolicy
 from ps.partition import SlotMap
-from ps.shard import ShardStats, TableInfo
+from ps.shard import MembershipView, ShardStats, TableInfo
 from ps.table import PushResult
-from ps.wire import info_from_proto, spec_to_proto, stats_from_proto
+from ps.wire import info_from_proto, membership_from_proto, policy_to_proto, spec_to_proto, stats_from_proto
 from tessera.codec import as_numpy, from_wire, pack, to_wire, unpack
 from tessera.rpc import channel_options, retry_unavailable
 from tessera.v1 import ps_pb2 as pb
@@ -60,6 +62,7 @@ _ERROR_OF = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.UNAVAILABLE: ShardUnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
 }
 
 
@@ -69,6 +72,8 @@ class DenseResult:
 
     versions: tuple[int, ...]
     staleness: tuple[int, ...]
+    late: int = 0  # BSP: shards where the push's clock was already applied (not applied there)
+    clock: int = -1  # BSP: the table's clock after the push (min over shards)
 
 
 @dataclass
@@ -92,6 +97,7 @@ class _Shard:
         u = lambda m: self.channel.unary_unary(_SERVICE + m)  # noqa: E731 - raw bytes in and out
         self.create, self.describe, self.stats = u("CreateTable"), u("DescribeTable"), u("Stats")
         self.pull_sparse, self.push_sparse = u("PullSparse"), u("PushSparse")
+        self.join, self.heartbeat = u("Join"), u("Heartbeat")
         self.push_dense = self.channel.stream_stream(_SERVICE + "PushDense")
         self.pull_dense = self.channel.unary_stream(_SERVICE + "PullDense")
 
@@ -292,13 +298,22 @@ class PSClient:
         return self._sparse[name]
 
     # ------------------------------------------------------------------ dense
-    def pull_dense(self, name: str, out: Any = None) -> Any:
+    def pull_dense(
+        self, name: str, out: Any = None, policy: SyncPolicy | None = None, return_clock: bool = False
+    ) -> Any:
         """The whole table. Into ``out`` (numpy array or torch tensor of the table's size, filled in
-        place and returned) or a new float32 numpy array of the table's shape."""
+        place and returned) or a new float32 numpy array of the table's shape.
+
+        ``policy``: wait as BSP/SSP require for step ``policy.clock`` (blocks on the shards).
+        ``return_clock``: also return the table's BSP clock (min over shards)."""
         meta = self._dense_meta(name)
         direct = _direct_out(out, meta.spec.numel)  # straight into out: no temporary, no second copy
         flat = direct if direct is not None else np.empty(meta.spec.numel, np.float32)
-        req = pb.PullDenseRequest(table=name, dtype=self.wire_dtype).SerializeToString()
+        head = pb.PullDenseRequest(table=name, dtype=self.wire_dtype, worker=self.worker)
+        if policy is not None:
+            head.sync.CopyFrom(policy_to_proto(policy))
+        req = head.SerializeToString()
+        clocks: list[int] = []
 
         def one(i: int) -> int:
             start, stop = meta.ranges[i]
@@ -314,6 +329,7 @@ class PSClient:
                     flat[a : a + data.size] = data
                     got += data.size
                     version = msg.version
+                    clocks.append(msg.clock)
                 if got != stop - start:
                     raise InternalError(f"table {name!r}: shard {s.address} returned {got} of {stop - start} elements")
                 return version
@@ -323,29 +339,41 @@ class PSClient:
             except grpc.RpcError as e:
                 raise _typed(e, s.address, name) from None
 
-        self._fan_out([lambda i=i: one(i) for i in range(self.num_shards)])
+        # shards whose range of a tiny table is empty hold nothing to read (and see no BSP pushes)
+        self._fan_out([lambda i=i: one(i) for i in range(self.num_shards) if meta.ranges[i][1] > meta.ranges[i][0]])
         if direct is not None:
-            return out
-        arr = flat.reshape(meta.spec.shape)
-        return arr if out is None else _fill(out, arr, name)
+            result = out
+        else:
+            arr = flat.reshape(meta.spec.shape)
+            result = arr if out is None else _fill(out, arr, name)
+        return (result, min(clocks, default=0)) if return_clock else result
 
     def push_dense(
-        self, name: str, grad: Any, base_version: int = -1, return_params: bool = False, out: Any = None
+        self, name: str, grad: Any, base_version: int = -1, return_params: bool = False, out: Any = None,
+        policy: SyncPolicy | None = None,
     ) -> Any:
         """Push a gradient for the whole table (same numel as the table); the shards apply their optimizer.
 
         With ``return_params`` the updated values stream back in the same call
         and are returned (into ``out`` if given, else like ``grad``); otherwise
-        returns a DenseResult.
+        returns a DenseResult. ``policy``: BSP pushes are held until the round
+        completes (the call returns as soon as the shard holds it); async/SSP
+        pushes advance this worker's clock.
         """
-        return self._push_dense(name, grad, pb.DENSE_OP_GRADIENT, base_version, return_params, out)
+        if policy is not None and policy.sync and return_params:
+            raise InvalidArgumentError(f"table {name!r}: return_params is not available for BSP pushes; pull instead")
+        return self._push_dense(name, grad, pb.DENSE_OP_GRADIENT, base_version, return_params, out, policy)
 
     def assign_dense(self, name: str, values: Any) -> DenseResult:
         """Overwrite the table's values (optimizer state and version are kept)."""
         return self._push_dense(name, values, pb.DENSE_OP_ASSIGN, -1, False, None)
 
-    def _push_dense(self, name: str, grad: Any, op: int, base_version: int, return_params: bool, out: Any) -> Any:
+    def _push_dense(
+        self, name: str, grad: Any, op: int, base_version: int, return_params: bool, out: Any,
+        policy: SyncPolicy | None = None,
+    ) -> Any:
         meta = self._dense_meta(name)
+        sync = policy_to_proto(policy) if policy is not None else None
         g = as_numpy(grad).reshape(-1)
         if g.size != meta.spec.numel:
             raise InvalidArgumentError(
@@ -358,7 +386,7 @@ class PSClient:
         # all shards or none: check what will be sent, so no shard refuses a part the others apply
         _check_finite(meta.spec, g, wire, "gradient" if op == pb.DENSE_OP_GRADIENT else "assigned values")
 
-        def one(i: int) -> tuple[int, int]:
+        def one(i: int) -> tuple[int, int, bool, int]:
             start, stop = meta.ranges[i]
             chunk = meta.chunk[i]
             s = self._shards[i]
@@ -370,13 +398,16 @@ class PSClient:
                     if off == 0:
                         head.table, head.op, head.base_version = name, op, base_version  # type: ignore[assignment]
                         head.return_params, head.reply_dtype, head.worker = return_params, wire, self.worker
+                        if sync is not None:
+                            head.sync.CopyFrom(sync)
                     dtype, data = to_wire(part, wire)
                     head.dtype = dtype
                     head.last = off + chunk >= stop - start
                     yield pack(head, {15: data})
 
-            def attempt() -> tuple[int, int]:
-                version = staleness = -1
+            def attempt() -> tuple[int, int, bool, int]:
+                version = staleness = clock = -1
+                late = False
                 for raw in s.push_dense(requests(), timeout=self.timeout):
                     msg, pl = unpack(pb.DenseChunk, raw, (15,))
                     if 15 in pl and flat is not None:
@@ -384,8 +415,8 @@ class PSClient:
                         a = start + msg.offset
                         flat[a : a + data.size] = data
                     else:
-                        version, staleness = msg.version, msg.staleness
-                return version, staleness
+                        version, staleness, late, clock = msg.version, msg.staleness, msg.late, msg.clock
+                return version, staleness, late, clock
 
             try:
                 return retry_unavailable(attempt, self.retries)
@@ -394,14 +425,15 @@ class PSClient:
 
         # a table smaller than the cluster leaves some shards an empty range: nothing to send them
         res = self._fan_out(
-            [(lambda i=i: one(i)) if meta.ranges[i][1] > meta.ranges[i][0] else (lambda: (-1, -1)) for i in range(self.num_shards)]
+            [(lambda i=i: one(i)) if meta.ranges[i][1] > meta.ranges[i][0] else (lambda: (-1, -1, False, -1)) for i in range(self.num_shards)]
         )
         if direct is not None:
             return out
         if flat is not None:
             arr = flat.reshape(meta.spec.shape)
             return _fill(out, arr, name) if out is not None else _like(grad, arr)
-        return DenseResult(tuple(v for v, _ in res), tuple(s for _, s in res))
+        clocks = [r[3] for r in res if r[3] >= 0]
+        return DenseResult(tuple(r[0] for r in res), tuple(r[1] for r in res), sum(r[2] for r in res), min(clocks, default=-1))
 
     # ------------------------------------------------------------------ sparse
     def _group(self, name: str, ids: Any) -> tuple[TableSpec, np.ndarray, np.ndarray, list[list[np.ndarray]]]:
@@ -427,37 +459,56 @@ class PSClient:
             groups.append([idx[j : j + per_req] for j in range(0, len(idx), per_req)])
         return spec, uniq, inverse.reshape(-1), groups
 
-    def pull_sparse(self, name: str, ids: Any, return_versions: bool = False) -> Any:
+    def pull_sparse(
+        self, name: str, ids: Any, return_versions: bool = False, policy: SyncPolicy | None = None,
+        return_clock: bool = False,
+    ) -> Any:
         """Rows for ``ids`` (any shape of int64 ids; result shape ids.shape + (dim,)), in the caller's order.
 
         Missing rows are created on the shards with the table's initializer.
         Result: numpy float32 for numpy/list ids; a torch tensor on the ids'
-        device for torch ids. With ``return_versions`` also returns int64 row versions.
+        device for torch ids. With ``return_versions`` also returns int64 row
+        versions; with ``return_clock`` also the table's BSP clock (last).
+        ``policy``: wait as BSP/SSP require for step ``policy.clock``.
         """
         spec, uniq, inverse, groups = self._group(name, ids)
         rows = np.empty((len(uniq), spec.dim), np.float32)
         versions = np.empty(len(uniq), np.int64)
+        head = pb.PullSparseRequest(table=name, dtype=self.wire_dtype, worker=self.worker)
+        if policy is not None:
+            head.sync.CopyFrom(policy_to_proto(policy))
+        clocks: list[int] = []
 
         def one(i: int, idx: np.ndarray) -> None:
-            req = pack(pb.PullSparseRequest(table=name, dtype=self.wire_dtype), {15: np.ascontiguousarray(uniq[idx])})
+            req = pack(head, {15: np.ascontiguousarray(uniq[idx])})
             msg, pl = unpack(pb.PullSparseReply, self._call(i, self._shards[i].pull_sparse, req, name), (14, 15))
             rows[idx] = from_wire(pl.get(15, b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
             versions[idx] = from_wire(pl.get(14, b""), "int64", (len(idx),), what=f"table {name!r} versions")
+            clocks.append(msg.clock)
 
         self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, g in enumerate(groups) for idx in g])
         shape = tuple(np.shape(ids)) + (spec.dim,)
-        result = _like(ids, rows[inverse].reshape(shape))
+        out: list[Any] = [_like(ids, rows[inverse].reshape(shape))]
         if return_versions:
-            return result, _like(ids, versions[inverse].reshape(np.shape(ids)))
-        return result
+            out.append(_like(ids, versions[inverse].reshape(np.shape(ids))))
+        if return_clock:
+            out.append(min(clocks, default=0))
+        return out[0] if len(out) == 1 else tuple(out)
 
-    def push_sparse(self, name: str, ids: Any, grads: Any, base_versions: Any = None) -> PushResult:
+    def push_sparse(
+        self, name: str, ids: Any, grads: Any, base_versions: Any = None, policy: SyncPolicy | None = None
+    ) -> PushResult:
         """Push row gradients (grads: ids.shape + (dim,)); duplicate ids are summed first.
 
         ``base_versions`` (same shape as ids): the row versions the gradients
-        were computed from, so the shards can measure staleness.
+        were computed from, so the shards can measure staleness. ``policy``:
+        a BSP push reaches every shard (empty where no id lives there), since
+        each shard's round waits for every live worker.
         """
         spec, uniq, inverse, groups = self._group(name, ids)
+        sync = policy_to_proto(policy) if policy is not None else None
+        if sync is not None and sync.sync:
+            groups = [g or [np.zeros(0, np.int64)] for g in groups]
         ga = as_numpy(grads)
         if ga.size and (ga.ndim < 1 or ga.shape[-1] != spec.dim):
             raise InvalidArgumentError(
@@ -481,13 +532,15 @@ class PSClient:
 
         def one(i: int, idx: np.ndarray) -> PushResult:
             head = pb.PushSparseRequest(table=name, dim=spec.dim, worker=self.worker)
+            if sync is not None:
+                head.sync.CopyFrom(sync)
             dtype, data = to_wire(summed[idx], self.wire_dtype)
             head.dtype = dtype
             payloads: dict[int, Any] = {14: np.ascontiguousarray(uniq[idx]), 15: data}
             if base is not None:
                 payloads[13] = np.ascontiguousarray(base[idx])
             msg, _ = unpack(pb.PushSparseReply, self._call(i, self._shards[i].push_sparse, pack(head, payloads), name))
-            return PushResult(msg.applied, msg.dropped, msg.mean_staleness, msg.max_staleness)
+            return PushResult(msg.applied, msg.dropped, msg.mean_staleness, msg.max_staleness, 0, int(msg.late), msg.clock)
 
         parts = self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, gr in enumerate(groups) for idx in gr])
         measured = [p for p in parts if p.mean_staleness >= 0]
@@ -496,7 +549,32 @@ class PSClient:
             sum(p.dropped for p in parts),
             float(np.mean([p.mean_staleness for p in measured])) if measured else -1.0,
             max((p.max_staleness for p in parts), default=-1),
+            0,
+            sum(p.late for p in parts),
+            min((p.clock for p in parts), default=-1),
         )
+
+    # ------------------------------------------------------------------ membership
+    def join(self, lease_s: float = 0.0) -> list[MembershipView]:
+        """Register this client's ``worker`` name with every shard (lease_s 0: the shard's default)."""
+        self._need_worker("join")
+        req = pb.JoinRequest(worker=self.worker, lease_ms=int(lease_s * 1000)).SerializeToString()
+        raws = self._fan_out([lambda i=i: self._call(i, self._shards[i].join, req) for i in range(self.num_shards)])
+        return [membership_from_proto(unpack(pb.MembershipReply, r)[0]) for r in raws]
+
+    def heartbeat(self, clock: int = 0, leave: bool = False) -> list[MembershipView]:
+        """Renew this worker's lease on every shard (``leave``: leave the live set instead)."""
+        self._need_worker("heartbeat")
+        req = pb.HeartbeatRequest(worker=self.worker, clock=clock, leave=leave).SerializeToString()
+        raws = self._fan_out([lambda i=i: self._call(i, self._shards[i].heartbeat, req) for i in range(self.num_shards)])
+        return [membership_from_proto(unpack(pb.MembershipReply, r)[0]) for r in raws]
+
+    def leave(self) -> None:
+        self.heartbeat(leave=True)
+
+    def _need_worker(self, what: str) -> None:
+        if not self.worker:
+            raise InvalidArgumentError(f"{what}: create the PSClient with worker='name'")
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> list[ShardStats]:

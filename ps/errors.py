@@ -15,6 +15,7 @@ __all__ = [
     "ResourceExhaustedError",
     "ShardUnavailableError",
     "DeadlineExceededError",
+    "FailedPreconditionError",
     "InternalError",
     "with_table",
 ]
@@ -66,6 +67,11 @@ class ShardUnavailableError(PSError):
 
 class DeadlineExceededError(PSError):
     """A call did not finish within its deadline (DEADLINE_EXCEEDED)."""
+
+
+class FailedPreconditionError(PSError):
+    """The request is well formed but the system is not in a state to run it (FAILED_PRECONDITION),
+    e.g. a BSP push for a clock the table has not reached."""
 
 
 class InternalError(PSError):

@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Union
 
 import torch
 
-__all__ = ["Optimizer", "make_optimizer"]
+__all__ = ["Optimizer", "make_optimizer", "scaled_lr"]
 
 Step = Union[int, torch.Tensor]
 
@@ -183,3 +183,10 @@ _OPTIMIZERS: dict[str, Callable[[Mapping[str, float]], Optimizer]] = {
 def make_optimizer(name: str, hparams: Mapping[str, float]) -> Optimizer:
     """The optimizer called ``name`` (already validated by OptimizerSpec)."""
     return _OPTIMIZERS[name](hparams)
+
+
+def scaled_lr(opt: Optimizer, factor: float) -> Optimizer:
+    """A copy of ``opt`` whose learning rate is multiplied by ``factor`` (same state layout)."""
+    h = dict(opt.h)
+    h["lr"] = h["lr"] * factor
+    return type(opt)(h)

@@ -14,7 +14,9 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from ps.errors import (
+    DeadlineExceededError,
     DtypeError,
+    FailedPreconditionError,
     InvalidArgumentError,
     MalformedMessageError,
     PSError,
@@ -25,7 +27,7 @@ from ps.errors import (
 )
 from ps.shard import Shard
 from ps.table import ASSIGN, GRADIENT, DenseTable
-from ps.wire import info_to_proto, spec_from_proto, stats_to_proto
+from ps.wire import info_to_proto, membership_to_proto, policy_from_proto, spec_from_proto, stats_to_proto
 from tessera.codec import WIRE_FLOAT_DTYPES, CodecError, byte_view, from_wire, pack, to_wire, unpack
 from tessera.v1 import ps_pb2 as pb
 
@@ -42,7 +44,16 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
     InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
     CodecError: grpc.StatusCode.INVALID_ARGUMENT,
     ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
+    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
 }
+
+_WAIT_DEFAULT_S = 300.0  # a BSP/SSP wait when the caller set no deadline
+
+
+def _time_left(context: grpc.ServicerContext) -> float:
+    left = context.time_remaining()
+    return _WAIT_DEFAULT_S if left is None else max(0.0, left - 0.05)
 
 
 def _status_of(exc: BaseException) -> grpc.StatusCode:
@@ -127,6 +138,8 @@ class PSServicer:
                 "PullSparse": uu(guard("PullSparse", self.PullSparse)),
                 "PushSparse": uu(guard("PushSparse", self.PushSparse)),
                 "Stats": uu(guard("Stats", self.Stats)),
+                "Join": uu(guard("Join", self.Join)),
+                "Heartbeat": uu(guard("Heartbeat", self.Heartbeat)),
             },
         )
 
@@ -147,6 +160,23 @@ class PSServicer:
         self._decode(pb.StatsRequest, raw)
         return self._out(stats_to_proto(self.shard.stats()).SerializeToString())
 
+    # ------------------------------------------------------------------ membership
+    def Join(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        req, _ = self._decode(pb.JoinRequest, raw)
+        if req.lease_ms < 0:
+            raise InvalidArgumentError(f"Join: lease_ms must be >= 0, got {req.lease_ms}")
+        if not req.worker:
+            raise InvalidArgumentError("Join: worker name is empty")
+        view = self.shard.join(req.worker, req.lease_ms / 1000.0)
+        return self._out(membership_to_proto(view).SerializeToString())
+
+    def Heartbeat(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        req, _ = self._decode(pb.HeartbeatRequest, raw)
+        if not req.worker:
+            raise InvalidArgumentError("Heartbeat: worker name is empty")
+        view = self.shard.heartbeat(req.worker, req.leave)
+        return self._out(membership_to_proto(view).SerializeToString())
+
     # ------------------------------------------------------------------ dense
     def PushDense(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         update = None
@@ -166,7 +196,12 @@ class PSServicer:
                             f"table {table.spec.name!r}: unknown op {msg.op}; use DENSE_OP_GRADIENT (0) or DENSE_OP_ASSIGN (1)"
                         )
                     op = ASSIGN if msg.op == pb.DENSE_OP_ASSIGN else GRADIENT
-                    update = table.begin_update(op, msg.base_version)
+                    policy = policy_from_proto(msg.sync, msg.HasField("sync"))
+                    worker = msg.worker
+                    if policy.sync and op == GRADIENT:
+                        yield from self._push_dense_sync(msg, pl, request_iterator, table, worker, policy)
+                        return
+                    update = table.begin_update(op, msg.base_version, staleness_aware_lr=policy.staleness_aware_lr)
                 elif msg.table and msg.table != table.spec.name:  # type: ignore[union-attr]
                     raise InvalidArgumentError(f"push to table {table.spec.name!r} carries a chunk for {msg.table!r}")  # type: ignore[union-attr]
                 name = table.spec.name  # type: ignore[union-attr]
@@ -189,20 +224,57 @@ class PSServicer:
                     f"({have} of {need} chunks, {need - have} missing); nothing applied"
                 )
             result = update.commit()
+            self.shard.pushed(worker, policy)
             yield self._out(
-                pb.DenseChunk(table=table.spec.name, version=result.version, staleness=result.max_staleness).SerializeToString()  # type: ignore[union-attr]
+                pb.DenseChunk(
+                    table=table.spec.name, version=result.version, staleness=result.max_staleness,  # type: ignore[union-attr]
+                    clock=self.shard.rounds[table.spec.name].clock,  # type: ignore[union-attr]
+                ).SerializeToString()
             )
         finally:
             if update is not None:
                 update.abort()  # no-op after commit
 
+    def _push_dense_sync(
+        self, first: Any, first_pl: dict[int, memoryview], rest: Iterator[bytes], table: DenseTable, worker: str, policy: Any
+    ) -> Iterator[bytes]:
+        """A BSP push: collect and validate every chunk (the request's bytes, not copied), then contribute."""
+        name = table.spec.name
+        chunks: dict[int, Any] = {}
+        msg, pl = first, first_pl
+        while True:
+            if msg.table and msg.table != name:
+                raise InvalidArgumentError(f"push to table {name!r} carries a chunk for {msg.table!r}")
+            dtype = _float_dtype(msg.dtype, name, "dtype")
+            data = from_wire(pl.get(15, b""), dtype, None, what=f"table {name!r}: chunk at offset {msg.offset}")
+            chunks[table.check_chunk(msg.offset, data, chunks)] = data
+            if msg.last:
+                break
+            raw = next(rest, None)
+            if raw is None:
+                raise ShapeMismatchError(
+                    f"table {name!r}: push stream ended without its last chunk "
+                    f"({len(chunks)} of {table.num_blocks} chunks); nothing applied"
+                )
+            msg, pl = self._decode(pb.DenseChunk, raw, (15,))
+        if not worker:
+            raise InvalidArgumentError(f"table {name!r}: a BSP push must name its worker")
+        out = self.shard.push_dense_sync(name, worker, policy, chunks)
+        yield self._out(
+            pb.DenseChunk(table=name, version=table.version, staleness=0, clock=out.clock, late=out.late).SerializeToString()
+        )
+
     def PullDense(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         req, _ = self._decode(pb.PullDenseRequest, raw)
         table = self.shard.dense(req.table)
         dtype = _float_dtype(req.dtype, table.spec.name, "dtype")
+        policy = policy_from_proto(req.sync, req.HasField("sync"))
+        if req.worker:
+            self.shard.membership.touch(req.worker)
+        clock = self.shard.wait(req.table, policy, _time_left(context))
         version, blocks = table.snapshot()
         for k, block in enumerate(blocks):
-            head = pb.DenseChunk(offset=k * table.chunk_elems, dtype=dtype, version=version)
+            head = pb.DenseChunk(offset=k * table.chunk_elems, dtype=dtype, version=version, clock=clock)
             yield self._out(pack(head, {15: to_wire(block, dtype)[1]}))
 
     # ------------------------------------------------------------------ sparse
@@ -211,8 +283,12 @@ class PSServicer:
         table = self.shard.sparse(req.table)
         dtype = _float_dtype(req.dtype, req.table, "dtype")
         ids = from_wire(pl.get(15, b""), "int64", None, what=f"table {req.table!r}: ids")
+        policy = policy_from_proto(req.sync, req.HasField("sync"))
+        if req.worker:
+            self.shard.membership.touch(req.worker)
+        clock = self.shard.wait(req.table, policy, _time_left(context))
         values, versions = self.shard.pull_sparse(req.table, ids)
-        head = pb.PullSparseReply(dtype=dtype, dim=table.dim)
+        head = pb.PullSparseReply(dtype=dtype, dim=table.dim, clock=clock)
         return self._out(pack(head, {14: byte_view(versions), 15: to_wire(values, dtype)[1]}))
 
     def PushSparse(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
@@ -227,10 +303,15 @@ class PSServicer:
         base = None
         if len(pl.get(13, b"")):
             base = from_wire(pl[13], "int64", None, what=f"table {name!r}: base_versions")
-        r = self.shard.push_sparse(name, ids, grads, base)
+        policy = policy_from_proto(req.sync, req.HasField("sync"))
+        if policy.sync and not req.worker:
+            raise InvalidArgumentError(f"table {name!r}: a BSP push must name its worker")
+        out = self.shard.push_sparse(name, ids, grads, base, req.worker, policy)
+        r = out.result
         return self._out(
             pb.PushSparseReply(
-                applied=r.applied, dropped=r.dropped, mean_staleness=r.mean_staleness, max_staleness=r.max_staleness
+                applied=r.applied, dropped=r.dropped, mean_staleness=r.mean_staleness, max_staleness=r.max_staleness,
+                late=out.late, clock=out.clock,
             ).SerializeToString()
         )
 

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ps.config import DENSE, SPARSE, ShardConfig, TableSpec
+from ps.consistency import LATE, Membership, SyncPolicy, SyncRound
 from ps.errors import DtypeError, InvalidArgumentError, ResourceExhaustedError, TableExistsError, TableNotFoundError
 from ps.optim import make_optimizer
-from ps.table import DenseTable, PushResult, SparseTable
+from ps.table import DenseTable, PushResult, SparsePush, SparseTable
 
-__all__ = ["Shard", "TableInfo", "TableStats", "ShardStats"]
+__all__ = ["Shard", "TableInfo", "TableStats", "ShardStats", "MembershipView", "WorkerStats", "SyncPush"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,32 @@ class TableStats:
 
 
 @dataclass(frozen=True)
+class WorkerStats:
+    name: str
+    clock: int
+    live: bool
+    idle_s: float
+
+
+@dataclass(frozen=True)
+class MembershipView:
+    shard_index: int
+    live: tuple[str, ...]
+    sync_clock: int
+    min_clock: int
+    rejoined: bool = False
+
+
+@dataclass(frozen=True)
+class SyncPush:
+    """Outcome of a push under a SyncPolicy: ``late`` BSP pushes were not applied; ``clock``: the table's BSP clock."""
+
+    result: PushResult
+    late: bool
+    clock: int
+
+
+@dataclass(frozen=True)
 class ShardStats:
     shard_index: int
     num_shards: int
@@ -60,6 +87,8 @@ class ShardStats:
     bytes_in: int = 0
     bytes_out: int = 0
     uptime_s: float = 0.0
+    workers: list[WorkerStats] = field(default_factory=list)
+    leases_expired: int = 0
 
 
 class Shard:
@@ -72,6 +101,24 @@ class Shard:
         self.errors: Counter[str] = Counter()
         self.bytes_in = 0
         self.bytes_out = 0
+        self.membership = Membership(config.lease_s)
+        self.rounds: dict[str, SyncRound] = {}
+        self.membership.on_change(self._recheck_rounds)
+        self._closed = threading.Event()
+        # leases are enforced by time, not by the next request: a dead worker's round must complete
+        threading.Thread(target=self._reap, name=f"ps{config.shard_index}-leases", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _reap(self) -> None:
+        period = min(0.2, self.config.lease_s / 10)
+        while not self._closed.wait(period):
+            self.membership.expire()
+
+    def _recheck_rounds(self) -> None:
+        for r in list(self.rounds.values()):
+            r.check()
 
     # ------------------------------------------------------------------ tables
     def create_table(
@@ -116,6 +163,7 @@ class Shard:
                     max_bytes_fn=lambda extra, n=spec.name: self._reserve(extra, n),
                 )
             self.tables[spec.name] = table
+            self.rounds[spec.name] = SyncRound(spec.name, self.membership, table.apply_mean)
         return True, self.info(spec.name)
 
     def table(self, name: str) -> DenseTable | SparseTable:
@@ -148,6 +196,57 @@ class Shard:
             max_ids_per_request=self.config.max_ids_per_request,
         )
 
+    # ------------------------------------------------------------------ membership
+    def _view(self, worker: str = "", rejoined: bool = False) -> MembershipView:
+        clocks = [r.clock for r in self.rounds.values()]
+        return MembershipView(
+            self.config.shard_index, tuple(sorted(self.membership.live())), min(clocks) if clocks else 0,
+            self.membership.min_clock(exclude=worker), rejoined,
+        )
+
+    def join(self, worker: str, lease_s: float = 0.0) -> MembershipView:
+        """Add ``worker`` to the live set. The view tells it where to start: BSP at ``sync_clock``,
+        SSP/async at the slowest live worker's clock."""
+        self.membership.join(worker, lease_s)
+        return self._view(worker)
+
+    def heartbeat(self, worker: str, leave: bool = False) -> MembershipView:
+        if leave:
+            self.membership.leave(worker)
+            return self._view(worker)
+        return self._view(worker, self.membership.touch(worker))
+
+    def wait(self, name: str, policy: SyncPolicy, timeout: float) -> int:
+        """Block until ``policy`` lets a worker read ``name`` for step ``policy.clock``; returns the table's BSP clock."""
+        self.table(name)
+        r = self.rounds[name]
+        if policy.sync and policy.clock >= 0:
+            r.wait_clock(policy.clock, timeout)
+        elif policy.ssp:
+            self.membership.wait_ssp(policy.clock, policy.staleness, timeout)
+        return r.clock
+
+    def push_dense_sync(self, name: str, worker: str, policy: SyncPolicy, chunks: dict[int, "np.ndarray"]) -> SyncPush:
+        """A validated whole-range BSP push ({block: gradient chunk}); held until the round completes."""
+        t = self.dense(name)
+        t.check_complete(chunks)
+        return self._contribute(name, worker, policy, chunks)
+
+    def _contribute(self, name: str, worker: str, policy: SyncPolicy, value: object) -> SyncPush:
+        self.membership.touch(worker)
+        r = self.rounds[name]
+        outcome = r.contribute(worker, policy.clock, value, policy.backup_workers)
+        if outcome != LATE:
+            self.membership.advance(worker, policy.clock)
+        return SyncPush(PushResult(0 if outcome == LATE else 1, 0, 0.0, 0), outcome == LATE, r.clock)
+
+    def pushed(self, worker: str, policy: SyncPolicy) -> None:
+        """An async/SSP push by ``worker`` committed: renew its lease and advance its clock."""
+        if worker:
+            self.membership.touch(worker)
+            if policy.clock >= 0:
+                self.membership.advance(worker, policy.clock)
+
     # ------------------------------------------------------------------ sparse
     def check_ids_request(self, name: str, n: int) -> None:
         if n > self.config.max_ids_per_request:
@@ -161,15 +260,21 @@ class Shard:
         return t.pull(ids)
 
     def push_sparse(
-        self, name: str, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None
-    ) -> PushResult:
+        self, name: str, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None,
+        worker: str = "", policy: SyncPolicy = SyncPolicy(),
+    ) -> SyncPush:
         t = self.sparse(name)
         self.check_ids_request(name, len(ids))
         try:
-            return t.push(ids, grads, base_versions)
+            prepared: SparsePush = t.prepare_push(ids, grads, base_versions)
         except Exception:
             t.rejected += 1
             raise
+        if policy.sync and policy.clock >= 0:
+            return self._contribute(name, worker, policy, prepared)
+        result = t.apply_push(prepared, policy.staleness_aware_lr)
+        self.pushed(worker, policy)
+        return SyncPush(result, False, self.rounds[name].clock)
 
     # ------------------------------------------------------------------ memory
     def held_bytes(self) -> int:
@@ -201,9 +306,13 @@ class Shard:
                         mean_staleness=t.staleness.mean, max_staleness=t.staleness.max,
                     )
                 )
+        workers = [
+            WorkerStats(w.name, w.clock, w.live, self.membership.idle_s(w))
+            for w in sorted(self.membership.workers(), key=lambda w: w.name)
+        ]
         return ShardStats(
             self.config.shard_index, self.config.num_shards, tables, dict(self.requests), dict(self.errors),
-            self.bytes_in, self.bytes_out, time.monotonic() - self._started,
+            self.bytes_in, self.bytes_out, time.monotonic() - self._started, workers, self.membership.expired,
         )
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Container, Iterator, Sized
 
 import numpy as np
 import torch
@@ -26,10 +26,10 @@ import torch
 from ps.config import TableSpec
 from ps.errors import NonFiniteError, ResourceExhaustedError, ShapeMismatchError, WrongShardError
 from ps.initializers import init_dense, init_rows, table_key, uniform01
-from ps.optim import Optimizer, make_optimizer
+from ps.optim import Optimizer, make_optimizer, scaled_lr
 from ps.partition import SlotMap, dense_range
 
-__all__ = ["DenseTable", "DenseUpdate", "SparseTable", "PushResult", "StalenessStats", "GRADIENT", "ASSIGN"]
+__all__ = ["DenseTable", "DenseUpdate", "SparseTable", "SparsePush", "PushResult", "StalenessStats", "GRADIENT", "ASSIGN"]
 
 GRADIENT = "gradient"
 ASSIGN = "assign"
@@ -69,6 +69,17 @@ class PushResult:
     mean_staleness: float
     max_staleness: int
     version: int = 0
+    late: int = 0  # BSP: shards that found the push's clock already applied (not applied there)
+    clock: int = -1  # BSP: the table's clock after the push (min over shards)
+
+
+@dataclass(frozen=True)
+class SparsePush:
+    """A validated sparse push: unique ids, their summed gradient rows, base versions (or None)."""
+
+    ids: np.ndarray
+    grads: torch.Tensor
+    base_versions: np.ndarray | None
 
 
 class _Block:
@@ -131,39 +142,77 @@ class DenseTable:
         _, blocks = self.snapshot()
         return torch.cat(blocks).numpy() if blocks else np.zeros(0, np.float32)
 
-    def begin_update(self, op: str, base_version: int = -1, timeout: float = 60.0) -> "DenseUpdate":
+    def check_chunk(self, offset: int, data: np.ndarray, seen: Container[int] = (), what: str = "gradient") -> int:
+        """Validate one pushed chunk (offset, size, finite; not in ``seen``); returns its block number."""
+        name = self.spec.name
+        if offset < 0 or offset % self.chunk_elems or offset >= max(self.length, 1):
+            raise ShapeMismatchError(
+                f"table {name!r}: chunk offset {offset} is not a multiple of {self.chunk_elems} inside this shard's {self.length} elements"
+            )
+        k = offset // self.chunk_elems
+        if k in seen:
+            raise ShapeMismatchError(f"table {name!r}: chunk at offset {offset} sent twice in one push")
+        if data.ndim != 1 or data.shape[0] != self.block_len(k):
+            raise ShapeMismatchError(
+                f"table {name!r}: chunk at offset {offset} has {data.size} elements, expected {self.block_len(k)}"
+            )
+        _check_finite(self.spec, data, what)
+        return k
+
+    def check_complete(self, blocks: Sized) -> None:
+        if len(blocks) != self.num_blocks:
+            missing = self.num_blocks - len(blocks)
+            raise ShapeMismatchError(
+                f"table {self.spec.name!r}: push covered {len(blocks)} of {self.num_blocks} chunks ({missing} missing); nothing applied"
+            )
+
+    def begin_update(
+        self, op: str, base_version: int = -1, timeout: float = 60.0, staleness_aware_lr: bool = False
+    ) -> "DenseUpdate":
         """Start a push. Holds the table lock until commit() or abort()."""
         if not self.lock.acquire(timeout=timeout):
             raise ResourceExhaustedError(f"table {self.spec.name!r}: timed out waiting for a concurrent push")
-        return DenseUpdate(self, op, base_version)
+        return DenseUpdate(self, op, base_version, staleness_aware_lr)
+
+    def apply_mean(self, contributions: list[dict[int, np.ndarray]]) -> PushResult:
+        """Apply the mean of whole-range gradients given as {block: chunk} (a BSP round)."""
+        update = self.begin_update(GRADIENT)
+        try:
+            n = len(contributions)
+            for k in range(self.num_blocks):
+                parts = [c[k] for c in contributions]
+                if n == 1:
+                    g = parts[0]
+                else:
+                    acc = torch.from_numpy(np.array(parts[0], np.float32, copy=True))
+                    for p in parts[1:]:
+                        acc.add_(torch.from_numpy(np.asarray(p, np.float32)))
+                    g = acc.div_(n).numpy()
+                update.apply(k * self.chunk_elems, g)
+            return update.commit()
+        finally:
+            update.abort()
 
 
 class DenseUpdate:
     """A push in progress: chunks are validated and staged; commit() swaps them in atomically."""
 
-    def __init__(self, table: DenseTable, op: str, base_version: int) -> None:
+    def __init__(self, table: DenseTable, op: str, base_version: int, staleness_aware_lr: bool = False) -> None:
         self.table = table
         self.op = op
         self.base_version = base_version
         self.staged: dict[int, _Block] = {}
         self.done = False
+        # the table lock is held from here to commit: the version, hence the staleness, cannot move
+        self.staleness = table.version - base_version if base_version >= 0 else -1
+        self.optimizer = table.optimizer
+        if staleness_aware_lr and self.staleness > 1:
+            self.optimizer = scaled_lr(table.optimizer, 1.0 / self.staleness)
 
     def apply(self, offset: int, data: np.ndarray) -> torch.Tensor:
         """Stage the update of the chunk at ``offset`` (shard-relative); returns its new values."""
         t = self.table
-        name = t.spec.name
-        if offset < 0 or offset % t.chunk_elems or offset >= max(t.length, 1):
-            raise ShapeMismatchError(
-                f"table {name!r}: chunk offset {offset} is not a multiple of {t.chunk_elems} inside this shard's {t.length} elements"
-            )
-        k = offset // t.chunk_elems
-        if k in self.staged:
-            raise ShapeMismatchError(f"table {name!r}: chunk at offset {offset} sent twice in one push")
-        if data.ndim != 1 or data.shape[0] != t.block_len(k):
-            raise ShapeMismatchError(
-                f"table {name!r}: chunk at offset {offset} has {data.size} elements, expected {t.block_len(k)}"
-            )
-        _check_finite(t.spec, data, "gradient" if self.op == GRADIENT else "assigned values")
+        k = t.check_chunk(offset, data, self.staged, "gradient" if self.op == GRADIENT else "assigned values")
         block = t._blocks[k].clone()
         if self.op == ASSIGN:
             block.param = torch.from_numpy(np.array(data, dtype=np.float32, copy=True))  # kept: own memory
@@ -172,7 +221,7 @@ class DenseUpdate:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)  # torch: "the given NumPy array is not writable"
                 incoming = torch.from_numpy(np.asarray(data, dtype=np.float32))
-            t.optimizer.update(block.param, incoming, block.state, t.version + 1)
+            self.optimizer.update(block.param, incoming, block.state, t.version + 1)
         self.staged[k] = block
         return block.param
 
@@ -180,12 +229,8 @@ class DenseUpdate:
         """Swap the staged blocks in. The push must have covered every chunk of the range."""
         t = self.table
         try:
-            if len(self.staged) != t.num_blocks:
-                missing = t.num_blocks - len(self.staged)
-                raise ShapeMismatchError(
-                    f"table {t.spec.name!r}: push covered {len(self.staged)} of {t.num_blocks} chunks ({missing} missing); nothing applied"
-                )
-            staleness = t.version - self.base_version if self.base_version >= 0 else -1
+            t.check_complete(self.staged)
+            staleness = self.staleness
             for k, b in self.staged.items():
                 t._blocks[k] = b
             if self.op == GRADIENT:
@@ -401,8 +446,8 @@ class SparseTable:
                 self.last_touch[r] = self.step
         return out_vals[inverse], out_vers[inverse]
 
-    def push(self, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None) -> PushResult:
-        """Apply row gradients (duplicate ids are summed). Rows not present are dropped and counted."""
+    def prepare_push(self, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None) -> "SparsePush":
+        """Validate a push and sum duplicate ids; changes nothing."""
         name = self.spec.name
         if grads.ndim != 2 or grads.shape != (len(ids), self.dim):
             raise ShapeMismatchError(
@@ -419,6 +464,24 @@ class SparseTable:
         if base_versions is not None:
             base = np.full(len(uniq), -1, np.int64)
             np.maximum.at(base, inverse, base_versions)  # the newest version any copy was computed from
+        return SparsePush(uniq, g, base)
+
+    def push(
+        self, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None, staleness_aware_lr: bool = False
+    ) -> PushResult:
+        """Apply row gradients (duplicate ids are summed). Rows not present are dropped and counted.
+
+        ``staleness_aware_lr``: scale this push's lr by 1/max(1, mean staleness of its rows)."""
+        return self.apply_push(self.prepare_push(ids, grads, base_versions), staleness_aware_lr)
+
+    def apply_mean(self, pushes: list["SparsePush"]) -> PushResult:
+        """Apply the mean over ``pushes`` (a BSP round: each worker's rows, divided by the number of workers)."""
+        ids = np.concatenate([p.ids for p in pushes])
+        g = torch.cat([p.grads for p in pushes]).div_(len(pushes))
+        return self.apply_push(self.prepare_push(ids, g.numpy()))
+
+    def apply_push(self, p: "SparsePush", staleness_aware_lr: bool = False) -> PushResult:
+        uniq, g, base = p.ids, p.grads, p.base_versions
         with self.lock:
             rows = self._lookup(uniq)
             have = np.nonzero(rows >= 0)[0]
@@ -427,17 +490,21 @@ class SparseTable:
             if have.size:
                 r = rows[have]
                 rt = torch.from_numpy(r)
-                param = self.values[rt]
-                state = {k: v[rt] for k, v in self.state.items()}
-                step = torch.from_numpy(self.versions[r] + 1).to(torch.float64)[:, None]
-                self.optimizer.update(param, g[torch.from_numpy(have)], state, step)
-                self.values[rt] = param
-                for k, v in state.items():
-                    self.state[k][rt] = v
                 if base is not None:
                     b = base[have]
                     stale = np.where(b >= 0, self.versions[r] - b, -1)
                     self.staleness.add(stale)
+                opt = self.optimizer
+                measured = stale[stale >= 0]
+                if staleness_aware_lr and measured.size and measured.mean() > 1:
+                    opt = scaled_lr(opt, 1.0 / float(measured.mean()))
+                param = self.values[rt]
+                state = {k: v[rt] for k, v in self.state.items()}
+                step = torch.from_numpy(self.versions[r] + 1).to(torch.float64)[:, None]
+                opt.update(param, g[torch.from_numpy(have)], state, step)
+                self.values[rt] = param
+                for k, v in state.items():
+                    self.state[k][rt] = v
                 self.versions[r] += 1
                 self.last_touch[r] = self.step
             self.step += 1

@@ -10,8 +10,9 @@ from ps.config import (
     OptimizerSpec,
     TableSpec,
 )
+from ps.consistency import SyncPolicy
 from ps.errors import InvalidArgumentError, with_table
-from ps.shard import ShardStats, TableInfo, TableStats
+from ps.shard import MembershipView, ShardStats, TableInfo, TableStats, WorkerStats
 from tessera.v1 import ps_pb2 as pb
 
 __all__ = [
@@ -21,6 +22,10 @@ __all__ = [
     "info_from_proto",
     "stats_to_proto",
     "stats_from_proto",
+    "policy_to_proto",
+    "policy_from_proto",
+    "membership_to_proto",
+    "membership_from_proto",
 ]
 
 _KIND_TO_PB = {DENSE: pb.TABLE_KIND_DENSE, SPARSE: pb.TABLE_KIND_SPARSE}
@@ -109,6 +114,8 @@ def stats_to_proto(s: ShardStats) -> pb.StatsReply:
         bytes_in=s.bytes_in,
         bytes_out=s.bytes_out,
         uptime_s=s.uptime_s,
+        workers=[pb.WorkerStats(name=w.name, clock=w.clock, live=w.live, idle_s=w.idle_s) for w in s.workers],
+        leases_expired=s.leases_expired,
     )
 
 
@@ -128,4 +135,34 @@ def stats_from_proto(msg: pb.StatsReply) -> ShardStats:
         msg.bytes_in,
         msg.bytes_out,
         msg.uptime_s,
+        [WorkerStats(w.name, w.clock, w.live, w.idle_s) for w in msg.workers],
+        msg.leases_expired,
     )
+
+
+def policy_to_proto(p: SyncPolicy) -> pb.SyncSpec:
+    return pb.SyncSpec(
+        clock=p.clock, sync=p.sync, staleness=p.staleness, backup_workers=p.backup_workers,
+        staleness_aware_lr=p.staleness_aware_lr,
+    )
+
+
+def policy_from_proto(msg: pb.SyncSpec, present: bool = True) -> SyncPolicy:
+    """``present``: whether the request carried a SyncSpec at all (absent: plain async)."""
+    if not present:
+        return SyncPolicy()
+    if msg.backup_workers < 0:
+        raise InvalidArgumentError(f"sync.backup_workers must be >= 0, got {msg.backup_workers}")
+    if msg.sync and msg.clock < 0:
+        raise InvalidArgumentError(f"sync.clock must be >= 0 for a BSP request, got {msg.clock}")
+    return SyncPolicy(msg.clock, msg.sync, msg.staleness, msg.backup_workers, msg.staleness_aware_lr)
+
+
+def membership_to_proto(v: MembershipView) -> pb.MembershipReply:
+    return pb.MembershipReply(
+        shard_index=v.shard_index, live=list(v.live), sync_clock=v.sync_clock, min_clock=v.min_clock, rejoined=v.rejoined
+    )
+
+
+def membership_from_proto(msg: pb.MembershipReply) -> MembershipView:
+    return MembershipView(msg.shard_index, tuple(msg.live), msg.sync_clock, msg.min_clock, msg.rejoined)

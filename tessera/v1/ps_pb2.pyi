@@ -141,8 +141,22 @@ class DescribeTableRequest(_message.Message):
     table: str
     def __init__(self, table: _Optional[str] = ...) -> None: ...
 
+class SyncSpec(_message.Message):
+    __slots__ = ("clock", "sync", "staleness", "backup_workers", "staleness_aware_lr")
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_AWARE_LR_FIELD_NUMBER: _ClassVar[int]
+    clock: int
+    sync: bool
+    staleness: int
+    backup_workers: int
+    staleness_aware_lr: bool
+    def __init__(self, clock: _Optional[int] = ..., sync: bool = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., staleness_aware_lr: bool = ...) -> None: ...
+
 class DenseChunk(_message.Message):
-    __slots__ = ("table", "offset", "dtype", "op", "base_version", "return_params", "reply_dtype", "version", "staleness", "worker", "last", "data")
+    __slots__ = ("table", "offset", "dtype", "op", "base_version", "return_params", "reply_dtype", "version", "staleness", "worker", "last", "clock", "sync", "late", "data")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +168,9 @@ class DenseChunk(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     table: str
     offset: int
@@ -166,45 +183,59 @@ class DenseChunk(_message.Message):
     staleness: int
     worker: str
     last: bool
+    clock: int
+    sync: SyncSpec
+    late: bool
     data: bytes
-    def __init__(self, table: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., op: _Optional[_Union[DenseOp, str]] = ..., base_version: _Optional[int] = ..., return_params: bool = ..., reply_dtype: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., worker: _Optional[str] = ..., last: bool = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., op: _Optional[_Union[DenseOp, str]] = ..., base_version: _Optional[int] = ..., return_params: bool = ..., reply_dtype: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., worker: _Optional[str] = ..., last: bool = ..., clock: _Optional[int] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., late: bool = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PullDenseRequest(_message.Message):
-    __slots__ = ("table", "dtype")
+    __slots__ = ("table", "dtype", "sync", "worker")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
     table: str
     dtype: str
-    def __init__(self, table: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+    sync: SyncSpec
+    worker: str
+    def __init__(self, table: _Optional[str] = ..., dtype: _Optional[str] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., worker: _Optional[str] = ...) -> None: ...
 
 class PullSparseRequest(_message.Message):
-    __slots__ = ("table", "dtype", "ids")
+    __slots__ = ("table", "dtype", "sync", "worker", "ids")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     table: str
     dtype: str
+    sync: SyncSpec
+    worker: str
     ids: bytes
-    def __init__(self, table: _Optional[str] = ..., dtype: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., dtype: _Optional[str] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., worker: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class PullSparseReply(_message.Message):
-    __slots__ = ("dtype", "dim", "versions", "data")
+    __slots__ = ("dtype", "dim", "clock", "versions", "data")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     dim: int
+    clock: int
     versions: bytes
     data: bytes
-    def __init__(self, dtype: _Optional[str] = ..., dim: _Optional[int] = ..., versions: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, dtype: _Optional[str] = ..., dim: _Optional[int] = ..., clock: _Optional[int] = ..., versions: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushSparseRequest(_message.Message):
-    __slots__ = ("table", "dtype", "dim", "worker", "base_versions", "ids", "data")
+    __slots__ = ("table", "dtype", "dim", "worker", "sync", "base_versions", "ids", "data")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -212,22 +243,59 @@ class PushSparseRequest(_message.Message):
     dtype: str
     dim: int
     worker: str
+    sync: SyncSpec
     base_versions: bytes
     ids: bytes
     data: bytes
-    def __init__(self, table: _Optional[str] = ..., dtype: _Optional[str] = ..., dim: _Optional[int] = ..., worker: _Optional[str] = ..., base_versions: _Optional[bytes] = ..., ids: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., dtype: _Optional[str] = ..., dim: _Optional[int] = ..., worker: _Optional[str] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., base_versions: _Optional[bytes] = ..., ids: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushSparseReply(_message.Message):
-    __slots__ = ("applied", "dropped", "mean_staleness", "max_staleness")
+    __slots__ = ("applied", "dropped", "mean_staleness", "max_staleness", "late", "clock")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
     applied: int
     dropped: int
     mean_staleness: float
     max_staleness: int
-    def __init__(self, applied: _Optional[int] = ..., dropped: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    late: bool
+    clock: int
+    def __init__(self, applied: _Optional[int] = ..., dropped: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., late: bool = ..., clock: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("worker", "lease_ms")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    lease_ms: int
+    def __init__(self, worker: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker", "clock", "leave")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    clock: int
+    leave: bool
+    def __init__(self, worker: _Optional[str] = ..., clock: _Optional[int] = ..., leave: bool = ...) -> None: ...
+
+class MembershipReply(_message.Message):
+    __slots__ = ("shard_index", "live", "sync_clock", "min_clock", "rejoined")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    SYNC_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    MIN_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    REJOINED_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    live: _containers.RepeatedScalarFieldContainer[str]
+    sync_clock: int
+    min_clock: int
+    rejoined: bool
+    def __init__(self, shard_index: _Optional[int] = ..., live: _Optional[_Iterable[str]] = ..., sync_clock: _Optional[int] = ..., min_clock: _Optional[int] = ..., rejoined: bool = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -266,7 +334,7 @@ class TableStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., rows: _Optional[int] = ..., elements: _Optional[int] = ..., param_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "tables", "requests", "errors", "bytes_in", "bytes_out", "uptime_s")
+    __slots__ = ("shard_index", "num_shards", "tables", "requests", "errors", "bytes_in", "bytes_out", "uptime_s", "workers", "leases_expired")
     class RequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -289,6 +357,8 @@ class StatsReply(_message.Message):
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
@@ -297,4 +367,18 @@ class StatsReply(_message.Message):
     bytes_in: int
     bytes_out: int
     uptime_s: float
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., requests: _Optional[_Mapping[str, int]] = ..., errors: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
+    leases_expired: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., requests: _Optional[_Mapping[str, int]] = ..., errors: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., leases_expired: _Optional[int] = ...) -> None: ...
+
+class WorkerStats(_message.Message):
+    __slots__ = ("name", "clock", "live", "idle_s")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    clock: int
+    live: bool
+    idle_s: float
+    def __init__(self, name: _Optional[str] = ..., clock: _Optional[int] = ..., live: bool = ..., idle_s: _Optional[float] = ...) -> None: ...

@@ -69,6 +69,16 @@ class ParameterServerStub(object):
                 request_serializer=tessera_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_ps__pb2.StatsReply.FromString,
                 _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/tessera.v1.ParameterServer/Join',
+                request_serializer=tessera_dot_v1_dot_ps__pb2.JoinRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_ps__pb2.MembershipReply.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/tessera.v1.ParameterServer/Heartbeat',
+                request_serializer=tessera_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_ps__pb2.MembershipReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer(object):
@@ -116,6 +126,18 @@ class ParameterServerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -153,6 +175,16 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=tessera_dot_v1_dot_ps__pb2.StatsRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_ps__pb2.StatsReply.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=tessera_dot_v1_dot_ps__pb2.JoinRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_ps__pb2.MembershipReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=tessera_dot_v1_dot_ps__pb2.HeartbeatRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_ps__pb2.MembershipReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -344,6 +376,60 @@ class ParameterServer(object):
             '/tessera.v1.ParameterServer/Stats',
             tessera_dot_v1_dot_ps__pb2.StatsRequest.SerializeToString,
             tessera_dot_v1_dot_ps__pb2.StatsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.ParameterServer/Join',
+            tessera_dot_v1_dot_ps__pb2.JoinRequest.SerializeToString,
+            tessera_dot_v1_dot_ps__pb2.MembershipReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.ParameterServer/Heartbeat',
+            tessera_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
+            tessera_dot_v1_dot_ps__pb2.MembershipReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,269 @@
+"""Consistency on one shard: worker membership with leases, worker clocks, BSP rounds.
+
+Pure Python (no gRPC). The shard owns one ``Membership`` and one ``SyncRound``
+per table; requests say which protocol they take part in (``SyncPolicy``), so
+tables stay mode-agnostic and hybrid runs (sparse async, dense sync) need
+nothing special.
+
+- ASP: a push applies at once; pulls never wait.
+- SSP(K): pushes apply at once; a worker about to compute step c waits while
+  the slowest *live* worker's clock is below c - K.
+- BSP: a push for clock c is held; once every live worker (or all but
+  ``backup_workers`` of them) contributed for c, the mean of the contributions
+  is applied once and the table's clock becomes c + 1. A pull for step c waits
+  until the table's clock reaches c. A push for a clock already applied is
+  *late*: counted, not applied (the stragglers of backup workers, or a retried
+  push that had in fact arrived).
+
+A worker silent for longer than its lease is dropped from the live set; rounds
+and waits are then re-checked, so a dead worker never hangs the others. Any
+later request from it rejoins it.
+
+Thread-safety: every class here is safe to call from many threads.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, TypeVar
+
+from ps.errors import DeadlineExceededError, FailedPreconditionError
+
+__all__ = ["SyncPolicy", "Membership", "SyncRound", "Contribution", "WorkerState", "LATE", "HELD", "APPLIED"]
+
+LATE = "late"
+HELD = "held"
+APPLIED = "applied"
+
+
+@dataclass(frozen=True)
+class SyncPolicy:
+    """What a request asks of the consistency layer. The default is plain async."""
+
+    clock: int = -1
+    sync: bool = False
+    staleness: int = -1
+    backup_workers: int = 0
+    staleness_aware_lr: bool = False
+
+    @property
+    def ssp(self) -> bool:
+        return not self.sync and self.staleness >= 0 and self.clock >= 0
+
+
+@dataclass
+class WorkerState:
+    name: str
+    lease_s: float
+    last_seen: float
+    clock: int = 0  # steps whose push this shard has seen complete
+    live: bool = True
+
+
+class Membership:
+    """Live workers, their leases and clocks; SSP waits.
+
+    ``now`` is injectable so unit tests can move time by hand.
+    """
+
+    def __init__(self, default_lease_s: float = 10.0, now: Callable[[], float] = time.monotonic) -> None:
+        if default_lease_s <= 0:
+            raise ValueError("lease must be > 0")
+        self.default_lease_s = default_lease_s
+        self._now = now
+        self._workers: dict[str, WorkerState] = {}
+        self.cond = threading.Condition()
+        self.expired = 0
+        self._listeners: list[Callable[[], None]] = []
+
+    # ------------------------------------------------------------------ membership
+    def on_change(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (outside the lock) whenever a worker leaves or expires."""
+        self._listeners.append(fn)
+
+    def _changed(self) -> None:
+        for fn in self._listeners:
+            fn()
+
+    def join(self, worker: str, lease_s: float = 0.0, clock: int | None = None) -> bool:
+        """Add (or re-add) ``worker``; returns True if it was not live before."""
+        if not worker:
+            raise FailedPreconditionError("join: the worker needs a non-empty name")
+        with self.cond:
+            w = self._workers.get(worker)
+            was_live = w is not None and w.live
+            start = clock if clock is not None else (w.clock if w is not None else self._min_clock(exclude=worker, default=0))
+            self._workers[worker] = WorkerState(worker, lease_s or self.default_lease_s, self._now(), max(0, start))
+            self.cond.notify_all()
+            return not was_live
+
+    def touch(self, worker: str) -> bool:
+        """Record a request from ``worker`` (renews its lease). Returns True if this rejoined it."""
+        if not worker:
+            return False
+        with self.cond:
+            w = self._workers.get(worker)
+            if w is not None and w.live:
+                w.last_seen = self._now()
+                return False
+        self.join(worker, w.lease_s if w is not None else 0.0)
+        return True
+
+    def leave(self, worker: str) -> None:
+        with self.cond:
+            w = self._workers.get(worker)
+            if w is None or not w.live:
+                return
+            w.live = False
+            self.cond.notify_all()
+        self._changed()
+
+    def expire(self) -> list[str]:
+        """Drop workers whose lease ran out; returns their names."""
+        now = self._now()
+        with self.cond:
+            gone = [w.name for w in self._workers.values() if w.live and now - w.last_seen > w.lease_s]
+            for name in gone:
+                self._workers[name].live = False
+            if gone:
+                self.expired += len(gone)
+                self.cond.notify_all()
+        if gone:
+            self._changed()
+        return gone
+
+    def live(self) -> frozenset[str]:
+        with self.cond:
+            return frozenset(w.name for w in self._workers.values() if w.live)
+
+    def workers(self) -> list[WorkerState]:
+        with self.cond:
+            return [WorkerState(w.name, w.lease_s, w.last_seen, w.clock, w.live) for w in self._workers.values()]
+
+    def idle_s(self, w: WorkerState) -> float:
+        return self._now() - w.last_seen
+
+    # ------------------------------------------------------------------ clocks
+    def advance(self, worker: str, clock: int) -> None:
+        """``worker`` finished pushing step ``clock``: its clock becomes at least clock + 1."""
+        with self.cond:
+            w = self._workers.get(worker)
+            if w is not None and clock + 1 > w.clock:
+                w.clock = clock + 1
+                self.cond.notify_all()
+
+    def _min_clock(self, exclude: str | None = None, default: int = -1) -> int:
+        clocks = [w.clock for w in self._workers.values() if w.live and w.name != exclude]
+        return min(clocks) if clocks else default
+
+    def min_clock(self, exclude: str | None = None) -> int:
+        """Slowest live worker's clock (``exclude`` left out); -1 if none."""
+        with self.cond:
+            return self._min_clock(exclude)
+
+    def wait_ssp(self, clock: int, staleness: int, timeout: float) -> float:
+        """Block while the slowest live worker is below ``clock - staleness``. Returns seconds waited.
+
+        Raises DeadlineExceededError after ``timeout`` seconds."""
+        need = clock - staleness
+        t0 = time.monotonic()
+        with self.cond:
+            while True:
+                slowest = self._min_clock()
+                if slowest < 0 or slowest >= need:
+                    return time.monotonic() - t0
+                left = timeout - (time.monotonic() - t0)
+                if left <= 0:
+                    raise DeadlineExceededError(
+                        f"SSP wait: step {clock} with staleness {staleness} needs every live worker at clock >= {need}; "
+                        f"the slowest is at {slowest} after {timeout:.1f} s"
+                    )
+                self.cond.wait(min(left, 0.5))
+
+
+C = TypeVar("C")
+
+
+@dataclass
+class Contribution(Generic[C]):
+    worker: str
+    value: C
+
+
+class SyncRound(Generic[C]):
+    """One table's BSP round on this shard.
+
+    ``apply(values)`` is called with the contributions of the round (in arrival
+    order) once the round is complete, under the round's lock; it must apply
+    their mean. ``clock`` counts applied rounds.
+    """
+
+    def __init__(self, name: str, membership: Membership, apply: Callable[[list[C]], Any]) -> None:
+        self.name = name
+        self.membership = membership
+        self._apply = apply
+        self.clock = 0
+        self.late = 0
+        self._pending: dict[str, C] = {}
+        self._backup = 0
+        self.cond = threading.Condition()
+
+    def contribute(self, worker: str, clock: int, value: C, backup_workers: int = 0) -> str:
+        """Offer ``worker``'s gradient for ``clock``. Returns LATE, HELD or APPLIED.
+
+        Raises FailedPreconditionError for a clock ahead of the table (the worker skipped a pull).
+        """
+        with self.cond:
+            if clock < self.clock or worker in self._pending:
+                self.late += 1
+                return LATE
+            if clock > self.clock:
+                raise FailedPreconditionError(
+                    f"table {self.name!r}: push for clock {clock}, but the table is at clock {self.clock} "
+                    "(pull before pushing: a BSP worker computes step c from the parameters of clock c)"
+                )
+            self._pending[worker] = value
+            self._backup = backup_workers
+            return APPLIED if self._maybe_apply() else HELD
+
+    def check(self) -> bool:
+        """Re-check completion (membership changed). True if a round was applied."""
+        with self.cond:
+            return self._maybe_apply()
+
+    def _maybe_apply(self) -> bool:
+        if not self._pending:
+            return False
+        live = self.membership.live()
+        need = max(1, len(live) - self._backup)
+        if not (live <= self._pending.keys() or len(self._pending) >= need):
+            return False
+        values = list(self._pending.values())
+        self._pending.clear()
+        try:
+            self._apply(values)
+        finally:
+            # a failed apply (a bug) must not wedge every worker: the round is over either way
+            self.clock += 1
+            self.cond.notify_all()
+        return True
+
+    def wait_clock(self, clock: int, timeout: float) -> float:
+        """Block until this table applied every clock below ``clock``. Returns seconds waited."""
+        t0 = time.monotonic()
+        with self.cond:
+            while self.clock < clock:
+                left = timeout - (time.monotonic() - t0)
+                if left <= 0:
+                    waiting = sorted(self.membership.live() - self._pending.keys())
+                    raise DeadlineExceededError(
+                        f"table {self.name!r}: BSP wait for clock {clock} timed out after {timeout:.1f} s at clock "
+                        f"{self.clock}; still waiting for live worker(s) {waiting}"
+                    )
+                self.cond.wait(min(left, 0.5))
+            return time.monotonic() - t0
+
+    def pending(self) -> int:
+        with self.cond:
+            return len(self._pending)
