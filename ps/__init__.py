@@ -1,5 +1,6 @@
 """Parameter server: sharded dense and sparse tables with server-side optimizers."""
 from ps.client import DenseResult, PSClient
+from ps.consistency import SyncPolicy
 from ps.config import AdmissionSpec, EvictionSpec, InitializerSpec, OptimizerSpec, ShardConfig, TableSpec
 from ps.errors import (
     InvalidArgumentError,
@@ -16,6 +17,7 @@ from ps.server import build_server, serve
 __all__ = [
     "PSClient",
     "DenseResult",
+    "SyncPolicy",
     "AdmissionSpec",
     "EvictionSpec",
     "InitializerSpec",

@@ -135,7 +135,8 @@ class PSClient:
         self.max_request_bytes = max_request_bytes
         opts = channel_options()
         self._shards = [_Shard(a, opts) for a in self.addresses]
-        self._pool = ThreadPoolExecutor(max_workers=max(4, 2 * self.num_shards), thread_name_prefix="psclient")
+        # BSP/SSP pulls block in these threads while the shards wait: leave room for the pushes that unblock them
+        self._pool = ThreadPoolExecutor(max_workers=max(16, 8 * self.num_shards), thread_name_prefix="psclient")
         self._dense: dict[str, _Dense] = {}
         self._sparse: dict[str, _Sparse] = {}
         self._meta_lock = threading.Lock()
@@ -305,7 +306,8 @@ class PSClient:
         place and returned) or a new float32 numpy array of the table's shape.
 
         ``policy``: wait as BSP/SSP require for step ``policy.clock`` (blocks on the shards).
-        ``return_clock``: also return the table's BSP clock (min over shards)."""
+        ``return_clock``: also return ``(clock, versions)``: the table's BSP clock (min over
+        shards) and each shard's slice version (pass them back as a push's ``base_version``)."""
         meta = self._dense_meta(name)
         direct = _direct_out(out, meta.spec.numel)  # straight into out: no temporary, no second copy
         flat = direct if direct is not None else np.empty(meta.spec.numel, np.float32)
@@ -314,6 +316,7 @@ class PSClient:
             head.sync.CopyFrom(policy_to_proto(policy))
         req = head.SerializeToString()
         clocks: list[int] = []
+        versions = [-1] * self.num_shards
 
         def one(i: int) -> int:
             start, stop = meta.ranges[i]
@@ -335,7 +338,8 @@ class PSClient:
                 return version
 
             try:
-                return retry_unavailable(attempt, self.retries)
+                versions[i] = retry_unavailable(attempt, self.retries)
+                return versions[i]
             except grpc.RpcError as e:
                 raise _typed(e, s.address, name) from None
 
@@ -346,17 +350,18 @@ class PSClient:
         else:
             arr = flat.reshape(meta.spec.shape)
             result = arr if out is None else _fill(out, arr, name)
-        return (result, min(clocks, default=0)) if return_clock else result
+        return (result, (min(clocks, default=0), tuple(versions))) if return_clock else result
 
     def push_dense(
-        self, name: str, grad: Any, base_version: int = -1, return_params: bool = False, out: Any = None,
+        self, name: str, grad: Any, base_version: int | Sequence[int] = -1, return_params: bool = False, out: Any = None,
         policy: SyncPolicy | None = None,
     ) -> Any:
         """Push a gradient for the whole table (same numel as the table); the shards apply their optimizer.
 
         With ``return_params`` the updated values stream back in the same call
         and are returned (into ``out`` if given, else like ``grad``); otherwise
-        returns a DenseResult. ``policy``: BSP pushes are held until the round
+        returns a DenseResult. ``base_version``: the version the gradient was computed
+        from (one for all shards, or one per shard as pull_dense returns them). ``policy``: BSP pushes are held until the round
         completes (the call returns as soon as the shard holds it); async/SSP
         pushes advance this worker's clock.
         """
@@ -369,10 +374,13 @@ class PSClient:
         return self._push_dense(name, values, pb.DENSE_OP_ASSIGN, -1, False, None)
 
     def _push_dense(
-        self, name: str, grad: Any, op: int, base_version: int, return_params: bool, out: Any,
+        self, name: str, grad: Any, op: int, base_version: int | Sequence[int], return_params: bool, out: Any,
         policy: SyncPolicy | None = None,
     ) -> Any:
         meta = self._dense_meta(name)
+        bases = [base_version] * self.num_shards if isinstance(base_version, int) else list(base_version)
+        if len(bases) != self.num_shards:
+            raise InvalidArgumentError(f"table {name!r}: {len(bases)} base versions for {self.num_shards} shards")
         sync = policy_to_proto(policy) if policy is not None else None
         g = as_numpy(grad).reshape(-1)
         if g.size != meta.spec.numel:
@@ -396,7 +404,7 @@ class PSClient:
                     part = g[start + off : min(stop, start + off + chunk)]
                     head = pb.DenseChunk(offset=off)
                     if off == 0:
-                        head.table, head.op, head.base_version = name, op, base_version  # type: ignore[assignment]
+                        head.table, head.op, head.base_version = name, op, bases[i]  # type: ignore[assignment]
                         head.return_params, head.reply_dtype, head.worker = return_params, wire, self.worker
                         if sync is not None:
                             head.sync.CopyFrom(sync)
