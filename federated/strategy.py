@@ -185,7 +185,13 @@ def _weighted_mean(updates: Sequence[ClientUpdate]) -> list[np.ndarray]:
 
 def _num(name: str, value: object, lo: float | None = None, hi: float | None = None,
          lo_open: bool = False, hi_open: bool = False) -> float:
-    """A finite float parameter within [lo, hi] (open ends when asked)."""
+    """A finite float parameter within [lo, hi] (open ends when asked). Numeric strings
+    (from a command line) are accepted."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise StrategyError(f"parameter {name} must be a number, got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise StrategyError(f"parameter {name} must be a number, got {value!r}")
     v = float(value)
@@ -199,6 +205,11 @@ def _num(name: str, value: object, lo: float | None = None, hi: float | None = N
 
 
 def _int(name: str, value: object, lo: int) -> int:
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            raise StrategyError(f"parameter {name} must be an integer, got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer, float)) or int(value) != value:
         raise StrategyError(f"parameter {name} must be an integer, got {value!r}")
     if int(value) < lo:

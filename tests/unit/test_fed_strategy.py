@@ -99,6 +99,14 @@ def test_registry_and_user_class_by_path() -> None:
     with pytest.raises(StrategyError, match="fedavg"):
         make_strategy("fedavg", bogus=1)
     assert issubclass(FedAvg, Strategy)
+    # numeric strings (from a command line) are accepted; others are named in the error
+    s2 = make_strategy("fedavgm", momentum="0.5", server_lr="2")
+    assert s2.params() == {"server_lr": 2.0, "momentum": 0.5}
+    assert make_strategy("multikrum", f="2", m="3").params() == {"f": 2, "m": 3}
+    with pytest.raises(StrategyError, match="parameter momentum must be a number, got 'fast'"):
+        make_strategy("fedavgm", momentum="fast")
+    with pytest.raises(StrategyError, match="parameter buffer_size must be an integer"):
+        make_strategy("fedbuff", buffer_size="2.5")
 
 
 def _mean_delta(g: list[np.ndarray], ups: list[ClientUpdate]) -> list[np.ndarray]:
