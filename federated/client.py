@@ -1,0 +1,259 @@
+"""The client SDK's connection: dial out to the server, receive tasks, fetch their
+tensors, run them on the user's :class:`~federated.runtime.Client`, submit answers.
+
+The client opens the connection (it may sit behind NAT): one ``Connect`` stream per
+process carries the server's instructions; bulk bytes travel in ``Fetch`` and
+``Submit`` calls, chunked. A lost connection is retried with jittered exponential
+backoff until ``reconnect_timeout`` passes without success; a ``Shutdown`` from the
+server ends :meth:`ClientNode.run` normally. An unknown token is not retried:
+:class:`~federated.errors.UnauthenticatedError`.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import grpc
+
+from federated.config import NodeConfig
+from federated.errors import (
+    FedError,
+    InvalidUpdateError,
+    PermissionDeniedError,
+    ServerUnavailableError,
+    TaskClosedError,
+    UnauthenticatedError,
+    UnknownTaskError,
+)
+from federated.protocol import Task
+from federated.runtime import Client, ClientRuntime
+from federated.wire import answer_chunks, blob_from_chunks, decode_message, task_from_proto
+from tessera.rpc import channel_options
+from tessera.security import make_channel, token_metadata
+from tessera.v1 import fed_pb2 as pb
+
+__all__ = ["Client", "ClientNode", "NodeStats", "start_client", "start_node", "ERROR_OF"]
+
+log = logging.getLogger(__name__)
+
+_SERVICE = "/tessera.v1.Federated/"
+ERROR_OF: dict[grpc.StatusCode, type[FedError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidUpdateError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.NOT_FOUND: UnknownTaskError,
+    grpc.StatusCode.FAILED_PRECONDITION: TaskClosedError,
+    grpc.StatusCode.UNAVAILABLE: ServerUnavailableError,
+}
+_KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
+              ("grpc.keepalive_permit_without_calls", 1)]
+
+
+def _typed(e: grpc.RpcError, what: str) -> FedError:
+    code = e.code() if hasattr(e, "code") else None
+    cls = ERROR_OF.get(code, FedError) if code is not None else FedError
+    details = e.details() if hasattr(e, "details") else str(e)
+    return cls(f"{what}: {details} ({code.name if code is not None else 'no status'})")
+
+
+@dataclass
+class NodeStats:
+    """What a node did (for reports); updated from worker threads under a lock."""
+
+    tasks: int = 0
+    failed: int = 0
+    rejected: int = 0
+    late: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    connects: int = 0
+
+
+class ClientNode:
+    """One connection to the server hosting one or many clients.
+
+    ``client_ids``: the ids to register (empty: one client named after the token).
+    ``runtime`` executes the tasks. :meth:`run` blocks until the server says
+    Shutdown (returns), the node is stopped (returns), the token is refused
+    (UnauthenticatedError / PermissionDeniedError) or the server stays unreachable
+    for ``config.reconnect_timeout`` seconds (ServerUnavailableError).
+    """
+
+    def __init__(self, config: NodeConfig, runtime: ClientRuntime, client_ids: Sequence[str] = ()) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.requested_ids = list(client_ids)
+        self.client_ids: list[str] = []
+        self.stats = NodeStats()
+        self.shutdown_reason: str | None = None
+        self.connected = threading.Event()
+        self._stop = threading.Event()
+        self._stats_lock = threading.Lock()
+        self._cancelled: set[str] = set()
+        self._call: Any = None
+        self._md = token_metadata(config.token)
+        self._channel: grpc.Channel | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def stop(self) -> None:
+        """End :meth:`run` from another thread (cancels the stream)."""
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    def _open(self) -> None:
+        cfg = self.config
+        opts = channel_options(cfg.max_message_bytes) + _KEEPALIVE
+        self._channel = make_channel(cfg.address, opts, cfg.root_cert, cfg.server_name)
+        ch = self._channel
+        self._connect = ch.stream_stream(_SERVICE + "Connect")
+        self._fetch = ch.unary_stream(_SERVICE + "Fetch")
+        self._submit = ch.stream_unary(_SERVICE + "Submit")
+
+    def run(self) -> None:
+        cfg = self.config
+        hello = pb.NodeMessage()
+        hello.hello.node = cfg.name
+        hello.hello.client_ids.extend(self.requested_ids)
+        hello.hello.version = "1"
+        hello_raw = hello.SerializeToString()
+        self._open()
+        assert self._channel is not None
+        pool = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="fedclient")
+        backoff = cfg.backoff_min
+        give_up_at = time.monotonic() + cfg.reconnect_timeout
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._call = self._connect(iter([hello_raw]), metadata=self._md)
+                    with self._stats_lock:
+                        self.stats.connects += 1
+                    for raw in self._call:
+                        msg, _ = decode_message(pb.ServerMessage, raw)
+                        body = msg.WhichOneof("body")
+                        if body == "welcome":
+                            self.client_ids = list(msg.welcome.client_ids)
+                            self.connected.set()
+                            backoff = cfg.backoff_min
+                            give_up_at = None  # type: ignore[assignment]
+                            log.info("connected to %s as %d client(s)", cfg.address, len(self.client_ids))
+                        elif body == "task":
+                            pool.submit(self._do_task, task_from_proto(msg.task))
+                        elif body == "cancel":
+                            with self._stats_lock:
+                                self._cancelled.add(msg.cancel.task_id)
+                        elif body == "shutdown":
+                            self.shutdown_reason = msg.shutdown.reason
+                            log.info("server shut down: %s", msg.shutdown.reason)
+                            return
+                    log.info("server closed the stream; reconnecting")
+                except grpc.RpcError as e:
+                    if self._stop.is_set():
+                        return
+                    code = e.code()
+                    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                        raise _typed(e, f"server {cfg.address} refused this client") from None
+                    log.info("connection to %s lost (%s); retrying", cfg.address, code.name if code else e)
+                self.connected.clear()
+                if give_up_at is None:
+                    give_up_at = time.monotonic() + cfg.reconnect_timeout
+                if time.monotonic() >= give_up_at:
+                    raise ServerUnavailableError(
+                        f"server {cfg.address} unreachable for {cfg.reconnect_timeout:.0f} s; giving up"
+                    )
+                delay = min(backoff, max(0.0, give_up_at - time.monotonic())) * (0.5 + random.random() / 2)
+                if self._stop.wait(delay):
+                    return
+                backoff = min(cfg.backoff_max, backoff * 2)
+        finally:
+            self._call = None
+            pool.shutdown(wait=True, cancel_futures=True)
+            self._channel.close()
+
+    # ------------------------------------------------------------------ tasks
+    def _do_task(self, task: Task) -> None:
+        cfg = self.config
+        try:
+            if task.task_id in self._cancelled:
+                return
+            tensors: tuple = ()
+            received = 0
+            if task.blob:
+                req = pb.FetchRequest(blob=task.blob, client_id=task.client_id, task_id=task.task_id)
+                stream = self._fetch(req.SerializeToString(), metadata=self._md, timeout=cfg.rpc_timeout)
+                tensors, received = blob_from_chunks(stream, cfg.max_blob_bytes, f"blob {task.blob}")
+            answer = self.runtime.handle(task, tensors, received)
+            with self._stats_lock:
+                if task.task_id in self._cancelled:
+                    self._cancelled.discard(task.task_id)
+                    self.stats.late += 1
+                    return
+            chunks = list(answer_chunks(answer, cfg.chunk_bytes))
+            self._submit(iter(chunks), metadata=self._md, timeout=cfg.rpc_timeout)
+            with self._stats_lock:
+                self.stats.tasks += 1
+                self.stats.failed += bool(answer.error)
+                self.stats.bytes_sent += sum(len(c) for c in chunks)
+                self.stats.bytes_received += received
+        except grpc.RpcError as e:
+            err = _typed(e, f"client {task.client_id}: {task.kind} task {task.task_id}")
+            with self._stats_lock:
+                if isinstance(err, TaskClosedError):
+                    self.stats.late += 1
+                elif isinstance(err, InvalidUpdateError):
+                    self.stats.rejected += 1
+            if isinstance(err, (TaskClosedError, ServerUnavailableError)) or self._stop.is_set():
+                log.info("%s", err)
+            else:
+                log.warning("%s", err)
+        except Exception:  # noqa: BLE001 - one task's failure must not kill the node
+            log.exception("client %s: task %s failed", task.client_id, task.task_id)
+        finally:
+            with self._stats_lock:
+                self._cancelled.discard(task.task_id)
+
+
+def start_node(
+    address: str,
+    client_fn: Callable[[str], Client],
+    client_ids: Sequence[str],
+    *,
+    keep_clients: bool = False,
+    token: str | None = None,
+    root_cert: str | bytes | None = None,
+    **node_options: Any,
+) -> ClientNode:
+    """A node hosting many (virtual) clients, made on demand by ``client_fn(client_id)``.
+    Call ``.run()`` (blocking) on the result, e.g. in a thread. Used by simulation."""
+    cfg = NodeConfig(address=address, token=token, root_cert=root_cert, **node_options)
+    return ClientNode(cfg, ClientRuntime(client_fn, keep_clients=keep_clients), client_ids)
+
+
+def start_client(
+    address: str,
+    client: Client,
+    *,
+    token: str | None = None,
+    root_cert: str | bytes | None = None,
+    client_id: str | None = None,
+    **node_options: Any,
+) -> None:
+    """Connect ``client`` to the server at ``address`` and serve its tasks until the
+    server says it is done (returns normally).
+
+    ``token``: this client's credential (sent as ``authorization: Bearer``);
+    ``root_cert``: PEM file or bytes of the server's TLS root certificate (None:
+    plaintext); ``client_id``: defaults to the token's identity (or one the server
+    assigns). Further keyword arguments go to :class:`~federated.config.NodeConfig`
+    (``reconnect_timeout``, ``workers``, ...). Raises UnauthenticatedError for a
+    refused token and ServerUnavailableError when the server stays unreachable.
+    """
+    node_options.setdefault("workers", 2)
+    cfg = NodeConfig(address=address, token=token, root_cert=root_cert, **node_options)
+    ClientNode(cfg, ClientRuntime(lambda _cid: client, keep_clients=True), [client_id] if client_id else []).run()

@@ -1,0 +1,140 @@
+"""Frozen configs of the federated server and of a client node, checked on creation.
+
+The ``tessera fed`` CLI only fills these in.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from federated.compress import parse_compression
+from federated.errors import ConfigError
+from federated.privacy import DPConfig
+
+__all__ = ["ServerConfig", "NodeConfig", "SecAggSettings"]
+
+
+@dataclass(frozen=True)
+class SecAggSettings:
+    """Secure aggregation (Bonawitz et al. 2017). ``enabled``; ``threshold``: Shamir
+    threshold as a fraction of the sampled clients (the sum is recovered while at
+    least that many survive); ``clip_range``: fixed-point range of update values."""
+
+    enabled: bool = False
+    threshold: float = 0.6
+    clip_range: float = 8.0
+    bits: int = 32  # 0: the secagg module's default
+    stage_timeout: float = 0.0  # 0: the round timeout
+
+    def __post_init__(self) -> None:
+        if not 0 < self.threshold <= 1:
+            raise ConfigError(f"secagg threshold must be a fraction in (0, 1], got {self.threshold}")
+        if not self.clip_range > 0:
+            raise ConfigError(f"secagg clip range must be > 0, got {self.clip_range}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What a federated server does.
+
+    Rounds: sample ``max(min_clients, ceil(fraction * connected))`` of the
+    connected clients (at least ``min_available`` must be connected), send the
+    global weights, and collect until every sampled client answered or
+    ``round_timeout`` seconds passed; aggregate if at least ``min_clients``
+    answered, else retry the round (up to ``max_retries`` times in a row).
+    ``eval_fraction`` of the connected clients evaluate the new weights every
+    ``eval_every`` rounds (0: never). ``checkpoint``: a file written after every
+    round and read at start (resume).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    rounds: int = 10
+    fraction: float = 1.0
+    min_clients: int = 2
+    min_available: int = 0  # 0: min_clients
+    round_timeout: float = 60.0
+    eval_fraction: float = 1.0
+    eval_every: int = 1
+    eval_timeout: float = 0.0  # 0: round_timeout
+    wait_timeout: float | None = None  # how long to wait for min_available clients (None: forever)
+    max_retries: int = 20
+    seed: int = 0
+    checkpoint: str | None = None
+    compress: str = ""
+    client_config: Mapping[str, float | int | str | bool] = field(default_factory=dict)
+    dp: DPConfig | None = None  # client-level DP-FedAvg (None: off)
+    secagg: SecAggSettings = field(default_factory=SecAggSettings)
+    tls_cert: str | bytes | None = None
+    tls_key: str | bytes | None = None
+    tokens: Mapping[str, str] | None = None  # identity -> token; None: no authentication
+    max_nodes: int = 256  # concurrent Connect streams (one thread each)
+    max_clients: int = 1_000_000
+    chunk_bytes: int = 1 << 20
+    max_message_bytes: int = 64 << 20
+    shutdown_clients: bool = True  # tell clients to exit when the rounds are done
+    async_concurrency: int = 0  # FedBuff: clients training at once (0: from fraction)
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ConfigError(f"rounds must be >= 1, got {self.rounds}")
+        if not 0 < self.fraction <= 1:
+            raise ConfigError(f"fraction must be in (0, 1], got {self.fraction}")
+        if not 0 <= self.eval_fraction <= 1:
+            raise ConfigError(f"eval fraction must be in [0, 1], got {self.eval_fraction}")
+        if self.min_clients < 1:
+            raise ConfigError(f"min clients must be >= 1, got {self.min_clients}")
+        if self.min_available and self.min_available < self.min_clients:
+            raise ConfigError(f"min available ({self.min_available}) must be >= min clients ({self.min_clients})")
+        if not self.round_timeout > 0:
+            raise ConfigError(f"round timeout must be > 0, got {self.round_timeout}")
+        if self.eval_every < 0 or self.max_retries < 0:
+            raise ConfigError("eval_every and max_retries must be >= 0")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port {self.port} out of range")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("TLS needs both a certificate and a key")
+        if self.tokens is not None and not self.tokens:
+            raise ConfigError("an empty token list would refuse every client")
+        if self.chunk_bytes < 1024 or self.chunk_bytes + 65536 > self.max_message_bytes:
+            raise ConfigError("chunk_bytes must be >= 1 KiB and fit in max_message_bytes with its header")
+        parse_compression(self.compress)  # raises ConfigError
+        if self.secagg.enabled and self.compress:
+            raise ConfigError("secure aggregation sends fixed-point masked updates; it cannot combine with --compress")
+
+    @property
+    def needed(self) -> int:
+        return max(self.min_available, self.min_clients)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """How a client node talks to the server.
+
+    ``reconnect_timeout``: give up (ServerUnavailableError) after this many seconds
+    without a connection; backoff starts at ``backoff_min`` and doubles to
+    ``backoff_max``. ``workers``: tasks run at once (threads).
+    """
+
+    address: str
+    token: str | None = None
+    root_cert: str | bytes | None = None
+    server_name: str | None = None
+    reconnect_timeout: float = 60.0
+    backoff_min: float = 0.1
+    backoff_max: float = 5.0
+    workers: int = 4
+    rpc_timeout: float = 120.0
+    chunk_bytes: int = 1 << 20
+    max_message_bytes: int = 64 << 20
+    max_blob_bytes: int = 1 << 40
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            raise ConfigError("client needs a server address HOST:PORT")
+        if self.workers < 1:
+            raise ConfigError("workers must be >= 1")
+        if not (0 < self.backoff_min <= self.backoff_max):
+            raise ConfigError("need 0 < backoff_min <= backoff_max")

@@ -1,0 +1,73 @@
+"""The federated error tree. Domain code raises these; the servicer maps each class to
+one gRPC status code (``federated.servicer.STATUS_OF``) and the client SDK maps codes
+back (``federated.client``)."""
+from __future__ import annotations
+
+__all__ = [
+    "FedError",
+    "ConfigError",
+    "InvalidUpdateError",
+    "ShapeMismatchError",
+    "DtypeError",
+    "NonFiniteError",
+    "MalformedMessageError",
+    "UnauthenticatedError",
+    "PermissionDeniedError",
+    "UnknownTaskError",
+    "TaskClosedError",
+    "ServerUnavailableError",
+    "ClientFailedError",
+]
+
+
+class FedError(Exception):
+    """Base of every error federated mode raises."""
+
+
+class ConfigError(FedError, ValueError):
+    """A server/client configuration that cannot work (checked before anything starts)."""
+
+
+class InvalidUpdateError(FedError):
+    """A client's answer is wrong in itself (INVALID_ARGUMENT); it is not aggregated."""
+
+
+class ShapeMismatchError(InvalidUpdateError):
+    """An update's tensor count or shapes do not match the global model."""
+
+
+class DtypeError(InvalidUpdateError):
+    """An update's tensor dtype or encoding is not the one expected."""
+
+
+class NonFiniteError(InvalidUpdateError):
+    """An update holds NaN or Inf."""
+
+
+class MalformedMessageError(InvalidUpdateError):
+    """Bytes that do not decode: truncated data, broken protobuf, missing header."""
+
+
+class UnauthenticatedError(FedError):
+    """No token, or a token the server does not know (UNAUTHENTICATED)."""
+
+
+class PermissionDeniedError(FedError):
+    """A known client acting for a client id or task it does not own (PERMISSION_DENIED)."""
+
+
+class UnknownTaskError(FedError):
+    """A task or blob id the server never issued or already forgot (NOT_FOUND)."""
+
+
+class TaskClosedError(FedError):
+    """An answer that arrived after its round closed (deadline passed or cancelled;
+    FAILED_PRECONDITION). Harmless: the client just drops it."""
+
+
+class ServerUnavailableError(FedError):
+    """The server could not be reached within the client's retry budget (UNAVAILABLE)."""
+
+
+class ClientFailedError(FedError):
+    """The user's Client raised while fitting or evaluating; reported to the server."""

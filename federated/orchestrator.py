@@ -1,0 +1,455 @@
+"""The server's round loop: sample -> send -> collect until all answered or the deadline
+-> aggregate -> evaluate -> checkpoint. Pure Python: clients are reached through the
+:class:`~federated.registry.Registry`, never through grpc directly.
+
+Synchronous strategies run rounds; an ``asynchronous`` strategy (FedBuff) keeps
+``async_concurrency`` clients busy and aggregates whenever ``buffer_size`` answers
+have arrived, each aggregation counting as one round. Under secure aggregation the
+fit phase is the Bonawitz protocol (``federated.secure_round``); under DP the
+clipped deltas are summed, noised and averaged (``federated.privacy``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from federated.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from federated.compress import encode_raw
+from federated.config import ServerConfig
+from federated.errors import ConfigError, FedError
+from federated.privacy import AdaptiveClip, RDPAccountant, clip_update, noised_mean
+from federated.protocol import EVALUATE, FIT, Task
+from federated.registry import Pending, Registry
+from federated.strategy import Strategy, StrategyError, Weights
+from federated.updates import Evaluation, Received, accept_evaluation, accept_fit
+from federated.wire import make_blob
+
+__all__ = ["Orchestrator", "EvaluateFn", "RoundFailedError", "check_combination"]
+
+log = logging.getLogger(__name__)
+
+EvaluateFn = Callable[[Weights], tuple[float, dict[str, float]]]
+"""Central evaluation: weights -> (loss, metrics) on the server's own test set."""
+
+
+class RoundFailedError(FedError):
+    """A round could not gather ``min_clients`` answers in ``max_retries + 1`` attempts."""
+
+
+def check_combination(config: ServerConfig, strategy: Strategy) -> None:
+    """Refuse, before anything starts, combinations that cannot work."""
+    if config.secagg.enabled:
+        if strategy.needs_individual_updates:
+            raise ConfigError(
+                f"strategy {strategy.name!r} (robust aggregation) needs every client's individual update; "
+                "secure aggregation reveals only their sum. Use fedavg, fedavgm, fedprox, fedadam, fedyogi "
+                "or fedadagrad with --secagg, or drop --secagg."
+            )
+        if not strategy.supports_secure_aggregation:
+            raise ConfigError(
+                f"strategy {strategy.name!r} needs more than the sum of updates (per-client extras or staleness); "
+                "it cannot run under secure aggregation"
+            )
+    if config.dp is not None and not strategy.supports_secure_aggregation:
+        raise ConfigError(
+            f"client-level DP averages clipped deltas; strategy {strategy.name!r} cannot aggregate from the mean delta"
+        )
+    if strategy.asynchronous and (config.secagg.enabled or config.dp is not None):
+        raise ConfigError(f"asynchronous strategy {strategy.name!r} cannot combine with secure aggregation or DP")
+
+
+def _weighted(items: Sequence[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """Example-weighted mean of each metric over the items that report it."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for n, m in items:
+        for k, v in m.items():
+            sums[k] = sums.get(k, 0.0) + n * float(v)
+            counts[k] = counts.get(k, 0.0) + n
+    return {k: sums[k] / counts[k] for k in sums if counts[k] > 0}
+
+
+class Orchestrator:
+    """Runs the rounds of one training job. Not thread-safe: one thread calls :meth:`run`.
+
+    ``initial_weights`` is used unless ``config.checkpoint`` names an existing file,
+    in which case training resumes after the checkpoint's round. ``evaluate_fn`` is
+    the central evaluation (None: none). ``on_round(record)`` is called after every
+    round with the record appended to :attr:`history`.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        strategy: Strategy,
+        registry: Registry,
+        initial_weights: Weights,
+        evaluate_fn: EvaluateFn | None = None,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        check_combination(config, strategy)
+        self.config = config
+        self.strategy = strategy
+        self.registry = registry
+        self.evaluate_fn = evaluate_fn
+        self.on_round = on_round
+        self.weights: Weights = [np.array(w, copy=True) for w in initial_weights]
+        if not self.weights or any(w.dtype.kind != "f" for w in self.weights):
+            raise ConfigError("initial weights must be a non-empty list of float arrays")
+        self.round = 0  # last completed round
+        self.history: list[dict[str, Any]] = []
+        self.dp = config.dp
+        self.clip: AdaptiveClip | None = None
+        self.accountant: RDPAccountant | None = None
+        if self.dp is not None:
+            self.clip = AdaptiveClip.from_config(self.dp, np.random.default_rng([config.seed, 7])) if self.dp.adaptive else None
+            self.accountant = RDPAccountant(self.dp.noise_multiplier, 0.0)
+        self._dp_rng = np.random.default_rng([config.seed, 11])
+        if config.checkpoint and os.path.exists(config.checkpoint):
+            self._resume(config.checkpoint)
+        self.strategy.setup(self.weights)
+        self.model_bytes = int(sum(w.nbytes for w in self.weights))
+        self.started = time.monotonic()
+        self._secure: Any = None
+
+    # ------------------------------------------------------------------ checkpoints
+    def _resume(self, path: str) -> None:
+        ck = load_checkpoint(path)
+        if len(ck.weights) != len(self.weights) or any(
+            a.shape != b.shape or a.dtype != b.dtype for a, b in zip(ck.weights, self.weights)
+        ):
+            raise ConfigError(f"checkpoint {path} holds weights of another model")
+        self.weights, self.round, self.history = ck.weights, ck.round, ck.history
+        try:
+            self.strategy.load_state_dict(ck.strategy_state)
+        except StrategyError as e:
+            raise ConfigError(f"checkpoint {path}: strategy state does not load: {e}") from None
+        if self.accountant is not None and "accountant" in ck.meta:
+            self.accountant.load_state_dict(ck.meta["accountant"])
+        if self.clip is not None and "clip" in ck.meta:
+            self.clip.load_state_dict(ck.meta["clip"])
+        log.info("resumed from %s after round %d", path, self.round)
+
+    def _checkpoint(self) -> None:
+        if not self.config.checkpoint:
+            return
+        meta: dict[str, Any] = {"strategy": self.strategy.name, "params": self.strategy.params()}
+        if self.accountant is not None:
+            meta["accountant"] = self.accountant.state_dict()
+        if self.clip is not None:
+            meta["clip"] = self.clip.state_dict()
+        save_checkpoint(
+            self.config.checkpoint,
+            Checkpoint(self.round, self.weights, self.strategy.state_dict(), self.history, meta),
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _client_config(self, rnd: int) -> dict[str, Any]:
+        cfg: dict[str, Any] = dict(self.config.client_config)
+        cfg.update(self.strategy.client_config(rnd))
+        cfg["round"] = rnd
+        if self.dp is not None:
+            cfg["dp_clip"] = self.clip.clip_norm if self.clip is not None else self.dp.clip_norm
+            cfg["dp_noise"] = self.dp.noise_multiplier
+            cfg["dp_mode"] = self.dp.mode
+        return cfg
+
+    def _sample(self, ids: list[str], fraction: float, rnd: int, attempt: int, salt: int) -> list[str]:
+        n = len(ids)
+        k = min(n, max(self.config.min_clients, math.ceil(fraction * n)))
+        rng = np.random.default_rng([self.config.seed, rnd, attempt, salt])
+        pick = rng.choice(n, size=k, replace=False)
+        return [ids[i] for i in sorted(pick.tolist())]
+
+    def _wait_for_clients(self, stop: threading.Event) -> bool:
+        need = self.config.needed
+        if self.registry.num_connected() >= need:
+            return True
+        log.info("waiting for %d clients (%d connected)", need, self.registry.num_connected())
+        ok = self.registry.wait_for_clients(need, self.config.wait_timeout, stop)
+        if not ok and not stop.is_set():
+            raise RoundFailedError(
+                f"only {self.registry.num_connected()} of the {need} clients needed connected within {self.config.wait_timeout} s"
+            )
+        return ok
+
+    def _weights_blob(self, payload: dict[str, Weights]) -> str:
+        tensors = encode_raw(self.weights)
+        for name, arrays in payload.items():
+            tensors += encode_raw([np.asarray(a) for a in arrays], group=name)
+        return self.registry.put_blob(make_blob(tensors))
+
+    def _task(self, cid: str, rnd: int, kind: str, blob: str, config: dict[str, Any], timeout: float, **kw: Any) -> Task:
+        nbytes = 0
+        return Task(
+            task_id=self.registry.new_task_id(), client_id=cid, round=rnd, kind=kind, config=config, blob=blob,
+            blob_bytes=nbytes, timeout_s=timeout, compress=self.config.compress, **kw,
+        )
+
+    @staticmethod
+    def _traffic(pending: Sequence[Pending], into: dict[str, list[int]]) -> None:
+        for p in pending:
+            t = into.setdefault(p.client_id, [0, 0])
+            t[0] += p.bytes_up
+            t[1] += p.bytes_down
+
+    # ------------------------------------------------------------------ run
+    def run(self, stop: threading.Event | None = None) -> list[dict[str, Any]]:
+        """Run the remaining rounds (blocking). Returns the history. Stops early when
+        ``stop`` is set. Raises RoundFailedError when a round cannot be completed."""
+        stop = stop or threading.Event()
+        if self.strategy.asynchronous:
+            return self._run_async(stop)
+        while self.round < self.config.rounds and not stop.is_set():
+            rnd = self.round + 1
+            t0 = time.monotonic()
+            traffic: dict[str, list[int]] = {}
+            rec: dict[str, Any] = {"round": rnd}
+            if self.config.secagg.enabled:
+                outcome = self._secure_fit(rnd, stop, rec, traffic)
+            else:
+                outcome = self._plain_fit(rnd, stop, rec, traffic)
+            if outcome is None:  # stopped
+                break
+            self.round = rnd
+            self._finish_round(rec, t0, traffic, stop)
+        return self.history
+
+    def _plain_fit(self, rnd: int, stop: threading.Event, rec: dict[str, Any], traffic: dict[str, list[int]]) -> Weights | None:
+        cfg = self.config
+        payload = self.strategy.client_payload(rnd)
+        blob = self._weights_blob(payload)
+        config = self._client_config(rnd)
+        weights = self.weights
+        keep_delta = self.dp is not None
+        failures: dict[str, str] = {}
+        try:
+            for attempt in range(cfg.max_retries + 1):
+                if not self._wait_for_clients(stop):
+                    return None
+                sample = self._sample(self.registry.connected(), cfg.fraction, rnd, attempt, 0)
+                t_fit = time.monotonic()
+                tasks = [
+                    (self._task(c, rnd, FIT, blob, config, cfg.round_timeout),
+                     lambda a, rnd=rnd: accept_fit(a, rnd, weights, self.strategy, keep_delta))
+                    for c in sample
+                ]
+                pending = self.registry.issue(tasks)
+                self.registry.collect(pending, time.monotonic() + cfg.round_timeout, stop)
+                self._traffic(pending, traffic)
+                ok = [p for p in pending if p.ok]
+                failures.update({p.client_id: p.error for p in pending if not p.ok})
+                rec.update(sampled=len(sample), answered=len(ok), attempts=attempt + 1, fit_s=time.monotonic() - t_fit)
+                if stop.is_set():
+                    return None
+                if len(ok) >= cfg.min_clients:
+                    received: list[Received] = [p.outcome for p in ok]
+                    t_agg = time.monotonic()
+                    new = self._aggregate(rnd, received, rec, num_sampled=len(sample))
+                    rec["agg_s"] = time.monotonic() - t_agg
+                    rec["agg_bytes"] = len(received) * self.model_bytes
+                    rec["train_metrics"] = _weighted([(r.update.num_examples, r.update.metrics) for r in received])
+                    rec["failed"] = failures
+                    self.weights = new
+                    return new
+                log.warning("round %d attempt %d: %d of %d sampled clients answered, %d needed; retrying",
+                            rnd, attempt + 1, len(ok), len(sample), cfg.min_clients)
+        finally:
+            self.registry.drop_blobs([blob])
+        raise RoundFailedError(
+            f"round {rnd}: fewer than {cfg.min_clients} clients answered in {cfg.max_retries + 1} attempts; last failures: "
+            + ", ".join(f"{k}: {v}" for k, v in list(failures.items())[:5])
+        )
+
+    def _aggregate(self, rnd: int, received: list[Received], rec: dict[str, Any], num_sampled: int) -> Weights:
+        if self.dp is None:
+            return self.strategy.aggregate(rnd, self.weights, [r.update for r in received])
+        dp = self.dp
+        c = self.clip.clip_norm if self.clip is not None else dp.clip_norm
+        total: list[np.ndarray] | None = None
+        unclipped = 0
+        for r in received:
+            assert r.delta is not None
+            d = r.delta
+            if dp.mode == "central":  # a client that did not clip gets clipped here; local noise must not be
+                d, norm = clip_update([x.astype(np.float64) for x in d], c)
+            unclipped += int(r.update.metrics.get("dp_unclipped", 0.0) >= 0.5)
+            total = [x.astype(np.float64) for x in d] if total is None else [t + x for t, x in zip(total, d)]
+        assert total is not None
+        mean = noised_mean(total, len(received), dp, self._dp_rng, clip_norm=c)
+        new = self.strategy.aggregate_mean_delta(rnd, self.weights, mean)
+        self._account(rec, num_sampled, unclipped, len(received))
+        return new
+
+    def _account(self, rec: dict[str, Any], num_sampled: int, unclipped: int, num_answered: int) -> None:
+        assert self.dp is not None and self.accountant is not None
+        population = max(1, self.registry.num_connected())
+        q = min(1.0, num_sampled / population)
+        self.accountant.step(1, sample_rate=q)
+        rec["dp_clip"] = self.clip.clip_norm if self.clip is not None else self.dp.clip_norm
+        if self.clip is not None and num_answered:
+            self.clip.update_from_count(unclipped, num_answered)
+        eps = self.accountant.epsilon(self.dp.delta) if self.dp.noise_multiplier > 0 else math.inf
+        rec["epsilon"] = eps
+        rec["delta"] = self.dp.delta
+
+    def _secure_fit(self, rnd: int, stop: threading.Event, rec: dict[str, Any], traffic: dict[str, list[int]]) -> Weights | None:
+        if self._secure is None:
+            from federated.secure_round import SecureRound
+
+            self._secure = SecureRound(self)
+        return self._secure.run(rnd, stop, rec, traffic)
+
+    # ------------------------------------------------------------------ evaluation + bookkeeping
+    def _evaluate(self, rnd: int, stop: threading.Event, rec: dict[str, Any], traffic: dict[str, list[int]]) -> None:
+        cfg = self.config
+        t0 = time.monotonic()
+        if cfg.eval_every and cfg.eval_fraction > 0 and rnd % cfg.eval_every == 0 and not stop.is_set():
+            ids = self.registry.connected()
+            if ids:
+                blob = self._weights_blob({})
+                try:
+                    sample = self._sample(ids, cfg.eval_fraction, rnd, 0, 1)
+                    timeout = cfg.eval_timeout or cfg.round_timeout
+                    config = self._client_config(rnd)
+                    pending = self.registry.issue(
+                        [(self._task(c, rnd, EVALUATE, blob, config, timeout), accept_evaluation) for c in sample]
+                    )
+                    self.registry.collect(pending, time.monotonic() + timeout, stop)
+                    self._traffic(pending, traffic)
+                    evals: list[Evaluation] = [p.outcome for p in pending if p.ok]
+                    total = sum(e.num_examples for e in evals)
+                    rec["eval_clients"] = len(evals)
+                    if total > 0:
+                        rec["loss"] = sum(e.loss * e.num_examples for e in evals) / total
+                        rec["metrics"] = _weighted([(e.num_examples, e.metrics) for e in evals])
+                finally:
+                    self.registry.drop_blobs([blob])
+        if self.evaluate_fn is not None:
+            loss, metrics = self.evaluate_fn(self.weights)
+            rec["central_loss"] = float(loss)
+            rec["central_metrics"] = {k: float(v) for k, v in metrics.items()}
+        rec["eval_s"] = time.monotonic() - t0
+
+    def _finish_round(self, rec: dict[str, Any], t0: float, traffic: dict[str, list[int]], stop: threading.Event) -> None:
+        self._evaluate(rec["round"], stop, rec, traffic)
+        rec["round_s"] = time.monotonic() - t0
+        rec["elapsed_s"] = time.monotonic() - self.started
+        rec["bytes_up"] = int(sum(v[0] for v in traffic.values()))
+        rec["bytes_down"] = int(sum(v[1] for v in traffic.values()))
+        rec["clients"] = {k: {"up": v[0], "down": v[1]} for k, v in sorted(traffic.items())}
+        self.history.append(rec)
+        self._checkpoint()
+        if self.on_round is not None:
+            self.on_round(rec)
+        log.info(
+            "round %d: %s/%s answered, %.3f s, central %s",
+            rec["round"], rec.get("answered"), rec.get("sampled"), rec["round_s"], rec.get("central_metrics"),
+        )
+
+    # ------------------------------------------------------------------ asynchronous (FedBuff)
+    def _run_async(self, stop: threading.Event) -> list[dict[str, Any]]:
+        """FedBuff: keep clients busy; every ``buffer_size`` arrivals is one aggregation ("round")."""
+        cfg = self.config
+        k_buf = int(getattr(self.strategy, "buffer_size", 1))
+        in_flight: dict[str, Pending] = {}
+        buffer: list[Received] = []
+        blob_of: dict[int, str] = {}  # version -> blob id
+        traffic: dict[str, list[int]] = {}
+        failures: dict[str, str] = {}
+        t_round = time.monotonic()
+        draws = 0
+        try:
+            while self.round < cfg.rounds and not stop.is_set():
+                if not self._wait_for_clients(stop):
+                    break
+                ids = self.registry.connected()
+                want = cfg.async_concurrency or max(cfg.min_clients, math.ceil(cfg.fraction * len(ids)))
+                idle = [c for c in ids if c not in in_flight]
+                if len(in_flight) < want and idle:
+                    draws += 1
+                    rng = np.random.default_rng([cfg.seed, draws, 3])
+                    pick = rng.choice(len(idle), size=min(len(idle), want - len(in_flight)), replace=False)
+                    version = self.round
+                    if version not in blob_of:
+                        blob_of[version] = self._weights_blob(self.strategy.client_payload(version))
+                    config = self._client_config(version)
+                    weights = self.weights
+
+                    def accept(a: Any, version: int = version, weights: Weights = weights) -> Received:
+                        # runs on a gRPC thread: shape checks only; staleness is checked below, in this thread
+                        return accept_fit(a, version, weights, self.strategy, strategy_check=False)
+
+                    tasks = [(self._task(idle[i], version, FIT, blob_of[version], config, cfg.round_timeout), accept)
+                             for i in sorted(pick.tolist())]
+                    for p in self.registry.issue(tasks):
+                        in_flight[p.client_id] = p
+                now = time.monotonic()
+                deadline = min([p.issued_at + cfg.round_timeout for p in in_flight.values()], default=now + 0.5)
+                done = self.registry.wait_any(list(in_flight.values()), deadline, stop)
+                expired = [p for p in in_flight.values() if not p.done and time.monotonic() >= p.issued_at + cfg.round_timeout]
+                finished = done + expired
+                self.registry.forget(finished, "deadline passed")
+                self._traffic(finished, traffic)
+                for p in finished:
+                    in_flight.pop(p.client_id, None)
+                    if not p.ok:
+                        failures[p.client_id] = p.error
+                        continue
+                    try:
+                        self.strategy.validate_update(self.round, self.weights, p.outcome.update)
+                    except StrategyError as e:
+                        failures[p.client_id] = f"rejected: {e}"
+                        continue
+                    buffer.append(p.outcome)
+                if len(buffer) >= k_buf:
+                    rnd = self.round + 1
+                    rec: dict[str, Any] = {"round": rnd, "answered": len(buffer), "sampled": len(buffer) + len(failures)}
+                    used, buffer = buffer[:k_buf], buffer[k_buf:]
+                    updates = [r.update for r in used]
+                    rec["staleness"] = [self.round - u.base_round for u in updates]
+                    t_agg = time.monotonic()
+                    try:
+                        new = self.strategy.aggregate(self.round, self.weights, updates)
+                    except StrategyError as e:  # e.g. an update went too stale while buffered: drop the buffer
+                        log.warning("FedBuff aggregation refused (%s); dropping %d buffered updates", e, len(used))
+                        continue
+                    rec["agg_s"] = time.monotonic() - t_agg
+                    rec["agg_bytes"] = len(used) * self.model_bytes
+                    rec["train_metrics"] = _weighted([(u.num_examples, u.metrics) for u in updates])
+                    rec["failed"] = failures
+                    self.weights = new
+                    self.round = rnd
+                    live = {p.task.round for p in in_flight.values()}
+                    self.registry.drop_blobs([b for v, b in blob_of.items() if v not in live])
+                    blob_of = {v: b for v, b in blob_of.items() if v in live}
+                    self._finish_async_round(rec, t_round, traffic)
+                    traffic, failures, t_round = {}, {}, time.monotonic()
+        finally:
+            self.registry.forget(list(in_flight.values()), "training finished")
+            self.registry.drop_blobs(blob_of.values())
+        return self.history
+
+    def _finish_async_round(self, rec: dict[str, Any], t0: float, traffic: dict[str, list[int]]) -> None:
+        t_eval = time.monotonic()
+        if self.evaluate_fn is not None and self.config.eval_every and rec["round"] % self.config.eval_every == 0:
+            loss, metrics = self.evaluate_fn(self.weights)
+            rec["central_loss"] = float(loss)
+            rec["central_metrics"] = {k: float(v) for k, v in metrics.items()}
+        rec["eval_s"] = time.monotonic() - t_eval
+        rec["round_s"] = time.monotonic() - t0
+        rec["elapsed_s"] = time.monotonic() - self.started
+        rec["bytes_up"] = int(sum(v[0] for v in traffic.values()))
+        rec["bytes_down"] = int(sum(v[1] for v in traffic.values()))
+        rec["clients"] = {k: {"up": v[0], "down": v[1]} for k, v in sorted(traffic.items())}
+        self.history.append(rec)
+        self._checkpoint()
+        if self.on_round is not None:
+            self.on_round(rec)
+

@@ -1,0 +1,129 @@
+"""Build and run a federated server: gRPC server + registry + round loop."""
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from concurrent import futures
+from typing import Any, Callable
+
+import grpc
+
+from federated.config import ServerConfig
+from federated.orchestrator import EvaluateFn, Orchestrator
+from federated.registry import Registry
+from federated.servicer import FedServicer
+from federated.strategy import Strategy, Weights
+from tessera.rpc import server_options
+from tessera.security import TokenAuthInterceptor, TokenTable, server_credentials
+
+__all__ = ["FedServer", "serve"]
+
+log = logging.getLogger(__name__)
+
+_KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_ping_strikes", 0),  # clients ping every 10 s to notice a dead server
+]
+
+
+class FedServer:
+    """A federated server. ``start()`` binds and serves; ``run()`` runs the rounds
+    (blocking) and then tells the clients to exit; ``stop()`` ends everything.
+
+    Bad combinations (robust strategy with secure aggregation, ...) raise
+    ConfigError here, before anything binds.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        strategy: Strategy,
+        initial_weights: Weights,
+        evaluate_fn: EvaluateFn | None = None,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.registry = Registry(config.max_clients)
+        self.orchestrator = Orchestrator(config, strategy, self.registry, initial_weights, evaluate_fn, on_round)
+        self.tokens = TokenTable(config.tokens) if config.tokens is not None else None
+        self.servicer = FedServicer(self.registry, self.tokens, config.chunk_bytes)
+        # an answer is at most the model in float64 plus extras (SCAFFOLD) plus headers
+        self.servicer.max_answer_bytes = 4 * self.orchestrator.model_bytes + (16 << 20)
+        self.interceptor = TokenAuthInterceptor(self.tokens) if self.tokens is not None else None
+        self._server: grpc.Server | None = None
+        self.port = 0
+        self._stop = threading.Event()
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+        return f"{host}:{self.port}"
+
+    def start(self) -> int:
+        """Bind ``config.host:config.port`` (0: a free port) and serve. Returns the port."""
+        cfg = self.config
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.max_nodes + 32, thread_name_prefix="fed"),
+            interceptors=[self.interceptor] if self.interceptor is not None else None,
+            options=server_options(cfg.max_message_bytes) + _KEEPALIVE,
+        )
+        server.add_generic_rpc_handlers((self.servicer.handlers(),))
+        host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
+        if cfg.tls_cert is not None:
+            assert cfg.tls_key is not None
+            port = server.add_secure_port(f"{host}:{cfg.port}", server_credentials(cfg.tls_cert, cfg.tls_key))
+        else:
+            port = server.add_insecure_port(f"{host}:{cfg.port}")
+        if port == 0:
+            raise OSError(f"could not bind {cfg.host}:{cfg.port}")
+        server.start()
+        self._server, self.port = server, port
+        return port
+
+    def run(self) -> list[dict[str, Any]]:
+        """Run the rounds (blocking; ``start()`` first). Returns the history. When the
+        rounds are done and ``config.shutdown_clients``, clients are told to exit."""
+        if self._server is None:
+            self.start()
+        try:
+            return self.orchestrator.run(self._stop)
+        finally:
+            if self.config.shutdown_clients:
+                self.registry.shutdown("training finished" if not self._stop.is_set() else "server stopping")
+
+    def stop(self, grace: float = 1.0) -> None:
+        """Stop the round loop, tell clients to exit, stop serving."""
+        self._stop.set()
+        self.registry.shutdown("server stopping")
+        if self._server is not None:
+            self._server.stop(grace).wait()
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        return self.orchestrator.history
+
+    @property
+    def weights(self) -> Weights:
+        return self.orchestrator.weights
+
+
+def serve(server: FedServer, ready_file: str | None = None) -> list[dict[str, Any]]:
+    """Run ``server`` until its rounds are done or SIGTERM/SIGINT. Prints one line
+    ``tessera-fed listening on HOST:PORT`` when ready."""
+    port = server.start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server._stop.set())
+    print(f"tessera-fed listening on {server.config.host}:{port}", flush=True)
+    if ready_file:
+        with open(ready_file, "w") as f:
+            f.write(f"{port}\n")
+    try:
+        history = server.run()
+    finally:
+        server.stop(grace=2.0)
+        print("tessera-fed stopped", file=sys.stderr, flush=True)
+    return history

@@ -1,0 +1,210 @@
+"""The federated gRPC servicer: decode, call the Registry, encode, map errors to status codes.
+
+Requests arrive as raw bytes and are decoded here (not by gRPC), so malformed input
+becomes INVALID_ARGUMENT with a message and bulk tensor bytes are read in place.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import logging
+import queue
+import threading
+from typing import Any, Callable, Iterator
+
+import grpc
+
+from federated.errors import (
+    ConfigError,
+    InvalidUpdateError,
+    MalformedMessageError,
+    PermissionDeniedError,
+    TaskClosedError,
+    UnauthenticatedError,
+    UnknownTaskError,
+)
+from federated.protocol import Task
+from federated.registry import Cancel, Registry, Shutdown
+from federated.wire import answer_from_chunks, blob_chunks, decode_message, task_to_proto
+from tessera.codec import CodecError
+from tessera.security import TokenTable, identity_of
+from tessera.v1 import fed_pb2 as pb
+
+__all__ = ["FedServicer", "STATUS_OF", "SERVICE_NAME"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "tessera.v1.Federated"
+
+# error class -> status code; the first match along the class's MRO wins
+STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
+    InvalidUpdateError: grpc.StatusCode.INVALID_ARGUMENT,
+    CodecError: grpc.StatusCode.INVALID_ARGUMENT,
+    UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
+    UnknownTaskError: grpc.StatusCode.NOT_FOUND,
+    TaskClosedError: grpc.StatusCode.FAILED_PRECONDITION,
+    ConfigError: grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+_END = object()
+
+
+def _status_of(exc: BaseException) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+class FedServicer:
+    """Handlers take (request bytes or iterator of bytes, context) and return bytes.
+
+    ``max_answer_bytes`` bounds one Submit (set by the server from the model size).
+    Counters (``requests``, ``errors``, ``bytes_in``, ``bytes_out``) are for stats.
+    """
+
+    def __init__(self, registry: Registry, tokens: TokenTable | None = None, chunk_bytes: int = 1 << 20) -> None:
+        self.registry = registry
+        self.tokens = tokens
+        self.chunk_bytes = chunk_bytes
+        self.max_answer_bytes = 1 << 30
+        self.requests: collections.Counter[str] = collections.Counter()
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self._count_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ plumbing
+    def _identity(self, context: grpc.ServicerContext) -> str | None:
+        if self.tokens is None:
+            return None
+        who = identity_of(context.invocation_metadata(), self.tokens)
+        if who is None:  # the interceptor refuses these first; this guards a server built without it
+            raise UnauthenticatedError("unknown client token")
+        return who
+
+    def _fail(self, method: str, context: grpc.ServicerContext, exc: BaseException) -> None:
+        code = _status_of(exc)
+        with self._count_lock:
+            self.errors[code.name] += 1
+        if code == grpc.StatusCode.INTERNAL:
+            log.exception("%s failed", method)
+            msg = f"{method}: internal error: {type(exc).__name__}: {exc}"
+        else:
+            log.info("%s refused (%s): %s", method, code.name, exc)
+            msg = str(exc)
+        context.abort(code, msg)
+
+    def _count(self, name: str) -> None:
+        with self._count_lock:
+            self.requests[name] += 1
+
+    def handlers(self) -> grpc.GenericRpcHandler:
+        def guard(name: str, fn: Callable) -> Callable:
+            if inspect.isgeneratorfunction(fn):
+
+                @functools.wraps(fn)
+                def gen(request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
+                    self._count(name)
+                    try:
+                        yield from fn(request, context)
+                    except grpc.RpcError:
+                        with self._count_lock:
+                            self.errors["CANCELLED"] += 1
+                    except Exception as e:  # noqa: BLE001 - translated to a status
+                        if not context.is_active():
+                            return
+                        self._fail(name, context, e)
+
+                return gen
+
+            @functools.wraps(fn)
+            def unary(request: Any, context: grpc.ServicerContext) -> bytes:
+                self._count(name)
+                try:
+                    return fn(request, context)
+                except grpc.RpcError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    self._fail(name, context, e)
+                    raise  # unreachable: abort raises
+
+            return unary
+
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "Connect": grpc.stream_stream_rpc_method_handler(guard("Connect", self.Connect)),
+                "Fetch": grpc.unary_stream_rpc_method_handler(guard("Fetch", self.Fetch)),
+                "Submit": grpc.stream_unary_rpc_method_handler(guard("Submit", self.Submit)),
+            },
+        )
+
+    # ------------------------------------------------------------------ Connect
+    def Connect(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        identity = self._identity(context)
+        raw = next(request_iterator, None)
+        if raw is None:
+            raise MalformedMessageError("Connect: stream ended before Hello")
+        msg, _ = decode_message(pb.NodeMessage, raw)
+        if msg.WhichOneof("body") != "hello":
+            raise MalformedMessageError("Connect: the first message must be Hello")
+        q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        node = self.registry.connect(identity, list(msg.hello.client_ids), q.put, msg.hello.node)
+        context.add_callback(lambda: q.put(_END))
+        try:
+            welcome = pb.ServerMessage()
+            welcome.welcome.client_ids.extend(node.client_ids)
+            welcome.welcome.server = SERVICE_NAME
+            yield self._out(welcome.SerializeToString())
+            while True:
+                ev = q.get()
+                if ev is _END:
+                    return
+                if isinstance(ev, Task):
+                    yield self._out(task_to_proto(ev).SerializeToString())
+                elif isinstance(ev, Cancel):
+                    m = pb.ServerMessage()
+                    m.cancel.task_id, m.cancel.reason = ev.task_id, ev.reason
+                    yield self._out(m.SerializeToString())
+                elif isinstance(ev, Shutdown):
+                    m = pb.ServerMessage()
+                    m.shutdown.reason = ev.reason
+                    yield self._out(m.SerializeToString())
+                    return
+        finally:
+            self.registry.disconnect(node)
+
+    # ------------------------------------------------------------------ Fetch
+    def Fetch(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        identity = self._identity(context)
+        self._in(len(raw))
+        req, _ = decode_message(pb.FetchRequest, raw)
+        blob = self.registry.fetch(identity, req.blob, req.client_id, req.task_id)
+        for chunk in blob_chunks(blob, self.chunk_bytes):
+            yield self._out(chunk)
+
+    # ------------------------------------------------------------------ Submit
+    def Submit(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        identity = self._identity(context)
+
+        def counted() -> Iterator[bytes]:
+            for raw in request_iterator:
+                self._in(len(raw))
+                yield raw
+
+        answer = answer_from_chunks(counted(), self.max_answer_bytes)
+        self.registry.submit(identity, answer)
+        return self._out(pb.SubmitReply(accepted=True).SerializeToString())
+
+    def _in(self, n: int) -> None:
+        with self._count_lock:
+            self.bytes_in += n
+
+    def _out(self, data: bytes) -> bytes:
+        with self._count_lock:
+            self.bytes_out += len(data)
+        return data
+
