@@ -236,9 +236,11 @@ class SyncRound(Generic[C]):
         if not self._pending:
             return False
         live = self.membership.live()
-        need = max(1, len(live) - self._backup)
-        if not (live <= self._pending.keys() or len(self._pending) >= need):
-            return False
+        # the quorum counts live workers only: a contribution from a worker that has since left still
+        # goes into the mean, but must not stand in for a live worker's
+        if not live <= self._pending.keys():
+            if not self._backup or len(live & self._pending.keys()) < len(live) - self._backup:
+                return False
         values = list(self._pending.values())
         self._pending.clear()
         try:

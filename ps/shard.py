@@ -198,7 +198,7 @@ class Shard:
 
     # ------------------------------------------------------------------ membership
     def _view(self, worker: str = "", rejoined: bool = False) -> MembershipView:
-        clocks = [r.clock for r in self.rounds.values()]
+        clocks = [r.clock for r in self.rounds.values() if r.clock > 0]  # tables that took part in BSP
         return MembershipView(
             self.config.shard_index, tuple(sorted(self.membership.live())), min(clocks) if clocks else 0,
             self.membership.min_clock(exclude=worker), rejoined,

@@ -186,7 +186,7 @@ class DenseTable:
                 else:
                     acc = torch.from_numpy(np.array(parts[0], np.float32, copy=True))
                     for p in parts[1:]:
-                        acc.add_(torch.from_numpy(np.asarray(p, np.float32)))
+                        acc.add_(torch.from_numpy(np.array(p, np.float32, copy=False)))
                     g = acc.div_(n).numpy()
                 update.apply(k * self.chunk_elems, g)
             return update.commit()

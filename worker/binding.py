@@ -41,6 +41,7 @@ class _Rows:
     inverse: np.ndarray  # index into uniq per id, ids' shape
     rows: np.ndarray  # float32 (len(uniq), dim)
     versions: np.ndarray  # int64 row versions (for staleness)
+    clock: int = 0  # the table's BSP clock at the pull
 
 
 @dataclass
@@ -95,8 +96,8 @@ class PSEmbedding(nn.Module):
             raise RuntimeError(f"PSEmbedding {self.table!r} is not bound to a PSClient (use ModelBinding)")
         flat = ids.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
         uniq, inverse = np.unique(flat, return_inverse=True)
-        rows, versions = self.client.pull_sparse(self.table, uniq, return_versions=True, policy=policy)
-        return _Rows(ids, uniq, inverse.reshape(tuple(ids.shape)), rows, versions)
+        rows, versions, clock = self.client.pull_sparse(self.table, uniq, return_versions=True, policy=policy, return_clock=True)
+        return _Rows(ids, uniq, inverse.reshape(tuple(ids.shape)), rows, versions, clock)
 
     def prefetched(self, rows: _Rows) -> None:
         """Use ``rows`` for the next forward on the same ids tensor."""

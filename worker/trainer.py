@@ -76,6 +76,7 @@ class TrainConfig:
     metrics_out: str | None = None
     name: str = ""  # worker name on the shards (default: w<index>)
     evaluate: bool = True  # worker 0 evaluates (set False to skip, e.g. in benchmarks)
+    start_timeout_s: float = 300.0  # how long to wait for all workers at the start of a run
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -188,7 +189,9 @@ class Trainer:
         if self.task.sparse_ids is not None:
             policy = self.sparse_policy(step)
             for name, ids in self.task.sparse_ids(batch).items():
-                rows[name] = self.binding.embeddings[name].fetch(ids, policy)
+                rows[name] = r = self.binding.embeddings[name].fetch(ids, policy)
+                if policy.sync:
+                    clock = min(clock, r.clock) if self.binding.numel else r.clock
         return _Fetched(step, batch, clock, versions, rows)
 
     def _push(self, step: int, grad: torch.Tensor | None, versions: tuple[int, ...], sparse: list[SparseGrad]) -> tuple[list[int], int]:
@@ -226,10 +229,26 @@ class Trainer:
         """Create or find the tables, join the shards; returns the clock this worker starts at."""
         self.binding.create_tables(self.task.dense_optimizer, creator=self.cfg.worker_index == 0)
         views = self.client.join(self.cfg.lease_s)
+        # at the start of a run, wait for all num_workers (so step 0 is everyone's); a worker that joins
+        # a run already under way starts at once from the current clock
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while not self._under_way(views) and min(len(v.live) for v in views) < self.cfg.num_workers:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.cfg.worker_name}: only {min(len(v.live) for v in views)} of {self.cfg.num_workers} workers "
+                    f"joined within {self.cfg.start_timeout_s:.0f} s"
+                )
+            if self.stop.wait(0.05):
+                break
+            views = self.client.heartbeat(0)
         if self.cfg.mode in ("sync", "hybrid"):
             return min(v.sync_clock for v in views)
         others = [v.min_clock for v in views if v.min_clock >= 0]
         return min(others) if others else 0
+
+    @staticmethod
+    def _under_way(views: list[Any]) -> bool:
+        return any(v.sync_clock > 0 or v.min_clock > 0 for v in views)
 
     def run(self) -> Summary:
         cfg = self.cfg

@@ -138,3 +138,14 @@ def test_join_starts_at_the_slowest_live_clock() -> None:
     m.advance("b", 0)
     m.join("c")
     assert {w.name: w.clock for w in m.workers()} == {"a": 3, "b": 1, "c": 1}
+
+
+def test_a_contribution_from_a_worker_that_left_does_not_stand_in_for_a_live_one() -> None:
+    _, m, r, applied = make()
+    m.join("a")
+    m.join("b")
+    r.contribute("a", 0, 1.0)
+    m.leave("a")  # a finished its last step and left; b's gradient for clock 0 is still due
+    assert applied == []
+    assert r.contribute("b", 0, 2.0) == APPLIED
+    assert applied == [[1.0, 2.0]]

@@ -50,6 +50,8 @@ class Task:
 def move(batch: Batch, device: torch.device) -> Batch:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # NamedTuple
+        return type(batch)(*(move(b, device) for b in batch))
     if isinstance(batch, (tuple, list)):
         return type(batch)(move(b, device) for b in batch)
     if isinstance(batch, dict):
