@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -26,7 +27,8 @@ def add_ps_commands(sub: Any) -> None:
     s.add_argument("--num-shards", type=int, default=1)
     s.add_argument("--max-bytes", type=int, default=0, help="bound on params + optimizer state held (0: none)")
     s.add_argument("--chunk-elems", type=int, default=1 << 18, help="dense wire chunk in elements")
-    s.add_argument("--threads", type=int, default=16, help="RPC worker threads")
+    s.add_argument("--threads", type=int, default=64, help="RPC worker threads (BSP/SSP pulls hold one while they wait)")
+    s.add_argument("--lease", type=float, default=10.0, help="seconds a silent worker stays in the sync set (default 10)")
     s.add_argument(
         "--torch-threads", type=int, default=1,
         help="intra-op threads for the optimizer math (default 1; 0 keeps torch's default, one per core)",
@@ -56,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.torch_threads)
     cfg = ShardConfig(
         shard_index=args.shard_index, num_shards=args.num_shards, host=args.host, port=args.port,
-        max_bytes=args.max_bytes, chunk_elems=args.chunk_elems, workers=args.threads,
+        max_bytes=args.max_bytes, chunk_elems=args.chunk_elems, workers=args.threads, lease_s=args.lease,
     )
     serve(cfg, ready_file=args.ready_file)
     return 0
@@ -72,6 +74,9 @@ def format_stats(stats: list[ShardStats], addresses: list[str]) -> str:
         )
         lines.append(f"  requests: {reqs}")
         lines.append(f"  errors:   {errs}")
+        if s.workers:
+            ws = ", ".join(f"{w.name}@{w.clock}{'' if w.live else ' (gone)'}" for w in s.workers)
+            lines.append(f"  workers:  {ws}  (leases expired: {s.leases_expired})")
         lines.append(f"  {'table':<20} {'kind':<7} {'rows':>10} {'elements':>12} {'param MB':>9} {'state MB':>9} {'version':>8} {'evicted':>8}")
         for t in s.tables:
             lines.append(
@@ -85,7 +90,7 @@ def _stats(args: argparse.Namespace) -> int:
     with PSClient(addresses, timeout=10, retries=2) as client:
         stats = client.stats()
     if args.json:
-        print(json.dumps([s.__dict__ | {"tables": [t.__dict__ for t in s.tables]} for s in stats], indent=2))
+        print(json.dumps([dataclasses.asdict(s) for s in stats], indent=2))
     else:
         print(format_stats(stats, addresses))
     return 0

@@ -11,11 +11,13 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     from ps.cli import add_ps_commands
+    from worker.cli import add_worker_commands
 
     parser = argparse.ArgumentParser(prog="tessera", description=__doc__)
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
     sub = parser.add_subparsers(dest="command", required=True)
     add_ps_commands(sub)
+    add_worker_commands(sub)
     return parser
 
 
