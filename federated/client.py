@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import grpc
@@ -72,6 +72,11 @@ class NodeStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     connects: int = 0
+    errors: list[str] = field(default_factory=list)  # the last few refusals, "CODE: details"
+
+    def note(self, err: str) -> None:
+        self.errors.append(err)
+        del self.errors[:-20]
 
 
 class ClientNode:
@@ -204,6 +209,7 @@ class ClientNode:
         except grpc.RpcError as e:
             err = _typed(e, f"client {task.client_id}: {task.kind} task {task.task_id}")
             with self._stats_lock:
+                self.stats.note(f"{e.code().name}: {e.details()}")
                 if isinstance(err, TaskClosedError):
                     self.stats.late += 1
                 elif isinstance(err, InvalidUpdateError):

@@ -12,7 +12,7 @@ Encodings (``spec`` strings as the CLI takes them):
 * ``"int8"``: ``q = round(x / s)`` with ``s = max|x| / 127`` per tensor; a quarter
   of float32's bytes plus one scale. The rounding error per element is at most ``s/2``.
 * ``"topk:R"``: the ``ceil(R * size)`` largest-magnitude entries of each tensor of
-  ``x + residual`` as (int64 flat indices, float32 values); what was not sent is
+  ``x + residual`` as (flat indices, int32 below 2**31 elements else int64; float32 values); what was not sent is
   kept as the new residual and added to the next round's update (error feedback,
   Stich et al. 2018), so nothing is lost, only delayed.
 """
@@ -36,8 +36,8 @@ class EncodedTensor:
     """One logical tensor on the wire.
 
     ``shape``/``dtype``: the decoded tensor's. ``parts``: the arrays the encoding is
-    made of (raw/fp16: the values; int8: the int8 codes; topk: int64 indices then
-    float32 values). ``scale``: int8's step. ``group``: which list the tensor
+    made of (raw/fp16: the values; int8: the int8 codes; topk: int32/int64 indices
+    then float32 values). ``scale``: int8's step. ``group``: which list the tensor
     belongs to ("weights", or an extra such as SCAFFOLD's "delta_c").
     """
 
@@ -146,6 +146,8 @@ class Compressor:
                 idx = np.arange(acc.size, dtype=np.int64)
             else:
                 idx = np.sort(np.argpartition(np.abs(acc), acc.size - k)[acc.size - k :]).astype(np.int64)
+            if acc.size < 2**31:
+                idx = idx.astype(np.int32)  # half the index bytes for any realistic tensor
             vals = acc[idx].astype(np.float32)
             rest = acc.copy()
             rest[idx] -= vals.astype(np.float64)  # what float32 rounding lost is kept too
@@ -191,8 +193,8 @@ def decode(t: EncodedTensor, what: str = "tensor") -> np.ndarray:
         if len(parts) != 2:
             raise MalformedMessageError(f"{what}: topk encoding has 2 parts (indices, values), got {len(parts)}")
         idx, vals = parts
-        if idx.dtype != np.int64 or idx.ndim != 1:
-            raise DtypeError(f"{what}: topk indices must be 1-d int64, got {idx.dtype} {idx.shape}")
+        if idx.dtype not in (np.int32, np.int64) or idx.ndim != 1:
+            raise DtypeError(f"{what}: topk indices must be 1-d int32 or int64, got {idx.dtype} {idx.shape}")
         if vals.dtype.kind != "f" or vals.shape != idx.shape:
             raise DtypeError(f"{what}: topk values must be float with the indices' shape {idx.shape}, got {vals.dtype} {vals.shape}")
         if idx.size > size or (idx.size and (idx.min() < 0 or idx.max() >= size)):

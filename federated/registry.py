@@ -262,16 +262,17 @@ class Registry:
                 raise PermissionDeniedError(f"task {answer.task_id!r} belongs to client {p.client_id!r}, not {answer.client_id!r}")
             if p.done:
                 raise TaskClosedError(f"task {answer.task_id!r} already closed ({p.error or 'answered'})")
-            if answer.kind != p.task.kind or answer.round != p.task.round:
-                raise InvalidUpdateError(
-                    f"task {answer.task_id!r} is a {p.task.kind} task of round {p.task.round}, "
-                    f"the answer says {answer.kind} of round {answer.round}"
-                )
-            if p.task.kind == "secagg" and answer.secagg_stage != p.task.secagg_stage:
-                raise InvalidUpdateError(
-                    f"task {answer.task_id!r} is secure-aggregation stage {p.task.secagg_stage}, the answer says {answer.secagg_stage}"
-                )
             p.bytes_up += answer.bytes_sent
+            mismatch = ""
+            if answer.kind != p.task.kind or answer.round != p.task.round:
+                mismatch = (f"task {answer.task_id!r} is a {p.task.kind} task of round {p.task.round}, "
+                            f"the answer says {answer.kind} of round {answer.round}")
+            elif p.task.kind == "secagg" and answer.secagg_stage != p.task.secagg_stage:
+                mismatch = (f"task {answer.task_id!r} is secure-aggregation stage {p.task.secagg_stage}, "
+                            f"the answer says {answer.secagg_stage}")
+        if mismatch:
+            self._fail(answer.task_id, f"rejected: {mismatch}", answer)
+            raise InvalidUpdateError(f"client {answer.client_id!r}: {mismatch}")
         if answer.error:
             self._fail(answer.task_id, f"client error: {answer.error}", answer)
             return p

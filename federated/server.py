@@ -95,10 +95,12 @@ class FedServer:
             if self.config.shutdown_clients:
                 self.registry.shutdown("training finished" if not self._stop.is_set() else "server stopping")
 
-    def stop(self, grace: float = 1.0) -> None:
-        """Stop the round loop, tell clients to exit, stop serving."""
+    def stop(self, grace: float = 1.0, notify_clients: bool = True) -> None:
+        """Stop the round loop and stop serving. ``notify_clients``: tell clients to exit
+        (False drops their connections as a crash would: they keep reconnecting)."""
         self._stop.set()
-        self.registry.shutdown("server stopping")
+        if notify_clients:
+            self.registry.shutdown("server stopping")
         if self._server is not None:
             self._server.stop(grace).wait()
 

@@ -58,8 +58,10 @@ def _num_examples(loader: Any) -> int:
 class TorchClient(Client):
     """Train ``model`` on ``train_loader`` for ``epochs`` local epochs with ``optimizer``.
 
-    ``optimizer``: a callable ``(params, lr) -> torch.optim.Optimizer`` (default SGD);
-    a fresh one is made every round. ``lr``, ``epochs`` are defaults the server's
+    ``optimizer``: a callable ``(params, lr) -> torch.optim.Optimizer``, made afresh
+    every round; None (default) is plain SGD ``p -= lr * grad`` done in place (what
+    FedProx's and SCAFFOLD's analyses assume, and cheaper than ``torch.optim`` for the
+    small models federated clients often train). ``lr``, ``epochs`` are defaults the server's
     config may override (``config["lr"]``, ``config["epochs"]``). ``test_loader``:
     data for ``evaluate`` (default: the training data). ``loss_fn(output, target)``
     defaults to cross-entropy; ``metric_fn(output, target)`` returns a *sum* over
@@ -85,7 +87,7 @@ class TorchClient(Client):
         self.model = model.to(device)
         self.train_loader = train_loader
         self.test_loader = test_loader if test_loader is not None else train_loader
-        self.optimizer = optimizer or (lambda params, lr: torch.optim.SGD(params, lr=lr))
+        self.optimizer = optimizer
         self.lr, self.epochs = lr, epochs
         self.loss_fn = loss_fn or torch.nn.functional.cross_entropy
         self.metric_fn = metric_fn
@@ -130,7 +132,7 @@ class TorchClient(Client):
         c = config.get("c")  # SCAFFOLD's server control variate
         model = self.model
         model.train()
-        opt = self.optimizer(self._params, lr)
+        opt = self.optimizer(self._params, lr) if self.optimizer is not None else None
         global_params = [torch.from_numpy(np.ascontiguousarray(w)).to(self.device)
                          for w, p in zip(weights, self._is_param) if p] if mu > 0 else []
         correction: list[torch.Tensor] = []
@@ -143,7 +145,8 @@ class TorchClient(Client):
         for _ in range(epochs):
             for x, y in self.train_loader:
                 x, y = x.to(self.device), y.to(self.device)
-                opt.zero_grad(set_to_none=True)
+                for p in self._params:
+                    p.grad = None
                 out = model(x)
                 loss = self.loss_fn(out, y)
                 total = loss + proximal_term(self._params, global_params, mu) if mu > 0 else loss
@@ -153,7 +156,13 @@ class TorchClient(Client):
                         for p, corr in zip(self._params, correction):
                             if p.grad is not None:
                                 p.grad.add_(corr)
-                opt.step()
+                if opt is not None:
+                    opt.step()
+                else:
+                    with torch.no_grad():
+                        for p in self._params:
+                            if p.grad is not None:
+                                p.add_(p.grad, alpha=-lr)
                 steps += 1
                 loss_sum += float(loss.detach()) * len(y)
                 if self.metric_fn is not None:

@@ -1,0 +1,318 @@
+"""Security and robustness of the federated server over real gRPC on 127.0.0.1.
+
+Tokens (UNAUTHENTICATED for unknown clients, PERMISSION_DENIED for someone else's
+client id), TLS, updates that must be rejected with INVALID_ARGUMENT and never
+aggregated (faults injected by subclassing the client runtime), malformed bytes,
+and a slow or hung client that must not stall a round past its deadline.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from federated.client import ClientNode
+from federated.compress import EncodedTensor
+from federated.config import NodeConfig, ServerConfig
+from federated.errors import PermissionDeniedError, ServerUnavailableError, UnauthenticatedError
+from federated.protocol import FIT, Answer, Task
+from federated.runtime import Client, ClientRuntime
+from federated.server import FedServer
+from federated.strategy import make_strategy
+from tessera.security import self_signed_cert, token_metadata
+from tessera.v1 import fed_pb2 as pb
+
+W0 = [np.arange(12, dtype=np.float32).reshape(3, 4) / 10, np.ones(5, dtype=np.float32)]
+
+
+class Shift(Client):
+    """fit: every weight + ``shift``; ``n`` examples. Optionally sleeps first."""
+
+    def __init__(self, shift: float, n: int, sleep: float = 0.0) -> None:
+        self.shift, self.n, self.sleep = shift, n, sleep
+
+    def fit(self, weights, config):
+        if self.sleep:
+            time.sleep(self.sleep)
+        return [w + np.float32(self.shift) for w in weights], self.n, {}
+
+    def evaluate(self, weights, config):
+        return 0.0, self.n, {}
+
+
+class Harness:
+    """A FedServer on 127.0.0.1:0 and client nodes in threads; everything stops at close()."""
+
+    def __init__(self, strategy: str = "fedavg", **cfg: Any) -> None:
+        cfg.setdefault("rounds", 1)
+        cfg.setdefault("round_timeout", 20)
+        cfg.setdefault("wait_timeout", 20)
+        cfg.setdefault("eval_every", 0)
+        self.server = FedServer(ServerConfig(**cfg), make_strategy(strategy), W0)
+        self.port = self.server.start()
+        self.address = f"127.0.0.1:{self.port}"
+        self.nodes: list[ClientNode] = []
+        self.threads: list[threading.Thread] = []
+        self.results: dict[int, BaseException | None] = {}
+
+    def node(self, runtime: ClientRuntime, cid: str | None, **kw: Any) -> ClientNode:
+        kw.setdefault("reconnect_timeout", 10)
+        node = ClientNode(NodeConfig(address=self.address, **kw), runtime, [cid] if cid else [])
+        k = len(self.nodes)
+
+        def run() -> None:
+            try:
+                node.run()
+                self.results[k] = None
+            except BaseException as e:  # noqa: BLE001
+                self.results[k] = e
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        self.nodes.append(node)
+        self.threads.append(t)
+        return node
+
+    def client(self, client: Client, cid: str | None, **kw: Any) -> ClientNode:
+        return self.node(ClientRuntime(lambda _c: client), cid, **kw)
+
+    def close(self) -> None:
+        self.server.stop(grace=0.5)
+        for n in self.nodes:
+            n.stop()
+        for t in self.threads:
+            t.join(10)
+
+
+@pytest.fixture
+def harness():
+    made: list[Harness] = []
+
+    def make(strategy: str = "fedavg", **cfg: Any) -> Harness:
+        h = Harness(strategy, **cfg)
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()
+
+
+def wait_until(pred: Any, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+def mean_of(shifts: dict[float, int]) -> list[np.ndarray]:
+    total = float(sum(shifts.values()))
+    return [(sum(n * (w.astype(np.float64) + np.float32(s)) for s, n in shifts.items()) / total).astype(np.float32) for w in W0]
+
+
+# --------------------------------------------------------------------------- tokens
+def test_unknown_token_is_refused_and_known_ones_train(harness) -> None:
+    tokens = {"alice": "tok-a", "bob": "tok-b"}
+    h = harness(tokens=tokens, min_clients=2)
+    intruder = h.client(Shift(100.0, 1), None, token="wrong")
+    nobody = h.client(Shift(100.0, 1), None)
+    h.client(Shift(1.0, 1), None, token="tok-a")
+    h.client(Shift(2.0, 3), None, token="tok-b")
+    history = h.server.run()
+    for t in h.threads[:2]:
+        t.join(10)
+    assert isinstance(h.results[0], UnauthenticatedError) and "unknown client token" in str(h.results[0])
+    assert isinstance(h.results[1], UnauthenticatedError) and "no client token" in str(h.results[1])
+    assert intruder.stats.connects == 1 and nobody.stats.connects == 1  # refused at once, not retried
+    assert set(history[0]["clients"]) == {"alice", "bob"}  # clients are named after their tokens
+    for got, want in zip(h.server.weights, mean_of({1.0: 1, 2.0: 3})):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert h.server.interceptor is not None and h.server.interceptor.refused >= 2
+
+
+def test_a_token_may_not_act_for_another_client(harness) -> None:
+    h = harness(tokens={"alice": "tok-a", "bob": "tok-b"}, min_clients=1, wait_timeout=2)
+    h.client(Shift(1.0, 1), "bob", token="tok-a")
+    h.threads[0].join(10)
+    err = h.results[0]
+    assert isinstance(err, PermissionDeniedError) and "'alice'" in str(err) and "bob" in str(err)
+
+
+def test_raw_calls_without_token_get_unauthenticated(harness) -> None:
+    h = harness(tokens={"alice": "tok-a"})
+    ch = grpc.insecure_channel(h.address)
+    fetch = ch.unary_stream("/tessera.v1.Federated/Fetch")
+    submit = ch.stream_unary("/tessera.v1.Federated/Submit")
+    with pytest.raises(grpc.RpcError) as e:
+        list(fetch(pb.FetchRequest(blob="b1").SerializeToString(), timeout=5))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.RpcError) as e:
+        submit(iter([b""]), timeout=5, metadata=token_metadata("nope"))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "unknown client token" in e.value.details()
+    ch.close()
+
+
+# --------------------------------------------------------------------------- TLS
+def test_tls_round_and_plaintext_client_cannot_connect(harness) -> None:
+    cert, key = self_signed_cert(("localhost", "127.0.0.1"))
+    h = harness(tls_cert=cert, tls_key=key, min_clients=2)
+    h.client(Shift(1.0, 2), "a", root_cert=cert)
+    h.client(Shift(3.0, 2), "b", root_cert=cert)
+    plain = h.client(Shift(9.0, 2), "plain", reconnect_timeout=1.5)  # speaks plaintext to a TLS port
+    history = h.server.run()
+    assert history[0]["answered"] == 2 and set(history[0]["clients"]) == {"a", "b"}
+    for got, want in zip(h.server.weights, mean_of({1.0: 2, 3.0: 2})):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    h.threads[2].join(10)
+    assert isinstance(h.results[2], ServerUnavailableError) and not plain.connected.is_set()
+
+
+# --------------------------------------------------------------------------- bad updates
+class Fault(enum.Enum):
+    WRONG_SHAPE = "shape"
+    WRONG_DTYPE = "dtype"
+    NAN = "NaN"
+    INF = "Inf"
+    MISSING_TENSOR = "tensors"
+    ZERO_EXAMPLES = "num_examples"
+    WRONG_ROUND = "round"
+    TOPK_OUT_OF_RANGE = "out of range"
+    BAD_INT8_SCALE = "scale"
+
+
+def corrupt(a: Answer, fault: Fault) -> Answer:
+    ts = list(a.tensors)
+    t0 = ts[0]
+    if fault is Fault.WRONG_SHAPE:
+        p = np.zeros((4, 3), np.float32)
+        ts[0] = replace(t0, shape=(4, 3), parts=(p,))
+    elif fault is Fault.WRONG_DTYPE:
+        p = t0.parts[0].astype(np.float64)
+        ts[0] = replace(t0, dtype="float64", parts=(p,))
+    elif fault in (Fault.NAN, Fault.INF):
+        p = t0.parts[0].copy()
+        p[1, 2] = np.nan if fault is Fault.NAN else np.inf
+        ts[0] = replace(t0, parts=(p,))
+    elif fault is Fault.MISSING_TENSOR:
+        ts = ts[:1]
+    elif fault is Fault.ZERO_EXAMPLES:
+        return replace(a, num_examples=0)
+    elif fault is Fault.WRONG_ROUND:
+        return replace(a, round=a.round + 5)
+    elif fault is Fault.TOPK_OUT_OF_RANGE:
+        ts[0] = EncodedTensor("topk", t0.shape, t0.dtype, (np.array([3, 99], np.int64), np.ones(2, np.float32)))
+        return replace(a, tensors=tuple(ts), is_delta=True)
+    elif fault is Fault.BAD_INT8_SCALE:
+        ts[0] = EncodedTensor("int8", t0.shape, t0.dtype, (np.zeros(t0.shape, np.int8),), scale=float("nan"))
+        return replace(a, tensors=tuple(ts), is_delta=True)
+    return replace(a, tensors=tuple(ts))
+
+
+class FaultyRuntime(ClientRuntime):
+    """Fault injection by subclassing: the honest answer, then corrupted on the way out."""
+
+    def __init__(self, client: Client, fault: Fault) -> None:
+        super().__init__(lambda _c: client)
+        self.fault = fault
+
+    def handle(self, task: Task, tensors: Any, bytes_received: int = 0) -> Answer:
+        a = super().handle(task, tensors, bytes_received)
+        return corrupt(a, self.fault) if task.kind == FIT else a
+
+
+@pytest.mark.parametrize("fault", list(Fault), ids=[f.name for f in Fault])
+def test_bad_update_is_rejected_with_invalid_argument_and_not_aggregated(harness, fault: Fault) -> None:
+    h = harness(min_clients=2, min_available=3, round_timeout=10)
+    h.client(Shift(1.0, 2), "good1")
+    h.client(Shift(2.0, 6), "good2")
+    evil = h.node(FaultyRuntime(Shift(1000.0, 50), fault), "evil")
+    history = h.server.run()
+    rec = history[0]
+    assert rec["sampled"] == 3 and rec["answered"] == 2
+    assert "evil" in rec["failed"] and rec["failed"]["evil"].startswith("rejected:")
+    assert wait_until(lambda: evil.stats.rejected == 1)  # the round may close before the reply reaches the client
+    assert evil.stats.errors and evil.stats.errors[0].startswith("INVALID_ARGUMENT")
+    msg = evil.stats.errors[0]
+    assert "evil" in msg and fault.value in msg, msg
+    for got, want in zip(h.server.weights, mean_of({1.0: 2, 2.0: 6})):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def _raw_submit(address: str, messages: list[bytes]) -> grpc.RpcError:
+    ch = grpc.insecure_channel(address)
+    try:
+        ch.stream_unary("/tessera.v1.Federated/Submit")(iter(messages), timeout=5)
+    except grpc.RpcError as e:
+        return e
+    finally:
+        ch.close()
+    raise AssertionError("Submit accepted malformed input")
+
+
+def test_malformed_submits_get_invalid_argument(harness) -> None:
+    from tessera.codec import pack
+
+    h = harness()
+    head = pb.UpdateHeader(task_id="t1", client_id="x", kind=pb.TASK_KIND_FIT, num_examples=1, total=100)
+    head.specs.add(group="weights", encoding="raw", shape=[25], dtype="float32").parts.add(dtype="float32", shape=[25])
+    cases = {
+        "garbage": ([b"\xff\xff\xff"], "malformed"),
+        "no header": ([pb.SubmitChunk(offset=0, last=True).SerializeToString()], "no header"),
+        "truncated": ([pack(pb.SubmitChunk(header=head, offset=0, last=True), {15: b"\0" * 50})], "truncated"),
+        "out of order": ([pack(pb.SubmitChunk(header=head, offset=10, last=True), {15: b"\0" * 100})], "offset 10"),
+        "too long": ([pack(pb.SubmitChunk(header=head, offset=0, last=True), {15: b"\0" * 104})], "more than"),
+        "no last chunk": ([pack(pb.SubmitChunk(header=head, offset=0), {15: b"\0" * 100})], "without its last chunk"),
+    }
+    for name, (msgs, needle) in cases.items():
+        e = _raw_submit(h.address, msgs)
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+        assert needle in e.details(), (name, e.details())
+    # a well-formed answer to a task nobody issued: NOT_FOUND, nothing changes
+    good = pack(pb.SubmitChunk(header=head, offset=0, last=True), {15: b"\0" * 100})
+    e = _raw_submit(h.address, [good])
+    assert e.code() == grpc.StatusCode.NOT_FOUND and "t1" in e.details()
+    assert h.server.servicer.errors["INVALID_ARGUMENT"] == len(cases)
+
+
+# --------------------------------------------------------------------------- deadlines
+def test_slow_client_cannot_stall_a_round(harness) -> None:
+    h = harness(min_clients=2, min_available=3, round_timeout=1.0, rounds=2)
+    h.client(Shift(1.0, 1), "fast1")
+    h.client(Shift(2.0, 1), "fast2")
+    slow = h.client(Shift(50.0, 1, sleep=3.0), "slow")
+    t0 = time.monotonic()
+    history = h.server.run()
+    took = time.monotonic() - t0
+    assert [r["answered"] for r in history] == [2, 2]
+    assert all(r["failed"].get("slow") == "deadline passed" for r in history)
+    assert all(r["round_s"] < 2.0 for r in history), [r["round_s"] for r in history]
+    assert took < 6.0
+    for got, want in zip(h.server.weights, W0):
+        np.testing.assert_allclose(got, want + 1.5 + 1.5, rtol=1e-6)
+    _ = slow
+
+
+def test_round_is_retried_when_too_few_answer(harness) -> None:
+    class FailsOnce(Shift):
+        calls = 0
+
+        def fit(self, weights, config):
+            FailsOnce.calls += 1
+            if FailsOnce.calls == 1:
+                raise RuntimeError("disk full")
+            return super().fit(weights, config)
+
+    h = harness(min_clients=2, round_timeout=10)
+    h.client(Shift(1.0, 1), "a")
+    h.client(FailsOnce(3.0, 1), "b")
+    history = h.server.run()
+    assert history[0]["attempts"] == 2 and history[0]["answered"] == 2
+    assert "disk full" in history[0]["failed"]["b"]
