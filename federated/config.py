@@ -17,21 +17,33 @@ __all__ = ["ServerConfig", "NodeConfig", "SecAggSettings"]
 
 @dataclass(frozen=True)
 class SecAggSettings:
-    """Secure aggregation (Bonawitz et al. 2017). ``enabled``; ``threshold``: Shamir
-    threshold as a fraction of the sampled clients (the sum is recovered while at
-    least that many survive); ``clip_range``: fixed-point range of update values."""
+    """Secure aggregation (Bonawitz et al. 2017; ``federated.secure_round``).
+
+    ``threshold``: the Shamir threshold as a fraction of the sampled clients (at
+    least 2; the sum is recovered while that many survive every stage; keep it above
+    1/2). ``clip_range``: every summed coordinate is clipped to +-this so the 32-bit
+    fixed-point ring never wraps (the fractional bits are chosen from it and the
+    number of clients). ``max_examples``: S, the example count at which a client's
+    weight saturates (weights are min(n, S) / S, so entries stay in range).
+    ``stage_timeout``: seconds each of the three key/mask/unmask stages waits (0: the
+    round timeout).
+    """
 
     enabled: bool = False
     threshold: float = 0.6
     clip_range: float = 8.0
-    bits: int = 32  # 0: the secagg module's default
-    stage_timeout: float = 0.0  # 0: the round timeout
+    max_examples: float = 1000.0
+    stage_timeout: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 < self.threshold <= 1:
             raise ConfigError(f"secagg threshold must be a fraction in (0, 1], got {self.threshold}")
         if not self.clip_range > 0:
             raise ConfigError(f"secagg clip range must be > 0, got {self.clip_range}")
+        if not self.max_examples >= 1:
+            raise ConfigError(f"secagg max_examples must be >= 1, got {self.max_examples}")
+        if self.stage_timeout < 0:
+            raise ConfigError("secagg stage timeout must be >= 0")
 
 
 @dataclass(frozen=True)
