@@ -185,8 +185,10 @@ class DenseTable:
                     g = parts[0]
                 else:
                     acc = torch.from_numpy(np.array(parts[0], np.float32, copy=True))
-                    for p in parts[1:]:
-                        acc.add_(torch.from_numpy(np.array(p, np.float32, copy=False)))
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("ignore", UserWarning)  # read-only request bytes, only read here
+                        for p in parts[1:]:
+                            acc.add_(torch.from_numpy(np.asarray(p, np.float32)))
                     g = acc.div_(n).numpy()
                 update.apply(k * self.chunk_elems, g)
             return update.commit()

@@ -1,0 +1,55 @@
+"""Async and SSP train as well as sync on a fixed seed and a small budget.
+
+Reference: the same task trained in sync mode (which is exact, see test_worker_sync_exact.py)
+with the same workers, batch size, steps and seed. Staleness may cost at most 1% of sync's
+final test metric (async often does better here: it applies twice as many, smaller updates).
+Two worker threads, each with its own PSClient, against two real gRPC shards.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from worker import TrainConfig, Trainer, load_task
+
+CASES = {
+    # task: (task options, steps, batch size, floor for sync's metric)
+    "digits": ({}, 400, 32, 0.94),
+    "ctr": ({"vocab": 100_000, "test_size": 5000}, 200, 128, 0.62),
+}
+
+
+def _train(cluster, task: str, opts: dict, mode: str, steps: int, batch: int, **cfg) -> dict[str, float]:
+    results: dict[int, dict[str, float]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            t = Trainer(
+                load_task(task, **opts), cluster.client(timeout=60),
+                TrainConfig(mode=mode, steps=steps, batch_size=batch, worker_index=i, num_workers=2, progress=False, **cfg),
+            )
+            results[i] = t.run().metrics
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    return results[0]
+
+
+@pytest.mark.parametrize("task", sorted(CASES))
+def test_async_and_ssp_reach_syncs_metric(inproc_cluster, task: str) -> None:
+    opts, steps, batch, floor = CASES[task]
+    metric = load_task(task, **opts).metric
+    got = {}
+    for mode, extra in [("sync", {}), ("async", {}), ("ssp", {"staleness": 4})]:
+        got[mode] = _train(inproc_cluster(2), task, opts, mode, steps, batch, **extra)[metric]
+    assert got["sync"] >= floor, got
+    for mode in ("async", "ssp"):
+        assert got[mode] >= 0.99 * got["sync"], f"{mode} {metric} {got[mode]:.4f} vs sync {got['sync']:.4f}: {got}"
