@@ -19,6 +19,7 @@ starts from the cluster's current clock and parameters.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -204,7 +205,9 @@ class Trainer:
                 self.binding.dense_table, grad, base_version=versions or -1, policy=self.dense_policy(step)
             ))
         for g in sparse:
-            jobs.append(lambda g=g: self.client.push_sparse(g.table, g.ids, g.grads, g.base_versions, policy=self.sparse_policy(step)))
+            jobs.append(functools.partial(
+                self.client.push_sparse, g.table, g.ids, g.grads, g.base_versions, policy=self.sparse_policy(step)
+            ))
         futs = [self._tables_pool.submit(j) for j in jobs[1:]]  # tables concurrently; the first in this thread
         results = [jobs[0]()] if jobs else []
         results += [f.result() for f in futs]
@@ -283,7 +286,7 @@ class Trainer:
         stale_all: list[int] = []
         late = 0
         losses: list[float] = []
-        window = dict(t=time.monotonic(), n=0, compute=0.0, pull=0.0, push=0.0)
+        window: dict[str, float] = dict(t=time.monotonic(), n=0, compute=0.0, pull=0.0, push=0.0)
         push_fut: Future | None = None
         step = start
         last_loss = math.nan
@@ -304,6 +307,10 @@ class Trainer:
             for name, rows in f.rows.items():
                 b.embeddings[name].prefetched(rows)
             b.set_policy(self.sparse_policy(step))
+            if step >= cfg.steps:  # caught up to a clock past the end (a straggler that skipped ahead)
+                for m in b.embeddings.values():
+                    m.discard()
+                break
             over = cfg.max_seconds and time.monotonic() - t_start > cfg.max_seconds
             if over or self.stop.is_set():
                 stopped_early = True
@@ -358,7 +365,7 @@ class Trainer:
             if window["n"] >= cfg.log_every or fut is None:
                 now = time.monotonic()
                 eps = window["n"] * cfg.batch_size / max(now - window["t"], 1e-9)
-                mean_loss = float(np.mean(losses[-window["n"] :]))
+                mean_loss = float(np.mean(losses[-int(window["n"]) :]))
                 st = float(np.mean(stale_all[-50:])) if stale_all else 0.0
                 if bar is not None:
                     bar.set_postfix(loss=f"{mean_loss:.4f}", eps=f"{eps:,.0f}", stale=f"{st:.1f}")
