@@ -134,8 +134,8 @@ class FedTask:
 
 
 TASKS: dict[str, Callable[[], FedTask]] = {
-    "digits": lambda: FedTask("digits", _mlp(64), {"epochs": 5, "lr": 0.1, "batch_size": 16}),
-    "digits_logreg": lambda: FedTask("digits_logreg", _logreg, {"epochs": 5, "lr": 0.2, "batch_size": 16}),
+    "digits": lambda: FedTask("digits", _mlp(64), {"epochs": 5, "lr": 0.3, "batch_size": 8}),
+    "digits_logreg": lambda: FedTask("digits_logreg", _logreg, {"epochs": 5, "lr": 0.3, "batch_size": 8}),
 }
 
 

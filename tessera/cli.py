@@ -10,6 +10,7 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from federated.cli import add_fed_commands
     from ps.cli import add_ps_commands
     from worker.cli import add_worker_commands
 
@@ -18,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_ps_commands(sub)
     add_worker_commands(sub)
+    add_fed_commands(sub)
     return parser
 
 

@@ -1,0 +1,231 @@
+"""``tessera fed ...``: run a federated server, a built-in client, or a simulation;
+make client tokens and a self-signed TLS certificate."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+__all__ = ["add_fed_commands", "parse_params"]
+
+
+def parse_params(items: list[str] | None) -> dict[str, Any]:
+    """``["k=v", ...]`` -> dict; values become int, float or str (in that order of trial)."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--strategy-param expects KEY=VALUE, got {item!r}")
+        v: Any = value
+        for conv in (int, float):
+            try:
+                v = conv(value)
+                break
+            except ValueError:
+                pass
+        out[key.strip()] = v
+    return out
+
+
+def _training_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--task", default="digits", help="built-in task: digits, digits_logreg")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--strategy", default="fedavg",
+                   help="fedavg, fedavgm, fedprox, scaffold, fedadam, fedyogi, fedadagrad, fedbuff, median, "
+                        "trimmed_mean, krum, multikrum, or package.module:Class")
+    p.add_argument("--strategy-param", action="append", metavar="K=V", help="strategy parameter (repeatable)")
+    p.add_argument("--fraction", type=float, default=None, help="fraction of connected clients sampled per round")
+    p.add_argument("--min-clients", type=int, default=2, help="fewest answers a round aggregates")
+    p.add_argument("--round-timeout", type=float, default=60.0, help="seconds a round waits for answers")
+    p.add_argument("--compress", default="", help="uplink: fp16, int8 or topk:RATIO")
+    p.add_argument("--secagg", action="store_true", help="secure aggregation (Bonawitz et al.)")
+    p.add_argument("--secagg-threshold", type=float, default=0.6, help="Shamir threshold, fraction of sampled clients")
+    p.add_argument("--dp-clip", type=float, default=0.0, help="client-level DP: L2 clip C of each update (0: off)")
+    p.add_argument("--dp-noise", type=float, default=0.0, help="DP noise multiplier z (noise std z*C on the sum)")
+    p.add_argument("--dp-mode", choices=["central", "local"], default="central")
+    p.add_argument("--dp-delta", type=float, default=1e-5)
+    p.add_argument("--dp-adaptive", action="store_true", help="adaptive clipping to the median update norm")
+    p.add_argument("--epochs", type=int, default=None, help="local epochs (default: the task's)")
+    p.add_argument("--lr", type=float, default=None, help="local learning rate (default: the task's)")
+    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--eval-every", type=int, default=1, help="evaluate every N rounds (0: never)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def add_fed_commands(sub: Any) -> None:
+    fed = sub.add_parser("fed", help="federated learning").add_subparsers(dest="fed_command", required=True)
+
+    s = fed.add_parser("server", help="run a federated server for a built-in task (exits when the rounds are done)")
+    _training_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=0, help="port (0: pick a free one and print it)")
+    s.add_argument("--min-available", type=int, default=0, help="clients that must be connected before a round starts")
+    s.add_argument("--eval-fraction", type=float, default=1.0, help="fraction of clients evaluating each round")
+    s.add_argument("--tls-cert", help="server certificate chain (PEM)")
+    s.add_argument("--tls-key", help="server private key (PEM)")
+    s.add_argument("--tokens", help="file of 'identity token' lines; unknown clients are refused")
+    s.add_argument("--checkpoint", help="checkpoint file, written every round; resumes from it when present")
+    s.add_argument("--results", help="write the round history here as JSON")
+    s.add_argument("--ready-file", help="write the bound port here once serving")
+    s.set_defaults(func=_server)
+
+    c = fed.add_parser("client", help="run a built-in client on one partition of a task's data")
+    c.add_argument("--server", required=True, help="HOST:PORT of the server")
+    c.add_argument("--task", default="digits")
+    c.add_argument("--partition", required=True, help="i/N: this client holds part i of N (0-based)")
+    c.add_argument("--split", default="iid", help="how the N parts are drawn: iid, dirichlet:ALPHA, shards:S")
+    c.add_argument("--seed", type=int, default=0, help="partition seed (the same on every client)")
+    c.add_argument("--token", default=os.environ.get("TESSERA_FED_TOKEN"), help="client token (or $TESSERA_FED_TOKEN)")
+    c.add_argument("--root-cert", help="TLS: the server's root certificate (PEM); plaintext without it")
+    c.add_argument("--client-id", help="client id (default: the token's identity)")
+    c.add_argument("--reconnect-timeout", type=float, default=60.0)
+    c.set_defaults(func=_client)
+
+    m = fed.add_parser("simulate", help="server + many clients on this machine over real gRPC; plots and results.json")
+    _training_args(m)
+    m.add_argument("--clients", type=int, default=100, help="registered (virtual) clients")
+    m.add_argument("--partition", default="dirichlet:0.5", help="iid, dirichlet:ALPHA or shards:S")
+    m.add_argument("--processes", type=int, default=0, help="client processes (0: client threads in this process)")
+    m.add_argument("--workers", type=int, default=8, help="concurrent client tasks per node")
+    m.add_argument("--eval-fraction", type=float, default=0.0, help="fraction of clients evaluating (central eval always)")
+    m.add_argument("--out", default="fed-sim", help="output directory")
+    m.add_argument("--no-progress", action="store_true")
+    m.set_defaults(func=_simulate)
+
+    t = fed.add_parser("tokens", help="write a token file with a fresh random token per identity")
+    t.add_argument("identities", nargs="+")
+    t.add_argument("--out", required=True)
+    t.set_defaults(func=_tokens)
+
+    k = fed.add_parser("cert", help="write a self-signed TLS certificate and key (for trials)")
+    k.add_argument("--out-dir", required=True)
+    k.add_argument("--host", action="append", default=None, help="DNS name or IP the certificate covers (repeatable)")
+    k.set_defaults(func=_cert)
+
+
+def _client_config(args: argparse.Namespace, task: Any) -> dict[str, Any]:
+    cc = dict(task.client_config)
+    for key in ("epochs", "lr", "batch_size"):
+        v = getattr(args, key)
+        if v is not None:
+            cc[key] = v
+    return cc
+
+
+def _dp(args: argparse.Namespace) -> Any:
+    if args.dp_clip <= 0:
+        if args.dp_noise > 0:
+            raise SystemExit("--dp-noise needs --dp-clip (the noise is scaled by the clip bound)")
+        return None
+    from federated.privacy import DPConfig
+
+    return DPConfig(clip_norm=args.dp_clip, noise_multiplier=args.dp_noise, mode=args.dp_mode, delta=args.dp_delta,
+                    adaptive=args.dp_adaptive)
+
+
+def _server(args: argparse.Namespace) -> int:
+    from federated.config import SecAggSettings, ServerConfig
+    from federated.server import FedServer, serve
+    from federated.strategy import make_strategy
+    from federated.tasks import get_task
+    from tessera.security import load_tokens
+
+    task = get_task(args.task)
+    cfg = ServerConfig(
+        host=args.host, port=args.port, rounds=args.rounds, fraction=args.fraction if args.fraction is not None else 1.0,
+        min_clients=args.min_clients, min_available=args.min_available, round_timeout=args.round_timeout,
+        eval_fraction=args.eval_fraction, eval_every=args.eval_every, seed=args.seed, checkpoint=args.checkpoint,
+        compress=args.compress, client_config=_client_config(args, task), dp=_dp(args),
+        secagg=SecAggSettings(enabled=args.secagg, threshold=args.secagg_threshold),
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tokens=load_tokens(args.tokens) if args.tokens else None,
+    )
+    strategy = make_strategy(args.strategy, **parse_params(args.strategy_param))
+
+    def report(rec: dict[str, Any]) -> None:
+        acc = rec.get("central_metrics", {}).get("accuracy")
+        eps = f" epsilon {rec['epsilon']:.3f}" if "epsilon" in rec else ""
+        print(f"round {rec['round']}: {rec.get('answered')}/{rec.get('sampled')} clients, {rec['round_s']:.3f} s, "
+              f"central accuracy {acc if acc is None else f'{acc:.4f}'}, up {rec['bytes_up']} B, down {rec['bytes_down']} B{eps}",
+              flush=True)
+
+    server = FedServer(cfg, strategy, task.initial_weights(args.seed), task.evaluator(), report)
+    history = serve(server, ready_file=args.ready_file)
+    if args.results:
+        with open(args.results, "w") as f:
+            json.dump(history, f, indent=1, default=float)
+    return 0
+
+
+def _client(args: argparse.Namespace) -> int:
+    import torch
+
+    from federated.client import start_client
+    from federated.tasks import get_task
+
+    try:
+        i_s, n_s = args.partition.split("/")
+        i, n = int(i_s), int(n_s)
+    except ValueError:
+        raise SystemExit(f"--partition expects i/N, got {args.partition!r}") from None
+    if not 0 <= i < n:
+        raise SystemExit(f"--partition {args.partition}: need 0 <= i < N")
+    torch.set_num_threads(1)
+    task = get_task(args.task)
+    parts = task.partitions(n, args.split, args.seed)
+    client = task.client(parts[i], seed=args.seed * 1_000_003 + i, shared_model=False)
+    print(f"tessera-fed client {args.client_id or '(token identity)'}: {len(parts[i])} examples of {args.task}, "
+          f"connecting to {args.server}", flush=True)
+    start_client(args.server, client, token=args.token, root_cert=args.root_cert, client_id=args.client_id,
+                 reconnect_timeout=args.reconnect_timeout)
+    print("tessera-fed client: server finished; exiting", flush=True)
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from federated.simulate import SimulationConfig, run_simulation
+
+    cc: dict[str, Any] = {}
+    for key in ("epochs", "lr", "batch_size"):
+        v = getattr(args, key)
+        if v is not None:
+            cc[key] = v
+    cfg = SimulationConfig(
+        task=args.task, clients=args.clients, fraction=args.fraction if args.fraction is not None else 0.1,
+        rounds=args.rounds, strategy=args.strategy, strategy_params=parse_params(args.strategy_param),
+        partition=args.partition, seed=args.seed, processes=args.processes, workers=args.workers,
+        min_clients=args.min_clients, round_timeout=args.round_timeout, eval_fraction=args.eval_fraction,
+        eval_every=args.eval_every, compress=args.compress, secagg=args.secagg, dp=_dp(args), client_config=cc,
+        out=args.out, progress=not args.no_progress,
+    )
+    res = run_simulation(cfg)
+    s = res["summary"]
+    print(json.dumps({k: s[k] for k in ("final_accuracy", "s_per_round", "startup_s", "bytes_up_per_round",
+                                         "server_peak_rss_mb", "epsilon")}, default=float))
+    print(f"wrote {os.path.join(args.out, 'results.json')} and plots", file=sys.stderr)
+    return 0
+
+
+def _tokens(args: argparse.Namespace) -> int:
+    from tessera.security import new_tokens, write_tokens
+
+    write_tokens(args.out, new_tokens(args.identities))
+    os.chmod(args.out, 0o600)
+    print(f"wrote {len(args.identities)} tokens to {args.out}; give each client its line's token")
+    return 0
+
+
+def _cert(args: argparse.Namespace) -> int:
+    from tessera.security import self_signed_cert
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    cert, key = self_signed_cert(tuple(args.host or ["localhost", "127.0.0.1"]))
+    with open(os.path.join(args.out_dir, "server.crt"), "wb") as f:
+        f.write(cert)
+    key_path = os.path.join(args.out_dir, "server.key")
+    with open(key_path, "wb") as f:
+        f.write(key)
+    os.chmod(key_path, 0o600)
+    print(f"wrote {args.out_dir}/server.crt and server.key")
+    return 0
