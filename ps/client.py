@@ -91,9 +91,11 @@ class _Sparse:
 
 
 class _Shard:
-    def __init__(self, address: str, options: list) -> None:
+    def __init__(self, address: str, options: list, interceptors: Sequence[Any] = ()) -> None:
         self.address = address
         self.channel = grpc.insecure_channel(address, options=options)
+        if interceptors:
+            self.channel = grpc.intercept_channel(self.channel, *interceptors)
         u = lambda m: self.channel.unary_unary(_SERVICE + m)  # noqa: E731 - raw bytes in and out
         self.create, self.describe, self.stats = u("CreateTable"), u("DescribeTable"), u("Stats")
         self.pull_sparse, self.push_sparse = u("PullSparse"), u("PushSparse")
@@ -108,7 +110,8 @@ class PSClient:
     ``timeout``: deadline per call in seconds. ``retries``: retries of a call
     that found its shard UNAVAILABLE (backoff 0.1 s doubling, up to 2 s).
     ``wire_dtype``: "float16"/"bfloat16" sends pushes and pulls at that
-    precision (tables stay float32), None sends float32.
+    precision (tables stay float32), None sends float32. ``interceptors``: gRPC client
+    interceptors on every shard channel (e.g. ``tessera.rpc.DelayInterceptor``).
     """
 
     def __init__(
@@ -119,6 +122,7 @@ class PSClient:
         wire_dtype: str | None = None,
         worker: str = "",
         max_request_bytes: int = 16 << 20,
+        interceptors: Sequence[Any] = (),
     ) -> None:
         if isinstance(addresses, str):
             addresses = [a for a in addresses.split(",") if a]
@@ -134,7 +138,7 @@ class PSClient:
         self.worker = worker
         self.max_request_bytes = max_request_bytes
         opts = channel_options()
-        self._shards = [_Shard(a, opts) for a in self.addresses]
+        self._shards = [_Shard(a, opts, interceptors) for a in self.addresses]
         # BSP/SSP pulls block in these threads while the shards wait: leave room for the pushes that unblock them
         self._pool = ThreadPoolExecutor(max_workers=max(16, 8 * self.num_shards), thread_name_prefix="psclient")
         self._dense: dict[str, _Dense] = {}

@@ -7,7 +7,7 @@ from typing import Callable, TypeVar
 
 import grpc
 
-__all__ = ["DEFAULT_MAX_MESSAGE", "server_options", "channel_options", "retry_unavailable"]
+__all__ = ["DEFAULT_MAX_MESSAGE", "server_options", "channel_options", "retry_unavailable", "DelayInterceptor"]
 
 DEFAULT_MAX_MESSAGE = 64 << 20  # bulk data is chunked well below this
 
@@ -53,3 +53,21 @@ def retry_unavailable(
                 raise
             time.sleep(delay)
             attempt += 1
+
+
+class DelayInterceptor(
+    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor,
+):
+    """Adds ``seconds`` before every call leaves this client: a slow network link, emulated in
+    software (experiments; for a real link delay use ``tc netem`` in a network namespace)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def _delay(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        time.sleep(self.seconds)
+        return continuation(details, request)
+
+    intercept_unary_unary = intercept_unary_stream = _delay
+    intercept_stream_unary = intercept_stream_stream = _delay

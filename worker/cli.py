@@ -5,7 +5,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -51,6 +50,9 @@ def add_worker_commands(sub: Any) -> None:
     w.add_argument("--no-progress", action="store_true")
     w.add_argument("--name", default="", help="worker name on the shards (default w<index>)")
     w.add_argument("--torch-threads", type=int, default=0, help="intra-op threads (0: torch's default)")
+    w.add_argument("--slowdown", type=float, default=1.0, help="experiments: compute takes this many times longer")
+    w.add_argument("--jitter-ms", type=float, default=0.0, help="experiments: random per-step delay, exponential with this mean")
+    w.add_argument("--rpc-delay-ms", type=float, default=0.0, help="experiments: delay added to every RPC this worker sends")
     w.set_defaults(func=_worker)
 
     d = sub.add_parser("demo", help="start 2 shards + 2 workers locally, train ctr for about a minute, plot it")
@@ -65,11 +67,33 @@ def add_worker_commands(sub: Any) -> None:
     d.add_argument("--out", default="tessera-demo", help="directory for metrics, summary and plot")
     d.set_defaults(func=_demo)
 
+    e = sub.add_parser("experiment", help="experiments on a local cluster").add_subparsers(dest="experiment", required=True)
+    c = e.add_parser("consistency", help="sync vs async vs SSP on one task: metric vs time and updates, staleness")
+    c.add_argument("--task", default="ctr")
+    c.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE")
+    c.add_argument("--workers", type=int, default=4)
+    c.add_argument("--shards", type=int, default=2)
+    c.add_argument("--modes", default="sync,async,ssp:1,ssp:4,ssp:16", help="comma-separated: sync, async, ssp:K, hybrid")
+    c.add_argument("--staleness-aware-lr", default="off", choices=["off", "on", "both"],
+                   help="scale async/ssp updates' lr by 1/staleness; 'both' runs each async/ssp mode with and without")
+    c.add_argument("--steps", type=int, default=None, help="steps per mode (default 600; --quick 120)")
+    c.add_argument("--batch-size", type=int, default=None, help="per worker (default 128; --quick 64)")
+    c.add_argument("--eval-every", type=int, default=None, help="worker 0 evaluates every N steps (default steps/12)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--straggler", default="", help="WORKERxFACTOR, e.g. 1x4: worker 1 computes 4x slower")
+    c.add_argument("--jitter", type=float, default=0.0, metavar="MS", help="random per-step delay on every worker (mean MS)")
+    c.add_argument("--net-delay", type=float, default=0.0, metavar="MS", help="delay added to the last worker's RPCs")
+    c.add_argument("--target", type=float, default=None, help="test metric to reach (default: 99%% of the worst mode's best)")
+    c.add_argument("--quick", action="store_true", help="a small run (~2 minutes on 2 cores)")
+    c.add_argument("--out", default="tessera-experiment")
+    c.set_defaults(func=_experiment)
+
 
 def _worker(args: argparse.Namespace) -> int:
     import torch
 
     from ps import PSClient
+    from tessera.rpc import DelayInterceptor
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
 
@@ -81,13 +105,15 @@ def _worker(args: argparse.Namespace) -> int:
         worker_index=args.worker_index, num_workers=args.num_workers, device=args.device, lease_s=args.lease,
         overlap=not args.no_overlap, eval_every=args.eval_every, max_seconds=args.max_seconds, seed=args.seed,
         wire_dtype=args.wire_dtype, progress=not args.no_progress, metrics_out=args.metrics_out, name=args.name,
+        slowdown=args.slowdown, jitter_ms=args.jitter_ms,
     )
     stop = threading.Event()
     # SIGTERM/SIGINT: finish the step in flight (its push completes), leave the shards, exit 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     task = load_task(args.task, seed=args.seed, **_kv(args.task_opt))
-    with PSClient(args.ps, timeout=max(60.0, 3 * args.lease), wire_dtype=args.wire_dtype) as client:
+    interceptors = [DelayInterceptor(args.rpc_delay_ms / 1000.0)] if args.rpc_delay_ms > 0 else []
+    with PSClient(args.ps, timeout=max(60.0, 3 * args.lease), wire_dtype=args.wire_dtype, interceptors=interceptors) as client:
         client.wait_ready(timeout=60)
         summary = Trainer(task, client, cfg, stop=stop).run()
     metrics = " ".join(f"{k}={v:.4f}" for k, v in summary.metrics.items())
@@ -101,88 +127,85 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------- experiment
+def _experiment(args: argparse.Namespace) -> int:
+    from worker.experiment import ExperimentConfig, parse_modes, run_experiment
+
+    steps = args.steps or (120 if args.quick else 600)
+    opts = _kv(args.task_opt)
+    if args.task == "ctr":
+        opts.setdefault("test_size", 4000)  # evaluation is on worker 0's clock: keep it short
+    cfg = ExperimentConfig(
+        task=args.task, workers=args.workers, shards=args.shards,
+        modes=tuple(parse_modes(args.modes, args.staleness_aware_lr)), steps=steps,
+        batch_size=args.batch_size or (64 if args.quick else 128), eval_every=args.eval_every or max(1, steps // 12),
+        seed=args.seed, straggler=args.straggler, jitter_ms=args.jitter, net_delay_ms=args.net_delay,
+        target=args.target, task_opts=opts, out=args.out,
+    )
+    try:
+        results = run_experiment(cfg)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: stopped every process; partial results in {os.path.abspath(args.out)}", file=sys.stderr)
+        return 130
+    out = os.path.abspath(args.out)
+    with open(os.path.join(out, "summary.md")) as f:
+        print(f.read())
+    print(f"wrote {out}/results.json, summary.md, metric_vs_time.png, metric_vs_updates.png, staleness.png")
+    return 0 if results["complete"] else 1
+
+
 # ---------------------------------------------------------------------- demo
-def _tail(path: str, pos: int) -> tuple[list[dict], int]:
-    if not os.path.exists(path):
-        return [], pos
-    with open(path) as f:
-        f.seek(pos)
-        chunk = f.read()
-    lines = chunk.split("\n")
-    complete, rest = lines[:-1], lines[-1]
-    return [json.loads(x) for x in complete if x.strip()], pos + len(chunk) - len(rest)
-
-
 def _demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from ps.cli import start_local_shards, stop_processes
+    from worker.launch import LocalRun
 
     out = os.path.abspath(args.out)
-    os.makedirs(out, exist_ok=True)
-    files = [os.path.join(out, f"metrics-w{i}.jsonl") for i in range(args.workers)]
-    for f in files:
-        if os.path.exists(f):
-            os.remove(f)
-    procs: list[subprocess.Popen] = []
     print(f"tessera demo: {args.shards} shards + {args.workers} workers ({args.mode}) on loopback, task {args.task}, ~{args.seconds:.0f} s")
     t_start = time.monotonic()
+    threads = max(1, (os.cpu_count() or 2) // max(1, args.workers))
+    flags = dict(
+        task=args.task, mode=args.mode, staleness=args.staleness, steps=10**9, max_seconds=args.seconds,
+        batch_size=args.batch_size, device=args.device, eval_every=200, torch_threads=threads,
+    )
     try:
-        shard_procs, addresses = start_local_shards(args.shards, ("--lease", "5"))
-        procs += shard_procs
-        print("shards at", ",".join(addresses))
-        threads = max(1, (os.cpu_count() or 2) // max(1, args.workers))
-        for i in range(args.workers):
-            cmd = [
-                sys.executable, "-m", "tessera.cli", "worker", "--ps", ",".join(addresses), "--task", args.task,
-                "--mode", args.mode, "--staleness", str(args.staleness), "--steps", "1000000000",
-                "--max-seconds", str(args.seconds), "--batch-size", str(args.batch_size), "--worker-index", str(i),
-                "--num-workers", str(args.workers), "--device", args.device, "--metrics-out", files[i], "--no-progress",
-                "--lease", "5", "--eval-every", "200", "--torch-threads", str(threads),
-            ]
-            procs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
-        workers = procs[len(shard_procs):]
-        records: list[dict] = []
-        pos = [0] * len(files)
-        bar = tqdm(total=round(args.seconds), desc="training", unit="s", dynamic_ncols=True, bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s {postfix}")
-        last: dict[str, dict] = {}
-        best: dict[str, float] = {}
-        t_train = None
-        while any(p.poll() is None for p in workers):
-            time.sleep(0.5)
-            for i, f in enumerate(files):
-                recs, pos[i] = _tail(f, pos[i])
-                records += recs
-                for r in recs:
+        with LocalRun(out, args.shards) as run:
+            print("shards at", ",".join(run.addresses))
+            run.start_workers(args.workers, "metrics-", [flags] * args.workers)
+            records: list[dict] = []
+            last: dict[str, dict] = {}
+            latest: dict = {}
+            t_train = None
+            bar = tqdm(total=round(args.seconds), desc="training", unit="s", dynamic_ncols=True,
+                       bar_format="{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total} s{postfix}")
+            while run.running():
+                time.sleep(0.5)
+                for r in run.poll():
+                    records.append(r)
                     if r["kind"] == "step":
                         last[r["worker"]] = r
                         t_train = t_train or time.monotonic()
                     elif r["kind"] == "eval":
-                        best = r
-            if t_train is not None:
-                bar.n = min(args.seconds, time.monotonic() - t_train)
-                eps = sum(r["examples_per_s"] for r in last.values())
-                loss = sum(r["loss"] for r in last.values()) / max(1, len(last))
-                post = f"loss {loss:.4f}  {eps:,.0f} ex/s"
-                if best:
-                    post += f"  test auc {best.get('auc', float('nan')):.4f}"
-                bar.set_postfix_str(post)
-                bar.refresh()
-        bar.close()
-        for i, f in enumerate(files):
-            recs, pos[i] = _tail(f, pos[i])
-            records += recs
-        failed = [(i, p.returncode, p.stderr.read() if p.stderr else "") for i, p in enumerate(workers) if p.returncode]
-        if failed:
-            for i, code, err in failed:
-                print(f"worker {i} exited with {code}:\n{err[-2000:]}", file=sys.stderr)
-            return 1
-        return _report(records, out, args, time.monotonic() - t_start)
+                        latest = r
+                if t_train is not None:
+                    bar.n = min(args.seconds, time.monotonic() - t_train)
+                    eps = sum(r["examples_per_s"] for r in last.values())
+                    loss = sum(r["loss"] for r in last.values()) / max(1, len(last))
+                    post = f"loss {loss:.4f}  {eps:,.0f} ex/s"
+                    if latest:
+                        post += f"  test auc {latest.get('auc', float('nan')):.4f}"
+                    bar.set_postfix_str(post)
+                    bar.refresh()
+            bar.close()
+            records += run.poll()
+            failed = run.failures()
+            if failed:
+                print("\n".join(failed), file=sys.stderr)
+                return 1
+            return _report(records, out, args, time.monotonic() - t_start)
     except KeyboardInterrupt:
-        print("\ninterrupted: stopping every process", file=sys.stderr)
+        print("\ninterrupted: stopped every process", file=sys.stderr)
         return 130
-    finally:
-        stop_processes(procs, grace=10)
 
 
 def _report(records: list[dict], out: str, args: argparse.Namespace, wall: float) -> int:

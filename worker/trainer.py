@@ -78,6 +78,10 @@ class TrainConfig:
     name: str = ""  # worker name on the shards (default: w<index>)
     evaluate: bool = True  # worker 0 evaluates (set False to skip, e.g. in benchmarks)
     start_timeout_s: float = 300.0  # how long to wait for all workers at the start of a run
+    # perturbations for experiments: compute takes `slowdown` times longer (a straggler), and each step
+    # adds a random delay (exponential, mean `jitter_ms`), drawn from a generator seeded by (seed, worker)
+    slowdown: float = 1.0
+    jitter_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -90,6 +94,8 @@ class TrainConfig:
             raise ValueError(f"backup_workers must be in [0, num_workers), got {self.backup_workers}")
         if self.backup_workers and self.mode not in ("sync", "hybrid"):
             raise ValueError("backup workers apply to sync/hybrid mode")
+        if self.slowdown < 1 or self.jitter_ms < 0:
+            raise ValueError("slowdown must be >= 1 and jitter_ms >= 0")
         if self.steps < 0 or self.batch_size < 1 or self.lease_s <= 0:
             raise ValueError("steps must be >= 0, batch_size >= 1, lease_s > 0")
 
@@ -117,6 +123,7 @@ class Summary:
     late_pushes: int
     stopped_early: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+    staleness_hist: dict[int, int] = field(default_factory=dict)  # staleness of this worker's applied updates
 
     @property
     def wait_fraction(self) -> float:
@@ -163,6 +170,7 @@ class Trainer:
         self._tables_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{config.worker_name}-push")
         self._hb_stop = threading.Event()
         self.clock = 0
+        self._rng = np.random.default_rng([config.seed, config.worker_index, 99])
         self.metrics_file: TextIO | None = None
         self._t0 = time.monotonic()
 
@@ -218,6 +226,13 @@ class Trainer:
             elif r.mean_staleness >= 0:
                 stale.append(round(r.mean_staleness))
         return stale, late
+
+    def _perturb(self, compute_s: float) -> None:
+        delay = (self.cfg.slowdown - 1.0) * compute_s
+        if self.cfg.jitter_ms:
+            delay += self._rng.exponential(self.cfg.jitter_ms / 1000.0)
+        if delay > 0:
+            time.sleep(delay)
 
     def _heartbeats(self) -> None:
         period = self.cfg.lease_s / 4
@@ -293,6 +308,7 @@ class Trainer:
         metrics: dict[str, float] = {}
         stopped_early = False
 
+        self._record(kind="start", step=step)
         fut: Future | None = self._pool.submit(self._fetch, step, next(data)) if step < cfg.steps else None
         while fut is not None:
             t0 = time.perf_counter()
@@ -327,6 +343,7 @@ class Trainer:
             loss = task.loss(model, batch)
             loss.backward()
             sparse = b.sparse_gradients()
+            self._perturb(time.perf_counter() - t0)
             send = self._send[step % 2]
             if push_fut is not None:  # the window: the previous push must be done before this one starts
                 t1 = time.perf_counter()
@@ -394,6 +411,7 @@ class Trainer:
             float(np.mean(losses[-cfg.log_every :])) if losses else math.nan,
             compute, pull_wait, push_wait,
             float(np.mean(stale_all)) if stale_all else 0.0, max(stale_all, default=0), late, stopped_early, metrics,
+            {int(k): int(v) for k, v in zip(*np.unique(np.asarray(stale_all, np.int64), return_counts=True))},
         )
         self._record(kind="summary", **{k: v for k, v in asdict(summary).items() if k != "metrics"}, **summary.metrics)
         return summary
@@ -407,14 +425,19 @@ class Trainer:
         saved = b.flat.clone() if not final else None
         # at the end, sync modes wait for the last round to be applied (the other workers' last pushes)
         waits = final and self.cfg.mode in ("sync", "hybrid")
+        updates = 0.0
         if b.numel:
-            b.load_flat(self.client.pull_dense(b.dense_table, out=self._staging, policy=self.dense_policy(step) if waits else None))
+            _, (_, versions) = self.client.pull_dense(
+                b.dense_table, out=self._staging, policy=self.dense_policy(step) if waits else None, return_clock=True
+            )
+            b.load_flat(self._staging)
+            updates = float(np.mean([v for v in versions if v >= 0]))  # optimizer steps applied to the model
         b.set_policy(self.sparse_policy(step) if waits and self.cfg.mode == "sync" else None)
         metrics = self.task.evaluate(self.task.model)
         if saved is not None:
             with torch.no_grad():
                 b.flat.copy_(saved)  # the step in progress keeps the parameters it fetched
-        self._record(kind="eval", step=step, final=final, **metrics)
+        self._record(kind="eval", step=step, final=final, updates=updates, **metrics)
         return metrics
 
     def _record(self, **rec: Any) -> None:
