@@ -164,7 +164,9 @@ class Trainer:
         cuda = self.device.type == "cuda"
         n = self.binding.numel
         # host buffers the PS reads from / writes into; pinned so copies to and from the GPU are async
-        self._staging = torch.empty(n, pin_memory=cuda)
+        # two, by step parity: fetch(t+1) fills one while step t's (possibly asynchronous) copy to the
+        # device reads the other
+        self._staging = [torch.empty(n, pin_memory=cuda) for _ in range(2)]
         self._send = [torch.empty(n, pin_memory=cuda) for _ in range(2)]
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{config.worker_name}-io")  # fetch + push
         self._tables_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{config.worker_name}-push")
@@ -192,7 +194,7 @@ class Trainer:
         clock, versions = 0, ()
         if self.binding.numel:
             _, (clock, versions) = self.client.pull_dense(
-                self.binding.dense_table, out=self._staging, policy=self.dense_policy(step), return_clock=True
+                self.binding.dense_table, out=self._staging[step % 2], policy=self.dense_policy(step), return_clock=True
             )
         rows = {}
         if self.task.sparse_ids is not None:
@@ -319,7 +321,9 @@ class Trainer:
             step = max(step, f.clock) if cfg.mode in ("sync", "hybrid") else step
             self.clock = step
             if b.numel:
-                b.load_flat(self._staging)
+                b.load_flat(self._staging[f.step % 2])
+                if step != f.step and self.device.type == "cuda":
+                    torch.cuda.current_stream().synchronize()  # the next fetch may reuse this buffer
             for name, rows in f.rows.items():
                 b.embeddings[name].prefetched(rows)
             b.set_policy(self.sparse_policy(step))
@@ -427,10 +431,11 @@ class Trainer:
         waits = final and self.cfg.mode in ("sync", "hybrid")
         updates = 0.0
         if b.numel:
-            _, (_, versions) = self.client.pull_dense(
-                b.dense_table, out=self._staging, policy=self.dense_policy(step) if waits else None, return_clock=True
+            # into a buffer of its own: a prefetch may be filling the staging buffers right now
+            values, (_, versions) = self.client.pull_dense(
+                b.dense_table, out=torch.empty(b.numel), policy=self.dense_policy(step) if waits else None, return_clock=True
             )
-            b.load_flat(self._staging)
+            b.load_flat(values.to(self.device))
             updates = float(np.mean([v for v in versions if v >= 0]))  # optimizer steps applied to the model
         b.set_policy(self.sparse_policy(step) if waits and self.cfg.mode == "sync" else None)
         metrics = self.task.evaluate(self.task.model)
