@@ -67,7 +67,7 @@ def add_fed_commands(sub: Any) -> None:
     s.add_argument("--tls-key", help="server private key (PEM)")
     s.add_argument("--tokens", help="file of 'identity token' lines; unknown clients are refused")
     s.add_argument("--checkpoint", help="checkpoint file, written every round; resumes from it when present")
-    s.add_argument("--results", help="write the round history here as JSON")
+    s.add_argument("--results", help="write the round history (and peak RSS) here as JSON")
     s.add_argument("--ready-file", help="write the bound port here once serving")
     s.set_defaults(func=_server)
 
@@ -143,7 +143,10 @@ def _server(args: argparse.Namespace) -> int:
     )
     strategy = make_strategy(args.strategy, **parse_params(args.strategy_param))
 
+    from federated.simulate import peak_rss_mb, rss_mb
+
     def report(rec: dict[str, Any]) -> None:
+        rec["rss_mb"] = rss_mb()
         acc = rec.get("central_metrics", {}).get("accuracy")
         eps = f" epsilon {rec['epsilon']:.3f}" if "epsilon" in rec else ""
         print(f"round {rec['round']}: {rec.get('answered')}/{rec.get('sampled')} clients, {rec['round_s']:.3f} s, "
@@ -154,7 +157,8 @@ def _server(args: argparse.Namespace) -> int:
     history = serve(server, ready_file=args.ready_file)
     if args.results:
         with open(args.results, "w") as f:
-            json.dump(history, f, indent=1, default=float)
+            json.dump({"history": history, "peak_rss_mb": peak_rss_mb(), "strategy": strategy.name,
+                       "params": strategy.params()}, f, indent=1, default=float)
     return 0
 
 
@@ -177,8 +181,14 @@ def _client(args: argparse.Namespace) -> int:
     client = task.client(parts[i], seed=args.seed * 1_000_003 + i, shared_model=False)
     print(f"tessera-fed client {args.client_id or '(token identity)'}: {len(parts[i])} examples of {args.task}, "
           f"connecting to {args.server}", flush=True)
-    start_client(args.server, client, token=args.token, root_cert=args.root_cert, client_id=args.client_id,
-                 reconnect_timeout=args.reconnect_timeout)
+    from federated.errors import FedError
+
+    try:
+        start_client(args.server, client, token=args.token, root_cert=args.root_cert, client_id=args.client_id,
+                     reconnect_timeout=args.reconnect_timeout)
+    except FedError as e:
+        print(f"tessera-fed client: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 2
     print("tessera-fed client: server finished; exiting", flush=True)
     return 0
 

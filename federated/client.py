@@ -114,7 +114,12 @@ class ClientNode:
 
     def _open(self) -> None:
         cfg = self.config
-        opts = channel_options(cfg.max_message_bytes) + _KEEPALIVE
+        # gRPC's own reconnect backoff must not outlast ours (it would delay the first connect
+        # to a server that is still starting by up to its 2 s maximum)
+        backoff = {"grpc.initial_reconnect_backoff_ms": max(10, int(cfg.backoff_min * 1000)),
+                   "grpc.max_reconnect_backoff_ms": max(10, int(cfg.backoff_max * 1000))}
+        opts = [o for o in channel_options(cfg.max_message_bytes) if o[0] not in backoff]
+        opts += list(backoff.items()) + _KEEPALIVE
         self._channel = make_channel(cfg.address, opts, cfg.root_cert, cfg.server_name)
         ch = self._channel
         self._connect = ch.stream_stream(_SERVICE + "Connect")

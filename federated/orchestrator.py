@@ -371,7 +371,10 @@ class Orchestrator:
                     break
                 ids = self.registry.connected()
                 want = cfg.async_concurrency or max(cfg.min_clients, math.ceil(cfg.fraction * len(ids)))
-                idle = [c for c in ids if c not in in_flight]
+                # a client whose update still waits in the buffer trains again only after it is used
+                # (a buffer holds one update per client)
+                buffered = {r.update.client_id for r in buffer}
+                idle = [c for c in ids if c not in in_flight and c not in buffered]
                 if len(in_flight) < want and idle:
                     draws += 1
                     rng = np.random.default_rng([cfg.seed, draws, 3])
@@ -410,8 +413,9 @@ class Orchestrator:
                     buffer.append(p.outcome)
                 if len(buffer) >= k_buf:
                     rnd = self.round + 1
-                    rec: dict[str, Any] = {"round": rnd, "answered": len(buffer), "sampled": len(buffer) + len(failures)}
                     used, buffer = buffer[:k_buf], buffer[k_buf:]
+                    rec: dict[str, Any] = {"round": rnd, "answered": len(used), "sampled": len(used) + len(failures),
+                                           "buffered": len(buffer), "in_flight": len(in_flight)}
                     updates = [r.update for r in used]
                     rec["staleness"] = [self.round - u.base_round for u in updates]
                     t_agg = time.monotonic()

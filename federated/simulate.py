@@ -118,8 +118,12 @@ def node_main(argv: list[str] | None = None) -> int:
     a = argv if argv is not None else sys.argv[1:]
     address, task_name, clients, partition, seed, lo, hi, workers, min_ex, cc = a
     make, _, _ = _client_fn(task_name, int(clients), partition, int(seed), int(min_ex), json.loads(cc))
+    # one throw-away local step first: torch's first backward pays one-off set-up costs that
+    # would otherwise land in round 1 (a long-running device client is warm too)
+    warm = make(f"sim/{lo}")
+    warm.fit(warm.get_weights(), {"epochs": 1})
     node = start_node(address, make, _ids(int(lo), int(hi)), workers=int(workers), reconnect_timeout=60,
-                      name=f"sim-node {lo}:{hi}")
+                      backoff_max=0.5, name=f"sim-node {lo}:{hi}")
     threading.Thread(target=lambda: (node.connected.wait(), print("node connected", flush=True)), daemon=True).start()
     node.run()
     print("node exit ok", flush=True)

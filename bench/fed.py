@@ -1,0 +1,301 @@
+"""Federated benchmark: rounds over real gRPC on loopback, server and clients in separate processes.
+
+Setup (the issue's): ``digits`` (MLP 64-64-10, 4810 parameters), 100 registered
+clients with a Dirichlet(0.5) label split, 10 % sampled per round, FedAvg.
+Every run starts a fresh server process (``tessera fed server``) and, at the same
+moment, one client process hosting the 100 virtual clients
+(``python -m federated.simulate``), so ``startup_s`` counts both interpreters
+starting, importing torch and connecting.
+
+Figures (last line, JSON):
+
+* ``s_per_round``: mean wall time of rounds 2..R of the FedAvg run (fit on 10
+  clients + aggregation + central evaluation; no federated evaluation).
+* ``startup_s``: from launching the server process to the end of round 1.
+* ``agg_mbps``: MB of client updates per second of ``strategy.aggregate``.
+* ``fedavg_acc``, ``fedprox_acc``: central test accuracy after R rounds (FedProx mu=0.01).
+* ``secagg_overhead``: s/round with secure aggregation / without (the FedAvg run);
+  ``secagg_bytes_ratio``: bytes per round (up + down) with / without;
+  ``secagg_up_ratio``: uplink only.
+* ``int8_bytes_ratio``: uplink bytes per round with int8 / fp32; ``int8_acc_delta``:
+  final accuracy int8 - fp32 (same seeds).
+* ``server_rss_mb_10k``: peak RSS of the server process with 10,000 registered
+  clients (100 sampled per round); ``server_rss_mb_100`` the same with 100, and
+  ``rss_growth_mb`` the RSS change between the 10k run's second and last round.
+* ``fedbuff_speedup``: wall time for FedAvg to reach ``--target`` accuracy / the
+  same for FedBuff (K=4), 5 clients one of which is 5x slower (local training
+  padded to 0.1 s, 0.5 s for the slow one, so compute dominates as on devices).
+
+Run (1-2 minutes on 2 cores)::
+
+    python bench/fed.py               # full run
+    python bench/fed.py --quick       # smoke run (< 30 s): 3 rounds, everything in this process,
+                                      # 1,000 clients for the RSS figure
+    python bench/fed.py --json-out bench/out/fed.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Job:
+    """One server process + one client-node process; every wait has a deadline."""
+
+    def __init__(self, rounds: int, clients: int, fraction: float, server_args: list[str], partition: str = "dirichlet:0.5",
+                 task: str = "digits", workers: int = 8, seed: int = 0, timeout: float = 240.0) -> None:
+        self.rounds, self.clients, self.timeout = rounds, clients, timeout
+        self.dir = tempfile.mkdtemp(prefix="fedbench")
+        self.results = os.path.join(self.dir, "results.json")
+        port = free_port()
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.t0 = time.monotonic()
+        self.server = subprocess.Popen(
+            [sys.executable, "-m", "tessera.cli", "fed", "server", "--task", task, "--port", str(port),
+             "--rounds", str(rounds), "--fraction", str(fraction), "--min-available", str(clients), "--min-clients", "2",
+             "--eval-fraction", "0", "--seed", str(seed), "--results", self.results, *server_args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+        )
+        self.node = subprocess.Popen(
+            [sys.executable, "-m", "federated.simulate", f"127.0.0.1:{port}", task, str(clients), partition, str(seed),
+             "0", str(clients), str(workers), "1", "{}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+        )
+
+    def run(self) -> dict[str, Any]:
+        assert self.server.stdout is not None
+        deadline = self.t0 + self.timeout
+        first_round = None
+        lines = []
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(self.server.stdout, selectors.EVENT_READ)
+                while time.monotonic() < deadline:
+                    if sel.select(timeout=0.2):
+                        line = self.server.stdout.readline()
+                        if not line:
+                            break
+                        lines.append(line)
+                        if first_round is None and line.startswith("round 1:"):
+                            first_round = time.monotonic() - self.t0
+                    elif self.server.poll() is not None:
+                        break
+            self.server.wait(timeout=max(1.0, deadline - time.monotonic()))
+            self.node.wait(timeout=30)
+        finally:
+            for p in (self.server, self.node):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if self.server.returncode != 0 or not os.path.exists(self.results):
+            err = self.server.stderr.read() if self.server.stderr else ""
+            raise RuntimeError(f"server failed ({self.server.returncode}): {''.join(lines)[-2000:]} {err[-3000:]}")
+        with open(self.results) as f:
+            res = json.load(f)
+        res["startup_s"] = first_round
+        return res
+
+
+def run_inproc(rounds: int, clients: int, fraction: float, server_args: list[str]) -> dict[str, Any]:
+    """The same job with server and clients in this process (``--quick``: no interpreter
+    start-ups; startup and RSS figures then describe this process, not a server alone)."""
+    from federated.cli import parse_params
+    from federated.simulate import SimulationConfig, peak_rss_mb, run_simulation
+
+    opts: dict[str, Any] = {}
+    it = iter(server_args)
+    params: list[str] = []
+    for a in it:
+        if a == "--strategy":
+            opts["strategy"] = next(it)
+        elif a == "--strategy-param":
+            params.append(next(it))
+        elif a == "--compress":
+            opts["compress"] = next(it)
+        elif a == "--secagg":
+            opts["secagg"] = True
+        else:
+            raise ValueError(f"run_inproc does not know {a}")
+    res = run_simulation(SimulationConfig(rounds=rounds, clients=clients, fraction=fraction, progress=False, plots=False,
+                                          strategy_params=parse_params(params), **opts))
+    return {"history": res["history"], "peak_rss_mb": peak_rss_mb(), "startup_s": res["summary"]["startup_s"]}
+
+
+def summarize(res: dict[str, Any]) -> dict[str, float]:
+    h = res["history"]
+    later = h[1:] if len(h) > 1 else h
+    agg_s = sum(r.get("agg_s", 0.0) for r in h)
+    return {
+        "s_per_round": sum(r["round_s"] for r in later) / len(later),
+        "acc": h[-1].get("central_metrics", {}).get("accuracy", float("nan")),
+        "up": sum(r["bytes_up"] for r in h) / len(h),
+        "down": sum(r["bytes_down"] for r in h) / len(h),
+        "agg_mbps": (sum(r.get("agg_bytes", 0) for r in h) / 1e6 / agg_s) if agg_s > 0 else float("nan"),
+        "startup_s": res["startup_s"],
+        "peak_rss_mb": res["peak_rss_mb"],
+        "rss_growth_mb": (h[-1]["rss_mb"] - h[1]["rss_mb"]) if len(h) > 2 else 0.0,
+    }
+
+
+def fedbuff_experiment(rounds_avg: int, rounds_buff: int, target: float, pad: float = 0.1) -> dict[str, float]:
+    """In this process: 5 clients (IID digits), one 5x slower. Time to ``target`` accuracy."""
+    import numpy as np
+    import torch
+
+    from federated.client import start_node
+    from federated.config import ServerConfig
+    from federated.runtime import Client
+    from federated.server import FedServer
+    from federated.strategy import make_strategy
+    from federated.tasks import get_task
+
+    torch.set_num_threads(1)
+    task = get_task("digits")
+    n = 5
+    parts = task.partitions(n, "iid", seed=0)
+
+    class Padded(Client):
+        """Local training padded to ``pad * factor`` seconds (compute-bound devices)."""
+
+        def __init__(self, inner: Client, factor: float) -> None:
+            self.inner, self.factor = inner, factor
+
+        def fit(self, weights: Any, config: Any) -> Any:
+            t = time.perf_counter()
+            out = self.inner.fit(weights, config)
+            time.sleep(max(0.0, pad * self.factor - (time.perf_counter() - t)))
+            return out
+
+    def run(strategy: str, params: dict[str, Any], rounds: int) -> tuple[float | None, list[dict[str, Any]]]:
+        cfg = ServerConfig(rounds=rounds, fraction=1.0, min_clients=n, min_available=n, round_timeout=30, eval_fraction=0,
+                           client_config=dict(task.client_config, epochs=1), wait_timeout=60)
+        srv = FedServer(cfg, make_strategy(strategy, **params), task.initial_weights(), task.evaluator())
+        port = srv.start()
+        node = start_node(f"127.0.0.1:{port}", lambda cid: Padded(task.client(parts[int(cid[-1])]), 5.0 if cid.endswith("/0") else 1.0),
+                          [f"sim/{i}" for i in range(n)], workers=n, keep_clients=True, backoff_max=0.5)
+        th = threading.Thread(target=node.run, daemon=True)
+        th.start()
+        try:
+            h = srv.run()
+        finally:
+            srv.stop(grace=0.5)
+            node.stop()
+            th.join(10)
+        hit = next((r["elapsed_s"] for r in h if r.get("central_metrics", {}).get("accuracy", 0) >= target), None)
+        return hit, h
+
+    t_avg, h_avg = run("fedavg", {}, rounds_avg)
+    t_buff, h_buff = run("fedbuff", {"buffer_size": 4}, rounds_buff)
+    return {
+        "fedavg_time_to_target_s": float("nan") if t_avg is None else t_avg,
+        "fedbuff_time_to_target_s": float("nan") if t_buff is None else t_buff,
+        "fedbuff_speedup": (t_avg / t_buff) if (t_avg and t_buff) else float("nan"),
+        "fedavg_round_s": float(np.mean([r["round_s"] for r in h_avg])),
+        "fedbuff_step_s": float(np.mean([r["round_s"] for r in h_buff])),
+        "fedbuff_mean_staleness": float(np.mean([s for r in h_buff for s in r.get("staleness", [])] or [0])),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run (< 30 s)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds of the accuracy runs (default 30; quick 4)")
+    ap.add_argument("--target", type=float, default=0.95, help="FedBuff experiment's target accuracy")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    quick = args.quick
+    rounds = args.rounds or (3 if quick else 30)
+    big = 1000 if quick else 10_000
+    t_all = time.monotonic()
+    rows: list[tuple[str, dict[str, float]]] = []
+
+    def job(name: str, *server_args: str, rounds: int = rounds, clients: int = 100, fraction: float = 0.1) -> dict[str, float]:
+        t = time.monotonic()
+        if quick:
+            s = summarize(run_inproc(rounds, clients, fraction, list(server_args)))
+        else:
+            s = summarize(Job(rounds, clients, fraction, list(server_args)).run())
+        s["wall_s"] = time.monotonic() - t
+        rows.append((name, s))
+        print(f"  {name:<22} {s['s_per_round']:.4f} s/round  acc {s['acc']:.4f}  up {s['up'] / 1e3:.1f} kB/round  "
+              f"startup {s['startup_s']:.2f} s  peak RSS {s['peak_rss_mb']:.0f} MB  ({s['wall_s']:.1f} s)", flush=True)
+        return s
+
+    print(f"federated benchmark: digits, 100 clients, Dirichlet(0.5), fraction 0.1, {rounds} rounds", flush=True)
+    fedavg = job("fedavg")
+    fedprox = job("fedprox mu=0.01", "--strategy", "fedprox", "--strategy-param", "proximal_mu=0.01")
+    int8 = job("fedavg int8 uplink", "--compress", "int8")
+    plain_s = fedavg
+    sec = job("fedavg + secagg", "--secagg")
+    big_run = job(f"{big} clients, 100/round", rounds=3 if quick else 5, clients=big, fraction=(10 if quick else 100) / big)
+    t = time.monotonic()
+    if quick:
+        fb = fedbuff_experiment(3, 6, 0.8, pad=0.03)
+    else:
+        fb = fedbuff_experiment(20, 40, args.target)
+    print(f"  {'fedbuff vs fedavg':<22} time to target: fedavg {fb['fedavg_time_to_target_s']:.2f} s, "
+          f"fedbuff {fb['fedbuff_time_to_target_s']:.2f} s -> {fb['fedbuff_speedup']:.2f}x  ({time.monotonic() - t:.1f} s)",
+          flush=True)
+
+    out = {
+        "s_per_round": round(fedavg["s_per_round"], 4),
+        "startup_s": round(fedavg["startup_s"], 3),
+        "agg_mbps": round(fedavg["agg_mbps"], 1),
+        "fedavg_acc": round(fedavg["acc"], 4),
+        "fedprox_acc": round(fedprox["acc"], 4),
+        "secagg_overhead": round(sec["s_per_round"] / plain_s["s_per_round"], 3),
+        "secagg_bytes_ratio": round((sec["up"] + sec["down"]) / (plain_s["up"] + plain_s["down"]), 3),
+        "secagg_up_ratio": round(sec["up"] / plain_s["up"], 3),
+        "int8_bytes_ratio": round(int8["up"] / fedavg["up"], 3),
+        "int8_acc_delta": round(int8["acc"] - fedavg["acc"], 4),
+        "server_rss_mb_10k" if not quick else "server_rss_mb_1k": round(big_run["peak_rss_mb"], 1),
+        "server_rss_mb_100": round(fedavg["peak_rss_mb"], 1),
+        "rss_growth_mb": round(big_run["rss_growth_mb"], 2),
+        "secagg_s_per_round": round(sec["s_per_round"], 4),
+        "secagg_acc": round(sec["acc"], 4),
+        **{k: round(v, 3) for k, v in fb.items()},
+        "rounds": rounds,
+        "quick": quick,
+        "wall_s": round(time.monotonic() - t_all, 1),
+    }
+    if quick:
+        out["server_rss_mb_10k"] = out["server_rss_mb_1k"]  # the key is always present; quick measures 1,000 clients
+    goals = [("fedavg_acc", ">=", 0.90), ("secagg_overhead", "<=", 2.0), ("secagg_bytes_ratio", "<=", 2.0),
+             ("int8_bytes_ratio", "<=", 0.3), ("int8_acc_delta", ">=", -0.01), ("s_per_round", "<=", 0.1),
+             ("startup_s", "<=", 5.0), ("fedbuff_speedup", ">=", 1.7)]
+    print()
+    print(f"{'figure':<22} {'value':>10}  goal")
+    for k, op, g in goals:
+        v = out[k]
+        ok = (v >= g) if op == ">=" else (v <= g)
+        print(f"{k:<22} {v:>10}  {op} {g}  {'ok' if ok else 'MISSED'}")
+    for k in ("agg_mbps", "fedprox_acc", "server_rss_mb_10k", "server_rss_mb_100", "rss_growth_mb", "secagg_up_ratio"):
+        print(f"{k:<22} {out[k]:>10}")
+    if args.json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+        with open(args.json_out, "w") as f:
+            json.dump(out, f)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
