@@ -25,6 +25,7 @@ from federated.errors import (
     FedError,
     InvalidUpdateError,
     PermissionDeniedError,
+    ResourceExhaustedError,
     ServerUnavailableError,
     TaskClosedError,
     UnauthenticatedError,
@@ -49,6 +50,7 @@ ERROR_OF: dict[grpc.StatusCode, type[FedError]] = {
     grpc.StatusCode.NOT_FOUND: UnknownTaskError,
     grpc.StatusCode.FAILED_PRECONDITION: TaskClosedError,
     grpc.StatusCode.UNAVAILABLE: ServerUnavailableError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
 }
 _KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
               ("grpc.keepalive_permit_without_calls", 1)]
@@ -100,6 +102,7 @@ class ClientNode:
         self._stop = threading.Event()
         self._stats_lock = threading.Lock()
         self._cancelled: set[str] = set()
+        self._running: set[str] = set()
         self._call: Any = None
         self._md = token_metadata(config.token)
         self._channel: grpc.Channel | None = None
@@ -154,10 +157,14 @@ class ClientNode:
                             give_up_at = None  # type: ignore[assignment]
                             log.info("connected to %s as %d client(s)", cfg.address, len(self.client_ids))
                         elif body == "task":
-                            pool.submit(self._do_task, task_from_proto(msg.task))
+                            task = task_from_proto(msg.task)
+                            with self._stats_lock:
+                                self._running.add(task.task_id)
+                            pool.submit(self._do_task, task)
                         elif body == "cancel":
                             with self._stats_lock:
-                                self._cancelled.add(msg.cancel.task_id)
+                                if msg.cancel.task_id in self._running:  # late cancels of finished tasks are moot
+                                    self._cancelled.add(msg.cancel.task_id)
                         elif body == "shutdown":
                             self.shutdown_reason = msg.shutdown.reason
                             log.info("server shut down: %s", msg.shutdown.reason)
@@ -228,6 +235,7 @@ class ClientNode:
         finally:
             with self._stats_lock:
                 self._cancelled.discard(task.task_id)
+                self._running.discard(task.task_id)
 
 
 def start_node(

@@ -15,6 +15,7 @@ __all__ = [
     "PermissionDeniedError",
     "UnknownTaskError",
     "TaskClosedError",
+    "ResourceExhaustedError",
     "ServerUnavailableError",
     "ClientFailedError",
 ]
@@ -63,6 +64,10 @@ class UnknownTaskError(FedError):
 class TaskClosedError(FedError):
     """An answer that arrived after its round closed (deadline passed or cancelled;
     FAILED_PRECONDITION). Harmless: the client just drops it."""
+
+
+class ResourceExhaustedError(FedError):
+    """The server is at a limit (connections, message size): RESOURCE_EXHAUSTED; retried."""
 
 
 class ServerUnavailableError(FedError):

@@ -186,7 +186,7 @@ class Orchestrator:
         return self.registry.put_blob(make_blob(tensors))
 
     def _task(self, cid: str, rnd: int, kind: str, blob: str, config: dict[str, Any], timeout: float, **kw: Any) -> Task:
-        nbytes = 0
+        nbytes = self.registry.blob_size(blob) if blob else 0
         return Task(
             task_id=self.registry.new_task_id(), client_id=cid, round=rnd, kind=kind, config=config, blob=blob,
             blob_bytes=nbytes, timeout_s=timeout, compress=self.config.compress, **kw,

@@ -199,6 +199,11 @@ class Registry:
             self._blobs[bid] = blob
             return bid
 
+    def blob_size(self, blob_id: str) -> int:
+        with self._lock:
+            b = self._blobs.get(blob_id)
+            return b.nbytes if b is not None else 0
+
     def drop_blobs(self, ids: Iterable[str]) -> None:
         with self._lock:
             for b in ids:

@@ -50,7 +50,7 @@ class FedServer:
         self.registry = Registry(config.max_clients)
         self.orchestrator = Orchestrator(config, strategy, self.registry, initial_weights, evaluate_fn, on_round)
         self.tokens = TokenTable(config.tokens) if config.tokens is not None else None
-        self.servicer = FedServicer(self.registry, self.tokens, config.chunk_bytes)
+        self.servicer = FedServicer(self.registry, self.tokens, config.chunk_bytes, config.max_nodes)
         # an answer is at most the model in float64 plus extras (SCAFFOLD) plus headers
         self.servicer.max_answer_bytes = 4 * self.orchestrator.model_bytes + (16 << 20)
         self.interceptor = TokenAuthInterceptor(self.tokens) if self.tokens is not None else None

@@ -20,6 +20,7 @@ from federated.errors import (
     InvalidUpdateError,
     MalformedMessageError,
     PermissionDeniedError,
+    ResourceExhaustedError,
     TaskClosedError,
     UnauthenticatedError,
     UnknownTaskError,
@@ -46,6 +47,7 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
     UnknownTaskError: grpc.StatusCode.NOT_FOUND,
     TaskClosedError: grpc.StatusCode.FAILED_PRECONDITION,
     ConfigError: grpc.StatusCode.FAILED_PRECONDITION,
+    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 _END = object()
@@ -65,8 +67,11 @@ class FedServicer:
     Counters (``requests``, ``errors``, ``bytes_in``, ``bytes_out``) are for stats.
     """
 
-    def __init__(self, registry: Registry, tokens: TokenTable | None = None, chunk_bytes: int = 1 << 20) -> None:
+    def __init__(self, registry: Registry, tokens: TokenTable | None = None, chunk_bytes: int = 1 << 20,
+                 max_nodes: int = 256) -> None:
         self.registry = registry
+        self.max_nodes = max_nodes
+        self.nodes = 0
         self.tokens = tokens
         self.chunk_bytes = chunk_bytes
         self.max_answer_bytes = 1 << 30
@@ -145,6 +150,19 @@ class FedServicer:
     # ------------------------------------------------------------------ Connect
     def Connect(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         identity = self._identity(context)
+        # each stream holds a server thread for its lifetime: past the limit, refuse (the client
+        # retries with backoff) rather than let streams take the threads Fetch and Submit need
+        with self._count_lock:
+            if self.nodes >= self.max_nodes:
+                raise ResourceExhaustedError(f"server holds its limit of {self.max_nodes} client connections; retry later")
+            self.nodes += 1
+        try:
+            yield from self._connect(identity, request_iterator, context)
+        finally:
+            with self._count_lock:
+                self.nodes -= 1
+
+    def _connect(self, identity: str | None, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         raw = next(request_iterator, None)
         if raw is None:
             raise MalformedMessageError("Connect: stream ended before Hello")

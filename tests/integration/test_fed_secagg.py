@@ -122,3 +122,12 @@ def test_dp_reports_epsilon_every_round_and_secagg_composes() -> None:
         # the clipped, noised mean moved the weights, but by no more than C + noise allows
         step = np.sqrt(sum(float(np.sum((a.astype(np.float64) - b) ** 2)) for a, b in zip(server.weights, W0)))
         assert 0 < step < 3 * (0.5 + 1.1 * 0.5 * np.sqrt(30) / 5) * 3
+
+
+def test_local_dp_and_adaptive_clipping() -> None:
+    server = run_round(False, dp=DPConfig(clip_norm=0.05, noise_multiplier=0.5, mode="local"), rounds=2)
+    assert all(r["epsilon"] > 0 for r in server.history)
+    # adaptive: every update norm is far above C=0.05 (0.1 * N(0,1) over 30 entries), so C grows each round
+    server = run_round(False, dp=DPConfig(clip_norm=0.05, noise_multiplier=0.5, adaptive=True, clip_lr=0.5), rounds=3)
+    clips = [r["dp_clip"] for r in server.history]
+    assert clips[0] == 0.05 and clips[0] < clips[1] < clips[2]

@@ -316,3 +316,15 @@ def test_round_is_retried_when_too_few_answer(harness) -> None:
     history = h.server.run()
     assert history[0]["attempts"] == 2 and history[0]["answered"] == 2
     assert "disk full" in history[0]["failed"]["b"]
+
+
+def test_connections_beyond_the_limit_are_refused_and_retry(harness) -> None:
+    h = harness(min_clients=2, max_nodes=2, wait_timeout=10)
+    h.client(Shift(1.0, 1), "a")
+    h.client(Shift(3.0, 1), "b")
+    assert wait_until(lambda: h.server.registry.num_connected() == 2)
+    third = h.client(Shift(50.0, 1), "c", backoff_max=0.2)
+    assert wait_until(lambda: h.server.servicer.errors["RESOURCE_EXHAUSTED"] >= 2)
+    history = h.server.run()  # the two admitted clients train; the third keeps knocking
+    assert history[0]["answered"] == 2 and set(history[0]["clients"]) == {"a", "b"}
+    assert not third.connected.is_set() and third.stats.connects >= 2
