@@ -41,7 +41,7 @@ def build_server(config: ShardConfig) -> tuple[grpc.Server, int, Shard]:
 
 def serve(config: ShardConfig, ready_file: str | None = None) -> None:
     """Run until SIGTERM/SIGINT. Prints one line ``tessera-ps listening on HOST:PORT`` when ready."""
-    server, port, _ = build_server(config)
+    server, port, shard = build_server(config)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -52,4 +52,5 @@ def serve(config: ShardConfig, ready_file: str | None = None) -> None:
             f.write(f"{port}\n")
     stop.wait()
     server.stop(grace=2).wait()
+    shard.close()
     print("tessera-ps stopped", file=sys.stderr, flush=True)

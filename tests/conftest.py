@@ -37,6 +37,8 @@ class InprocCluster:
             c.close()
         for s in self.servers:
             s.stop(0)
+        for sh in self.shards:
+            sh.close()
 
 
 @pytest.fixture
