@@ -24,7 +24,9 @@ Figures (last line, JSON):
   ``rss_growth_mb`` the RSS change between the 10k run's second and last round.
 * ``fedbuff_speedup``: wall time for FedAvg to reach ``--target`` accuracy / the
   same for FedBuff (K=4), 5 clients one of which is 5x slower (local training
-  padded to 0.1 s, 0.5 s for the slow one, so compute dominates as on devices).
+  padded to 0.1 s, 0.5 s for the slow one, so compute dominates as on devices);
+  time counted from the first task sent to the first evaluation at or above target,
+  best of 2 runs each.
 
 Run (1-2 minutes on 2 cores)::
 
@@ -155,8 +157,10 @@ def summarize(res: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def fedbuff_experiment(rounds_avg: int, rounds_buff: int, target: float, pad: float = 0.1) -> dict[str, float]:
-    """In this process: 5 clients (IID digits), one 5x slower. Time to ``target`` accuracy."""
+def fedbuff_experiment(rounds_avg: int, rounds_buff: int, target: float, pad: float = 0.1,
+                       repeats: int = 2) -> dict[str, float]:
+    """In this process: 5 clients (IID digits), one 5x slower. Time to ``target`` accuracy
+    (best of ``repeats`` runs each, interleaved)."""
     import numpy as np
     import torch
 
@@ -199,11 +203,17 @@ def fedbuff_experiment(rounds_avg: int, rounds_buff: int, target: float, pad: fl
             srv.stop(grace=0.5)
             node.stop()
             th.join(10)
-        hit = next((r["elapsed_s"] for r in h if r.get("central_metrics", {}).get("accuracy", 0) >= target), None)
+        # from the first task sent (all clients connected) to the first evaluation at or above target
+        hit = next((r["train_elapsed_s"] for r in h if r.get("central_metrics", {}).get("accuracy", 0) >= target), None)
         return hit, h
 
-    t_avg, h_avg = run("fedavg", {}, rounds_avg)
-    t_buff, h_buff = run("fedbuff", {"buffer_size": 4}, rounds_buff)
+    # the machine is shared and noisy: repeat, interleaved, and take each one's best time
+    avgs, buffs = [], []
+    for _ in range(repeats):
+        avgs.append(run("fedavg", {}, rounds_avg))
+        buffs.append(run("fedbuff", {"buffer_size": 4}, rounds_buff))
+    t_avg, h_avg = min(avgs, key=lambda x: x[0] if x[0] is not None else float("inf"))
+    t_buff, h_buff = min(buffs, key=lambda x: x[0] if x[0] is not None else float("inf"))
     return {
         "fedavg_time_to_target_s": float("nan") if t_avg is None else t_avg,
         "fedbuff_time_to_target_s": float("nan") if t_buff is None else t_buff,
@@ -248,7 +258,7 @@ def main() -> int:
     big_run = job(f"{big} clients, 100/round", rounds=3 if quick else 5, clients=big, fraction=(10 if quick else 100) / big)
     t = time.monotonic()
     if quick:
-        fb = fedbuff_experiment(3, 6, 0.8, pad=0.03)
+        fb = fedbuff_experiment(3, 6, 0.8, pad=0.03, repeats=1)
     else:
         fb = fedbuff_experiment(20, 40, args.target)
     print(f"  {'fedbuff vs fedavg':<22} time to target: fedavg {fb['fedavg_time_to_target_s']:.2f} s, "

@@ -116,6 +116,7 @@ class Orchestrator:
         self.strategy.setup(self.weights)
         self.model_bytes = int(sum(w.nbytes for w in self.weights))
         self.started = time.monotonic()
+        self.training_started: float | None = None  # when the first tasks went out (clients connected)
         self._secure: Any = None
 
     # ------------------------------------------------------------------ checkpoints
@@ -186,6 +187,8 @@ class Orchestrator:
         return self.registry.put_blob(make_blob(tensors))
 
     def _task(self, cid: str, rnd: int, kind: str, blob: str, config: dict[str, Any], timeout: float, **kw: Any) -> Task:
+        if self.training_started is None:
+            self.training_started = time.monotonic()
         nbytes = self.registry.blob_size(blob) if blob else 0
         return Task(
             task_id=self.registry.new_task_id(), client_id=cid, round=rnd, kind=kind, config=config, blob=blob,
@@ -341,6 +344,7 @@ class Orchestrator:
         self._evaluate(rec["round"], stop, rec, traffic)
         rec["round_s"] = time.monotonic() - t0
         rec["elapsed_s"] = time.monotonic() - self.started
+        rec["train_elapsed_s"] = time.monotonic() - (self.training_started or self.started)
         rec["bytes_up"] = int(sum(v[0] for v in traffic.values()))
         rec["bytes_down"] = int(sum(v[1] for v in traffic.values()))
         rec["clients"] = {k: {"up": v[0], "down": v[1]} for k, v in sorted(traffic.items())}
@@ -449,6 +453,7 @@ class Orchestrator:
         rec["eval_s"] = time.monotonic() - t_eval
         rec["round_s"] = time.monotonic() - t0
         rec["elapsed_s"] = time.monotonic() - self.started
+        rec["train_elapsed_s"] = time.monotonic() - (self.training_started or self.started)
         rec["bytes_up"] = int(sum(v[0] for v in traffic.values()))
         rec["bytes_down"] = int(sum(v[1] for v in traffic.values()))
         rec["clients"] = {k: {"up": v[0], "down": v[1]} for k, v in sorted(traffic.items())}
