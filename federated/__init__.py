@@ -9,6 +9,7 @@ from typing import Any
 __all__ = [
     "Client",
     "TorchClient",
+    "TensorBatches",
     "start_client",
     "start_node",
     "ClientNode",
@@ -25,6 +26,7 @@ __all__ = [
 _WHERE = {
     "Client": "federated.runtime",
     "TorchClient": "federated.torch_client",
+    "TensorBatches": "federated.torch_client",
     "start_client": "federated.client",
     "start_node": "federated.client",
     "ClientNode": "federated.client",

@@ -149,7 +149,9 @@ def _server(args: argparse.Namespace) -> int:
         rec["rss_mb"] = rss_mb()
         acc = rec.get("central_metrics", {}).get("accuracy")
         eps = f" epsilon {rec['epsilon']:.3f}" if "epsilon" in rec else ""
-        print(f"round {rec['round']}: {rec.get('answered')}/{rec.get('sampled')} clients, {rec['round_s']:.3f} s, "
+        waited = f" (+{rec['wait_s']:.1f} s waiting for clients)" if rec.get("wait_s", 0) > 0.05 else ""
+        print(f"round {rec['round']}: {rec.get('answered')}/{rec.get('sampled')} clients, "
+              f"{rec['round_s'] - rec.get('wait_s', 0.0):.3f} s{waited}, "
               f"central accuracy {acc if acc is None else f'{acc:.4f}'}, up {rec['bytes_up']} B, down {rec['bytes_down']} B{eps}",
               flush=True)
 

@@ -117,6 +117,7 @@ class Orchestrator:
         self.model_bytes = int(sum(w.nbytes for w in self.weights))
         self.started = time.monotonic()
         self.training_started: float | None = None  # when the first tasks went out (clients connected)
+        self.waited = 0.0  # seconds spent waiting for enough clients, reset every round
         self._secure: Any = None
 
     # ------------------------------------------------------------------ checkpoints
@@ -173,7 +174,9 @@ class Orchestrator:
         if self.registry.num_connected() >= need:
             return True
         log.info("waiting for %d clients (%d connected)", need, self.registry.num_connected())
+        t0 = time.monotonic()
         ok = self.registry.wait_for_clients(need, self.config.wait_timeout, stop)
+        self.waited += time.monotonic() - t0
         if not ok and not stop.is_set():
             raise RoundFailedError(
                 f"only {self.registry.num_connected()} of the {need} clients needed connected within {self.config.wait_timeout} s"
@@ -342,7 +345,8 @@ class Orchestrator:
 
     def _finish_round(self, rec: dict[str, Any], t0: float, traffic: dict[str, list[int]], stop: threading.Event) -> None:
         self._evaluate(rec["round"], stop, rec, traffic)
-        rec["round_s"] = time.monotonic() - t0
+        rec["round_s"] = time.monotonic() - t0  # includes wait_s
+        rec["wait_s"], self.waited = self.waited, 0.0
         rec["elapsed_s"] = time.monotonic() - self.started
         rec["train_elapsed_s"] = time.monotonic() - (self.training_started or self.started)
         rec["bytes_up"] = int(sum(v[0] for v in traffic.values()))
@@ -451,7 +455,8 @@ class Orchestrator:
             rec["central_loss"] = float(loss)
             rec["central_metrics"] = {k: float(v) for k, v in metrics.items()}
         rec["eval_s"] = time.monotonic() - t_eval
-        rec["round_s"] = time.monotonic() - t0
+        rec["round_s"] = time.monotonic() - t0  # includes wait_s
+        rec["wait_s"], self.waited = self.waited, 0.0
         rec["elapsed_s"] = time.monotonic() - self.started
         rec["train_elapsed_s"] = time.monotonic() - (self.training_started or self.started)
         rec["bytes_up"] = int(sum(v[0] for v in traffic.values()))

@@ -287,7 +287,7 @@ def test_slow_client_cannot_stall_a_round(harness) -> None:
     h = harness(min_clients=2, min_available=3, round_timeout=1.0, rounds=2)
     h.client(Shift(1.0, 1), "fast1")
     h.client(Shift(2.0, 1), "fast2")
-    slow = h.client(Shift(50.0, 1, sleep=3.0), "slow")
+    slow = h.client(Shift(50.0, 1, sleep=1.5), "slow")
     t0 = time.monotonic()
     history = h.server.run()
     took = time.monotonic() - t0
