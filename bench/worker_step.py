@@ -1,0 +1,882 @@
+"""Worker step benchmark: where does a training step against the PS spend its time?
+
+Measures in one run, on loopback, every worker and shard its own process:
+
+(1) ``ctr`` (26 Zipf id fields + 13 dense features, embeddings + MLP) with 2
+    workers against 2 fresh shard processes per mode (``start_local_shards(2,
+    ("--lease", "5"))``): examples/s for sync, ssp (K=4) and async, each with
+    overlap (prefetch of step t+1, background push of step t: the default) and
+    again without (every pull and push waited for in line). Per mode the step
+    time splits into compute, waiting on pulls, waiting on pushes and the rest
+    (data generation, copying into the model: the worker's own bookkeeping),
+    summed over both workers.
+(2) The local baseline: the same ctr model (same MLP weights, same data, same
+    batch size) in one process with no PS: the embedding is a preallocated
+    ``nn.Embedding`` with sparse gradients over the ids seen so far (id -> row
+    by a sorted-key index, vectorised), Adagrad on its rows and Adam on the
+    MLP, like the shards do. One torch thread, as each worker has.
+(3) A dense ~5M-parameter MLP (784 -> 1024 x 5 -> 10, synthetic data from a
+    hidden linear teacher; the user task ``bench.worker_step:dense_task``) with
+    2 workers in sync mode against 2 shards (Adam on the shards), and the same
+    model with ``torch.nn.parallel.DistributedDataParallel`` (Gloo, 2
+    processes, same per-worker batch, Adam on each rank). In the same Gloo
+    group: raw ``all_reduce`` of a float32 tensor of the model's size (bus
+    bandwidth, = algorithm bandwidth for 2 ranks).
+
+How. Two long-lived worker processes (this script with ``--child``; torch with
+one intra-op thread, like ``tessera worker --torch-threads 1``) take jobs over
+stdin: a PS job builds the task with ``worker.tasks.load_task``, a ``PSClient``
+and a ``worker.trainer.Trainer`` and runs it exactly as ``tessera worker``
+does; the parent starts and stops the shards. Keeping the workers alive saves
+their start-up (imports) per mode, so the run fits in 1-2 minutes. The DDP
+ranks run in the same two processes: rank 0 binds a ``TCPStore`` on port 0 and
+reports the port, rank 1 connects to it.
+
+Figures. The trainer logs a record every ``block`` steps (compute, pull wait,
+push wait and the block's wall time); the first ``warmup`` steps are dropped.
+For each block, examples/s are summed over the workers: a run's ``*_eps`` is
+the median block, ``*_eps_best`` the best block, ``*_eps_mean`` all steady
+examples over their time. Step times (``*_step_ms``) are the mean step time of
+a block (averaged over the workers): median block, ``_min`` the best block,
+``_mean`` over all steady steps. The machine is shared and noisy: compare
+ratios from the same run.
+
+Run (about 1.5-2 minutes on 2 cores)::
+
+    python bench/worker_step.py                    # full run
+    python bench/worker_step.py --quick            # smoke run (< 30 s): a few steps, small dense model
+    python bench/worker_step.py --json-out bench/out/worker.json
+    python bench/worker_step.py --repeats 2        # every ctr mode twice (blocks pooled)
+    python bench/worker_step.py --device cuda      # workers (and DDP ranks' compute) on the GPU
+
+It prints a table and, as its last line, one line of JSON with at least
+sync_eps, ssp_eps, async_eps, local_eps, sync_noov_eps, ssp_noov_eps,
+async_noov_eps, overlap_speedup (async with overlap / async without),
+async_wait_fraction (share of async step time spent waiting on the PS),
+sync_step_ms, ddp_step_ms, sync_vs_ddp (PS sync step / DDP step) and
+gloo_allreduce_gbps. Every child process is stopped on exit, also on Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from worker.tasks import Task
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DENSE_TASK = "bench.worker_step:dense_task"
+MARK = "@@bench "  # prefix of protocol lines on a child's stdout (anything else there is ignored)
+LEASE_S = 5.0
+WORKERS = 2
+SHARDS = 2
+
+
+# =========================================================================== the dense user task
+def make_mlp(in_dim: int, width: int, depth: int, classes: int) -> "nn.Module":
+    """in_dim -> width (depth hidden layers, ReLU) -> classes."""
+    from torch import nn
+
+    layers: list[nn.Module] = []
+    d = in_dim
+    for _ in range(depth):
+        layers += [nn.Linear(d, width), nn.ReLU()]
+        d = width
+    layers.append(nn.Linear(d, classes))
+    return nn.Sequential(*layers)
+
+
+def dense_task(
+    seed: int = 0, in_dim: int = 784, width: int = 1024, depth: int = 5, classes: int = 10, pool: int = 8,
+    lr: float = 1e-3, **_: object,
+) -> "Task":
+    """A dense MLP (default 5,012,490 parameters) on synthetic data: a user task for ``tessera worker``.
+
+    ``tessera worker --task bench.worker_step:dense_task --task-opt width=1024 ...`` (run from the
+    repository root, so that ``bench`` is importable). Inputs are N(0, 1); the label is the argmax of
+    a hidden linear teacher. ``pool`` global batches are drawn once per (num_workers, batch_size)
+    and cycled, so data generation stays out of the step time; worker i's batch at step t is slice i
+    of global batch t (sync mode equals one process with the global batch). No test metric.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from ps import OptimizerSpec
+    from worker.tasks import Task
+
+    torch.manual_seed(seed)
+    model = make_mlp(in_dim, width, depth, classes)
+    gen = torch.Generator().manual_seed(seed + 1)
+    teacher = torch.randn(in_dim, classes, generator=gen)
+    pools: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def batches(worker_index: int, num_workers: int, batch_size: int, start_step: int) -> Iterator[tuple["torch.Tensor", "torch.Tensor"]]:
+        key = (num_workers, batch_size)
+        if key not in pools:
+            g = torch.Generator().manual_seed(seed + 2)
+            xs = [torch.randn(num_workers * batch_size, in_dim, generator=g) for _ in range(pool)]
+            pools[key] = [(x, (x @ teacher).argmax(1)) for x in xs]
+        lo, hi = worker_index * batch_size, (worker_index + 1) * batch_size
+        step = start_step
+        while True:
+            x, y = pools[key][step % pool]
+            yield x[lo:hi], y[lo:hi]
+            step += 1
+
+    def loss(m: "nn.Module", batch: tuple["torch.Tensor", "torch.Tensor"]) -> "torch.Tensor":
+        x, y = batch
+        return F.cross_entropy(m(x), y)
+
+    n = sum(p.numel() for p in model.parameters())
+    return Task(
+        "dense", model, batches, loss, None, metric="loss", higher_is_better=False,
+        dense_optimizer=OptimizerSpec("adam", {"lr": lr}), info={"params": float(n)},
+    )
+
+
+# =========================================================================== the local ctr baseline
+def make_local_embedding(dim: int, lr: float, initial_accumulator: float, eps: float = 1e-10, std: float = 0.01,
+                         seed: int = 0) -> "nn.Module":
+    """Stand-in for ``PSEmbedding`` in one process, doing what the worker + shards do, minus the PS.
+
+    Rows of the ids seen so far live in one weight array grown by doubling, with an Adagrad
+    accumulator per element (the shards' ``adagrad``: sum += g^2; w -= lr * g / (sqrt(sum) + eps)).
+    id -> row is a sorted key array (searchsorted; new ids inserted with one O(rows) memmove per
+    step, no Python loop over ids). ``forward(ids)`` (int64, CPU, any shape) -> ``ids.shape + (dim,)``:
+    like PSEmbedding it looks up a leaf tensor of the batch's unique rows; ``step()`` after backward
+    applies Adagrad to those rows.
+    """
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class LocalEmbedding(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gen = torch.Generator().manual_seed(seed)
+            self.weight = torch.empty(0, dim)
+            self.acc = torch.empty(0, dim)
+            self.keys = np.empty(0, np.int64)  # sorted ids
+            self.slots = np.empty(0, np.int64)  # row of keys[i]
+            self.rows = 0
+            self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def _grow(self, need: int) -> None:
+            cap = max(1024, self.weight.shape[0])
+            while cap < need:
+                cap *= 2
+            if cap > self.weight.shape[0]:
+                w, a = torch.empty(cap, dim), torch.empty(cap, dim)
+                w[: self.rows], a[: self.rows] = self.weight[: self.rows], self.acc[: self.rows]
+                self.weight, self.acc = w, a
+
+        def index(self, uniq: np.ndarray) -> np.ndarray:
+            """Rows of the sorted unique ``uniq``, created (normal init) where new."""
+            pos = np.searchsorted(self.keys, uniq)
+            hit = pos < len(self.keys)
+            hit[hit] = self.keys[pos[hit]] == uniq[hit]
+            slot = np.empty(len(uniq), np.int64)
+            slot[hit] = self.slots[pos[hit]]
+            new = ~hit
+            k = int(new.sum())
+            if k:
+                self._grow(self.rows + k)
+                fresh = np.arange(self.rows, self.rows + k, dtype=np.int64)
+                self.weight[self.rows : self.rows + k] = torch.randn(k, dim, generator=self.gen) * std
+                self.acc[self.rows : self.rows + k] = initial_accumulator
+                slot[new] = fresh
+                self.keys = np.insert(self.keys, pos[new], uniq[new])
+                self.slots = np.insert(self.slots, pos[new], fresh)
+                self.rows += k
+            return slot
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            uniq, inverse = np.unique(ids.numpy().reshape(-1), return_inverse=True)
+            rows = torch.from_numpy(self.index(uniq))
+            leaf = self.weight[rows].requires_grad_(True)
+            self._pending.append((rows, leaf))
+            return F.embedding(torch.from_numpy(inverse.reshape(tuple(ids.shape))), leaf)
+
+        @torch.no_grad()
+        def step(self) -> None:
+            for rows, leaf in self._pending:
+                if leaf.grad is None:
+                    continue
+                g = leaf.grad
+                acc = self.acc[rows].addcmul_(g, g)
+                self.acc[rows] = acc
+                self.weight[rows] = leaf.detach().addcdiv_(g, acc.sqrt_().add_(eps), value=-lr)
+            self._pending.clear()
+
+    return LocalEmbedding()
+
+
+def torch_adam(params: Any, h: Any) -> "torch.optim.Optimizer":
+    """``torch.optim.Adam`` with a PS ``adam`` spec's hyperparameters (lr, beta1, beta2, eps, weight_decay)."""
+    import torch
+
+    return torch.optim.Adam(
+        params, lr=h.get("lr", 1e-3), betas=(h.get("beta1", 0.9), h.get("beta2", 0.999)), eps=h.get("eps", 1e-8),
+        weight_decay=h.get("weight_decay", 0.0),
+    )
+
+
+def run_local(steps: int, batch: int, warmup: int, block: int, seed: int = 0) -> dict[str, Any]:
+    """Train the ctr model with no PS; returns per-block wall times (steps after ``warmup``)."""
+    import numpy as np
+
+    from worker.tasks import load_task
+
+    task = load_task("ctr", seed=seed, test_size=100)  # the workers' model: same MLP init, same data
+    model = task.model
+    emb = model.emb  # the PSEmbedding: its dim and optimizer hyperparameters (the shards' adagrad)
+    h = emb.optimizer.hparams
+    local = make_local_embedding(emb.dim, h["lr"], h["initial_accumulator"], h["eps"], seed=seed)
+    model.emb = local
+    opt_mlp = torch_adam(model.mlp.parameters(), task.dense_optimizer.hparams)
+    data = task.batches(0, 1, batch, 0)
+    model.train()
+    marks: list[float] = []
+    losses: list[float] = []
+    for step in range(steps):
+        if step >= warmup and (step - warmup) % block == 0:
+            marks.append(time.perf_counter())
+        b = next(data)
+        opt_mlp.zero_grad(set_to_none=True)
+        loss = task.loss(model, b)
+        loss.backward()
+        local.step()  # type: ignore[operator]
+        opt_mlp.step()
+        losses.append(float(loss.detach()))  # the workers read the loss every step too
+    marks.append(time.perf_counter())
+    walls = [b - a for a, b in zip(marks, marks[1:])]
+    ns = [block] * (len(walls) - 1) + [steps - warmup - block * (len(walls) - 1)]
+    return {"walls": walls, "steps": ns, "rows": local.rows, "loss": float(np.mean(losses[-block:]))}
+
+
+# =========================================================================== DDP + Gloo all-reduce
+_KEEP: list[Any] = []  # DDP objects never freed (see run_ddp)
+
+
+def run_ddp(job: dict[str, Any], say: Any) -> dict[str, Any]:
+    """One DDP rank. Rank 0 binds the store on port 0 and reports it (``say({"port": p})``).
+
+    The last job of a worker child: after replying, the child exits at once (``os._exit``)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from worker.tasks import load_task
+
+    rank, world = job["rank"], WORKERS
+    timeout = timedelta(seconds=120)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timeout, wait_for_workers=False)
+        say({"port": store.port})
+    else:
+        store = dist.TCPStore("127.0.0.1", job["port"], world, False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    device = torch.device(job["device"])
+    task = load_task(job["task"], **job["task_opts"])
+    model = DDP(task.model.to(device))
+    opt = torch_adam(model.parameters(), task.dense_optimizer.hparams)
+    data = task.batches(rank, world, job["batch"], 0)
+    to_dev = task.to_device or _move
+    walls: list[float] = []
+    dist.barrier()
+    for step in range(job["steps"]):
+        t0 = time.perf_counter()
+        b = to_dev(next(data), device)
+        opt.zero_grad(set_to_none=True)
+        loss = task.loss(model, b)
+        loss.backward()
+        opt.step()
+        float(loss.detach())
+        walls.append(time.perf_counter() - t0)
+    numel = sum(p.numel() for p in model.parameters())
+    # raw Gloo all-reduce of a tensor of the model's size (CPU: Gloo's home)
+    t = torch.ones(numel, dtype=torch.float32)
+    times: list[float] = []
+    for i in range(job["ar_warmup"] + job["ar_repeats"]):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        if i >= job["ar_warmup"]:
+            times.append(time.perf_counter() - t0)
+    dist.barrier()
+    # No destroy_process_group() and no teardown: the child exits with os._exit right after replying.
+    # (torch 2.13: freeing the DDP Reducer's ProcessGroupGloo joins Gloo's work thread while holding
+    # the GIL, and that thread may need the GIL to free a finished work's tensors: a deadlock we hit
+    # about every other run.)
+    _KEEP.extend([model, store])
+    return {"walls": walls, "ar_times": times, "numel": numel, "loss": float(loss.detach())}
+
+
+def _move(batch: Any, device: Any) -> Any:
+    from worker.tasks import move
+
+    return move(batch, device)
+
+
+# =========================================================================== worker child: serves jobs
+def run_ps_job(job: dict[str, Any]) -> dict[str, Any]:
+    """One worker of a PS run, as ``tessera worker`` runs it (task, PSClient, Trainer)."""
+    from ps import PSClient
+    from worker.tasks import load_task
+    from worker.trainer import TrainConfig, Trainer
+
+    task = load_task(job["task"], **job["task_opts"])
+    cfg = TrainConfig(**job["cfg"])
+    with PSClient(job["addrs"], timeout=max(60.0, 3 * cfg.lease_s), wire_dtype=cfg.wire_dtype) as client:
+        client.wait_ready(timeout=60)
+        summary = Trainer(task, client, cfg).run()
+    return {"summary": asdict(summary)}
+
+
+def child_main() -> int:
+    """Serve jobs (JSON lines on stdin) until EOF or {"job": "exit"}; reply with MARK + JSON lines."""
+    sys.path.insert(0, ROOT)  # `bench.worker_step:dense_task` must be importable, as from the repo root
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us (Ctrl-C reaches the whole group)
+    import torch
+
+    import worker.trainer  # noqa: F401 - import before "ready": jobs then time training, not imports
+
+    torch.set_num_threads(int(os.environ.get("BENCH_TORCH_THREADS", "1")))
+
+    def say(obj: dict[str, Any]) -> None:
+        sys.stdout.write(MARK + json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    say({"ready": os.getpid()})
+    for line in sys.stdin:
+        job = json.loads(line)
+        kind = job.get("job")
+        if kind == "exit":
+            break
+        try:
+            if kind == "ps":
+                res = run_ps_job(job)
+            elif kind == "local":
+                res = run_local(job["steps"], job["batch"], job["warmup"], job["block"])
+            elif kind == "ddp":
+                res = run_ddp(job, say)
+            else:
+                raise ValueError(f"unknown job {kind!r}")
+            say({"ok": True, **res})
+        except Exception:  # noqa: BLE001 - reported to the parent, which fails the run
+            say({"ok": False, "error": traceback.format_exc()})
+        if kind == "ddp":
+            os._exit(0)  # skip the process group's teardown (see run_ddp)
+    return 0
+
+
+class Child:
+    """A worker child process (this script with ``--child``) and its job pipe."""
+
+    def __init__(self, index: int, device: str) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo", "BENCH_TORCH_THREADS": "1"}
+        env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self.index = index
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--child"], cwd=ROOT, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+
+    def send(self, job: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+
+    def recv(self, timeout: float) -> dict[str, Any]:
+        """The child's next protocol message (raises on error, exit or deadline)."""
+        from ps.cli import read_first_line
+
+        deadline = time.monotonic() + timeout
+        while True:
+            line = read_first_line(self.proc, deadline)
+            if line.startswith(MARK):
+                msg: dict[str, Any] = json.loads(line[len(MARK):])
+                if msg.get("ok") is False:
+                    raise RuntimeError(f"worker child {self.index} failed:\n{msg['error']}")
+                return msg
+            if line in ("timed out", "") or line.startswith("exited with code"):
+                raise RuntimeError(f"worker child {self.index}: {line or 'closed its output'}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.send({"job": "exit"})
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+
+
+# =========================================================================== figures
+@dataclass
+class Run:
+    """One measured configuration: per worker, its steady blocks (steps, wall s, compute, pull, push)."""
+
+    name: str
+    batch: int
+    blocks: list[list[tuple[int, float, float, float, float]]]  # [worker][block]
+    summaries: list[dict[str, Any]] = field(default_factory=list)
+    wall_s: float = 0.0
+    note: str = ""
+    worker_cpu_s: float = float("nan")  # CPU seconds of the worker processes over the whole run
+    shard_cpu_s: float = float("nan")  # and of the shard processes
+    worker_steps: int = 0  # steps trained, summed over workers (whole run)
+    loss: float = float("nan")  # training loss at the end (mean over workers of their last window)
+
+    @property
+    def worker_cpu_ms(self) -> float:
+        """Worker CPU per worker step (ms, whole run)."""
+        return 1e3 * self.worker_cpu_s / self.worker_steps if self.worker_steps else float("nan")
+
+    @property
+    def shard_cpu_ms(self) -> float:
+        """Shard CPU (all shards) per worker step (ms, whole run)."""
+        return 1e3 * self.shard_cpu_s / self.worker_steps if self.worker_steps else float("nan")
+
+    def _aligned(self) -> list[list[tuple[int, float, float, float, float]]]:
+        k = min(len(b) for b in self.blocks)
+        return [[b[i] for b in self.blocks] for i in range(k)]
+
+    @property
+    def block_eps(self) -> list[float]:
+        return [sum(n * self.batch / w for n, w, *_ in blk) for blk in self._aligned()]
+
+    @property
+    def eps(self) -> float:
+        return statistics.median(self.block_eps)
+
+    @property
+    def eps_best(self) -> float:
+        return max(self.block_eps)
+
+    @property
+    def eps_mean(self) -> float:
+        return sum(sum(n for n, *_ in b) * self.batch / sum(w for _, w, *_ in b) for b in self.blocks)
+
+    @property
+    def block_step_s(self) -> list[float]:
+        return [statistics.mean(w / n for n, w, *_ in blk) for blk in self._aligned()]
+
+    @property
+    def step_ms(self) -> float:
+        return 1e3 * statistics.median(self.block_step_s)
+
+    @property
+    def step_ms_min(self) -> float:
+        return 1e3 * min(self.block_step_s)
+
+    @property
+    def step_ms_mean(self) -> float:
+        return 1e3 * statistics.mean(sum(w for _, w, *_ in b) / sum(n for n, *_ in b) for b in self.blocks)
+
+    def split(self) -> dict[str, float]:
+        """Seconds summed over workers and steady blocks: wall, compute, pull, push, other."""
+        wall = sum(x[1] for b in self.blocks for x in b)
+        c = sum(x[2] for b in self.blocks for x in b)
+        pl = sum(x[3] for b in self.blocks for x in b)
+        ps = sum(x[4] for b in self.blocks for x in b)
+        return {"wall": wall, "compute": c, "pull": pl, "push": ps, "other": max(0.0, wall - c - pl - ps)}
+
+    @property
+    def wait_fraction(self) -> float:
+        s = self.split()
+        return (s["pull"] + s["push"]) / s["wall"] if s["wall"] else 0.0
+
+    def merge(self, other: "Run") -> None:
+        """Pool another repeat's blocks (and summaries) into this run."""
+        self.blocks = [a + b for a, b in zip(self.blocks, other.blocks)]
+        self.summaries += other.summaries
+        self.wall_s += other.wall_s
+        self.worker_cpu_s += other.worker_cpu_s
+        self.shard_cpu_s += other.shard_cpu_s
+        self.worker_steps += other.worker_steps
+
+
+def blocks_from_file(path: str, warmup: int, batch: int, start: int = 0) -> list[tuple[int, float, float, float, float]]:
+    """Steady blocks from a trainer's metrics file: (steps, wall s, compute s, pull wait s, push wait s).
+
+    A block is one ``kind == "step"`` record (``log_every`` steps); its wall time is
+    ``steps * batch / examples_per_s`` (the trainer's own window clock). Blocks that begin before
+    step ``start + warmup`` are dropped."""
+    out = []
+    prev = start
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("kind") != "step":
+                continue
+            n = r["step"] - prev
+            if prev >= start + warmup and n > 0 and r["examples_per_s"] > 0:
+                out.append((n, n * batch / r["examples_per_s"], r["compute_s"], r["pull_wait_s"], r["push_wait_s"]))
+            prev = r["step"]
+    return out
+
+
+# =========================================================================== orchestration
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of ``pids`` so far (Linux /proc; nan elsewhere or if one is gone)."""
+    total = 0.0
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+    return total
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+class ShardSets:
+    """Fresh shard processes (``start_local_shards(2, ("--lease", "5"))``) for every run.
+
+    ``take()`` returns a started set; ``retire(procs)`` sends SIGTERM and returns at once: the next
+    ``take()`` starts its set while the old one exits, and waits for the old one to be gone before
+    returning (nothing else runs while a run is measured). With ``ahead`` (quick mode, where start-up
+    is most of the time and the figures are not compared) the next set starts in the background while
+    the current one is in use, and retired sets are reaped only at ``close()``.
+    """
+
+    def __init__(self, ahead: bool) -> None:
+        from concurrent.futures import Future, ThreadPoolExecutor
+
+        self.ahead = ahead
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-start")
+        self._next: Future | None = None
+        self._retired: list[subprocess.Popen] = []
+        self._live: list[subprocess.Popen] = []
+
+    def prestart(self) -> None:
+        from ps.cli import start_local_shards
+
+        if self._next is None:
+            self._next = self._pool.submit(start_local_shards, SHARDS, ("--lease", str(LEASE_S)))
+
+    def take(self, more: bool) -> tuple[list[subprocess.Popen], list[str]]:
+        """A started set; ``more``: another set will be wanted after this one."""
+        from ps.cli import stop_processes
+
+        self.prestart()
+        assert self._next is not None
+        fut, self._next = self._next, None
+        procs, addrs = fut.result()
+        self._live += procs
+        if not self.ahead:
+            stop_processes(self._retired)  # already signalled: normally gone by now
+            self._retired.clear()
+        elif more:
+            self.prestart()
+        return procs, addrs
+
+    def retire(self, procs: list[subprocess.Popen]) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+            self._live.remove(p)
+            self._retired.append(p)
+
+    def close(self) -> None:
+        from ps.cli import stop_processes
+
+        if self._next is not None:
+            try:
+                self._live += self._next.result()[0]
+            except Exception:  # noqa: BLE001 - a set that failed to start stopped its own processes
+                pass
+            self._next = None
+        self._pool.shutdown(wait=True)
+        stop_processes(self._live + self._retired)
+        self._live.clear()
+        self._retired.clear()
+
+
+def ps_run(
+    children: list[Child], sets: ShardSets, more: bool, name: str, task: str, task_opts: dict[str, Any],
+    cfg: dict[str, Any], steps: int, warmup: int, tmp: str, step_timeout: float,
+) -> Run:
+    """Fresh shards, one Trainer per worker child, shards retired; the steady blocks of each worker."""
+    t0 = time.perf_counter()
+    procs, addrs = sets.take(more)
+    files = [os.path.join(tmp, f"{name}-w{i}-{time.monotonic_ns()}.jsonl") for i in range(len(children))]
+    wpids, spids = [ch.proc.pid for ch in children], [p.pid for p in procs]
+    cpu0 = cpu_seconds(wpids), cpu_seconds(spids)
+    try:
+        for i, ch in enumerate(children):
+            ch.send({
+                "job": "ps", "task": task, "task_opts": task_opts, "addrs": addrs,
+                "cfg": {**cfg, "steps": steps, "worker_index": i, "num_workers": len(children), "metrics_out": files[i],
+                        "lease_s": LEASE_S, "progress": False, "evaluate": False, "start_timeout_s": 60.0},
+            })
+        summaries = [ch.recv(60 + steps * step_timeout)["summary"] for ch in children]
+        cpu1 = cpu_seconds(wpids), cpu_seconds(spids)
+    finally:
+        sets.retire(procs)
+    batch = cfg["batch_size"]
+    blocks = [blocks_from_file(f, warmup, batch) for f in files]
+    if any(not b for b in blocks):
+        raise RuntimeError(f"{name}: no steady blocks (steps {steps}, warm-up {warmup}, block {cfg['log_every']})")
+    return Run(name, batch, blocks, summaries, time.perf_counter() - t0, worker_cpu_s=cpu1[0] - cpu0[0],
+               shard_cpu_s=cpu1[1] - cpu0[1], worker_steps=sum(x["steps"] for x in summaries),
+               loss=statistics.mean(x["loss"] for x in summaries))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke run (< 30 s): a few steps, a small dense model")
+    ap.add_argument("--json-out", default=None, help="also write the JSON result to this path")
+    ap.add_argument("--repeats", type=int, default=1, help="run every ctr mode this many times, blocks pooled (default 1)")
+    ap.add_argument("--steps", type=int, default=None, help="ctr steps per mode (default 150, quick 8)")
+    ap.add_argument("--batch-size", type=int, default=256, help="ctr per-worker batch (default 256)")
+    ap.add_argument("--dense-steps", type=int, default=None, help="dense MLP steps, PS sync and DDP (default 35, quick 6)")
+    ap.add_argument("--dense-batch", type=int, default=None, help="dense MLP per-worker batch (default 128, quick 32)")
+    ap.add_argument("--dense-width", type=int, default=None, help="dense MLP width (default 1024: 5.0M params; quick 128)")
+    ap.add_argument("--device", default="cpu", help="workers' device: cpu, cuda, cuda:N (default cpu)")
+    ap.add_argument("--wire-dtype", default=None, choices=["float32", "float16", "bfloat16"], help="PS wire precision (default float32)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # internal: serve jobs on stdin
+    args = ap.parse_args(argv)
+    if args.child:
+        return child_main()
+
+    quick = args.quick
+    steps = args.steps or (8 if quick else 150)
+    block = 2 if quick else 5
+    warmup = 2 if quick else 10
+    if steps < warmup + block:
+        ap.error(f"--steps must be at least {warmup + block} (warm-up {warmup} + one block of {block})")
+    dense_steps = args.dense_steps or (6 if quick else 35)
+    dense_warmup = 2 if quick else 5
+    if dense_steps < dense_warmup + block:
+        ap.error(f"--dense-steps must be at least {dense_warmup + block}")
+    dense_batch = args.dense_batch or (32 if quick else 128)
+    dense_opts = {"width": args.dense_width or (128 if quick else 1024), "depth": 5, "in_dim": 784}
+    batch = args.batch_size
+    ctr_opts = {"test_size": 100}  # no evaluation in the benchmark: keep the test set tiny
+    step_timeout = 30.0  # generous per-step deadline
+
+    interrupted: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        interrupted.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    t_start = time.perf_counter()
+    load0 = os.getloadavg()[0]
+    tmp = tempfile.mkdtemp(prefix="tessera-worker-bench-")
+    children: list[Child] = []
+    sets = ShardSets(ahead=quick)
+    runs: dict[str, Run] = {}
+    local: Run | None = None
+    ddp: dict[str, Any] = {}
+    try:
+        log("starting 2 worker processes (and the first 2 shards)")
+        sets.prestart()
+        children = [Child(i, args.device) for i in range(WORKERS)]
+        for ch in children:
+            ch.recv(120)
+
+        # (1) ctr: every mode, with and without overlap, fresh shards each
+        modes = [("sync", {}), ("ssp", {"staleness": 4}), ("async", {})]
+        left = 1 + 3 * 2 * args.repeats  # shard sets still wanted (the dense run's included)
+        for rep in range(args.repeats):
+            for mode, extra in modes:
+                for overlap in (True, False):
+                    left -= 1
+                    name = mode + ("" if overlap else "_noov")
+                    log(f"ctr {name}: 2 workers x {steps} steps, batch {batch}, 2 fresh shards" + (f" (repeat {rep + 1})" if args.repeats > 1 else ""))
+                    cfg = {"mode": mode, **extra, "batch_size": batch, "overlap": overlap, "log_every": block, "device": args.device,
+                           "wire_dtype": args.wire_dtype}
+                    r = ps_run(children, sets, left > 0, name, "ctr", ctr_opts, cfg, steps, warmup, tmp, step_timeout)
+                    if name in runs:
+                        runs[name].merge(r)
+                    else:
+                        runs[name] = r
+
+        # (2) the local baseline, in worker process 0 (one torch thread, like a worker)
+        log(f"ctr local baseline: one process, no PS, {steps * args.repeats} steps, batch {batch}")
+        t0 = time.perf_counter()
+        lsteps = steps * args.repeats
+        cpu0 = cpu_seconds([children[0].proc.pid])
+        children[0].send({"job": "local", "steps": lsteps, "batch": batch, "warmup": warmup, "block": block})
+        res = children[0].recv(60 + lsteps * step_timeout)
+        local = Run("local", batch, [[(n, w, w, 0.0, 0.0) for n, w in zip(res["steps"], res["walls"])]],
+                    wall_s=time.perf_counter() - t0, note=f"{res['rows']:,} rows, loss {res['loss']:.4f}",
+                    worker_cpu_s=cpu_seconds([children[0].proc.pid]) - cpu0, shard_cpu_s=0.0, worker_steps=lsteps,
+                    loss=res["loss"])
+
+        # (3) dense MLP: PS sync, then DDP + raw Gloo all-reduce
+        log(f"dense MLP (width {dense_opts['width']}): 2 workers sync x {dense_steps} steps, batch {dense_batch}")
+        dcfg = {"mode": "sync", "batch_size": dense_batch, "overlap": True, "log_every": block, "device": args.device,
+                "wire_dtype": args.wire_dtype}
+        runs["dense_sync"] = ps_run(children, sets, False, "dense_sync", DENSE_TASK, dense_opts, dcfg, dense_steps, dense_warmup, tmp, step_timeout)
+        log(f"dense MLP: DDP (Gloo, 2 processes) x {dense_steps} steps, then raw all-reduce")
+        job = {"job": "ddp", "task": DENSE_TASK, "task_opts": dense_opts, "batch": dense_batch, "steps": dense_steps,
+               "device": args.device, "ar_warmup": 2, "ar_repeats": 4 if quick else 12}
+        t0 = time.perf_counter()
+        children[0].send({**job, "rank": 0})
+        port = children[0].recv(60)["port"]
+        children[1].send({**job, "rank": 1, "port": port})
+        ddp_res = [ch.recv(120 + dense_steps * step_timeout) for ch in children]
+        ddp = {"walls": ddp_res[0]["walls"], "ar": ddp_res[0]["ar_times"], "numel": ddp_res[0]["numel"],
+               "walls1": ddp_res[1]["walls"], "wall_s": time.perf_counter() - t0}
+    except BaseException as e:
+        if not interrupted and not isinstance(e, KeyboardInterrupt):
+            raise
+        log(f"interrupted ({type(e).__name__}); stopping child processes")
+        return 130 if not interrupted or interrupted[0] == signal.SIGINT else 143
+    finally:
+        for ch in children:
+            ch.stop()
+        sets.close()
+        for ch in children:
+            try:
+                ch.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                ch.proc.kill()
+                ch.proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert local is not None
+    wall = time.perf_counter() - t_start
+    return report(args, runs, local, ddp, wall, steps, warmup, block, dense_steps, dense_warmup, dense_batch, dense_opts, load0)
+
+
+def report(
+    args: argparse.Namespace, runs: dict[str, Run], local: Run, ddp: dict[str, Any], wall: float, steps: int, warmup: int,
+    block: int, dense_steps: int, dense_warmup: int, dense_batch: int, dense_opts: dict[str, Any], load0: float,
+) -> int:
+    # DDP: per-step walls of both ranks after warm-up, in blocks like the PS runs
+    def ddp_blocks(walls: list[float]) -> list[tuple[int, float, float, float, float]]:
+        w = walls[dense_warmup:]
+        # the whole step counts as compute: DDP's all-reduce runs inside backward
+        return [(len(w[i : i + block]), sum(w[i : i + block]), sum(w[i : i + block]), 0.0, 0.0) for i in range(0, len(w), block)]
+
+    ddp_run = Run("ddp", dense_batch, [ddp_blocks(ddp["walls"]), ddp_blocks(ddp["walls1"])], wall_s=ddp["wall_s"])
+    nbytes = ddp["numel"] * 4
+    busbw = [nbytes * 2 * (WORKERS - 1) / WORKERS / t / 1e9 for t in ddp["ar"]]
+    dense = runs["dense_sync"]
+
+    # ------------------------------------------------------------------ table
+    hdr = (f"{'run':<12} {'ex/s med':>9} {'ex/s best':>9} {'ex/s mean':>9} {'step ms':>8} {'compute':>8} "
+           f"{'pull wait':>9} {'push wait':>9} {'other':>6} {'stale':>7} {'cpu wkr':>8} {'cpu shd':>8}  notes")
+    lines = [hdr, "-" * len(hdr)]
+
+    def row(r: Run, note: str = "") -> str:
+        s = r.split()
+        pct = lambda k: f"{100 * s[k] / s['wall']:.0f}%" if s["wall"] else "-"  # noqa: E731
+        st = "-"
+        if r.summaries:
+            st = f"{statistics.mean(x['mean_staleness'] for x in r.summaries):.1f}/{max(x['max_staleness'] for x in r.summaries)}"
+        cw = f"{r.worker_cpu_ms:.1f}" if r.worker_cpu_ms == r.worker_cpu_ms else "-"  # nan: not measured
+        cs = f"{r.shard_cpu_ms:.1f}" if r.shard_cpu_ms == r.shard_cpu_ms else "-"
+        return (f"{r.name:<12} {r.eps:>9,.0f} {r.eps_best:>9,.0f} {r.eps_mean:>9,.0f} {r.step_ms:>8.1f} {pct('compute'):>8} "
+                f"{pct('pull'):>9} {pct('push'):>9} {pct('other'):>6} {st:>7} {cw:>8} {cs:>8}  {note or r.note}")
+
+    for name in ("sync", "sync_noov", "ssp", "ssp_noov", "async", "async_noov"):
+        lines.append(row(runs[name], "" if "noov" in name else "overlap on"))
+    lines.append(row(local, f"one process, no PS; {local.note}"))
+    lines.append("")
+    lines.append(row(dense, f"{int(_params(dense_opts)):,} params, 2 shards"))
+    lines.append(row(ddp_run, "DDP Gloo, 2 ranks, Adam on each; compute includes the all-reduce"))
+    print(
+        f"\nWorker step benchmark: ctr, 2 workers x 2 shards per mode (fresh shards), batch {args.batch_size}/worker, "
+        f"{steps} steps ({warmup} warm-up, blocks of {block}) x {args.repeats}; dense MLP batch {dense_batch}/worker, "
+        f"{dense_steps} steps ({dense_warmup} warm-up); device {args.device}; {os.cpu_count()} CPUs\n"
+        "ex/s: summed over workers (median / best block, mean over steady steps); step ms: median block; "
+        "compute / waits / other: share of the workers' step time; stale: mean/max staleness;\n"
+        "cpu wkr / cpu shd: CPU ms of the worker processes / of all shard processes per worker step (whole run)\n"
+    )
+    print("\n".join(lines))
+    a, an = runs["async"], runs["async_noov"]
+    out: dict[str, Any] = {}
+    for name, r in [*runs.items(), ("local", local)]:
+        out[f"{name}_eps"] = round(r.eps, 1)
+        out[f"{name}_eps_best"] = round(r.eps_best, 1)
+        out[f"{name}_eps_mean"] = round(r.eps_mean, 1)
+        if r.loss == r.loss:  # not nan
+            out[f"{name}_loss"] = round(r.loss, 4)
+        if r.summaries:
+            s = r.split()
+            for k in ("compute", "pull", "push", "other"):
+                out[f"{name}_{k}_frac"] = round(s[k] / s["wall"], 4)
+            out[f"{name}_wait_fraction"] = round(r.wait_fraction, 4)
+            out[f"{name}_mean_staleness"] = round(statistics.mean(x["mean_staleness"] for x in r.summaries), 3)
+            if name != "dense_sync":  # (its step time is sync_step_ms below)
+                out[f"ctr_{name}_step_ms"] = round(r.step_ms, 2)
+        if r.worker_steps:
+            out[f"{name}_worker_cpu_ms"] = round(r.worker_cpu_ms, 2)
+            out[f"{name}_shard_cpu_ms"] = round(r.shard_cpu_ms, 2)
+    out.update({
+        "overlap_speedup": round(a.eps / an.eps, 4),
+        "overlap_speedup_best": round(a.eps_best / an.eps_best, 4),
+        "overlap_speedup_mean": round(a.eps_mean / an.eps_mean, 4),
+        "sync_overlap_speedup": round(runs["sync"].eps / runs["sync_noov"].eps, 4),
+        "ssp_overlap_speedup": round(runs["ssp"].eps / runs["ssp_noov"].eps, 4),
+        "async_wait_fraction": round(a.wait_fraction, 4),
+        "async_vs_local": round(a.eps / local.eps, 4),
+        "sync_step_ms": round(dense.step_ms, 2),
+        "sync_step_ms_min": round(dense.step_ms_min, 2),
+        "sync_step_ms_mean": round(dense.step_ms_mean, 2),
+        "ddp_step_ms": round(ddp_run.step_ms, 2),
+        "ddp_step_ms_min": round(ddp_run.step_ms_min, 2),
+        "ddp_step_ms_mean": round(ddp_run.step_ms_mean, 2),
+        "sync_vs_ddp": round(dense.step_ms / ddp_run.step_ms, 4),
+        "sync_vs_ddp_min": round(dense.step_ms_min / ddp_run.step_ms_min, 4),
+        "dense_sync_compute_frac": round(dense.split()["compute"] / dense.split()["wall"], 4),
+        "dense_sync_pull_frac": round(dense.split()["pull"] / dense.split()["wall"], 4),
+        "dense_sync_push_frac": round(dense.split()["push"] / dense.split()["wall"], 4),
+        "dense_params": int(_params(dense_opts)),
+        "gloo_allreduce_gbps": round(max(busbw), 4),
+        "gloo_allreduce_gbps_median": round(statistics.median(busbw), 4),
+        "gloo_allreduce_ms": round(1e3 * min(ddp["ar"]), 2),
+        "batch_size": args.batch_size, "dense_batch": dense_batch, "steps": steps, "dense_steps": dense_steps,
+        "repeats": args.repeats, "quick": args.quick, "device": args.device, "cpus": os.cpu_count(),
+        "wall_s": round(wall, 1), "loadavg_start": round(load0, 2), "loadavg_end": round(os.getloadavg()[0], 2), "wire_dtype": args.wire_dtype or "float32",
+    })
+    print(
+        f"\noverlap_speedup {out['overlap_speedup']:.2f} (goal >= 1.3), async_wait_fraction {out['async_wait_fraction']:.2f} "
+        f"(goal <= 0.2), sync_vs_ddp {out['sync_vs_ddp']:.2f} (goal <= 1.5): PS sync {dense.step_ms:.1f} ms vs DDP "
+        f"{ddp_run.step_ms:.1f} ms per step; Gloo all-reduce of {nbytes / 1e6:.1f} MB: {max(busbw):.3f} GB/s bus bandwidth best, "
+        f"{statistics.median(busbw):.3f} median; wall {wall:.1f} s\n"
+    )
+    line = json.dumps(out, sort_keys=True)
+    if args.json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+        with open(args.json_out, "w") as f:
+            f.write(line + "\n")
+    print(line, flush=True)
+    return 0
+
+
+def _params(opts: dict[str, Any]) -> float:
+    d, w, depth = opts["in_dim"], opts["width"], opts["depth"]
+    return d * w + w + (depth - 1) * (w * w + w) + w * 10 + 10
+
+
+if __name__ == "__main__":
+    sys.exit(main())
