@@ -201,7 +201,9 @@ class ClientNode:
                 return
             tensors: tuple = ()
             received = 0
-            if task.blob:
+            if task.inline is not None:
+                tensors, received = task.inline.tensors, task.inline.nbytes
+            elif task.blob:
                 req = pb.FetchRequest(blob=task.blob, client_id=task.client_id, task_id=task.task_id)
                 stream = self._fetch(req.SerializeToString(), metadata=self._md, timeout=cfg.rpc_timeout)
                 tensors, received = blob_from_chunks(stream, cfg.max_blob_bytes, f"blob {task.blob}")

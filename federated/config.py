@@ -84,6 +84,7 @@ class ServerConfig:
     max_nodes: int = 256  # concurrent Connect streams (one thread each)
     max_clients: int = 1_000_000
     chunk_bytes: int = 1 << 20
+    inline_bytes: int = 64 << 10  # blobs up to this size travel inside the task message (no Fetch)
     max_message_bytes: int = 64 << 20
     shutdown_clients: bool = True  # tell clients to exit when the rounds are done
     async_concurrency: int = 0  # FedBuff: clients training at once (0: from fraction)

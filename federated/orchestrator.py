@@ -192,10 +192,14 @@ class Orchestrator:
     def _task(self, cid: str, rnd: int, kind: str, blob: str, config: dict[str, Any], timeout: float, **kw: Any) -> Task:
         if self.training_started is None:
             self.training_started = time.monotonic()
-        nbytes = self.registry.blob_size(blob) if blob else 0
+        b = self.registry.blob(blob) if blob else None
+        nbytes = b.nbytes if b is not None else 0
+        inline = None
+        if b is not None and nbytes <= min(self.config.inline_bytes, self.config.chunk_bytes):
+            inline, blob = b, ""  # small: ride in the task message, no Fetch round trip
         return Task(
             task_id=self.registry.new_task_id(), client_id=cid, round=rnd, kind=kind, config=config, blob=blob,
-            blob_bytes=nbytes, timeout_s=timeout, compress=self.config.compress, **kw,
+            blob_bytes=nbytes, timeout_s=timeout, compress=self.config.compress, inline=inline, **kw,
         )
 
     @staticmethod

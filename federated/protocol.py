@@ -33,7 +33,8 @@ class Task:
     ``compress``: the uplink encoding the server asks for (a compression spec string).
     ``secagg``: a FIT under secure aggregation (the client keeps its update and
     answers with its first secure-aggregation message). ``secagg_stage``: for
-    SECAGG tasks, the step of the protocol.
+    SECAGG tasks, the step of the protocol. ``inline``: the task's tensors when
+    they are small enough to ride in the task message (no Fetch round trip).
     """
 
     task_id: str
@@ -47,6 +48,7 @@ class Task:
     compress: str = ""
     secagg_stage: int = 0
     secagg: bool = False
+    inline: "Blob | None" = None  # a small blob sent with the task instead of fetched
 
 
 @dataclass(frozen=True)

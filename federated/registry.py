@@ -199,10 +199,9 @@ class Registry:
             self._blobs[bid] = blob
             return bid
 
-    def blob_size(self, blob_id: str) -> int:
+    def blob(self, blob_id: str) -> Blob | None:
         with self._lock:
-            b = self._blobs.get(blob_id)
-            return b.nbytes if b is not None else 0
+            return self._blobs.get(blob_id)
 
     def drop_blobs(self, ids: Iterable[str]) -> None:
         with self._lock:
@@ -234,6 +233,8 @@ class Registry:
             for task, accept in tasks:
                 node = self._clients.get(task.client_id)
                 p = Pending(task, node if node is not None else _GONE, accept)
+                if task.inline is not None:
+                    p.bytes_down += task.inline.nbytes
                 self._tasks[task.task_id] = p
                 if node is None:
                     self._finish_locked(p, ok=False, error="client not connected")

@@ -81,16 +81,23 @@ def task_to_proto(t: Task) -> pb.ServerMessage:
     config_to_proto(t.config, m.config)
     m.blob, m.blob_bytes, m.timeout_s, m.compress = t.blob, t.blob_bytes, t.timeout_s, t.compress
     m.secagg_stage, m.secagg = t.secagg_stage, t.secagg
+    if t.inline is not None:
+        specs, _ = specs_to_proto(t.inline.tensors)
+        m.specs.extend(specs)
+        m.data = t.inline.data
     return msg
 
 
 def task_from_proto(m: pb.Task) -> Task:
     if m.kind not in _KIND_FROM_PB:
         raise MalformedMessageError(f"task {m.task_id!r}: unknown kind {m.kind}")
+    inline = None
+    if len(m.specs) or m.data:
+        inline = Blob(tensors_from_bytes(list(m.specs), m.data, f"task {m.task_id!r}"), m.data)
     return Task(
         task_id=m.task_id, client_id=m.client_id, round=m.round, kind=_KIND_FROM_PB[m.kind],
         config=config_from_proto(m.config), blob=m.blob, blob_bytes=m.blob_bytes, timeout_s=m.timeout_s,
-        compress=m.compress, secagg_stage=m.secagg_stage, secagg=m.secagg,
+        compress=m.compress, secagg_stage=m.secagg_stage, secagg=m.secagg, inline=inline,
     )
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tessera/v1/fed.proto\x12\ntessera.v1\"E\n\x06Scalar\x12\x0b\n\x01\x66\x18\x01 \x01(\x01H\x00\x12\x0b\n\x01i\x18\x02 \x01(\x03H\x00\x12\x0b\n\x01s\x18\x03 \x01(\tH\x00\x12\x0b\n\x01\x62\x18\x04 \x01(\x08H\x00\x42\x07\n\x05value\"$\n\x04Part\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"{\n\nTensorSpec\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08\x65ncoding\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05scale\x18\x05 \x01(\x01\x12\x1f\n\x05parts\x18\x06 \x03(\x0b\x32\x10.tessera.v1.Part\":\n\x05Hello\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x12\n\nclient_ids\x18\x02 \x03(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\"-\n\x07Welcome\x12\x12\n\nclient_ids\x18\x01 \x03(\t\x12\x0e\n\x06server\x18\x02 \x01(\t\"\xbb\x02\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\"\n\x04kind\x18\x04 \x01(\x0e\x32\x14.tessera.v1.TaskKind\x12,\n\x06\x63onfig\x18\x05 \x03(\x0b\x32\x1c.tessera.v1.Task.ConfigEntry\x12\x0c\n\x04\x62lob\x18\x06 \x01(\t\x12\x12\n\nblob_bytes\x18\x07 \x01(\x03\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x12\x10\n\x08\x63ompress\x18\t \x01(\t\x12\x14\n\x0csecagg_stage\x18\n \x01(\x05\x12\x0e\n\x06secagg\x18\x0b \x01(\x08\x1a\x41\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.tessera.v1.Scalar:\x02\x38\x01\")\n\x06\x43\x61ncel\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xb1\x01\n\rServerMessage\x12&\n\x07welcome\x18\x01 \x01(\x0b\x32\x13.tessera.v1.WelcomeH\x00\x12 \n\x04task\x18\x02 \x01(\x0b\x32\x10.tessera.v1.TaskH\x00\x12$\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x12.tessera.v1.CancelH\x00\x12(\n\x08shutdown\x18\x04 \x01(\x0b\x32\x14.tessera.v1.ShutdownH\x00\x42\x06\n\x04\x62ody\"\x0b\n\tHeartbeat\"e\n\x0bNodeMessage\x12\"\n\x05hello\x18\x01 \x01(\x0b\x32\x11.tessera.v1.HelloH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.tessera.v1.HeartbeatH\x00\x42\x06\n\x04\x62ody\"@\n\x0c\x46\x65tchRequest\x12\x0c\n\x04\x62lob\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\"m\n\tBlobChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04last\x18\x02 \x01(\x08\x12\r\n\x05total\x18\x03 \x01(\x03\x12%\n\x05specs\x18\x04 \x03(\x0b\x32\x16.tessera.v1.TensorSpec\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"\xf6\x02\n\x0cUpdateHeader\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\"\n\x04kind\x18\x04 \x01(\x0e\x32\x14.tessera.v1.TaskKind\x12\x14\n\x0cnum_examples\x18\x05 \x01(\x03\x12\x36\n\x07metrics\x18\x06 \x03(\x0b\x32%.tessera.v1.UpdateHeader.MetricsEntry\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12%\n\x05specs\x18\x08 \x03(\x0b\x32\x16.tessera.v1.TensorSpec\x12\x10\n\x08is_delta\x18\t \x01(\x08\x12\r\n\x05total\x18\n \x01(\x03\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x14\n\x0csecagg_stage\x18\x0c \x01(\x05\x12\x16\n\x0e\x62ytes_received\x18\r \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"c\n\x0bSubmitChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x18.tessera.v1.UpdateHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"/\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t*f\n\x08TaskKind\x12\x19\n\x15TASK_KIND_UNSPECIFIED\x10\x00\x12\x11\n\rTASK_KIND_FIT\x10\x01\x12\x16\n\x12TASK_KIND_EVALUATE\x10\x02\x12\x14\n\x10TASK_KIND_SECAGG\x10\x03\x32\xc8\x01\n\tFederated\x12\x41\n\x07\x43onnect\x12\x17.tessera.v1.NodeMessage\x1a\x19.tessera.v1.ServerMessage(\x01\x30\x01\x12:\n\x05\x46\x65tch\x12\x18.tessera.v1.FetchRequest\x1a\x15.tessera.v1.BlobChunk0\x01\x12<\n\x06Submit\x12\x17.tessera.v1.SubmitChunk\x1a\x17.tessera.v1.SubmitReply(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14tessera/v1/fed.proto\x12\ntessera.v1\"E\n\x06Scalar\x12\x0b\n\x01\x66\x18\x01 \x01(\x01H\x00\x12\x0b\n\x01i\x18\x02 \x01(\x03H\x00\x12\x0b\n\x01s\x18\x03 \x01(\tH\x00\x12\x0b\n\x01\x62\x18\x04 \x01(\x08H\x00\x42\x07\n\x05value\"$\n\x04Part\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\"{\n\nTensorSpec\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08\x65ncoding\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\r\n\x05scale\x18\x05 \x01(\x01\x12\x1f\n\x05parts\x18\x06 \x03(\x0b\x32\x10.tessera.v1.Part\":\n\x05Hello\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x12\n\nclient_ids\x18\x02 \x03(\t\x12\x0f\n\x07version\x18\x03 \x01(\t\"-\n\x07Welcome\x12\x12\n\nclient_ids\x18\x01 \x03(\t\x12\x0e\n\x06server\x18\x02 \x01(\t\"\xf0\x02\n\x04Task\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\"\n\x04kind\x18\x04 \x01(\x0e\x32\x14.tessera.v1.TaskKind\x12,\n\x06\x63onfig\x18\x05 \x03(\x0b\x32\x1c.tessera.v1.Task.ConfigEntry\x12\x0c\n\x04\x62lob\x18\x06 \x01(\t\x12\x12\n\nblob_bytes\x18\x07 \x01(\x03\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x12\x10\n\x08\x63ompress\x18\t \x01(\t\x12\x14\n\x0csecagg_stage\x18\n \x01(\x05\x12\x0e\n\x06secagg\x18\x0b \x01(\x08\x12%\n\x05specs\x18\x0c \x03(\x0b\x32\x16.tessera.v1.TensorSpec\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\x1a\x41\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12!\n\x05value\x18\x02 \x01(\x0b\x32\x12.tessera.v1.Scalar:\x02\x38\x01\")\n\x06\x43\x61ncel\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xb1\x01\n\rServerMessage\x12&\n\x07welcome\x18\x01 \x01(\x0b\x32\x13.tessera.v1.WelcomeH\x00\x12 \n\x04task\x18\x02 \x01(\x0b\x32\x10.tessera.v1.TaskH\x00\x12$\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x12.tessera.v1.CancelH\x00\x12(\n\x08shutdown\x18\x04 \x01(\x0b\x32\x14.tessera.v1.ShutdownH\x00\x42\x06\n\x04\x62ody\"\x0b\n\tHeartbeat\"e\n\x0bNodeMessage\x12\"\n\x05hello\x18\x01 \x01(\x0b\x32\x11.tessera.v1.HelloH\x00\x12*\n\theartbeat\x18\x02 \x01(\x0b\x32\x15.tessera.v1.HeartbeatH\x00\x42\x06\n\x04\x62ody\"@\n\x0c\x46\x65tchRequest\x12\x0c\n\x04\x62lob\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\"m\n\tBlobChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x03\x12\x0c\n\x04last\x18\x02 \x01(\x08\x12\r\n\x05total\x18\x03 \x01(\x03\x12%\n\x05specs\x18\x04 \x03(\x0b\x32\x16.tessera.v1.TensorSpec\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"\xf6\x02\n\x0cUpdateHeader\x12\x0f\n\x07task_id\x18\x01 \x01(\t\x12\x11\n\tclient_id\x18\x02 \x01(\t\x12\r\n\x05round\x18\x03 \x01(\x03\x12\"\n\x04kind\x18\x04 \x01(\x0e\x32\x14.tessera.v1.TaskKind\x12\x14\n\x0cnum_examples\x18\x05 \x01(\x03\x12\x36\n\x07metrics\x18\x06 \x03(\x0b\x32%.tessera.v1.UpdateHeader.MetricsEntry\x12\x0c\n\x04loss\x18\x07 \x01(\x01\x12%\n\x05specs\x18\x08 \x03(\x0b\x32\x16.tessera.v1.TensorSpec\x12\x10\n\x08is_delta\x18\t \x01(\x08\x12\r\n\x05total\x18\n \x01(\x03\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12\x14\n\x0csecagg_stage\x18\x0c \x01(\x05\x12\x16\n\x0e\x62ytes_received\x18\r \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"c\n\x0bSubmitChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x18.tessera.v1.UpdateHeader\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\"/\n\x0bSubmitReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t*f\n\x08TaskKind\x12\x19\n\x15TASK_KIND_UNSPECIFIED\x10\x00\x12\x11\n\rTASK_KIND_FIT\x10\x01\x12\x16\n\x12TASK_KIND_EVALUATE\x10\x02\x12\x14\n\x10TASK_KIND_SECAGG\x10\x03\x32\xc8\x01\n\tFederated\x12\x41\n\x07\x43onnect\x12\x17.tessera.v1.NodeMessage\x1a\x19.tessera.v1.ServerMessage(\x01\x30\x01\x12:\n\x05\x46\x65tch\x12\x18.tessera.v1.FetchRequest\x1a\x15.tessera.v1.BlobChunk0\x01\x12<\n\x06Submit\x12\x17.tessera.v1.SubmitChunk\x1a\x17.tessera.v1.SubmitReply(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TASK_CONFIGENTRY']._serialized_options = b'8\001'
   _globals['_UPDATEHEADER_METRICSENTRY']._loaded_options = None
   _globals['_UPDATEHEADER_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_TASKKIND']._serialized_start=1766
-  _globals['_TASKKIND']._serialized_end=1868
+  _globals['_TASKKIND']._serialized_start=1819
+  _globals['_TASKKIND']._serialized_end=1921
   _globals['_SCALAR']._serialized_start=36
   _globals['_SCALAR']._serialized_end=105
   _globals['_PART']._serialized_start=107
@@ -48,31 +48,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WELCOME']._serialized_start=330
   _globals['_WELCOME']._serialized_end=375
   _globals['_TASK']._serialized_start=378
-  _globals['_TASK']._serialized_end=693
-  _globals['_TASK_CONFIGENTRY']._serialized_start=628
-  _globals['_TASK_CONFIGENTRY']._serialized_end=693
-  _globals['_CANCEL']._serialized_start=695
-  _globals['_CANCEL']._serialized_end=736
-  _globals['_SHUTDOWN']._serialized_start=738
-  _globals['_SHUTDOWN']._serialized_end=764
-  _globals['_SERVERMESSAGE']._serialized_start=767
-  _globals['_SERVERMESSAGE']._serialized_end=944
-  _globals['_HEARTBEAT']._serialized_start=946
-  _globals['_HEARTBEAT']._serialized_end=957
-  _globals['_NODEMESSAGE']._serialized_start=959
-  _globals['_NODEMESSAGE']._serialized_end=1060
-  _globals['_FETCHREQUEST']._serialized_start=1062
-  _globals['_FETCHREQUEST']._serialized_end=1126
-  _globals['_BLOBCHUNK']._serialized_start=1128
-  _globals['_BLOBCHUNK']._serialized_end=1237
-  _globals['_UPDATEHEADER']._serialized_start=1240
-  _globals['_UPDATEHEADER']._serialized_end=1614
-  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_start=1568
-  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_end=1614
-  _globals['_SUBMITCHUNK']._serialized_start=1616
-  _globals['_SUBMITCHUNK']._serialized_end=1715
-  _globals['_SUBMITREPLY']._serialized_start=1717
-  _globals['_SUBMITREPLY']._serialized_end=1764
-  _globals['_FEDERATED']._serialized_start=1871
-  _globals['_FEDERATED']._serialized_end=2071
+  _globals['_TASK']._serialized_end=746
+  _globals['_TASK_CONFIGENTRY']._serialized_start=681
+  _globals['_TASK_CONFIGENTRY']._serialized_end=746
+  _globals['_CANCEL']._serialized_start=748
+  _globals['_CANCEL']._serialized_end=789
+  _globals['_SHUTDOWN']._serialized_start=791
+  _globals['_SHUTDOWN']._serialized_end=817
+  _globals['_SERVERMESSAGE']._serialized_start=820
+  _globals['_SERVERMESSAGE']._serialized_end=997
+  _globals['_HEARTBEAT']._serialized_start=999
+  _globals['_HEARTBEAT']._serialized_end=1010
+  _globals['_NODEMESSAGE']._serialized_start=1012
+  _globals['_NODEMESSAGE']._serialized_end=1113
+  _globals['_FETCHREQUEST']._serialized_start=1115
+  _globals['_FETCHREQUEST']._serialized_end=1179
+  _globals['_BLOBCHUNK']._serialized_start=1181
+  _globals['_BLOBCHUNK']._serialized_end=1290
+  _globals['_UPDATEHEADER']._serialized_start=1293
+  _globals['_UPDATEHEADER']._serialized_end=1667
+  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_start=1621
+  _globals['_UPDATEHEADER_METRICSENTRY']._serialized_end=1667
+  _globals['_SUBMITCHUNK']._serialized_start=1669
+  _globals['_SUBMITCHUNK']._serialized_end=1768
+  _globals['_SUBMITREPLY']._serialized_start=1770
+  _globals['_SUBMITREPLY']._serialized_end=1817
+  _globals['_FEDERATED']._serialized_start=1924
+  _globals['_FEDERATED']._serialized_end=2124
 # @@protoc_insertion_point(module_scope)

@@ -73,7 +73,7 @@ class Welcome(_message.Message):
     def __init__(self, client_ids: _Optional[_Iterable[str]] = ..., server: _Optional[str] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "client_id", "round", "kind", "config", "blob", "blob_bytes", "timeout_s", "compress", "secagg_stage", "secagg")
+    __slots__ = ("task_id", "client_id", "round", "kind", "config", "blob", "blob_bytes", "timeout_s", "compress", "secagg_stage", "secagg", "specs", "data")
     class ConfigEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class Task(_message.Message):
     COMPRESS_FIELD_NUMBER: _ClassVar[int]
     SECAGG_STAGE_FIELD_NUMBER: _ClassVar[int]
     SECAGG_FIELD_NUMBER: _ClassVar[int]
+    SPECS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     client_id: str
     round: int
@@ -103,7 +105,9 @@ class Task(_message.Message):
     compress: str
     secagg_stage: int
     secagg: bool
-    def __init__(self, task_id: _Optional[str] = ..., client_id: _Optional[str] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., config: _Optional[_Mapping[str, Scalar]] = ..., blob: _Optional[str] = ..., blob_bytes: _Optional[int] = ..., timeout_s: _Optional[float] = ..., compress: _Optional[str] = ..., secagg_stage: _Optional[int] = ..., secagg: bool = ...) -> None: ...
+    specs: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    data: bytes
+    def __init__(self, task_id: _Optional[str] = ..., client_id: _Optional[str] = ..., round: _Optional[int] = ..., kind: _Optional[_Union[TaskKind, str]] = ..., config: _Optional[_Mapping[str, Scalar]] = ..., blob: _Optional[str] = ..., blob_bytes: _Optional[int] = ..., timeout_s: _Optional[float] = ..., compress: _Optional[str] = ..., secagg_stage: _Optional[int] = ..., secagg: bool = ..., specs: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("task_id", "reason")
