@@ -114,3 +114,23 @@ def test_encoded_tensors_survive_the_wire_exactly(spec: str) -> None:
             np.testing.assert_array_equal(p, q)
     with pytest.raises(MalformedMessageError, match="limit"):
         answer_from_chunks(iter(chunks), limit=100)
+
+
+def test_task_with_inline_tensors_round_trips() -> None:
+    from federated.protocol import SECAGG, Task
+    from federated.wire import make_blob, task_from_proto, task_to_proto
+    from tessera.v1 import fed_pb2 as pb
+
+    blob = make_blob(encode_raw([np.arange(6, dtype=np.float32).reshape(2, 3)]) + encode_raw([np.ones(2)], group="c"))
+    t = Task("t1", "c1", 4, SECAGG, {"lr": 0.1, "epochs": 3, "mode": "x", "on": True}, timeout_s=2.5,
+             compress="int8", secagg_stage=2, inline=blob)
+    raw = task_to_proto(t).SerializeToString()
+    msg = pb.ServerMessage()
+    msg.ParseFromString(raw)
+    u = task_from_proto(msg.task)
+    assert (u.task_id, u.client_id, u.round, u.kind, u.timeout_s, u.compress, u.secagg_stage) == \
+        ("t1", "c1", 4, SECAGG, 2.5, "int8", 2)
+    assert u.config == {"lr": 0.1, "epochs": 3, "mode": "x", "on": True}
+    assert type(u.config["epochs"]) is int and type(u.config["on"]) is bool
+    assert u.inline is not None and [x.group for x in u.inline.tensors] == ["weights", "c"]
+    np.testing.assert_array_equal(u.inline.tensors[0].parts[0], np.arange(6, dtype=np.float32).reshape(2, 3))
