@@ -11,10 +11,11 @@ Measures in one run, on loopback, every worker and shard its own process:
     (data generation, copying into the model: the worker's own bookkeeping),
     summed over both workers.
 (2) The local baseline: the same ctr model (same MLP weights, same data, same
-    batch size) in one process with no PS: the embedding is a preallocated
-    ``nn.Embedding`` with sparse gradients over the ids seen so far (id -> row
-    by a sorted-key index, vectorised), Adagrad on its rows and Adam on the
-    MLP, like the shards do. One torch thread, as each worker has.
+    batch size) in one process with no PS: the embedding holds the rows of the
+    ids seen so far in one array grown by doubling (id -> row by a sorted-key
+    index, vectorised), looks up a leaf of the batch's unique rows like
+    ``PSEmbedding`` does, and applies the shards' Adagrad to those rows; Adam
+    (torch.optim) on the MLP. One torch thread, as each worker has.
 (3) A dense ~5M-parameter MLP (784 -> 1024 x 5 -> 10, synthetic data from a
     hidden linear teacher; the user task ``bench.worker_step:dense_task``) with
     2 workers in sync mode against 2 shards (Adam on the shards), and the same
@@ -38,16 +39,24 @@ For each block, examples/s are summed over the workers: a run's ``*_eps`` is
 the median block, ``*_eps_best`` the best block, ``*_eps_mean`` all steady
 examples over their time. Step times (``*_step_ms``) are the mean step time of
 a block (averaged over the workers): median block, ``_min`` the best block,
-``_mean`` over all steady steps. The machine is shared and noisy: compare
-ratios from the same run.
+``_mean`` over all steady steps. ``cpu wkr`` / ``cpu shd``: CPU time of the
+worker processes / of both shard processes (Linux /proc) over the whole run,
+per worker step: what a step costs, whatever the machine's load. The machine
+is shared and noisy: compare ratios from the same run; the JSON records the
+load average at the start and the end.
+
+DDP ranks are left to exit without tearing the process group down (torch
+2.13 can deadlock freeing a DDP ``ProcessGroupGloo``: its destructor joins
+Gloo's work thread while holding the GIL that thread may need).
 
 Run (about 1.5-2 minutes on 2 cores)::
 
     python bench/worker_step.py                    # full run
-    python bench/worker_step.py --quick            # smoke run (< 30 s): a few steps, small dense model
+    python bench/worker_step.py --quick            # smoke run (~25 s idle, more under load): few steps, small dense model
     python bench/worker_step.py --json-out bench/out/worker.json
     python bench/worker_step.py --repeats 2        # every ctr mode twice (blocks pooled)
     python bench/worker_step.py --device cuda      # workers (and DDP ranks' compute) on the GPU
+    python bench/worker_step.py --wire-dtype bfloat16   # PS pushes/pulls at half precision
 
 It prints a table and, as its last line, one line of JSON with at least
 sync_eps, ssp_eps, async_eps, local_eps, sync_noov_eps, ssp_noov_eps,
@@ -243,11 +252,15 @@ def run_local(steps: int, batch: int, warmup: int, block: int, seed: int = 0) ->
     from worker.tasks import load_task
 
     task = load_task("ctr", seed=seed, test_size=100)  # the workers' model: same MLP init, same data
+    from worker.binding import PSEmbedding
+    from worker.tasks.ctr import CTRModel
+
     model = task.model
-    emb = model.emb  # the PSEmbedding: its dim and optimizer hyperparameters (the shards' adagrad)
+    assert isinstance(model, CTRModel) and isinstance(model.emb, PSEmbedding)
+    emb = model.emb  # its dim and optimizer hyperparameters (the shards' adagrad)
     h = emb.optimizer.hparams
     local = make_local_embedding(emb.dim, h["lr"], h["initial_accumulator"], h["eps"], seed=seed)
-    model.emb = local
+    model.emb = local  # type: ignore[assignment]  # same forward contract: ids -> ids.shape + (dim,)
     opt_mlp = torch_adam(model.mlp.parameters(), task.dense_optimizer.hparams)
     data = task.batches(0, 1, batch, 0)
     model.train()
@@ -359,6 +372,7 @@ def child_main() -> int:
     import worker.trainer  # noqa: F401 - import before "ready": jobs then time training, not imports
 
     torch.set_num_threads(int(os.environ.get("BENCH_TORCH_THREADS", "1")))
+    torch.optim.Adam([torch.zeros(1, requires_grad=True)])  # its first use imports torch._dynamo (seconds)
 
     def say(obj: dict[str, Any]) -> None:
         sys.stdout.write(MARK + json.dumps(obj) + "\n")
@@ -388,9 +402,15 @@ def child_main() -> int:
 
 
 class Child:
-    """A worker child process (this script with ``--child``) and its job pipe."""
+    """A worker child process (this script with ``--child``) and its job pipe.
 
-    def __init__(self, index: int, device: str) -> None:
+    A reader thread moves the child's stdout lines into a queue, so ``recv`` has a deadline and
+    never blocks on a line already buffered."""
+
+    def __init__(self, index: int) -> None:
+        import queue
+        import threading
+
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo", "BENCH_TORCH_THREADS": "1"}
         env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.index = index
@@ -398,6 +418,14 @@ class Child:
             [sys.executable, os.path.abspath(__file__), "--child"], cwd=ROOT, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, name=f"child{index}-stdout", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)  # EOF
 
     def send(self, job: dict[str, Any]) -> None:
         assert self.proc.stdin is not None
@@ -405,21 +433,25 @@ class Child:
         self.proc.stdin.flush()
 
     def recv(self, timeout: float) -> dict[str, Any]:
-        """The child's next protocol message (raises on error, exit or deadline)."""
-        from ps.cli import read_first_line
+        """The child's next protocol message (raises on a failed job, exit or deadline)."""
+        import queue
 
         deadline = time.monotonic() + timeout
         while True:
-            line = read_first_line(self.proc, deadline)
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"worker child {self.index}: no reply within {timeout:.0f} s") from None
+            if line is None:
+                raise RuntimeError(f"worker child {self.index} exited (code {self.proc.wait()})")
             if line.startswith(MARK):
                 msg: dict[str, Any] = json.loads(line[len(MARK):])
                 if msg.get("ok") is False:
                     raise RuntimeError(f"worker child {self.index} failed:\n{msg['error']}")
                 return msg
-            if line in ("timed out", "") or line.startswith("exited with code"):
-                raise RuntimeError(f"worker child {self.index}: {line or 'closed its output'}")
 
     def stop(self) -> None:
+        """Ask the child to exit (it may already have: after a DDP job it exits by itself)."""
         if self.proc.poll() is None:
             try:
                 self.send({"job": "exit"})
@@ -621,6 +653,7 @@ def ps_run(
     """Fresh shards, one Trainer per worker child, shards retired; the steady blocks of each worker."""
     t0 = time.perf_counter()
     procs, addrs = sets.take(more)
+    t_shards = time.perf_counter() - t0
     files = [os.path.join(tmp, f"{name}-w{i}-{time.monotonic_ns()}.jsonl") for i in range(len(children))]
     wpids, spids = [ch.proc.pid for ch in children], [p.pid for p in procs]
     cpu0 = cpu_seconds(wpids), cpu_seconds(spids)
@@ -639,9 +672,12 @@ def ps_run(
     blocks = [blocks_from_file(f, warmup, batch) for f in files]
     if any(not b for b in blocks):
         raise RuntimeError(f"{name}: no steady blocks (steps {steps}, warm-up {warmup}, block {cfg['log_every']})")
-    return Run(name, batch, blocks, summaries, time.perf_counter() - t0, worker_cpu_s=cpu1[0] - cpu0[0],
-               shard_cpu_s=cpu1[1] - cpu0[1], worker_steps=sum(x["steps"] for x in summaries),
-               loss=statistics.mean(x["loss"] for x in summaries))
+    run = Run(name, batch, blocks, summaries, time.perf_counter() - t0, worker_cpu_s=cpu1[0] - cpu0[0],
+              shard_cpu_s=cpu1[1] - cpu0[1], worker_steps=sum(x["steps"] for x in summaries),
+              loss=statistics.mean(x["loss"] for x in summaries))
+    log(f"  {name}: {run.eps:,.0f} ex/s (median block), step {run.step_ms:.1f} ms; {run.wall_s:.1f} s "
+        f"(waiting for shards {t_shards:.1f} s, training {max(x['seconds'] for x in summaries):.1f} s)")
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -697,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         log("starting 2 worker processes (and the first 2 shards)")
         sets.prestart()
-        children = [Child(i, args.device) for i in range(WORKERS)]
+        children = [Child(i) for i in range(WORKERS)]
         for ch in children:
             ch.recv(120)
 
@@ -729,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
                     wall_s=time.perf_counter() - t0, note=f"{res['rows']:,} rows, loss {res['loss']:.4f}",
                     worker_cpu_s=cpu_seconds([children[0].proc.pid]) - cpu0, shard_cpu_s=0.0, worker_steps=lsteps,
                     loss=res["loss"])
+        log(f"  local: {local.eps:,.0f} ex/s (median block); {local.wall_s:.1f} s")
 
         # (3) dense MLP: PS sync, then DDP + raw Gloo all-reduce
         log(f"dense MLP (width {dense_opts['width']}): 2 workers sync x {dense_steps} steps, batch {dense_batch}")
