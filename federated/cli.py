@@ -88,7 +88,7 @@ def add_fed_commands(sub: Any) -> None:
     m.add_argument("--clients", type=int, default=100, help="registered (virtual) clients")
     m.add_argument("--partition", default="dirichlet:0.5", help="iid, dirichlet:ALPHA or shards:S")
     m.add_argument("--processes", type=int, default=0, help="client processes (0: client threads in this process)")
-    m.add_argument("--workers", type=int, default=8, help="concurrent client tasks per node")
+    m.add_argument("--workers", type=int, default=16, help="concurrent client tasks per node")
     m.add_argument("--eval-fraction", type=float, default=0.0, help="fraction of clients evaluating (central eval always)")
     m.add_argument("--out", default="fed-sim", help="output directory")
     m.add_argument("--no-progress", action="store_true")

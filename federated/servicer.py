@@ -144,6 +144,7 @@ class FedServicer:
                 "Connect": grpc.stream_stream_rpc_method_handler(guard("Connect", self.Connect)),
                 "Fetch": grpc.unary_stream_rpc_method_handler(guard("Fetch", self.Fetch)),
                 "Submit": grpc.stream_unary_rpc_method_handler(guard("Submit", self.Submit)),
+                "SubmitOne": grpc.unary_unary_rpc_method_handler(guard("SubmitOne", self.SubmitOne)),
             },
         )
 
@@ -214,6 +215,13 @@ class FedServicer:
                 yield raw
 
         answer = answer_from_chunks(counted(), self.max_answer_bytes)
+        self.registry.submit(identity, answer)
+        return self._out(pb.SubmitReply(accepted=True).SerializeToString())
+
+    def SubmitOne(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        identity = self._identity(context)
+        self._in(len(raw))
+        answer = answer_from_chunks(iter([raw]), self.max_answer_bytes)
         self.registry.submit(identity, answer)
         return self._out(pb.SubmitReply(accepted=True).SerializeToString())
 

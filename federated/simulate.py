@@ -64,7 +64,7 @@ class SimulationConfig:
     partition: str = "dirichlet:0.5"
     seed: int = 0
     processes: int = 0  # 0: client nodes are threads of this process
-    workers: int = 8  # concurrent tasks per node
+    workers: int = 16  # concurrent tasks per node (more than are sampled at once: no queueing)
     min_clients: int = 2
     round_timeout: float = 60.0
     eval_fraction: float = 0.0  # federated evaluation on clients (central evaluation always runs)

@@ -49,6 +49,11 @@ class FederatedStub(object):
                 request_serializer=tessera_dot_v1_dot_fed__pb2.SubmitChunk.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_fed__pb2.SubmitReply.FromString,
                 _registered_method=True)
+        self.SubmitOne = channel.unary_unary(
+                '/tessera.v1.Federated/SubmitOne',
+                request_serializer=tessera_dot_v1_dot_fed__pb2.SubmitChunk.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_fed__pb2.SubmitReply.FromString,
+                _registered_method=True)
 
 
 class FederatedServicer(object):
@@ -72,6 +77,14 @@ class FederatedServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubmitOne(self, request, context):
+        """An answer that fits in one message (header + all its bytes, last = true):
+        the same as Submit with one message, without a streaming call's overhead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FederatedServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -87,6 +100,11 @@ def add_FederatedServicer_to_server(servicer, server):
             ),
             'Submit': grpc.stream_unary_rpc_method_handler(
                     servicer.Submit,
+                    request_deserializer=tessera_dot_v1_dot_fed__pb2.SubmitChunk.FromString,
+                    response_serializer=tessera_dot_v1_dot_fed__pb2.SubmitReply.SerializeToString,
+            ),
+            'SubmitOne': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitOne,
                     request_deserializer=tessera_dot_v1_dot_fed__pb2.SubmitChunk.FromString,
                     response_serializer=tessera_dot_v1_dot_fed__pb2.SubmitReply.SerializeToString,
             ),
@@ -170,6 +188,33 @@ class Federated(object):
             request_iterator,
             target,
             '/tessera.v1.Federated/Submit',
+            tessera_dot_v1_dot_fed__pb2.SubmitChunk.SerializeToString,
+            tessera_dot_v1_dot_fed__pb2.SubmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitOne(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.Federated/SubmitOne',
             tessera_dot_v1_dot_fed__pb2.SubmitChunk.SerializeToString,
             tessera_dot_v1_dot_fed__pb2.SubmitReply.FromString,
             options,

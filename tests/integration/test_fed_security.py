@@ -246,10 +246,13 @@ def test_bad_update_is_rejected_with_invalid_argument_and_not_aggregated(harness
         np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
-def _raw_submit(address: str, messages: list[bytes]) -> grpc.RpcError:
+def _raw_submit(address: str, messages: list[bytes], one: bool = False) -> grpc.RpcError:
     ch = grpc.insecure_channel(address)
     try:
-        ch.stream_unary("/tessera.v1.Federated/Submit")(iter(messages), timeout=5)
+        if one:
+            ch.unary_unary("/tessera.v1.Federated/SubmitOne")(messages[0], timeout=5)
+        else:
+            ch.stream_unary("/tessera.v1.Federated/Submit")(iter(messages), timeout=5)
     except grpc.RpcError as e:
         return e
     finally:
@@ -271,15 +274,16 @@ def test_malformed_submits_get_invalid_argument(harness) -> None:
         "too long": ([pack(pb.SubmitChunk(header=head, offset=0, last=True), {15: b"\0" * 104})], "more than"),
         "no last chunk": ([pack(pb.SubmitChunk(header=head, offset=0), {15: b"\0" * 100})], "without its last chunk"),
     }
-    for name, (msgs, needle) in cases.items():
-        e = _raw_submit(h.address, msgs)
-        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, name
-        assert needle in e.details(), (name, e.details())
-    # a well-formed answer to a task nobody issued: NOT_FOUND, nothing changes
-    good = pack(pb.SubmitChunk(header=head, offset=0, last=True), {15: b"\0" * 100})
-    e = _raw_submit(h.address, [good])
-    assert e.code() == grpc.StatusCode.NOT_FOUND and "t1" in e.details()
-    assert h.server.servicer.errors["INVALID_ARGUMENT"] == len(cases)
+    for one in (False, True):  # Submit (stream) and SubmitOne (unary) decode alike
+        for name, (msgs, needle) in cases.items():
+            e = _raw_submit(h.address, msgs, one)
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert needle in e.details(), (name, e.details())
+        # a well-formed answer to a task nobody issued: NOT_FOUND, nothing changes
+        good = pack(pb.SubmitChunk(header=head, offset=0, last=True), {15: b"\0" * 100})
+        e = _raw_submit(h.address, [good], one)
+        assert e.code() == grpc.StatusCode.NOT_FOUND and "t1" in e.details()
+    assert h.server.servicer.errors["INVALID_ARGUMENT"] == 2 * len(cases)
 
 
 # --------------------------------------------------------------------------- deadlines
