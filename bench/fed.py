@@ -66,7 +66,7 @@ class Job:
     """One server process + one client-node process; every wait has a deadline."""
 
     def __init__(self, rounds: int, clients: int, fraction: float, server_args: list[str], partition: str = "dirichlet:0.5",
-                 task: str = "digits", workers: int = 16, seed: int = 0, timeout: float = 240.0) -> None:
+                 task: str = "digits", workers: int = 16, seed: int = 0, timeout: float = 240.0, nodes: int = 1) -> None:
         self.rounds, self.clients, self.timeout = rounds, clients, timeout
         self.dir = tempfile.mkdtemp(prefix="fedbench")
         self.results = os.path.join(self.dir, "results.json")
@@ -79,11 +79,12 @@ class Job:
              "--eval-fraction", "0", "--seed", str(seed), "--results", self.results, *server_args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
         )
-        self.node = subprocess.Popen(
+        cuts = [clients * k // nodes for k in range(nodes + 1)]
+        self.nodes = [subprocess.Popen(
             [sys.executable, "-m", "federated.simulate", f"127.0.0.1:{port}", task, str(clients), partition, str(seed),
-             "0", str(clients), str(workers), "1", "{}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-        )
+             str(cuts[k]), str(cuts[k + 1]), str(workers), "1", "{}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT,
+        ) for k in range(nodes)]
 
     def run(self) -> dict[str, Any]:
         assert self.server.stdout is not None
@@ -104,9 +105,10 @@ class Job:
                     elif self.server.poll() is not None:
                         break
             self.server.wait(timeout=max(1.0, deadline - time.monotonic()))
-            self.node.wait(timeout=30)
+            for node in self.nodes:
+                node.wait(timeout=30)
         finally:
-            for p in (self.server, self.node):
+            for p in (self.server, *self.nodes):
                 if p.poll() is None:
                     p.kill()
                     p.wait()

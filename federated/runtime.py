@@ -91,6 +91,7 @@ class ClientRuntime:
         self._lock = threading.Lock()
         self._rng = np.random.default_rng(secrets.randbits(128))  # local DP noise must be unpredictable
         self._secagg: dict[tuple[str, int], Any] = {}
+        self._bg: Any = None
 
     def _client_lock(self, cid: str) -> threading.Lock:
         with self._lock:
@@ -122,15 +123,21 @@ class ClientRuntime:
         base: dict[str, Any] = dict(task_id=task.task_id, client_id=task.client_id, round=task.round, kind=task.kind,
                     bytes_received=bytes_received, secagg_stage=task.secagg_stage)
         try:
-            with self._client_lock(task.client_id):
-                if task.kind == SECAGG:
+            if task.kind == SECAGG:
+                # not under the client's lock: the masking stage waits for a fit that holds it
+                with self._client_lock("secagg:" + task.client_id):
                     return self._secagg_step(task, tensors, base)
-                groups: dict[str, list[np.ndarray]] = {}
-                for t in tensors:
-                    groups.setdefault(t.group, []).append(np.array(decode(t, f"{t.group} tensor"), copy=True))
-                weights = groups.pop(WEIGHTS, [])
-                config: dict[str, Any] = dict(task.config)
-                config.update(groups)
+            groups: dict[str, list[np.ndarray]] = {}
+            for t in tensors:
+                groups.setdefault(t.group, []).append(np.array(decode(t, f"{t.group} tensor"), copy=True))
+            weights = groups.pop(WEIGHTS, [])
+            config: dict[str, Any] = dict(task.config)
+            config.update(groups)
+            if task.kind == FIT and task.secagg:
+                # answer the key advertisement at once and train in the background meanwhile:
+                # the key-exchange stages overlap local training
+                return self._secagg_start(task, weights, config, base)
+            with self._client_lock(task.client_id):
                 client = self._client(task.client_id)
                 try:
                     if task.kind == EVALUATE:
@@ -145,13 +152,27 @@ class ClientRuntime:
             log.warning("client %s: %s task of round %d failed: %s", task.client_id, task.kind, task.round, e)
             return Answer(**base, error=f"{type(e).__name__}: {e}"[:1000])
 
-    def _fit(self, task: Task, client: Client, weights: Weights, config: dict[str, Any], base: dict[str, Any]) -> Answer:
+    def run_fit(self, client_id: str, weights: Weights, config: dict[str, Any]
+                ) -> tuple[Weights, Weights, int, dict[str, float], dict[str, Weights]]:
+        """Fit one client under its lock: (global weights, new weights, n, metrics, extras)."""
+        with self._client_lock(client_id):
+            client = self._client(client_id)
+            try:
+                return self._fit_on(client, weights, config)
+            finally:
+                self._release(client_id, client)
+
+    @staticmethod
+    def _fit_on(client: Client, weights: Weights, config: dict[str, Any]
+                ) -> tuple[Weights, Weights, int, dict[str, float], dict[str, Weights]]:
         t0 = time.perf_counter()
         global_w = [w.copy() for w in weights]
         new, n, metrics, extras = _normalize_fit(client.fit(weights, config), global_w)
         metrics["fit_seconds"] = time.perf_counter() - t0
-        if task.secagg:
-            return self._secagg_start(task, global_w, new, n, metrics, config, base)
+        return global_w, new, n, metrics, extras
+
+    def _fit(self, task: Task, client: Client, weights: Weights, config: dict[str, Any], base: dict[str, Any]) -> Answer:
+        global_w, new, n, metrics, extras = self._fit_on(client, weights, config)
         dp_clip = float(config.get("dp_clip", 0.0) or 0.0)
         spec = parse_compression(task.compress)
         tensors: list[EncodedTensor]
@@ -179,11 +200,19 @@ class ClientRuntime:
         return Answer(**base, num_examples=n, metrics=metrics, tensors=tuple(tensors), is_delta=is_delta)
 
     # ------------------------------------------------------------------ secure aggregation
-    def _secagg_start(self, task: Task, global_w: Weights, new: Weights, n: int, metrics: dict[str, float],
-                      config: dict[str, Any], base: dict[str, Any]) -> Answer:
+    def _secagg_start(self, task: Task, weights: Weights, config: dict[str, Any], base: dict[str, Any]) -> Answer:
         from federated.secure_round import client_start
 
-        return client_start(self, task, global_w, new, n, metrics, config, base)
+        return client_start(self, task, weights, config, base)
+
+    def background(self) -> Any:
+        """A thread pool for work that outlives a task (secure aggregation's local training)."""
+        with self._lock:
+            if self._bg is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._bg = ThreadPoolExecutor(max_workers=16, thread_name_prefix="fedtrain")
+            return self._bg
 
     def _secagg_step(self, task: Task, tensors: Sequence[EncodedTensor], base: dict[str, Any]) -> Answer:
         from federated.secure_round import client_step

@@ -5,11 +5,15 @@ messages are opaque bytes; this module moves those bytes as uint8 tensors (group
 
 Stages of a round (Bonawitz et al. 2017):
 
-0. FIT with ``secagg=True``: the client trains, keeps its vector, and answers with
-   its public keys (AdvertiseKeys). The server's answers form U1.
+0. FIT with ``secagg=True``: the client answers at once with its public keys
+   (AdvertiseKeys) and starts training in the background. The answers form U1.
 1. SECAGG stage 1: the server's key list -> the client's encrypted Shamir shares.
-2. SECAGG stage 2: the shares addressed to the client -> its masked vector.
+2. SECAGG stage 2: the shares addressed to the client -> (once its training is
+   done) its masked vector, with its example count and training metrics.
 3. SECAGG stage 3: the survivor list U3 -> the client's unmasking shares.
+
+The two key-exchange stages thus overlap local training. Stage 2 waits until the
+round's timeout (counted from stage 0); the others wait ``stage_timeout``.
 
 Then the server unmasks the sum of U3's vectors. What is summed: without DP,
 ``[min(n_k, S) * delta_k / S, min(n_k, S) / S]`` (the example-weighted mean delta is
@@ -73,11 +77,24 @@ def _bytes_of(tensors: Sequence[EncodedTensor], who: str) -> bytes:
 
 
 # --------------------------------------------------------------------------- client side
-def client_start(rt: "ClientRuntime", task: Task, global_w: Weights, new: Weights, n: int, metrics: dict[str, float],
-                 config: dict[str, Any], base: dict[str, Any]) -> Answer:
-    """Stage 0 on the client: build the vector to sum, keep it, advertise keys."""
+def client_start(rt: "ClientRuntime", task: Task, weights: Weights, config: dict[str, Any], base: dict[str, Any]) -> Answer:
+    """Stage 0 on the client: advertise keys now; train in the background (the vector to
+    sum is needed only at stage 2, so local training overlaps the key exchange)."""
     cfg = SecAggConfig(threshold=int(config["secagg_threshold"]), ring_bits=int(config["secagg_ring_bits"]),
                        scale_bits=int(config["secagg_scale_bits"]), max_clients=int(config["secagg_max_clients"]))
+    sa = SecAggClient(task.client_id, cfg)
+    future = rt.background().submit(_train_vector, rt, task.client_id, weights, config, cfg)
+    with rt._lock:
+        for key in [k for k in rt._secagg if k[0] == task.client_id and k[1] != task.round]:
+            del rt._secagg[key]  # an earlier round that never finished
+        rt._secagg[(task.client_id, task.round)] = (sa, future)
+    return Answer(**base, tensors=(bytes_tensor(sa.advertise_keys()),))
+
+
+def _train_vector(rt: "ClientRuntime", client_id: str, weights: Weights, config: dict[str, Any],
+                  cfg: SecAggConfig) -> tuple[np.ndarray, int, dict[str, float]]:
+    """Local training, then the vector this client feeds into the secure sum."""
+    global_w, new, n, metrics, _ = rt.run_fit(client_id, weights, config)
     clip_range = float(config["secagg_clip_range"])
     delta = [a.astype(np.float64) - g.astype(np.float64) for a, g in zip(new, global_w)]
     dp_clip = float(config.get("dp_clip", 0.0) or 0.0)
@@ -95,12 +112,7 @@ def client_start(rt: "ClientRuntime", task: Task, global_w: Weights, new: Weight
     clipped_n = int(np.count_nonzero(np.abs(flat) > bound))
     flat = np.clip(flat, -bound, bound)
     metrics["secagg_clipped"] = clipped_n / max(1, flat.size)
-    sa = SecAggClient(task.client_id, cfg)
-    with rt._lock:
-        for key in [k for k in rt._secagg if k[0] == task.client_id and k[1] != task.round]:
-            del rt._secagg[key]  # an earlier round that never finished
-        rt._secagg[(task.client_id, task.round)] = (sa, flat)
-    return Answer(**base, num_examples=n, metrics=metrics, tensors=(bytes_tensor(sa.advertise_keys()),))
+    return flat, n, metrics
 
 
 def client_step(rt: "ClientRuntime", task: Task, tensors: Sequence[EncodedTensor], base: dict[str, Any]) -> Answer:
@@ -109,12 +121,13 @@ def client_step(rt: "ClientRuntime", task: Task, tensors: Sequence[EncodedTensor
         state = rt._secagg.get((task.client_id, task.round))
     if state is None:
         raise SecAggError(f"client {task.client_id!r}: no secure aggregation in progress for round {task.round}")
-    sa, flat = state
+    sa, future = state
     msg = _bytes_of(tensors, f"client {task.client_id!r}")
     if task.secagg_stage == 1:
         out = sa.share_keys(msg)
     elif task.secagg_stage == 2:
-        out = sa.masked_input(msg, flat)
+        flat, n, metrics = future.result(timeout=task.timeout_s or None)  # the training started at stage 0
+        return Answer(**base, num_examples=n, metrics=metrics, tensors=(bytes_tensor(sa.masked_input(msg, flat)),))
     elif task.secagg_stage == 3:
         out = sa.unmasking(msg)
         rt.forget_round(task.client_id, task.round)
@@ -133,11 +146,15 @@ class SecureRound:
         self.last_sum: np.ndarray | None = None  # the unmasked sum of the last round (for tests and reports)
 
     def _stage(self, sa: SecAggServer, lock: threading.Lock, method: str, rnd: int, stage: int,
-               targets: dict[str, str], timeout: float, stop: threading.Event, traffic: dict[str, list[int]]) -> list[str]:
-        """Send SECAGG ``stage`` tasks (client -> blob id); ``method`` of ``sa`` takes each answer."""
+               targets: dict[str, str], timeout: float, stop: threading.Event, traffic: dict[str, list[int]],
+               check: Any = None) -> list[str]:
+        """Send SECAGG ``stage`` tasks (client -> blob id); ``method`` of ``sa`` takes each answer
+        (after ``check(answer)``, which may raise InvalidUpdateError)."""
         receive = getattr(sa, method)
 
         def accept(a: Answer) -> None:
+            if check is not None:
+                check(a)
             data = _bytes_of(a.tensors, f"client {a.client_id!r}")
             with lock:
                 try:
@@ -178,25 +195,30 @@ class SecureRound:
             fit_info: dict[str, tuple[int, dict[str, float]]] = {}
 
             def accept_fit(a: Answer) -> None:
-                if a.num_examples < 1:
-                    raise InvalidUpdateError(f"client {a.client_id!r}: num_examples must be >= 1, got {a.num_examples}")
                 data = _bytes_of(a.tensors, f"client {a.client_id!r}")
                 with lock:
                     try:
                         sa.receive_advertise(a.client_id, data)
                     except SecAggError as e:
                         raise InvalidUpdateError(str(e)) from None
-                    fit_info[a.client_id] = (a.num_examples, dict(a.metrics))
+
+            def on_masked(a: Answer) -> None:  # the masked input comes with the training's count and metrics
+                if a.num_examples < 1:
+                    raise InvalidUpdateError(f"client {a.client_id!r}: num_examples must be >= 1, got {a.num_examples}")
+                for k, v in a.metrics.items():
+                    if not math.isfinite(v):
+                        raise InvalidUpdateError(f"client {a.client_id!r}: metric {k!r} is {v}")
+                fit_info[a.client_id] = (a.num_examples, dict(a.metrics))
 
             try:
                 tasks = [(o._task(c, rnd, FIT, blobs[0], config, cfg.round_timeout, secagg=True), accept_fit) for c in sample]
                 pending = o.registry.issue(tasks)
-                o.registry.collect(pending, time.monotonic() + cfg.round_timeout, stop)
+                o.registry.collect(pending, time.monotonic() + stage_timeout, stop)
                 o._traffic(pending, traffic)
                 failures.update({p.client_id: p.error for p in pending if not p.ok})
                 if stop.is_set():
                     return None
-                stages: dict[str, float] = {"fit_s": time.monotonic() - t0}
+                stages: dict[str, float] = {"keys_s": time.monotonic() - t0}
                 with lock:
                     keys = sa.broadcast_keys()
                 kb = o.registry.put_blob(make_blob([bytes_tensor(keys)]))
@@ -204,6 +226,7 @@ class SecureRound:
                 t1 = time.monotonic()
                 u1 = sa.u1
                 ok1 = self._stage(sa, lock, "receive_shares", rnd, 1, {c: kb for c in u1}, stage_timeout, stop, traffic)
+                stages["shares_s"] = time.monotonic() - t1
                 with lock:
                     fwd = sa.forward_shares()
                 targets = {}
@@ -211,7 +234,12 @@ class SecureRound:
                     b = o.registry.put_blob(make_blob([bytes_tensor(data)]))
                     blobs.append(b)
                     targets[c] = b
-                ok2 = self._stage(sa, lock, "receive_masked_input", rnd, 2, targets, stage_timeout, stop, traffic)
+                # local training (started at stage 0) must end, and the masked input arrive, within the
+                # round's timeout from its start (and no sooner than a stage's timeout from now)
+                t2 = time.monotonic()
+                left = max(stage_timeout, t0 + cfg.round_timeout - t2) if sc.stage_timeout else cfg.round_timeout
+                ok2 = self._stage(sa, lock, "receive_masked_input", rnd, 2, targets, left, stop, traffic, check=on_masked)
+                stages["masked_s"] = time.monotonic() - t2
                 with lock:
                     surv = sa.broadcast_survivors()
                 sb = o.registry.put_blob(make_blob([bytes_tensor(surv)]))
@@ -221,7 +249,8 @@ class SecureRound:
                 with lock:
                     total = sa.finish()
                 self.last_sum = total
-                stages["secagg_s"] = t_agg - t1
+                stages["unmask_s"] = t_agg - t2 - stages["masked_s"]
+                stages["fit_s"] = t_agg - t0  # keys + shares + training/masking + unmasking
             except SecAggError as e:
                 if stop.is_set():
                     return None

@@ -43,14 +43,14 @@ class DropsAtMasking(ClientRuntime):
 
     def handle(self, task: Task, tensors: Any, bytes_received: int = 0) -> Answer:
         if task.kind == SECAGG and task.secagg_stage == 2:
-            time.sleep(1.5)
+            time.sleep(2.0)
         return super().handle(task, tensors, bytes_received)
 
 
 def run_round(secagg: bool, drop: str | None = None, **cfg: Any) -> FedServer:
     cfg.setdefault("rounds", 1)
     server = FedServer(
-        ServerConfig(min_clients=5, round_timeout=30, wait_timeout=20, eval_every=0,
+        ServerConfig(min_clients=5, round_timeout=1.5 if drop else 30, wait_timeout=20, eval_every=0,
                      secagg=SecAggSettings(enabled=secagg, stage_timeout=0.6 if drop else 0.0, max_examples=32), **cfg),
         make_strategy("fedavg"), W0,
     )
