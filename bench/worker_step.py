@@ -6,7 +6,9 @@ Measures in one run, on loopback, every worker and shard its own process:
     workers against 2 fresh shard processes per mode (``start_local_shards(2,
     ("--lease", "5"))``): examples/s for sync, ssp (K=4) and async, each with
     overlap (prefetch of step t+1, background push of step t: the default) and
-    again without (every pull and push waited for in line). Per mode the step
+    again without (every pull and push waited for in line). Every mode runs
+    ``--repeats`` times (default 2; the with/without order alternates) and the
+    repeats' blocks are pooled. Per mode the step
     time splits into compute, waiting on pulls, waiting on pushes and the rest
     (data generation, copying into the model: the worker's own bookkeeping),
     summed over both workers.
@@ -54,7 +56,7 @@ Run (about 1.5-2 minutes on 2 cores)::
     python bench/worker_step.py                    # full run
     python bench/worker_step.py --quick            # smoke run (~25 s idle, more under load): few steps, small dense model
     python bench/worker_step.py --json-out bench/out/worker.json
-    python bench/worker_step.py --repeats 2        # every ctr mode twice (blocks pooled)
+    python bench/worker_step.py --repeats 4        # every ctr mode 4 times (blocks pooled)
     python bench/worker_step.py --device cuda      # workers (and DDP ranks' compute) on the GPU
     python bench/worker_step.py --wire-dtype bfloat16   # PS pushes/pulls at half precision
 
@@ -283,13 +285,17 @@ def run_local(steps: int, batch: int, warmup: int, block: int, seed: int = 0) ->
 
 
 # =========================================================================== DDP + Gloo all-reduce
-_KEEP: list[Any] = []  # DDP objects never freed (see run_ddp)
+_DDP: dict[str, Any] = {}  # this process's DDP rank, once set up: never torn down (see ddp_init)
 
 
-def run_ddp(job: dict[str, Any], say: Any) -> dict[str, Any]:
-    """One DDP rank. Rank 0 binds the store on port 0 and reports it (``say({"port": p})``).
+def ddp_init(job: dict[str, Any], say: Any) -> dict[str, Any]:
+    """Become DDP rank ``job["rank"]`` of 2 (Gloo) with the dense task's model, Adam on each rank.
 
-    The last job of a worker child: after replying, the child exits at once (``os._exit``)."""
+    Rank 0 binds a ``TCPStore`` on port 0 and reports it (``say({"port": p})``); rank 1 connects to
+    it. The group stays up for later ``ddp_steps`` jobs (PS runs may come in between) and is never
+    torn down: the child leaves with ``os._exit``. (torch 2.13 can deadlock freeing a DDP
+    ``ProcessGroupGloo``: its destructor joins Gloo's work thread while holding the GIL that the
+    thread may need to free a finished work's tensors; we hit it about every other run.)"""
     from datetime import timedelta
 
     import torch
@@ -307,25 +313,40 @@ def run_ddp(job: dict[str, Any], say: Any) -> dict[str, Any]:
         store = dist.TCPStore("127.0.0.1", job["port"], world, False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
     device = torch.device(job["device"])
-    task = load_task(job["task"], **job["task_opts"])
+    task = load_task(job["task"], **job["task_opts"])  # same seed: the PS workers' initial weights
     model = DDP(task.model.to(device))
-    opt = torch_adam(model.parameters(), task.dense_optimizer.hparams)
-    data = task.batches(rank, world, job["batch"], 0)
-    to_dev = task.to_device or _move
+    _DDP.update(
+        store=store, model=model, task=task, device=device, to_dev=task.to_device or _move,
+        opt=torch_adam(model.parameters(), task.dense_optimizer.hparams),
+        data=task.batches(rank, world, job["batch"], 0),
+        numel=sum(p.numel() for p in model.parameters()),
+    )
+    dist.barrier()
+    return {"numel": _DDP["numel"]}
+
+
+def ddp_steps(job: dict[str, Any]) -> dict[str, Any]:
+    """``job["steps"]`` DDP steps (wall time of each, CPU time of the process over all), then
+    ``ar_warmup + ar_repeats`` raw Gloo all-reduces of a float32 tensor of the model's size."""
+    import torch
+    import torch.distributed as dist
+
+    d = _DDP
+    model, opt, task = d["model"], d["opt"], d["task"]
     walls: list[float] = []
     dist.barrier()
-    for step in range(job["steps"]):
+    c0 = time.process_time()
+    for _ in range(job["steps"]):
         t0 = time.perf_counter()
-        b = to_dev(next(data), device)
+        b = d["to_dev"](next(d["data"]), d["device"])
         opt.zero_grad(set_to_none=True)
         loss = task.loss(model, b)
         loss.backward()
         opt.step()
-        float(loss.detach())
+        float(loss.detach())  # as the PS workers do: the loss is read every step
         walls.append(time.perf_counter() - t0)
-    numel = sum(p.numel() for p in model.parameters())
-    # raw Gloo all-reduce of a tensor of the model's size (CPU: Gloo's home)
-    t = torch.ones(numel, dtype=torch.float32)
+    cpu = time.process_time() - c0
+    t = torch.ones(d["numel"], dtype=torch.float32)  # CPU: Gloo's home
     times: list[float] = []
     for i in range(job["ar_warmup"] + job["ar_repeats"]):
         dist.barrier()
@@ -334,12 +355,7 @@ def run_ddp(job: dict[str, Any], say: Any) -> dict[str, Any]:
         if i >= job["ar_warmup"]:
             times.append(time.perf_counter() - t0)
     dist.barrier()
-    # No destroy_process_group() and no teardown: the child exits with os._exit right after replying.
-    # (torch 2.13: freeing the DDP Reducer's ProcessGroupGloo joins Gloo's work thread while holding
-    # the GIL, and that thread may need the GIL to free a finished work's tensors: a deadlock we hit
-    # about every other run.)
-    _KEEP.extend([model, store])
-    return {"walls": walls, "ar_times": times, "numel": numel, "loss": float(loss.detach())}
+    return {"walls": walls, "cpu_s": cpu, "ar_times": times, "loss": float(loss.detach())}
 
 
 def _move(batch: Any, device: Any) -> Any:
@@ -389,15 +405,17 @@ def child_main() -> int:
                 res = run_ps_job(job)
             elif kind == "local":
                 res = run_local(job["steps"], job["batch"], job["warmup"], job["block"])
-            elif kind == "ddp":
-                res = run_ddp(job, say)
+            elif kind == "ddp_init":
+                res = ddp_init(job, say)
+            elif kind == "ddp_steps":
+                res = ddp_steps(job)
             else:
                 raise ValueError(f"unknown job {kind!r}")
             say({"ok": True, **res})
         except Exception:  # noqa: BLE001 - reported to the parent, which fails the run
             say({"ok": False, "error": traceback.format_exc()})
-        if kind == "ddp":
-            os._exit(0)  # skip the process group's teardown (see run_ddp)
+    if _DDP:
+        os._exit(0)  # skip the process group's teardown (see ddp_init)
     return 0
 
 
@@ -451,7 +469,7 @@ class Child:
                 return msg
 
     def stop(self) -> None:
-        """Ask the child to exit (it may already have: after a DDP job it exits by itself)."""
+        """Ask the child to exit (after its job in flight, if any)."""
         if self.proc.poll() is None:
             try:
                 self.send({"job": "exit"})
@@ -684,11 +702,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run (< 30 s): a few steps, a small dense model")
     ap.add_argument("--json-out", default=None, help="also write the JSON result to this path")
-    ap.add_argument("--repeats", type=int, default=1, help="run every ctr mode this many times, blocks pooled (default 1)")
-    ap.add_argument("--steps", type=int, default=None, help="ctr steps per mode (default 150, quick 8)")
+    ap.add_argument("--repeats", type=int, default=None, help="run every ctr mode this many times, blocks pooled (default 2, quick 1)")
+    ap.add_argument("--steps", type=int, default=None, help="ctr steps per mode and repeat (default 80, quick 8)")
     ap.add_argument("--batch-size", type=int, default=256, help="ctr per-worker batch (default 256)")
     ap.add_argument("--dense-steps", type=int, default=None, help="dense MLP steps, PS sync and DDP (default 35, quick 6)")
     ap.add_argument("--dense-batch", type=int, default=None, help="dense MLP per-worker batch (default 128, quick 32)")
+    ap.add_argument("--dense-repeats", type=int, default=None, help="PS sync / DDP rounds, interleaved (default 2, quick 1)")
     ap.add_argument("--dense-width", type=int, default=None, help="dense MLP width (default 1024: 5.0M params; quick 128)")
     ap.add_argument("--device", default="cpu", help="workers' device: cpu, cuda, cuda:N (default cpu)")
     ap.add_argument("--wire-dtype", default=None, choices=["float32", "float16", "bfloat16"], help="PS wire precision (default float32)")
@@ -698,7 +717,10 @@ def main(argv: list[str] | None = None) -> int:
         return child_main()
 
     quick = args.quick
-    steps = args.steps or (8 if quick else 150)
+    steps = args.steps or (8 if quick else 80)
+    args.repeats = args.repeats or (1 if quick else 2)
+    if args.repeats < 1:
+        ap.error("--repeats must be >= 1")
     block = 2 if quick else 5
     warmup = 2 if quick else 10
     if steps < warmup + block:
@@ -708,6 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     if dense_steps < dense_warmup + block:
         ap.error(f"--dense-steps must be at least {dense_warmup + block}")
     dense_batch = args.dense_batch or (32 if quick else 128)
+    dense_repeats = args.dense_repeats or (1 if quick else 2)
     dense_opts = {"width": args.dense_width or (128 if quick else 1024), "depth": 5, "in_dim": 784}
     batch = args.batch_size
     ctr_opts = {"test_size": 100}  # no evaluation in the benchmark: keep the test set tiny
@@ -739,10 +762,10 @@ def main(argv: list[str] | None = None) -> int:
 
         # (1) ctr: every mode, with and without overlap, fresh shards each
         modes = [("sync", {}), ("ssp", {"staleness": 4}), ("async", {})]
-        left = 1 + 3 * 2 * args.repeats  # shard sets still wanted (the dense run's included)
+        left = 1 + 3 * 2 * args.repeats  # shard sets still wanted (the first dense run's included)
         for rep in range(args.repeats):
             for mode, extra in modes:
-                for overlap in (True, False):
+                for overlap in ((True, False) if rep % 2 == 0 else (False, True)):  # alternate: drift hits both
                     left -= 1
                     name = mode + ("" if overlap else "_noov")
                     log(f"ctr {name}: 2 workers x {steps} steps, batch {batch}, 2 fresh shards" + (f" (repeat {rep + 1})" if args.repeats > 1 else ""))
@@ -767,21 +790,40 @@ def main(argv: list[str] | None = None) -> int:
                     loss=res["loss"])
         log(f"  local: {local.eps:,.0f} ex/s (median block); {local.wall_s:.1f} s")
 
-        # (3) dense MLP: PS sync, then DDP + raw Gloo all-reduce
-        log(f"dense MLP (width {dense_opts['width']}): 2 workers sync x {dense_steps} steps, batch {dense_batch}")
+        # (3) dense MLP: DDP group set up once in the two worker processes, then PS sync and DDP
+        # interleaved, dense_repeats times (fresh shards for each PS run)
+        log(f"dense MLP (width {dense_opts['width']}): DDP group (Gloo, the 2 worker processes)")
+        job = {"task": DENSE_TASK, "task_opts": dense_opts, "batch": dense_batch, "device": args.device}
+        children[0].send({"job": "ddp_init", **job, "rank": 0})
+        port = children[0].recv(120)["port"]
+        children[1].send({"job": "ddp_init", **job, "rank": 1, "port": port})
+        numel = [ch.recv(120) for ch in children][0]["numel"]
         dcfg = {"mode": "sync", "batch_size": dense_batch, "overlap": True, "log_every": block, "device": args.device,
                 "wire_dtype": args.wire_dtype}
-        runs["dense_sync"] = ps_run(children, sets, False, "dense_sync", DENSE_TASK, dense_opts, dcfg, dense_steps, dense_warmup, tmp, step_timeout)
-        log(f"dense MLP: DDP (Gloo, 2 processes) x {dense_steps} steps, then raw all-reduce")
-        job = {"job": "ddp", "task": DENSE_TASK, "task_opts": dense_opts, "batch": dense_batch, "steps": dense_steps,
-               "device": args.device, "ar_warmup": 2, "ar_repeats": 4 if quick else 12}
-        t0 = time.perf_counter()
-        children[0].send({**job, "rank": 0})
-        port = children[0].recv(60)["port"]
-        children[1].send({**job, "rank": 1, "port": port})
-        ddp_res = [ch.recv(120 + dense_steps * step_timeout) for ch in children]
-        ddp = {"walls": ddp_res[0]["walls"], "ar": ddp_res[0]["ar_times"], "numel": ddp_res[0]["numel"],
-               "walls1": ddp_res[1]["walls"], "wall_s": time.perf_counter() - t0}
+        ddp_walls: list[list[list[float]]] = [[], []]  # [rank][round][step]
+        ddp_cpu = 0.0
+        ar: list[float] = []
+        t_ddp = 0.0
+        for rep in range(dense_repeats):
+            left = dense_repeats - 1 - rep
+            log(f"dense MLP: 2 workers sync x {dense_steps} steps, batch {dense_batch}, 2 fresh shards" + (f" (repeat {rep + 1})" if dense_repeats > 1 else ""))
+            r = ps_run(children, sets, left > 0, "dense_sync", DENSE_TASK, dense_opts, dcfg, dense_steps, dense_warmup, tmp, step_timeout)
+            if "dense_sync" in runs:
+                runs["dense_sync"].merge(r)
+            else:
+                runs["dense_sync"] = r
+            log(f"dense MLP: DDP x {dense_steps} steps, then raw all-reduce of {numel * 4 / 1e6:.1f} MB")
+            t0 = time.perf_counter()
+            for ch in children:
+                ch.send({"job": "ddp_steps", "steps": dense_steps, "ar_warmup": 2, "ar_repeats": 4 if quick else 8})
+            res_ddp = [ch.recv(120 + dense_steps * step_timeout) for ch in children]
+            t_ddp += time.perf_counter() - t0
+            for i, rr in enumerate(res_ddp):
+                ddp_walls[i].append(rr["walls"])
+                ddp_cpu += rr["cpu_s"]
+            ar += res_ddp[0]["ar_times"]
+            log(f"  ddp: step {1e3 * statistics.median(res_ddp[0]['walls'][dense_warmup:]):.1f} ms (median)")
+        ddp = {"walls": ddp_walls, "ar": ar, "numel": numel, "wall_s": t_ddp, "cpu_s": ddp_cpu}
     except BaseException as e:
         if not interrupted and not isinstance(e, KeyboardInterrupt):
             raise
@@ -808,12 +850,16 @@ def report(
     block: int, dense_steps: int, dense_warmup: int, dense_batch: int, dense_opts: dict[str, Any], load0: float,
 ) -> int:
     # DDP: per-step walls of both ranks after warm-up, in blocks like the PS runs
-    def ddp_blocks(walls: list[float]) -> list[tuple[int, float, float, float, float]]:
-        w = walls[dense_warmup:]
-        # the whole step counts as compute: DDP's all-reduce runs inside backward
-        return [(len(w[i : i + block]), sum(w[i : i + block]), sum(w[i : i + block]), 0.0, 0.0) for i in range(0, len(w), block)]
+    def ddp_blocks(rounds: list[list[float]]) -> list[tuple[int, float, float, float, float]]:
+        out = []
+        for walls in rounds:
+            w = walls[dense_warmup:]
+            # the whole step counts as compute: DDP's all-reduce runs inside backward
+            out += [(len(w[i : i + block]), sum(w[i : i + block]), sum(w[i : i + block]), 0.0, 0.0) for i in range(0, len(w), block)]
+        return out
 
-    ddp_run = Run("ddp", dense_batch, [ddp_blocks(ddp["walls"]), ddp_blocks(ddp["walls1"])], wall_s=ddp["wall_s"])
+    ddp_run = Run("ddp", dense_batch, [ddp_blocks(ddp["walls"][0]), ddp_blocks(ddp["walls"][1])], wall_s=ddp["wall_s"],
+                  worker_cpu_s=ddp["cpu_s"], shard_cpu_s=0.0, worker_steps=sum(len(w) for r in ddp["walls"] for w in r))
     nbytes = ddp["numel"] * 4
     busbw = [nbytes * 2 * (WORKERS - 1) / WORKERS / t / 1e9 for t in ddp["ar"]]
     dense = runs["dense_sync"]
@@ -884,6 +930,10 @@ def report(
         "ddp_step_ms_mean": round(ddp_run.step_ms_mean, 2),
         "sync_vs_ddp": round(dense.step_ms / ddp_run.step_ms, 4),
         "sync_vs_ddp_min": round(dense.step_ms_min / ddp_run.step_ms_min, 4),
+        "sync_vs_ddp_mean": round(dense.step_ms_mean / ddp_run.step_ms_mean, 4),
+        # CPU per worker step (worker + shards) over DDP's: what the PS costs whatever the load
+        "sync_vs_ddp_cpu": round((dense.worker_cpu_ms + dense.shard_cpu_ms) / ddp_run.worker_cpu_ms, 4),
+        "ddp_worker_cpu_ms": round(ddp_run.worker_cpu_ms, 2),
         "dense_sync_compute_frac": round(dense.split()["compute"] / dense.split()["wall"], 4),
         "dense_sync_pull_frac": round(dense.split()["pull"] / dense.split()["wall"], 4),
         "dense_sync_push_frac": round(dense.split()["push"] / dense.split()["wall"], 4),
@@ -892,6 +942,7 @@ def report(
         "gloo_allreduce_gbps_median": round(statistics.median(busbw), 4),
         "gloo_allreduce_ms": round(1e3 * min(ddp["ar"]), 2),
         "batch_size": args.batch_size, "dense_batch": dense_batch, "steps": steps, "dense_steps": dense_steps,
+        "dense_repeats": len(ddp["walls"][0]),
         "repeats": args.repeats, "quick": args.quick, "device": args.device, "cpus": os.cpu_count(),
         "wall_s": round(wall, 1), "loadavg_start": round(load0, 2), "loadavg_end": round(os.getloadavg()[0], 2), "wire_dtype": args.wire_dtype or "float32",
     })
