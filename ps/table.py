@@ -25,6 +25,7 @@ import torch
 
 from ps.config import TableSpec
 from ps.errors import NonFiniteError, ResourceExhaustedError, ShapeMismatchError, WrongShardError
+from ps.index import IdIndex
 from ps.initializers import init_dense, init_rows, table_key, uniform01
 from ps.optim import Optimizer, make_optimizer, scaled_lr
 from ps.partition import SlotMap, dense_range
@@ -257,7 +258,7 @@ class DenseUpdate:
 class SparseTable:
     """The rows of a sparse table that hash to this shard.
 
-    Rows live in preallocated arrays grown by doubling; ``_index`` maps id ->
+    Rows live in preallocated arrays grown by doubling; ``_index`` (a vectorized hash) maps id ->
     row. Every row carries a version (updates applied) and the table step of
     its last touch (for TTL/LRU eviction).
     """
@@ -272,7 +273,7 @@ class SparseTable:
         self.optimizer = make_optimizer(spec.optimizer.name, spec.optimizer.hparams)
         self._key = table_key(spec.name, spec.seed)
         self._reserve = max_bytes_fn  # raises ResourceExhaustedError when growth is over budget
-        self._index: dict[int, int] = {}
+        self._index = IdIndex()
         self._free: list[int] = []
         self._cap = 0
         self._n_alloc = 0  # rows [0, _n_alloc) have been handed out at least once
@@ -345,8 +346,7 @@ class SparseTable:
         self._cap = cap
 
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
-        get = self._index.get
-        return np.fromiter((get(i, -1) for i in ids.tolist()), dtype=np.int64, count=len(ids))
+        return self._index.lookup(ids)
 
     def _admit(self, ids: np.ndarray) -> np.ndarray:
         """Mask of the missing ``ids`` (unique) admitted now; counts sightings of the rest."""
@@ -374,13 +374,13 @@ class SparseTable:
         if self.spec.eviction.max_rows and self.rows + n > self.spec.eviction.max_rows:
             self._evict_lru(self.rows + n - self.spec.eviction.max_rows)
         take = min(n, len(self._free))
-        rows = [self._free.pop() for _ in range(take)]
+        reused = self._free[len(self._free) - take :]
+        del self._free[len(self._free) - take :]
         fresh = n - take
         if fresh:
             self._grow(self._n_alloc + fresh)
-            rows.extend(range(self._n_alloc, self._n_alloc + fresh))
             self._n_alloc += fresh
-        r = np.asarray(rows, dtype=np.int64)
+        r = np.concatenate([np.asarray(reused[::-1], np.int64), np.arange(self._n_alloc - fresh, self._n_alloc, dtype=np.int64)])
         rt = torch.from_numpy(r)
         self.values[rt] = torch.from_numpy(init_rows(self.spec.initializer, self._key, ids, self.dim))
         fill = self.spec.optimizer.hparams.get("initial_accumulator", 0.0)
@@ -389,18 +389,16 @@ class SparseTable:
         self.versions[r] = 0
         self.last_touch[r] = self.step
         self.row_ids[r] = ids
-        for i, row in zip(ids.tolist(), rows):
-            self._index[i] = row
+        self._index.insert(ids, r)
         return r
 
     def _drop_rows(self, rows: np.ndarray) -> None:
-        for i in self.row_ids[rows].tolist():
-            del self._index[i]
+        self._index.delete(self.row_ids[rows])
         self._free.extend(rows.tolist())
         self.evicted += len(rows)
 
     def _evict_lru(self, count: int) -> None:
-        live = np.fromiter(self._index.values(), np.int64, len(self._index))
+        live = self._index.values()
         if count <= 0 or not live.size:
             return
         count = min(count, live.size)
@@ -410,10 +408,10 @@ class SparseTable:
     def evict_expired(self) -> int:
         """Drop rows untouched for more than ttl_steps table updates; returns how many."""
         ttl = self.spec.eviction.ttl_steps
-        if not ttl or not self._index:
+        if not ttl or not len(self._index):
             return 0
         with self.lock:
-            live = np.fromiter(self._index.values(), np.int64, len(self._index))
+            live = self._index.values()
             old = live[self.last_touch[live] < self.step - ttl]
             if old.size:
                 self._drop_rows(old)
@@ -522,4 +520,5 @@ class SparseTable:
     def items(self) -> Iterator[tuple[int, int]]:
         """(id, row) pairs of live rows (a snapshot)."""
         with self.lock:
-            return iter(list(self._index.items()))
+            ids, rows = self._index.items()
+            return zip(ids.tolist(), rows.tolist())

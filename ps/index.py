@@ -1,0 +1,108 @@
+"""IdIndex: int64 id -> int64 row, an open-addressing hash table whose every operation is
+vectorized over numpy arrays (one probe round per array op, not one Python dict probe per id).
+
+Linear probing on a power-of-two table kept at most half full; deletions leave tombstones that
+inserts reuse and that a rebuild clears. Not thread-safe: the owning table's lock guards it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ps.partition import mix64
+
+__all__ = ["IdIndex"]
+
+_EMPTY, _USED, _TOMB = np.uint8(0), np.uint8(1), np.uint8(2)
+
+
+class IdIndex:
+    def __init__(self, capacity: int = 1024) -> None:
+        self._alloc(max(16, 1 << (max(1, capacity) - 1).bit_length()))
+        self.n = 0
+
+    def _alloc(self, cap: int) -> None:
+        self.keys = np.zeros(cap, np.int64)
+        self.vals = np.zeros(cap, np.int64)
+        self.state = np.zeros(cap, np.uint8)
+        self.mask = cap - 1
+        self.tombs = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _home(self, ids: np.ndarray) -> np.ndarray:
+        return (mix64(ids.view(np.uint64)) & np.uint64(self.mask)).astype(np.int64)
+
+    def _find(self, ids: np.ndarray) -> np.ndarray:
+        """Slot of each id, or -1 where absent."""
+        slot = np.full(len(ids), -1, np.int64)
+        h = self._home(ids)
+        todo = np.arange(len(ids))
+        while todo.size:
+            hs = h[todo]
+            st = self.state[hs]
+            hit = (st == _USED) & (self.keys[hs] == ids[todo])
+            slot[todo[hit]] = hs[hit]
+            go_on = ~hit & (st != _EMPTY)  # a tombstone or another key: probe further
+            todo = todo[go_on]
+            h[todo] = (hs[go_on] + 1) & self.mask
+        return slot
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Row of each id (any order, duplicates allowed), -1 where absent."""
+        ids = np.ascontiguousarray(ids, np.int64)
+        slot = self._find(ids)
+        out = np.full(len(ids), -1, np.int64)
+        have = slot >= 0
+        out[have] = self.vals[slot[have]]
+        return out
+
+    def insert(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Add ``ids`` (unique, none present) -> ``rows``."""
+        ids = np.ascontiguousarray(ids, np.int64)
+        if self.n + self.tombs + len(ids) > (self.mask + 1) // 2:
+            self._rebuild(self.n + len(ids))
+        h = self._home(ids)
+        todo = np.arange(len(ids))
+        while todo.size:
+            hs = h[todo]
+            free = self.state[hs] != _USED
+            # ids of this batch that probe the same free slot: the first takes it, the rest probe on
+            cand = np.nonzero(free)[0]
+            slots, first = np.unique(hs[cand], return_index=True)
+            won = todo[cand[first]]
+            self.tombs -= int(np.count_nonzero(self.state[slots] == _TOMB))
+            self.keys[slots] = ids[won]
+            self.vals[slots] = rows[won]
+            self.state[slots] = _USED
+            lost = np.ones(len(todo), bool)
+            lost[cand[first]] = False
+            todo = todo[lost]
+            h[todo] = (hs[lost] + 1) & self.mask
+        self.n += len(ids)
+
+    def delete(self, ids: np.ndarray) -> None:
+        """Remove ``ids`` (each present)."""
+        slot = self._find(np.ascontiguousarray(ids, np.int64))
+        slot = slot[slot >= 0]
+        self.state[slot] = _TOMB
+        self.n -= len(slot)
+        self.tombs += len(slot)
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, rows) of every entry, in slot order."""
+        used = self.state == _USED
+        return self.keys[used].copy(), self.vals[used].copy()
+
+    def values(self) -> np.ndarray:
+        return self.vals[self.state == _USED].copy()
+
+    def _rebuild(self, need: int) -> None:
+        ids, rows = self.items()
+        cap = self.mask + 1
+        while cap < 2 * need:
+            cap *= 2
+        self._alloc(cap)
+        self.n = 0
+        if len(ids):
+            self.insert(ids, rows)
