@@ -169,7 +169,11 @@ class Trainer:
         self._staging = [torch.empty(n, pin_memory=cuda) for _ in range(2)]
         self._send = [torch.empty(n, pin_memory=cuda) for _ in range(2)]
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{config.worker_name}-io")  # fetch + push
-        self._tables_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix=f"{config.worker_name}-push")
+        # one thread per table each for fetches and pushes: a BSP fetch blocks its thread until the round
+        # completes, and the pushes that complete it must never queue behind it
+        per = max(1, len(self.binding.embeddings))
+        self._fetch_pool = ThreadPoolExecutor(max_workers=per, thread_name_prefix=f"{config.worker_name}-fetch")
+        self._push_pool = ThreadPoolExecutor(max_workers=per, thread_name_prefix=f"{config.worker_name}-push")
         self._hb_stop = threading.Event()
         self.clock = 0
         self._rng = np.random.default_rng([config.seed, config.worker_index, 99])
@@ -191,18 +195,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ io
     def _fetch(self, step: int, batch: Any) -> _Fetched:
+        """Dense parameters and the batch's sparse rows for ``step``: the tables concurrently."""
         clock, versions = 0, ()
+        futs = {}
+        policy = self.sparse_policy(step)
+        if self.task.sparse_ids is not None:
+            for name, ids in self.task.sparse_ids(batch).items():
+                futs[name] = self._fetch_pool.submit(self.binding.embeddings[name].fetch, ids, policy)
         if self.binding.numel:
             _, (clock, versions) = self.client.pull_dense(
                 self.binding.dense_table, out=self._staging[step % 2], policy=self.dense_policy(step), return_clock=True
             )
         rows = {}
-        if self.task.sparse_ids is not None:
-            policy = self.sparse_policy(step)
-            for name, ids in self.task.sparse_ids(batch).items():
-                rows[name] = r = self.binding.embeddings[name].fetch(ids, policy)
-                if policy.sync:
-                    clock = min(clock, r.clock) if self.binding.numel else r.clock
+        for name, fut in futs.items():
+            rows[name] = r = fut.result()
+            if policy.sync:
+                clock = min(clock, r.clock) if self.binding.numel else r.clock
         return _Fetched(step, batch, clock, versions, rows)
 
     def _push(self, step: int, grad: torch.Tensor | None, versions: tuple[int, ...], sparse: list[SparseGrad]) -> tuple[list[int], int]:
@@ -218,7 +226,7 @@ class Trainer:
             jobs.append(functools.partial(
                 self.client.push_sparse, g.table, g.ids, g.grads, g.base_versions, policy=self.sparse_policy(step)
             ))
-        futs = [self._tables_pool.submit(j) for j in jobs[1:]]  # tables concurrently; the first in this thread
+        futs = [self._push_pool.submit(j) for j in jobs[1:]]  # tables concurrently; the first in this thread
         results = [jobs[0]()] if jobs else []
         results += [f.result() for f in futs]
         for r in results:
@@ -287,7 +295,8 @@ class Trainer:
             except Exception as e:  # noqa: BLE001 - the lease will expire instead
                 log.warning("leave failed: %s", e)
             self._pool.shutdown(wait=True)
-            self._tables_pool.shutdown(wait=True)
+            self._fetch_pool.shutdown(wait=True)
+            self._push_pool.shutdown(wait=True)
             if self.metrics_file:
                 self.metrics_file.close()
 
