@@ -349,17 +349,7 @@ class Orchestrator:
 
     def _finish_round(self, rec: dict[str, Any], t0: float, traffic: dict[str, list[int]], stop: threading.Event) -> None:
         self._evaluate(rec["round"], stop, rec, traffic)
-        rec["round_s"] = time.monotonic() - t0  # includes wait_s
-        rec["wait_s"], self.waited = self.waited, 0.0
-        rec["elapsed_s"] = time.monotonic() - self.started
-        rec["train_elapsed_s"] = time.monotonic() - (self.training_started or self.started)
-        rec["bytes_up"] = int(sum(v[0] for v in traffic.values()))
-        rec["bytes_down"] = int(sum(v[1] for v in traffic.values()))
-        rec["clients"] = {k: {"up": v[0], "down": v[1]} for k, v in sorted(traffic.items())}
-        self.history.append(rec)
-        self._checkpoint()
-        if self.on_round is not None:
-            self.on_round(rec)
+        self._record_round(rec, t0, traffic)
         log.info(
             "round %d: %s/%s answered, %.3f s, central %s",
             rec["round"], rec.get("answered"), rec.get("sampled"), rec["round_s"], rec.get("central_metrics"),
@@ -459,6 +449,10 @@ class Orchestrator:
             rec["central_loss"] = float(loss)
             rec["central_metrics"] = {k: float(v) for k, v in metrics.items()}
         rec["eval_s"] = time.monotonic() - t_eval
+        self._record_round(rec, t0, traffic)
+
+    def _record_round(self, rec: dict[str, Any], t0: float, traffic: dict[str, list[int]]) -> None:
+        """Timings and traffic into ``rec``; append it to the history, checkpoint, notify."""
         rec["round_s"] = time.monotonic() - t0  # includes wait_s
         rec["wait_s"], self.waited = self.waited, 0.0
         rec["elapsed_s"] = time.monotonic() - self.started
