@@ -372,8 +372,10 @@ def run_ps_job(job: dict[str, Any]) -> dict[str, Any]:
     from worker.trainer import TrainConfig, Trainer
 
     task = load_task(job["task"], **job["task_opts"])
-    cfg = TrainConfig(**job["cfg"])
-    with PSClient(job["addrs"], timeout=max(60.0, 3 * cfg.lease_s), wire_dtype=cfg.wire_dtype) as client:
+    opts = dict(job["cfg"])
+    wire_dtype = opts.pop("wire_dtype", None)  # the client's setting, not the trainer's
+    cfg = TrainConfig(**opts)
+    with PSClient(job["addrs"], timeout=max(60.0, 3 * cfg.lease_s), wire_dtype=wire_dtype) as client:
         client.wait_ready(timeout=60)
         summary = Trainer(task, client, cfg).run()
     return {"summary": asdict(summary)}

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import numpy as np
 import torch
@@ -84,7 +84,6 @@ class PSEmbedding(nn.Module):
         self.policy: SyncPolicy | None = None  # the trainer sets the policy of the current step
         self._prefetched: _Rows | None = None
         self._pending: list[tuple[_Rows, torch.Tensor]] = []
-        self.pull_s = 0.0  # time spent in pulls forward had to make itself (not prefetched)
 
     def extra_repr(self) -> str:
         return f"table={self.table!r}, dim={self.dim}, mode={self.mode}, optimizer={self.optimizer.name}"
@@ -109,10 +108,7 @@ class PSEmbedding(nn.Module):
             p.ids is ids or (p.ids.shape == ids.shape and torch.equal(p.ids.to(ids.device), ids))
         ):
             return p
-        t0 = time.perf_counter()
-        rows = self.fetch(ids, self.policy)
-        self.pull_s += time.perf_counter() - t0
-        return rows
+        return self.fetch(ids, self.policy)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         r = self._rows_for(ids)
@@ -210,9 +206,6 @@ class ModelBinding:
     def set_policy(self, policy: SyncPolicy | None) -> None:
         for m in self.embeddings.values():
             m.policy = policy
-
-    def named_embeddings(self) -> Iterable[tuple[str, PSEmbedding]]:
-        return self.embeddings.items()
 
     def load_flat(self, values: Any) -> None:
         """Copy pulled dense values (a host tensor, pinned on CUDA) into the model's parameters."""

@@ -104,7 +104,7 @@ def _worker(args: argparse.Namespace) -> int:
         staleness_aware_lr=args.staleness_aware_lr, steps=args.steps, batch_size=args.batch_size,
         worker_index=args.worker_index, num_workers=args.num_workers, device=args.device, lease_s=args.lease,
         overlap=not args.no_overlap, eval_every=args.eval_every, max_seconds=args.max_seconds, seed=args.seed,
-        wire_dtype=args.wire_dtype, progress=not args.no_progress, metrics_out=args.metrics_out, name=args.name,
+        progress=not args.no_progress, metrics_out=args.metrics_out, name=args.name,
         slowdown=args.slowdown, jitter_ms=args.jitter_ms,
     )
     stop = threading.Event()

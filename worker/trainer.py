@@ -72,7 +72,6 @@ class TrainConfig:
     log_every: int = 10  # steps per metrics record
     max_seconds: float = 0.0  # stop after this long (0: no limit)
     seed: int = 0
-    wire_dtype: str | None = None
     progress: bool = True
     metrics_out: str | None = None
     name: str = ""  # worker name on the shards (default: w<index>)
