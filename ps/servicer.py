@@ -174,7 +174,9 @@ class PSServicer:
         req, _ = self._decode(pb.HeartbeatRequest, raw)
         if not req.worker:
             raise InvalidArgumentError("Heartbeat: worker name is empty")
-        view = self.shard.heartbeat(req.worker, req.leave)
+        if req.clock < 0:
+            raise InvalidArgumentError(f"Heartbeat: clock must be >= 0, got {req.clock}")
+        view = self.shard.heartbeat(req.worker, req.leave, req.clock)
         return self._out(membership_to_proto(view).SerializeToString())
 
     # ------------------------------------------------------------------ dense

@@ -210,11 +210,16 @@ class Shard:
         self.membership.join(worker, lease_s)
         return self._view(worker)
 
-    def heartbeat(self, worker: str, leave: bool = False) -> MembershipView:
+    def heartbeat(self, worker: str, leave: bool = False, clock: int = 0) -> MembershipView:
+        """Renew ``worker``'s lease (rejoining it if it had expired) and raise its clock to ``clock``
+        (a worker that joins a run under way declares the step it starts from)."""
         if leave:
             self.membership.leave(worker)
             return self._view(worker)
-        return self._view(worker, self.membership.touch(worker))
+        rejoined = self.membership.touch(worker)
+        if clock > 0:
+            self.membership.advance(worker, clock - 1)
+        return self._view(worker, rejoined)
 
     def wait(self, name: str, policy: SyncPolicy, timeout: float) -> int:
         """Block until ``policy`` lets a worker read ``name`` for step ``policy.clock``; returns the table's BSP clock."""

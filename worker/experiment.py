@@ -256,7 +256,7 @@ def summary_table(results: dict[str, Any]) -> str:
 
     for label, m in results["modes"].items():
         sm = m["summary"]
-        if not sm:
+        if not m.get("complete") or "mean_staleness" not in sm:
             lines.append(f"| {label} | (interrupted) | | | | | |")
             continue
         lines.append(

@@ -174,7 +174,8 @@ class Trainer:
         self._fetch_pool = ThreadPoolExecutor(max_workers=per, thread_name_prefix=f"{config.worker_name}-fetch")
         self._push_pool = ThreadPoolExecutor(max_workers=per, thread_name_prefix=f"{config.worker_name}-push")
         self._hb_stop = threading.Event()
-        self.clock = 0
+        self.clock = 0  # the step being computed
+        self.committed = 0  # steps whose pushes have completed (what heartbeats report)
         self._rng = np.random.default_rng([config.seed, config.worker_index, 99])
         self.metrics_file: TextIO | None = None
         self._t0 = time.monotonic()
@@ -228,6 +229,7 @@ class Trainer:
         futs = [self._push_pool.submit(j) for j in jobs[1:]]  # tables concurrently; the first in this thread
         results = [jobs[0]()] if jobs else []
         results += [f.result() for f in futs]
+        self.committed = max(self.committed, step + 1)
         for r in results:
             late += r.late
             if hasattr(r, "versions"):
@@ -247,7 +249,7 @@ class Trainer:
         period = self.cfg.lease_s / 4
         while not self._hb_stop.wait(period):
             try:
-                self.client.heartbeat(self.clock)
+                self.client.heartbeat(self.committed)
             except Exception as e:  # noqa: BLE001 - a missed heartbeat is retried; the lease absorbs it
                 log.warning("heartbeat failed: %s", e)
 
@@ -258,6 +260,7 @@ class Trainer:
         views = self.client.join(self.cfg.lease_s)
         # at the start of a run, wait for all num_workers (so step 0 is everyone's); a worker that joins
         # a run already under way starts at once from the current clock
+        joining_late = self._under_way(views)
         deadline = time.monotonic() + self.cfg.start_timeout_s
         while not self._under_way(views) and min(len(v.live) for v in views) < self.cfg.num_workers:
             if time.monotonic() > deadline:
@@ -271,7 +274,10 @@ class Trainer:
         if self.cfg.mode in ("sync", "hybrid"):
             return min(v.sync_clock for v in views)
         others = [v.min_clock for v in views if v.min_clock >= 0]
-        return min(others) if others else 0
+        start = min(others) if others and joining_late else 0
+        if start:
+            self.client.heartbeat(start)  # the shards count this worker from its start, for SSP waits
+        return start
 
     @staticmethod
     def _under_way(views: list[Any]) -> bool:
@@ -282,7 +288,7 @@ class Trainer:
         if cfg.metrics_out:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics_out)), exist_ok=True)
             self.metrics_file = open(cfg.metrics_out, "a")
-        start = self.clock = self.join()
+        start = self.clock = self.committed = self.join()
         hb = threading.Thread(target=self._heartbeats, name=f"{cfg.worker_name}-heartbeat", daemon=True)
         hb.start()
         try:

@@ -29,6 +29,7 @@ def _raw(cluster, method: str, msg) -> grpc.RpcError:
         ("Join", pb.JoinRequest(worker=""), grpc.StatusCode.INVALID_ARGUMENT, "worker name is empty"),
         ("Join", pb.JoinRequest(worker="w", lease_ms=-5), grpc.StatusCode.INVALID_ARGUMENT, "lease_ms must be >= 0"),
         ("Heartbeat", pb.HeartbeatRequest(worker=""), grpc.StatusCode.INVALID_ARGUMENT, "worker name is empty"),
+        ("Heartbeat", pb.HeartbeatRequest(worker="w", clock=-1), grpc.StatusCode.INVALID_ARGUMENT, "clock must be >= 0"),
         ("Join", b"\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT, "JoinRequest"),
     ],
 )
@@ -103,3 +104,15 @@ def test_a_retried_bsp_push_is_late_not_applied_twice(inproc_cluster) -> None:
     np.testing.assert_allclose(a.pull_dense("t"), -np.ones(8))
     stats = a.stats()[0]
     assert [w.name for w in stats.workers if w.live] == ["a"]
+
+
+def test_a_late_joiner_declares_its_start_clock_so_ssp_does_not_wait_on_it(inproc_cluster) -> None:
+    cluster = inproc_cluster(1)
+    a = _sync_client(cluster, "a")
+    for c in range(5):
+        a.push_dense("t", np.ones(8, np.float32), policy=SyncPolicy(clock=c, staleness=2))
+    b = cluster.client(worker="b", timeout=1.0)
+    view = b.join()[0]
+    assert view.min_clock == 5  # where the others are
+    b.heartbeat(5)  # b starts at step 5
+    a.pull_dense("t", policy=SyncPolicy(clock=7, staleness=2))  # slowest (b) is at 5 = 7 - 2: no wait

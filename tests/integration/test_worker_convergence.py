@@ -15,7 +15,7 @@ from worker import TrainConfig, Trainer, load_task
 
 CASES = {
     # task: (task options, steps, batch size, floor for sync's metric)
-    "digits": ({}, 400, 32, 0.94),
+    "digits": ({}, 600, 32, 0.94),
     "ctr": ({"vocab": 100_000, "test_size": 5000}, 200, 128, 0.62),
 }
 

@@ -58,7 +58,7 @@ def test_sync_dense_matches_one_process_with_the_global_batch(inproc_cluster, ov
     reference = copy.deepcopy(load_task("digits").model)  # same seed: same initial weights as the workers'
     cluster = inproc_cluster(2)
     tasks, seen = _run_workers(cluster, "digits", overlap=overlap)
-    opt = torch.optim.Adam(reference.parameters(), lr=0.01)
+    opt = torch.optim.Adam(reference.parameters(), lr=tasks[0].dense_optimizer.hparams["lr"])  # the table's optimizer
     data = tasks[0].batches(0, 1, W * B, 0)  # the global batch: worker slices concatenated
     for t in range(STEPS):
         want = _flat(reference.parameters())

@@ -36,7 +36,7 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-def make_task(seed: int = 0, hidden: int = 64, lr: float = 0.01, **_: object) -> Task:
+def make_task(seed: int = 0, hidden: int = 64, lr: float = 0.005, **_: object) -> Task:
     x_tr, y_tr, x_te, y_te = load_split()
     n = len(x_tr)
     torch.manual_seed(seed)
