@@ -77,3 +77,30 @@ def test_sigkilled_sync_worker_is_dropped_and_a_new_worker_joins(proc_cluster, t
     assert 0 < s2["steps"] < STEPS - killed_at
     final = [r for r in _records(m0) if r["kind"] == "eval" and r.get("final")][-1]
     assert final["accuracy"] > 0.85, final  # the run still trained to a useful model
+
+
+def test_sigterm_finishes_the_push_in_flight_leaves_and_exits_0(proc_cluster, tmp_path) -> None:
+    addresses = proc_cluster(2)
+    m = str(tmp_path / "w.jsonl")
+    cmd = [
+        sys.executable, "-m", "tessera.cli", "worker", "--ps", ",".join(addresses), "--task", "digits",
+        "--mode", "async", "--steps", "1000000", "--batch-size", "16", "--device", "cpu",
+        "--metrics-out", m, "--no-progress", "--torch-threads", "1",
+    ]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: _clock(m) >= 30, 90, "the worker to train 30 steps")
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err[-2000:]
+    summary = [r for r in _records(m) if r["kind"] == "summary"][-1]
+    assert summary["stopped_early"] and summary["steps"] >= 30
+    with PSClient(addresses, timeout=10) as c:
+        stats = c.stats()
+    # every step it trained was pushed before it left: the dense table's version counts them all
+    versions = {t.version for s in stats for t in s.tables if t.name == "digits/dense"}
+    assert versions == {summary["steps"]}, (versions, summary["steps"])
+    assert all(not w.live for s in stats for w in s.workers), "the worker left the shards"
