@@ -83,6 +83,8 @@ def add_worker_commands(sub: Any) -> None:
     c.add_argument("--straggler", default="", help="WORKERxFACTOR, e.g. 1x4: worker 1 computes 4x slower")
     c.add_argument("--jitter", type=float, default=0.0, metavar="MS", help="random per-step delay on every worker (mean MS)")
     c.add_argument("--net-delay", type=float, default=0.0, metavar="MS", help="delay added to the last worker's RPCs")
+    c.add_argument("--netem", action="store_true",
+                   help="make --net-delay a real link delay: the last worker runs in a network namespace behind tc netem (root)")
     c.add_argument("--target", type=float, default=None, help="test metric to reach (default: 99%% of the worst mode's best)")
     c.add_argument("--quick", action="store_true", help="a small run (~2 minutes on 2 cores)")
     c.add_argument("--out", default="tessera-experiment")
@@ -139,9 +141,16 @@ def _experiment(args: argparse.Namespace) -> int:
         task=args.task, workers=args.workers, shards=args.shards,
         modes=tuple(parse_modes(args.modes, args.staleness_aware_lr)), steps=steps,
         batch_size=args.batch_size or (64 if args.quick else 128), eval_every=args.eval_every or max(1, steps // 12),
-        seed=args.seed, straggler=args.straggler, jitter_ms=args.jitter, net_delay_ms=args.net_delay,
+        seed=args.seed, straggler=args.straggler, jitter_ms=args.jitter, net_delay_ms=args.net_delay, netem=args.netem,
         target=args.target, task_opts=opts, out=args.out,
     )
+    if cfg.netem:
+        from worker.netem import netem_available
+
+        why = netem_available()
+        if why:
+            print(f"tessera experiment: --netem {why}; use --net-delay alone for a delay in software", file=sys.stderr)
+            return 2
     try:
         results = run_experiment(cfg)
     except KeyboardInterrupt:

@@ -18,6 +18,7 @@ Ctrl-C stops every process and keeps the results of the modes finished so far
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -76,6 +77,7 @@ class ExperimentConfig:
     straggler: str = ""  # "I x F": worker I computes F times slower
     jitter_ms: float = 0.0
     net_delay_ms: float = 0.0  # added to the RPCs of the last worker
+    netem: bool = False  # net_delay_ms as a real link delay (tc netem, network namespace; root only)
     target: float | None = None  # test metric to reach (default: 99% of the worst mode's best)
     task_opts: dict[str, Any] = field(default_factory=dict)
     out: str = "tessera-experiment"
@@ -85,6 +87,8 @@ class ExperimentConfig:
             raise ValueError("workers, shards, steps and eval_every must be >= 1")
         if self.straggler:
             self.straggler_of()
+        if self.netem and not self.net_delay_ms:
+            raise ValueError("--netem needs --net-delay MS")
 
     def straggler_of(self) -> tuple[int, float]:
         i, sep, f = self.straggler.partition("x")
@@ -108,8 +112,8 @@ def _worker_flags(cfg: ExperimentConfig, m: ModeSpec, i: int) -> dict[str, Any]:
         idx, factor = cfg.straggler_of()
         if i == idx:
             flags["slowdown"] = factor
-    if cfg.net_delay_ms and i == cfg.workers - 1:
-        flags["rpc_delay_ms"] = cfg.net_delay_ms
+    if cfg.net_delay_ms and not cfg.netem and i == cfg.workers - 1:
+        flags["rpc_delay_ms"] = cfg.net_delay_ms  # in software; with netem the link itself is slow
     return flags
 
 
@@ -172,6 +176,7 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True) -> dict[str, An
     from tqdm import tqdm
 
     from worker.launch import LocalRun
+    from worker.netem import NetemLink
     from worker.tasks import load_task
 
     task = load_task(cfg.task, seed=cfg.seed, **cfg.task_opts)
@@ -189,9 +194,12 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True) -> dict[str, An
             records: list[dict] = []
             results["modes"][m.label] = {"spec": asdict(m), "series": [], "summary": {}, "complete": False}
             done_before = bar.n
-            with LocalRun(out, cfg.shards) as run:
+            with contextlib.ExitStack() as stack:
+                link = stack.enter_context(NetemLink(cfg.net_delay_ms)) if cfg.netem else None
+                run = stack.enter_context(LocalRun(out, cfg.shards, host=link.host_address if link else "127.0.0.1"))
                 flags = [_worker_flags(cfg, m, i) for i in range(cfg.workers)]
-                run.start_workers(cfg.workers, f"{m.label.replace(':', '')}-", flags)
+                wrap = {cfg.workers - 1: link.prefix()} if link else None
+                run.start_workers(cfg.workers, f"{m.label.replace(':', '')}-", flags, wrap)
                 while run.running():
                     time.sleep(0.3)
                     new = run.poll()
@@ -243,7 +251,8 @@ def summary_table(results: dict[str, Any]) -> str:
     lines = [
         f"task {s['task']}, {s['workers']} workers, {s['shards']} shards, {s['steps']} steps x batch {s['batch_size']}, "
         f"seed {s['seed']}" + (f", straggler {s['straggler']}" if s["straggler"] else "")
-        + (f", jitter {s['jitter_ms']} ms" if s["jitter_ms"] else "") + (f", net delay {s['net_delay_ms']} ms" if s["net_delay_ms"] else ""),
+        + (f", jitter {s['jitter_ms']} ms" if s["jitter_ms"] else "")
+        + (f", net delay {s['net_delay_ms']} ms{' (tc netem)' if s.get('netem') else ''}" if s["net_delay_ms"] else ""),
         "",
         f"target {metric}: {target:.4f}" if target is not None else "target: none",
         "",

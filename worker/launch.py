@@ -35,10 +35,11 @@ class LocalRun:
     ``poll()`` returns the metrics records written since the last call.
     """
 
-    def __init__(self, out_dir: str, num_shards: int, lease_s: float = 5.0) -> None:
+    def __init__(self, out_dir: str, num_shards: int, lease_s: float = 5.0, host: str = "127.0.0.1") -> None:
         self.out_dir = out_dir
         self.num_shards = num_shards
         self.lease_s = lease_s
+        self.host = host
         self.procs: list[subprocess.Popen] = []
         self.workers: list[subprocess.Popen] = []
         self.addresses: list[str] = []
@@ -49,7 +50,7 @@ class LocalRun:
         from ps.cli import start_local_shards
 
         os.makedirs(self.out_dir, exist_ok=True)
-        procs, self.addresses = start_local_shards(self.num_shards, ("--lease", str(self.lease_s)))
+        procs, self.addresses = start_local_shards(self.num_shards, ("--lease", str(self.lease_s), "--host", self.host))
         self.procs += procs
         return self
 
@@ -58,12 +59,16 @@ class LocalRun:
 
         stop_processes(self.procs, grace=10)
 
-    def start_workers(self, num_workers: int, prefix: str, per_worker: Sequence[dict[str, Any]]) -> None:
+    def start_workers(
+        self, num_workers: int, prefix: str, per_worker: Sequence[dict[str, Any]],
+        wrap: dict[int, list[str]] | None = None,
+    ) -> None:
+        """``wrap[i]``: a command prefix for worker i (e.g. ``ip netns exec NS``)."""
         for i in range(num_workers):
             path = os.path.join(self.out_dir, f"{prefix}w{i}.jsonl")
             if os.path.exists(path):
                 os.remove(path)
-            cmd = worker_command(self.addresses, i, num_workers, path, lease=self.lease_s, **per_worker[i])
+            cmd = (wrap or {}).get(i, []) + worker_command(self.addresses, i, num_workers, path, lease=self.lease_s, **per_worker[i])
             p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             self.procs.append(p)
             self.workers.append(p)

@@ -1,0 +1,48 @@
+"""A real slow link (network namespace + veth + tc netem) for experiments: RPCs from inside the namespace
+reach a shard on the host across the link and, where the kernel has netem, take the delay; RPCs from the
+host do not. Needs root and iproute2 (skipped elsewhere)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ps.client import PSClient
+from ps.config import ShardConfig
+from ps.server import build_server
+from worker.netem import NetemLink, namespaces_available, netem_available
+
+pytestmark = pytest.mark.skipif(namespaces_available() is not None, reason=str(namespaces_available()))
+
+PROBE = """
+import sys, time
+from ps.client import PSClient
+c = PSClient([sys.argv[1]], timeout=10)
+c.stats()
+t = time.perf_counter(); c.stats(); print(time.perf_counter() - t)
+"""
+
+
+@pytest.mark.parametrize("delay_ms", [0, 40])
+def test_rpcs_from_the_namespace_cross_the_link(delay_ms: int) -> None:
+    if delay_ms and netem_available():
+        pytest.skip(str(netem_available()))
+    with NetemLink(delay_ms, name=f"tt{time.monotonic_ns() % 10000}") as link:
+        server, port, shard = build_server(ShardConfig(host=link.host_address))
+        try:
+            address = f"{link.host_address}:{port}"
+            with PSClient([address], timeout=10) as c:  # from the host: no delay
+                c.stats()
+                t = time.perf_counter()
+                c.stats()
+                direct = time.perf_counter() - t
+            out = subprocess.run(link.prefix() + [sys.executable, "-c", PROBE, address], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr[-2000:]
+            delayed = float(out.stdout.split()[-1])
+        finally:
+            server.stop(0)
+            shard.close()
+    assert delayed >= delay_ms / 1000, delayed  # one round trip: the request leaves through the link
+    assert direct < 0.030, direct
