@@ -129,6 +129,12 @@ def _worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ctrl_c_interrupts() -> None:
+    """Ctrl-C raises KeyboardInterrupt (so every child is stopped), even where SIGINT was inherited as
+    ignored (a shell starts background jobs that way)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 # ---------------------------------------------------------------------- experiment
 def _experiment(args: argparse.Namespace) -> int:
     from worker.experiment import ExperimentConfig, parse_modes, run_experiment
@@ -151,6 +157,7 @@ def _experiment(args: argparse.Namespace) -> int:
         if why:
             print(f"tessera experiment: --netem {why}; use --net-delay alone for a delay in software", file=sys.stderr)
             return 2
+    _ctrl_c_interrupts()
     try:
         results = run_experiment(cfg)
     except KeyboardInterrupt:
@@ -169,6 +176,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     from worker.launch import LocalRun
 
+    _ctrl_c_interrupts()
     out = os.path.abspath(args.out)
     print(f"tessera demo: {args.shards} shards + {args.workers} workers ({args.mode}) on loopback, task {args.task}, ~{args.seconds:.0f} s")
     t_start = time.monotonic()
