@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import subprocess
-from typing import Callable, Iterator
+import threading
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -68,3 +69,31 @@ def proc_cluster() -> Iterator[Callable[..., list[str]]]:
 
     yield make
     stop_processes(procs, grace=3.0)
+
+
+@pytest.fixture
+def train_workers() -> Callable[..., dict[int, Any]]:
+    """train_workers(n, make_trainer) -> {i: Summary}: ``make_trainer(i).run()`` for i < n, each in its
+    own thread (workers with their own PSClient); re-raises the first worker error."""
+
+    def run(n: int, make_trainer: Callable[[int], Any], timeout: float = 300.0) -> dict[int, Any]:
+        results: dict[int, Any] = {}
+        errors: list[BaseException] = []
+
+        def one(i: int) -> None:
+            try:
+                results[i] = make_trainer(i).run()
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(i,), name=f"test-worker-{i}") for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+        if errors:
+            raise errors[0]
+        assert len(results) == n, "a worker thread did not finish in time"
+        return results
+
+    return run

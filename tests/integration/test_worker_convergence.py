@@ -7,8 +7,6 @@ Two worker threads, each with its own PSClient, against two real gRPC shards.
 """
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from worker import TrainConfig, Trainer, load_task
@@ -20,36 +18,22 @@ CASES = {
 }
 
 
-def _train(cluster, task: str, opts: dict, mode: str, steps: int, batch: int, **cfg) -> dict[str, float]:
-    results: dict[int, dict[str, float]] = {}
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            t = Trainer(
-                load_task(task, **opts), cluster.client(timeout=60),
-                TrainConfig(mode=mode, steps=steps, batch_size=batch, worker_index=i, num_workers=2, progress=False, **cfg),
-            )
-            results[i] = t.run().metrics
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
-    return results[0]
+def _train(train_workers, cluster, task: str, opts: dict, mode: str, steps: int, batch: int, **cfg) -> dict[str, float]:
+    """Worker 0's final test metrics after 2 workers trained in ``mode``."""
+    results = train_workers(2, lambda i: Trainer(
+        load_task(task, **opts), cluster.client(timeout=60),
+        TrainConfig(mode=mode, steps=steps, batch_size=batch, worker_index=i, num_workers=2, progress=False, **cfg),
+    ))
+    return results[0].metrics
 
 
 @pytest.mark.parametrize("task", sorted(CASES))
-def test_async_and_ssp_reach_syncs_metric(inproc_cluster, task: str) -> None:
+def test_async_and_ssp_reach_syncs_metric(inproc_cluster, train_workers, task: str) -> None:
     opts, steps, batch, floor = CASES[task]
     metric = load_task(task, **opts).metric
     got = {}
     for mode, extra in [("sync", {}), ("async", {}), ("ssp", {"staleness": 4})]:
-        got[mode] = _train(inproc_cluster(2), task, opts, mode, steps, batch, **extra)[metric]
+        got[mode] = _train(train_workers, inproc_cluster(2), task, opts, mode, steps, batch, **extra)[metric]
     assert got["sync"] >= floor, got
     for mode in ("async", "ssp"):
         assert got[mode] >= 0.99 * got["sync"], f"{mode} {metric} {got[mode]:.4f} vs sync {got['sync']:.4f}: {got}"

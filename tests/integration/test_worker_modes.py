@@ -1,7 +1,6 @@
 """Backup workers, hybrid mode and staleness-aware learning rates, end to end over real gRPC shards."""
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -12,36 +11,25 @@ from ps import SyncPolicy
 from worker import TrainConfig, Trainer, load_task
 
 
-def _run(cluster, n: int, task: str, slow: dict[int, float] | None = None, **cfg):
-    summaries, errors = {}, []
-
-    def run(i: int) -> None:
+def _run(train_workers, cluster, n: int, task: str, slow: dict[int, float] | None = None, **cfg):
+    """n workers in threads; worker i sleeps slow[i] seconds per step (a straggler)."""
+    def make(i: int) -> Trainer:
         delay = (slow or {}).get(i, 0.0)
-        try:
-            t = Trainer(
-                load_task(task, **({"vocab": 10_000, "test_size": 500} if task == "ctr" else {})),
-                cluster.client(timeout=60),
-                TrainConfig(worker_index=i, num_workers=n, progress=False, **cfg),
-                on_step=(lambda step, tr: time.sleep(delay)) if delay else None,
-            )
-            summaries[i] = t.run()
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        return Trainer(
+            load_task(task, **({"vocab": 10_000, "test_size": 500} if task == "ctr" else {})),
+            cluster.client(timeout=60),
+            TrainConfig(worker_index=i, num_workers=n, progress=False, **cfg),
+            on_step=(lambda step, tr: time.sleep(delay)) if delay else None,
+        )
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-    return summaries
+    return train_workers(n, make, timeout=120)
 
 
-def test_backup_workers_drop_the_stragglers_gradients(inproc_cluster) -> None:
+def test_backup_workers_drop_the_stragglers_gradients(inproc_cluster, train_workers) -> None:
     """3 workers, 1 backup, worker 2 sleeps 50 ms per step: each step applies the first 2 gradients;
     the straggler's arrive late (not applied) and it keeps up by skipping to the current clock."""
     cluster = inproc_cluster(2)
-    s = _run(cluster, 3, "digits", slow={2: 0.05}, mode="sync", backup_workers=1, steps=40, batch_size=16, evaluate=False)
+    s = _run(train_workers, cluster, 3, "digits", slow={2: 0.05}, mode="sync", backup_workers=1, steps=40, batch_size=16, evaluate=False)
     assert s[2].late_pushes > 0, s[2]
     assert s[0].late_pushes + s[1].late_pushes < s[2].late_pushes
     versions = {t.version for sh in cluster.shards for t in sh.stats().tables if t.name == "digits/dense"}
@@ -49,9 +37,9 @@ def test_backup_workers_drop_the_stragglers_gradients(inproc_cluster) -> None:
     assert all(x.final_clock == 40 for x in s.values())
 
 
-def test_hybrid_is_sync_for_dense_and_async_for_sparse(inproc_cluster) -> None:
+def test_hybrid_is_sync_for_dense_and_async_for_sparse(inproc_cluster, train_workers) -> None:
     cluster = inproc_cluster(2)
-    s = _run(cluster, 2, "ctr", mode="hybrid", steps=30, batch_size=64, evaluate=False)
+    s = _run(train_workers, cluster, 2, "ctr", mode="hybrid", steps=30, batch_size=64, evaluate=False)
     stats = {t.name: t for sh in cluster.shards for t in sh.stats().tables}
     assert stats["ctr/dense"].version == 30 and stats["ctr/dense"].max_staleness == 0  # one mean per clock
     assert stats["ctr/emb"].max_staleness >= 1  # rows updated by the other worker in between: async

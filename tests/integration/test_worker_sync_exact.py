@@ -8,8 +8,6 @@ Workers are threads of this process, each with its own PSClient, against 2 real 
 from __future__ import annotations
 
 import copy
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -21,31 +19,22 @@ from worker import TrainConfig, Trainer, load_task
 W, B, STEPS = 2, 16, 6
 
 
-def _run_workers(cluster, task_name: str, mode: str = "sync", overlap: bool = True, **task_kw):
-    """Train W workers in threads; returns (tasks, per-step flat params per worker)."""
+def _run_workers(train_workers, cluster, task_name: str, overlap: bool = True, **task_kw):
+    """Train W sync workers; returns (tasks, per worker {step: the flat parameters it computed that step from})."""
     tasks = [load_task(task_name, **task_kw) for _ in range(W)]
     seen: list[dict[int, torch.Tensor]] = [{} for _ in range(W)]
-    errors: list[BaseException] = []
 
-    def run(i: int) -> None:
-        def on_step(step: int, tr: Trainer) -> None:
-            seen[i][step] = tr.binding.flat.detach().clone()
-
+    def make(i: int) -> Trainer:
         cfg = TrainConfig(
-            mode=mode, steps=STEPS, batch_size=B, worker_index=i, num_workers=W, progress=False,
+            mode="sync", steps=STEPS, batch_size=B, worker_index=i, num_workers=W, progress=False,
             evaluate=False, overlap=overlap, lease_s=30,
         )
-        try:
-            Trainer(tasks[i], cluster.client(timeout=60), cfg, on_step=on_step).run()
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+        return Trainer(
+            tasks[i], cluster.client(timeout=60), cfg,
+            on_step=lambda step, tr: seen[i].__setitem__(step, tr.binding.flat.detach().clone()),
+        )
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(W)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
+    train_workers(W, make, timeout=120)
     return tasks, seen
 
 
@@ -54,10 +43,10 @@ def _flat(params) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_sync_dense_matches_one_process_with_the_global_batch(inproc_cluster, overlap: bool) -> None:
+def test_sync_dense_matches_one_process_with_the_global_batch(inproc_cluster, train_workers, overlap: bool) -> None:
     reference = copy.deepcopy(load_task("digits").model)  # same seed: same initial weights as the workers'
     cluster = inproc_cluster(2)
-    tasks, seen = _run_workers(cluster, "digits", overlap=overlap)
+    tasks, seen = _run_workers(train_workers, cluster, "digits", overlap=overlap)
     opt = torch.optim.Adam(reference.parameters(), lr=tasks[0].dense_optimizer.hparams["lr"])  # the table's optimizer
     data = tasks[0].batches(0, 1, W * B, 0)  # the global batch: worker slices concatenated
     for t in range(STEPS):
@@ -71,7 +60,7 @@ def test_sync_dense_matches_one_process_with_the_global_batch(inproc_cluster, ov
     assert not torch.equal(_flat(reference.parameters()), seen[0][0]), "parameters never moved"
 
 
-def test_sync_sparse_and_dense_match_one_process(inproc_cluster) -> None:
+def test_sync_sparse_and_dense_match_one_process(inproc_cluster, train_workers) -> None:
     kw = dict(vocab=2000, test_size=100)  # a small id space, so rows are hit repeatedly
     task0 = load_task("ctr", **kw)
     ref_mlp = copy.deepcopy(task0.model.mlp)
@@ -83,7 +72,7 @@ def test_sync_sparse_and_dense_match_one_process(inproc_cluster) -> None:
     ref_emb = torch.nn.Parameter(torch.from_numpy(init.copy()))
 
     cluster = inproc_cluster(2)
-    tasks, seen = _run_workers(cluster, "ctr", **kw)
+    tasks, seen = _run_workers(train_workers, cluster, "ctr", **kw)
 
     opt_dense = torch.optim.Adam(ref_mlp.parameters(), lr=1e-3)
     # the table's optimizer: Adagrad lr 0.05, initial accumulator 0.1 (rows untouched in a step get a
