@@ -35,3 +35,41 @@ def test_experiment_harness_writes_every_mode(tmp_path) -> None:
         assert sm["time_to_target_s"] is not None, label  # the default target is reached by every mode
     assert r["modes"]["sync"]["summary"]["max_staleness"] == 0
     assert "| ssp:2+salr |" in (out / "summary.md").read_text()
+
+
+def test_ctrl_c_stops_every_process_and_keeps_partial_results(tmp_path) -> None:
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "exp"
+    cmd = [
+        sys.executable, "-m", "tessera.cli", "experiment", "consistency", "--task", "digits", "--workers", "2",
+        "--shards", "2", "--modes", "sync,async", "--steps", "30", "--batch-size", "16", "--eval-every", "10",
+        "--out", str(out),
+    ]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not (out / "async-w1.jsonl").exists():  # the first mode is done, the second under way
+            assert time.monotonic() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else "timeout"
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130
+    r = json.loads((out / "results.json").read_text())
+    assert not r["complete"]
+    assert r["modes"]["sync"]["complete"] and r["modes"]["sync"]["series"]
+    assert not r["modes"]["async"]["complete"]
+    assert "| async | (interrupted) |" in (out / "summary.md").read_text()
+    deadline = time.monotonic() + 15
+    while True:  # no process of the experiment is left
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "processes left behind"
+        time.sleep(0.2)
