@@ -3,6 +3,8 @@ from ps.client import DenseResult, PSClient
 from ps.consistency import SyncPolicy
 from ps.config import AdmissionSpec, EvictionSpec, InitializerSpec, OptimizerSpec, ShardConfig, TableSpec
 from ps.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
     InvalidArgumentError,
     NonFiniteError,
     PSError,
@@ -25,6 +27,8 @@ __all__ = [
     "ShardConfig",
     "TableSpec",
     "PSError",
+    "DeadlineExceededError",
+    "FailedPreconditionError",
     "InvalidArgumentError",
     "NonFiniteError",
     "ResourceExhaustedError",
