@@ -95,8 +95,8 @@ def write_tokens(path: str, tokens: Mapping[str, str]) -> None:
 
 
 def new_tokens(identities: Iterable[str]) -> dict[str, str]:
-    """A fresh random 256-bit token per identity."""
-    return {i: secrets.token_urlsafe(32) for i in identities}
+    """A fresh random 256-bit token per identity (hex: never starts with '-', so ``--token T`` parses)."""
+    return {i: secrets.token_hex(32) for i in identities}
 
 
 def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

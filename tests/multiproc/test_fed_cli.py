@@ -47,10 +47,10 @@ def test_server_and_clients_over_tls_with_tokens(procs, tmp_path) -> None:
     assert "listening on" in line, line
     address = line.split("listening on ")[1].split()[0]
     common = ("--server", address, "--task", "digits_logreg", "--root-cert", f"{d}/server.crt", "--reconnect-timeout", "20")
-    intruder = tessera("fed", "client", *common, "--partition", "0/2", "--token", "not-a-token",
+    intruder = tessera("fed", "client", *common, "--partition", "0/2", "--token=not-a-token",
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     procs.append(intruder)
-    clients = [tessera("fed", "client", *common, "--partition", f"{i}/2", "--token", tokens[name], stdout=subprocess.PIPE)
+    clients = [tessera("fed", "client", *common, "--partition", f"{i}/2", f"--token={tokens[name]}", stdout=subprocess.PIPE)
                for i, name in enumerate(("alice", "bob"))]
     procs.extend(clients)
     out_i, err_i = intruder.communicate(timeout=60)
