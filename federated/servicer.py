@@ -29,6 +29,7 @@ from federated.protocol import Task
 from federated.registry import Cancel, Registry, Shutdown
 from federated.wire import answer_from_chunks, blob_chunks, decode_message, task_to_proto
 from tessera.codec import CodecError
+from tessera.rpc import status_of
 from tessera.security import TokenTable, identity_of
 from tessera.v1 import fed_pb2 as pb
 
@@ -51,13 +52,6 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
 }
 
 _END = object()
-
-
-def _status_of(exc: BaseException) -> grpc.StatusCode:
-    for cls in type(exc).__mro__:
-        if cls in STATUS_OF:
-            return STATUS_OF[cls]
-    return grpc.StatusCode.INTERNAL
 
 
 class FedServicer:
@@ -91,7 +85,7 @@ class FedServicer:
         return who
 
     def _fail(self, method: str, context: grpc.ServicerContext, exc: BaseException) -> None:
-        code = _status_of(exc)
+        code = status_of(exc, STATUS_OF)
         with self._count_lock:
             self.errors[code.name] += 1
         if code == grpc.StatusCode.INTERNAL:

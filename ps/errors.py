@@ -1,5 +1,5 @@
 """The PS error tree. Domain code raises these; the servicer maps each class to one
-gRPC status code (see ``ps.servicer.STATUS_OF``) and the client maps codes back."""
+gRPC status code (``ps.servicer.STATUS_OF``, looked up by ``tessera.rpc.status_of``) and the client maps codes back."""
 from __future__ import annotations
 
 __all__ = [

@@ -29,6 +29,7 @@ from ps.shard import Shard
 from ps.table import ASSIGN, GRADIENT, DenseTable
 from ps.wire import info_to_proto, membership_to_proto, policy_from_proto, spec_from_proto, stats_to_proto
 from tessera.codec import WIRE_FLOAT_DTYPES, CodecError, byte_view, from_wire, pack, to_wire, unpack
+from tessera.rpc import status_of
 from tessera.v1 import ps_pb2 as pb
 
 __all__ = ["PSServicer", "STATUS_OF", "SERVICE_NAME"]
@@ -56,13 +57,6 @@ def _time_left(context: grpc.ServicerContext) -> float:
     return _WAIT_DEFAULT_S if left is None else max(0.0, left - 0.05)
 
 
-def _status_of(exc: BaseException) -> grpc.StatusCode:
-    for cls in type(exc).__mro__:
-        if cls in STATUS_OF:
-            return STATUS_OF[cls]
-    return grpc.StatusCode.INTERNAL
-
-
 class PSServicer:
     """Handlers take (request bytes or iterator of bytes, context) and return bytes."""
 
@@ -71,7 +65,7 @@ class PSServicer:
 
     # ------------------------------------------------------------------ plumbing
     def _fail(self, method: str, context: grpc.ServicerContext, exc: BaseException) -> None:
-        code = _status_of(exc)
+        code = status_of(exc, STATUS_OF)
         self.shard.errors[code.name] += 1
         if code == grpc.StatusCode.INTERNAL:
             log.exception("%s failed", method)
@@ -204,12 +198,7 @@ class PSServicer:
                         yield from self._push_dense_sync(msg, pl, request_iterator, table, worker, policy)
                         return
                     update = table.begin_update(op, msg.base_version, staleness_aware_lr=policy.staleness_aware_lr)
-                elif msg.table and msg.table != table.spec.name:  # type: ignore[union-attr]
-                    raise InvalidArgumentError(f"push to table {table.spec.name!r} carries a chunk for {msg.table!r}")  # type: ignore[union-attr]
-                name = table.spec.name  # type: ignore[union-attr]
-                dtype = _float_dtype(msg.dtype, name, "dtype")
-                data = from_wire(pl.get(15, b""), dtype, None, what=f"table {name!r}: chunk at offset {msg.offset}")
-                values = update.apply(msg.offset, data)
+                values = update.apply(msg.offset, _chunk_data(msg, pl, table.spec.name))  # type: ignore[union-attr]
                 if want:
                     yield self._out(pack(pb.DenseChunk(offset=msg.offset, dtype=reply_dtype), {15: to_wire(values, reply_dtype)[1]}))
                 if msg.last:
@@ -245,10 +234,7 @@ class PSServicer:
         chunks: dict[int, Any] = {}
         msg, pl = first, first_pl
         while True:
-            if msg.table and msg.table != name:
-                raise InvalidArgumentError(f"push to table {name!r} carries a chunk for {msg.table!r}")
-            dtype = _float_dtype(msg.dtype, name, "dtype")
-            data = from_wire(pl.get(15, b""), dtype, None, what=f"table {name!r}: chunk at offset {msg.offset}")
+            data = _chunk_data(msg, pl, name)
             chunks[table.check_chunk(msg.offset, data, chunks)] = data
             if msg.last:
                 break
@@ -316,6 +302,14 @@ class PSServicer:
                 late=out.late, clock=out.clock,
             ).SerializeToString()
         )
+
+
+def _chunk_data(msg: Any, pl: dict[int, memoryview], table: str) -> Any:
+    """A pushed DenseChunk's values (a view of the request's bytes), after checking it is for ``table``."""
+    if msg.table and msg.table != table:
+        raise InvalidArgumentError(f"push to table {table!r} carries a chunk for {msg.table!r}")
+    dtype = _float_dtype(msg.dtype, table, "dtype")
+    return from_wire(pl.get(15, b""), dtype, None, what=f"table {table!r}: chunk at offset {msg.offset}")
 
 
 def _float_dtype(dtype: str, table: str, field: str) -> str:

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Callable, TypeVar
+from typing import Callable, Mapping, TypeVar
 
 import grpc
 
-__all__ = ["DEFAULT_MAX_MESSAGE", "server_options", "channel_options", "retry_unavailable", "DelayInterceptor"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGE", "server_options", "channel_options", "retry_unavailable", "DelayInterceptor", "status_of",
+]
 
 DEFAULT_MAX_MESSAGE = 64 << 20  # bulk data is chunked well below this
 
@@ -30,6 +32,14 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE) -> list[tuple[
         ("grpc.max_reconnect_backoff_ms", 2000),
         ("grpc.enable_retries", 0),  # we retry ourselves: only UNAVAILABLE, with backoff
     ]
+
+
+def status_of(exc: BaseException, table: Mapping[type[BaseException], grpc.StatusCode]) -> grpc.StatusCode:
+    """The status code ``table`` gives ``exc``: the first match along its class's MRO; INTERNAL if none."""
+    for cls in type(exc).__mro__:
+        if cls in table:
+            return table[cls]
+    return grpc.StatusCode.INTERNAL
 
 
 def retry_unavailable(
