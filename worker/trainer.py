@@ -182,14 +182,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ policies
     def dense_policy(self, step: int) -> SyncPolicy:
-        c = self.cfg
-        if c.mode in ("sync", "hybrid"):
-            return SyncPolicy(clock=step, sync=True, backup_workers=c.backup_workers)
-        return SyncPolicy(clock=step, staleness=c.staleness if c.mode == "ssp" else -1, staleness_aware_lr=c.staleness_aware_lr)
+        return self._policy(step, sync=self.cfg.mode in ("sync", "hybrid"))
 
     def sparse_policy(self, step: int) -> SyncPolicy:
+        return self._policy(step, sync=self.cfg.mode == "sync")  # hybrid: sparse tables are async
+
+    def _policy(self, step: int, sync: bool) -> SyncPolicy:
         c = self.cfg
-        if c.mode == "sync":
+        if sync:
             return SyncPolicy(clock=step, sync=True, backup_workers=c.backup_workers)
         return SyncPolicy(clock=step, staleness=c.staleness if c.mode == "ssp" else -1, staleness_aware_lr=c.staleness_aware_lr)
 
@@ -324,6 +324,18 @@ class Trainer:
         metrics: dict[str, float] = {}
         stopped_early = False
 
+        def finish_push(f: Future) -> float:
+            """Wait for a push; collect the staleness it measured. Returns the seconds waited."""
+            nonlocal push_wait, late
+            t1 = time.perf_counter()
+            measured, lates = f.result()
+            stale_all.extend(measured)
+            late += lates
+            waited = time.perf_counter() - t1
+            push_wait += waited
+            window["push"] += waited
+            return waited
+
         self._record(kind="start", step=step)
         fut: Future | None = self._pool.submit(self._fetch, step, next(data)) if step < cfg.steps else None
         while fut is not None:
@@ -364,13 +376,7 @@ class Trainer:
             self._perturb(time.perf_counter() - t0)
             send = self._send[step % 2]
             if push_fut is not None:  # the window: the previous push must be done before this one starts
-                t1 = time.perf_counter()
-                s, l = push_fut.result()
-                stale_all += s
-                late += l
-                push_wait += (w := time.perf_counter() - t1)
-                window["push"] += w
-                t0 += w
+                t0 += finish_push(push_fut)
             if b.numel:
                 send.copy_(b.flat_grad, non_blocking=True)
                 if self.device.type == "cuda":
@@ -381,13 +387,8 @@ class Trainer:
             push_fut = self._pool.submit(self._push, step, send if b.numel else None, f.versions, sparse)
             losses.append(last_loss)
             if not cfg.overlap:
-                t1 = time.perf_counter()
-                s, l = push_fut.result()
-                stale_all += s
-                late += l
+                finish_push(push_fut)
                 push_fut = None
-                push_wait += (w := time.perf_counter() - t1)
-                window["push"] += w
                 if step + 1 < cfg.steps:
                     fut = self._pool.submit(self._fetch, step + 1, next(data))
             if self.on_step is not None:
@@ -412,11 +413,7 @@ class Trainer:
             if cfg.eval_every and cfg.worker_index == 0 and cfg.evaluate and task.evaluate and step % cfg.eval_every == 0 and fut is not None:
                 metrics = self._evaluate(step, push_fut)
         if push_fut is not None:
-            t1 = time.perf_counter()
-            s, l = push_fut.result()
-            stale_all += s
-            late += l
-            push_wait += time.perf_counter() - t1
+            finish_push(push_fut)
         if bar is not None:
             bar.close()
         seconds = time.monotonic() - t_start
