@@ -18,6 +18,7 @@ Ctrl-C stops every process and keeps the results of the modes finished so far
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import math
@@ -123,12 +124,13 @@ def _series(records: list[dict], metric: str) -> list[dict]:
     t0 = min((r["time"] for r in records if r["kind"] == "start"), default=0.0)  # training began (after startup)
     evals = sorted((r for r in records if r["kind"] == "eval" and metric in r), key=lambda r: r["time"])
     loss_at = sorted((r["time"], r["loss"]) for r in steps if r["worker"] == "w0")
+    times = [t for t, _ in loss_at]
     out = []
     for r in evals:
-        losses = [lo for t, lo in loss_at if t <= r["time"]]
+        k = bisect.bisect_right(times, r["time"])  # worker 0's last loss record at the evaluation
         out.append({
             "time_s": r["time"] - t0, "step": r["step"], "updates": r.get("updates", 0.0), "metric": r[metric],
-            "loss": losses[-1] if losses else math.nan,
+            "loss": loss_at[k - 1][1] if k else math.nan,
         })
     return out
 
@@ -188,10 +190,12 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True) -> dict[str, An
         "higher_is_better": hib, "task_info": task.info, "modes": {}, "complete": False,
     }
     bar = tqdm(total=len(cfg.modes) * cfg.steps, desc="experiment", unit="step", dynamic_ncols=True, disable=not progress)
+    records: list[dict] = []  # the metrics of the mode in progress
+    label = ""
     try:
         for m in cfg.modes:
             bar.set_description(f"experiment {m.label}")
-            records: list[dict] = []
+            records, label = [], m.label
             results["modes"][m.label] = {"spec": asdict(m), "series": [], "summary": {}, "complete": False}
             done_before = bar.n
             with contextlib.ExitStack() as stack:
@@ -204,14 +208,13 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True) -> dict[str, An
                     time.sleep(0.3)
                     new = run.poll()
                     records += new
-                    steps0 = [r["step"] for r in records if r["kind"] == "step" and r["worker"] == "w0"]
+                    steps0 = [r["step"] for r in new if r["kind"] == "step" and r["worker"] == "w0"]
                     if steps0:
                         bar.n = done_before + min(cfg.steps, max(steps0))
                     last = [r for r in new if r["kind"] == "eval"]
                     if last:
                         bar.set_postfix_str(f"{metric} {last[-1][metric]:.4f}")
                     bar.refresh()
-                    results["modes"][m.label]["series"] = _series(records, metric)
                 records += run.poll()
                 failed = run.failures()
                 if failed:
@@ -223,6 +226,8 @@ def run_experiment(cfg: ExperimentConfig, progress: bool = True) -> dict[str, An
         results["complete"] = True
     finally:
         bar.close()
+        if label and not results["modes"][label]["complete"]:  # interrupted: keep what it measured
+            results["modes"][label]["series"] = _series(records, metric)
         finish(results, cfg, out)
     return results
 
