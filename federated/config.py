@@ -58,6 +58,14 @@ class ServerConfig:
     ``eval_fraction`` of the connected clients evaluate the new weights every
     ``eval_every`` rounds (0: never). ``checkpoint``: a file written after every
     round and read at start (resume).
+
+    Randomness: without DP, client sampling is seeded by ``seed`` (reproducible and
+    public: nothing private rests on it). With ``dp``, the client sampling, the
+    central noise and the noise on the adaptive clip count come from the OS CSPRNG
+    (``federated.privacy.secure_rng``, reseeded for every draw), so a client holding
+    the global weights cannot predict and subtract the noise.
+    ``insecure_reproducible_seed`` seeds every server-side draw instead, for
+    reproducibility runs that claim no privacy; it is refused together with ``dp``.
     """
 
     host: str = "127.0.0.1"
@@ -72,7 +80,8 @@ class ServerConfig:
     eval_timeout: float = 0.0  # 0: round_timeout
     wait_timeout: float | None = None  # how long to wait for min_available clients (None: forever)
     max_retries: int = 20
-    seed: int = 0
+    seed: int = 0  # client sampling without DP (public; never used for anything private)
+    insecure_reproducible_seed: int | None = None  # seeded server draws; refused with dp
     checkpoint: str | None = None
     compress: str = ""
     client_config: Mapping[str, float | int | str | bool] = field(default_factory=dict)
@@ -113,6 +122,12 @@ class ServerConfig:
         if self.chunk_bytes < 1024 or self.chunk_bytes + 65536 > self.max_message_bytes:
             raise ConfigError("chunk_bytes must be >= 1 KiB and fit in max_message_bytes with its header")
         parse_compression(self.compress)  # raises ConfigError
+        if self.insecure_reproducible_seed is not None and self.dp is not None:
+            raise ConfigError(
+                "insecure_reproducible_seed makes the server's DP noise and client sampling predictable to anyone "
+                "who knows the seed (a client could subtract the noise); it cannot combine with dp, which reports "
+                "epsilon. Drop the seed for a private run, or dp for a reproducible one."
+            )
         if self.secagg.enabled and self.compress:
             raise ConfigError("secure aggregation sends fixed-point masked updates; it cannot combine with --compress")
 

@@ -23,7 +23,7 @@ from federated.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from federated.compress import encode_raw
 from federated.config import ServerConfig
 from federated.errors import ConfigError, FedError
-from federated.privacy import AdaptiveClip, RDPAccountant, clip_update, noised_mean
+from federated.privacy import AdaptiveClip, RDPAccountant, clip_update, noised_mean, secure_rng
 from federated.protocol import EVALUATE, FIT, Task
 from federated.registry import Pending, Registry
 from federated.strategy import Strategy, StrategyError, Weights
@@ -108,9 +108,9 @@ class Orchestrator:
         self.clip: AdaptiveClip | None = None
         self.accountant: RDPAccountant | None = None
         if self.dp is not None:
-            self.clip = AdaptiveClip.from_config(self.dp, np.random.default_rng([config.seed, 7])) if self.dp.adaptive else None
+            # the count noise protects who was clipped: never from a seed (config refuses one with dp)
+            self.clip = AdaptiveClip.from_config(self.dp, secure_rng()) if self.dp.adaptive else None
             self.accountant = RDPAccountant(self.dp.noise_multiplier, 0.0)
-        self._dp_rng = np.random.default_rng([config.seed, 11])
         if config.checkpoint and os.path.exists(config.checkpoint):
             self._resume(config.checkpoint)
         self.strategy.setup(self.weights)
@@ -162,10 +162,21 @@ class Orchestrator:
             cfg["dp_mode"] = self.dp.mode
         return cfg
 
+    def _seed(self) -> int:
+        s = self.config.insecure_reproducible_seed
+        return self.config.seed if s is None else s
+
+    def dp_rng(self) -> np.random.Generator:
+        """The generator of one DP draw (noise, sampling): fresh from the OS CSPRNG, so
+        that clients cannot predict it (``ServerConfig`` refuses a seed with DP)."""
+        assert self.config.insecure_reproducible_seed is None or self.dp is None
+        return secure_rng()
+
     def _sample(self, ids: list[str], fraction: float, rnd: int, attempt: int, salt: int) -> list[str]:
         n = len(ids)
         k = min(n, max(self.config.min_clients, math.ceil(fraction * n)))
-        rng = np.random.default_rng([self.config.seed, rnd, attempt, salt])
+        # under DP, a client must not know in advance which rounds it (or anyone) takes part in
+        rng = self.dp_rng() if self.dp is not None else np.random.default_rng([self._seed(), rnd, attempt, salt])
         pick = rng.choice(n, size=k, replace=False)
         return [ids[i] for i in sorted(pick.tolist())]
 
@@ -292,7 +303,7 @@ class Orchestrator:
             unclipped += int(r.update.metrics.get("dp_unclipped", 0.0) >= 0.5)
             total = [x.astype(np.float64) for x in d] if total is None else [t + x for t, x in zip(total, d)]
         assert total is not None
-        mean = noised_mean(total, len(received), dp, self._dp_rng, clip_norm=c)
+        mean = noised_mean(total, len(received), dp, self.dp_rng(), clip_norm=c)
         new = self.strategy.aggregate_mean_delta(rnd, self.weights, mean)
         self._account(rec, num_sampled, unclipped, len(received))
         return new
@@ -379,7 +390,7 @@ class Orchestrator:
                 idle = [c for c in ids if c not in in_flight and c not in buffered]
                 if len(in_flight) < want and idle:
                     draws += 1
-                    rng = np.random.default_rng([cfg.seed, draws, 3])
+                    rng = np.random.default_rng([self._seed(), draws, 3])  # no DP here (refused)
                     pick = rng.choice(len(idle), size=min(len(idle), want - len(in_flight)), replace=False)
                     version = self.round
                     if version not in blob_of:

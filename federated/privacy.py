@@ -32,6 +32,7 @@ round / all clients, as in McMahan et al. 2018.
 from __future__ import annotations
 
 import math
+import secrets
 from dataclasses import dataclass
 from typing import Any, Literal, Sequence, Union
 
@@ -43,6 +44,7 @@ __all__ = [
     "clip_update",
     "global_norm",
     "gaussian_noise",
+    "secure_rng",
     "privatize_update",
     "noised_mean",
     "AdaptiveClip",
@@ -140,6 +142,15 @@ def clip_update(delta: Weights, max_norm: float) -> tuple[Weights, float]:
     norm = global_norm(ws)
     scale = min(1.0, c / norm) if norm > 0 else 1.0
     return [(a.astype(np.float64) * scale).astype(a.dtype) for a in ws], norm
+
+
+def secure_rng() -> np.random.Generator:
+    """A generator seeded with 128 bits from the OS CSPRNG (``secrets``), fresh on every
+    call: nobody, not even whoever knows every config value, can predict its draws.
+
+    DP noise and DP client sampling take a new one per draw, so the outputs of one draw
+    (which a colluding client might estimate) say nothing about the next."""
+    return np.random.Generator(np.random.PCG64(secrets.randbits(128)))
 
 
 def gaussian_noise(shapes: Sequence[tuple[int, ...]], std: float, rng: np.random.Generator,

@@ -293,7 +293,7 @@ class SecureRound:
         from federated.privacy import noised_mean
 
         c = o.clip.clip_norm if o.clip is not None else o.dp.clip_norm
-        mean = noised_mean(parts, len(included), o.dp, o._dp_rng, clip_norm=c)
+        mean = noised_mean(parts, len(included), o.dp, o.dp_rng(), clip_norm=c)
         new = o.strategy.aggregate_mean_delta(rnd, o.weights, mean)
         o._account(rec, num_sampled, int(round(last)), len(included))
         return new
