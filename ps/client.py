@@ -11,8 +11,10 @@ Thread-safety: a PSClient may be shared by threads.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
@@ -136,6 +138,11 @@ class PSClient:
         self.retries = retries
         self.wire_dtype = wire_dtype or "float32"
         self.worker = worker
+        # pushes carry (client, seq): a retry whose first attempt was applied is answered, not applied twice.
+        # seq starts at the wall clock in microseconds, so a restarted worker of the same name never reuses one
+        self.client_id = worker or f"client-{uuid.uuid4().hex[:12]}"
+        self._seq = itertools.count(time.time_ns() // 1000)
+        self.duplicates = 0  # retried pushes the shards had already applied
         self.max_request_bytes = max_request_bytes
         opts = channel_options()
         self._shards = [_Shard(a, opts, interceptors) for a in self.addresses]
@@ -198,17 +205,20 @@ class PSClient:
 
         Raises TableExistsError if a table of that name exists with another spec.
         """
+        return any(self._create_table(spec))
+
+    def _create_table(self, spec: TableSpec) -> list[bool]:
+        """Create ``spec`` on every shard; per shard, whether it created the table (False: it had it)."""
         check = pb.CreateTableRequest(spec=spec_to_proto(spec), num_shards=self.num_shards, validate_only=True)
         check_raw = check.SerializeToString()
         # every shard must accept before any creates: a refusal on one shard must not leave the table on others
         self._fan_out([lambda i=i: self._call(i, self._shards[i].create, check_raw, spec.name) for i in range(self.num_shards)])
         req = pb.CreateTableRequest(spec=spec_to_proto(spec), num_shards=self.num_shards).SerializeToString()
         replies = self._fan_out([lambda i=i: self._call(i, self._shards[i].create, req, spec.name) for i in range(self.num_shards)])
-        infos = []
-        created = False
+        infos, created = [], []
         for raw in replies:
             msg, _ = unpack(pb.CreateTableReply, raw)
-            created |= msg.created
+            created.append(msg.created)
             infos.append(info_from_proto(msg.info))
         self._remember(infos)
         return created
@@ -223,7 +233,10 @@ class PSClient:
         allow_nonfinite: bool = False,
         **hparams: float,
     ) -> bool:
-        """Create a dense table. ``init`` is an initializer name/spec, or an array of initial values."""
+        """Create a dense table. ``init`` is an initializer name/spec, or an array of initial values.
+
+        Initial values are written only to the shards that created their slice now: a slice that
+        already existed (trained, or restored from a checkpoint) is never reset."""
         values = None
         if not isinstance(init, (str, InitializerSpec)):
             values, init = init, "zeros"
@@ -235,10 +248,11 @@ class PSClient:
             )
         except InvalidArgumentError as e:
             raise with_table(name, e) from None
-        created = self.create_table(spec)
-        if values is not None and created:
-            self.assign_dense(name, values)
-        return created
+        created = self._create_table(spec)
+        fresh = [i for i, c in enumerate(created) if c]
+        if values is not None and fresh:
+            self._push_dense(name, values, pb.DENSE_OP_ASSIGN, -1, False, None, shards=fresh)
+        return bool(fresh)
 
     def create_sparse(
         self,
@@ -379,7 +393,7 @@ class PSClient:
 
     def _push_dense(
         self, name: str, grad: Any, op: int, base_version: int | Sequence[int], return_params: bool, out: Any,
-        policy: SyncPolicy | None = None,
+        policy: SyncPolicy | None = None, shards: Sequence[int] | None = None,
     ) -> Any:
         meta = self._dense_meta(name)
         bases = [base_version] * self.num_shards if isinstance(base_version, int) else list(base_version)
@@ -402,6 +416,7 @@ class PSClient:
             start, stop = meta.ranges[i]
             chunk = meta.chunk[i]
             s = self._shards[i]
+            seq = next(self._seq)
 
             def requests() -> Iterator[bytes]:
                 for off in range(0, stop - start, chunk):
@@ -410,6 +425,7 @@ class PSClient:
                     if off == 0:
                         head.table, head.op, head.base_version = name, op, bases[i]  # type: ignore[assignment]
                         head.return_params, head.reply_dtype, head.worker = return_params, wire, self.worker
+                        head.client, head.seq = self.client_id, seq
                         if sync is not None:
                             head.sync.CopyFrom(sync)
                     dtype, data = to_wire(part, wire)
@@ -428,6 +444,7 @@ class PSClient:
                         flat[a : a + data.size] = data
                     else:
                         version, staleness, late, clock = msg.version, msg.staleness, msg.late, msg.clock
+                        self.duplicates += int(msg.duplicate)
                 return version, staleness, late, clock
 
             try:
@@ -437,7 +454,11 @@ class PSClient:
 
         # a table smaller than the cluster leaves some shards an empty range: nothing to send them
         res = self._fan_out(
-            [(lambda i=i: one(i)) if meta.ranges[i][1] > meta.ranges[i][0] else (lambda: (-1, -1, False, -1)) for i in range(self.num_shards)]
+            [
+                (lambda i=i: one(i)) if meta.ranges[i][1] > meta.ranges[i][0] and (shards is None or i in shards)
+                else (lambda: (-1, -1, False, -1))
+                for i in range(self.num_shards)
+            ]
         )
         if direct is not None:
             return out
@@ -543,7 +564,7 @@ class PSClient:
             np.maximum.at(base, inverse, as_numpy(base_versions).reshape(-1).astype(np.int64))
 
         def one(i: int, idx: np.ndarray) -> PushResult:
-            head = pb.PushSparseRequest(table=name, dim=spec.dim, worker=self.worker)
+            head = pb.PushSparseRequest(table=name, dim=spec.dim, worker=self.worker, client=self.client_id, seq=next(self._seq))
             if sync is not None:
                 head.sync.CopyFrom(sync)
             dtype, data = to_wire(summed[idx], self.wire_dtype)
@@ -552,6 +573,7 @@ class PSClient:
             if base is not None:
                 payloads[13] = np.ascontiguousarray(base[idx])
             msg, _ = unpack(pb.PushSparseReply, self._call(i, self._shards[i].push_sparse, pack(head, payloads), name))
+            self.duplicates += int(msg.duplicate)
             return PushResult(msg.applied, msg.dropped, msg.mean_staleness, msg.max_staleness, 0, int(msg.late), msg.clock)
 
         parts = self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, gr in enumerate(groups) for idx in gr])

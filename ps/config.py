@@ -188,12 +188,15 @@ class ShardConfig:
     max_bytes: int = 0
     workers: int = 64  # server threads; BSP/SSP pulls block one each while they wait
     lease_s: float = 10.0  # a worker silent this long leaves the live set (BSP/SSP stop waiting for it)
+    push_idle_timeout_s: float = 30.0  # a push stream with no chunk for this long is aborted (nothing applied)
 
     def __post_init__(self) -> None:
         if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"shard index {self.shard_index} out of range for {self.num_shards} shards")
         if self.chunk_elems < 1 or self.chunk_elems * 4 + 4096 > self.max_message_bytes:
             raise ValueError("chunk_elems must be >= 1 and a float32 chunk must fit in max_message_bytes")
+        if self.push_idle_timeout_s <= 0:
+            raise ValueError(f"push_idle_timeout_s must be > 0, got {self.push_idle_timeout_s}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
         if not 0 <= self.port < 65536:

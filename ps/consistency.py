@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
-from ps.errors import DeadlineExceededError, FailedPreconditionError
+from ps.errors import DeadlineExceededError, FailedPreconditionError, InternalError
 
 __all__ = ["SyncPolicy", "Membership", "SyncRound", "Contribution", "WorkerState", "LATE", "HELD", "APPLIED"]
 
@@ -195,8 +195,13 @@ class SyncRound(Generic[C]):
     """One table's BSP round on this shard.
 
     ``apply(values)`` is called with the contributions of the round (in arrival
-    order) once the round is complete, under the round's lock; it must apply
-    their mean. ``clock`` counts applied rounds.
+    order) once the round is complete; it must apply their mean. It runs on the
+    thread that completed the round, *outside* every lock of this module, so a
+    slow apply never blocks membership or other tables. ``clock`` counts applied
+    rounds. A round either applies (the clock moves on) or fails: then the clock
+    stays, the failure is kept, and every worker waiting for the next clock gets
+    it as an error (the contributions are not applied; the workers' retried pushes
+    can run the round again).
     """
 
     def __init__(self, name: str, membership: Membership, apply: Callable[[list[C]], Any]) -> None:
@@ -205,17 +210,20 @@ class SyncRound(Generic[C]):
         self._apply = apply
         self.clock = 0
         self.late = 0
+        self.failed: str | None = None  # why the last round at ``clock`` failed to apply
         self._pending: dict[str, C] = {}
+        self._applying = False
         self._backup = 0
         self.cond = threading.Condition()
 
     def contribute(self, worker: str, clock: int, value: C, backup_workers: int = 0) -> str:
         """Offer ``worker``'s gradient for ``clock``. Returns LATE, HELD or APPLIED.
 
-        Raises FailedPreconditionError for a clock ahead of the table (the worker skipped a pull).
+        Raises FailedPreconditionError for a clock ahead of the table (the worker skipped a pull),
+        and whatever ``apply`` raised if this contribution completed a round that failed to apply.
         """
         with self.cond:
-            if clock < self.clock or worker in self._pending:
+            if clock < self.clock or worker in self._pending or (self._applying and clock == self.clock):
                 self.late += 1
                 return LATE
             if clock > self.clock:
@@ -225,37 +233,60 @@ class SyncRound(Generic[C]):
                 )
             self._pending[worker] = value
             self._backup = backup_workers
-            return APPLIED if self._maybe_apply() else HELD
+            batch = self._take()
+        if batch is None:
+            return HELD
+        self._run(batch)
+        return APPLIED
 
     def check(self) -> bool:
-        """Re-check completion (membership changed). True if a round was applied."""
+        """Re-check completion (membership changed). True if a round was applied; raises if it failed."""
         with self.cond:
-            return self._maybe_apply()
-
-    def _maybe_apply(self) -> bool:
-        if not self._pending:
+            batch = self._take()
+        if batch is None:
             return False
+        self._run(batch)
+        return True
+
+    def _take(self) -> list[C] | None:
+        """Under the lock: the round's contributions if it is complete (and mark it applying)."""
+        if not self._pending or self._applying:
+            return None
         live = self.membership.live()
         # the quorum counts live workers only: a contribution from a worker that has since left still
         # goes into the mean, but must not stand in for a live worker's
         if not live <= self._pending.keys():
             if not self._backup or len(live & self._pending.keys()) < len(live) - self._backup:
-                return False
+                return None
         values = list(self._pending.values())
         self._pending.clear()
+        self._applying = True
+        return values
+
+    def _run(self, values: list[C]) -> None:
         try:
             self._apply(values)
-        finally:
-            # a failed apply (a bug) must not wedge every worker: the round is over either way
+        except BaseException as e:
+            with self.cond:
+                self._applying = False
+                self.failed = f"round for clock {self.clock} failed to apply ({type(e).__name__}: {e}); nothing applied"
+                self.cond.notify_all()
+            raise
+        with self.cond:
+            self._applying = False
+            self.failed = None
             self.clock += 1
             self.cond.notify_all()
-        return True
 
     def wait_clock(self, clock: int, timeout: float) -> float:
-        """Block until this table applied every clock below ``clock``. Returns seconds waited."""
+        """Block until this table applied every clock below ``clock``. Returns seconds waited.
+
+        Raises InternalError if the round this wait needs failed to apply."""
         t0 = time.monotonic()
         with self.cond:
             while self.clock < clock:
+                if self.failed is not None and not self._applying:
+                    raise InternalError(f"table {self.name!r}: {self.failed}; push the step again")
                 left = timeout - (time.monotonic() - t0)
                 if left <= 0:
                     waiting = sorted(self.membership.live() - self._pending.keys())

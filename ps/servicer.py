@@ -180,8 +180,9 @@ class PSServicer:
         reply_dtype = "float32"
         want = False
         last = False
-        try:
+        with self.shard.watch_stream(context) as touch:
             for raw in request_iterator:
+                touch()
                 msg, pl = self._decode(pb.DenseChunk, raw, (15,))
                 if update is None:
                     table = self.shard.dense(msg.table)
@@ -193,41 +194,42 @@ class PSServicer:
                         )
                     op = ASSIGN if msg.op == pb.DENSE_OP_ASSIGN else GRADIENT
                     policy = policy_from_proto(msg.sync, msg.HasField("sync"))
-                    worker = msg.worker
+                    worker, client, seq = msg.worker, msg.client, msg.seq
                     if policy.sync and op == GRADIENT:
-                        yield from self._push_dense_sync(msg, pl, request_iterator, table, worker, policy)
+                        yield from self._push_dense_sync(msg, pl, request_iterator, table, worker, policy, touch)
                         return
                     update = table.begin_update(op, msg.base_version, staleness_aware_lr=policy.staleness_aware_lr)
-                values = update.apply(msg.offset, _chunk_data(msg, pl, table.spec.name))  # type: ignore[union-attr]
-                if want:
-                    yield self._out(pack(pb.DenseChunk(offset=msg.offset, dtype=reply_dtype), {15: to_wire(values, reply_dtype)[1]}))
+                update.apply(msg.offset, _chunk_data(msg, pl, table.spec.name))  # type: ignore[union-attr]
                 if msg.last:
                     last = True
                     break  # commit now; never depend on how the stream ends
-            if update is None:
+            if update is None or table is None:
                 raise InvalidArgumentError("PushDense: empty stream (no chunks)")
             if not last:
                 # gRPC ends the request stream the same way when the client half-closes and when the
                 # call failed (message too large, connection lost): only an explicit last chunk commits
-                have, need = len(update.staged), table.num_blocks  # type: ignore[union-attr]
+                have, need = len(update.staged), table.num_blocks
+                update.abort()
                 raise ShapeMismatchError(
-                    f"table {table.spec.name!r}: push stream ended without its last chunk "  # type: ignore[union-attr]
+                    f"table {table.spec.name!r}: push stream ended without its last chunk "
                     f"({have} of {need} chunks, {need - have} missing); nothing applied"
                 )
-            result = update.commit()
-            self.shard.pushed(worker, policy)
-            yield self._out(
-                pb.DenseChunk(
-                    table=table.spec.name, version=result.version, staleness=result.max_staleness,  # type: ignore[union-attr]
-                    clock=self.shard.rounds[table.spec.name].clock,  # type: ignore[union-attr]
-                ).SerializeToString()
-            )
-        finally:
-            if update is not None:
-                update.abort()  # no-op after commit
+        out = self.shard.commit_dense(update, worker, policy, client, seq)
+        result = out.result
+        if want:
+            _, blocks = table.snapshot()
+            for k, block in enumerate(blocks):
+                yield self._out(pack(pb.DenseChunk(offset=k * table.chunk_elems, dtype=reply_dtype), {15: to_wire(block, reply_dtype)[1]}))
+        yield self._out(
+            pb.DenseChunk(
+                table=table.spec.name, version=result.version, staleness=result.max_staleness,
+                clock=out.clock, duplicate=out.duplicate,
+            ).SerializeToString()
+        )
 
     def _push_dense_sync(
-        self, first: Any, first_pl: dict[int, memoryview], rest: Iterator[bytes], table: DenseTable, worker: str, policy: Any
+        self, first: Any, first_pl: dict[int, memoryview], rest: Iterator[bytes], table: DenseTable, worker: str, policy: Any,
+        touch: Callable[[], None],
     ) -> Iterator[bytes]:
         """A BSP push: collect and validate every chunk (the request's bytes, not copied), then contribute."""
         name = table.spec.name
@@ -239,6 +241,7 @@ class PSServicer:
             if msg.last:
                 break
             raw = next(rest, None)
+            touch()
             if raw is None:
                 raise ShapeMismatchError(
                     f"table {name!r}: push stream ended without its last chunk "
@@ -247,9 +250,11 @@ class PSServicer:
             msg, pl = self._decode(pb.DenseChunk, raw, (15,))
         if not worker:
             raise InvalidArgumentError(f"table {name!r}: a BSP push must name its worker")
-        out = self.shard.push_dense_sync(name, worker, policy, chunks)
+        out = self.shard.push_dense_sync(name, worker, policy, chunks, first.client, first.seq)
         yield self._out(
-            pb.DenseChunk(table=name, version=table.version, staleness=0, clock=out.clock, late=out.late).SerializeToString()
+            pb.DenseChunk(
+                table=name, version=table.version, staleness=0, clock=out.clock, late=out.late, duplicate=out.duplicate,
+            ).SerializeToString()
         )
 
     def PullDense(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -294,12 +299,12 @@ class PSServicer:
         policy = policy_from_proto(req.sync, req.HasField("sync"))
         if policy.sync and not req.worker:
             raise InvalidArgumentError(f"table {name!r}: a BSP push must name its worker")
-        out = self.shard.push_sparse(name, ids, grads, base, req.worker, policy)
+        out = self.shard.push_sparse(name, ids, grads, base, req.worker, policy, req.client, req.seq)
         r = out.result
         return self._out(
             pb.PushSparseReply(
                 applied=r.applied, dropped=r.dropped, mean_staleness=r.mean_staleness, max_staleness=r.max_staleness,
-                late=out.late, clock=out.clock,
+                late=out.late, clock=out.clock, duplicate=out.duplicate,
             ).SerializeToString()
         )
 

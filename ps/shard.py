@@ -5,10 +5,13 @@ so a rejected request leaves the shard as it was.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -16,7 +19,10 @@ from ps.config import DENSE, SPARSE, ShardConfig, TableSpec
 from ps.consistency import LATE, Membership, SyncPolicy, SyncRound
 from ps.errors import DtypeError, InvalidArgumentError, ResourceExhaustedError, TableExistsError, TableNotFoundError
 from ps.optim import make_optimizer
-from ps.table import DenseTable, PushResult, SparsePush, SparseTable
+from ps.dedup import Dedup
+from ps.table import DenseTable, DenseUpdate, PushResult, SparsePush, SparseTable
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Shard", "TableInfo", "TableStats", "ShardStats", "MembershipView", "WorkerStats", "SyncPush"]
 
@@ -75,6 +81,11 @@ class SyncPush:
     result: PushResult
     late: bool
     clock: int
+    duplicate: bool = False  # a retried push, answered from the dedup record (not applied again)
+
+
+# the answer to a retried push older than its client's dedup window: it was applied, its result is gone
+_TOO_OLD = PushResult(0, 0, -1.0, -1)
 
 
 @dataclass(frozen=True)
@@ -89,13 +100,16 @@ class ShardStats:
     uptime_s: float = 0.0
     workers: list[WorkerStats] = field(default_factory=list)
     leases_expired: int = 0
+    pushes_aborted_idle: int = 0
+    duplicates: int = 0
+    maintenance_errors: int = 0
 
 
 class Shard:
     def __init__(self, config: ShardConfig) -> None:
         self.config = config
         self.tables: dict[str, DenseTable | SparseTable] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered: create_table -> _reserve -> held_bytes
         self._started = time.monotonic()
         self.requests: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
@@ -103,22 +117,69 @@ class Shard:
         self.bytes_out = 0
         self.membership = Membership(config.lease_s)
         self.rounds: dict[str, SyncRound] = {}
+        self.dedup: Dedup = Dedup()
         self.membership.on_change(self._recheck_rounds)
         self._closed = threading.Event()
+        self._streams: dict[int, list] = {}  # id -> [last activity (monotonic), context]: pushes being received
+        self._streams_lock = threading.Lock()
+        self.pushes_aborted_idle = 0
+        self.maintenance_errors = 0
         # leases are enforced by time, not by the next request: a dead worker's round must complete
-        threading.Thread(target=self._reap, name=f"ps{config.shard_index}-leases", daemon=True).start()
+        threading.Thread(target=self._maintain, name=f"ps{config.shard_index}-maintenance", daemon=True).start()
 
     def close(self) -> None:
         self._closed.set()
 
-    def _reap(self) -> None:
+    def _maintain(self) -> None:
+        """Expire leases and abort idle push streams, forever. A failure is logged and counted and
+        the loop goes on: this thread must never die (a dead reaper would hang every BSP round)."""
         period = min(0.2, self.config.lease_s / 10)
         while not self._closed.wait(period):
-            self.membership.expire()
+            for task in (self.membership.expire, self._abort_idle_streams):
+                try:
+                    task()
+                except Exception:  # noqa: BLE001 - logged, counted, and the loop goes on
+                    self.maintenance_errors += 1
+                    log.exception("shard %d: %s failed (the maintenance thread goes on)", self.config.shard_index, task.__name__)
 
     def _recheck_rounds(self) -> None:
-        for r in list(self.rounds.values()):
-            r.check()
+        with self._lock:
+            rounds = list(self.rounds.values())
+        for r in rounds:
+            try:
+                r.check()
+            except Exception:  # noqa: BLE001 - the round keeps the failure and its waiters get it
+                log.exception("shard %d: BSP round of table %r failed to apply", self.config.shard_index, r.name)
+
+    # ------------------------------------------------------------------ push streams
+    @contextlib.contextmanager
+    def watch_stream(self, context: Any) -> Iterator[Callable[[], None]]:
+        """Track a push stream being received: the maintenance thread cancels it (``context.cancel()``)
+        once no chunk arrived for ``config.push_idle_timeout_s``. Yields ``touch()``, to call per chunk."""
+        entry = [time.monotonic(), context]
+        key = id(entry)
+        with self._streams_lock:
+            self._streams[key] = entry
+
+        def touch() -> None:
+            entry[0] = time.monotonic()
+
+        try:
+            yield touch
+        finally:
+            with self._streams_lock:
+                self._streams.pop(key, None)
+
+    def _abort_idle_streams(self) -> None:
+        limit = self.config.push_idle_timeout_s
+        now = time.monotonic()
+        with self._streams_lock:
+            idle = [k for k, (t, _) in self._streams.items() if now - t > limit]
+            stale = [self._streams.pop(k) for k in idle]
+        for _, context in stale:
+            self.pushes_aborted_idle += 1
+            log.warning("shard %d: push stream idle for more than %.1f s: aborted (nothing applied)", self.config.shard_index, limit)
+            context.cancel()
 
     # ------------------------------------------------------------------ tables
     def create_table(
@@ -198,7 +259,9 @@ class Shard:
 
     # ------------------------------------------------------------------ membership
     def _view(self, worker: str = "", rejoined: bool = False) -> MembershipView:
-        clocks = [r.clock for r in self.rounds.values() if r.clock > 0]  # tables that took part in BSP
+        with self._lock:
+            rounds = list(self.rounds.values())
+        clocks = [r.clock for r in rounds if r.clock > 0]  # tables that took part in BSP
         return MembershipView(
             self.config.shard_index, tuple(sorted(self.membership.live())), min(clocks) if clocks else 0,
             self.membership.min_clock(exclude=worker), rejoined,
@@ -231,19 +294,45 @@ class Shard:
             self.membership.wait_ssp(policy.clock, policy.staleness, timeout)
         return r.clock
 
-    def push_dense_sync(self, name: str, worker: str, policy: SyncPolicy, chunks: dict[int, "np.ndarray"]) -> SyncPush:
+    def push_dense_sync(
+        self, name: str, worker: str, policy: SyncPolicy, chunks: dict[int, "np.ndarray"], client: str = "", seq: int = 0
+    ) -> SyncPush:
         """A validated whole-range BSP push ({block: gradient chunk}); held until the round completes."""
         t = self.dense(name)
         t.check_complete(chunks)
-        return self._contribute(name, worker, policy, chunks)
+        return self._contribute(name, worker, policy, chunks, client, seq)
 
-    def _contribute(self, name: str, worker: str, policy: SyncPolicy, value: object) -> SyncPush:
+    def commit_dense(
+        self, update: DenseUpdate, worker: str, policy: SyncPolicy, client: str = "", seq: int = 0
+    ) -> SyncPush:
+        """Commit an async/SSP dense push at most once per (client, seq)."""
+        name = update.table.spec.name
+        dup: list[bool] = []
+
+        def once() -> PushResult | None:
+            prior = self.dedup.seen(client, name, seq, _TOO_OLD)
+            dup.extend([True] if prior is not None else [])
+            return prior
+
+        result = update.commit(lambda res: self.dedup.record(client, name, seq, res), once=once)
+        if not dup:
+            self.pushed(worker, policy)
+        return SyncPush(result, False, self.rounds[name].clock, bool(dup))
+
+    def _contribute(
+        self, name: str, worker: str, policy: SyncPolicy, value: object, client: str = "", seq: int = 0
+    ) -> SyncPush:
+        prior = self.dedup.seen(client, name, seq, None)
+        if prior is not None:
+            return SyncPush(prior.result, prior.late, self.rounds[name].clock, True)
         self.membership.touch(worker)
         r = self.rounds[name]
         outcome = r.contribute(worker, policy.clock, value, policy.backup_workers)
         if outcome != LATE:
             self.membership.advance(worker, policy.clock)
-        return SyncPush(PushResult(0 if outcome == LATE else 1, 0, 0.0, 0), outcome == LATE, r.clock)
+        out = SyncPush(PushResult(0 if outcome == LATE else 1, 0, 0.0, 0), outcome == LATE, r.clock)
+        self.dedup.record(client, name, seq, out)
+        return out
 
     def pushed(self, worker: str, policy: SyncPolicy) -> None:
         """An async/SSP push by ``worker`` committed: renew its lease and advance its clock."""
@@ -266,7 +355,7 @@ class Shard:
 
     def push_sparse(
         self, name: str, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None,
-        worker: str = "", policy: SyncPolicy = SyncPolicy(),
+        worker: str = "", policy: SyncPolicy = SyncPolicy(), client: str = "", seq: int = 0,
     ) -> SyncPush:
         t = self.sparse(name)
         self.check_ids_request(name, len(ids))
@@ -276,14 +365,29 @@ class Shard:
             t.rejected += 1
             raise
         if policy.sync and policy.clock >= 0:
-            return self._contribute(name, worker, policy, prepared)
-        result = t.apply_push(prepared, policy.staleness_aware_lr)
-        self.pushed(worker, policy)
-        return SyncPush(result, False, self.rounds[name].clock)
+            return self._contribute(name, worker, policy, prepared, client, seq)
+        dup: list[bool] = []
+
+        def once() -> PushResult | None:
+            prior = self.dedup.seen(client, name, seq, _TOO_OLD)
+            dup.extend([True] if prior is not None else [])
+            return prior
+
+        result = t.apply_push(
+            prepared, policy.staleness_aware_lr, once=once,
+            before_swap=lambda res, delta: self.dedup.record(client, name, seq, res),
+        )
+        if not dup:
+            self.pushed(worker, policy)
+        return SyncPush(result, False, self.rounds[name].clock, bool(dup))
 
     # ------------------------------------------------------------------ memory
     def held_bytes(self) -> int:
-        return sum(t.held_bytes() for t in list(self.tables.values()))
+        return sum(t.held_bytes() for t in self._tables())
+
+    def _tables(self) -> list[DenseTable | SparseTable]:
+        with self._lock:
+            return list(self.tables.values())
 
     def _reserve(self, extra: int, name: str) -> None:
         limit = self.config.max_bytes
@@ -295,7 +399,9 @@ class Shard:
     # ------------------------------------------------------------------ stats
     def stats(self) -> ShardStats:
         tables = []
-        for name, t in sorted(self.tables.items()):
+        with self._lock:
+            items = sorted(self.tables.items())
+        for name, t in items:
             if isinstance(t, DenseTable):
                 tables.append(
                     TableStats(
@@ -318,6 +424,7 @@ class Shard:
         return ShardStats(
             self.config.shard_index, self.config.num_shards, tables, dict(self.requests), dict(self.errors),
             self.bytes_in, self.bytes_out, time.monotonic() - self._started, workers, self.membership.expired,
+            self.pushes_aborted_idle, self.dedup.duplicates, self.maintenance_errors,
         )
 
 

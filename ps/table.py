@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import warnings
 from dataclasses import dataclass
-from typing import Container, Iterator, Sized
+from typing import Any, Callable, Container, Iterator, Sized
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from ps.initializers import init_dense, init_rows, table_key, uniform01
 from ps.optim import Optimizer, make_optimizer, scaled_lr
 from ps.partition import SlotMap, dense_range
 
-__all__ = ["DenseTable", "DenseUpdate", "SparseTable", "SparsePush", "PushResult", "StalenessStats", "GRADIENT", "ASSIGN"]
+__all__ = ["DenseTable", "DenseUpdate", "SparseTable", "SparsePush", "RowDelta", "PushResult", "StalenessStats", "GRADIENT", "ASSIGN"]
 
 GRADIENT = "gradient"
 ASSIGN = "assign"
@@ -83,6 +83,16 @@ class SparsePush:
     base_versions: np.ndarray | None
 
 
+@dataclass(frozen=True)
+class RowDelta:
+    """The new state of the rows one sparse push updated: what a backup stores to match its primary."""
+
+    ids: np.ndarray
+    values: np.ndarray
+    state: dict[str, np.ndarray]
+    versions: np.ndarray
+
+
 class _Block:
     """Immutable once committed: values and optimizer state of one chunk."""
 
@@ -114,7 +124,8 @@ class DenseTable:
         self.version = 0
         self.staleness = StalenessStats()
         self.rejected = 0
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards the swap of _blocks/version (held for microseconds)
+        self.write_lock = threading.Lock()  # serializes commits (held while one push computes)
 
     @property
     def num_blocks(self) -> int:
@@ -167,92 +178,134 @@ class DenseTable:
                 f"table {self.spec.name!r}: push covered {len(blocks)} of {self.num_blocks} chunks ({missing} missing); nothing applied"
             )
 
-    def begin_update(
-        self, op: str, base_version: int = -1, timeout: float = 60.0, staleness_aware_lr: bool = False
-    ) -> "DenseUpdate":
-        """Start a push. Holds the table lock until commit() or abort()."""
-        if not self.lock.acquire(timeout=timeout):
-            raise ResourceExhaustedError(f"table {self.spec.name!r}: timed out waiting for a concurrent push")
+    def begin_update(self, op: str, base_version: int = -1, staleness_aware_lr: bool = False) -> "DenseUpdate":
+        """Start a push. Staging takes no lock: only commit() does, so a slow or stalled push never
+        blocks pulls or other pushes of this table."""
         return DenseUpdate(self, op, base_version, staleness_aware_lr)
 
-    def apply_mean(self, contributions: list[dict[int, np.ndarray]]) -> PushResult:
+    def apply_mean(self, contributions: list[dict[int, np.ndarray]], before_swap: "Callable[[PushResult], None] | None" = None) -> PushResult:
         """Apply the mean of whole-range gradients given as {block: chunk} (a BSP round)."""
         update = self.begin_update(GRADIENT)
-        try:
-            n = len(contributions)
-            for k in range(self.num_blocks):
-                parts = [c[k] for c in contributions]
-                if n == 1:
-                    g = parts[0]
-                else:
-                    acc = torch.from_numpy(np.array(parts[0], np.float32, copy=True))
-                    with warnings.catch_warnings():
-                        warnings.simplefilter("ignore", UserWarning)  # read-only request bytes, only read here
-                        for p in parts[1:]:
-                            acc.add_(torch.from_numpy(np.asarray(p, np.float32)))
-                    g = acc.div_(n).numpy()
-                update.apply(k * self.chunk_elems, g)
-            return update.commit()
-        finally:
-            update.abort()
+        n = len(contributions)
+        for k in range(self.num_blocks):
+            parts = [c[k] for c in contributions]
+            if n == 1:
+                g = parts[0]
+            else:
+                acc = torch.from_numpy(np.array(parts[0], np.float32, copy=True))
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # read-only request bytes, only read here
+                    for p in parts[1:]:
+                        acc.add_(torch.from_numpy(np.asarray(p, np.float32)))
+                g = acc.div_(n).numpy()
+            update.apply(k * self.chunk_elems, g)
+        return update.commit(before_swap)
+
+    def export_state(self) -> dict[str, Any]:
+        """Values, optimizer state and version of this shard's range (a consistent snapshot, copies)."""
+        with self.lock:
+            blocks, version = list(self._blocks), self.version
+        names = list(self.optimizer.init_state(torch.zeros(1)).keys())
+        state = {k: torch.cat([b.state[k] for b in blocks]).numpy().copy() for k in names} if blocks else {}
+        values = torch.cat([b.param for b in blocks]).numpy().copy() if blocks else np.zeros(0, np.float32)
+        return {"version": version, "values": values, "state": state, "start": self.start, "stop": self.stop}
+
+    def load_state(self, snap: dict[str, Any]) -> None:
+        """Replace values, optimizer state and version with ``snap`` (from export_state of the same range)."""
+        values = np.asarray(snap["values"], np.float32)
+        if values.shape != (self.length,):
+            raise ShapeMismatchError(
+                f"table {self.spec.name!r}: snapshot holds {values.size} elements, this shard's range has {self.length}"
+            )
+        blocks = []
+        for k in range(self.num_blocks):
+            a, b = k * self.chunk_elems, k * self.chunk_elems + self.block_len(k)
+            p = torch.from_numpy(values[a:b].copy())
+            st = self.optimizer.init_state(p)
+            for name in st:
+                st[name] = torch.from_numpy(np.asarray(snap["state"][name], np.float32)[a:b].copy())
+            blocks.append(_Block(p, st))
+        with self.write_lock, self.lock:
+            self._blocks = blocks
+            self.version = int(snap["version"])
 
 
 class DenseUpdate:
-    """A push in progress: chunks are validated and staged; commit() swaps them in atomically."""
+    """A push in progress: chunks are validated and staged (no lock held); commit() computes the
+    new blocks under the table's write lock and swaps them in atomically."""
 
     def __init__(self, table: DenseTable, op: str, base_version: int, staleness_aware_lr: bool = False) -> None:
         self.table = table
         self.op = op
         self.base_version = base_version
-        self.staged: dict[int, _Block] = {}
+        self.staleness_aware_lr = staleness_aware_lr
+        self.staged: dict[int, np.ndarray] = {}
         self.done = False
-        # the table lock is held from here to commit: the version, hence the staleness, cannot move
-        self.staleness = table.version - base_version if base_version >= 0 else -1
-        self.optimizer = table.optimizer
-        if staleness_aware_lr and self.staleness > 1:
-            self.optimizer = scaled_lr(table.optimizer, 1.0 / self.staleness)
 
-    def apply(self, offset: int, data: np.ndarray) -> torch.Tensor:
-        """Stage the update of the chunk at ``offset`` (shard-relative); returns its new values."""
+    def apply(self, offset: int, data: np.ndarray) -> None:
+        """Validate and stage the chunk at ``offset`` (shard-relative). ``data`` is kept, not copied:
+        it must not change until commit (request bytes never do)."""
         t = self.table
         k = t.check_chunk(offset, data, self.staged, "gradient" if self.op == GRADIENT else "assigned values")
-        block = t._blocks[k].clone()
-        if self.op == ASSIGN:
-            block.param = torch.from_numpy(np.array(data, dtype=np.float32, copy=True))  # kept: own memory
-        else:
-            # the gradient is only read: use the request's bytes in place (no 1 MiB copy per chunk)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)  # torch: "the given NumPy array is not writable"
-                incoming = torch.from_numpy(np.asarray(data, dtype=np.float32))
-            self.optimizer.update(block.param, incoming, block.state, t.version + 1)
-        self.staged[k] = block
-        return block.param
+        self.staged[k] = data
 
-    def commit(self) -> PushResult:
-        """Swap the staged blocks in. The push must have covered every chunk of the range."""
+    def commit(
+        self, before_swap: "Callable[[PushResult], None] | None" = None, timeout: float = 60.0,
+        once: "Callable[[], PushResult | None] | None" = None,
+    ) -> PushResult:
+        """Apply the staged chunks and swap them in. The push must have covered every chunk of the range.
+
+        Under the table's write lock: ``once()`` first (deduplication: a result it returns is
+        returned as is, nothing applied); then the new blocks are computed; then
+        ``before_swap(result)`` runs before they become visible (replication, the dedup record);
+        if it raises, nothing is applied."""
         t = self.table
         try:
             t.check_complete(self.staged)
-            staleness = self.staleness
-            for k, b in self.staged.items():
-                t._blocks[k] = b
-            if self.op == GRADIENT:
-                t.version += 1
-                t.staleness.add(staleness)
-            return PushResult(t.num_blocks, 0, float(staleness), staleness, t.version)
+            if not t.write_lock.acquire(timeout=timeout):
+                raise ResourceExhaustedError(f"table {t.spec.name!r}: timed out after {timeout:.0f} s waiting to commit a push")
+            try:
+                prior = once() if once is not None else None
+                if prior is not None:
+                    self.done = True
+                    return prior
+                staleness = t.version - self.base_version if self.base_version >= 0 else -1
+                opt = t.optimizer
+                if self.staleness_aware_lr and staleness > 1:
+                    opt = scaled_lr(t.optimizer, 1.0 / staleness)
+                new: dict[int, _Block] = {}
+                for k, data in self.staged.items():
+                    block = t._blocks[k].clone()
+                    if self.op == ASSIGN:
+                        block.param = torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
+                    else:
+                        with warnings.catch_warnings():
+                            warnings.simplefilter("ignore", UserWarning)  # read-only request bytes, only read
+                            incoming = torch.from_numpy(np.asarray(data, dtype=np.float32))
+                        opt.update(block.param, incoming, block.state, t.version + 1)
+                    new[k] = block
+                version = t.version + (1 if self.op == GRADIENT else 0)
+                result = PushResult(t.num_blocks, 0, float(staleness), staleness, version)
+                if before_swap is not None:
+                    before_swap(result)
+                with t.lock:
+                    for k, b in new.items():
+                        t._blocks[k] = b
+                    t.version = version
+                if self.op == GRADIENT:
+                    t.staleness.add(staleness)
+                self.done = True
+                return result
+            finally:
+                t.write_lock.release()
         finally:
-            self._release()
+            self.abort()
 
     def abort(self) -> None:
         if not self.done:
-            self.table.rejected += 1
-        self._release()
-
-    def _release(self) -> None:
-        if not self.done:
             self.done = True
-            self.staged.clear()
-            self.table.lock.release()
+            self.table.rejected += 1
+        self.staged.clear()
 
 
 class SparseTable:
@@ -368,11 +421,12 @@ class SparseTable:
                 self._seen[i] = s + 1 if adm.probability > 0 else s
         return ok
 
-    def _create(self, ids: np.ndarray) -> np.ndarray:
-        """Allocate and initialize rows for new ``ids``; returns their row numbers."""
+    def _create(self, ids: np.ndarray, pinned: np.ndarray | None = None) -> np.ndarray:
+        """Allocate and initialize rows for new ``ids``; returns their row numbers. LRU eviction to
+        make room never picks a ``pinned`` row (the rows the same request reads)."""
         n = len(ids)
         if self.spec.eviction.max_rows and self.rows + n > self.spec.eviction.max_rows:
-            self._evict_lru(self.rows + n - self.spec.eviction.max_rows)
+            self._evict_lru(self.rows + n - self.spec.eviction.max_rows, pinned)
         take = min(n, len(self._free))
         reused = self._free[len(self._free) - take :]
         del self._free[len(self._free) - take :]
@@ -397,8 +451,10 @@ class SparseTable:
         self._free.extend(rows.tolist())
         self.evicted += len(rows)
 
-    def _evict_lru(self, count: int) -> None:
+    def _evict_lru(self, count: int, pinned: np.ndarray | None = None) -> None:
         live = self._index.values()
+        if pinned is not None and pinned.size:
+            live = live[~np.isin(live, pinned)]
         if count <= 0 or not live.size:
             return
         count = min(count, live.size)
@@ -426,6 +482,12 @@ class SparseTable:
         """
         self.check_ids(ids)
         uniq, inverse = np.unique(ids, return_inverse=True)
+        cap = self.spec.eviction.max_rows
+        if cap and len(uniq) > cap:
+            raise ResourceExhaustedError(
+                f"table {self.spec.name!r}: one pull touches {len(uniq)} distinct rows on shard {self.shard_index}, "
+                f"more than its eviction.max_rows of {cap}; split the request or raise max_rows"
+            )
         with self.lock:
             rows = self._lookup(uniq)
             missing = np.nonzero(rows < 0)[0]
@@ -434,7 +496,8 @@ class SparseTable:
             if missing.size:
                 admitted = missing[self._admit(uniq[missing])]
                 if admitted.size:
-                    rows[admitted] = self._create(uniq[admitted])
+                    # the rows this request already found are pinned: eviction must not reuse them
+                    rows[admitted] = self._create(uniq[admitted], pinned=rows[rows >= 0])
                 pending = missing[rows[missing] < 0]
                 if pending.size:
                     out_vals[pending] = init_rows(self.spec.initializer, self._key, uniq[pending], self.dim)
@@ -474,15 +537,27 @@ class SparseTable:
         ``staleness_aware_lr``: scale this push's lr by 1/max(1, mean staleness of its rows)."""
         return self.apply_push(self.prepare_push(ids, grads, base_versions), staleness_aware_lr)
 
-    def apply_mean(self, pushes: list["SparsePush"]) -> PushResult:
+    def apply_mean(
+        self, pushes: list["SparsePush"], before_swap: "Callable[[PushResult, RowDelta], None] | None" = None
+    ) -> PushResult:
         """Apply the mean over ``pushes`` (a BSP round: each worker's rows, divided by the number of workers)."""
         ids = np.concatenate([p.ids for p in pushes])
         g = torch.cat([p.grads for p in pushes]).div_(len(pushes))
-        return self.apply_push(self.prepare_push(ids, g.numpy()))
+        return self.apply_push(self.prepare_push(ids, g.numpy()), before_swap=before_swap)
 
-    def apply_push(self, p: "SparsePush", staleness_aware_lr: bool = False) -> PushResult:
+    def apply_push(
+        self, p: "SparsePush", staleness_aware_lr: bool = False,
+        once: "Callable[[], PushResult | None] | None" = None,
+        before_swap: "Callable[[PushResult, RowDelta], None] | None" = None,
+    ) -> PushResult:
+        """Apply a prepared push under the table lock. ``once()`` first (deduplication: a result it
+        returns is returned as is); ``before_swap(result, delta)`` sees the rows' new state before
+        it is stored (replication); if it raises, nothing is applied."""
         uniq, g, base = p.ids, p.grads, p.base_versions
         with self.lock:
+            prior = once() if once is not None else None
+            if prior is not None:
+                return prior
             rows = self._lookup(uniq)
             have = np.nonzero(rows >= 0)[0]
             dropped = len(uniq) - have.size
@@ -502,6 +577,17 @@ class SparseTable:
                 state = {k: v[rt] for k, v in self.state.items()}
                 step = torch.from_numpy(self.versions[r] + 1).to(torch.float64)[:, None]
                 opt.update(param, g[torch.from_numpy(have)], state, step)
+            else:
+                r = np.zeros(0, np.int64)
+                param, state = self.values[:0], {k: v[:0] for k, v in self.state.items()}
+            valid = stale[stale >= 0]
+            result = PushResult(
+                int(have.size), dropped, float(valid.mean()) if valid.size else -1.0, int(valid.max()) if valid.size else -1,
+                self.step + 1,
+            )
+            if before_swap is not None:
+                before_swap(result, RowDelta(uniq[have], param.numpy(), {k: v.numpy() for k, v in state.items()}, self.versions[r] + 1))
+            if have.size:
                 self.values[rt] = param
                 for k, v in state.items():
                     self.state[k][rt] = v
@@ -510,12 +596,9 @@ class SparseTable:
             self.step += 1
             self.updates += int(have.size)
             self.dropped += dropped
-            valid = stale[stale >= 0]
         if self.spec.eviction.ttl_steps:
             self.evict_expired()
-        return PushResult(
-            int(have.size), dropped, float(valid.mean()) if valid.size else -1.0, int(valid.max()) if valid.size else -1, self.step
-        )
+        return result
 
     def items(self) -> Iterator[tuple[int, int]]:
         """(id, row) pairs of live rows (a snapshot)."""

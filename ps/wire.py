@@ -116,6 +116,9 @@ def stats_to_proto(s: ShardStats) -> pb.StatsReply:
         uptime_s=s.uptime_s,
         workers=[pb.WorkerStats(name=w.name, clock=w.clock, live=w.live, idle_s=w.idle_s) for w in s.workers],
         leases_expired=s.leases_expired,
+        pushes_aborted_idle=s.pushes_aborted_idle,
+        duplicates=s.duplicates,
+        maintenance_errors=s.maintenance_errors,
     )
 
 
@@ -137,6 +140,9 @@ def stats_from_proto(msg: pb.StatsReply) -> ShardStats:
         msg.uptime_s,
         [WorkerStats(w.name, w.clock, w.live, w.idle_s) for w in msg.workers],
         msg.leases_expired,
+        msg.pushes_aborted_idle,
+        msg.duplicates,
+        msg.maintenance_errors,
     )
 
 

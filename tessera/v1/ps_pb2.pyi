@@ -156,7 +156,7 @@ class SyncSpec(_message.Message):
     def __init__(self, clock: _Optional[int] = ..., sync: bool = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., staleness_aware_lr: bool = ...) -> None: ...
 
 class DenseChunk(_message.Message):
-    __slots__ = ("table", "offset", "dtype", "op", "base_version", "return_params", "reply_dtype", "version", "staleness", "worker", "last", "clock", "sync", "late", "data")
+    __slots__ = ("table", "offset", "dtype", "op", "base_version", "return_params", "reply_dtype", "version", "staleness", "worker", "last", "clock", "sync", "late", "data", "client", "seq", "duplicate")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,9 @@ class DenseChunk(_message.Message):
     SYNC_FIELD_NUMBER: _ClassVar[int]
     LATE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     table: str
     offset: int
     dtype: str
@@ -187,7 +190,10 @@ class DenseChunk(_message.Message):
     sync: SyncSpec
     late: bool
     data: bytes
-    def __init__(self, table: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., op: _Optional[_Union[DenseOp, str]] = ..., base_version: _Optional[int] = ..., return_params: bool = ..., reply_dtype: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., worker: _Optional[str] = ..., last: bool = ..., clock: _Optional[int] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., late: bool = ..., data: _Optional[bytes] = ...) -> None: ...
+    client: str
+    seq: int
+    duplicate: bool
+    def __init__(self, table: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., op: _Optional[_Union[DenseOp, str]] = ..., base_version: _Optional[int] = ..., return_params: bool = ..., reply_dtype: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., worker: _Optional[str] = ..., last: bool = ..., clock: _Optional[int] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., late: bool = ..., data: _Optional[bytes] = ..., client: _Optional[str] = ..., seq: _Optional[int] = ..., duplicate: bool = ...) -> None: ...
 
 class PullDenseRequest(_message.Message):
     __slots__ = ("table", "dtype", "sync", "worker")
@@ -230,12 +236,14 @@ class PullSparseReply(_message.Message):
     def __init__(self, dtype: _Optional[str] = ..., dim: _Optional[int] = ..., clock: _Optional[int] = ..., versions: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushSparseRequest(_message.Message):
-    __slots__ = ("table", "dtype", "dim", "worker", "sync", "base_versions", "ids", "data")
+    __slots__ = ("table", "dtype", "dim", "worker", "sync", "client", "seq", "base_versions", "ids", "data")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
@@ -244,26 +252,30 @@ class PushSparseRequest(_message.Message):
     dim: int
     worker: str
     sync: SyncSpec
+    client: str
+    seq: int
     base_versions: bytes
     ids: bytes
     data: bytes
-    def __init__(self, table: _Optional[str] = ..., dtype: _Optional[str] = ..., dim: _Optional[int] = ..., worker: _Optional[str] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., base_versions: _Optional[bytes] = ..., ids: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., dtype: _Optional[str] = ..., dim: _Optional[int] = ..., worker: _Optional[str] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., client: _Optional[str] = ..., seq: _Optional[int] = ..., base_versions: _Optional[bytes] = ..., ids: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushSparseReply(_message.Message):
-    __slots__ = ("applied", "dropped", "mean_staleness", "max_staleness", "late", "clock")
+    __slots__ = ("applied", "dropped", "mean_staleness", "max_staleness", "late", "clock", "duplicate")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     LATE_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     applied: int
     dropped: int
     mean_staleness: float
     max_staleness: int
     late: bool
     clock: int
-    def __init__(self, applied: _Optional[int] = ..., dropped: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., late: bool = ..., clock: _Optional[int] = ...) -> None: ...
+    duplicate: bool
+    def __init__(self, applied: _Optional[int] = ..., dropped: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., late: bool = ..., clock: _Optional[int] = ..., duplicate: bool = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("worker", "lease_ms")
@@ -334,7 +346,7 @@ class TableStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., rows: _Optional[int] = ..., elements: _Optional[int] = ..., param_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "tables", "requests", "errors", "bytes_in", "bytes_out", "uptime_s", "workers", "leases_expired")
+    __slots__ = ("shard_index", "num_shards", "tables", "requests", "errors", "bytes_in", "bytes_out", "uptime_s", "workers", "leases_expired", "pushes_aborted_idle", "duplicates", "maintenance_errors")
     class RequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -359,6 +371,9 @@ class StatsReply(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_ABORTED_IDLE_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATES_FIELD_NUMBER: _ClassVar[int]
+    MAINTENANCE_ERRORS_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
@@ -369,7 +384,10 @@ class StatsReply(_message.Message):
     uptime_s: float
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStats]
     leases_expired: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., requests: _Optional[_Mapping[str, int]] = ..., errors: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., leases_expired: _Optional[int] = ...) -> None: ...
+    pushes_aborted_idle: int
+    duplicates: int
+    maintenance_errors: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., requests: _Optional[_Mapping[str, int]] = ..., errors: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., leases_expired: _Optional[int] = ..., pushes_aborted_idle: _Optional[int] = ..., duplicates: _Optional[int] = ..., maintenance_errors: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("name", "clock", "live", "idle_s")
