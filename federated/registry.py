@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -195,7 +196,7 @@ class Registry:
     # ------------------------------------------------------------------ blobs
     def put_blob(self, blob: Blob) -> str:
         with self._lock:
-            bid = f"b{next(self._ids)}"
+            bid = f"b{secrets.token_hex(16)}"  # unguessable, like task ids
             self._blobs[bid] = blob
             return bid
 
@@ -209,14 +210,11 @@ class Registry:
                 self._blobs.pop(b, None)
 
     def fetch(self, identity: str | None, blob_id: str, client_id: str, task_id: str) -> Blob:
-        """The blob for a task of ``client_id``; raises UnknownTaskError / PermissionDeniedError."""
+        """The blob of task ``task_id``, for the client it was sent to only; raises
+        UnknownTaskError / PermissionDeniedError / TaskClosedError (see :meth:`check_answer`)."""
         with self._lock:
-            if not owns(identity, client_id):
-                raise PermissionDeniedError(f"identity {identity!r} may not fetch for client {client_id!r}")
-            p = self._tasks.get(task_id)
-            if p is None or p.done:
-                raise TaskClosedError(f"task {task_id!r} is closed or unknown")
-            if p.client_id != client_id or p.task.blob != blob_id:
+            p = self._owned_task_locked(identity, task_id, client_id, "fetch for")
+            if p.task.blob != blob_id:
                 raise PermissionDeniedError(f"task {task_id!r} does not give client {client_id!r} blob {blob_id!r}")
             blob = self._blobs.get(blob_id)
             if blob is None:
@@ -249,7 +247,32 @@ class Registry:
         return out
 
     def new_task_id(self) -> str:
-        return f"t{next(self._ids)}"
+        """128 random bits: a task id travels only down its node's Connect stream, so
+        nobody else can name it (without tokens, knowing it is what entitles an answer)."""
+        return f"t{secrets.token_hex(16)}"
+
+    def check_answer(self, identity: str | None, task_id: str, client_id: str) -> None:
+        """May ``identity`` answer ``task_id`` as ``client_id``? Called on a Submit's header,
+        before any of its data is buffered. Raises PermissionDeniedError (another
+        client's task, or a client id the identity may not host), UnknownTaskError (a
+        task id never issued, or forgotten), TaskClosedError (already answered or timed
+        out). Changes nothing."""
+        with self._lock:
+            self._owned_task_locked(identity, task_id, client_id, "answer for")
+
+    def _owned_task_locked(self, identity: str | None, task_id: str, client_id: str, verb: str) -> Pending:
+        if not owns(identity, client_id):
+            raise PermissionDeniedError(f"identity {identity!r} may not {verb} client {client_id!r}")
+        p = self._tasks.get(task_id)
+        if p is None:
+            raise UnknownTaskError(f"task {task_id!r} is unknown or its round is over")
+        # the client id the task went to, registered by the same identity that asks now
+        if p.client_id != client_id or p.node.identity != identity:
+            raise PermissionDeniedError(f"task {task_id!r} was not issued to client {client_id!r}"
+                                        + (f" of identity {identity!r}" if identity is not None else ""))
+        if p.done:
+            raise TaskClosedError(f"task {task_id!r} already closed ({p.error or 'answered'})")
+        return p
 
     def submit(self, identity: str | None, answer: Answer) -> Pending:
         """An answer arrives. Validates ownership and that the task is still open, then
@@ -259,15 +282,7 @@ class Registry:
         InvalidUpdateError that ``accept`` raised (the task then fails: a client
         that sends garbage gets no second try in this round)."""
         with self._lock:
-            if not owns(identity, answer.client_id):
-                raise PermissionDeniedError(f"identity {identity!r} may not answer for client {answer.client_id!r}")
-            p = self._tasks.get(answer.task_id)
-            if p is None:
-                raise UnknownTaskError(f"task {answer.task_id!r} is unknown or its round is over")
-            if p.client_id != answer.client_id:
-                raise PermissionDeniedError(f"task {answer.task_id!r} belongs to client {p.client_id!r}, not {answer.client_id!r}")
-            if p.done:
-                raise TaskClosedError(f"task {answer.task_id!r} already closed ({p.error or 'answered'})")
+            p = self._owned_task_locked(identity, answer.task_id, answer.client_id, "answer for")
             p.bytes_up += answer.bytes_sent
             mismatch = ""
             if answer.kind != p.task.kind or answer.round != p.task.round:

@@ -208,16 +208,20 @@ class FedServicer:
                 self._in(len(raw))
                 yield raw
 
-        answer = answer_from_chunks(counted(), self.max_answer_bytes)
+        answer = answer_from_chunks(counted(), self.max_answer_bytes, self._owner_check(identity))
         self.registry.submit(identity, answer)
         return self._out(pb.SubmitReply(accepted=True).SerializeToString())
 
     def SubmitOne(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
         identity = self._identity(context)
         self._in(len(raw))
-        answer = answer_from_chunks(iter([raw]), self.max_answer_bytes)
+        answer = answer_from_chunks(iter([raw]), self.max_answer_bytes, self._owner_check(identity))
         self.registry.submit(identity, answer)
         return self._out(pb.SubmitReply(accepted=True).SerializeToString())
+
+    def _owner_check(self, identity: str | None) -> Callable[[str, str], None]:
+        """Checks a Submit's header (task id, client id) before its data is read."""
+        return lambda task_id, client_id: self.registry.check_answer(identity, task_id, client_id)
 
     def _in(self, n: int) -> None:
         with self._count_lock:

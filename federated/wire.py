@@ -8,7 +8,7 @@ of every part against its dtype and shape before anything is decoded.
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Mapping
+from typing import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -252,9 +252,14 @@ def answer_chunks(a: Answer, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator
         yield pack(msg, {15: piece})
 
 
-def answer_from_chunks(raws: Iterable[bytes], limit: int) -> Answer:
+def answer_from_chunks(raws: Iterable[bytes], limit: int,
+                       on_header: Callable[[str, str], None] | None = None) -> Answer:
     """Server side of Submit. Raises MalformedMessageError (header missing, kind unknown,
-    chunks out of order, truncated, bytes that do not match the specs)."""
+    chunks out of order, truncated, bytes that do not match the specs).
+
+    ``on_header(task_id, client_id)`` runs as soon as the header is decoded, before
+    any buffer is allocated or a further chunk read; what it raises ends the call (a
+    Submit for someone else's task, or one never issued, costs the server nothing)."""
     asm: _Assembler | None = None
     h: pb.UpdateHeader | None = None
     size = 0
@@ -267,6 +272,8 @@ def answer_from_chunks(raws: Iterable[bytes], limit: int) -> Answer:
             h = msg.header
             if h.kind not in _KIND_FROM_PB:
                 raise MalformedMessageError(f"task {h.task_id!r}: unknown kind {h.kind}")
+            if on_header is not None:
+                on_header(h.task_id, h.client_id)
             asm = _Assembler(h.total, limit, f"task {h.task_id!r} from client {h.client_id!r}")
         assert asm is not None
         asm.add(msg.offset, pl.get(15, memoryview(b"")))

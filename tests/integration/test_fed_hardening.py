@@ -161,3 +161,137 @@ def test_a_seed_with_dp_is_refused() -> None:
         ServerConfig(dp=dp, insecure_reproducible_seed=7)
     ServerConfig(insecure_reproducible_seed=7)  # a non-private reproducibility run is fine
     ServerConfig(dp=dp, seed=7)  # the public sampling seed of non-DP rounds is not used under DP
+
+
+# --------------------------------------------------------------------------- 2. task ids and ownership
+class Recording(ClientRuntime):
+    """Records the tasks it is sent (what a client legitimately learns), then runs them
+    after ``sleep`` seconds (the task stays open meanwhile)."""
+
+    def __init__(self, client: Client, sleep: float = 0.0) -> None:
+        super().__init__(lambda _c: client)
+        self.tasks: list[Task] = []
+        self.sleep = sleep
+
+    def handle(self, task: Task, tensors: Any, bytes_received: int = 0) -> Answer:
+        self.tasks.append(task)
+        time.sleep(self.sleep)
+        return super().handle(task, tensors, bytes_received)
+
+
+def _header(task_id: str, client_id: str, total: int) -> pb.UpdateHeader:
+    h = pb.UpdateHeader(task_id=task_id, client_id=client_id, round=1, kind=pb.TASK_KIND_FIT, num_examples=1,
+                        total=total)
+    h.specs.add(group="weights", encoding="raw", shape=[total // 4], dtype="float32").parts.add(
+        dtype="float32", shape=[total // 4])
+    return h
+
+
+def _submit(ch: grpc.Channel, task_id: str, client_id: str, total: int = 120, chunk: int = 120,
+            token: str | None = None) -> grpc.RpcError | None:
+    """A raw Submit of ``total`` zero bytes in ``chunk``-byte pieces; the error, or None if accepted."""
+    def messages():
+        for off in range(0, total, chunk):
+            n = min(chunk, total - off)
+            m = pb.SubmitChunk(offset=off, last=off + n >= total)
+            if off == 0:
+                m.header.CopyFrom(_header(task_id, client_id, total))
+            yield pack(m, {15: bytes(n)})
+
+    try:
+        ch.stream_unary("/tessera.v1.Federated/Submit")(messages(), timeout=10, metadata=token_metadata(token))
+    except grpc.RpcError as e:
+        return e
+    return None
+
+
+def _fetch(ch: grpc.Channel, blob: str, task_id: str, client_id: str, token: str | None = None) -> grpc.RpcError | None:
+    req = pb.FetchRequest(blob=blob, client_id=client_id, task_id=task_id).SerializeToString()
+    try:
+        list(ch.unary_stream("/tessera.v1.Federated/Fetch")(req, timeout=10, metadata=token_metadata(token)))
+    except grpc.RpcError as e:
+        return e
+    return None
+
+
+def _run_in_thread(h: Harness) -> threading.Thread:
+    t = threading.Thread(target=h.server.run, daemon=True)
+    t.start()
+    return t
+
+
+def test_guessed_task_and_blob_ids_hit_nothing(harness) -> None:
+    # no tokens, and the weights travel by Fetch (inline_bytes=0): the task id is all that stands guard
+    h = harness(min_clients=1, inline_bytes=0)
+    victim = Recording(Shift(1.0, n=2), sleep=1.0)  # its task stays open while the attacker guesses
+    h.node(victim, ["victim"])
+    assert wait_until(lambda: h.server.registry.num_connected() == 1)
+    rounds = _run_in_thread(h)
+    assert wait_until(lambda: len(victim.tasks) == 1)
+    ch = h.channel()
+    codes = set()
+    # the old scheme: one counter for blobs ("b<n>") and tasks ("t<n>"), a blob right before its tasks
+    for k in range(1, 40):
+        for task_id in (f"t{k}", f"t{k + 1}"):
+            e = _fetch(ch, f"b{k}", task_id, "victim")
+            assert e is not None, f"guessed blob b{k} of task {task_id} was served"
+            codes.add(e.code())
+        e = _submit(ch, f"t{k}", "victim")
+        assert e is not None, f"an answer to guessed task t{k} was accepted"
+        codes.add(e.code())
+    assert codes == {grpc.StatusCode.NOT_FOUND}
+    rounds.join(20)
+    rec = h.server.history[0]
+    assert rec["answered"] == 1 and rec["failed"] == {}  # the victim's own answer still counted
+    task = victim.tasks[0]
+    assert len(task.task_id) >= 32 and len(task.blob) >= 32  # 128 random bits each
+    for got, w in zip(h.server.weights, W0):
+        np.testing.assert_allclose(got, w + 1.0, rtol=1e-6)
+
+
+def test_submit_for_a_task_not_ones_own_is_refused_before_its_data_is_read(harness) -> None:
+    h = harness(min_clients=1)
+    victim = Recording(Same(sleep=1.0))
+    h.node(victim, ["victim"])
+    assert wait_until(lambda: h.server.registry.num_connected() == 1)
+    rounds = _run_in_thread(h)
+    assert wait_until(lambda: len(victim.tasks) == 1)
+    real = victim.tasks[0].task_id
+    ch = h.channel()
+    sv = h.server.servicer
+    mib = 1 << 20
+    for task_id, client_id, code, needle in [
+        ("t" + "0" * 32, "victim", grpc.StatusCode.NOT_FOUND, "unknown"),  # made up
+        (real, "mallory", grpc.StatusCode.PERMISSION_DENIED, "not issued to client 'mallory'"),  # someone else's
+    ]:
+        before = sv.bytes_in
+        e = _submit(ch, task_id, client_id, total=8 * mib, chunk=mib)  # announces 8 MiB, in 8 chunks
+        assert e is not None and e.code() == code and needle in e.details(), (e.code(), e.details())
+        assert task_id in e.details()
+        assert sv.bytes_in - before < 2 * mib  # the header's chunk at most: nothing buffered past it
+        assert h.server.registry.in_flight() == 1  # the victim's task is still open, unchanged
+    rounds.join(20)
+    assert h.server.history[0]["answered"] == 1 and h.server.history[0]["failed"] == {}
+
+
+def test_one_identity_cannot_answer_or_fetch_anothers_task(harness) -> None:
+    tokens = {"alice": "tok-a", "bob": "tok-b"}
+    h = harness(tokens=tokens, min_clients=1, min_available=2, inline_bytes=0)
+    alice = Recording(Shift(1.0, n=1), sleep=1.0)
+    h.node(alice, [], token="tok-a")
+    bob = Recording(Same())
+    h.node(bob, [], token="tok-b")
+    assert wait_until(lambda: h.server.registry.num_connected() == 2)
+    rounds = _run_in_thread(h)
+    assert wait_until(lambda: len(alice.tasks) == 1 and len(bob.tasks) == 1)
+    t = alice.tasks[0]  # suppose bob learnt alice's task and blob ids
+    ch = h.channel()
+    for client_id in ("bob", "alice"):
+        e = _submit(ch, t.task_id, client_id, token="tok-b")
+        assert e is not None and e.code() == grpc.StatusCode.PERMISSION_DENIED, client_id
+        e = _fetch(ch, t.blob, t.task_id, client_id, token="tok-b")
+        assert e is not None and e.code() == grpc.StatusCode.PERMISSION_DENIED, client_id
+    assert "not issued to client 'bob'" in e.details() or "'bob' may not" in e.details()
+    rounds.join(20)
+    rec = h.server.history[0]
+    assert rec["answered"] == 2 and rec["failed"] == {}  # alice's own answer still counted

@@ -260,11 +260,31 @@ def _raw_submit(address: str, messages: list[bytes], one: bool = False) -> grpc.
     raise AssertionError("Submit accepted malformed input")
 
 
+class Holding(ClientRuntime):
+    """Records its tasks and holds each open for ``sleep`` seconds before answering."""
+
+    def __init__(self, client: Client, sleep: float) -> None:
+        super().__init__(lambda _c: client)
+        self.sleep, self.tasks = sleep, []
+
+    def handle(self, task: Task, tensors: Any, bytes_received: int = 0) -> Answer:
+        self.tasks.append(task)
+        time.sleep(self.sleep)
+        return super().handle(task, tensors, bytes_received)
+
+
 def test_malformed_submits_get_invalid_argument(harness) -> None:
     from tessera.codec import pack
 
-    h = harness()
-    head = pb.UpdateHeader(task_id="t1", client_id="x", kind=pb.TASK_KIND_FIT, num_examples=1, total=100)
+    # the server reads a Submit's data only for an open task of its sender: hold one open
+    h = harness(min_clients=1)
+    holder = Holding(Shift(1.0, 1), sleep=3.0)
+    h.node(holder, "x")
+    rounds = threading.Thread(target=h.server.run, daemon=True)
+    rounds.start()
+    assert wait_until(lambda: len(holder.tasks) == 1)
+    task_id = holder.tasks[0].task_id
+    head = pb.UpdateHeader(task_id=task_id, client_id="x", kind=pb.TASK_KIND_FIT, num_examples=1, total=100)
     head.specs.add(group="weights", encoding="raw", shape=[25], dtype="float32").parts.add(dtype="float32", shape=[25])
     cases = {
         "garbage": ([b"\xff\xff\xff"], "malformed"),
@@ -280,10 +300,14 @@ def test_malformed_submits_get_invalid_argument(harness) -> None:
             assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, name
             assert needle in e.details(), (name, e.details())
         # a well-formed answer to a task nobody issued: NOT_FOUND, nothing changes
+        head.task_id = "t1"
         good = pack(pb.SubmitChunk(header=head, offset=0, last=True), {15: b"\0" * 100})
+        head.task_id = task_id
         e = _raw_submit(h.address, [good], one)
         assert e.code() == grpc.StatusCode.NOT_FOUND and "t1" in e.details()
     assert h.server.servicer.errors["INVALID_ARGUMENT"] == 2 * len(cases)
+    rounds.join(20)  # none of that touched the open task: its own answer counts
+    assert h.server.history[0]["answered"] == 1 and h.server.history[0]["failed"] == {}
 
 
 # --------------------------------------------------------------------------- deadlines
