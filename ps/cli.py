@@ -34,17 +34,63 @@ def add_ps_commands(sub: Any) -> None:
         help="intra-op threads for the optimizer math (default 1; 0 keeps torch's default, one per core)",
     )
     s.add_argument("--ready-file", default=None, help="write the bound port here once serving")
+    s.add_argument("--checkpoint-dir", default="", help="write checkpoints here (on request, periodically, at SIGTERM)")
+    s.add_argument("--checkpoint-every", type=float, default=0.0, metavar="SECONDS", help="periodic checkpoints (0: none)")
+    s.add_argument("--checkpoint-keep", type=int, default=3, help="newest checkpoints kept (default 3)")
+    s.add_argument("--restore", action="store_true", help="start from the newest valid checkpoint in --checkpoint-dir")
+    s.add_argument(
+        "--push-idle-timeout", type=float, default=30.0, metavar="SECONDS",
+        help="abort a push stream that sent no chunk for this long (default 30)",
+    )
     s.set_defaults(func=_serve)
+
+    c = ps.add_parser("checkpoint", help="checkpoint every shard at one BSP clock (a consistent cut)")
+    c.add_argument("--ps", required=True, help="HOST:PORT,... of every shard, in shard order")
+    c.add_argument("--at-clock", type=int, default=None, help="BSP clock to cut at (default: the highest reached; -1: now, uncoordinated)")
+    c.add_argument("--timeout", type=float, default=120.0)
+    c.set_defaults(func=_checkpoint)
+
+    r = ps.add_parser("reshard", help="re-spread one checkpoint of every shard over another number of shards")
+    r.add_argument("--from", dest="src", required=True, help="checkpoint directories of shards 0..S-1 (comma-separated, in order)")
+    r.add_argument("--to", dest="dst", required=True, help="checkpoint directories of the new shards 0..N-1 (comma-separated)")
 
     st = ps.add_parser("stats", help="print per-shard tables, sizes and request counts")
     st.add_argument("--ps", required=True, help="HOST:PORT,... of every shard, in shard order")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
     st.set_defaults(func=_stats)
 
+    r.set_defaults(func=_reshard)
+
     q = ps.add_parser("quickstart", help="start local shards, train a toy table on them, print stats, stop")
     q.add_argument("--shards", type=int, default=2)
     q.add_argument("--steps", type=int, default=200)
     q.set_defaults(func=_quickstart)
+
+
+def _checkpoint(args: argparse.Namespace) -> int:
+    addresses = [a for a in args.ps.split(",") if a]
+    with PSClient(addresses, timeout=args.timeout, retries=2) as client:
+        for i, (path, clock) in enumerate(client.checkpoint(args.at_clock)):
+            print(f"shard {i}: {path} (clock {clock})")
+    return 0
+
+
+def _reshard(args: argparse.Namespace) -> int:
+    from ps.checkpoint import load_latest, reshard, write_checkpoint
+
+    snaps = []
+    for d in [x for x in args.src.split(",") if x]:
+        snap, path, skipped = load_latest(d)
+        for bad, why in skipped:
+            print(f"skipped {bad}: {why}", file=sys.stderr)
+        if snap is None:
+            print(f"no valid checkpoint in {d}", file=sys.stderr)
+            return 1
+        snaps.append(snap)
+    dst = [x for x in args.dst.split(",") if x]
+    for d, snap in zip(dst, reshard(snaps, len(dst))):
+        print(f"shard {snap.shard_index}/{snap.num_shards}: {write_checkpoint(d, snap)}")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -59,8 +105,10 @@ def _serve(args: argparse.Namespace) -> int:
     cfg = ShardConfig(
         shard_index=args.shard_index, num_shards=args.num_shards, host=args.host, port=args.port,
         max_bytes=args.max_bytes, chunk_elems=args.chunk_elems, workers=args.threads, lease_s=args.lease,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every_s=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep,
+        push_idle_timeout_s=args.push_idle_timeout,
     )
-    serve(cfg, ready_file=args.ready_file)
+    serve(cfg, ready_file=args.ready_file, restore=args.restore)
     return 0
 
 

@@ -101,7 +101,7 @@ class _Shard:
         u = lambda m: self.channel.unary_unary(_SERVICE + m)  # noqa: E731 - raw bytes in and out
         self.create, self.describe, self.stats = u("CreateTable"), u("DescribeTable"), u("Stats")
         self.pull_sparse, self.push_sparse = u("PullSparse"), u("PushSparse")
-        self.join, self.heartbeat = u("Join"), u("Heartbeat")
+        self.join, self.heartbeat, self.checkpoint = u("Join"), u("Heartbeat"), u("Checkpoint")
         self.push_dense = self.channel.stream_stream(_SERVICE + "PushDense")
         self.pull_dense = self.channel.unary_stream(_SERVICE + "PullDense")
 
@@ -609,6 +609,25 @@ class PSClient:
     def _need_worker(self, what: str) -> None:
         if not self.worker:
             raise InvalidArgumentError(f"{what}: create the PSClient with worker='name'")
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint(self, at_clock: int | None = None) -> list[tuple[str, int]]:
+        """A checkpoint on every shard, at one BSP clock: (path, clock) per shard.
+
+        Two phases: every shard holds its BSP tables at a clock >= ``at_clock`` (None: 0), then all
+        are cut at the highest clock any shard held at, so the checkpoints form one consistent cut.
+        ``at_clock`` -1: each shard now, without coordination (async/SSP runs have no common clock)."""
+        if at_clock is None or at_clock >= 0:
+            hold = pb.CheckpointRequest(at_clock=at_clock or 0, hold=True).SerializeToString()
+            held = self._fan_out([lambda i=i: self._call(i, self._shards[i].checkpoint, hold) for i in range(self.num_shards)])
+            at_clock = max(unpack(pb.CheckpointReply, r)[0].clock for r in held)
+        req = pb.CheckpointRequest(at_clock=at_clock).SerializeToString()
+        raws = self._fan_out([lambda i=i: self._call(i, self._shards[i].checkpoint, req) for i in range(self.num_shards)])
+        out = []
+        for raw in raws:
+            msg, _ = unpack(pb.CheckpointReply, raw)
+            out.append((msg.path, msg.clock))
+        return out
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> list[ShardStats]:

@@ -18,6 +18,8 @@ __all__ = [
     "INITIALIZER_DEFAULTS",
     "DENSE",
     "SPARSE",
+    "spec_to_dict",
+    "spec_from_dict",
 ]
 
 DENSE = "dense"
@@ -189,15 +191,50 @@ class ShardConfig:
     workers: int = 64  # server threads; BSP/SSP pulls block one each while they wait
     lease_s: float = 10.0  # a worker silent this long leaves the live set (BSP/SSP stop waiting for it)
     push_idle_timeout_s: float = 30.0  # a push stream with no chunk for this long is aborted (nothing applied)
+    checkpoint_dir: str = ""  # where checkpoints go ("" : none)
+    checkpoint_every_s: float = 0.0  # periodic checkpoints (0: only on request and at shutdown)
+    checkpoint_keep: int = 3  # newest checkpoints kept
+    cut_hold_s: float = 30.0  # a cluster checkpoint's hold on the BSP tables lapses after this long without its cut
 
     def __post_init__(self) -> None:
         if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
             raise ValueError(f"shard index {self.shard_index} out of range for {self.num_shards} shards")
         if self.chunk_elems < 1 or self.chunk_elems * 4 + 4096 > self.max_message_bytes:
             raise ValueError("chunk_elems must be >= 1 and a float32 chunk must fit in max_message_bytes")
+        if self.checkpoint_every_s < 0 or self.checkpoint_keep < 1:
+            raise ValueError("checkpoint_every_s must be >= 0 and checkpoint_keep >= 1")
+        if self.checkpoint_every_s and not self.checkpoint_dir:
+            raise ValueError("checkpoint_every_s needs a checkpoint_dir")
         if self.push_idle_timeout_s <= 0:
             raise ValueError(f"push_idle_timeout_s must be > 0, got {self.push_idle_timeout_s}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
+
+
+def spec_to_dict(spec: TableSpec) -> dict:
+    """``spec`` as plain data (checkpoints)."""
+    return {
+        "name": spec.name, "kind": spec.kind, "shape": list(spec.shape), "dim": spec.dim, "dtype": spec.dtype,
+        "optimizer": {"name": spec.optimizer.name, "hparams": dict(spec.optimizer.hparams)},
+        "initializer": {"name": spec.initializer.name, "params": dict(spec.initializer.params)},
+        "seed": spec.seed, "admission": {"min_count": spec.admission.min_count, "probability": spec.admission.probability},
+        "eviction": {"ttl_steps": spec.eviction.ttl_steps, "max_rows": spec.eviction.max_rows},
+        "num_slots": spec.num_slots, "allow_nonfinite": spec.allow_nonfinite,
+    }
+
+
+def spec_from_dict(d: Mapping) -> TableSpec:
+    """The inverse of spec_to_dict; every field is checked again (InvalidArgumentError)."""
+    try:
+        return TableSpec(
+            str(d["name"]), str(d["kind"]), tuple(int(x) for x in d["shape"]), int(d["dim"]), str(d["dtype"]),
+            OptimizerSpec(str(d["optimizer"]["name"]), {str(k): float(v) for k, v in d["optimizer"]["hparams"].items()}),
+            InitializerSpec(str(d["initializer"]["name"]), {str(k): float(v) for k, v in d["initializer"]["params"].items()}),
+            int(d["seed"]), AdmissionSpec(int(d["admission"]["min_count"]), float(d["admission"]["probability"])),
+            EvictionSpec(int(d["eviction"]["ttl_steps"]), int(d["eviction"]["max_rows"])), int(d["num_slots"]),
+            bool(d["allow_nonfinite"]),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise InvalidArgumentError(f"table spec does not decode: {type(e).__name__}: {e}") from None

@@ -214,6 +214,7 @@ class SyncRound(Generic[C]):
         self._pending: dict[str, C] = {}
         self._applying = False
         self._backup = 0
+        self.hold_at: int | None = None  # a cluster checkpoint: do not apply the round for this clock yet
         self.cond = threading.Condition()
 
     def contribute(self, worker: str, clock: int, value: C, backup_workers: int = 0) -> str:
@@ -250,7 +251,7 @@ class SyncRound(Generic[C]):
 
     def _take(self) -> list[C] | None:
         """Under the lock: the round's contributions if it is complete (and mark it applying)."""
-        if not self._pending or self._applying:
+        if not self._pending or self._applying or (self.hold_at is not None and self.clock >= self.hold_at):
             return None
         live = self.membership.live()
         # the quorum counts live workers only: a contribution from a worker that has since left still
@@ -277,6 +278,21 @@ class SyncRound(Generic[C]):
             self.failed = None
             self.clock += 1
             self.cond.notify_all()
+
+    def hold(self, clock: int) -> None:
+        """Keep the table at ``clock``: the round for ``clock`` is not applied until release()
+        (a consistent cut across shards). Raises FailedPreconditionError if the table is past it."""
+        with self.cond:
+            if self.clock > clock:
+                raise FailedPreconditionError(f"table {self.name!r} is at clock {self.clock}, past the requested {clock}")
+            self.hold_at = clock
+
+    def release(self) -> None:
+        with self.cond:
+            self.hold_at = None
+            batch = self._take()
+        if batch is not None:
+            self._run(batch)
 
     def wait_clock(self, clock: int, timeout: float) -> float:
         """Block until this table applied every clock below ``clock``. Returns seconds waited.

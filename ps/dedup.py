@@ -71,13 +71,15 @@ class Dedup(Generic[R]):
             while len(rec) > self.window:
                 rec.popitem(last=False)
 
-    def export(self) -> list[tuple[str, str, list[tuple[int, Any]]]]:
-        """Every record as plain data (checkpoints, a joining backup)."""
+    def export(self, table: str | None = None) -> list[tuple[str, str, list[tuple[int, Any]]]]:
+        """The records (of ``table``, or all) as (client, table, [(seq, result)]) (checkpoints, a joining backup)."""
         with self._lock:
-            return [(c, t, list(rec.items())) for (c, t), rec in self._records.items()]
+            return [(c, t, list(rec.items())) for (c, t), rec in self._records.items() if table is None or t == table]
 
     def load(self, records: list[tuple[str, str, list[tuple[int, Any]]]]) -> None:
+        """Add ``records`` (as export() gives them), replacing those of the same (client, table)."""
         with self._lock:
-            self._records.clear()
             for c, t, items in records:
-                self._records[(c, t)] = OrderedDict(sorted((int(s), r) for s, r in items))
+                self._records[(str(c), str(t))] = OrderedDict(sorted((int(s), r) for s, r in items))
+            while len(self._records) > self.max_keys:
+                self._records.popitem(last=False)

@@ -134,6 +134,7 @@ class PSServicer:
                 "Stats": uu(guard("Stats", self.Stats)),
                 "Join": uu(guard("Join", self.Join)),
                 "Heartbeat": uu(guard("Heartbeat", self.Heartbeat)),
+                "Checkpoint": uu(guard("Checkpoint", self.Checkpoint)),
             },
         )
 
@@ -172,6 +173,14 @@ class PSServicer:
             raise InvalidArgumentError(f"Heartbeat: clock must be >= 0, got {req.clock}")
         view = self.shard.heartbeat(req.worker, req.leave, req.clock)
         return self._out(membership_to_proto(view).SerializeToString())
+
+    def Checkpoint(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        req, _ = self._decode(pb.CheckpointRequest, raw)
+        if req.hold:
+            path, clock = "", self.shard.hold_cut(max(0, req.at_clock))
+        else:
+            path, clock = self.shard.cut_at(req.at_clock, _time_left(context))
+        return self._out(pb.CheckpointReply(shard_index=self.shard.config.shard_index, path=path, clock=clock).SerializeToString())
 
     # ------------------------------------------------------------------ dense
     def PushDense(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:

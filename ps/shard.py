@@ -15,9 +15,10 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from ps.config import DENSE, SPARSE, ShardConfig, TableSpec
+from ps.checkpoint import CheckpointError, ShardSnapshot, write_checkpoint
+from ps.config import DENSE, SPARSE, ShardConfig, TableSpec, spec_from_dict, spec_to_dict
 from ps.consistency import LATE, Membership, SyncPolicy, SyncRound
-from ps.errors import DtypeError, InvalidArgumentError, ResourceExhaustedError, TableExistsError, TableNotFoundError
+from ps.errors import DtypeError, FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError, TableExistsError, TableNotFoundError
 from ps.optim import make_optimizer
 from ps.dedup import Dedup
 from ps.table import DenseTable, DenseUpdate, PushResult, SparsePush, SparseTable
@@ -103,6 +104,9 @@ class ShardStats:
     pushes_aborted_idle: int = 0
     duplicates: int = 0
     maintenance_errors: int = 0
+    sync_clock: int = 0
+    checkpoints: int = 0
+    last_checkpoint: str = ""
 
 
 class Shard:
@@ -124,8 +128,15 @@ class Shard:
         self._streams_lock = threading.Lock()
         self.pushes_aborted_idle = 0
         self.maintenance_errors = 0
+        self._checkpoint_lock = threading.Lock()
+        self._cut_lock = threading.Lock()
+        self._cut: tuple[list[SyncRound], float] | None = None  # held rounds, lapse time
+        self.checkpoints = 0
+        self.last_checkpoint = ""
         # leases are enforced by time, not by the next request: a dead worker's round must complete
         threading.Thread(target=self._maintain, name=f"ps{config.shard_index}-maintenance", daemon=True).start()
+        if config.checkpoint_every_s:
+            threading.Thread(target=self._checkpoint_loop, name=f"ps{config.shard_index}-checkpoints", daemon=True).start()
 
     def close(self) -> None:
         self._closed.set()
@@ -135,7 +146,7 @@ class Shard:
         the loop goes on: this thread must never die (a dead reaper would hang every BSP round)."""
         period = min(0.2, self.config.lease_s / 10)
         while not self._closed.wait(period):
-            for task in (self.membership.expire, self._abort_idle_streams):
+            for task in (self.membership.expire, self._abort_idle_streams, self._lapse_cut):
                 try:
                     task()
                 except Exception:  # noqa: BLE001 - logged, counted, and the loop goes on
@@ -322,17 +333,14 @@ class Shard:
     def _contribute(
         self, name: str, worker: str, policy: SyncPolicy, value: object, client: str = "", seq: int = 0
     ) -> SyncPush:
-        prior = self.dedup.seen(client, name, seq, None)
-        if prior is not None:
-            return SyncPush(prior.result, prior.late, self.rounds[name].clock, True)
+        # BSP needs no dedup record: a retry of a push the round holds, or of a round applied, is
+        # *late* (never applied twice), and one whose round was lost with a checkpoint restore is new
         self.membership.touch(worker)
         r = self.rounds[name]
         outcome = r.contribute(worker, policy.clock, value, policy.backup_workers)
         if outcome != LATE:
             self.membership.advance(worker, policy.clock)
-        out = SyncPush(PushResult(0 if outcome == LATE else 1, 0, 0.0, 0), outcome == LATE, r.clock)
-        self.dedup.record(client, name, seq, out)
-        return out
+        return SyncPush(PushResult(0 if outcome == LATE else 1, 0, 0.0, 0), outcome == LATE, r.clock)
 
     def pushed(self, worker: str, policy: SyncPolicy) -> None:
         """An async/SSP push by ``worker`` committed: renew its lease and advance its clock."""
@@ -381,6 +389,125 @@ class Shard:
             self.pushed(worker, policy)
         return SyncPush(result, False, self.rounds[name].clock, bool(dup))
 
+    # ------------------------------------------------------------------ checkpoints
+    def snapshot(self) -> ShardSnapshot:
+        """The shard's durable state: every table (each consistent with its dedup records), the BSP
+        clocks, and the live members. Pushes go on meanwhile (each table is copied atomically)."""
+        with self._lock:
+            items = sorted(self.tables.items())
+            rounds = dict(self.rounds)
+        tables, dedup = [], []
+        for name, t in items:
+            st = t.export_state(lambda n=name: self.dedup.export(n))
+            dedup.extend((c, tn, [(seq, _result_to_plain(r)) for seq, r in recs]) for c, tn, recs in st.pop("along"))
+            st["kind"] = DENSE if isinstance(t, DenseTable) else SPARSE
+            st["spec"] = spec_to_dict(t.spec)
+            tables.append(st)
+        workers = [(w.name, w.clock, w.lease_s) for w in self.membership.workers() if w.live]
+        return ShardSnapshot(
+            self.config.shard_index, self.config.num_shards, tables, {n: r.clock for n, r in rounds.items()}, dedup, workers,
+        )
+
+    def restore(self, snap: ShardSnapshot) -> None:
+        """Load ``snap`` into this (empty) shard: tables, optimizer state, versions, clocks, dedup
+        records; its members rejoin with their clocks and a fresh lease."""
+        if (snap.shard_index, snap.num_shards) != (self.config.shard_index, self.config.num_shards):
+            raise CheckpointError(
+                f"checkpoint of shard {snap.shard_index}/{snap.num_shards} cannot load into shard "
+                f"{self.config.shard_index}/{self.config.num_shards} (use `tessera ps reshard`)"
+            )
+        if self.tables:
+            raise FailedPreconditionError(f"shard {self.config.shard_index} already holds tables; restore into an empty shard")
+        for t in snap.tables:
+            spec = spec_from_dict(t["spec"])
+            self.create_table(spec)
+            self.table(spec.name).load_state(t)
+            self.rounds[spec.name].clock = int(snap.clocks.get(spec.name, 0))
+        self.dedup.load([(c, tn, [(seq, _result_from_plain(r)) for seq, r in recs]) for c, tn, recs in snap.dedup])
+        for name, clock, lease_s in snap.workers:
+            self.membership.join(name, lease_s, clock)
+
+    def save_checkpoint(self) -> str:
+        """Write a checkpoint to ``config.checkpoint_dir`` now; returns its path."""
+        if not self.config.checkpoint_dir:
+            raise FailedPreconditionError(f"shard {self.config.shard_index} has no checkpoint directory (--checkpoint-dir)")
+        with self._checkpoint_lock:
+            path = write_checkpoint(self.config.checkpoint_dir, self.snapshot(), self.config.checkpoint_keep)
+            self.checkpoints += 1
+            self.last_checkpoint = path
+            return path
+
+    def hold_cut(self, at_least: int = 0) -> int:
+        """Phase 1 of a cluster checkpoint: hold every table that takes part in BSP at one clock
+        >= ``at_least`` (its round for that clock waits); returns that clock. The hold lapses after
+        ``config.cut_hold_s`` if no cut_at() follows (a coordinator that died)."""
+        with self._cut_lock:
+            self._release_cut()
+            with self._lock:
+                rounds = [r for r in self.rounds.values() if r.clock > 0 or r.pending()]
+            for _ in range(100):
+                h = max([at_least] + [r.clock for r in rounds])
+                held: list[SyncRound] = []
+                try:
+                    for r in rounds:
+                        r.hold(h)
+                        held.append(r)
+                    self._cut = (rounds, time.monotonic() + self.config.cut_hold_s)
+                    return h
+                except FailedPreconditionError:  # a round applied meanwhile: aim higher
+                    for r in held:
+                        r.release()
+            raise FailedPreconditionError(f"shard {self.config.shard_index}: could not hold its tables for a checkpoint")
+
+    def cut_at(self, clock: int, timeout: float) -> tuple[str, int]:
+        """Phase 2: let the held tables reach ``clock`` (the highest any shard held at), snapshot
+        them there, release. With every shard cut at the same clock the checkpoints form one
+        consistent cut. ``clock`` < 0: a checkpoint now, without coordination. Returns (path, clock)."""
+        if clock < 0:
+            return self.save_checkpoint(), self._view().sync_clock
+        with self._cut_lock:
+            held = self._cut is not None
+        if not held:  # a cut without a hold: this shard alone
+            self.hold_cut(clock)
+        with self._cut_lock:
+            if self._cut is None:
+                raise FailedPreconditionError(f"shard {self.config.shard_index}: the checkpoint hold lapsed before the cut")
+            rounds = self._cut[0]
+            self._cut = (rounds, time.monotonic() + timeout + self.config.cut_hold_s)
+        try:
+            for r in rounds:
+                r.hold(clock)
+            deadline = time.monotonic() + timeout
+            for r in rounds:
+                r.wait_clock(clock, max(0.0, deadline - time.monotonic()))
+            return self.save_checkpoint(), clock
+        finally:
+            with self._cut_lock:
+                self._release_cut()
+
+    def _release_cut(self, only_expired: bool = False) -> None:
+        """Caller holds _cut_lock."""
+        if self._cut is None or (only_expired and time.monotonic() < self._cut[1]):
+            return
+        rounds, self._cut = self._cut[0], None
+        if only_expired:
+            log.warning("shard %d: checkpoint hold lapsed (no cut followed)", self.config.shard_index)
+        for r in rounds:
+            r.release()
+
+    def _lapse_cut(self) -> None:
+        with self._cut_lock:
+            self._release_cut(only_expired=True)
+
+    def _checkpoint_loop(self) -> None:
+        every = self.config.checkpoint_every_s
+        while not self._closed.wait(every):
+            try:
+                self.save_checkpoint()
+            except Exception:  # noqa: BLE001 - logged and counted; the next period tries again
+                self.maintenance_errors += 1
+                log.exception("shard %d: periodic checkpoint failed", self.config.shard_index)
+
     # ------------------------------------------------------------------ memory
     def held_bytes(self) -> int:
         return sum(t.held_bytes() for t in self._tables())
@@ -424,7 +551,8 @@ class Shard:
         return ShardStats(
             self.config.shard_index, self.config.num_shards, tables, dict(self.requests), dict(self.errors),
             self.bytes_in, self.bytes_out, time.monotonic() - self._started, workers, self.membership.expired,
-            self.pushes_aborted_idle, self.dedup.duplicates, self.maintenance_errors,
+            self.pushes_aborted_idle, self.dedup.duplicates, self.maintenance_errors, self._view().sync_clock,
+            self.checkpoints, self.last_checkpoint,
         )
 
 
@@ -435,3 +563,11 @@ def _state_per_elem(spec: TableSpec) -> int:
 def _diff(a: TableSpec, b: TableSpec) -> str:
     fields = [f for f in a.__dataclass_fields__ if getattr(a, f) != getattr(b, f)]
     return ", ".join(f"{f}: {getattr(a, f)!r} != {getattr(b, f)!r}" for f in fields)
+
+
+def _result_to_plain(r: PushResult) -> list:
+    return [r.applied, r.dropped, r.mean_staleness, r.max_staleness, r.version, r.late, r.clock]
+
+
+def _result_from_plain(x: list) -> PushResult:
+    return PushResult(int(x[0]), int(x[1]), float(x[2]), int(x[3]), int(x[4]), int(x[5]), int(x[6]))

@@ -28,7 +28,7 @@ from ps.errors import NonFiniteError, ResourceExhaustedError, ShapeMismatchError
 from ps.index import IdIndex
 from ps.initializers import init_dense, init_rows, table_key, uniform01
 from ps.optim import Optimizer, make_optimizer, scaled_lr
-from ps.partition import SlotMap, dense_range
+from ps.partition import SlotMap, dense_range, slot_of
 
 __all__ = ["DenseTable", "DenseUpdate", "SparseTable", "SparsePush", "RowDelta", "PushResult", "StalenessStats", "GRADIENT", "ASSIGN"]
 
@@ -201,14 +201,18 @@ class DenseTable:
             update.apply(k * self.chunk_elems, g)
         return update.commit(before_swap)
 
-    def export_state(self) -> dict[str, Any]:
-        """Values, optimizer state and version of this shard's range (a consistent snapshot, copies)."""
-        with self.lock:
+    def export_state(self, along: Callable[[], Any] | None = None) -> dict[str, Any]:
+        """Values, optimizer state and version of this shard's range (a consistent snapshot, copies).
+
+        ``along()`` runs in the same critical section (no commit in between); its result is
+        returned as ``"along"`` (the dedup records that match this state)."""
+        with self.write_lock, self.lock:
             blocks, version = list(self._blocks), self.version
+            extra = along() if along is not None else None
         names = list(self.optimizer.init_state(torch.zeros(1)).keys())
         state = {k: torch.cat([b.state[k] for b in blocks]).numpy().copy() for k in names} if blocks else {}
         values = torch.cat([b.param for b in blocks]).numpy().copy() if blocks else np.zeros(0, np.float32)
-        return {"version": version, "values": values, "state": state, "start": self.start, "stop": self.stop}
+        return {"version": version, "values": values, "state": state, "start": self.start, "stop": self.stop, "along": extra}
 
     def load_state(self, snap: dict[str, Any]) -> None:
         """Replace values, optimizer state and version with ``snap`` (from export_state of the same range)."""
@@ -599,6 +603,75 @@ class SparseTable:
         if self.spec.eviction.ttl_steps:
             self.evict_expired()
         return result
+
+    def export_state(self, along: Callable[[], Any] | None = None) -> dict[str, Any]:
+        """Live rows (ids, values, optimizer state, versions) sorted by virtual slot, and the table step
+        (copies); ``along()`` as for DenseTable.export_state."""
+        with self.lock:
+            extra = along() if along is not None else None
+            ids, rows = self._index.items()
+            order = np.lexsort((ids, slot_of(ids, self.spec.num_slots))) if ids.size else np.zeros(0, np.int64)
+            ids, rows = ids[order], rows[order]
+            rt = torch.from_numpy(rows)
+            return {
+                "step": self.step, "ids": ids, "values": self.values[rt].numpy().copy(),
+                "versions": self.versions[rows].copy(), "state": {k: v[rt].numpy().copy() for k, v in self.state.items()},
+                "along": extra,
+            }
+
+    def load_state(self, snap: dict[str, Any]) -> None:
+        """Replace every row with ``snap``'s (from export_state; ids must belong to this shard)."""
+        ids = np.asarray(snap["ids"], np.int64)
+        values = np.asarray(snap["values"], np.float32).reshape(len(ids), self.dim)
+        self.check_ids(ids)
+        with self.lock:
+            self._index = IdIndex(max(1024, 2 * len(ids)))
+            self._free, self._cap, self._n_alloc = [], 0, 0
+            self.values = torch.zeros((0, self.dim))
+            self.state = self.optimizer.init_state(self.values)
+            self.versions = np.zeros(0, np.int64)
+            self.last_touch = np.zeros(0, np.int64)
+            self.row_ids = np.zeros(0, np.int64)
+            self.step = int(snap["step"])
+            if len(ids):
+                self._upsert(ids, values, snap["state"], np.asarray(snap["versions"], np.int64))
+
+    def _upsert(self, ids: np.ndarray, values: np.ndarray, state: dict[str, Any], versions: np.ndarray) -> None:
+        """Store rows as given (create the missing ones). Caller holds the lock."""
+        rows = self._lookup(ids)
+        missing = np.nonzero(rows < 0)[0]
+        if missing.size:
+            n = missing.size
+            take = min(n, len(self._free))
+            reused = np.asarray(self._free[len(self._free) - take :][::-1], np.int64)
+            del self._free[len(self._free) - take :]
+            fresh = n - take
+            if fresh:
+                self._grow(self._n_alloc + fresh)
+                self._n_alloc += fresh
+            new = np.concatenate([reused, np.arange(self._n_alloc - fresh, self._n_alloc, dtype=np.int64)])
+            self._index.insert(ids[missing], new)
+            self.row_ids[new] = ids[missing]
+            rows[missing] = new
+        rt = torch.from_numpy(rows)
+        self.values[rt] = torch.from_numpy(np.asarray(values, np.float32))
+        for k, v in self.state.items():
+            v[rt] = torch.from_numpy(np.asarray(state[k], np.float32))
+        self.versions[rows] = versions
+        self.last_touch[rows] = self.step
+
+    def apply_delta(self, delta: RowDelta, step: int, evicted: np.ndarray | None = None) -> None:
+        """Make rows equal to a primary's (replication): upsert ``delta``, drop ``evicted`` ids, set the step."""
+        with self.lock:
+            if evicted is not None and evicted.size:
+                rows = self._lookup(evicted)
+                gone = rows[rows >= 0]
+                if gone.size:
+                    self._index.delete(self.row_ids[gone])
+                    self._free.extend(gone.tolist())
+            if delta.ids.size:
+                self._upsert(delta.ids, delta.values, delta.state, delta.versions)
+            self.step = step
 
     def items(self) -> Iterator[tuple[int, int]]:
         """(id, row) pairs of live rows (a snapshot)."""

@@ -119,6 +119,9 @@ def stats_to_proto(s: ShardStats) -> pb.StatsReply:
         pushes_aborted_idle=s.pushes_aborted_idle,
         duplicates=s.duplicates,
         maintenance_errors=s.maintenance_errors,
+        sync_clock=s.sync_clock,
+        checkpoints=s.checkpoints,
+        last_checkpoint=s.last_checkpoint,
     )
 
 
@@ -143,6 +146,9 @@ def stats_from_proto(msg: pb.StatsReply) -> ShardStats:
         msg.pushes_aborted_idle,
         msg.duplicates,
         msg.maintenance_errors,
+        msg.sync_clock,
+        msg.checkpoints,
+        msg.last_checkpoint,
     )
 
 

@@ -346,7 +346,7 @@ class TableStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., rows: _Optional[int] = ..., elements: _Optional[int] = ..., param_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "tables", "requests", "errors", "bytes_in", "bytes_out", "uptime_s", "workers", "leases_expired", "pushes_aborted_idle", "duplicates", "maintenance_errors")
+    __slots__ = ("shard_index", "num_shards", "tables", "requests", "errors", "bytes_in", "bytes_out", "uptime_s", "workers", "leases_expired", "pushes_aborted_idle", "duplicates", "maintenance_errors", "sync_clock", "checkpoints", "last_checkpoint")
     class RequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -374,6 +374,9 @@ class StatsReply(_message.Message):
     PUSHES_ABORTED_IDLE_FIELD_NUMBER: _ClassVar[int]
     DUPLICATES_FIELD_NUMBER: _ClassVar[int]
     MAINTENANCE_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
@@ -387,7 +390,28 @@ class StatsReply(_message.Message):
     pushes_aborted_idle: int
     duplicates: int
     maintenance_errors: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., requests: _Optional[_Mapping[str, int]] = ..., errors: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., leases_expired: _Optional[int] = ..., pushes_aborted_idle: _Optional[int] = ..., duplicates: _Optional[int] = ..., maintenance_errors: _Optional[int] = ...) -> None: ...
+    sync_clock: int
+    checkpoints: int
+    last_checkpoint: str
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., requests: _Optional[_Mapping[str, int]] = ..., errors: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., leases_expired: _Optional[int] = ..., pushes_aborted_idle: _Optional[int] = ..., duplicates: _Optional[int] = ..., maintenance_errors: _Optional[int] = ..., sync_clock: _Optional[int] = ..., checkpoints: _Optional[int] = ..., last_checkpoint: _Optional[str] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("at_clock", "hold")
+    AT_CLOCK_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
+    at_clock: int
+    hold: bool
+    def __init__(self, at_clock: _Optional[int] = ..., hold: bool = ...) -> None: ...
+
+class CheckpointReply(_message.Message):
+    __slots__ = ("shard_index", "path", "clock")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    path: str
+    clock: int
+    def __init__(self, shard_index: _Optional[int] = ..., path: _Optional[str] = ..., clock: _Optional[int] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("name", "clock", "live", "idle_s")

@@ -79,6 +79,11 @@ class ParameterServerStub(object):
                 request_serializer=tessera_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_ps__pb2.MembershipReply.FromString,
                 _registered_method=True)
+        self.Checkpoint = channel.unary_unary(
+                '/tessera.v1.ParameterServer/Checkpoint',
+                request_serializer=tessera_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_ps__pb2.CheckpointReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer(object):
@@ -138,6 +143,12 @@ class ParameterServerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Checkpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +196,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=tessera_dot_v1_dot_ps__pb2.HeartbeatRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_ps__pb2.MembershipReply.SerializeToString,
+            ),
+            'Checkpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.Checkpoint,
+                    request_deserializer=tessera_dot_v1_dot_ps__pb2.CheckpointRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_ps__pb2.CheckpointReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +446,33 @@ class ParameterServer(object):
             '/tessera.v1.ParameterServer/Heartbeat',
             tessera_dot_v1_dot_ps__pb2.HeartbeatRequest.SerializeToString,
             tessera_dot_v1_dot_ps__pb2.MembershipReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Checkpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.ParameterServer/Checkpoint',
+            tessera_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
+            tessera_dot_v1_dot_ps__pb2.CheckpointReply.FromString,
             options,
             channel_credentials,
             insecure,
