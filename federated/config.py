@@ -92,6 +92,10 @@ class ServerConfig:
     tokens: Mapping[str, str] | None = None  # identity -> token; None: no authentication
     max_nodes: int = 256  # concurrent Connect streams (one thread each)
     max_clients: int = 1_000_000
+    # per authenticated identity (with ``tokens``), so that one cannot crowd out the others:
+    max_clients_per_identity: int = 10_000  # client ids held at once
+    max_calls_per_identity: int = 64  # calls open at once (Connect, Fetch, Submit, SubmitOne)
+    max_num_examples: int = 100_000_000  # a client reporting more is refused (INVALID_ARGUMENT)
     chunk_bytes: int = 1 << 20
     inline_bytes: int = 64 << 10  # blobs up to this size travel inside the task message (no Fetch)
     max_message_bytes: int = 64 << 20
@@ -119,6 +123,10 @@ class ServerConfig:
             raise ConfigError("TLS needs both a certificate and a key")
         if self.tokens is not None and not self.tokens:
             raise ConfigError("an empty token list would refuse every client")
+        for name in ("max_nodes", "max_clients", "max_clients_per_identity", "max_calls_per_identity",
+                     "max_num_examples"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.chunk_bytes < 1024 or self.chunk_bytes + 65536 > self.max_message_bytes:
             raise ConfigError("chunk_bytes must be >= 1 KiB and fit in max_message_bytes with its header")
         parse_compression(self.compress)  # raises ConfigError

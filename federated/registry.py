@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterable, Sequence
 from federated.errors import (
     InvalidUpdateError,
     PermissionDeniedError,
+    ResourceExhaustedError,
     TaskClosedError,
     UnknownTaskError,
 )
@@ -96,10 +97,18 @@ def owns(identity: str | None, client_id: str) -> bool:
 
 
 class Registry:
-    """Thread-safe registry of nodes, clients, blobs and tasks in flight."""
+    """Thread-safe registry of nodes, clients, blobs and tasks in flight.
 
-    def __init__(self, max_clients: int = 1_000_000) -> None:
+    ``max_clients``: client ids held at once, in all; ``max_clients_per_identity``: by
+    one authenticated identity (anonymous nodes, without tokens, are not told apart);
+    ``max_num_examples``: the most examples an answer may report."""
+
+    def __init__(self, max_clients: int = 1_000_000, max_clients_per_identity: int = 10_000,
+                 max_num_examples: int = 100_000_000) -> None:
         self.max_clients = max_clients
+        self.max_clients_per_identity = max_clients_per_identity
+        self.max_num_examples = max_num_examples
+        self._held: dict[str, int] = {}  # identity -> client ids it holds
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._nodes: dict[str, Node] = {}
@@ -134,12 +143,23 @@ class Registry:
             new = sum(1 for c in ids if c not in self._clients)
             if len(self._clients) + new > self.max_clients:
                 raise PermissionDeniedError(f"server holds its limit of {self.max_clients} clients")
+            if identity is not None:
+                # ids the identity holds already (a reconnect) do not count twice
+                held = self._held.get(identity, 0)
+                mine = sum(1 for c in ids if c not in self._clients or self._clients[c].identity != identity)
+                if held + mine > self.max_clients_per_identity:
+                    raise ResourceExhaustedError(
+                        f"identity {identity!r} holds {held} client ids and asks for {mine} more; its limit is "
+                        f"{self.max_clients_per_identity} (max_clients_per_identity)"
+                    )
             node = Node(f"node-{next(self._ids)}", identity, tuple(ids), send)
             for c in ids:
                 old = self._clients.get(c)
                 if old is not None and old is not node:
                     self._fail_tasks_locked(_of(old, c), "client reconnected")
+                    self._count_locked(old.identity, -1)
                 self._clients[c] = node
+                self._count_locked(identity, +1)
             self._nodes[node.node_id] = node
             self._cond.notify_all()
         log.info("node %s connected (%s) with %d client(s)", node.node_id, identity or "anonymous", len(ids))
@@ -153,6 +173,7 @@ class Registry:
             for c in node.client_ids:
                 if self._clients.get(c) is node:
                     del self._clients[c]
+                    self._count_locked(node.identity, -1)
             self._fail_tasks_locked(lambda p: p.node is node, "client disconnected")
             self._cond.notify_all()
         log.info("node %s disconnected", node.node_id)
@@ -288,6 +309,9 @@ class Registry:
             if answer.kind != p.task.kind or answer.round != p.task.round:
                 mismatch = (f"task {answer.task_id!r} is a {p.task.kind} task of round {p.task.round}, "
                             f"the answer says {answer.kind} of round {answer.round}")
+            elif answer.num_examples > self.max_num_examples:  # would outweigh everyone else
+                mismatch = (f"num_examples {answer.num_examples} exceeds the server's limit of "
+                            f"{self.max_num_examples} (max_num_examples)")
             elif p.task.kind == "secagg" and answer.secagg_stage != p.task.secagg_stage:
                 mismatch = (f"task {answer.task_id!r} is secure-aggregation stage {p.task.secagg_stage}, "
                             f"the answer says {answer.secagg_stage}")
@@ -372,6 +396,14 @@ class Registry:
             return len(self._tasks)
 
     # ------------------------------------------------------------------ internals
+    def _count_locked(self, identity: str | None, d: int) -> None:
+        if identity is not None:
+            n = self._held.get(identity, 0) + d
+            if n > 0:
+                self._held[identity] = n
+            else:
+                self._held.pop(identity, None)
+
     def _finish_locked(self, p: Pending, ok: bool, error: str = "") -> None:
         p.done, p.ok, p.finished_at = True, ok, time.monotonic()
         if not ok:

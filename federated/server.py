@@ -47,10 +47,11 @@ class FedServer:
         on_round: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.config = config
-        self.registry = Registry(config.max_clients)
+        self.registry = Registry(config.max_clients, config.max_clients_per_identity, config.max_num_examples)
         self.orchestrator = Orchestrator(config, strategy, self.registry, initial_weights, evaluate_fn, on_round)
         self.tokens = TokenTable(config.tokens) if config.tokens is not None else None
-        self.servicer = FedServicer(self.registry, self.tokens, config.chunk_bytes, config.max_nodes)
+        self.servicer = FedServicer(self.registry, self.tokens, config.chunk_bytes, config.max_nodes,
+                                    config.max_calls_per_identity)
         # an answer is at most the model in float64 plus extras (SCAFFOLD) plus headers
         self.servicer.max_answer_bytes = 4 * self.orchestrator.model_bytes + (16 << 20)
         self.interceptor = TokenAuthInterceptor(self.tokens) if self.tokens is not None else None

@@ -62,9 +62,11 @@ class FedServicer:
     """
 
     def __init__(self, registry: Registry, tokens: TokenTable | None = None, chunk_bytes: int = 1 << 20,
-                 max_nodes: int = 256) -> None:
+                 max_nodes: int = 256, max_calls_per_identity: int = 64) -> None:
         self.registry = registry
         self.max_nodes = max_nodes
+        self.max_calls_per_identity = max_calls_per_identity
+        self._open_calls: dict[str, int] = {}  # identity -> calls open now
         self.nodes = 0
         self.tokens = tokens
         self.chunk_bytes = chunk_bytes
@@ -100,6 +102,31 @@ class FedServicer:
         with self._count_lock:
             self.requests[name] += 1
 
+    def _enter(self, context: grpc.ServicerContext) -> str | None:
+        """Admit a call against its identity's quota of open calls (each holds a server
+        thread). Anonymous calls (no token table) are not counted: there are no
+        identities to tell apart, only the server-wide limits."""
+        identity = self._identity(context)
+        if identity is not None:
+            with self._count_lock:
+                n = self._open_calls.get(identity, 0)
+                if n >= self.max_calls_per_identity:
+                    raise ResourceExhaustedError(
+                        f"identity {identity!r} has {n} calls open; its limit is {self.max_calls_per_identity} "
+                        "(max_calls_per_identity); retry later"
+                    )
+                self._open_calls[identity] = n + 1
+        return identity
+
+    def _leave(self, identity: str | None) -> None:
+        if identity is not None:
+            with self._count_lock:
+                n = self._open_calls.get(identity, 0) - 1
+                if n > 0:
+                    self._open_calls[identity] = n
+                else:
+                    self._open_calls.pop(identity, None)
+
     def handlers(self) -> grpc.GenericRpcHandler:
         def guard(name: str, fn: Callable) -> Callable:
             if inspect.isgeneratorfunction(fn):
@@ -107,7 +134,9 @@ class FedServicer:
                 @functools.wraps(fn)
                 def gen(request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
                     self._count(name)
+                    admitted: list[str | None] = []
                     try:
+                        admitted.append(self._enter(context))
                         yield from fn(request, context)
                     except grpc.RpcError:
                         with self._count_lock:
@@ -116,19 +145,27 @@ class FedServicer:
                         if not context.is_active():
                             return
                         self._fail(name, context, e)
+                    finally:
+                        for who in admitted:
+                            self._leave(who)
 
                 return gen
 
             @functools.wraps(fn)
             def unary(request: Any, context: grpc.ServicerContext) -> bytes:
                 self._count(name)
+                admitted: list[str | None] = []
                 try:
+                    admitted.append(self._enter(context))
                     return fn(request, context)
                 except grpc.RpcError:
                     raise
                 except Exception as e:  # noqa: BLE001
                     self._fail(name, context, e)
                     raise  # unreachable: abort raises
+                finally:
+                    for who in admitted:
+                        self._leave(who)
 
             return unary
 

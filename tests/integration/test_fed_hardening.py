@@ -295,3 +295,77 @@ def test_one_identity_cannot_answer_or_fetch_anothers_task(harness) -> None:
     rounds.join(20)
     rec = h.server.history[0]
     assert rec["answered"] == 2 and rec["failed"] == {}  # alice's own answer still counted
+
+
+# --------------------------------------------------------------------------- 3. quotas
+class Held:
+    """A raw Connect stream kept open (a node that registered and then just sits there)."""
+
+    def __init__(self, ch: grpc.Channel, ids: list[str], token: str) -> None:
+        hello = pb.NodeMessage()
+        hello.hello.client_ids.extend(ids)
+        self._stop = threading.Event()
+
+        def requests():
+            yield hello.SerializeToString()
+            self._stop.wait(60)
+
+        self.call = ch.stream_stream("/tessera.v1.Federated/Connect")(requests(), metadata=token_metadata(token),
+                                                                      timeout=60)
+        self.welcome = next(self.call)  # raises the refusal
+
+    def close(self) -> None:
+        self._stop.set()
+        self.call.cancel()
+
+
+def _refused(ch: grpc.Channel, ids: list[str], token: str) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as e:
+        Held(ch, ids, token)
+    return e.value
+
+
+def test_one_identity_cannot_crowd_out_the_others(harness) -> None:
+    tokens = {"alice": "tok-a", "bob": "tok-b"}
+    h = harness(tokens=tokens, min_clients=4, max_clients_per_identity=3, max_calls_per_identity=3)
+    ch = h.channel()
+    reg = h.server.registry
+    held = [Held(ch, [f"alice/{i}"], "tok-a") for i in range(3)]  # alice at both her limits
+    e = _refused(ch, ["alice/9"], "tok-a")  # a 4th open call
+    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+    assert "identity 'alice'" in e.details() and "limit is 3" in e.details() and "calls" in e.details()
+    held.pop().close()
+    assert wait_until(lambda: reg.num_connected() == 2)
+    e = _refused(ch, ["alice/3", "alice/4"], "tok-a")  # 2 + 2 client ids > 3
+    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+    assert "identity 'alice'" in e.details() and "limit is 3" in e.details() and "client ids" in e.details()
+    assert reg.num_connected() == 2  # the refused Hello registered nothing
+    # a reconnect of ids alice holds already does not count twice
+    held.append(Held(ch, ["alice/0", "alice/1"], "tok-a"))
+    for x in held:
+        x.close()
+    assert wait_until(lambda: reg.num_connected() == 0)
+    # bob registers and takes part while alice holds her full quota of 3 client ids
+    alice = h.node(ClientRuntime(lambda _c: Shift(1.0, 1)), ["alice/0", "alice/1", "alice/2"], token="tok-a",
+                   backoff_max=0.2)
+    h.client(Shift(5.0, 1), None, token="tok-b")
+    history = h.server.run()
+    assert set(history[0]["clients"]) == {"alice/0", "alice/1", "alice/2", "bob"}
+    assert history[0]["answered"] == 4
+    assert alice.client_ids == ["alice/0", "alice/1", "alice/2"]
+    for got, w in zip(h.server.weights, W0):
+        np.testing.assert_allclose(got, w + 2.0, rtol=1e-6)  # (3 * 1 + 5) / 4
+
+
+def test_num_examples_beyond_the_limit_is_refused(harness) -> None:
+    h = harness(min_clients=2, min_available=3, max_num_examples=1000)
+    h.client(Shift(1.0, 10), "a")
+    h.client(Shift(3.0, 30), "b")
+    greedy = h.client(Shift(100.0, 10**12), "greedy")  # would outweigh everyone
+    rec = h.server.run()[0]
+    assert rec["answered"] == 2 and rec["failed"]["greedy"].startswith("rejected:")
+    assert "num_examples 1000000000000" in rec["failed"]["greedy"] and "1000" in rec["failed"]["greedy"]
+    assert wait_until(lambda: greedy.stats.rejected == 1)
+    assert greedy.stats.errors[0].startswith("INVALID_ARGUMENT") and "max_num_examples" in greedy.stats.errors[0]
+    for got, w in zip(h.server.weights, W0):
+        np.testing.assert_allclose(got, w + 2.5, rtol=1e-6)  # (10 * 1 + 30 * 3) / 40
