@@ -27,6 +27,10 @@ are named after the paper):
    ``b_v`` if ``v`` is in ``U3`` and its share of ``s_v^SK`` otherwise (never both for
    one ``v``). The server reconstructs them, removes the self masks of ``U3`` and
    the pairwise masks between ``U3`` and the dropped ``U2 \\ U3``, and decodes the sum.
+   Each reconstruction is checked (the commitment to ``b_u``, the public key of
+   ``s_u^SK``); with more than ``threshold`` clients unmasking, the spare shares
+   outvote wrong ones (up to ``|U3| - threshold``) and their senders are named
+   (``SecAggServer.bad_shares``).
 
 Fixed point: ``x -> round(x * 2^scale_bits) mod 2^ring_bits`` (two's complement), so
 the sum of up to ``max_clients`` inputs decodes exactly (as signed) when every entry
@@ -48,10 +52,11 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import itertools
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
 import numpy as np
@@ -231,6 +236,92 @@ def shamir_combine(points: Sequence[tuple[int, int]]) -> int:
                 den = den * (xj - xm) % PRIME
         total = (total + yj * num * pow(den, -1, PRIME)) % PRIME
     return total
+
+
+class _ShareDecoder:
+    """Recovers Shamir secrets from the unmasking round's shares when some are wrong.
+
+    Each secret has a check (the commitment to ``b_u``; the public key of ``s_u^SK``),
+    so a reconstruction is either right or detected. The first ``t`` shares are tried
+    first (senders already caught sending a wrong share go last); when the check
+    fails, subsets leaving out 1, 2, ... shares follow, so up to ``n - t`` wrong shares
+    are survived (at most ``max_tries`` subsets per secret). The shares off the
+    recovered polynomial are wrong; their senders are named in :attr:`bad` when that is
+    the explanation with strictly the fewest wrong shares (``2a > n + t - 2`` for ``a``
+    shares on it: a polynomial that passes the check but is not the dealt one agrees
+    with at most ``t - 2`` right shares), else the secret is listed in :attr:`unresolved`.
+    Not thread-safe."""
+
+    def __init__(self, xs: Mapping[str, int], threshold: int, max_tries: int = 4096) -> None:
+        self.xs = dict(xs)  # sender -> its share point
+        self.t = threshold
+        self.max_tries = max_tries
+        self.bad: dict[str, list[str]] = {}  # sender -> the secrets it sent a wrong share of
+        self.unresolved: list[str] = []
+        self._inv_den: dict[tuple[int, ...], list[int]] = {}
+        self._weights_at: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def _weights(self, xs: tuple[int, ...], x: int) -> list[int]:
+        """Lagrange basis of the points ``xs`` evaluated at ``x`` (cached: the points are
+        the same for every secret of a round)."""
+        key = (xs, x)
+        w = self._weights_at.get(key)
+        if w is None:
+            inv = self._inv_den.get(xs)
+            if inv is None:
+                inv = []
+                for j, xj in enumerate(xs):
+                    den = 1
+                    for k, xk in enumerate(xs):
+                        if k != j:
+                            den = den * (xj - xk) % PRIME
+                    inv.append(pow(den, -1, PRIME))
+                self._inv_den[xs] = inv
+            diffs = [(x - xk) % PRIME for xk in xs]
+            pre = [1]
+            for d in diffs:
+                pre.append(pre[-1] * d % PRIME)
+            suf = [1] * (len(xs) + 1)
+            for j in range(len(xs) - 1, -1, -1):
+                suf[j] = suf[j + 1] * diffs[j] % PRIME
+            w = [pre[j] * suf[j + 1] % PRIME * inv[j] % PRIME for j in range(len(xs))]
+            self._weights_at[key] = w
+        return w
+
+    def _eval(self, xs: tuple[int, ...], ys: Sequence[int], x: int) -> int:
+        return sum(l * y for l, y in zip(self._weights(xs, x), ys)) % PRIME
+
+    def recover(self, what: str, shares: Mapping[str, int], check: Callable[[int], bool]) -> int:
+        """The secret ``what`` from ``shares`` (sender -> share), the first candidate that
+        passes ``check``. Raises SecAggError when none does."""
+        order = sorted(shares, key=lambda w: (w in self.bad, w))
+        n, t = len(order), self.t
+        tries = 0
+        for d in range(n - t + 1):
+            # leave out d of the first t + d shares, always keeping the last of them (the
+            # subsets without it were tried with fewer left out)
+            for drop in itertools.combinations(range(t + d - 1), d):
+                tries += 1
+                if tries > self.max_tries:
+                    raise SecAggError(f"reconstruction of {what} failed: no {t} of the {n} shares passed its check "
+                                      f"in {self.max_tries} tries (too many shares are wrong)")
+                cand = [order[i] for i in range(t + d) if i not in drop]
+                xs = tuple(self.xs[w] for w in cand)
+                ys = [shares[w] for w in cand]
+                secret = self._eval(xs, ys, 0)
+                if not check(secret):
+                    continue
+                off = [w for w in order if w not in cand and self._eval(xs, ys, self.xs[w]) != shares[w]]
+                if off:
+                    if 2 * (n - len(off)) > n + t - 2:
+                        for w in off:
+                            self.bad.setdefault(w, []).append(what)
+                    else:
+                        self.unresolved.append(what)
+                return secret
+        spare = "" if n > t else f"; with only {n} shares for threshold {t} there is no spare share to find it"
+        raise SecAggError(f"reconstruction of {what} failed: no {t} of the {n} shares pass its check "
+                          f"(a share is wrong{spare})")
 
 
 # ---------------------------------------------------------------------------
@@ -474,6 +565,8 @@ class SecAggServer:
         self._u3: list[str] = []
         self._unmask: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
         self._result: np.ndarray | None = None
+        self.bad_shares: dict[str, list[str]] = {}  # after finish: sender -> secrets it sent a wrong share of
+        self.unresolved_shares: list[str] = []  # secrets with wrong shares whose senders could not be told
 
     # -- helpers
     def _expect(self, r: Round, what: str) -> None:
@@ -611,39 +704,44 @@ class SecAggServer:
             parsed.append(d)
         self._unmask[client_id] = (parsed[0], parsed[1])
 
-    def _reconstruct(self, owner: str, which: int) -> int:
-        pts = [(self._index[w], shares[which][owner]) for w, shares in sorted(self._unmask.items())]
-        return shamir_combine(pts[: self.config.threshold])
-
     def finish(self) -> np.ndarray:
-        """Close round 3: reconstruct, unmask, and return the float64 sum of U3's inputs."""
+        """Close round 3: reconstruct, unmask, and return the float64 sum of U3's inputs.
+
+        Every secret is checked (commitment, public key); wrong shares are outvoted by
+        the spare ones (more than ``threshold`` clients unmasking) and their senders
+        named in :attr:`bad_shares`. Raises SecAggError when a secret cannot be
+        recovered (then nothing changes)."""
         self._expect(Round.UNMASKING, "finish")
         self._need(len(self._unmask), "answered the unmasking round")
         k = self.config.ring_dtype
         n = self.vector_len
+        dec = _ShareDecoder({w: self._index[w] for w in self._unmask}, self.config.threshold)
+
+        def seed_ok(u: str) -> Callable[[int], bool]:
+            return lambda b: b < 2 ** (8 * _KEY_BYTES) and hashlib.sha256(
+                _VERSION + u.encode() + b.to_bytes(_KEY_BYTES, "big")).digest() == self._commits[u]
+
+        def key_ok(d: str) -> Callable[[int], bool]:
+            def ok(s: int) -> bool:
+                if s >= 2 ** (8 * _KEY_BYTES):
+                    return False
+                sk = X25519PrivateKey.from_private_bytes(s.to_bytes(_KEY_BYTES, "big"))
+                return _pub_bytes(sk.public_key()) == self._keys[d][1]
+            return ok
+
         total = np.zeros(n, dtype=k)
         for u in self._u3:
             total += self._masked[u]
         # self masks of the survivors
         for u in self._u3:
-            b_int = self._reconstruct(u, 0)
-            if b_int >= 2 ** (8 * _KEY_BYTES):
-                raise SecAggError(f"reconstruction of client {u!r}'s self-mask seed failed (a share is wrong)")
-            b = b_int.to_bytes(_KEY_BYTES, "big")
-            if hashlib.sha256(_VERSION + u.encode() + b).digest() != self._commits[u]:
-                raise SecAggError(f"reconstruction of client {u!r}'s self-mask seed does not match its "
-                                  "commitment (a share is wrong)")
-            total -= _prg(b, n, k)
+            b_int = dec.recover(f"client {u!r}'s self-mask seed", {w: sh[0][u] for w, sh in self._unmask.items()},
+                                seed_ok(u))
+            total -= _prg(b_int.to_bytes(_KEY_BYTES, "big"), n, k)
         # pairwise masks between the survivors and each dropped client
         for d in self.dropped:
-            sk_int = self._reconstruct(d, 1)
-            try:
-                sk = X25519PrivateKey.from_private_bytes(sk_int.to_bytes(_KEY_BYTES, "big"))
-            except (ValueError, OverflowError):
-                raise SecAggError(f"reconstruction of dropped client {d!r}'s mask key failed") from None
-            if _pub_bytes(sk.public_key()) != self._keys[d][1]:
-                raise SecAggError(f"reconstructed mask key of dropped client {d!r} does not match its public key "
-                                  "(a share is wrong)")
+            sk_int = dec.recover(f"dropped client {d!r}'s mask key", {w: sh[1][d] for w, sh in self._unmask.items()},
+                                 key_ok(d))
+            sk = X25519PrivateKey.from_private_bytes(sk_int.to_bytes(_KEY_BYTES, "big"))
             for u in self._u3:
                 seed = _hkdf(_agree(sk, self._keys[u][1], f"client {u!r}"), _pair_info(b"mask", u, d))
                 p = _prg(seed, n, k)
@@ -652,6 +750,8 @@ class SecAggServer:
                     total -= p
                 else:
                     total += p
+        self.bad_shares = {w: list(v) for w, v in sorted(dec.bad.items())}
+        self.unresolved_shares = list(dec.unresolved)
         self._result = total
         self.round = Round.DONE
         return decode_fixed(total, self.config)

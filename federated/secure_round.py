@@ -249,6 +249,9 @@ class SecureRound:
                 with lock:
                     total = sa.finish()
                 self.last_sum = total
+                if sa.bad_shares or sa.unresolved_shares:
+                    log.warning("round %d: wrong secure-aggregation shares outvoted; sent by %s (unattributed: %s)",
+                                rnd, {c: len(v) for c, v in sa.bad_shares.items()}, sa.unresolved_shares)
                 stages["unmask_s"] = t_agg - t2 - stages["masked_s"]
                 stages["fit_s"] = t_agg - t0  # keys + shares + training/masking + unmasking
             except SecAggError as e:
@@ -264,7 +267,9 @@ class SecureRound:
             rec.update(sampled=len(sample), answered=len(included), attempts=attempt + 1, **stages,
                        agg_s=time.monotonic() - t_agg, agg_bytes=len(ok2) * self.vector_len * sa_cfg.ring_dtype.itemsize,
                        secagg={"threshold": sa_cfg.threshold, "scale_bits": sa_cfg.scale_bits, "u1": len(u1),
-                               "u2": len(ok1), "u3": len(included), "unmasked_by": len(ok3), "dropped": sa.dropped})
+                               "u2": len(ok1), "u3": len(included), "unmasked_by": len(ok3), "dropped": sa.dropped,
+                               # senders of wrong unmasking shares (outvoted): client -> which secrets
+                               "bad_shares": sa.bad_shares, "unresolved_shares": sa.unresolved_shares})
             infos = [fit_info[c] for c in included if c in fit_info]
             from federated.orchestrator import _weighted
 

@@ -369,3 +369,70 @@ def test_num_examples_beyond_the_limit_is_refused(harness) -> None:
     assert greedy.stats.errors[0].startswith("INVALID_ARGUMENT") and "max_num_examples" in greedy.stats.errors[0]
     for got, w in zip(h.server.weights, W0):
         np.testing.assert_allclose(got, w + 2.5, rtol=1e-6)  # (10 * 1 + 30 * 3) / 40
+
+
+# --------------------------------------------------------------------------- 4. a wrong secagg share
+EXAMPLES = {"c1": 3, "c2": 5, "c3": 8, "c4": 13, "c5": 21}
+
+
+class Noise(Client):
+    def __init__(self, index: int, n: int) -> None:
+        self.index, self.n = index, n
+
+    def fit(self, weights, config):
+        rng = np.random.default_rng([self.index, int(config["round"])])
+        return [w + (0.1 * rng.normal(size=w.shape)).astype(w.dtype) for w in weights], self.n, {}
+
+    def evaluate(self, weights, config):
+        return 0.0, self.n, {}
+
+
+class WrongShares(ClientRuntime):
+    """Fault injection: every share this client reveals in the unmasking stage is wrong."""
+
+    def handle(self, task: Task, tensors: Any, bytes_received: int = 0) -> Answer:
+        from dataclasses import replace
+
+        from federated.secure_round import bytes_tensor
+
+        a = super().handle(task, tensors, bytes_received)
+        if task.kind != SECAGG or task.secagg_stage != 3 or a.error:
+            return a
+        msg = msgpack.unpackb(a.tensors[0].parts[0].tobytes(), raw=False)
+        for table in ("b_shares", "s_shares"):
+            msg[table] = {v: (int.from_bytes(sh, "big") ^ 0x5A5A).to_bytes(66, "big") for v, sh in msg[table].items()}
+        return replace(a, tensors=(bytes_tensor(msgpack.packb(msg, use_bin_type=True)),))
+
+
+def _vector(cid: str) -> np.ndarray:
+    """What client ``cid`` feeds into the secure sum (federated.secure_round, max_examples 32)."""
+    n = EXAMPLES[cid]
+    new = Noise(int(cid[1:]), n).fit([w.copy() for w in W0], {"round": 1})[0]
+    w = min(n, 32) / 32
+    return np.concatenate([(a.astype(np.float64) - g.astype(np.float64)).ravel() * w for a, g in zip(new, W0)]
+                          + [np.array([w])])
+
+
+def test_secagg_round_survives_a_wrong_share_and_names_its_sender(harness) -> None:
+    # max_retries=0: a round that fails on the wrong share is not rescued by a retry
+    h = harness(min_clients=5, max_retries=0, secagg=SecAggSettings(enabled=True, max_examples=32))
+    for cid, n in EXAMPLES.items():
+        # c1 sorts first: its shares are among the first `threshold` the server used to combine
+        runtime = (WrongShares if cid == "c1" else ClientRuntime)(lambda _c, cid=cid, n=n: Noise(int(cid[1:]), n))
+        h.node(runtime, [cid])
+    rec = h.server.run()[0]
+    assert rec["secagg"]["u3"] == 5 and rec["secagg"]["threshold"] == 3
+    assert sorted(rec["secagg"]["bad_shares"]) == ["c1"]  # the misbehaving client is named
+    assert len(rec["secagg"]["bad_shares"]["c1"]) == 5  # one wrong share of each survivor's seed
+    assert rec["secagg"]["unresolved_shares"] == []
+    cfg = secagg_config_for(5, 0.6, 8.0)
+    got = h.server.orchestrator._secure.last_sum
+    ring = sum(encode_fixed(_vector(c), cfg).astype(np.uint64) for c in EXAMPLES) % (1 << 32)
+    np.testing.assert_array_equal(got, decode_fixed(ring.astype(np.uint32), cfg))  # exact in fixed point
+    plain = sum(_vector(c) for c in EXAMPLES)
+    np.testing.assert_allclose(got, plain, atol=5 * 2.0 ** -cfg.scale_bits)  # = the plain sum of the updates
+    total = float(sum(EXAMPLES.values()))
+    news = {c: Noise(int(c[1:]), EXAMPLES[c]).fit([w.copy() for w in W0], {"round": 1})[0] for c in EXAMPLES}
+    for k, g in enumerate(h.server.weights):  # and the step is plain FedAvg
+        want = sum(EXAMPLES[c] * news[c][k].astype(np.float64) for c in EXAMPLES) / total
+        np.testing.assert_allclose(g, want, atol=1e-5)

@@ -239,7 +239,9 @@ def test_tampered_share_ciphertext_names_the_sender() -> None:
     r.clients["client02"].masked_input(fw["client02"], r.x["client02"])
 
 
-def test_wrong_share_in_unmasking_is_detected() -> None:
+def test_wrong_share_in_unmasking_is_outvoted_and_its_sender_named() -> None:
+    # 4 clients unmask for threshold 3: the spare share finds the wrong one (issue 10: one
+    # wrong share used to fail the whole aggregation)
     r = Run()
     sv = r.mask(r.ids[:4], r.share(r.ids, r.advertise(r.ids)))
     msgs = {c: r.clients[c].unmasking(sv) for c in r.ids[:4]}
@@ -248,8 +250,24 @@ def test_wrong_share_in_unmasking_is_detected() -> None:
     r.server.receive_unmasking("client00", msgpack.packb(bad, use_bin_type=True))
     for c in r.ids[1:4]:
         r.server.receive_unmasking(c, msgs[c])
-    with pytest.raises(SecAggError, match="client 'client01'.*a share is wrong"):
+    r.server.finish()
+    np.testing.assert_array_equal(r.server.result_ring(), r.plain_ring_sum(r.ids[:4]))
+    assert r.server.bad_shares == {"client00": ["client 'client01''s self-mask seed"]}
+    assert r.server.unresolved_shares == []
+
+
+def test_wrong_share_without_a_spare_is_detected() -> None:
+    r = Run()
+    sv = r.mask(r.ids[:3], r.share(r.ids, r.advertise(r.ids)))
+    msgs = {c: r.clients[c].unmasking(sv) for c in r.ids[:3]}
+    bad = msgpack.unpackb(msgs["client00"], raw=False)
+    bad["s_shares"]["client04"] = (123).to_bytes(66, "big")
+    r.server.receive_unmasking("client00", msgpack.packb(bad, use_bin_type=True))
+    for c in r.ids[1:3]:
+        r.server.receive_unmasking(c, msgs[c])
+    with pytest.raises(SecAggError, match="client 'client04'.*a share is wrong.*no spare share"):
         r.server.finish()
+    assert r.server.round == Round.UNMASKING  # nothing changed
 
 
 def test_wrong_round_unknown_client_malformed_and_impersonation() -> None:
