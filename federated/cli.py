@@ -219,11 +219,27 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tokens(args: argparse.Namespace) -> int:
-    from tessera.security import new_tokens, write_tokens
+def _write_private(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path``, readable by its owner only from the first byte on: a new
+    file is created with mode 0600 (``os.open``, not chmod after the fact), an existing
+    one is set to 0600 before anything is written, and a symlink is refused, not followed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, 0o600)  # O_CREAT's mode applies only to a file it creates
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
 
-    write_tokens(args.out, new_tokens(args.identities))
-    os.chmod(args.out, 0o600)
+
+def _tokens(args: argparse.Namespace) -> int:
+    from tessera.security import new_tokens
+
+    tokens = new_tokens(args.identities)
+    # the format of tessera.security.write_tokens / load_tokens
+    _write_private(args.out, "".join(f"{i} {t}\n" for i, t in tokens.items()).encode("utf-8"))
     print(f"wrote {len(args.identities)} tokens to {args.out}; give each client its line's token")
     return 0
 
@@ -235,9 +251,6 @@ def _cert(args: argparse.Namespace) -> int:
     cert, key = self_signed_cert(tuple(args.host or ["localhost", "127.0.0.1"]))
     with open(os.path.join(args.out_dir, "server.crt"), "wb") as f:
         f.write(cert)
-    key_path = os.path.join(args.out_dir, "server.key")
-    with open(key_path, "wb") as f:
-        f.write(key)
-    os.chmod(key_path, 0o600)
+    _write_private(os.path.join(args.out_dir, "server.key"), key)
     print(f"wrote {args.out_dir}/server.crt and server.key")
     return 0

@@ -3,16 +3,24 @@ from, secure aggregation that finds and names a wrong share, token files only th
 owner can read."""
 from __future__ import annotations
 
+import argparse
+import os
+import stat
+import sys
+from typing import Any
+
 import msgpack
 import numpy as np
 import pytest
 
+from federated.cli import add_fed_commands
 from federated.config import ServerConfig
 from federated.orchestrator import Orchestrator
 from federated.privacy import DPConfig
 from federated.registry import Registry
 from federated.secagg import PRIME, SecAggClient, SecAggConfig, SecAggError, SecAggServer, encode_fixed
 from federated.strategy import make_strategy
+from tessera.security import load_tokens
 
 W0 = [np.zeros((3, 4), np.float32)]
 IDS = [f"c{i:02d}" for i in range(20)]
@@ -90,3 +98,60 @@ def test_secagg_with_more_wrong_shares_than_spares_fails_and_says_so() -> None:
     server, _ = _secagg(5, 3, drop=[], wrong={"c0": 99, "c1": 99, "c2": 99})
     with pytest.raises(SecAggError, match="no 3 of the 5 shares pass its check.*a share is wrong"):
         server.finish()
+
+
+# --------------------------------------------------------------------------- 5. token file mode
+def _fed(*argv: str) -> int:
+    p = argparse.ArgumentParser()
+    add_fed_commands(p.add_subparsers(dest="command"))
+    args = p.parse_args(["fed", *argv])
+    return int(args.func(args))
+
+
+_probe: dict[str, Any] = {}
+
+
+def _audit(event: str, args: tuple) -> None:
+    """Records the mode of the watched file at every audit event after it was opened
+    (an audit hook cannot be removed: it idles when nothing is watched)."""
+    path = _probe.get("path")
+    if path is None or _probe.get("busy"):
+        return
+    if event == "open" and args and args[0] == path:
+        _probe["opened"] = True
+    elif _probe.get("opened") and os.path.exists(path):
+        _probe["busy"] = True
+        try:
+            _probe["modes"].append((event, stat.S_IMODE(os.stat(path).st_mode)))
+        finally:
+            _probe["busy"] = False
+
+
+def test_token_file_is_owner_only_from_its_first_byte(tmp_path) -> None:
+    if not _probe.get("installed"):
+        sys.addaudithook(_audit)
+        _probe["installed"] = True
+    path = str(tmp_path / "tokens.txt")
+    old_umask = os.umask(0)  # the most permissive umask: only the code's own mode protects the file
+    try:
+        _probe.update(path=path, opened=False, modes=[])
+        assert _fed("tokens", "alice", "bob", "--out", path) == 0
+        seen = list(_probe["modes"])
+        _probe.pop("path")
+        # never readable by others, not even between creating and chmod-ing it
+        assert all(m == 0o600 for _, m in seen), seen
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        tokens = load_tokens(path)
+        assert sorted(tokens) == ["alice", "bob"] and all(len(t) == 64 for t in tokens.values())
+        # an existing world-readable file is made private too, and its old content replaced
+        with open(path, "w") as f:
+            f.write("mallory x\n" * 100)
+        os.chmod(path, 0o644)
+        assert _fed("tokens", "carol", "--out", path) == 0
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and list(load_tokens(path)) == ["carol"]
+        # the TLS key of `tessera fed cert` as well
+        assert _fed("cert", "--out-dir", str(tmp_path / "tls")) == 0
+        assert stat.S_IMODE(os.stat(tmp_path / "tls" / "server.key").st_mode) == 0o600
+    finally:
+        _probe.pop("path", None)
+        os.umask(old_umask)
