@@ -24,9 +24,11 @@ shard checkpoints can be re-spread over a different number of shards
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import shutil
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
@@ -39,6 +41,7 @@ from ps.partition import SlotMap, dense_range
 
 __all__ = [
     "ShardSnapshot", "CheckpointError", "write_checkpoint", "load_latest", "list_checkpoints", "reshard", "FORMAT",
+    "read_checkpoint", "pack_plain", "unpack_plain", "snapshot_to_plain", "snapshot_from_plain",
 ]
 
 FORMAT = 1
@@ -67,6 +70,7 @@ class ShardSnapshot:
     dedup: list[Any] = field(default_factory=list)
     workers: list[tuple[str, int, float]] = field(default_factory=list)
     created: float = 0.0
+    pending: dict[str, list[Any]] = field(default_factory=dict)  # held BSP contributions (backup snapshots only)
 
     @property
     def sync_clock(self) -> int:
@@ -123,6 +127,30 @@ def _decode(x: Any, data: memoryview) -> Any:
     return x
 
 
+def pack_plain(obj: Any) -> bytes:
+    """Plain data with numpy arrays (as checkpoints hold it) as one buffer: u64 meta length,
+    msgpack meta, raw array bytes. No pickle."""
+    buf = io.BytesIO()
+    w = _ArrayWriter(buf)
+    meta = msgpack.packb(_encode(obj, w), use_bin_type=True)
+    return struct.pack("<Q", len(meta)) + meta + buf.getvalue()
+
+
+def unpack_plain(buf: bytes | memoryview) -> Any:
+    """The inverse of pack_plain; CheckpointError on malformed input."""
+    mv = memoryview(buf)
+    if len(mv) < 8:
+        raise CheckpointError("plain buffer shorter than its header")
+    (n,) = struct.unpack("<Q", mv[:8])
+    if 8 + n > len(mv):
+        raise CheckpointError(f"plain buffer: meta of {n} bytes does not fit in {len(mv)}")
+    try:
+        meta = msgpack.unpackb(mv[8 : 8 + n], raw=False, strict_map_key=False)
+    except Exception as e:  # noqa: BLE001 - any decoding failure is malformed input
+        raise CheckpointError(f"plain buffer: meta does not decode ({e})") from None
+    return _decode(meta, mv[8 + n :])
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -149,10 +177,7 @@ def write_checkpoint(root: str, snap: ShardSnapshot, keep: int = 3) -> str:
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    meta = {
-        "format": FORMAT, "shard_index": snap.shard_index, "num_shards": snap.num_shards, "tables": snap.tables,
-        "clocks": snap.clocks, "dedup": snap.dedup, "workers": [list(w) for w in snap.workers], "created": time.time(),
-    }
+    meta = snapshot_to_plain(snap)
     with open(os.path.join(tmp, "data.bin"), "wb") as f:
         w = _ArrayWriter(f)
         body = msgpack.packb(_encode(meta, w), use_bin_type=True)
@@ -194,6 +219,25 @@ def list_checkpoints(root: str) -> list[str]:
     return [p for _, p in _numbered(root)]
 
 
+def snapshot_to_plain(snap: ShardSnapshot) -> dict[str, Any]:
+    return {
+        "format": FORMAT, "shard_index": snap.shard_index, "num_shards": snap.num_shards, "tables": snap.tables,
+        "clocks": snap.clocks, "dedup": snap.dedup, "workers": [list(w) for w in snap.workers], "created": time.time(),
+        "pending": {n: [list(x) for x in p] for n, p in snap.pending.items()},
+    }
+
+
+def snapshot_from_plain(meta: dict[str, Any]) -> ShardSnapshot:
+    try:
+        return ShardSnapshot(
+            int(meta["shard_index"]), int(meta["num_shards"]), meta["tables"], dict(meta["clocks"]), meta["dedup"],
+            [(str(n), int(c), float(ls)) for n, c, ls in meta["workers"]], float(meta.get("created", 0.0)),
+            {str(n): [(str(w), v) for w, v in p] for n, p in meta.get("pending", {}).items()},
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"snapshot does not decode: {type(e).__name__}: {e}") from None
+
+
 def read_checkpoint(path: str) -> ShardSnapshot:
     """Load one checkpoint directory, verifying sizes and checksums (CheckpointError if anything is off)."""
     try:
@@ -220,11 +264,7 @@ def read_checkpoint(path: str) -> ShardSnapshot:
             raise CheckpointError(f"{path}: meta.msgpack does not decode ({e})") from None
     with open(os.path.join(path, "data.bin"), "rb") as f:
         data = memoryview(f.read())
-    meta = _decode(meta, data)
-    return ShardSnapshot(
-        int(meta["shard_index"]), int(meta["num_shards"]), meta["tables"], dict(meta["clocks"]), meta["dedup"],
-        [(str(n), int(c), float(ls)) for n, c, ls in meta["workers"]], float(meta.get("created", 0.0)),
-    )
+    return snapshot_from_plain(_decode(meta, data))
 
 
 def load_latest(root: str) -> tuple[ShardSnapshot | None, str | None, list[tuple[str, str]]]:

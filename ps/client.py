@@ -12,12 +12,13 @@ Thread-safety: a PSClient may be shared by threads.
 from __future__ import annotations
 
 import itertools
+import random
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import grpc
 import numpy as np
@@ -51,10 +52,12 @@ from ps.shard import MembershipView, ShardStats, TableInfo
 from ps.table import PushResult
 from ps.wire import info_from_proto, membership_from_proto, policy_to_proto, spec_to_proto, stats_from_proto
 from tessera.codec import as_numpy, from_wire, pack, to_wire, unpack
-from tessera.rpc import channel_options, retry_unavailable
+from tessera.rpc import channel_options
 from tessera.v1 import ps_pb2 as pb
 
 __all__ = ["PSClient", "DenseResult"]
+
+T = TypeVar("T")
 
 _SERVICE = "/tessera.v1.ParameterServer/"
 _ERROR_OF = {
@@ -92,25 +95,76 @@ class _Sparse:
     max_ids: list[int]  # per shard: most ids one request may carry (0: unknown)
 
 
-class _Shard:
+class _Replica:
+    """One server of a shard: its channel and method stubs (raw bytes in and out)."""
+
     def __init__(self, address: str, options: list, interceptors: Sequence[Any] = ()) -> None:
         self.address = address
         self.channel = grpc.insecure_channel(address, options=options)
         if interceptors:
             self.channel = grpc.intercept_channel(self.channel, *interceptors)
-        u = lambda m: self.channel.unary_unary(_SERVICE + m)  # noqa: E731 - raw bytes in and out
+        u = lambda m: self.channel.unary_unary(_SERVICE + m)  # noqa: E731
         self.create, self.describe, self.stats = u("CreateTable"), u("DescribeTable"), u("Stats")
         self.pull_sparse, self.push_sparse = u("PullSparse"), u("PushSparse")
-        self.join, self.heartbeat, self.checkpoint = u("Join"), u("Heartbeat"), u("Checkpoint")
+        self.join, self.heartbeat, self.checkpoint, self.role = u("Join"), u("Heartbeat"), u("Checkpoint"), u("Role")
         self.push_dense = self.channel.stream_stream(_SERVICE + "PushDense")
         self.pull_dense = self.channel.unary_stream(_SERVICE + "PullDense")
+
+
+_STUBS = ("create", "describe", "stats", "pull_sparse", "push_sparse", "join", "heartbeat", "checkpoint", "push_dense", "pull_dense")
+
+
+class _Shard:
+    """One shard: its primary and backups (``"HOST:PORT|HOST:PORT"``); stubs go to the current primary."""
+
+    def __init__(self, index: int, spec: str, options: list, interceptors: Sequence[Any] = ()) -> None:
+        self.index = index
+        self.replicas = [_Replica(a, options, interceptors) for a in spec.split("|") if a]
+        if not self.replicas:
+            raise ValueError(f"shard {index}: no address in {spec!r}")
+        self.cur = 0
+        self.label = f"{index} at {spec}"
+        self.failovers = 0
+
+    @property
+    def address(self) -> str:
+        return self.replicas[self.cur].address
+
+    def failover(self, timeout: float = 1.0) -> bool:
+        """Point at the replica that says it is primary with the highest epoch; True if one does."""
+        best: tuple[int, int] | None = None
+        for j, r in enumerate(self.replicas):
+            try:
+                reply = pb.RoleReply.FromString(r.role(pb.RoleRequest().SerializeToString(), timeout=timeout))
+            except grpc.RpcError:
+                continue
+            if reply.role == "primary" and (best is None or reply.epoch > best[1]):
+                best = (j, reply.epoch)
+        if best is None:
+            return False
+        if best[0] != self.cur:
+            self.cur = best[0]
+            self.failovers += 1
+        return True
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.channel.close()
+
+
+for _name in _STUBS:
+    setattr(_Shard, _name, property(lambda self, n=_name: getattr(self.replicas[self.cur], n)))
 
 
 class PSClient:
     """Connects to the shards at ``addresses`` (shard i at addresses[i]).
 
-    ``timeout``: deadline per call in seconds. ``retries``: retries of a call
-    that found its shard UNAVAILABLE (backoff 0.1 s doubling, up to 2 s).
+    ``addresses``: one entry per shard; ``"A|B"`` names a shard's primary and its backup (the
+    client follows whichever is primary, failing over when one is gone).
+    ``timeout``: deadline per call attempt in seconds. ``retry_timeout``: how long a call keeps
+    retrying a shard that is UNAVAILABLE (backoff 0.1 s doubling up to 2 s, failing over between
+    replicas) before it raises ShardUnavailableError naming the shard; ``retries`` bounds the
+    number of retries as well (None: only the time bounds them).
     ``wire_dtype``: "float16"/"bfloat16" sends pushes and pulls at that
     precision (tables stay float32), None sends float32. ``interceptors``: gRPC client
     interceptors on every shard channel (e.g. ``tessera.rpc.DelayInterceptor``).
@@ -120,11 +174,12 @@ class PSClient:
         self,
         addresses: Sequence[str] | str,
         timeout: float = 60.0,
-        retries: int = 6,
+        retries: int | None = None,
         wire_dtype: str | None = None,
         worker: str = "",
         max_request_bytes: int = 16 << 20,
         interceptors: Sequence[Any] = (),
+        retry_timeout: float = 30.0,
     ) -> None:
         if isinstance(addresses, str):
             addresses = [a for a in addresses.split(",") if a]
@@ -136,6 +191,7 @@ class PSClient:
         self.num_shards = len(self.addresses)
         self.timeout = timeout
         self.retries = retries
+        self.retry_timeout = retry_timeout
         self.wire_dtype = wire_dtype or "float32"
         self.worker = worker
         # pushes carry (client, seq): a retry whose first attempt was applied is answered, not applied twice.
@@ -145,7 +201,7 @@ class PSClient:
         self.duplicates = 0  # retried pushes the shards had already applied
         self.max_request_bytes = max_request_bytes
         opts = channel_options()
-        self._shards = [_Shard(a, opts, interceptors) for a in self.addresses]
+        self._shards = [_Shard(i, a, opts, interceptors) for i, a in enumerate(self.addresses)]
         # BSP/SSP pulls block in these threads while the shards wait: leave room for the pushes that unblock them
         self._pool = ThreadPoolExecutor(max_workers=max(16, 8 * self.num_shards), thread_name_prefix="psclient")
         self._dense: dict[str, _Dense] = {}
@@ -156,7 +212,7 @@ class PSClient:
     def close(self) -> None:
         self._pool.shutdown(wait=False)
         for s in self._shards:
-            s.channel.close()
+            s.close()
 
     def __enter__(self) -> "PSClient":
         return self
@@ -168,20 +224,38 @@ class PSClient:
         """Block until every shard accepts connections (raises ShardUnavailableError)."""
         for s in self._shards:
             try:
-                grpc.channel_ready_future(s.channel).result(timeout=timeout)
+                grpc.channel_ready_future(s.replicas[s.cur].channel).result(timeout=timeout)
             except grpc.FutureTimeoutError:
-                raise ShardUnavailableError(f"shard {s.address} not reachable within {timeout} s") from None
+                raise ShardUnavailableError(f"shard {s.label} not reachable within {timeout} s") from None
 
     # ------------------------------------------------------------------ plumbing
-    def _call(self, shard: int, fn: Any, request: bytes, table: str | None = None) -> bytes:
+    def _call(self, shard: int, method: str, request: bytes, table: str | None = None) -> bytes:
         s = self._shards[shard]
-        deadline = time.monotonic() + self.timeout
         try:
-            return retry_unavailable(
-                lambda: fn(request, timeout=max(0.01, deadline - time.monotonic())), self.retries, deadline=deadline
-            )
+            return self._retry(s, lambda: getattr(s, method)(request, timeout=self.timeout))
         except grpc.RpcError as e:
-            raise _typed(e, s.address, table) from None
+            raise _typed(e, s.label, table) from None
+
+    def _retry(self, s: _Shard, attempt: Callable[[], T]) -> T:
+        """``attempt()`` until it does not fail UNAVAILABLE, for at most ``retry_timeout`` seconds
+        (and ``retries`` retries): jittered exponential backoff, and a failover check between
+        attempts where the shard has replicas. Every other error propagates at once."""
+        deadline = time.monotonic() + self.retry_timeout
+        n = 0
+        while True:
+            try:
+                return attempt()
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else None
+                if code != grpc.StatusCode.UNAVAILABLE or (self.retries is not None and n >= self.retries):
+                    raise
+                if len(s.replicas) > 1:
+                    s.failover()
+                delay = min(2.0, 0.1 * 2**n) * (0.5 + random.random() / 2)
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                n += 1
 
     def _fan_out(self, jobs: list[Any]) -> list[Any]:
         """Run zero-arg callables concurrently; re-raise the first error after all finish."""
@@ -212,9 +286,9 @@ class PSClient:
         check = pb.CreateTableRequest(spec=spec_to_proto(spec), num_shards=self.num_shards, validate_only=True)
         check_raw = check.SerializeToString()
         # every shard must accept before any creates: a refusal on one shard must not leave the table on others
-        self._fan_out([lambda i=i: self._call(i, self._shards[i].create, check_raw, spec.name) for i in range(self.num_shards)])
+        self._fan_out([lambda i=i: self._call(i, "create", check_raw, spec.name) for i in range(self.num_shards)])
         req = pb.CreateTableRequest(spec=spec_to_proto(spec), num_shards=self.num_shards).SerializeToString()
-        replies = self._fan_out([lambda i=i: self._call(i, self._shards[i].create, req, spec.name) for i in range(self.num_shards)])
+        replies = self._fan_out([lambda i=i: self._call(i, "create", req, spec.name) for i in range(self.num_shards)])
         infos, created = [], []
         for raw in replies:
             msg, _ = unpack(pb.CreateTableReply, raw)
@@ -279,7 +353,7 @@ class PSClient:
 
     def describe(self, name: str) -> list[TableInfo]:
         req = pb.DescribeTableRequest(table=name).SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, self._shards[i].describe, req, name) for i in range(self.num_shards)])
+        raws = self._fan_out([lambda i=i: self._call(i, "describe", req, name) for i in range(self.num_shards)])
         infos = [info_from_proto(unpack(pb.TableInfo, r)[0]) for r in raws]
         self._remember(infos)
         return infos
@@ -356,10 +430,10 @@ class PSClient:
                 return version
 
             try:
-                versions[i] = retry_unavailable(attempt, self.retries)
+                versions[i] = self._retry(s, attempt)
                 return versions[i]
             except grpc.RpcError as e:
-                raise _typed(e, s.address, name) from None
+                raise _typed(e, s.label, name) from None
 
         # shards whose range of a tiny table is empty hold nothing to read (and see no BSP pushes)
         self._fan_out([lambda i=i: one(i) for i in range(self.num_shards) if meta.ranges[i][1] > meta.ranges[i][0]])
@@ -448,9 +522,9 @@ class PSClient:
                 return version, staleness, late, clock
 
             try:
-                return retry_unavailable(attempt, self.retries)
+                return self._retry(s, attempt)
             except grpc.RpcError as e:
-                raise _typed(e, s.address, name) from None
+                raise _typed(e, s.label, name) from None
 
         # a table smaller than the cluster leaves some shards an empty range: nothing to send them
         res = self._fan_out(
@@ -514,7 +588,7 @@ class PSClient:
 
         def one(i: int, idx: np.ndarray) -> None:
             req = pack(head, {15: np.ascontiguousarray(uniq[idx])})
-            msg, pl = unpack(pb.PullSparseReply, self._call(i, self._shards[i].pull_sparse, req, name), (14, 15))
+            msg, pl = unpack(pb.PullSparseReply, self._call(i, "pull_sparse", req, name), (14, 15))
             rows[idx] = from_wire(pl.get(15, b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
             versions[idx] = from_wire(pl.get(14, b""), "int64", (len(idx),), what=f"table {name!r} versions")
             clocks.append(msg.clock)
@@ -572,7 +646,7 @@ class PSClient:
             payloads: dict[int, Any] = {14: np.ascontiguousarray(uniq[idx]), 15: data}
             if base is not None:
                 payloads[13] = np.ascontiguousarray(base[idx])
-            msg, _ = unpack(pb.PushSparseReply, self._call(i, self._shards[i].push_sparse, pack(head, payloads), name))
+            msg, _ = unpack(pb.PushSparseReply, self._call(i, "push_sparse", pack(head, payloads), name))
             self.duplicates += int(msg.duplicate)
             return PushResult(msg.applied, msg.dropped, msg.mean_staleness, msg.max_staleness, 0, int(msg.late), msg.clock)
 
@@ -593,14 +667,14 @@ class PSClient:
         """Register this client's ``worker`` name with every shard (lease_s 0: the shard's default)."""
         self._need_worker("join")
         req = pb.JoinRequest(worker=self.worker, lease_ms=int(lease_s * 1000)).SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, self._shards[i].join, req) for i in range(self.num_shards)])
+        raws = self._fan_out([lambda i=i: self._call(i, "join", req) for i in range(self.num_shards)])
         return [membership_from_proto(unpack(pb.MembershipReply, r)[0]) for r in raws]
 
     def heartbeat(self, clock: int = 0, leave: bool = False) -> list[MembershipView]:
         """Renew this worker's lease on every shard (``leave``: leave the live set instead)."""
         self._need_worker("heartbeat")
         req = pb.HeartbeatRequest(worker=self.worker, clock=clock, leave=leave).SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, self._shards[i].heartbeat, req) for i in range(self.num_shards)])
+        raws = self._fan_out([lambda i=i: self._call(i, "heartbeat", req) for i in range(self.num_shards)])
         return [membership_from_proto(unpack(pb.MembershipReply, r)[0]) for r in raws]
 
     def leave(self) -> None:
@@ -619,10 +693,10 @@ class PSClient:
         ``at_clock`` -1: each shard now, without coordination (async/SSP runs have no common clock)."""
         if at_clock is None or at_clock >= 0:
             hold = pb.CheckpointRequest(at_clock=at_clock or 0, hold=True).SerializeToString()
-            held = self._fan_out([lambda i=i: self._call(i, self._shards[i].checkpoint, hold) for i in range(self.num_shards)])
+            held = self._fan_out([lambda i=i: self._call(i, "checkpoint", hold) for i in range(self.num_shards)])
             at_clock = max(unpack(pb.CheckpointReply, r)[0].clock for r in held)
         req = pb.CheckpointRequest(at_clock=at_clock).SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, self._shards[i].checkpoint, req) for i in range(self.num_shards)])
+        raws = self._fan_out([lambda i=i: self._call(i, "checkpoint", req) for i in range(self.num_shards)])
         out = []
         for raw in raws:
             msg, _ = unpack(pb.CheckpointReply, raw)
@@ -632,7 +706,7 @@ class PSClient:
     # ------------------------------------------------------------------ stats
     def stats(self) -> list[ShardStats]:
         req = pb.StatsRequest().SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, self._shards[i].stats, req) for i in range(self.num_shards)])
+        raws = self._fan_out([lambda i=i: self._call(i, "stats", req) for i in range(self.num_shards)])
         return [stats_from_proto(unpack(pb.StatsReply, r)[0]) for r in raws]
 
 

@@ -194,6 +194,10 @@ class ShardConfig:
     checkpoint_dir: str = ""  # where checkpoints go ("" : none)
     checkpoint_every_s: float = 0.0  # periodic checkpoints (0: only on request and at shutdown)
     checkpoint_keep: int = 3  # newest checkpoints kept
+    backup_of: str = ""  # run as the backup of the primary at HOST:PORT (it takes over when that one is gone)
+    advertise: str = ""  # HOST:PORT the primary dials to reach this backup (default host:port)
+    failover_s: float = 2.0  # a backup takes over after its primary was unreachable this long
+    solo_after_s: float = 10.0  # a primary that lost its backup refuses writes this long, then goes on alone
     cut_hold_s: float = 30.0  # a cluster checkpoint's hold on the BSP tables lapses after this long without its cut
 
     def __post_init__(self) -> None:

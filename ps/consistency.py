@@ -133,6 +133,11 @@ class Membership:
             self._changed()
         return gone
 
+    def clear(self) -> None:
+        with self.cond:
+            self._workers.clear()
+            self.cond.notify_all()
+
     def live(self) -> frozenset[str]:
         with self.cond:
             return frozenset(w.name for w in self._workers.values() if w.live)
@@ -204,8 +209,12 @@ class SyncRound(Generic[C]):
     can run the round again).
     """
 
-    def __init__(self, name: str, membership: Membership, apply: Callable[[list[C]], Any]) -> None:
+    def __init__(
+        self, name: str, membership: Membership, apply: Callable[[list[C]], Any],
+        on_hold: Callable[[str, int, C], None] | None = None,
+    ) -> None:
         self.name = name
+        self._on_hold = on_hold  # called (under the lock) before a contribution is held; raising refuses it
         self.membership = membership
         self._apply = apply
         self.clock = 0
@@ -232,6 +241,8 @@ class SyncRound(Generic[C]):
                     f"table {self.name!r}: push for clock {clock}, but the table is at clock {self.clock} "
                     "(pull before pushing: a BSP worker computes step c from the parameters of clock c)"
                 )
+            if self._on_hold is not None:
+                self._on_hold(worker, clock, value)
             self._pending[worker] = value
             self._backup = backup_workers
             batch = self._take()
@@ -279,13 +290,32 @@ class SyncRound(Generic[C]):
             self.clock += 1
             self.cond.notify_all()
 
+    def mirror_contribution(self, worker: str, clock: int, value: C) -> None:
+        """A backup: hold ``worker``'s contribution as the primary did (never applied here)."""
+        with self.cond:
+            if clock == self.clock:
+                self._pending[worker] = value
+
+    def mirror_applied(self, clock: int) -> None:
+        """A backup: the primary applied the round for ``clock``."""
+        with self.cond:
+            self.clock = max(self.clock, clock + 1)
+            self._pending.clear()
+            self.failed = None
+            self.cond.notify_all()
+
     def hold(self, clock: int) -> None:
         """Keep the table at ``clock``: the round for ``clock`` is not applied until release()
         (a consistent cut across shards). Raises FailedPreconditionError if the table is past it."""
         with self.cond:
-            if self.clock > clock:
-                raise FailedPreconditionError(f"table {self.name!r} is at clock {self.clock}, past the requested {clock}")
+            if self.reached() > clock:
+                raise FailedPreconditionError(f"table {self.name!r} is at clock {self.reached()}, past the requested {clock}")
             self.hold_at = clock
+
+    def reached(self) -> int:
+        """The clock, counting a round being applied now as applied."""
+        with self.cond:
+            return self.clock + (1 if self._applying else 0)
 
     def release(self) -> None:
         with self.cond:
@@ -316,3 +346,7 @@ class SyncRound(Generic[C]):
     def pending(self) -> int:
         with self.cond:
             return len(self._pending)
+
+    def pending_items(self) -> list[tuple[str, C]]:
+        with self.cond:
+            return list(self._pending.items())

@@ -11,6 +11,7 @@ import grpc
 
 from ps.checkpoint import load_latest
 from ps.config import ShardConfig
+from ps.replication import BackupFollower
 from ps.servicer import PSServicer
 from ps.shard import Shard
 from tessera.rpc import server_options
@@ -40,6 +41,9 @@ def build_server(config: ShardConfig, restore: bool = False) -> tuple[grpc.Serve
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
     server.start()
+    if config.backup_of:
+        follower = BackupFollower(shard, config.advertise or f"{config.host}:{port}").start()
+        shard.on_close.append(follower.stop)
     return server, port, shard
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import secrets
 from typing import Any, Callable, Iterator
 
 import grpc
@@ -22,10 +23,13 @@ from ps.errors import (
     PSError,
     ResourceExhaustedError,
     ShapeMismatchError,
+    ShardUnavailableError,
     TableExistsError,
     TableNotFoundError,
 )
-from ps.shard import Shard
+from ps.checkpoint import CheckpointError, pack_plain, snapshot_to_plain, unpack_plain
+from ps.replication import SNAPSHOT_CHUNK, ReplicaSender
+from ps.shard import BACKUP, PRIMARY, Shard
 from ps.table import ASSIGN, GRADIENT, DenseTable
 from ps.wire import info_to_proto, membership_to_proto, policy_from_proto, spec_from_proto, stats_to_proto
 from tessera.codec import WIRE_FLOAT_DTYPES, CodecError, byte_view, from_wire, pack, to_wire, unpack
@@ -47,7 +51,11 @@ STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
     ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ShardUnavailableError: grpc.StatusCode.UNAVAILABLE,
 }
+
+# methods a backup answers itself; every other one is for the primary
+_ANY_ROLE = frozenset({"Role", "Attach", "Replicate", "Stats", "DescribeTable"})
 
 _WAIT_DEFAULT_S = 300.0  # a BSP/SSP wait when the caller set no deadline
 
@@ -94,6 +102,7 @@ class PSServicer:
                 def gen(request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
                     self.shard.requests[name] += 1
                     try:
+                        self._check_role(name)
                         yield from fn(request, context)
                     except grpc.RpcError:
                         # the request stream failed inside gRPC (cancelled, message too large, deadline):
@@ -114,6 +123,7 @@ class PSServicer:
             def unary(request: Any, context: grpc.ServicerContext) -> bytes:
                 self.shard.requests[name] += 1
                 try:
+                    self._check_role(name)
                     return fn(request, context)
                 except Exception as e:  # noqa: BLE001
                     self._fail(name, context, e)
@@ -135,8 +145,59 @@ class PSServicer:
                 "Join": uu(guard("Join", self.Join)),
                 "Heartbeat": uu(guard("Heartbeat", self.Heartbeat)),
                 "Checkpoint": uu(guard("Checkpoint", self.Checkpoint)),
+                "Role": uu(guard("Role", self.Role)),
+                "Attach": grpc.unary_stream_rpc_method_handler(guard("Attach", self.Attach)),
+                "Replicate": uu(guard("Replicate", self.Replicate)),
             },
         )
+
+    def _check_role(self, method: str) -> None:
+        if self.shard.role != PRIMARY and method not in _ANY_ROLE:
+            raise ShardUnavailableError(
+                f"{method}: shard {self.shard.config.shard_index} here is the backup of {self.shard.config.backup_of}; "
+                "ask the primary (clients given both addresses fail over by themselves)"
+            )
+
+    # ------------------------------------------------------------------ replication
+    def Role(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        req, _ = self._decode(pb.RoleRequest, raw)
+        sh = self.shard
+        return self._out(
+            pb.RoleReply(
+                shard_index=sh.config.shard_index, num_shards=sh.config.num_shards, role=sh.role, epoch=sh.epoch,
+                backup=sh.backup, attached=bool(req.backup) and req.backup == sh.backup and req.attach_id == sh.backup_attach_id,
+            ).SerializeToString()
+        )
+
+    def Attach(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        req, _ = self._decode(pb.AttachRequest, raw)
+        if not req.backup:
+            raise InvalidArgumentError("Attach: the backup's address is empty")
+        sh = self.shard
+        if sh.role != PRIMARY:
+            raise FailedPreconditionError(f"Attach: shard {sh.config.shard_index} here is a backup itself")
+        attach_id = secrets.randbits(63) or 1
+        # no mutation may fall between the snapshot and the first forward: hold the gate throughout
+        with sh.gate.exclusive():
+            data = pack_plain(snapshot_to_plain(sh.snapshot(pending=True)))
+            for off in range(0, len(data), SNAPSHOT_CHUNK):
+                last = off + SNAPSHOT_CHUNK >= len(data)
+                head = pb.AttachChunk(last=last, attach_id=attach_id if last else 0)
+                yield self._out(pack(head, {15: data[off : off + SNAPSHOT_CHUNK]}))
+            sh.attach_backup(req.backup, ReplicaSender(req.backup, sh.epoch, attach_id).send, attach_id)
+        log.info("shard %d: backup %s attached (%d bytes of snapshot)", sh.config.shard_index, req.backup, len(data))
+
+    def Replicate(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        req, pl = self._decode(pb.ReplicateRequest, raw, (15,))
+        sh = self.shard
+        if sh.role != BACKUP:
+            raise FailedPreconditionError(f"Replicate: shard {sh.config.shard_index} here is a primary (epoch {sh.epoch})")
+        try:
+            entry = unpack_plain(pl.get(15, b""))
+        except CheckpointError as e:
+            raise MalformedMessageError(f"Replicate: {e}") from None
+        sh.apply_entry(entry, req.attach_id, _time_left(context))
+        return self._out(pb.ReplicateReply().SerializeToString())
 
     # ------------------------------------------------------------------ tables
     def CreateTable(self, raw: bytes, context: grpc.ServicerContext) -> bytes:

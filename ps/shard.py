@@ -18,12 +18,24 @@ import numpy as np
 from ps.checkpoint import CheckpointError, ShardSnapshot, write_checkpoint
 from ps.config import DENSE, SPARSE, ShardConfig, TableSpec, spec_from_dict, spec_to_dict
 from ps.consistency import LATE, Membership, SyncPolicy, SyncRound
-from ps.errors import DtypeError, FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError, TableExistsError, TableNotFoundError
+from ps.errors import (
+    DtypeError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    ShardUnavailableError,
+    TableExistsError,
+    TableNotFoundError,
+)
 from ps.optim import make_optimizer
 from ps.dedup import Dedup
-from ps.table import DenseTable, DenseUpdate, PushResult, SparsePush, SparseTable
+from ps.gate import Gate
+from ps.table import DenseTable, DenseUpdate, PushResult, RowDelta, SparsePush, SparseTable
 
 log = logging.getLogger(__name__)
+
+PRIMARY = "primary"
+BACKUP = "backup"
 
 __all__ = ["Shard", "TableInfo", "TableStats", "ShardStats", "MembershipView", "WorkerStats", "SyncPush"]
 
@@ -107,6 +119,10 @@ class ShardStats:
     sync_clock: int = 0
     checkpoints: int = 0
     last_checkpoint: str = ""
+    role: str = "primary"
+    backup: str = ""
+    replicated: int = 0
+    backups_lost: int = 0
 
 
 class Shard:
@@ -133,6 +149,20 @@ class Shard:
         self._cut: tuple[list[SyncRound], float] | None = None  # held rounds, lapse time
         self.checkpoints = 0
         self.last_checkpoint = ""
+        # replication (primary-backup): every mutation passes the gate shared and is forwarded to the
+        # backup before it becomes visible here; attaching a backup takes the gate exclusive
+        self.role = PRIMARY if not config.backup_of else BACKUP
+        self.epoch = 0
+        self.gate = Gate()
+        self.backup = ""  # address of the attached backup ("" : none)
+        self._forward: Callable[[dict], None] | None = None
+        self._backup_lost_at: float | None = None
+        self.replicated = 0
+        self.backups_lost = 0
+        self.installed = threading.Event()  # a backup: a snapshot of its primary is in
+        self.attach_id = 0  # a backup: the attach whose snapshot it holds (its mutations apply, others wait or fail)
+        self.backup_attach_id = 0  # a primary: the attach of its current backup
+        self.on_close: list[Callable[[], None]] = []
         # leases are enforced by time, not by the next request: a dead worker's round must complete
         threading.Thread(target=self._maintain, name=f"ps{config.shard_index}-maintenance", daemon=True).start()
         if config.checkpoint_every_s:
@@ -140,20 +170,30 @@ class Shard:
 
     def close(self) -> None:
         self._closed.set()
+        for fn in self.on_close:
+            fn()
 
     def _maintain(self) -> None:
         """Expire leases and abort idle push streams, forever. A failure is logged and counted and
         the loop goes on: this thread must never die (a dead reaper would hang every BSP round)."""
         period = min(0.2, self.config.lease_s / 10)
         while not self._closed.wait(period):
-            for task in (self.membership.expire, self._abort_idle_streams, self._lapse_cut):
+            for task in (self._expire, self._abort_idle_streams, self._lapse_cut):
                 try:
                     task()
                 except Exception:  # noqa: BLE001 - logged, counted, and the loop goes on
                     self.maintenance_errors += 1
                     log.exception("shard %d: %s failed (the maintenance thread goes on)", self.config.shard_index, task.__name__)
 
+    def _expire(self) -> None:
+        if self.role != PRIMARY:
+            return  # a backup learns of leaves from its primary; its leases restart when it takes over
+        for name in self.membership.expire():
+            self._replicate_quietly({"k": "leave", "worker": name})
+
     def _recheck_rounds(self) -> None:
+        if self.role != PRIMARY:
+            return  # a backup never applies a round itself: it mirrors the primary's
         with self._lock:
             rounds = list(self.rounds.values())
         for r in rounds:
@@ -234,8 +274,13 @@ class Shard:
                     self.config.num_shards,
                     max_bytes_fn=lambda extra, n=spec.name: self._reserve(extra, n),
                 )
-            self.tables[spec.name] = table
-            self.rounds[spec.name] = SyncRound(spec.name, self.membership, table.apply_mean)
+            with self.gate.shared():
+                self._replicate({"k": "create", "spec": spec_to_dict(spec)})
+                self.tables[spec.name] = table
+                self.rounds[spec.name] = SyncRound(
+                    spec.name, self.membership, lambda values, n=spec.name: self._apply_round(n, values),
+                    on_hold=lambda worker, clock, value, n=spec.name: self._replicate(_contribution_entry(n, worker, clock, value)),
+                )
         return True, self.info(spec.name)
 
     def table(self, name: str) -> DenseTable | SparseTable:
@@ -281,14 +326,19 @@ class Shard:
     def join(self, worker: str, lease_s: float = 0.0) -> MembershipView:
         """Add ``worker`` to the live set. The view tells it where to start: BSP at ``sync_clock``,
         SSP/async at the slowest live worker's clock."""
-        self.membership.join(worker, lease_s)
+        with self.gate.shared():
+            self.membership.join(worker, lease_s)
+            w = next((w for w in self.membership.workers() if w.name == worker), None)
+            self._replicate({"k": "join", "worker": worker, "lease": w.lease_s if w else lease_s, "clock": w.clock if w else 0})
         return self._view(worker)
 
     def heartbeat(self, worker: str, leave: bool = False, clock: int = 0) -> MembershipView:
         """Renew ``worker``'s lease (rejoining it if it had expired) and raise its clock to ``clock``
         (a worker that joins a run under way declares the step it starts from)."""
         if leave:
-            self.membership.leave(worker)
+            with self.gate.shared():
+                self._replicate({"k": "leave", "worker": worker})
+                self.membership.leave(worker)
             return self._view(worker)
         rejoined = self.membership.touch(worker)
         if clock > 0:
@@ -325,7 +375,12 @@ class Shard:
             dup.extend([True] if prior is not None else [])
             return prior
 
-        result = update.commit(lambda res: self.dedup.record(client, name, seq, res), once=once)
+        def before_swap(res: PushResult, upd: DenseUpdate) -> None:
+            self._replicate(_dense_entry(upd, client, seq, res, worker, policy.clock))
+            self.dedup.record(client, name, seq, res)
+
+        with self.gate.shared():
+            result = update.commit(before_swap, once=once)
         if not dup:
             self.pushed(worker, policy)
         return SyncPush(result, False, self.rounds[name].clock, bool(dup))
@@ -381,21 +436,173 @@ class Shard:
             dup.extend([True] if prior is not None else [])
             return prior
 
-        result = t.apply_push(
-            prepared, policy.staleness_aware_lr, once=once,
-            before_swap=lambda res, delta: self.dedup.record(client, name, seq, res),
-        )
+        def before_swap(res: PushResult, delta: RowDelta) -> None:
+            self._replicate(_sparse_entry(t, delta, res, client, seq, worker, policy.clock))
+            self.dedup.record(client, name, seq, res)
+
+        with self.gate.shared():
+            result = t.apply_push(prepared, policy.staleness_aware_lr, once=once, before_swap=before_swap)
         if not dup:
             self.pushed(worker, policy)
         return SyncPush(result, False, self.rounds[name].clock, bool(dup))
 
+    # ------------------------------------------------------------------ replication
+    def _apply_round(self, name: str, values: list) -> PushResult:
+        """Apply a completed BSP round (the mean of ``values``), replicated first."""
+        t = self.table(name)
+        clock = self.rounds[name].clock  # the round being applied (the clock moves on after)
+        with self.gate.shared():
+            if isinstance(t, DenseTable):
+                return t.apply_mean(values, lambda res, upd: self._replicate(_dense_entry(upd, "", 0, res, "", -1, clock)))
+            return t.apply_mean(
+                values, lambda res, delta: self._replicate(_sparse_entry(t, delta, res, "", 0, "", -1, clock))
+            )
+
+    def _replicate(self, entry: dict) -> None:
+        """Forward a mutation to the backup before it is applied here; raises (nothing applied) if
+        the backup did not take it. With no backup: refuse writes for ``solo_after_s`` after losing
+        one (it may be re-attaching, or about to take over), then go on alone."""
+        if self.role != PRIMARY:
+            return
+        forward = self._forward
+        if forward is None:
+            lost = self._backup_lost_at
+            if lost is not None and time.monotonic() - lost < self.config.solo_after_s:
+                raise ShardUnavailableError(
+                    f"shard {self.config.shard_index}: its backup was lost {time.monotonic() - lost:.1f} s ago; "
+                    f"writes wait up to {self.config.solo_after_s:.0f} s for it to re-attach or take over (retry)"
+                )
+            return
+        try:
+            forward(entry)
+            self.replicated += 1
+        except Exception as e:  # noqa: BLE001 - any failure detaches the backup: it must catch up again
+            self._lose_backup(f"{type(e).__name__}: {e}")
+            raise ShardUnavailableError(
+                f"shard {self.config.shard_index}: backup {self.backup} did not take the update ({e}); nothing applied (retry)"
+            ) from None
+
+    def _replicate_quietly(self, entry: dict) -> None:
+        try:
+            self._replicate(entry)
+        except ShardUnavailableError as e:
+            log.warning("%s", e)
+
+    def _lose_backup(self, why: str) -> None:
+        if self._forward is None:
+            return
+        log.error("shard %d: backup %s lost (%s); it must re-attach", self.config.shard_index, self.backup, why)
+        self._forward = None
+        self._backup_lost_at = time.monotonic()
+        self.backups_lost += 1
+        self.backup = ""
+        for t in self._tables():
+            if isinstance(t, SparseTable):
+                t.track_evictions = False
+
+    def attach_backup(self, address: str, forward: Callable[[dict], None], attach_id: int = 0) -> None:
+        """Make ``address`` this primary's backup: every mutation from now on is forwarded through
+        ``forward``. Call under ``gate.exclusive()``, after the backup received ``snapshot(pending=True)``
+        taken under the same hold (so no mutation falls between the snapshot and the first forward)."""
+        if self.role != PRIMARY:
+            raise FailedPreconditionError(f"shard {self.config.shard_index} is a backup; attach to its primary")
+        self.backup, self._forward, self._backup_lost_at = address, forward, None
+        self.backup_attach_id = attach_id
+        for t in self._tables():
+            if isinstance(t, SparseTable):
+                with t.lock:
+                    t.track_evictions = True
+                    t.take_evicted()
+
+    def install(self, snap: ShardSnapshot, attach_id: int) -> None:
+        """A backup: replace everything with the primary's snapshot of attach ``attach_id``. Mutations
+        forwarded under an earlier attach are refused from now on (apply_entry)."""
+        with self.gate.exclusive():
+            with self._lock:
+                self.tables.clear()
+                self.rounds.clear()
+            self.dedup = Dedup()
+            self.membership.clear()
+            self.restore(snap)
+            for name, pending in snap.pending.items():
+                r = self.rounds[name]
+                for worker, value in pending:
+                    r.mirror_contribution(worker, r.clock, _contribution_value(self.table(name), value))
+            self.attach_id = attach_id
+            self.installed.set()
+
+    def apply_entry(self, entry: dict, attach_id: int, timeout: float = 30.0) -> None:
+        """A backup: apply one mutation its primary forwarded under attach ``attach_id`` (in the
+        primary's order per table). Waits for that attach's snapshot; refuses a stale attach's."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.gate.shared():  # install() takes it exclusive: no entry applies across a re-install
+                if self.attach_id == attach_id:
+                    self._apply_entry(entry)
+                    return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        raise FailedPreconditionError(
+            f"Replicate: mutation of attach {attach_id}, this backup installed attach {self.attach_id}; re-attach"
+        )
+
+    def _apply_entry(self, entry: dict) -> None:
+        k = entry["k"]
+        if k == "create":
+            self.create_table(spec_from_dict(entry["spec"]))
+        elif k == "join":
+            self.membership.join(entry["worker"], float(entry["lease"]), int(entry["clock"]))
+        elif k == "leave":
+            self.membership.leave(entry["worker"])
+        elif k == "contrib":
+            self.rounds[entry["t"]].mirror_contribution(
+                entry["worker"], int(entry["clock"]), _contribution_value(self.table(entry["t"]), entry["value"])
+            )
+        elif k in ("dense", "sparse"):
+            name = entry["t"]
+            res = _result_from_plain(entry["result"])
+            if k == "dense":
+                t = self.dense(name)
+                upd = t.begin_update(entry["op"], int(entry["base"]), bool(entry["sal"]))
+                for block, data in sorted(entry["chunks"].items(), key=lambda kv: int(kv[0])):
+                    upd.apply(int(block) * t.chunk_elems, data)
+                upd.commit()
+            else:
+                self.sparse(name).apply_delta(
+                    RowDelta(entry["ids"], entry["values"], entry["state"], entry["versions"]), int(entry["step"]), entry["evicted"]
+                )
+            self.dedup.record(entry["client"], name, int(entry["seq"]), res)
+            if int(entry["round"]) >= 0:
+                self.rounds[name].mirror_applied(int(entry["round"]))
+            if entry["worker"]:
+                self.pushed(entry["worker"], SyncPolicy(clock=int(entry["clock"])))
+        else:
+            raise InvalidArgumentError(f"unknown replication entry kind {k!r}")
+
+    def promote(self) -> None:
+        """A backup takes over as primary (its primary is gone): a new epoch, fresh leases for the
+        members it mirrored, and rounds that every live worker has contributed to are applied."""
+        if self.role == PRIMARY:
+            return
+        self.role = PRIMARY
+        self.epoch += 1
+        for w in self.membership.workers():
+            if w.live:
+                self.membership.join(w.name, w.lease_s, w.clock)
+        log.warning("shard %d: promoted to primary (epoch %d)", self.config.shard_index, self.epoch)
+        self._recheck_rounds()
+
     # ------------------------------------------------------------------ checkpoints
-    def snapshot(self) -> ShardSnapshot:
+    def snapshot(self, pending: bool = False) -> ShardSnapshot:
         """The shard's durable state: every table (each consistent with its dedup records), the BSP
-        clocks, and the live members. Pushes go on meanwhile (each table is copied atomically)."""
+        clocks, and the live members. Pushes go on meanwhile (each table is copied atomically).
+        ``pending``: also the contributions BSP rounds hold (for a backup; a checkpoint leaves them
+        out: after a restore the workers push those steps again)."""
         with self._lock:
             items = sorted(self.tables.items())
             rounds = dict(self.rounds)
+        held = {n: [(w, _contribution_plain(v)) for w, v in r.pending_items()] for n, r in rounds.items()} if pending else {}
         tables, dedup = [], []
         for name, t in items:
             st = t.export_state(lambda n=name: self.dedup.export(n))
@@ -406,6 +613,7 @@ class Shard:
         workers = [(w.name, w.clock, w.lease_s) for w in self.membership.workers() if w.live]
         return ShardSnapshot(
             self.config.shard_index, self.config.num_shards, tables, {n: r.clock for n, r in rounds.items()}, dedup, workers,
+            pending={n: p for n, p in held.items() if p},
         )
 
     def restore(self, snap: ShardSnapshot) -> None:
@@ -446,7 +654,7 @@ class Shard:
             with self._lock:
                 rounds = [r for r in self.rounds.values() if r.clock > 0 or r.pending()]
             for _ in range(100):
-                h = max([at_least] + [r.clock for r in rounds])
+                h = max([at_least] + [r.reached() for r in rounds])
                 held: list[SyncRound] = []
                 try:
                     for r in rounds:
@@ -552,7 +760,7 @@ class Shard:
             self.config.shard_index, self.config.num_shards, tables, dict(self.requests), dict(self.errors),
             self.bytes_in, self.bytes_out, time.monotonic() - self._started, workers, self.membership.expired,
             self.pushes_aborted_idle, self.dedup.duplicates, self.maintenance_errors, self._view().sync_clock,
-            self.checkpoints, self.last_checkpoint,
+            self.checkpoints, self.last_checkpoint, self.role, self.backup, self.replicated, self.backups_lost,
         )
 
 
@@ -571,3 +779,39 @@ def _result_to_plain(r: PushResult) -> list:
 
 def _result_from_plain(x: list) -> PushResult:
     return PushResult(int(x[0]), int(x[1]), float(x[2]), int(x[3]), int(x[4]), int(x[5]), int(x[6]))
+
+
+def _dense_entry(upd: DenseUpdate, client: str, seq: int, res: PushResult, worker: str, clock: int, round_: int = -1) -> dict:
+    return {
+        "k": "dense", "t": upd.table.spec.name, "op": upd.op, "base": upd.base_version, "sal": upd.staleness_aware_lr,
+        "chunks": {str(k): np.asarray(v) for k, v in upd.staged.items()}, "client": client, "seq": seq,
+        "result": _result_to_plain(res), "worker": worker, "clock": clock, "round": round_,
+    }
+
+
+def _sparse_entry(
+    t: SparseTable, delta: RowDelta, res: PushResult, client: str, seq: int, worker: str, clock: int, round_: int = -1
+) -> dict:
+    return {
+        "k": "sparse", "t": t.spec.name, "ids": delta.ids, "values": delta.values, "state": delta.state,
+        "versions": delta.versions, "step": res.version, "evicted": t.take_evicted(), "client": client, "seq": seq,
+        "result": _result_to_plain(res), "worker": worker, "clock": clock, "round": round_,
+    }
+
+
+def _contribution_plain(value: object) -> dict:
+    if isinstance(value, SparsePush):
+        return {"ids": value.ids, "grads": value.grads.numpy(), "base": value.base_versions}
+    return {str(k): np.asarray(v) for k, v in value.items()}  # type: ignore[attr-defined]
+
+
+def _contribution_entry(name: str, worker: str, clock: int, value: object) -> dict:
+    return {"k": "contrib", "t": name, "worker": worker, "clock": clock, "value": _contribution_plain(value)}
+
+
+def _contribution_value(t: DenseTable | SparseTable, plain: dict) -> object:
+    if isinstance(t, SparseTable):
+        import torch
+
+        return SparsePush(np.asarray(plain["ids"], np.int64), torch.from_numpy(np.asarray(plain["grads"], np.float32)), plain["base"])
+    return {int(k): v for k, v in plain.items()}

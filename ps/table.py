@@ -183,7 +183,9 @@ class DenseTable:
         blocks pulls or other pushes of this table."""
         return DenseUpdate(self, op, base_version, staleness_aware_lr)
 
-    def apply_mean(self, contributions: list[dict[int, np.ndarray]], before_swap: "Callable[[PushResult], None] | None" = None) -> PushResult:
+    def apply_mean(
+        self, contributions: list[dict[int, np.ndarray]], before_swap: "Callable[[PushResult, DenseUpdate], None] | None" = None
+    ) -> PushResult:
         """Apply the mean of whole-range gradients given as {block: chunk} (a BSP round)."""
         update = self.begin_update(GRADIENT)
         n = len(contributions)
@@ -254,14 +256,14 @@ class DenseUpdate:
         self.staged[k] = data
 
     def commit(
-        self, before_swap: "Callable[[PushResult], None] | None" = None, timeout: float = 60.0,
+        self, before_swap: "Callable[[PushResult, DenseUpdate], None] | None" = None, timeout: float = 60.0,
         once: "Callable[[], PushResult | None] | None" = None,
     ) -> PushResult:
         """Apply the staged chunks and swap them in. The push must have covered every chunk of the range.
 
         Under the table's write lock: ``once()`` first (deduplication: a result it returns is
         returned as is, nothing applied); then the new blocks are computed; then
-        ``before_swap(result)`` runs before they become visible (replication, the dedup record);
+        ``before_swap(result, self)`` runs before they become visible (replication, the dedup record);
         if it raises, nothing is applied."""
         t = self.table
         try:
@@ -291,7 +293,7 @@ class DenseUpdate:
                 version = t.version + (1 if self.op == GRADIENT else 0)
                 result = PushResult(t.num_blocks, 0, float(staleness), staleness, version)
                 if before_swap is not None:
-                    before_swap(result)
+                    before_swap(result, self)
                 with t.lock:
                     for k, b in new.items():
                         t._blocks[k] = b
@@ -340,6 +342,8 @@ class SparseTable:
         self.last_touch = np.zeros(0, np.int64)
         self.row_ids = np.zeros(0, np.int64)
         self._seen: dict[int, int] = {}  # admission: sightings of ids not yet admitted
+        self.track_evictions = False
+        self._evicted_ids: list[np.ndarray] = []
         self.step = 0  # pushes applied to this table on this shard
         self.updates = 0
         self.evicted = 0
@@ -450,7 +454,15 @@ class SparseTable:
         self._index.insert(ids, r)
         return r
 
+    def take_evicted(self) -> np.ndarray:
+        """Ids evicted since the last call (tracked only while ``track_evictions``; caller holds the lock)."""
+        out = np.concatenate(self._evicted_ids) if self._evicted_ids else np.zeros(0, np.int64)
+        self._evicted_ids = []
+        return out
+
     def _drop_rows(self, rows: np.ndarray) -> None:
+        if self.track_evictions:  # a backup must drop them too (sent with the next replicated push)
+            self._evicted_ids.append(self.row_ids[rows].copy())
         self._index.delete(self.row_ids[rows])
         self._free.extend(rows.tolist())
         self.evicted += len(rows)

@@ -122,6 +122,10 @@ def stats_to_proto(s: ShardStats) -> pb.StatsReply:
         sync_clock=s.sync_clock,
         checkpoints=s.checkpoints,
         last_checkpoint=s.last_checkpoint,
+        role=s.role,
+        backup=s.backup,
+        replicated=s.replicated,
+        backups_lost=s.backups_lost,
     )
 
 
@@ -149,6 +153,10 @@ def stats_from_proto(msg: pb.StatsReply) -> ShardStats:
         msg.sync_clock,
         msg.checkpoints,
         msg.last_checkpoint,
+        msg.role,
+        msg.backup,
+        msg.replicated,
+        msg.backups_lost,
     )
 
 

@@ -21,6 +21,10 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE) -> list[tuple[s
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+        # clients ping every second to find a dead link fast: allow it
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 500),
+        ("grpc.http2.max_ping_strikes", 0),
     ]
 
 
@@ -31,6 +35,12 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE) -> list[tuple[
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 2000),
         ("grpc.enable_retries", 0),  # we retry ourselves: only UNAVAILABLE, with backoff
+        # a cut link or a killed host fails the calls on it within ~3 s (UNAVAILABLE, retried or
+        # failed over) instead of leaving them to their deadline
+        ("grpc.keepalive_time_ms", 1000),
+        ("grpc.keepalive_timeout_ms", 2000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
 
 

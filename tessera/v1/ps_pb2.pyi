@@ -346,7 +346,7 @@ class TableStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., rows: _Optional[int] = ..., elements: _Optional[int] = ..., param_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "tables", "requests", "errors", "bytes_in", "bytes_out", "uptime_s", "workers", "leases_expired", "pushes_aborted_idle", "duplicates", "maintenance_errors", "sync_clock", "checkpoints", "last_checkpoint")
+    __slots__ = ("shard_index", "num_shards", "tables", "requests", "errors", "bytes_in", "bytes_out", "uptime_s", "workers", "leases_expired", "pushes_aborted_idle", "duplicates", "maintenance_errors", "sync_clock", "checkpoints", "last_checkpoint", "role", "backup", "replicated", "backups_lost")
     class RequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +377,10 @@ class StatsReply(_message.Message):
     SYNC_CLOCK_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
+    REPLICATED_FIELD_NUMBER: _ClassVar[int]
+    BACKUPS_LOST_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
@@ -393,7 +397,11 @@ class StatsReply(_message.Message):
     sync_clock: int
     checkpoints: int
     last_checkpoint: str
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., requests: _Optional[_Mapping[str, int]] = ..., errors: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., leases_expired: _Optional[int] = ..., pushes_aborted_idle: _Optional[int] = ..., duplicates: _Optional[int] = ..., maintenance_errors: _Optional[int] = ..., sync_clock: _Optional[int] = ..., checkpoints: _Optional[int] = ..., last_checkpoint: _Optional[str] = ...) -> None: ...
+    role: str
+    backup: str
+    replicated: int
+    backups_lost: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., requests: _Optional[_Mapping[str, int]] = ..., errors: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., leases_expired: _Optional[int] = ..., pushes_aborted_idle: _Optional[int] = ..., duplicates: _Optional[int] = ..., maintenance_errors: _Optional[int] = ..., sync_clock: _Optional[int] = ..., checkpoints: _Optional[int] = ..., last_checkpoint: _Optional[str] = ..., role: _Optional[str] = ..., backup: _Optional[str] = ..., replicated: _Optional[int] = ..., backups_lost: _Optional[int] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("at_clock", "hold")
@@ -424,3 +432,57 @@ class WorkerStats(_message.Message):
     live: bool
     idle_s: float
     def __init__(self, name: _Optional[str] = ..., clock: _Optional[int] = ..., live: bool = ..., idle_s: _Optional[float] = ...) -> None: ...
+
+class RoleRequest(_message.Message):
+    __slots__ = ("backup", "attach_id")
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_ID_FIELD_NUMBER: _ClassVar[int]
+    backup: str
+    attach_id: int
+    def __init__(self, backup: _Optional[str] = ..., attach_id: _Optional[int] = ...) -> None: ...
+
+class RoleReply(_message.Message):
+    __slots__ = ("shard_index", "num_shards", "role", "epoch", "backup", "attached")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    num_shards: int
+    role: str
+    epoch: int
+    backup: str
+    attached: bool
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., backup: _Optional[str] = ..., attached: bool = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("backup",)
+    BACKUP_FIELD_NUMBER: _ClassVar[int]
+    backup: str
+    def __init__(self, backup: _Optional[str] = ...) -> None: ...
+
+class AttachChunk(_message.Message):
+    __slots__ = ("last", "attach_id", "data")
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    last: bool
+    attach_id: int
+    data: bytes
+    def __init__(self, last: bool = ..., attach_id: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ReplicateRequest(_message.Message):
+    __slots__ = ("epoch", "attach_id", "entry")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_ID_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    attach_id: int
+    entry: bytes
+    def __init__(self, epoch: _Optional[int] = ..., attach_id: _Optional[int] = ..., entry: _Optional[bytes] = ...) -> None: ...
+
+class ReplicateReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

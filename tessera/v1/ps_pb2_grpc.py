@@ -84,6 +84,21 @@ class ParameterServerStub(object):
                 request_serializer=tessera_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_ps__pb2.CheckpointReply.FromString,
                 _registered_method=True)
+        self.Role = channel.unary_unary(
+                '/tessera.v1.ParameterServer/Role',
+                request_serializer=tessera_dot_v1_dot_ps__pb2.RoleRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_ps__pb2.RoleReply.FromString,
+                _registered_method=True)
+        self.Attach = channel.unary_stream(
+                '/tessera.v1.ParameterServer/Attach',
+                request_serializer=tessera_dot_v1_dot_ps__pb2.AttachRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_ps__pb2.AttachChunk.FromString,
+                _registered_method=True)
+        self.Replicate = channel.unary_unary(
+                '/tessera.v1.ParameterServer/Replicate',
+                request_serializer=tessera_dot_v1_dot_ps__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_ps__pb2.ReplicateReply.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer(object):
@@ -149,6 +164,27 @@ class ParameterServerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Role(self, request, context):
+        """replication (primary-backup)
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request, context):
+        """a backup asks its primary for a snapshot
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Replicate(self, request, context):
+        """the primary forwards one mutation
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +237,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=tessera_dot_v1_dot_ps__pb2.CheckpointRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_ps__pb2.CheckpointReply.SerializeToString,
+            ),
+            'Role': grpc.unary_unary_rpc_method_handler(
+                    servicer.Role,
+                    request_deserializer=tessera_dot_v1_dot_ps__pb2.RoleRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_ps__pb2.RoleReply.SerializeToString,
+            ),
+            'Attach': grpc.unary_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=tessera_dot_v1_dot_ps__pb2.AttachRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_ps__pb2.AttachChunk.SerializeToString,
+            ),
+            'Replicate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=tessera_dot_v1_dot_ps__pb2.ReplicateRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_ps__pb2.ReplicateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +524,87 @@ class ParameterServer(object):
             '/tessera.v1.ParameterServer/Checkpoint',
             tessera_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
             tessera_dot_v1_dot_ps__pb2.CheckpointReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Role(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.ParameterServer/Role',
+            tessera_dot_v1_dot_ps__pb2.RoleRequest.SerializeToString,
+            tessera_dot_v1_dot_ps__pb2.RoleReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tessera.v1.ParameterServer/Attach',
+            tessera_dot_v1_dot_ps__pb2.AttachRequest.SerializeToString,
+            tessera_dot_v1_dot_ps__pb2.AttachChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.ParameterServer/Replicate',
+            tessera_dot_v1_dot_ps__pb2.ReplicateRequest.SerializeToString,
+            tessera_dot_v1_dot_ps__pb2.ReplicateReply.FromString,
             options,
             channel_credentials,
             insecure,

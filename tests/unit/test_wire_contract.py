@@ -23,7 +23,7 @@ def test_generated_code_is_fresh(tmp_path) -> None:
     assert not stale, f"stale generated files {stale}: run `python -m tessera.protogen`"
 
 
-WIRE_MODULES = {"codec.py", "wire.py", "servicer.py", "client.py", "protogen.py"}
+WIRE_MODULES = {"codec.py", "wire.py", "servicer.py", "client.py", "protogen.py", "replication.py"}
 GRPC_MODULES = WIRE_MODULES | {"server.py", "rpc.py", "security.py"}
 
 

@@ -1,0 +1,64 @@
+"""Gate: a shared/exclusive lock. Every mutation of a shard passes it shared; attaching a backup
+takes it exclusive, so the snapshot the backup starts from misses no mutation and sees none half
+done. Shared holds are re-entrant per thread (a push that completes a BSP round applies it on the
+same thread), and pass inside the same thread's exclusive hold; an exclusive waiter blocks new
+shared holders (no starvation).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+__all__ = ["Gate"]
+
+
+class Gate:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._waiting = 0
+        self._mine = threading.local()
+        self._owner: int | None = None
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        if self._owner == threading.get_ident():  # inside this thread's own exclusive hold
+            yield
+            return
+        depth = getattr(self._mine, "depth", 0)
+        if depth == 0:
+            with self._cond:
+                while self._exclusive or self._waiting:
+                    self._cond.wait()
+                self._shared += 1
+        self._mine.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._mine.depth = depth
+            if depth == 0:
+                with self._cond:
+                    self._shared -= 1
+                    if not self._shared:
+                        self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting += 1
+            try:
+                while self._exclusive or self._shared:
+                    self._cond.wait()
+            finally:
+                self._waiting -= 1
+            self._exclusive = True
+            self._owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._owner = None
+                self._cond.notify_all()
