@@ -39,6 +39,16 @@ def add_ps_commands(sub: Any) -> None:
     s.add_argument("--checkpoint-keep", type=int, default=3, help="newest checkpoints kept (default 3)")
     s.add_argument("--restore", action="store_true", help="start from the newest valid checkpoint in --checkpoint-dir")
     s.add_argument(
+        "--backup-of", default="", metavar="HOST:PORT",
+        help="run as the backup of that primary: mirror it, take over when it is gone (clients use --ps PRIMARY|BACKUP)",
+    )
+    s.add_argument("--advertise", default="", metavar="HOST:PORT", help="backup: the address its primary dials (default --host:port)")
+    s.add_argument("--failover", type=float, default=2.0, metavar="SECONDS", help="backup: take over after the primary was unreachable this long")
+    s.add_argument(
+        "--solo-after", type=float, default=10.0, metavar="SECONDS",
+        help="primary: after losing its backup, refuse writes this long (it may re-attach), then go on alone",
+    )
+    s.add_argument(
         "--push-idle-timeout", type=float, default=30.0, metavar="SECONDS",
         help="abort a push stream that sent no chunk for this long (default 30)",
     )
@@ -106,7 +116,8 @@ def _serve(args: argparse.Namespace) -> int:
         shard_index=args.shard_index, num_shards=args.num_shards, host=args.host, port=args.port,
         max_bytes=args.max_bytes, chunk_elems=args.chunk_elems, workers=args.threads, lease_s=args.lease,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every_s=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep,
-        push_idle_timeout_s=args.push_idle_timeout,
+        push_idle_timeout_s=args.push_idle_timeout, backup_of=args.backup_of, advertise=args.advertise,
+        failover_s=args.failover, solo_after_s=args.solo_after,
     )
     serve(cfg, ready_file=args.ready_file, restore=args.restore)
     return 0

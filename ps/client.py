@@ -16,6 +16,7 @@ import random
 import threading
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -199,6 +200,9 @@ class PSClient:
         self.client_id = worker or f"client-{uuid.uuid4().hex[:12]}"
         self._seq = itertools.count(time.time_ns() // 1000)
         self.duplicates = 0  # retried pushes the shards had already applied
+        # acknowledged updates per "table@shard": dense pushes applied (async) and sparse rows applied; a
+        # fault test checks them against the shards' versions (acknowledged but lost = acked - applied)
+        self.acked: Counter[str] = Counter()
         self.max_request_bytes = max_request_bytes
         opts = channel_options()
         self._shards = [_Shard(i, a, opts, interceptors) for i, a in enumerate(self.addresses)]
@@ -519,6 +523,8 @@ class PSClient:
                     else:
                         version, staleness, late, clock = msg.version, msg.staleness, msg.late, msg.clock
                         self.duplicates += int(msg.duplicate)
+                        if op == pb.DENSE_OP_GRADIENT and not (sync is not None and sync.sync):
+                            self.acked[f"{name}@{i}"] += 1
                 return version, staleness, late, clock
 
             try:
@@ -648,6 +654,8 @@ class PSClient:
                 payloads[13] = np.ascontiguousarray(base[idx])
             msg, _ = unpack(pb.PushSparseReply, self._call(i, "push_sparse", pack(head, payloads), name))
             self.duplicates += int(msg.duplicate)
+            if not (sync is not None and sync.sync):
+                self.acked[f"{name}@{i}"] += msg.applied
             return PushResult(msg.applied, msg.dropped, msg.mean_staleness, msg.max_staleness, 0, int(msg.late), msg.clock)
 
         parts = self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, gr in enumerate(groups) for idx in gr])

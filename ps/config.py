@@ -209,6 +209,8 @@ class ShardConfig:
             raise ValueError("checkpoint_every_s must be >= 0 and checkpoint_keep >= 1")
         if self.checkpoint_every_s and not self.checkpoint_dir:
             raise ValueError("checkpoint_every_s needs a checkpoint_dir")
+        if self.failover_s <= 0 or self.solo_after_s < 0:
+            raise ValueError("failover_s must be > 0 and solo_after_s >= 0")
         if self.push_idle_timeout_s <= 0:
             raise ValueError(f"push_idle_timeout_s must be > 0, got {self.push_idle_timeout_s}")
         if self.lease_s <= 0:

@@ -311,6 +311,9 @@ class SyncRound(Generic[C]):
             if self.reached() > clock:
                 raise FailedPreconditionError(f"table {self.name!r} is at clock {self.reached()}, past the requested {clock}")
             self.hold_at = clock
+            batch = self._take()  # a hold moved forward may free a round that is complete already
+        if batch is not None:
+            self._run(batch)
 
     def reached(self) -> int:
         """The clock, counting a round being applied now as applied."""

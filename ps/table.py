@@ -683,6 +683,7 @@ class SparseTable:
                     self._free.extend(gone.tolist())
             if delta.ids.size:
                 self._upsert(delta.ids, delta.values, delta.state, delta.versions)
+            self.updates += int(delta.ids.size)
             self.step = step
 
     def items(self) -> Iterator[tuple[int, int]]:

@@ -28,7 +28,14 @@ def _kv(items: list[str]) -> dict[str, Any]:
 
 def add_worker_commands(sub: Any) -> None:
     w = sub.add_parser("worker", help="train a task against PS shards (one worker process)")
-    w.add_argument("--ps", required=True, help="HOST:PORT,... of every shard, in shard order")
+    w.add_argument(
+        "--ps", required=True,
+        help="HOST:PORT,... of every shard, in shard order; PRIMARY|BACKUP for a replicated shard",
+    )
+    w.add_argument(
+        "--retry-timeout", type=float, default=60.0, metavar="SECONDS",
+        help="how long a call keeps retrying (and failing over) an unreachable shard before the worker gives up (default 60)",
+    )
     w.add_argument("--task", default="ctr", help="ctr, digits, or package.module:function")
     w.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE", help="option for the task (repeatable)")
     w.add_argument("--mode", default="async", choices=["sync", "async", "ssp", "hybrid"])
@@ -115,7 +122,10 @@ def _worker(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     task = load_task(args.task, seed=args.seed, **_kv(args.task_opt))
     interceptors = [DelayInterceptor(args.rpc_delay_ms / 1000.0)] if args.rpc_delay_ms > 0 else []
-    with PSClient(args.ps, timeout=max(60.0, 3 * args.lease), wire_dtype=args.wire_dtype, interceptors=interceptors) as client:
+    with PSClient(
+        args.ps, timeout=max(60.0, 3 * args.lease), wire_dtype=args.wire_dtype, interceptors=interceptors,
+        retry_timeout=args.retry_timeout,
+    ) as client:
         client.wait_ready(timeout=60)
         summary = Trainer(task, client, cfg, stop=stop).run()
     metrics = " ".join(f"{k}={v:.4f}" for k, v in summary.metrics.items())

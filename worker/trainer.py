@@ -428,7 +428,10 @@ class Trainer:
             float(np.mean(stale_all)) if stale_all else 0.0, max(stale_all, default=0), late, stopped_early, metrics,
             {int(k): int(v) for k, v in zip(*np.unique(np.asarray(stale_all, np.int64), return_counts=True))},
         )
-        self._record(kind="summary", **{k: v for k, v in asdict(summary).items() if k != "metrics"}, **summary.metrics)
+        self._record(
+            kind="summary", **{k: v for k, v in asdict(summary).items() if k != "metrics"}, **summary.metrics,
+            acked=dict(self.client.acked), duplicates=self.client.duplicates,
+        )
         return summary
 
     def _evaluate(self, step: int, push_fut: Future | None, final: bool = False) -> dict[str, float]:
