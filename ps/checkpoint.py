@@ -87,7 +87,7 @@ class _ArrayWriter:
         a = np.ascontiguousarray(a)
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
-        data = memoryview(a).cast("B") if a.size else b""
+        data = a.data.cast("B") if a.size else b""
         self.f.write(data)
         self.sha.update(data)
         ref = {"__nd__": True, "dtype": a.dtype.str, "shape": list(a.shape), "offset": self.offset, "nbytes": len(data)}

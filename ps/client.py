@@ -112,9 +112,6 @@ class _Replica:
         self.pull_dense = self.channel.unary_stream(_SERVICE + "PullDense")
 
 
-_STUBS = ("create", "describe", "stats", "pull_sparse", "push_sparse", "join", "heartbeat", "checkpoint", "push_dense", "pull_dense")
-
-
 class _Shard:
     """One shard: its primary and backups (``"HOST:PORT|HOST:PORT"``); stubs go to the current primary."""
 
@@ -153,8 +150,17 @@ class _Shard:
             r.channel.close()
 
 
-for _name in _STUBS:
-    setattr(_Shard, _name, property(lambda self, n=_name: getattr(self.replicas[self.cur], n)))
+    # the stubs of the current primary
+    create = property(lambda self: self.replicas[self.cur].create)
+    describe = property(lambda self: self.replicas[self.cur].describe)
+    stats = property(lambda self: self.replicas[self.cur].stats)
+    pull_sparse = property(lambda self: self.replicas[self.cur].pull_sparse)
+    push_sparse = property(lambda self: self.replicas[self.cur].push_sparse)
+    join = property(lambda self: self.replicas[self.cur].join)
+    heartbeat = property(lambda self: self.replicas[self.cur].heartbeat)
+    checkpoint = property(lambda self: self.replicas[self.cur].checkpoint)
+    push_dense = property(lambda self: self.replicas[self.cur].push_dense)
+    pull_dense = property(lambda self: self.replicas[self.cur].pull_dense)
 
 
 class PSClient:

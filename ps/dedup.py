@@ -64,8 +64,9 @@ class Dedup(Generic[R]):
                     self._records.popitem(last=False)
             else:
                 self._records.move_to_end(key)
+            in_order = not rec or seq > next(reversed(rec))
             rec[seq] = result
-            if len(rec) > 1 and seq < next(reversed(rec)):  # out of order: keep the record sorted by seq
+            if not in_order:  # keep the record sorted by seq (the oldest first)
                 for k in sorted(rec):
                     rec.move_to_end(k)
             while len(rec) > self.window:

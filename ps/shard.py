@@ -6,6 +6,7 @@ so a rejected request leaves the shard as it was.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -278,8 +279,8 @@ class Shard:
                 self._replicate({"k": "create", "spec": spec_to_dict(spec)})
                 self.tables[spec.name] = table
                 self.rounds[spec.name] = SyncRound(
-                    spec.name, self.membership, lambda values, n=spec.name: self._apply_round(n, values),
-                    on_hold=lambda worker, clock, value, n=spec.name: self._replicate(_contribution_entry(n, worker, clock, value)),
+                    spec.name, self.membership, functools.partial(self._apply_round, spec.name),
+                    on_hold=functools.partial(self._replicate_contribution, spec.name),
                 )
         return True, self.info(spec.name)
 
@@ -458,6 +459,9 @@ class Shard:
                 values, lambda res, delta: self._replicate(_sparse_entry(t, delta, res, "", 0, "", -1, clock))
             )
 
+    def _replicate_contribution(self, name: str, worker: str, clock: int, value: object) -> None:
+        self._replicate(_contribution_entry(name, worker, clock, value))
+
     def _replicate(self, entry: dict) -> None:
         """Forward a mutation to the backup before it is applied here; raises (nothing applied) if
         the backup did not take it. With no backup: refuse writes for ``solo_after_s`` after losing
@@ -603,9 +607,10 @@ class Shard:
             items = sorted(self.tables.items())
             rounds = dict(self.rounds)
         held = {n: [(w, _contribution_plain(v)) for w, v in r.pending_items()] for n, r in rounds.items()} if pending else {}
-        tables, dedup = [], []
+        tables: list[dict[str, Any]] = []
+        dedup: list[Any] = []
         for name, t in items:
-            st = t.export_state(lambda n=name: self.dedup.export(n))
+            st = t.export_state(functools.partial(self.dedup.export, name))
             dedup.extend((c, tn, [(seq, _result_to_plain(r)) for seq, r in recs]) for c, tn, recs in st.pop("along"))
             st["kind"] = DENSE if isinstance(t, DenseTable) else SPARSE
             st["spec"] = spec_to_dict(t.spec)

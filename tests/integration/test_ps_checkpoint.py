@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from ps.checkpoint import CheckpointError, list_checkpoints, load_latest, read_checkpoint, reshard, write_checkpoint
+from ps.checkpoint import CheckpointError, list_checkpoints, load_latest, read_checkpoint, write_checkpoint
 from ps.cli import start_local_shards, stop_processes
 from ps.client import PSClient
 from ps.config import ShardConfig
@@ -152,10 +152,16 @@ def test_reshard_two_shards_into_three_keeps_every_value(inproc_cluster, tmp_pat
     _train(c, 4)
     ids = np.arange(50)
     want_dense, want_rows = c.pull_dense("w"), c.pull_sparse("emb", ids)
-    snaps = [sh.snapshot() for sh in cluster.shards]
+    src = [str(tmp_path / f"old{i}") for i in range(2)]
+    for d, sh in zip(src, cluster.shards):
+        write_checkpoint(d, sh.snapshot())
     dirs = [str(tmp_path / f"new{i}") for i in range(3)]
-    for d, snap in zip(dirs, reshard(snaps, 3)):
-        write_checkpoint(d, snap)
+    out = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "ps", "reshard", "--from", ",".join(src), "--to", ",".join(dirs)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert [len(list_checkpoints(d)) for d in dirs] == [1, 1, 1]
     servers = []
     try:
         addresses = []
