@@ -20,6 +20,7 @@ __all__ = [
     "SPARSE",
     "spec_to_dict",
     "spec_from_dict",
+    "MAX_SLOTS",
 ]
 
 DENSE = "dense"
@@ -36,6 +37,29 @@ OPTIMIZER_DEFAULTS: dict[str, dict[str, float]] = {
     "adamw": {"lr": 0.001, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.01},
     "ftrl": {"lr": 0.05, "beta": 1.0, "l1": 0.0, "l2": 0.0, "initial_accumulator": 0.0},
 }
+
+# the range each hyperparameter must lie in: (low, low inclusive, high, high inclusive); a value
+# outside gives NaN/Inf parameters or an update that diverges by construction (eps=0 divides by 0)
+_POSITIVE = (0.0, False, math.inf, False)
+_NON_NEGATIVE = (0.0, True, math.inf, False)
+_UNIT = (0.0, True, 1.0, False)  # [0, 1): decay rates of moments and momentum
+HPARAM_RANGES: dict[str, tuple[float, bool, float, bool]] = {
+    "lr": _POSITIVE,
+    "eps": _POSITIVE,
+    "weight_decay": _NON_NEGATIVE,
+    "lr_decay": _NON_NEGATIVE,
+    "initial_accumulator": _NON_NEGATIVE,
+    "momentum": _UNIT,
+    "beta1": _UNIT,
+    "beta2": _UNIT,
+    "beta": _NON_NEGATIVE,  # FTRL's beta
+    "l1": _NON_NEGATIVE,
+    "l2": _NON_NEGATIVE,
+}
+
+# sparse tables hash ids to at most this many virtual slots (the slot map is 8 bytes per slot on
+# every shard and in every client)
+MAX_SLOTS = 1 << 20
 
 INITIALIZER_DEFAULTS: dict[str, dict[str, float]] = {
     "zeros": {},
@@ -59,6 +83,12 @@ def _resolve(kind: str, name: str, given: Mapping[str, float], table: dict[str, 
     return out
 
 
+def _range_text(lo: float, lo_in: bool, hi: float, hi_in: bool) -> str:
+    if hi == math.inf:
+        return f"{'>=' if lo_in else '>'} {lo:g}"
+    return f"in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     """A server-side optimizer by name; missing hyperparameters take their defaults."""
@@ -68,11 +98,12 @@ class OptimizerSpec:
 
     def __post_init__(self) -> None:
         resolved = _resolve("optimizer", self.name, self.hparams, OPTIMIZER_DEFAULTS)
-        if resolved["lr"] <= 0:
-            raise InvalidArgumentError(f"optimizer {self.name!r}: lr must be > 0, got {resolved['lr']}")
-        for b in ("beta1", "beta2", "momentum"):
-            if b in resolved and not 0.0 <= resolved[b] < 1.0:
-                raise InvalidArgumentError(f"optimizer {self.name!r}: {b} must be in [0, 1), got {resolved[b]}")
+        for k, v in resolved.items():
+            lo, lo_in, hi, hi_in = HPARAM_RANGES[k]
+            if (v < lo or (v == lo and not lo_in)) or (v > hi or (v == hi and not hi_in)):
+                raise InvalidArgumentError(
+                    f"optimizer {self.name!r}: {k} must be {_range_text(lo, lo_in, hi, hi_in)}, got {v}"
+                )
         object.__setattr__(self, "hparams", resolved)
 
 
@@ -163,8 +194,10 @@ class TableSpec:
                 raise InvalidArgumentError(f"table {self.name!r}: sparse dim must be > 0, got {self.dim}")
             if self.shape:
                 raise InvalidArgumentError(f"table {self.name!r}: sparse tables take dim, not shape")
-            if self.num_slots <= 0:
-                raise InvalidArgumentError(f"table {self.name!r}: num_slots must be > 0")
+            if not 0 < self.num_slots <= MAX_SLOTS:
+                raise InvalidArgumentError(
+                    f"table {self.name!r}: num_slots must be in 1..{MAX_SLOTS}, got {self.num_slots}"
+                )
         else:
             raise InvalidArgumentError(f"table {self.name!r}: kind must be 'dense' or 'sparse', got {self.kind!r}")
 
@@ -178,7 +211,19 @@ class TableSpec:
 
 @dataclass(frozen=True)
 class ShardConfig:
-    """One shard server. ``max_bytes`` bounds params + optimizer state held (0: no bound)."""
+    """One shard server, with the bounds that keep what a request can make it hold finite.
+
+    - ``max_bytes`` (default 8 GiB): everything the tables hold on this shard: params, optimizer
+      state, rows allocated but free, the id index, slot maps and admission sketches. A request
+      that would go beyond it is refused (RESOURCE_EXHAUSTED). 0 lifts the bound (explicitly).
+    - ``max_tables`` (default 4096): tables on this shard; one more is RESOURCE_EXHAUSTED.
+    - ``max_workers`` (default 4096): members (live or recently dead) this shard remembers; a new
+      worker beyond it is RESOURCE_EXHAUSTED (dead members are forgotten first to make room).
+    - ``max_lease_s`` (default 60): a Join asking for a longer lease gets this one (capped, not
+      refused: a worker only renews more often).
+    - ``forget_after_s`` (default 0: 10 x ``lease_s``): a member that has been dead this long is
+      forgotten (its clock with it; it starts afresh if it comes back).
+    """
 
     shard_index: int = 0
     num_shards: int = 1
@@ -187,7 +232,11 @@ class ShardConfig:
     chunk_elems: int = 1 << 18
     max_message_bytes: int = 64 << 20
     max_ids_per_request: int = 1 << 20
-    max_bytes: int = 0
+    max_bytes: int = 8 << 30  # 0: unbounded (explicitly)
+    max_tables: int = 4096
+    max_workers: int = 4096
+    max_lease_s: float = 60.0
+    forget_after_s: float = 0.0  # 0: 10 x lease_s
     workers: int = 64  # server threads; BSP/SSP pulls block one each while they wait
     lease_s: float = 10.0  # a worker silent this long leaves the live set (BSP/SSP stop waiting for it)
     push_idle_timeout_s: float = 30.0  # a push stream with no chunk for this long is aborted (nothing applied)
@@ -199,6 +248,11 @@ class ShardConfig:
     failover_s: float = 2.0  # a backup takes over after its primary was unreachable this long
     solo_after_s: float = 10.0  # a primary that lost its backup refuses writes this long, then goes on alone
     cut_hold_s: float = 30.0  # a cluster checkpoint's hold on the BSP tables lapses after this long without its cut
+
+    @property
+    def forget_s(self) -> float:
+        """Seconds a dead member is remembered (``forget_after_s``, or 10 x ``lease_s``)."""
+        return self.forget_after_s or 10.0 * self.lease_s
 
     def __post_init__(self) -> None:
         if self.num_shards < 1 or not 0 <= self.shard_index < self.num_shards:
@@ -215,6 +269,15 @@ class ShardConfig:
             raise ValueError(f"push_idle_timeout_s must be > 0, got {self.push_idle_timeout_s}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if not math.isfinite(self.max_lease_s) or self.max_lease_s < self.lease_s:
+            raise ValueError(f"max_lease_s must be finite and >= lease_s ({self.lease_s}), got {self.max_lease_s}")
+        if not math.isfinite(self.forget_after_s) or self.forget_after_s < 0:
+            raise ValueError(f"forget_after_s must be finite and >= 0, got {self.forget_after_s}")
+        if self.max_bytes < 0 or self.max_tables < 1 or self.max_workers < 1:
+            raise ValueError(
+                f"max_bytes must be >= 0 (0: unbounded), max_tables and max_workers >= 1; got "
+                f"{self.max_bytes}, {self.max_tables}, {self.max_workers}"
+            )
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
 

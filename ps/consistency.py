@@ -19,18 +19,39 @@ A worker silent for longer than its lease is dropped from the live set; rounds
 and waits are then re-checked, so a dead worker never hangs the others. Any
 later request from it rejoins it.
 
+Membership is bounded: a lease is capped at ``max_lease_s`` whatever a Join asks
+(a ghost that joins with a huge lease cannot stall BSP rounds for longer), at
+most ``max_workers`` members are remembered (a new one beyond that is
+ResourceExhaustedError, after the longest-dead member was forgotten to make
+room), and a member dead for ``forget_s`` is forgotten (``forget()``).
+
+A table's BSP quorum rule (``backup_workers``) is fixed by its first BSP push;
+a push that asks for another is refused (FailedPreconditionError), so one
+request cannot lower the quorum for everyone.
+
 Thread-safety: every class here is safe to call from many threads.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
-from ps.errors import DeadlineExceededError, FailedPreconditionError, InternalError
+from ps.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+)
 
-__all__ = ["SyncPolicy", "Membership", "SyncRound", "Contribution", "WorkerState", "LATE", "HELD", "APPLIED"]
+__all__ = [
+    "SyncPolicy", "Membership", "SyncRound", "Contribution", "WorkerState", "LATE", "HELD", "APPLIED", "MAX_WORKER_NAME",
+]
+
+MAX_WORKER_NAME = 256  # characters; bounds what each member costs (and what Stats returns per member)
 
 LATE = "late"
 HELD = "held"
@@ -59,18 +80,28 @@ class WorkerState:
     last_seen: float
     clock: int = 0  # steps whose push this shard has seen complete
     live: bool = True
+    left_at: float = 0.0  # when it left or its lease ran out (meaningful while not live)
 
 
 class Membership:
     """Live workers, their leases and clocks; SSP waits.
 
-    ``now`` is injectable so unit tests can move time by hand.
+    ``now`` is injectable so unit tests can move time by hand. ``max_lease_s`` caps every lease
+    (and must be >= the default), ``max_workers`` bounds the members remembered (0: no bound),
+    ``forget_s``: how long a dead member is remembered by ``forget()``.
     """
 
-    def __init__(self, default_lease_s: float = 10.0, now: Callable[[], float] = time.monotonic) -> None:
-        if default_lease_s <= 0:
-            raise ValueError("lease must be > 0")
+    def __init__(
+        self, default_lease_s: float = 10.0, now: Callable[[], float] = time.monotonic, max_lease_s: float = math.inf,
+        max_workers: int = 0, forget_s: float = math.inf,
+    ) -> None:
+        if default_lease_s <= 0 or max_lease_s < default_lease_s:
+            raise ValueError("lease must be > 0 and max_lease_s >= it")
         self.default_lease_s = default_lease_s
+        self.max_lease_s = max_lease_s
+        self.max_workers = max_workers
+        self.forget_s = forget_s
+        self.forgotten = 0
         self._now = now
         self._workers: dict[str, WorkerState] = {}
         self.cond = threading.Condition()
@@ -86,17 +117,48 @@ class Membership:
         for fn in self._listeners:
             fn()
 
+    def lease_for(self, lease_s: float) -> float:
+        """The lease a worker asking for ``lease_s`` gets (0: the default; capped at ``max_lease_s``)."""
+        if not math.isfinite(lease_s) or lease_s < 0:
+            raise InvalidArgumentError(f"join: lease must be finite and >= 0 seconds, got {lease_s}")
+        return min(lease_s or self.default_lease_s, self.max_lease_s)
+
     def join(self, worker: str, lease_s: float = 0.0, clock: int | None = None) -> bool:
-        """Add (or re-add) ``worker``; returns True if it was not live before."""
+        """Add (or re-add) ``worker`` with a lease of ``lease_for(lease_s)``; returns True if it was not
+        live before. Raises ResourceExhaustedError for a new worker when ``max_workers`` members are
+        remembered and none of them is dead (the longest-dead one is forgotten to make room)."""
         if not worker:
             raise FailedPreconditionError("join: the worker needs a non-empty name")
+        if len(worker) > MAX_WORKER_NAME:
+            raise InvalidArgumentError(f"join: worker name has {len(worker)} characters, at most {MAX_WORKER_NAME}")
+        lease = self.lease_for(lease_s)
         with self.cond:
             w = self._workers.get(worker)
+            if w is None and self.max_workers and len(self._workers) >= self.max_workers:
+                dead = [d for d in self._workers.values() if not d.live]
+                if not dead:
+                    raise ResourceExhaustedError(
+                        f"join: worker {worker!r} refused: this shard has {len(self._workers)} live members, "
+                        f"its limit (max_workers) is {self.max_workers}"
+                    )
+                del self._workers[min(dead, key=lambda d: d.left_at).name]
+                self.forgotten += 1
             was_live = w is not None and w.live
             start = clock if clock is not None else (w.clock if w is not None else self._min_clock(exclude=worker, default=0))
-            self._workers[worker] = WorkerState(worker, lease_s or self.default_lease_s, self._now(), max(0, start))
+            self._workers[worker] = WorkerState(worker, lease, self._now(), max(0, start))
             self.cond.notify_all()
             return not was_live
+
+    def forget(self) -> list[str]:
+        """Forget members dead for longer than ``forget_s``; returns their names. A forgotten worker
+        that comes back joins afresh (its clock starts at the slowest live worker's)."""
+        now = self._now()
+        with self.cond:
+            gone = [w.name for w in self._workers.values() if not w.live and now - w.left_at > self.forget_s]
+            for name in gone:
+                del self._workers[name]
+            self.forgotten += len(gone)
+        return gone
 
     def touch(self, worker: str) -> bool:
         """Record a request from ``worker`` (renews its lease). Returns True if this rejoined it."""
@@ -116,6 +178,7 @@ class Membership:
             if w is None or not w.live:
                 return
             w.live = False
+            w.left_at = self._now()
             self.cond.notify_all()
         self._changed()
 
@@ -126,6 +189,7 @@ class Membership:
             gone = [w.name for w in self._workers.values() if w.live and now - w.last_seen > w.lease_s]
             for name in gone:
                 self._workers[name].live = False
+                self._workers[name].left_at = now
             if gone:
                 self.expired += len(gone)
                 self.cond.notify_all()
@@ -144,7 +208,7 @@ class Membership:
 
     def workers(self) -> list[WorkerState]:
         with self.cond:
-            return [WorkerState(w.name, w.lease_s, w.last_seen, w.clock, w.live) for w in self._workers.values()]
+            return [WorkerState(w.name, w.lease_s, w.last_seen, w.clock, w.live, w.left_at) for w in self._workers.values()]
 
     def idle_s(self, w: WorkerState) -> float:
         return self._now() - w.last_seen
@@ -207,14 +271,19 @@ class SyncRound(Generic[C]):
     stays, the failure is kept, and every worker waiting for the next clock gets
     it as an error (the contributions are not applied; the workers' retried pushes
     can run the round again).
+
+    The quorum rule (``backup_workers``) is the table's, fixed by its first contribution:
+    ``backup_workers`` is None until then.
     """
 
     def __init__(
         self, name: str, membership: Membership, apply: Callable[[list[C]], Any],
-        on_hold: Callable[[str, int, C], None] | None = None,
+        on_hold: Callable[[str, int, C, int], None] | None = None,
     ) -> None:
         self.name = name
-        self._on_hold = on_hold  # called (under the lock) before a contribution is held; raising refuses it
+        # called (under the lock) with (worker, clock, value, backup_workers) before a contribution
+        # is held; raising refuses it (nothing changes, the quorum rule included)
+        self._on_hold = on_hold
         self.membership = membership
         self._apply = apply
         self.clock = 0
@@ -222,17 +291,27 @@ class SyncRound(Generic[C]):
         self.failed: str | None = None  # why the last round at ``clock`` failed to apply
         self._pending: dict[str, C] = {}
         self._applying = False
-        self._backup = 0
+        self.backup_workers: int | None = None  # the quorum rule, fixed by the first contribution
         self.hold_at: int | None = None  # a cluster checkpoint: do not apply the round for this clock yet
         self.cond = threading.Condition()
 
     def contribute(self, worker: str, clock: int, value: C, backup_workers: int = 0) -> str:
         """Offer ``worker``'s gradient for ``clock``. Returns LATE, HELD or APPLIED.
 
-        Raises FailedPreconditionError for a clock ahead of the table (the worker skipped a pull),
-        and whatever ``apply`` raised if this contribution completed a round that failed to apply.
+        The first contribution fixes the table's ``backup_workers``; a later one asking for a
+        different value raises FailedPreconditionError (nothing held). Raises FailedPreconditionError
+        for a clock ahead of the table (the worker skipped a pull), and whatever ``apply`` raised if
+        this contribution completed a round that failed to apply.
         """
+        if backup_workers < 0:
+            raise InvalidArgumentError(f"table {self.name!r}: backup_workers must be >= 0, got {backup_workers}")
         with self.cond:
+            if self.backup_workers is not None and backup_workers != self.backup_workers:
+                raise FailedPreconditionError(
+                    f"table {self.name!r}: this BSP push asks for backup_workers={backup_workers}, but the table's "
+                    f"quorum was fixed at backup_workers={self.backup_workers} by its first BSP push; every worker "
+                    "of a run must push with the same value"
+                )
             if clock < self.clock or worker in self._pending or (self._applying and clock == self.clock):
                 self.late += 1
                 return LATE
@@ -242,9 +321,9 @@ class SyncRound(Generic[C]):
                     "(pull before pushing: a BSP worker computes step c from the parameters of clock c)"
                 )
             if self._on_hold is not None:
-                self._on_hold(worker, clock, value)
+                self._on_hold(worker, clock, value, backup_workers)
             self._pending[worker] = value
-            self._backup = backup_workers
+            self.backup_workers = backup_workers
             batch = self._take()
         if batch is None:
             return HELD
@@ -268,7 +347,8 @@ class SyncRound(Generic[C]):
         # the quorum counts live workers only: a contribution from a worker that has since left still
         # goes into the mean, but must not stand in for a live worker's
         if not live <= self._pending.keys():
-            if not self._backup or len(live & self._pending.keys()) < len(live) - self._backup:
+            backup = self.backup_workers or 0
+            if not backup or len(live & self._pending.keys()) < len(live) - backup:
                 return None
         values = list(self._pending.values())
         self._pending.clear()
@@ -290,9 +370,12 @@ class SyncRound(Generic[C]):
             self.clock += 1
             self.cond.notify_all()
 
-    def mirror_contribution(self, worker: str, clock: int, value: C) -> None:
-        """A backup: hold ``worker``'s contribution as the primary did (never applied here)."""
+    def mirror_contribution(self, worker: str, clock: int, value: C, backup_workers: int | None = None) -> None:
+        """A backup: hold ``worker``'s contribution as the primary did (never applied here), and
+        take the primary's quorum rule (``backup_workers``, when given)."""
         with self.cond:
+            if backup_workers is not None:
+                self.backup_workers = backup_workers
             if clock == self.clock:
                 self._pending[worker] = value
 

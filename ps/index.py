@@ -3,8 +3,17 @@ vectorized over numpy arrays (one probe round per array op, not one Python dict 
 
 Linear probing on a power-of-two table kept at most half full; deletions leave tombstones that
 inserts reuse and that a rebuild clears. Not thread-safe: the owning table's lock guards it.
+
+The home slot is a *keyed* hash: two rounds of the splitmix64 finalizer, each keyed by a random
+64-bit key chosen per index (``secrets.randbits``, so per table and per load). Ids come from the network; with the plain, invertible
+mix64 anyone could compute thousands of ids with one home slot and turn every probe into a linear
+scan. This hash is only this process's in-memory layout (never sent, never stored: the index is
+rebuilt on load), so it need not be stable; the slot hash that places ids on shards
+(``ps.partition.slot_of``) is a different one and stays stable.
 """
 from __future__ import annotations
+
+import secrets
 
 import numpy as np
 
@@ -13,12 +22,36 @@ from ps.partition import mix64
 __all__ = ["IdIndex"]
 
 _EMPTY, _USED, _TOMB = np.uint8(0), np.uint8(1), np.uint8(2)
+BYTES_PER_SLOT = 8 + 8 + 1  # key, row, state
 
 
 class IdIndex:
-    def __init__(self, capacity: int = 1024) -> None:
+    """``key``: the hash key (default: a fresh random one); tests pass one to reproduce a layout."""
+
+    def __init__(self, capacity: int = 1024, key: int | None = None) -> None:
+        k = secrets.randbits(128) if key is None else int(key)
+        self._k0 = np.uint64(k & 0xFFFFFFFFFFFFFFFF)
+        self._k1 = np.uint64((k >> 64) & 0xFFFFFFFFFFFFFFFF)
         self._alloc(max(16, 1 << (max(1, capacity) - 1).bit_length()))
         self.n = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the table's arrays."""
+        return (self.mask + 1) * BYTES_PER_SLOT
+
+    def _cap_for(self, extra: int) -> int:
+        """Slots after inserting ``extra`` new ids (the current number when no rebuild is due)."""
+        cap = self.mask + 1
+        if self.n + self.tombs + extra <= cap // 2:
+            return cap
+        while cap < 2 * (self.n + extra):
+            cap *= 2
+        return cap
+
+    def grow_bytes(self, extra: int) -> int:
+        """Bytes an insert of ``extra`` new ids would add (0 if it fits in the current arrays)."""
+        return max(0, self._cap_for(extra) - (self.mask + 1)) * BYTES_PER_SLOT
 
     def _alloc(self, cap: int) -> None:
         self.keys = np.zeros(cap, np.int64)
@@ -31,7 +64,9 @@ class IdIndex:
         return self.n
 
     def _home(self, ids: np.ndarray) -> np.ndarray:
-        return (mix64(ids.view(np.uint64)) & np.uint64(self.mask)).astype(np.int64)
+        with np.errstate(over="ignore"):
+            h = mix64(mix64(ids.view(np.uint64) ^ self._k0) + self._k1)
+        return (h & np.uint64(self.mask)).astype(np.int64)
 
     def _find(self, ids: np.ndarray) -> np.ndarray:
         """Slot of each id, or -1 where absent."""

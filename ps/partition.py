@@ -57,16 +57,30 @@ def slot_of(ids: np.ndarray, num_slots: int) -> np.ndarray:
 
 
 class SlotMap:
-    """slot -> shard. The default spreads slots round-robin."""
+    """slot -> shard. The default spreads slots round-robin (``slot % num_shards``), computed, not
+    stored: it holds no array, whatever ``num_slots``. An explicit ``shards`` array (one int64 per
+    slot) is kept as given; ``nbytes`` says what the map holds."""
 
     def __init__(self, num_slots: int, num_shards: int, shards: np.ndarray | None = None) -> None:
         if num_slots < num_shards:
             raise ValueError(f"num_slots ({num_slots}) must be >= num_shards ({num_shards})")
         self.num_slots = num_slots
         self.num_shards = num_shards
-        self.shards = (
-            np.arange(num_slots, dtype=np.int64) % num_shards if shards is None else np.asarray(shards, np.int64)
-        )
+        self._shards = None if shards is None else np.asarray(shards, np.int64)
+        if self._shards is not None and self._shards.shape != (num_slots,):
+            raise ValueError(f"a slot map needs one shard per slot ({num_slots}), got shape {self._shards.shape}")
+
+    @property
+    def shards(self) -> np.ndarray:
+        """The shard of every slot (built on demand for the default map)."""
+        if self._shards is None:
+            return np.arange(self.num_slots, dtype=np.int64) % self.num_shards
+        return self._shards
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._shards is None else int(self._shards.nbytes)
 
     def shard_of(self, ids: np.ndarray) -> np.ndarray:
-        return self.shards[slot_of(ids, self.num_slots)]
+        slots = slot_of(ids, self.num_slots)
+        return slots % self.num_shards if self._shards is None else self._shards[slots]

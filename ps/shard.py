@@ -98,6 +98,9 @@ class SyncPush:
     duplicate: bool = False  # a retried push, answered from the dedup record (not applied again)
 
 
+# most members one Stats reply lists (with names of at most 256 characters: ~3 MiB)
+_STATS_WORKERS = 10_000
+
 # the answer to a retried push older than its client's dedup window: it was applied, its result is gone
 _TOO_OLD = PushResult(0, 0, -1.0, -1)
 
@@ -136,7 +139,9 @@ class Shard:
         self.errors: Counter[str] = Counter()
         self.bytes_in = 0
         self.bytes_out = 0
-        self.membership = Membership(config.lease_s)
+        self.membership = Membership(
+            config.lease_s, max_lease_s=config.max_lease_s, max_workers=config.max_workers, forget_s=config.forget_s
+        )
         self.rounds: dict[str, SyncRound] = {}
         self.dedup: Dedup = Dedup()
         self.membership.on_change(self._recheck_rounds)
@@ -179,7 +184,7 @@ class Shard:
         the loop goes on: this thread must never die (a dead reaper would hang every BSP round)."""
         period = min(0.2, self.config.lease_s / 10)
         while not self._closed.wait(period):
-            for task in (self._expire, self._abort_idle_streams, self._lapse_cut):
+            for task in (self._expire, self._forget, self._abort_idle_streams, self._lapse_cut):
                 try:
                     task()
                 except Exception:  # noqa: BLE001 - logged, counted, and the loop goes on
@@ -191,6 +196,9 @@ class Shard:
             return  # a backup learns of leaves from its primary; its leases restart when it takes over
         for name in self.membership.expire():
             self._replicate_quietly({"k": "leave", "worker": name})
+
+    def _forget(self) -> None:
+        self.membership.forget()  # members dead for config.forget_s (bounded memory, bounded Stats)
 
     def _recheck_rounds(self) -> None:
         if self.role != PRIMARY:
@@ -257,6 +265,11 @@ class Shard:
                         f"table {spec.name!r} exists with a different spec ({_diff(existing.spec, spec)})"
                     )
                 return False, self.info(spec.name)
+            if len(self.tables) >= self.config.max_tables:
+                raise ResourceExhaustedError(
+                    f"table {spec.name!r}: shard {self.config.shard_index} holds {len(self.tables)} tables, "
+                    f"its limit (max_tables) is {self.config.max_tables}"
+                )
             if spec.kind == DENSE:
                 length = -(-spec.numel // self.config.num_shards)
                 per_elem = 4 * (1 + _state_per_elem(spec))
@@ -267,6 +280,7 @@ class Shard:
                     spec, self.config.shard_index, self.config.num_shards, self.config.chunk_elems
                 )
             else:
+                self._reserve(SparseTable.fixed_bytes(spec), spec.name)  # slot map, index, admission sketch
                 if validate_only:
                     return True, None
                 table = SparseTable(
@@ -413,8 +427,16 @@ class Shard:
             )
 
     def pull_sparse(self, name: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows and versions of ``ids``. The reply's size (float32 rows + int64 versions) is checked
+        against the message limit before anything is allocated (ResourceExhaustedError)."""
         t = self.sparse(name)
         self.check_ids_request(name, len(ids))
+        reply = len(ids) * (t.dim * 4 + 8) + 4096
+        if reply > self.config.max_message_bytes:
+            raise ResourceExhaustedError(
+                f"table {name!r}: a pull of {len(ids)} ids of dim {t.dim} needs a {reply}-byte reply, over the "
+                f"shard's {self.config.max_message_bytes}-byte message limit; split the request"
+            )
         return t.pull(ids)
 
     def push_sparse(
@@ -459,8 +481,10 @@ class Shard:
                 values, lambda res, delta: self._replicate(_sparse_entry(t, delta, res, "", 0, "", -1, clock))
             )
 
-    def _replicate_contribution(self, name: str, worker: str, clock: int, value: object) -> None:
-        self._replicate(_contribution_entry(name, worker, clock, value))
+    def _replicate_contribution(self, name: str, worker: str, clock: int, value: object, backup_workers: int = 0) -> None:
+        entry = _contribution_entry(name, worker, clock, value)
+        entry["bw"] = backup_workers
+        self._replicate(entry)
 
     def _replicate(self, entry: dict) -> None:
         """Forward a mutation to the backup before it is applied here; raises (nothing applied) if
@@ -561,7 +585,8 @@ class Shard:
             self.membership.leave(entry["worker"])
         elif k == "contrib":
             self.rounds[entry["t"]].mirror_contribution(
-                entry["worker"], int(entry["clock"]), _contribution_value(self.table(entry["t"]), entry["value"])
+                entry["worker"], int(entry["clock"]), _contribution_value(self.table(entry["t"]), entry["value"]),
+                int(entry["bw"]) if "bw" in entry else None,
             )
         elif k in ("dense", "sparse"):
             name = entry["t"]
@@ -757,10 +782,10 @@ class Shard:
                         mean_staleness=t.staleness.mean, max_staleness=t.staleness.max,
                     )
                 )
-        workers = [
-            WorkerStats(w.name, w.clock, w.live, self.membership.idle_s(w))
-            for w in sorted(self.membership.workers(), key=lambda w: w.name)
-        ]
+        # bounded: max_workers members with names of <= 256 characters; beyond _STATS_WORKERS, the
+        # live ones first, then the most recently seen
+        members = sorted(self.membership.workers(), key=lambda w: (not w.live, -w.last_seen))[:_STATS_WORKERS]
+        workers = [WorkerStats(w.name, w.clock, w.live, self.membership.idle_s(w)) for w in sorted(members, key=lambda w: w.name)]
         return ShardStats(
             self.config.shard_index, self.config.num_shards, tables, dict(self.requests), dict(self.errors),
             self.bytes_in, self.bytes_out, time.monotonic() - self._started, workers, self.membership.expired,

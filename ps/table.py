@@ -25,10 +25,11 @@ import torch
 
 from ps.config import TableSpec
 from ps.errors import NonFiniteError, ResourceExhaustedError, ShapeMismatchError, WrongShardError
-from ps.index import IdIndex
+from ps.index import BYTES_PER_SLOT, IdIndex
 from ps.initializers import init_dense, init_rows, table_key, uniform01
 from ps.optim import Optimizer, make_optimizer, scaled_lr
 from ps.partition import SlotMap, dense_range, slot_of
+from ps.sketch import CountMinSketch
 
 __all__ = ["DenseTable", "DenseUpdate", "SparseTable", "SparsePush", "RowDelta", "PushResult", "StalenessStats", "GRADIENT", "ASSIGN"]
 
@@ -317,10 +318,18 @@ class DenseUpdate:
 class SparseTable:
     """The rows of a sparse table that hash to this shard.
 
-    Rows live in preallocated arrays grown by doubling; ``_index`` (a vectorized hash) maps id ->
-    row. Every row carries a version (updates applied) and the table step of
+    Rows live in preallocated arrays grown by doubling; ``_index`` (a vectorized hash, keyed per
+    table) maps id -> row. Every row carries a version (updates applied) and the table step of
     its last touch (for TTL/LRU eviction).
+
+    Memory: ``held_bytes()`` counts everything the table allocates (rows, free or live, with their
+    optimizer state; the index; the slot map; the admission sketch), and every allocation that
+    grows it asks ``max_bytes_fn(extra)`` first (which raises ResourceExhaustedError when over
+    budget), so a refused request allocated nothing. ``fixed_bytes(spec, num_shards)``: what the
+    constructor allocates (the caller reserves it).
     """
+
+    INITIAL_INDEX = 16  # slots of the id index of an empty table (it doubles as rows come)
 
     def __init__(
         self, spec: TableSpec, shard_index: int, num_shards: int, max_bytes_fn=lambda extra: None
@@ -332,7 +341,7 @@ class SparseTable:
         self.optimizer = make_optimizer(spec.optimizer.name, spec.optimizer.hparams)
         self._key = table_key(spec.name, spec.seed)
         self._reserve = max_bytes_fn  # raises ResourceExhaustedError when growth is over budget
-        self._index = IdIndex()
+        self._index = IdIndex(self.INITIAL_INDEX)
         self._free: list[int] = []
         self._cap = 0
         self._n_alloc = 0  # rows [0, _n_alloc) have been handed out at least once
@@ -341,7 +350,8 @@ class SparseTable:
         self.versions = np.zeros(0, np.int64)
         self.last_touch = np.zeros(0, np.int64)
         self.row_ids = np.zeros(0, np.int64)
-        self._seen: dict[int, int] = {}  # admission: sightings of ids not yet admitted
+        # admission: sightings of ids not yet admitted, in fixed memory
+        self._seen = CountMinSketch() if spec.admission.enabled else None
         self.track_evictions = False
         self._evicted_ids: list[np.ndarray] = []
         self.step = 0  # pushes applied to this table on this shard
@@ -371,8 +381,19 @@ class SparseTable:
         return self.rows * self._bytes_per_row()[1]
 
     def held_bytes(self) -> int:
-        """Memory allocated for rows on the shard, live or free (params + optimizer state)."""
-        return self._cap * sum(self._bytes_per_row())
+        """Memory this table holds on the shard: rows allocated, live or free (params + optimizer
+        state), the id index, the slot map and the admission sketch."""
+        return (
+            self._cap * sum(self._bytes_per_row()) + self._index.nbytes + self.slots.nbytes
+            + (self._seen.nbytes if self._seen is not None else 0)
+        )
+
+    @classmethod
+    def fixed_bytes(cls, spec: TableSpec) -> int:
+        """Bytes the constructor allocates for ``spec`` (empty index, admission sketch; the default
+        slot map is computed, not stored)."""
+        sketch = CountMinSketch.bytes_for() if spec.admission.enabled else 0
+        return cls.INITIAL_INDEX * BYTES_PER_SLOT + sketch
 
     # ------------------------------------------------------------------ validation
     def check_ids(self, ids: np.ndarray) -> None:
@@ -387,13 +408,26 @@ class SparseTable:
                 )
 
     # ------------------------------------------------------------------ storage
-    def _grow(self, need: int) -> None:
+    def _cap_for(self, need: int) -> int:
         cap = max(1024, self._cap)
         while cap < need:
             cap *= 2
+        return cap
+
+    def _room_bytes(self, fresh: int, new_ids: int) -> int:
+        """Bytes that storing ``new_ids`` more ids, ``fresh`` of them in rows never used, allocates."""
+        rows = (self._cap_for(self._n_alloc + fresh) - self._cap) if fresh else 0
+        return rows * sum(self._bytes_per_row()) + self._index.grow_bytes(new_ids)
+
+    def _grow(self, need: int, new_ids: int = 0) -> None:
+        """Make room for ``need`` rows (and ``new_ids`` more index entries); the budget is asked first."""
+        cap = self._cap_for(need) if need > self._cap else self._cap
+        index_growth = self._index.grow_bytes(new_ids)
+        if cap == self._cap and not index_growth:
+            return
+        self._reserve(sum(self._bytes_per_row()) * (cap - self._cap) + index_growth)
         if cap == self._cap:
             return
-        self._reserve(sum(self._bytes_per_row()) * (cap - self._cap))
         values = torch.empty((cap, self.dim))
         values[: self._cap] = self.values[: self._cap]
         self.values = values
@@ -409,39 +443,43 @@ class SparseTable:
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
         return self._index.lookup(ids)
 
-    def _admit(self, ids: np.ndarray) -> np.ndarray:
-        """Mask of the missing ``ids`` (unique) admitted now; counts sightings of the rest."""
+    def _admit(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """(mask of the missing ``ids`` (unique) admitted now, their earlier sightings). Changes
+        nothing: ``_sighted`` records the sightings once the rows were created."""
         adm = self.spec.admission
-        if not adm.enabled:
-            return np.ones(len(ids), bool)
+        if self._seen is None:
+            return np.ones(len(ids), bool), None
+        seen = self._seen.estimate(ids)  # earlier sightings
         if adm.probability > 0:
-            seen = np.fromiter((self._seen.get(i, 0) for i in ids.tolist()), np.int64, len(ids))
+            # the n-th sighting of an id draws afresh (deterministically per id and n)
             with np.errstate(over="ignore"):
                 u = uniform01(ids.view(np.uint64) ^ self._key ^ (seen.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)))
             ok = u <= adm.probability
         else:
-            seen = np.fromiter((self._seen.get(i, 0) + 1 for i in ids.tolist()), np.int64, len(ids))
-            ok = seen >= adm.min_count
-        for i, s, a in zip(ids.tolist(), seen.tolist(), ok.tolist()):
-            if a:
-                self._seen.pop(i, None)
-            else:
-                self._seen[i] = s + 1 if adm.probability > 0 else s
-        return ok
+            ok = seen + 1 >= adm.min_count
+        return ok, seen
+
+    def _sighted(self, ids: np.ndarray, ok: np.ndarray, seen: np.ndarray | None) -> None:
+        """Count a sighting of the ``ids`` not admitted; admitted ones start afresh."""
+        if self._seen is not None and seen is not None:
+            self._seen.add(ids[~ok], seen[~ok])
+            self._seen.forget(ids[ok], seen[ok])
 
     def _create(self, ids: np.ndarray, pinned: np.ndarray | None = None) -> np.ndarray:
         """Allocate and initialize rows for new ``ids``; returns their row numbers. LRU eviction to
         make room never picks a ``pinned`` row (the rows the same request reads)."""
         n = len(ids)
-        if self.spec.eviction.max_rows and self.rows + n > self.spec.eviction.max_rows:
-            self._evict_lru(self.rows + n - self.spec.eviction.max_rows, pinned)
+        evict = max(0, self.rows + n - self.spec.eviction.max_rows) if self.spec.eviction.max_rows else 0
+        # the budget before anything changes (the rows eviction frees are reused, not allocated)
+        self._reserve(self._room_bytes(max(0, n - len(self._free) - evict), n))
+        if evict:
+            self._evict_lru(evict, pinned)
         take = min(n, len(self._free))
+        fresh = n - take
+        self._grow(self._n_alloc + fresh, n)  # the budget first: refused, nothing was taken
         reused = self._free[len(self._free) - take :]
         del self._free[len(self._free) - take :]
-        fresh = n - take
-        if fresh:
-            self._grow(self._n_alloc + fresh)
-            self._n_alloc += fresh
+        self._n_alloc += fresh
         r = np.concatenate([np.asarray(reused[::-1], np.int64), np.arange(self._n_alloc - fresh, self._n_alloc, dtype=np.int64)])
         rt = torch.from_numpy(r)
         self.values[rt] = torch.from_numpy(init_rows(self.spec.initializer, self._key, ids, self.dim))
@@ -510,10 +548,12 @@ class SparseTable:
             out_vals = np.empty((len(uniq), self.dim), np.float32)
             out_vers = np.zeros(len(uniq), np.int64)
             if missing.size:
-                admitted = missing[self._admit(uniq[missing])]
+                ok, seen = self._admit(uniq[missing])
+                admitted = missing[ok]
                 if admitted.size:
                     # the rows this request already found are pinned: eviction must not reuse them
                     rows[admitted] = self._create(uniq[admitted], pinned=rows[rows >= 0])
+                self._sighted(uniq[missing], ok, seen)
                 pending = missing[rows[missing] < 0]
                 if pending.size:
                     out_vals[pending] = init_rows(self.spec.initializer, self._key, uniq[pending], self.dim)
@@ -637,7 +677,7 @@ class SparseTable:
         values = np.asarray(snap["values"], np.float32).reshape(len(ids), self.dim)
         self.check_ids(ids)
         with self.lock:
-            self._index = IdIndex(max(1024, 2 * len(ids)))
+            self._index = IdIndex(max(self.INITIAL_INDEX, 2 * len(ids)))
             self._free, self._cap, self._n_alloc = [], 0, 0
             self.values = torch.zeros((0, self.dim))
             self.state = self.optimizer.init_state(self.values)
@@ -655,12 +695,11 @@ class SparseTable:
         if missing.size:
             n = missing.size
             take = min(n, len(self._free))
+            fresh = n - take
+            self._grow(self._n_alloc + fresh, n)  # the budget first
             reused = np.asarray(self._free[len(self._free) - take :][::-1], np.int64)
             del self._free[len(self._free) - take :]
-            fresh = n - take
-            if fresh:
-                self._grow(self._n_alloc + fresh)
-                self._n_alloc += fresh
+            self._n_alloc += fresh
             new = np.concatenate([reused, np.arange(self._n_alloc - fresh, self._n_alloc, dtype=np.int64)])
             self._index.insert(ids[missing], new)
             self.row_ids[new] = ids[missing]
