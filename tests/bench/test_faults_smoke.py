@@ -39,7 +39,7 @@ def _in_session(sid: int) -> set[int]:
     return out
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(260)  # ~45 s on a quiet 2-core machine; 2-2.5 min at load average 10-15
 def test_faults_quick(tmp_path) -> None:
     out = tmp_path / "faults.json"
     proc = subprocess.Popen(
@@ -48,11 +48,11 @@ def test_faults_quick(tmp_path) -> None:
         start_new_session=True,  # its own session: every process it starts is found below by session id
     )
     try:
-        stdout, stderr = proc.communicate(timeout=140)
+        stdout, stderr = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)  # the bench and everything it started
         stdout, stderr = proc.communicate()
-        raise AssertionError(f"bench/faults.py --quick did not finish in 140 s:\n{stderr[-3000:]}") from None
+        raise AssertionError(f"bench/faults.py --quick did not finish in 240 s:\n{stderr[-3000:]}") from None
     assert proc.returncode == 0, stderr[-4000:]
     last = json.loads(stdout.strip().splitlines()[-1])  # the last line is the JSON figures
     assert last == json.loads(out.read_text())
