@@ -4,6 +4,8 @@ from __future__ import annotations
 import filecmp
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -23,8 +25,65 @@ def test_generated_code_is_fresh(tmp_path) -> None:
     assert not stale, f"stale generated files {stale}: run `python -m tessera.protogen`"
 
 
-WIRE_MODULES = {"codec.py", "wire.py", "servicer.py", "client.py", "protogen.py", "replication.py"}
-GRPC_MODULES = WIRE_MODULES | {"server.py", "rpc.py", "security.py"}
+def test_import_contracts() -> None:
+    """The [tool.importlinter] contracts of pyproject.toml (layering of ARCHITECTURE.md): domain
+    modules reach no grpc/protobuf, directly or through another module; ps and federated are
+    independent; ps imports no worker; the kernel imports no part (tessera.cli's dispatch excepted)."""
+    pytest.importorskip("importlinter")
+    code = (
+        "import sys\n"
+        "from importlinter.cli import lint_imports\n"
+        f"sys.exit(lint_imports(config_filename={os.path.join(ROOT, 'pyproject.toml')!r}, no_cache=True, no_logo=True))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, f"import contracts broken (lint-imports exit {r.returncode}):\n{r.stdout}\n{r.stderr}"
+    assert "0 broken" in r.stdout, r.stdout
+
+
+# Domain modules of each part, as the import contract lists them; here they are imported in a
+# fresh interpreter, which also runs the package __init__ the static graph does not see.
+_DOMAIN = {
+    "ps": ["ps.config", "ps.table", "ps.index", "ps.optim", "ps.partition", "ps.consistency", "ps.shard",
+           "ps.checkpoint", "ps.dedup", "ps.gate", "ps.errors", "ps.initializers"],
+    "federated": ["federated.strategy", "federated.secagg", "federated.privacy", "federated.partition",
+                  "federated.compress", "federated.updates", "federated.protocol", "federated.registry",
+                  "federated.checkpoint", "federated.config", "federated.errors"],
+    "worker": ["worker.netem", "worker.netns"],
+}
+
+
+@pytest.mark.parametrize(
+    "part",
+    [
+        pytest.param(
+            "ps",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="ps/__init__.py imports ps.client and ps.server eagerly, so `import ps.table` loads grpc "
+                "and the generated stubs (federated/__init__.py re-exports lazily and passes)",
+            ),
+        ),
+        "federated",
+        pytest.param(
+            "worker",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="worker/__init__.py imports worker.binding -> ps (whose __init__ loads grpc)",
+            ),
+        ),
+    ],
+)
+def test_domain_modules_load_without_grpc(part: str) -> None:
+    code = (
+        "import sys\n"
+        f"for m in {_DOMAIN[part]!r}:\n"
+        "    __import__(m)\n"
+        "bad = sorted(m for m in sys.modules if m == 'grpc' or m.startswith(('grpc.', 'google.protobuf', 'tessera.v1')))\n"
+        "print(' '.join(bad))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert r.returncode == 0, r.stderr
+    assert not r.stdout.strip(), f"importing the domain modules of {part} loaded: {r.stdout.strip()[:500]}"
 
 
 def _py_files(pkg: str):
@@ -37,20 +96,11 @@ def _py_files(pkg: str):
 
 
 @pytest.mark.parametrize("pkg", ["tessera", "ps", "worker", "federated"])
-def test_domain_modules_do_not_touch_the_wire(pkg: str) -> None:
+def test_nothing_unpickles(pkg: str) -> None:
+    """No pickle, and no torch.load without weights_only, anywhere (data may have crossed a network)."""
     bad = []
     for path in _py_files(pkg):
         src = open(path).read()
-        name = os.path.basename(path)
-        if re.search(r"^\s*(from|import)\s+\S*_pb2", src, re.M) and name not in WIRE_MODULES:
-            bad.append(f"{path}: imports generated protobuf code")
-        if re.search(r"^\s*(import grpc|from grpc)", src, re.M) and name not in GRPC_MODULES:
-            bad.append(f"{path}: imports grpc")
         if re.search(r"^\s*(import pickle|from pickle)|pickle\.loads|torch\.load\((?!.*weights_only)", src, re.M):
             bad.append(f"{path}: pickle")
     assert not bad, "\n".join(bad)
-
-
-def test_ps_does_not_import_worker_or_federated() -> None:
-    bad = [p for p in _py_files("ps") if re.search(r"^\s*(from|import)\s+(worker|federated)\b", open(p).read(), re.M)]
-    assert not bad
