@@ -320,10 +320,11 @@ def reshard(snaps: list[ShardSnapshot], num_shards: int) -> list[ShardSnapshot]:
             state = {k: np.concatenate([t["state"][k] for t in parts]) for k in parts[0]["state"]}
             owner = SlotMap(int(spec["num_slots"]), num_shards).shard_of(ids)
             step = max(int(t["step"]) for t in parts)
+            updates = sum(int(t.get("updates", 0)) for t in parts)  # rows updated: kept in total (on shard 0)
             for i in range(num_shards):
                 m = owner == i
                 out[i].tables.append({
-                    "kind": "sparse", "spec": spec, "step": step, "ids": ids[m], "values": values[m],
+                    "kind": "sparse", "spec": spec, "step": step, "updates": updates if i == 0 else 0, "ids": ids[m], "values": values[m],
                     "versions": versions[m], "state": {k: v[m] for k, v in state.items()},
                 })
     return out

@@ -11,6 +11,14 @@ import time
 from typing import Any
 
 from ps.client import PSClient
+from tessera.service import (
+    ClientSecurity,
+    ConfigError,
+    add_client_security_args,
+    add_server_security_args,
+    client_security_from,
+    server_security_from,
+)
 from ps.config import ShardConfig
 from ps.shard import ShardStats
 
@@ -25,7 +33,18 @@ def add_ps_commands(sub: Any) -> None:
     s.add_argument("--port", type=int, default=0, help="port (0: pick a free one and print it)")
     s.add_argument("--shard-index", type=int, default=0)
     s.add_argument("--num-shards", type=int, default=1)
-    s.add_argument("--max-bytes", type=int, default=0, help="bound on params + optimizer state held (0: none)")
+    d = ShardConfig()
+    s.add_argument(
+        "--max-bytes", type=int, default=d.max_bytes,
+        help=f"bound on what the tables hold: params, optimizer state, indexes (default {d.max_bytes >> 30} GiB; 0: none)",
+    )
+    s.add_argument("--max-tables", type=int, default=d.max_tables, help=f"tables per shard (default {d.max_tables})")
+    s.add_argument("--max-workers", type=int, default=d.max_workers, help=f"members a shard remembers (default {d.max_workers})")
+    s.add_argument("--max-lease", type=float, default=d.max_lease_s, metavar="SECONDS", help=f"longest lease a worker may ask for (default {d.max_lease_s:g})")
+    s.add_argument(
+        "--forget-after", type=float, default=d.forget_after_s, metavar="SECONDS",
+        help="forget a member dead this long (default 0: 10 x --lease)",
+    )
     s.add_argument("--chunk-elems", type=int, default=1 << 18, help="dense wire chunk in elements")
     s.add_argument("--threads", type=int, default=64, help="RPC worker threads (BSP/SSP pulls hold one while they wait)")
     s.add_argument("--lease", type=float, default=10.0, help="seconds a silent worker stays in the sync set (default 10)")
@@ -52,12 +71,18 @@ def add_ps_commands(sub: Any) -> None:
         "--push-idle-timeout", type=float, default=30.0, metavar="SECONDS",
         help="abort a push stream that sent no chunk for this long (default 30)",
     )
+    s.add_argument(
+        "--peer-identity", default="replica",
+        help="the identity in --token-file whose token this shard uses to reach its primary/backup (default replica)",
+    )
+    add_server_security_args(s)
     s.set_defaults(func=_serve)
 
     c = ps.add_parser("checkpoint", help="checkpoint every shard at one BSP clock (a consistent cut)")
     c.add_argument("--ps", required=True, help="HOST:PORT,... of every shard, in shard order")
     c.add_argument("--at-clock", type=int, default=None, help="BSP clock to cut at (default: the highest reached; -1: now, uncoordinated)")
     c.add_argument("--timeout", type=float, default=120.0)
+    add_client_security_args(c)
     c.set_defaults(func=_checkpoint)
 
     r = ps.add_parser("reshard", help="re-spread one checkpoint of every shard over another number of shards")
@@ -67,6 +92,7 @@ def add_ps_commands(sub: Any) -> None:
     st = ps.add_parser("stats", help="print per-shard tables, sizes and request counts")
     st.add_argument("--ps", required=True, help="HOST:PORT,... of every shard, in shard order")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_client_security_args(st)
     st.set_defaults(func=_stats)
 
     r.set_defaults(func=_reshard)
@@ -79,7 +105,7 @@ def add_ps_commands(sub: Any) -> None:
 
 def _checkpoint(args: argparse.Namespace) -> int:
     addresses = [a for a in args.ps.split(",") if a]
-    with PSClient(addresses, timeout=args.timeout, retries=2) as client:
+    with PSClient(addresses, timeout=args.timeout, retries=2, security=client_security_from(args)) as client:
         for i, (path, clock) in enumerate(client.checkpoint(args.at_clock)):
             print(f"shard {i}: {path} (clock {clock})")
     return 0
@@ -117,9 +143,20 @@ def _serve(args: argparse.Namespace) -> int:
         max_bytes=args.max_bytes, chunk_elems=args.chunk_elems, workers=args.threads, lease_s=args.lease,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every_s=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep,
         push_idle_timeout_s=args.push_idle_timeout, backup_of=args.backup_of, advertise=args.advertise,
+        max_tables=args.max_tables, max_workers=args.max_workers, max_lease_s=args.max_lease, forget_after_s=args.forget_after,
         failover_s=args.failover, solo_after_s=args.solo_after,
     )
-    serve(cfg, ready_file=args.ready_file, restore=args.restore)
+    security = server_security_from(args, default_roles=("worker",))
+    peer = ClientSecurity(
+        tls_ca=args.tls_ca or args.tls_cert, tls_cert=args.tls_cert if args.tls_ca else None,
+        tls_key=args.tls_key if args.tls_ca else None,
+        token=(security.tokens or {}).get(args.peer_identity),
+    )
+    try:
+        serve(cfg, ready_file=args.ready_file, restore=args.restore, security=security, peer=peer)
+    except ConfigError as e:
+        print(f"tessera-ps: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -146,7 +183,7 @@ def format_stats(stats: list[ShardStats], addresses: list[str]) -> str:
 
 def _stats(args: argparse.Namespace) -> int:
     addresses = [a for a in args.ps.split(",") if a]
-    with PSClient(addresses, timeout=10, retries=2) as client:
+    with PSClient(addresses, timeout=10, retries=2, security=client_security_from(args)) as client:
         stats = client.stats()
     if args.json:
         print(json.dumps([dataclasses.asdict(s) for s in stats], indent=2))

@@ -51,9 +51,10 @@ from ps.consistency import SyncPolicy
 from ps.partition import SlotMap
 from ps.shard import MembershipView, ShardStats, TableInfo
 from ps.table import PushResult
-from ps.wire import info_from_proto, membership_from_proto, policy_to_proto, spec_to_proto, stats_from_proto
+from ps.wire import ERRORS, info_from_proto, membership_from_proto, policy_to_proto, spec_to_proto, stats_from_proto
 from tessera.codec import as_numpy, from_wire, pack, to_wire, unpack
 from tessera.rpc import channel_options
+from tessera.service import ClientSecurity, client_channel
 from tessera.v1 import ps_pb2 as pb
 
 __all__ = ["PSClient", "DenseResult"]
@@ -61,15 +62,6 @@ __all__ = ["PSClient", "DenseResult"]
 T = TypeVar("T")
 
 _SERVICE = "/tessera.v1.ParameterServer/"
-_ERROR_OF = {
-    grpc.StatusCode.NOT_FOUND: TableNotFoundError,
-    grpc.StatusCode.ALREADY_EXISTS: TableExistsError,
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
-    grpc.StatusCode.UNAVAILABLE: ShardUnavailableError,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
-}
 
 
 @dataclass(frozen=True)
@@ -99,9 +91,9 @@ class _Sparse:
 class _Replica:
     """One server of a shard: its channel and method stubs (raw bytes in and out)."""
 
-    def __init__(self, address: str, options: list, interceptors: Sequence[Any] = ()) -> None:
+    def __init__(self, address: str, options: list, interceptors: Sequence[Any] = (), security: ClientSecurity | None = None) -> None:
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=options)
+        self.channel = client_channel(address, security, options)
         if interceptors:
             self.channel = grpc.intercept_channel(self.channel, *interceptors)
         u = lambda m: self.channel.unary_unary(_SERVICE + m)  # noqa: E731
@@ -115,9 +107,9 @@ class _Replica:
 class _Shard:
     """One shard: its primary and backups (``"HOST:PORT|HOST:PORT"``); stubs go to the current primary."""
 
-    def __init__(self, index: int, spec: str, options: list, interceptors: Sequence[Any] = ()) -> None:
+    def __init__(self, index: int, spec: str, options: list, interceptors: Sequence[Any] = (), security: ClientSecurity | None = None) -> None:
         self.index = index
-        self.replicas = [_Replica(a, options, interceptors) for a in spec.split("|") if a]
+        self.replicas = [_Replica(a, options, interceptors, security) for a in spec.split("|") if a]
         if not self.replicas:
             raise ValueError(f"shard {index}: no address in {spec!r}")
         self.cur = 0
@@ -171,7 +163,8 @@ class PSClient:
     ``timeout``: deadline per call attempt in seconds. ``retry_timeout``: how long a call keeps
     retrying a shard that is UNAVAILABLE (backoff 0.1 s doubling up to 2 s, failing over between
     replicas) before it raises ShardUnavailableError naming the shard; ``retries`` bounds the
-    number of retries as well (None: only the time bounds them).
+    number of retries as well (None: only the time bounds them). ``security``: TLS / mutual TLS
+    and the token to present (``tessera.service.ClientSecurity``; default plaintext, no token).
     ``wire_dtype``: "float16"/"bfloat16" sends pushes and pulls at that
     precision (tables stay float32), None sends float32. ``interceptors``: gRPC client
     interceptors on every shard channel (e.g. ``tessera.rpc.DelayInterceptor``).
@@ -187,6 +180,7 @@ class PSClient:
         max_request_bytes: int = 16 << 20,
         interceptors: Sequence[Any] = (),
         retry_timeout: float = 30.0,
+        security: ClientSecurity | None = None,
     ) -> None:
         if isinstance(addresses, str):
             addresses = [a for a in addresses.split(",") if a]
@@ -211,7 +205,8 @@ class PSClient:
         self.acked: Counter[str] = Counter()
         self.max_request_bytes = max_request_bytes
         opts = channel_options()
-        self._shards = [_Shard(i, a, opts, interceptors) for i, a in enumerate(self.addresses)]
+        self.security = security
+        self._shards = [_Shard(i, a, opts, interceptors, security) for i, a in enumerate(self.addresses)]
         # BSP/SSP pulls block in these threads while the shards wait: leave room for the pushes that unblock them
         self._pool = ThreadPoolExecutor(max_workers=max(16, 8 * self.num_shards), thread_name_prefix="psclient")
         self._dense: dict[str, _Dense] = {}
@@ -266,6 +261,11 @@ class PSClient:
                     raise
                 time.sleep(delay)
                 n += 1
+
+    def _count_ack(self, key: str, updates: int, duplicate: bool) -> None:
+        with self._meta_lock:
+            self.acked[key] += updates
+            self.duplicates += int(duplicate)
 
     def _fan_out(self, jobs: list[Any]) -> list[Any]:
         """Run zero-arg callables concurrently; re-raise the first error after all finish."""
@@ -528,15 +528,17 @@ class PSClient:
                         flat[a : a + data.size] = data
                     else:
                         version, staleness, late, clock = msg.version, msg.staleness, msg.late, msg.clock
-                        self.duplicates += int(msg.duplicate)
-                        if op == pb.DENSE_OP_GRADIENT and not (sync is not None and sync.sync):
-                            self.acked[f"{name}@{i}"] += 1
+                        dup[0] = msg.duplicate
                 return version, staleness, late, clock
 
+            dup = [False]
             try:
-                return self._retry(s, attempt)
+                out = self._retry(s, attempt)
             except grpc.RpcError as e:
                 raise _typed(e, s.label, name) from None
+            # counted once the call succeeded: an attempt that read its reply and then failed is retried
+            self._count_ack(f"{name}@{i}", 1 if op == pb.DENSE_OP_GRADIENT and not (sync is not None and sync.sync) else 0, dup[0])
+            return out
 
         # a table smaller than the cluster leaves some shards an empty range: nothing to send them
         res = self._fan_out(
@@ -659,9 +661,7 @@ class PSClient:
             if base is not None:
                 payloads[13] = np.ascontiguousarray(base[idx])
             msg, _ = unpack(pb.PushSparseReply, self._call(i, "push_sparse", pack(head, payloads), name))
-            self.duplicates += int(msg.duplicate)
-            if not (sync is not None and sync.sync):
-                self.acked[f"{name}@{i}"] += msg.applied
+            self._count_ack(f"{name}@{i}", 0 if sync is not None and sync.sync else msg.applied, msg.duplicate)
             return PushResult(msg.applied, msg.dropped, msg.mean_staleness, msg.max_staleness, 0, int(msg.late), msg.clock)
 
         parts = self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, gr in enumerate(groups) for idx in gr])
@@ -728,7 +728,8 @@ class PSClient:
 def _typed(e: grpc.RpcError, address: str, table: str | None = None) -> PSError:
     code = e.code() if hasattr(e, "code") else None
     details = e.details() if hasattr(e, "details") else str(e)
-    cls = _ERROR_OF.get(code, InternalError)  # type: ignore[arg-type]
+    found = ERRORS.error_of(code)
+    cls: type[PSError] = found if issubclass(found, PSError) else InternalError
     if table is not None and f"table {table!r}" not in (details or ""):
         details = f"table {table!r}: {details}"  # e.g. gRPC's own "Received message larger than max"
     err = cls(f"{details} [shard {address}, {code.name if code else 'unknown'}]")

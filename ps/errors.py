@@ -17,6 +17,8 @@ __all__ = [
     "DeadlineExceededError",
     "FailedPreconditionError",
     "InternalError",
+    "UnauthenticatedError",
+    "PermissionDeniedError",
     "with_table",
 ]
 
@@ -83,3 +85,11 @@ def with_table(table: str, exc: PSError) -> PSError:
     if f"table {table!r}" in str(exc):
         return exc
     return type(exc)(f"table {table!r}: {exc}")
+
+
+class UnauthenticatedError(PSError):
+    """No credentials, or unknown ones (UNAUTHENTICATED)."""
+
+
+class PermissionDeniedError(PSError):
+    """The caller's identity may not do this (PERMISSION_DENIED)."""

@@ -21,7 +21,7 @@ import grpc
 
 from ps.checkpoint import pack_plain, snapshot_from_plain, unpack_plain
 from ps.shard import BACKUP, Shard
-from tessera.rpc import channel_options
+from tessera.service import ClientSecurity, client_channel
 from tessera.v1 import ps_pb2 as pb
 
 __all__ = ["ReplicaSender", "BackupFollower", "SNAPSHOT_CHUNK"]
@@ -35,12 +35,14 @@ SNAPSHOT_CHUNK = 4 << 20
 class ReplicaSender:
     """The primary's channel to its backup. ``send(entry)`` raises if the backup did not apply it."""
 
-    def __init__(self, address: str, epoch: int, attach_id: int, timeout: float = 10.0) -> None:
+    def __init__(
+        self, address: str, epoch: int, attach_id: int, timeout: float = 10.0, security: ClientSecurity | None = None
+    ) -> None:
         self.address = address
         self.epoch = epoch
         self.attach_id = attach_id
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address, options=channel_options())
+        self.channel = client_channel(address, security)
         self._replicate = self.channel.unary_unary(_SERVICE + "Replicate")
 
     def send(self, entry: dict) -> None:
@@ -55,7 +57,7 @@ class BackupFollower:
     """Runs on a backup shard: keeps it attached to ``shard.config.backup_of`` and promotes it when
     that primary is gone. ``advertise``: the address the primary dials to reach this backup."""
 
-    def __init__(self, shard: Shard, advertise: str, period: float = 0.3) -> None:
+    def __init__(self, shard: Shard, advertise: str, period: float = 0.3, security: ClientSecurity | None = None) -> None:
         self.shard = shard
         self.primary = shard.config.backup_of
         self.advertise = advertise
@@ -63,7 +65,7 @@ class BackupFollower:
         self.in_sync = False
         self.attaches = 0
         self._stop = threading.Event()
-        self.channel = grpc.insecure_channel(self.primary, options=channel_options())
+        self.channel = client_channel(self.primary, security)
         self._role = self.channel.unary_unary(_SERVICE + "Role")
         self._attach = self.channel.unary_stream(_SERVICE + "Attach")
         self.thread = threading.Thread(target=self._run, name=f"ps{shard.config.shard_index}-backup", daemon=True)

@@ -5,44 +5,50 @@ import logging
 import signal
 import sys
 import threading
-from concurrent import futures
 
 import grpc
 
 from ps.checkpoint import load_latest
 from ps.config import ShardConfig
 from ps.replication import BackupFollower
-from ps.servicer import PSServicer
+from ps.servicer import METHOD_ROLES, ROLES, SERVICE_NAME, PSServicer
 from ps.shard import Shard
-from tessera.rpc import server_options
+from tessera import service
+from tessera.service import Access, ClientSecurity, ServerSecurity
 
 __all__ = ["build_server", "serve", "restore_latest"]
 
 log = logging.getLogger(__name__)
 
 
-def build_server(config: ShardConfig, restore: bool = False) -> tuple[grpc.Server, int, Shard]:
-    """A started gRPC server for one shard: (server, bound port, shard).
+def build_server(
+    config: ShardConfig, restore: bool = False, security: ServerSecurity | None = None, peer: ClientSecurity | None = None,
+) -> tuple[grpc.Server, int, Shard]:
+    """A started gRPC server for one shard: (server, bound port, shard), built by the kernel's
+    service runtime (TLS / mutual TLS, tokens and roles, per-identity limits, gRPC health).
 
     Binds ``config.host:config.port`` (port 0 picks a free port). Stop it with
     ``server.stop(grace)``. ``restore``: load the newest valid checkpoint in
     ``config.checkpoint_dir`` first (corrupt or truncated ones are reported and skipped).
+    ``security``: who may call (default: open, which the runtime allows on loopback only);
+    ``peer``: how this shard reaches its primary or backup (replication).
     """
+    security = security or ServerSecurity()
+    security.check(config.host)  # before anything starts
     shard = Shard(config)
     if restore:
         restore_latest(shard)
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix=f"ps{config.shard_index}"),
-        options=server_options(config.max_message_bytes),
-    )
-    server.add_generic_rpc_handlers((PSServicer(shard).handlers(),))
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    port = server.add_insecure_port(f"{host}:{config.port}")
-    if port == 0:
-        raise OSError(f"could not bind {config.host}:{config.port}")
-    server.start()
+    servicer = PSServicer(shard, Access(security, METHOD_ROLES, ROLES), peer)
+    try:
+        server, port, _ = service.build_server(
+            (servicer.handlers(),), config.host, config.port, security, max_workers=config.workers,
+            max_message_bytes=config.max_message_bytes, service_names=(SERVICE_NAME,), name=f"ps{config.shard_index}",
+        )
+    except BaseException:
+        shard.close()
+        raise
     if config.backup_of:
-        follower = BackupFollower(shard, config.advertise or f"{config.host}:{port}").start()
+        follower = BackupFollower(shard, config.advertise or f"{config.host}:{port}", security=peer).start()
         shard.on_close.append(follower.stop)
     return server, port, shard
 
@@ -64,11 +70,17 @@ def restore_latest(shard: Shard) -> str | None:
     return path
 
 
-def serve(config: ShardConfig, ready_file: str | None = None, restore: bool = False) -> None:
+def serve(
+    config: ShardConfig, ready_file: str | None = None, restore: bool = False, security: ServerSecurity | None = None,
+    peer: ClientSecurity | None = None,
+) -> None:
     """Run until SIGTERM/SIGINT. Prints one line ``tessera-ps listening on HOST:PORT`` when ready.
 
     With a checkpoint directory, SIGTERM writes a final checkpoint after the calls in flight end."""
-    server, port, shard = build_server(config, restore)
+    security = security or ServerSecurity()
+    for warning in security.check(config.host):
+        print(f"tessera-ps: {warning}", file=sys.stderr, flush=True)
+    server, port, shard = build_server(config, restore, security, peer)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -10,6 +10,7 @@ import functools
 import inspect
 import logging
 import secrets
+import threading
 from typing import Any, Callable, Iterator
 
 import grpc
@@ -23,35 +24,47 @@ from ps.errors import (
     PSError,
     ResourceExhaustedError,
     ShapeMismatchError,
+    InternalError,
+    PermissionDeniedError,
     ShardUnavailableError,
     TableExistsError,
     TableNotFoundError,
+    UnauthenticatedError,
 )
 from ps.checkpoint import CheckpointError, pack_plain, snapshot_to_plain, unpack_plain
 from ps.replication import SNAPSHOT_CHUNK, ReplicaSender
 from ps.shard import BACKUP, PRIMARY, Shard
 from ps.table import ASSIGN, GRADIENT, DenseTable
-from ps.wire import info_to_proto, membership_to_proto, policy_from_proto, spec_from_proto, stats_to_proto
+from ps.wire import ERRORS, info_to_proto, membership_to_proto, policy_from_proto, spec_from_proto, stats_to_proto
 from tessera.codec import WIRE_FLOAT_DTYPES, CodecError, byte_view, from_wire, pack, to_wire, unpack
-from tessera.rpc import status_of
+from tessera.service import ANONYMOUS, Access, Caller, ClientSecurity, ErrorTable, ServerSecurity
 from tessera.v1 import ps_pb2 as pb
 
-__all__ = ["PSServicer", "STATUS_OF", "SERVICE_NAME"]
+__all__ = ["PSServicer", "STATUS_OF", "ERRORS", "SERVICE_NAME", "ROLES", "METHOD_ROLES"]
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "tessera.v1.ParameterServer"
 
-# error class -> status code; the first match along the class's MRO wins
-STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
-    TableNotFoundError: grpc.StatusCode.NOT_FOUND,
-    TableExistsError: grpc.StatusCode.ALREADY_EXISTS,
-    InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
-    CodecError: grpc.StatusCode.INVALID_ARGUMENT,
-    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
-    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
-    ShardUnavailableError: grpc.StatusCode.UNAVAILABLE,
+STATUS_OF = ERRORS.codes
+
+# who may call what. admin: everything (create, assign, checkpoint); worker: train (pull, push
+# gradients, join as its own names); reader: read; replica: a shard's peer (attach, replicate)
+ROLES = ("admin", "worker", "reader", "replica")
+METHOD_ROLES: dict[str, frozenset[str]] = {
+    "CreateTable": frozenset({"admin"}),
+    "DescribeTable": frozenset(ROLES),
+    "PushDense": frozenset({"admin", "worker"}),  # DENSE_OP_ASSIGN: admin only (checked in the handler)
+    "PullDense": frozenset({"admin", "worker", "reader"}),
+    "PullSparse": frozenset({"admin", "worker", "reader"}),
+    "PushSparse": frozenset({"admin", "worker"}),
+    "Stats": frozenset(ROLES),
+    "Join": frozenset({"admin", "worker"}),
+    "Heartbeat": frozenset({"admin", "worker"}),
+    "Checkpoint": frozenset({"admin"}),
+    "Role": frozenset(ROLES),
+    "Attach": frozenset({"admin", "replica"}),
+    "Replicate": frozenset({"admin", "replica"}),
 }
 
 # methods a backup answers itself; every other one is for the primary
@@ -66,15 +79,42 @@ def _time_left(context: grpc.ServicerContext) -> float:
 
 
 class PSServicer:
-    """Handlers take (request bytes or iterator of bytes, context) and return bytes."""
+    """Handlers take (request bytes or iterator of bytes, context, caller) and return bytes.
 
-    def __init__(self, shard: Shard) -> None:
+    Every call passes ``access`` first (identity, role, per-identity limits); a worker name is
+    bound to the identity that first used it (at most ``max_names`` names)."""
+
+    def __init__(self, shard: Shard, access: Access | None = None, peer: ClientSecurity | None = None, max_names: int = 65536) -> None:
         self.shard = shard
+        self.access = access or Access(ServerSecurity(), METHOD_ROLES, ROLES)
+        self.peer = peer  # how this shard reaches its backup (replication)
+        self._names: dict[str, str] = {}  # worker name -> identity that owns it
+        self._names_lock = threading.Lock()
+        self.max_names = max_names
+
+    def _own(self, caller: Caller, worker: str) -> None:
+        """``worker`` may be used only by the identity that used it first (open servers: anyone)."""
+        if not worker or caller.identity == ANONYMOUS:
+            return
+        with self._names_lock:
+            owner = self._names.get(worker)
+            if owner is None:
+                if len(self._names) >= self.max_names:
+                    raise ResourceExhaustedError(f"worker {worker!r}: the shard knows {self.max_names} worker names already")
+                self._names[worker] = owner = caller.identity
+        if owner != caller.identity:
+            raise PermissionDeniedError(f"worker name {worker!r} belongs to identity {owner!r}, not {caller.identity!r}")
+
+    @staticmethod
+    def _client_key(caller: Caller, client: str) -> str:
+        """Dedup records are per identity: nobody can make another identity's pushes look retried."""
+        return f"{caller.identity}/{client}" if caller.identity and client else client
 
     # ------------------------------------------------------------------ plumbing
     def _fail(self, method: str, context: grpc.ServicerContext, exc: BaseException) -> None:
-        code = status_of(exc, STATUS_OF)
+        code = ERRORS.code_of(exc)
         self.shard.errors[code.name] += 1
+        self.access.count(method, code)
         if code == grpc.StatusCode.INTERNAL:
             log.exception("%s failed", method)
             msg = f"{method}: internal error: {type(exc).__name__}: {exc}"
@@ -102,8 +142,9 @@ class PSServicer:
                 def gen(request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
                     self.shard.requests[name] += 1
                     try:
-                        self._check_role(name)
-                        yield from fn(request, context)
+                        with self.access.admit(name, context) as caller:
+                            self._check_role(name)
+                            yield from fn(request, context, caller)
                     except grpc.RpcError:
                         # the request stream failed inside gRPC (cancelled, message too large, deadline):
                         # the call already has its status; this is not the shard's fault
@@ -123,8 +164,9 @@ class PSServicer:
             def unary(request: Any, context: grpc.ServicerContext) -> bytes:
                 self.shard.requests[name] += 1
                 try:
-                    self._check_role(name)
-                    return fn(request, context)
+                    with self.access.admit(name, context) as caller:
+                        self._check_role(name)
+                        return fn(request, context, caller)
                 except Exception as e:  # noqa: BLE001
                     self._fail(name, context, e)
                     raise  # unreachable: abort raises
@@ -159,7 +201,7 @@ class PSServicer:
             )
 
     # ------------------------------------------------------------------ replication
-    def Role(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+    def Role(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, _ = self._decode(pb.RoleRequest, raw)
         sh = self.shard
         return self._out(
@@ -169,10 +211,11 @@ class PSServicer:
             ).SerializeToString()
         )
 
-    def Attach(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def Attach(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> Iterator[bytes]:
         req, _ = self._decode(pb.AttachRequest, raw)
-        if not req.backup:
-            raise InvalidArgumentError("Attach: the backup's address is empty")
+        host, _, port = req.backup.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(req.backup) > 256:
+            raise InvalidArgumentError(f"Attach: the backup's address {req.backup[:64]!r} is not HOST:PORT")
         sh = self.shard
         if sh.role != PRIMARY:
             raise FailedPreconditionError(f"Attach: shard {sh.config.shard_index} here is a backup itself")
@@ -184,10 +227,10 @@ class PSServicer:
                 last = off + SNAPSHOT_CHUNK >= len(data)
                 head = pb.AttachChunk(last=last, attach_id=attach_id if last else 0)
                 yield self._out(pack(head, {15: data[off : off + SNAPSHOT_CHUNK]}))
-            sh.attach_backup(req.backup, ReplicaSender(req.backup, sh.epoch, attach_id).send, attach_id)
+            sh.attach_backup(req.backup, ReplicaSender(req.backup, sh.epoch, attach_id, security=self.peer).send, attach_id)
         log.info("shard %d: backup %s attached (%d bytes of snapshot)", sh.config.shard_index, req.backup, len(data))
 
-    def Replicate(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+    def Replicate(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, pl = self._decode(pb.ReplicateRequest, raw, (15,))
         sh = self.shard
         if sh.role != BACKUP:
@@ -200,7 +243,7 @@ class PSServicer:
         return self._out(pb.ReplicateReply().SerializeToString())
 
     # ------------------------------------------------------------------ tables
-    def CreateTable(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+    def CreateTable(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, _ = self._decode(pb.CreateTableRequest, raw)
         created, info = self.shard.create_table(spec_from_proto(req.spec), req.num_shards or None, req.validate_only)
         reply = pb.CreateTableReply(created=created)
@@ -208,34 +251,36 @@ class PSServicer:
             reply.info.CopyFrom(info_to_proto(info))
         return self._out(reply.SerializeToString())
 
-    def DescribeTable(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+    def DescribeTable(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, _ = self._decode(pb.DescribeTableRequest, raw)
         return self._out(info_to_proto(self.shard.info(req.table)).SerializeToString())
 
-    def Stats(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+    def Stats(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         self._decode(pb.StatsRequest, raw)
         return self._out(stats_to_proto(self.shard.stats()).SerializeToString())
 
     # ------------------------------------------------------------------ membership
-    def Join(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+    def Join(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, _ = self._decode(pb.JoinRequest, raw)
         if req.lease_ms < 0:
             raise InvalidArgumentError(f"Join: lease_ms must be >= 0, got {req.lease_ms}")
         if not req.worker:
             raise InvalidArgumentError("Join: worker name is empty")
+        self._own(caller, req.worker)
         view = self.shard.join(req.worker, req.lease_ms / 1000.0)
         return self._out(membership_to_proto(view).SerializeToString())
 
-    def Heartbeat(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+    def Heartbeat(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, _ = self._decode(pb.HeartbeatRequest, raw)
         if not req.worker:
             raise InvalidArgumentError("Heartbeat: worker name is empty")
         if req.clock < 0:
             raise InvalidArgumentError(f"Heartbeat: clock must be >= 0, got {req.clock}")
+        self._own(caller, req.worker)
         view = self.shard.heartbeat(req.worker, req.leave, req.clock)
         return self._out(membership_to_proto(view).SerializeToString())
 
-    def Checkpoint(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+    def Checkpoint(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, _ = self._decode(pb.CheckpointRequest, raw)
         if req.hold:
             path, clock = "", self.shard.hold_cut(max(0, req.at_clock))
@@ -244,7 +289,7 @@ class PSServicer:
         return self._out(pb.CheckpointReply(shard_index=self.shard.config.shard_index, path=path, clock=clock).SerializeToString())
 
     # ------------------------------------------------------------------ dense
-    def PushDense(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+    def PushDense(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext, caller: Caller) -> Iterator[bytes]:
         update = None
         table: DenseTable | None = None
         reply_dtype = "float32"
@@ -263,10 +308,16 @@ class PSServicer:
                             f"table {table.spec.name!r}: unknown op {msg.op}; use DENSE_OP_GRADIENT (0) or DENSE_OP_ASSIGN (1)"
                         )
                     op = ASSIGN if msg.op == pb.DENSE_OP_ASSIGN else GRADIENT
+                    if op == ASSIGN and not caller.has("admin"):
+                        raise PermissionDeniedError(
+                            f"table {table.spec.name!r}: assigning values needs the admin role; "
+                            f"identity {caller.identity!r} has {sorted(caller.roles)}"
+                        )
                     policy = policy_from_proto(msg.sync, msg.HasField("sync"))
-                    worker, client, seq = msg.worker, msg.client, msg.seq
+                    worker, client, seq = msg.worker, self._client_key(caller, msg.client), msg.seq
+                    self._own(caller, worker)
                     if policy.sync and op == GRADIENT:
-                        yield from self._push_dense_sync(msg, pl, request_iterator, table, worker, policy, touch)
+                        yield from self._push_dense_sync(msg, pl, request_iterator, table, worker, policy, touch, caller)
                         return
                     update = table.begin_update(op, msg.base_version, staleness_aware_lr=policy.staleness_aware_lr)
                 update.apply(msg.offset, _chunk_data(msg, pl, table.spec.name))  # type: ignore[union-attr]
@@ -299,7 +350,7 @@ class PSServicer:
 
     def _push_dense_sync(
         self, first: Any, first_pl: dict[int, memoryview], rest: Iterator[bytes], table: DenseTable, worker: str, policy: Any,
-        touch: Callable[[], None],
+        touch: Callable[[], None], caller: Caller,
     ) -> Iterator[bytes]:
         """A BSP push: collect and validate every chunk (the request's bytes, not copied), then contribute."""
         name = table.spec.name
@@ -320,19 +371,20 @@ class PSServicer:
             msg, pl = self._decode(pb.DenseChunk, raw, (15,))
         if not worker:
             raise InvalidArgumentError(f"table {name!r}: a BSP push must name its worker")
-        out = self.shard.push_dense_sync(name, worker, policy, chunks, first.client, first.seq)
+        out = self.shard.push_dense_sync(name, worker, policy, chunks, self._client_key(caller, first.client), first.seq)
         yield self._out(
             pb.DenseChunk(
                 table=name, version=table.version, staleness=0, clock=out.clock, late=out.late, duplicate=out.duplicate,
             ).SerializeToString()
         )
 
-    def PullDense(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+    def PullDense(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> Iterator[bytes]:
         req, _ = self._decode(pb.PullDenseRequest, raw)
         table = self.shard.dense(req.table)
         dtype = _float_dtype(req.dtype, table.spec.name, "dtype")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
         if req.worker:
+            self._own(caller, req.worker)
             self.shard.membership.touch(req.worker)
         clock = self.shard.wait(req.table, policy, _time_left(context))
         version, blocks = table.snapshot()
@@ -341,20 +393,21 @@ class PSServicer:
             yield self._out(pack(head, {15: to_wire(block, dtype)[1]}))
 
     # ------------------------------------------------------------------ sparse
-    def PullSparse(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+    def PullSparse(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, pl = self._decode(pb.PullSparseRequest, raw, (15,))
         table = self.shard.sparse(req.table)
         dtype = _float_dtype(req.dtype, req.table, "dtype")
         ids = from_wire(pl.get(15, b""), "int64", None, what=f"table {req.table!r}: ids")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
         if req.worker:
+            self._own(caller, req.worker)
             self.shard.membership.touch(req.worker)
         clock = self.shard.wait(req.table, policy, _time_left(context))
         values, versions = self.shard.pull_sparse(req.table, ids)
         head = pb.PullSparseReply(dtype=dtype, dim=table.dim, clock=clock)
         return self._out(pack(head, {14: byte_view(versions), 15: to_wire(values, dtype)[1]}))
 
-    def PushSparse(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+    def PushSparse(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, pl = self._decode(pb.PushSparseRequest, raw, (13, 14, 15))
         table = self.shard.sparse(req.table)
         name = req.table
@@ -369,7 +422,8 @@ class PSServicer:
         policy = policy_from_proto(req.sync, req.HasField("sync"))
         if policy.sync and not req.worker:
             raise InvalidArgumentError(f"table {name!r}: a BSP push must name its worker")
-        out = self.shard.push_sparse(name, ids, grads, base, req.worker, policy, req.client, req.seq)
+        self._own(caller, req.worker)
+        out = self.shard.push_sparse(name, ids, grads, base, req.worker, policy, self._client_key(caller, req.client), req.seq)
         r = out.result
         return self._out(
             pb.PushSparseReply(

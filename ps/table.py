@@ -666,7 +666,7 @@ class SparseTable:
             ids, rows = ids[order], rows[order]
             rt = torch.from_numpy(rows)
             return {
-                "step": self.step, "ids": ids, "values": self.values[rt].numpy().copy(),
+                "step": self.step, "updates": self.updates, "ids": ids, "values": self.values[rt].numpy().copy(),
                 "versions": self.versions[rows].copy(), "state": {k: v[rt].numpy().copy() for k, v in self.state.items()},
                 "along": extra,
             }
@@ -685,6 +685,7 @@ class SparseTable:
             self.last_touch = np.zeros(0, np.int64)
             self.row_ids = np.zeros(0, np.int64)
             self.step = int(snap["step"])
+            self.updates = int(snap.get("updates", 0))
             if len(ids):
                 self._upsert(ids, values, snap["state"], np.asarray(snap["versions"], np.int64))
 

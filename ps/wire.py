@@ -1,6 +1,8 @@
 """Protobuf messages <-> PS domain values. Pure and symmetric."""
 from __future__ import annotations
 
+import grpc
+
 from ps.config import (
     DENSE,
     SPARSE,
@@ -11,11 +13,26 @@ from ps.config import (
     TableSpec,
 )
 from ps.consistency import SyncPolicy
-from ps.errors import InvalidArgumentError, with_table
+from ps.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InternalError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    ShardUnavailableError,
+    TableExistsError,
+    TableNotFoundError,
+    UnauthenticatedError,
+    with_table,
+)
 from ps.shard import MembershipView, ShardStats, TableInfo, TableStats, WorkerStats
+from tessera.codec import CodecError
+from tessera.service import ErrorTable
 from tessera.v1 import ps_pb2 as pb
 
 __all__ = [
+    "ERRORS",
     "spec_to_proto",
     "spec_from_proto",
     "info_to_proto",
@@ -186,3 +203,23 @@ def membership_to_proto(v: MembershipView) -> pb.MembershipReply:
 
 def membership_from_proto(msg: pb.MembershipReply) -> MembershipView:
     return MembershipView(msg.shard_index, tuple(msg.live), msg.sync_clock, msg.min_clock, msg.rejoined)
+
+
+# the PS's two-way error table: error class <-> status code (the first match along an error's MRO
+# wins; a code maps back to the first class listed for it). PSClient raises these from the codes.
+ERRORS = ErrorTable(
+    {
+        TableNotFoundError: grpc.StatusCode.NOT_FOUND,
+        TableExistsError: grpc.StatusCode.ALREADY_EXISTS,
+        InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
+        CodecError: grpc.StatusCode.INVALID_ARGUMENT,
+        ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
+        DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
+        ShardUnavailableError: grpc.StatusCode.UNAVAILABLE,
+        UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+        PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
+        InternalError: grpc.StatusCode.INTERNAL,
+    },
+    default=InternalError,
+)

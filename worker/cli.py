@@ -10,6 +10,8 @@ import threading
 import time
 from typing import Any
 
+from tessera.service import add_client_security_args, client_security_from
+
 __all__ = ["add_worker_commands"]
 
 
@@ -36,6 +38,7 @@ def add_worker_commands(sub: Any) -> None:
         "--retry-timeout", type=float, default=60.0, metavar="SECONDS",
         help="how long a call keeps retrying (and failing over) an unreachable shard before the worker gives up (default 60)",
     )
+    add_client_security_args(w)
     w.add_argument("--task", default="ctr", help="ctr, digits, or package.module:function")
     w.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE", help="option for the task (repeatable)")
     w.add_argument("--mode", default="async", choices=["sync", "async", "ssp", "hybrid"])
@@ -124,7 +127,7 @@ def _worker(args: argparse.Namespace) -> int:
     interceptors = [DelayInterceptor(args.rpc_delay_ms / 1000.0)] if args.rpc_delay_ms > 0 else []
     with PSClient(
         args.ps, timeout=max(60.0, 3 * args.lease), wire_dtype=args.wire_dtype, interceptors=interceptors,
-        retry_timeout=args.retry_timeout,
+        retry_timeout=args.retry_timeout, security=client_security_from(args),
     ) as client:
         client.wait_ready(timeout=60)
         summary = Trainer(task, client, cfg, stop=stop).run()

@@ -48,9 +48,11 @@ class LocalRun:
 
     def __enter__(self) -> "LocalRun":
         from ps.cli import start_local_shards
+        from tessera.service import is_loopback
 
         os.makedirs(self.out_dir, exist_ok=True)
-        procs, self.addresses = start_local_shards(self.num_shards, ("--lease", str(self.lease_s), "--host", self.host))
+        insecure = () if is_loopback(self.host) else ("--insecure",)  # a private namespace link of an experiment
+        procs, self.addresses = start_local_shards(self.num_shards, ("--lease", str(self.lease_s), "--host", self.host, *insecure))
         self.procs += procs
         return self
 

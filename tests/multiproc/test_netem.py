@@ -12,6 +12,7 @@ import pytest
 from ps.client import PSClient
 from ps.config import ShardConfig
 from ps.server import build_server
+from tessera.service import ServerSecurity
 from worker.netem import NetemLink, namespaces_available, netem_available
 
 pytestmark = pytest.mark.skipif(namespaces_available() is not None, reason=str(namespaces_available()))
@@ -30,7 +31,8 @@ def test_rpcs_from_the_namespace_cross_the_link(delay_ms: int) -> None:
     if delay_ms and netem_available():
         pytest.skip(str(netem_available()))
     with NetemLink(delay_ms, name=f"tt{time.monotonic_ns() % 10000}") as link:
-        server, port, shard = build_server(ShardConfig(host=link.host_address))
+        # an open server on a private namespace link: allowed only when asked for (--insecure)
+        server, port, shard = build_server(ShardConfig(host=link.host_address), security=ServerSecurity(insecure=True))
         try:
             address = f"{link.host_address}:{port}"
             with PSClient([address], timeout=10) as c:  # from the host: no delay

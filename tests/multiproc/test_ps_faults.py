@@ -53,7 +53,7 @@ class Hosts:
     def shard(self, host: str, index: int, num: int, *extra: str) -> subprocess.Popen:
         cmd = [
             sys.executable, "-m", "tessera.cli", "ps", "serve", "--host", self.f.address(host), "--port", str(PORT),
-            "--shard-index", str(index), "--num-shards", str(num), "--lease", "3", *extra,
+            "--shard-index", str(index), "--num-shards", str(num), "--lease", "3", "--insecure", *extra,
         ]
         p = subprocess.Popen(self.f.prefix(host) + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.procs.append(p)
