@@ -62,7 +62,8 @@ def shard(pki):
 
 
 def _client(address: str, pki, token: str | None, **kw) -> PSClient:
-    return PSClient([address], timeout=5, retry_timeout=0.2, security=ClientSecurity(tls_ca=str(pki["ca"]), token=token), **kw)
+    kw.setdefault("timeout", 5)
+    return PSClient([address], retry_timeout=0.2, security=ClientSecurity(tls_ca=str(pki["ca"]), token=token), **kw)
 
 
 def _seed(address: str, pki) -> None:
@@ -297,3 +298,47 @@ def test_tessera_tokens_and_cert_commands(tmp_path) -> None:
         [sys.executable, "-m", "tessera.cli", "ps", "serve", "--token-file", str(out)], capture_output=True, text=True, timeout=60,
     )
     assert r.returncode == 2 and "tokens over plaintext" in r.stderr
+
+
+def test_calls_in_flight_are_limited_per_identity(pki) -> None:
+    import threading
+
+    from ps.consistency import SyncPolicy
+    from ps.errors import ResourceExhaustedError
+
+    sec = ServerSecurity(
+        tls_cert=pki["server"][0], tls_key=pki["server"][1], tokens=TOKENS, roles=ROLES, max_concurrent=2,
+    )
+    server, port, sh = build_server(ShardConfig(), security=sec)
+    address = f"127.0.0.1:{port}"
+    try:
+        _seed(address, pki)
+        blocked = []
+        with _client(address, pki, TOKENS["w0"], timeout=3) as w0:
+            # two BSP pulls for a clock nobody pushes: each holds one of w0's two slots until its deadline
+            threads = [threading.Thread(target=lambda: blocked.append(_try(lambda: w0.pull_dense("w", policy=SyncPolicy(clock=1, sync=True)))))
+                       for _ in range(2)]
+            for t in threads:
+                t.start()
+            import time
+
+            deadline = time.monotonic() + 5
+            while sh.requests.get("PullDense", 0) < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.2)
+            with pytest.raises(ResourceExhaustedError, match="identity 'w0' has 2 calls in flight"):
+                w0.stats()
+            with _client(address, pki, TOKENS["w1"]) as w1:
+                assert w1.stats()[0].shard_index == 0  # another identity is served
+            for t in threads:
+                t.join(10)
+    finally:
+        server.stop(0)
+        sh.close()
+
+
+def _try(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001
+        return e
