@@ -254,9 +254,14 @@ class PSClient:
                 code = e.code() if hasattr(e, "code") else None
                 if code != grpc.StatusCode.UNAVAILABLE or (self.retries is not None and n >= self.retries):
                     raise
+                cap = 2.0
                 if len(s.replicas) > 1:
-                    s.failover()
-                delay = min(2.0, 0.1 * 2**n) * (0.5 + random.random() / 2)
+                    before = s.cur
+                    if s.failover() and s.cur != before:
+                        n += 1
+                        continue  # a new primary: try it now
+                    cap = 0.5  # a backup may take over any moment: look again soon
+                delay = min(cap, 0.1 * 2**n) * (0.5 + random.random() / 2)
                 if time.monotonic() + delay > deadline:
                     raise
                 time.sleep(delay)
