@@ -383,12 +383,7 @@ class Shard:
     ) -> SyncPush:
         """Commit an async/SSP dense push at most once per (client, seq)."""
         name = update.table.spec.name
-        dup: list[bool] = []
-
-        def once() -> PushResult | None:
-            prior = self.dedup.seen(client, name, seq, _TOO_OLD)
-            dup.extend([True] if prior is not None else [])
-            return prior
+        once, dup = self._once(client, name, seq)
 
         def before_swap(res: PushResult, upd: DenseUpdate) -> None:
             self._replicate(_dense_entry(upd, client, seq, res, worker, policy.clock))
@@ -399,6 +394,17 @@ class Shard:
         if not dup:
             self.pushed(worker, policy)
         return SyncPush(result, False, self.rounds[name].clock, bool(dup))
+
+    def _once(self, client: str, name: str, seq: int) -> tuple[Callable[[], PushResult | None], list[bool]]:
+        """A dedup check for a table's commit hook, and a list that says afterwards whether it hit."""
+        dup: list[bool] = []
+
+        def once() -> PushResult | None:
+            prior = self.dedup.seen(client, name, seq, _TOO_OLD)
+            dup.extend([True] if prior is not None else [])
+            return prior
+
+        return once, dup
 
     def _contribute(
         self, name: str, worker: str, policy: SyncPolicy, value: object, client: str = "", seq: int = 0
@@ -452,12 +458,7 @@ class Shard:
             raise
         if policy.sync and policy.clock >= 0:
             return self._contribute(name, worker, policy, prepared, client, seq)
-        dup: list[bool] = []
-
-        def once() -> PushResult | None:
-            prior = self.dedup.seen(client, name, seq, _TOO_OLD)
-            dup.extend([True] if prior is not None else [])
-            return prior
+        once, dup = self._once(client, name, seq)
 
         def before_swap(res: PushResult, delta: RowDelta) -> None:
             self._replicate(_sparse_entry(t, delta, res, client, seq, worker, policy.clock))
