@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Any
 
+from tessera.service import add_client_security_args, add_server_security_args
+
 __all__ = ["add_fed_commands", "parse_params"]
 
 
@@ -63,9 +65,8 @@ def add_fed_commands(sub: Any) -> None:
     s.add_argument("--port", type=int, default=0, help="port (0: pick a free one and print it)")
     s.add_argument("--min-available", type=int, default=0, help="clients that must be connected before a round starts")
     s.add_argument("--eval-fraction", type=float, default=1.0, help="fraction of clients evaluating each round")
-    s.add_argument("--tls-cert", help="server certificate chain (PEM)")
-    s.add_argument("--tls-key", help="server private key (PEM)")
-    s.add_argument("--tokens", help="file of 'identity token' lines; unknown clients are refused")
+    add_server_security_args(s)  # --tls-cert --tls-key --tls-ca --token-file --insecure
+    s.add_argument("--tokens", dest="token_file", help="the older name of --token-file")
     s.add_argument("--checkpoint", help="checkpoint file, written every round; resumes from it when present")
     s.add_argument("--results", help="write the round history (and peak RSS) here as JSON")
     s.add_argument("--ready-file", help="write the bound port here once serving")
@@ -77,8 +78,9 @@ def add_fed_commands(sub: Any) -> None:
     c.add_argument("--partition", required=True, help="i/N: this client holds part i of N (0-based)")
     c.add_argument("--split", default="iid", help="how the N parts are drawn: iid, dirichlet:ALPHA, shards:S")
     c.add_argument("--seed", type=int, default=0, help="partition seed (the same on every client)")
-    c.add_argument("--token", default=os.environ.get("TESSERA_FED_TOKEN"), help="client token (or $TESSERA_FED_TOKEN)")
-    c.add_argument("--root-cert", help="TLS: the server's root certificate (PEM); plaintext without it")
+    c.add_argument("--token", default=None, help="client token (or $TESSERA_FED_TOKEN, or --token-file)")
+    add_client_security_args(c)  # --tls-ca --tls-cert --tls-key --token-file --identity
+    c.add_argument("--root-cert", dest="tls_ca", help="the older name of --tls-ca")
     c.add_argument("--client-id", help="client id (default: the token's identity)")
     c.add_argument("--reconnect-timeout", type=float, default=60.0)
     c.set_defaults(func=_client)
@@ -126,24 +128,51 @@ def _dp(args: argparse.Namespace) -> Any:
 
 
 def _server(args: argparse.Namespace) -> int:
-    from federated.config import SecAggSettings, ServerConfig
-    from federated.server import FedServer, serve
-    from federated.strategy import make_strategy
+    """Refused setups (tokens over plaintext without --insecure, a bad token file, ...) print
+    one line and exit 2 before anything binds."""
+    from federated.errors import ConfigError
+    from federated.server import serve
+    from federated.simulate import peak_rss_mb
     from federated.tasks import get_task
-    from tessera.security import load_tokens
+    from tessera import service
 
+    try:
+        # identity -> token; a role column (tessera tokens) is read and ignored here
+        tokens = service.load_token_file(args.token_file)[0] if args.token_file else None
+    except (OSError, ValueError) as e:  # service.ConfigError is a ValueError
+        print(f"tessera-fed: {e}", file=sys.stderr, flush=True)
+        return 2
     task = get_task(args.task)
+    try:
+        server, strategy = _build_server(args, task, tokens)
+    except ConfigError as e:
+        print(f"tessera-fed: {e}", file=sys.stderr, flush=True)
+        return 2
+    history = serve(server, ready_file=args.ready_file)
+    if args.results:
+        with open(args.results, "w") as f:
+            json.dump({"history": history, "peak_rss_mb": peak_rss_mb(), "strategy": strategy.name,
+                       "params": strategy.params()}, f, indent=1, default=float)
+    return 0
+
+
+def _build_server(args: argparse.Namespace, task: Any, tokens: dict[str, str] | None) -> tuple[Any, Any]:
+    """(FedServer, its strategy) from the command line; ConfigError for a refused setup."""
+    from federated.config import SecAggSettings, ServerConfig
+    from federated.server import FedServer
+    from federated.strategy import make_strategy
+
     cfg = ServerConfig(
         host=args.host, port=args.port, rounds=args.rounds, fraction=args.fraction if args.fraction is not None else 1.0,
         min_clients=args.min_clients, min_available=args.min_available, round_timeout=args.round_timeout,
         eval_fraction=args.eval_fraction, eval_every=args.eval_every, seed=args.seed, checkpoint=args.checkpoint,
         compress=args.compress, client_config=_client_config(args, task), dp=_dp(args),
         secagg=SecAggSettings(enabled=args.secagg, threshold=args.secagg_threshold),
-        tls_cert=args.tls_cert, tls_key=args.tls_key, tokens=load_tokens(args.tokens) if args.tokens else None,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, tokens=tokens, insecure=args.insecure,
     )
     strategy = make_strategy(args.strategy, **parse_params(args.strategy_param))
 
-    from federated.simulate import peak_rss_mb, rss_mb
+    from federated.simulate import rss_mb
 
     def report(rec: dict[str, Any]) -> None:
         rec["rss_mb"] = rss_mb()
@@ -155,13 +184,7 @@ def _server(args: argparse.Namespace) -> int:
               f"central accuracy {acc if acc is None else f'{acc:.4f}'}, up {rec['bytes_up']} B, down {rec['bytes_down']} B{eps}",
               flush=True)
 
-    server = FedServer(cfg, strategy, task.initial_weights(args.seed), task.evaluator(), report)
-    history = serve(server, ready_file=args.ready_file)
-    if args.results:
-        with open(args.results, "w") as f:
-            json.dump({"history": history, "peak_rss_mb": peak_rss_mb(), "strategy": strategy.name,
-                       "params": strategy.params()}, f, indent=1, default=float)
-    return 0
+    return FedServer(cfg, strategy, task.initial_weights(args.seed), task.evaluator(), report), strategy
 
 
 def _client(args: argparse.Namespace) -> int:
@@ -177,17 +200,28 @@ def _client(args: argparse.Namespace) -> int:
         raise SystemExit(f"--partition expects i/N, got {args.partition!r}") from None
     if not 0 <= i < n:
         raise SystemExit(f"--partition {args.partition}: need 0 <= i < N")
+    from federated.errors import FedError
+    from tessera.service import ClientSecurity
+
+    if args.token and args.token_file:
+        print("tessera-fed client: give --token or --token-file, not both", file=sys.stderr, flush=True)
+        return 2
+    try:
+        sec = ClientSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.token_file, args.identity,
+                                        token=args.token if args.token_file is None else None)
+    except (OSError, ValueError) as e:  # a missing file; service.ConfigError (a ValueError): no such identity
+        print(f"tessera-fed client: {e}", file=sys.stderr, flush=True)
+        return 2
+    token = sec.token or (None if args.token_file else os.environ.get("TESSERA_FED_TOKEN") or None)
     torch.set_num_threads(1)
     task = get_task(args.task)
     parts = task.partitions(n, args.split, args.seed)
     client = task.client(parts[i], seed=args.seed * 1_000_003 + i, shared_model=False)
-    print(f"tessera-fed client {args.client_id or '(token identity)'}: {len(parts[i])} examples of {args.task}, "
-          f"connecting to {args.server}", flush=True)
-    from federated.errors import FedError
-
+    who = args.client_id or args.identity or "(token identity)"
+    print(f"tessera-fed client {who}: {len(parts[i])} examples of {args.task}, connecting to {args.server}", flush=True)
     try:
-        start_client(args.server, client, token=args.token, root_cert=args.root_cert, client_id=args.client_id,
-                     reconnect_timeout=args.reconnect_timeout)
+        start_client(args.server, client, token=token, tls_ca=sec.tls_ca, tls_cert=sec.tls_cert, tls_key=sec.tls_key,
+                     client_id=args.client_id, reconnect_timeout=args.reconnect_timeout)
     except FedError as e:
         print(f"tessera-fed client: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 2

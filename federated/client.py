@@ -22,6 +22,7 @@ import grpc
 
 from federated.config import NodeConfig
 from federated.errors import (
+    ConfigError,
     FedError,
     InvalidUpdateError,
     PermissionDeniedError,
@@ -35,7 +36,8 @@ from federated.protocol import Task
 from federated.runtime import Client, ClientRuntime
 from federated.wire import answer_chunks, blob_from_chunks, decode_message, task_from_proto
 from tessera.rpc import channel_options
-from tessera.security import make_channel, token_metadata
+from tessera.security import token_metadata
+from tessera.service import ClientSecurity, client_channel
 from tessera.v1 import fed_pb2 as pb
 
 __all__ = ["Client", "ClientNode", "NodeStats", "start_client", "start_node", "ERROR_OF"]
@@ -123,7 +125,11 @@ class ClientNode:
                    "grpc.max_reconnect_backoff_ms": max(10, int(cfg.backoff_max * 1000))}
         opts = [o for o in channel_options(cfg.max_message_bytes) if o[0] not in backoff]
         opts += list(backoff.items()) + _KEEPALIVE
-        self._channel = make_channel(cfg.address, opts, cfg.root_cert, cfg.server_name)
+        # the kernel's runtime makes the channel (TLS, mutual TLS with a client certificate, or
+        # plaintext); the token rides on each call's metadata (self._md)
+        sec = ClientSecurity(tls_ca=cfg.root_cert, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key,  # type: ignore[arg-type]
+                             server_name=cfg.server_name)  # PEM bytes work as well as paths
+        self._channel = client_channel(cfg.address, sec, opts)
         ch = self._channel
         self._connect = ch.stream_stream(_SERVICE + "Connect")
         self._fetch = ch.unary_stream(_SERVICE + "Fetch")
@@ -244,6 +250,12 @@ class ClientNode:
                 self._running.discard(task.task_id)
 
 
+def _ca(root_cert: str | bytes | None, tls_ca: str | bytes | None) -> str | bytes | None:
+    if root_cert is not None and tls_ca is not None and root_cert != tls_ca:
+        raise ConfigError("give the CA to trust once: tls_ca (root_cert is its older name)")
+    return tls_ca if tls_ca is not None else root_cert
+
+
 def start_node(
     address: str,
     client_fn: Callable[[str], Client],
@@ -252,11 +264,13 @@ def start_node(
     keep_clients: bool = False,
     token: str | None = None,
     root_cert: str | bytes | None = None,
+    tls_ca: str | bytes | None = None,
     **node_options: Any,
 ) -> ClientNode:
     """A node hosting many (virtual) clients, made on demand by ``client_fn(client_id)``.
-    Call ``.run()`` (blocking) on the result, e.g. in a thread. Used by simulation."""
-    cfg = NodeConfig(address=address, token=token, root_cert=root_cert, **node_options)
+    Call ``.run()`` (blocking) on the result, e.g. in a thread. Used by simulation.
+    Security as in :func:`start_client`."""
+    cfg = NodeConfig(address=address, token=token, root_cert=_ca(root_cert, tls_ca), **node_options)
     return ClientNode(cfg, ClientRuntime(client_fn, keep_clients=keep_clients), client_ids)
 
 
@@ -267,18 +281,24 @@ def start_client(
     token: str | None = None,
     root_cert: str | bytes | None = None,
     client_id: str | None = None,
+    tls_ca: str | bytes | None = None,
+    tls_cert: str | bytes | None = None,
+    tls_key: str | bytes | None = None,
     **node_options: Any,
 ) -> None:
     """Connect ``client`` to the server at ``address`` and serve its tasks until the
     server says it is done (returns normally).
 
     ``token``: this client's credential (sent as ``authorization: Bearer``);
-    ``root_cert``: PEM file or bytes of the server's TLS root certificate (None:
-    plaintext); ``client_id``: defaults to the token's identity (or one the server
+    ``tls_ca`` (or its older name ``root_cert``): PEM file or bytes of the CA that signed
+    the server's certificate (None: plaintext); ``tls_cert``/``tls_key``: this client's
+    certificate and key, for a server that requires them (mutual TLS); ``client_id``:
+    defaults to the token's identity (or the certificate's name, or one the server
     assigns). Further keyword arguments go to :class:`~federated.config.NodeConfig`
     (``reconnect_timeout``, ``workers``, ...). Raises UnauthenticatedError for a
     refused token and ServerUnavailableError when the server stays unreachable.
     """
     node_options.setdefault("workers", 2)
-    cfg = NodeConfig(address=address, token=token, root_cert=root_cert, **node_options)
+    cfg = NodeConfig(address=address, token=token, root_cert=_ca(root_cert, tls_ca), tls_cert=tls_cert, tls_key=tls_key,
+                     **node_options)
     ClientNode(cfg, ClientRuntime(lambda _cid: client, keep_clients=True), [client_id] if client_id else []).run()

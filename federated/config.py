@@ -66,6 +66,13 @@ class ServerConfig:
     the global weights cannot predict and subtract the noise.
     ``insecure_reproducible_seed`` seeds every server-side draw instead, for
     reproducibility runs that claim no privacy; it is refused together with ``dp``.
+
+    Security: ``tls_cert``/``tls_key`` serve TLS (PEM files or bytes); ``tls_ca`` also
+    requires client certificates signed by that CA (mutual TLS; without ``tokens`` a
+    client is then named by its certificate's common name). ``tokens``: identity ->
+    bearer token. The service runtime's rules (``tessera.service.ServerSecurity.check``,
+    applied by ``FedServer``): tokens over plaintext, and an open server (no tokens, no
+    mutual TLS) on a non-loopback address, are refused unless ``insecure``.
     """
 
     host: str = "127.0.0.1"
@@ -89,7 +96,9 @@ class ServerConfig:
     secagg: SecAggSettings = field(default_factory=SecAggSettings)
     tls_cert: str | bytes | None = None
     tls_key: str | bytes | None = None
+    tls_ca: str | bytes | None = None  # require client certificates signed by this CA (mutual TLS)
     tokens: Mapping[str, str] | None = None  # identity -> token; None: no authentication
+    insecure: bool = False  # allow tokens over plaintext / an open non-loopback server (experiments only)
     max_nodes: int = 256  # concurrent Connect streams (one thread each)
     max_clients: int = 1_000_000
     # per authenticated identity (with ``tokens``), so that one cannot crowd out the others:
@@ -121,6 +130,8 @@ class ServerConfig:
             raise ConfigError(f"port {self.port} out of range")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("TLS needs both a certificate and a key")
+        if self.tls_ca is not None and self.tls_cert is None:
+            raise ConfigError("mutual TLS (tls_ca) needs the server's own tls_cert and tls_key")
         if self.tokens is not None and not self.tokens:
             raise ConfigError("an empty token list would refuse every client")
         for name in ("max_nodes", "max_clients", "max_clients_per_identity", "max_calls_per_identity",
@@ -155,7 +166,7 @@ class NodeConfig:
 
     address: str
     token: str | None = None
-    root_cert: str | bytes | None = None
+    root_cert: str | bytes | None = None  # the CA to trust (TLS); None: plaintext
     server_name: str | None = None
     reconnect_timeout: float = 60.0
     backoff_min: float = 0.1
@@ -166,6 +177,8 @@ class NodeConfig:
     max_message_bytes: int = 64 << 20
     max_blob_bytes: int = 1 << 40
     name: str = ""
+    tls_cert: str | bytes | None = None  # this client's certificate (mutual TLS) ...
+    tls_key: str | bytes | None = None  # ... and its private key
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -174,3 +187,7 @@ class NodeConfig:
             raise ConfigError("workers must be >= 1")
         if not (0 < self.backoff_min <= self.backoff_max):
             raise ConfigError("need 0 < backoff_min <= backoff_max")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("a client certificate needs its key (tls_cert and tls_key)")
+        if self.tls_cert is not None and self.root_cert is None:
+            raise ConfigError("a client certificate (mutual TLS) needs TLS: give the CA to trust (root_cert / --tls-ca)")

@@ -5,20 +5,20 @@ import logging
 import signal
 import sys
 import threading
-from concurrent import futures
 from typing import Any, Callable
 
 import grpc
 
 from federated.config import ServerConfig
+from federated.errors import ConfigError
 from federated.orchestrator import EvaluateFn, Orchestrator
 from federated.registry import Registry
-from federated.servicer import FedServicer
+from federated.servicer import SERVICE_NAME, FedServicer
 from federated.strategy import Strategy, Weights
-from tessera.rpc import server_options
-from tessera.security import TokenAuthInterceptor, TokenTable, server_credentials
+from tessera import service
+from tessera.security import TokenAuthInterceptor, TokenTable
 
-__all__ = ["FedServer", "serve"]
+__all__ = ["FedServer", "serve", "server_security"]
 
 log = logging.getLogger(__name__)
 
@@ -28,14 +28,45 @@ _KEEPALIVE = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_ping_strikes", 0),  # clients ping every 10 s to notice a dead server
 ]
+_HEALTH = "/grpc.health.v1.Health/"
+
+
+def server_security(config: ServerConfig) -> tuple[service.ServerSecurity, list[str]]:
+    """The runtime's view of ``config`` (TLS, mutual TLS, tokens, ``insecure``) and the
+    warnings to print at start. Raises ConfigError for what the runtime refuses: tokens
+    over plaintext, or an open server (no tokens, no mutual TLS) on a non-loopback
+    address, unless ``config.insecure``."""
+    sec = service.ServerSecurity(
+        tls_cert=config.tls_cert, tls_key=config.tls_key, tls_ca=config.tls_ca,  # type: ignore[arg-type]  # PEM bytes work too
+        tokens=config.tokens, insecure=config.insecure,
+    )
+    try:
+        return sec, sec.check(config.host)
+    except service.ConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+class _AuthExceptHealth(grpc.ServerInterceptor):
+    """The token check for every call but the gRPC health service's (probes carry no token;
+    the health answer reveals nothing but SERVING)."""
+
+    def __init__(self, auth: TokenAuthInterceptor) -> None:
+        self.auth = auth
+
+    def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
+        if handler_call_details.method.startswith(_HEALTH):
+            return continuation(handler_call_details)
+        return self.auth.intercept_service(continuation, handler_call_details)
 
 
 class FedServer:
     """A federated server. ``start()`` binds and serves; ``run()`` runs the rounds
     (blocking) and then tells the clients to exit; ``stop()`` ends everything.
 
-    Bad combinations (robust strategy with secure aggregation, ...) raise
-    ConfigError here, before anything binds.
+    Bad combinations (robust strategy with secure aggregation, tokens over plaintext
+    without ``insecure``, ...) raise ConfigError here, before anything binds. The server
+    is built by the kernel's service runtime (``tessera.service.build_server``): TLS or
+    mutual TLS, and the gRPC health service (``""`` and ``tessera.v1.Federated`` SERVING).
     """
 
     def __init__(
@@ -47,15 +78,17 @@ class FedServer:
         on_round: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.config = config
+        self.security, self.warnings = server_security(config)  # refuse unsafe setups first
         self.registry = Registry(config.max_clients, config.max_clients_per_identity, config.max_num_examples)
         self.orchestrator = Orchestrator(config, strategy, self.registry, initial_weights, evaluate_fn, on_round)
         self.tokens = TokenTable(config.tokens) if config.tokens is not None else None
         self.servicer = FedServicer(self.registry, self.tokens, config.chunk_bytes, config.max_nodes,
-                                    config.max_calls_per_identity)
+                                    config.max_calls_per_identity, by_certificate=self.security.mutual)
         # an answer is at most the model in float64 plus extras (SCAFFOLD) plus headers
         self.servicer.max_answer_bytes = 4 * self.orchestrator.model_bytes + (16 << 20)
         self.interceptor = TokenAuthInterceptor(self.tokens) if self.tokens is not None else None
         self._server: grpc.Server | None = None
+        self.health: Any = None  # the health servicer, once started
         self.port = 0
         self._stop = threading.Event()
 
@@ -67,21 +100,11 @@ class FedServer:
     def start(self) -> int:
         """Bind ``config.host:config.port`` (0: a free port) and serve. Returns the port."""
         cfg = self.config
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.max_nodes + 32, thread_name_prefix="fed"),
-            interceptors=[self.interceptor] if self.interceptor is not None else None,
-            options=server_options(cfg.max_message_bytes) + _KEEPALIVE,
+        server, port, self.health = service.build_server(  # security checked in __init__ already
+            (self.servicer.handlers(),), cfg.host, cfg.port, self.security, max_workers=cfg.max_nodes + 32,
+            max_message_bytes=cfg.max_message_bytes, service_names=(SERVICE_NAME,), extra_options=_KEEPALIVE,
+            interceptors=[_AuthExceptHealth(self.interceptor)] if self.interceptor is not None else (), name="fed",
         )
-        server.add_generic_rpc_handlers((self.servicer.handlers(),))
-        host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
-        if cfg.tls_cert is not None:
-            assert cfg.tls_key is not None
-            port = server.add_secure_port(f"{host}:{cfg.port}", server_credentials(cfg.tls_cert, cfg.tls_key))
-        else:
-            port = server.add_insecure_port(f"{host}:{cfg.port}")
-        if port == 0:
-            raise OSError(f"could not bind {cfg.host}:{cfg.port}")
-        server.start()
         self._server, self.port = server, port
         return port
 
@@ -102,6 +125,8 @@ class FedServer:
         self._stop.set()
         if notify_clients:
             self.registry.shutdown("server stopping")
+        if self.health is not None:
+            self.health.enter_graceful_shutdown()  # probes see NOT_SERVING while calls drain
         if self._server is not None:
             self._server.stop(grace).wait()
 
@@ -117,6 +142,8 @@ class FedServer:
 def serve(server: FedServer, ready_file: str | None = None) -> list[dict[str, Any]]:
     """Run ``server`` until its rounds are done or SIGTERM/SIGINT. Prints one line
     ``tessera-fed listening on HOST:PORT`` when ready."""
+    for warning in server.warnings:
+        print(f"tessera-fed: {warning}", file=sys.stderr, flush=True)
     port = server.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server._stop.set())

@@ -62,8 +62,10 @@ class FedServicer:
     """
 
     def __init__(self, registry: Registry, tokens: TokenTable | None = None, chunk_bytes: int = 1 << 20,
-                 max_nodes: int = 256, max_calls_per_identity: int = 64) -> None:
+                 max_nodes: int = 256, max_calls_per_identity: int = 64, by_certificate: bool = False) -> None:
         self.registry = registry
+        # mutual TLS without tokens: a caller is named by its client certificate's common name
+        self.by_certificate = by_certificate
         self.max_nodes = max_nodes
         self.max_calls_per_identity = max_calls_per_identity
         self._open_calls: dict[str, int] = {}  # identity -> calls open now
@@ -80,7 +82,13 @@ class FedServicer:
     # ------------------------------------------------------------------ plumbing
     def _identity(self, context: grpc.ServicerContext) -> str | None:
         if self.tokens is None:
-            return None
+            if not self.by_certificate:
+                return None
+            names = (context.auth_context() or {}).get("x509_common_name") or []
+            if not names:  # the TLS handshake demands a certificate; this guards a server built otherwise
+                raise UnauthenticatedError("no client certificate")
+            name = names[0]
+            return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
         who = identity_of(context.invocation_metadata(), self.tokens)
         if who is None:  # the interceptor refuses these first; this guards a server built without it
             raise UnauthenticatedError("unknown client token")

@@ -276,7 +276,7 @@ def test_submit_for_a_task_not_ones_own_is_refused_before_its_data_is_read(harne
 
 def test_one_identity_cannot_answer_or_fetch_anothers_task(harness) -> None:
     tokens = {"alice": "tok-a", "bob": "tok-b"}
-    h = harness(tokens=tokens, min_clients=1, min_available=2, inline_bytes=0)
+    h = harness(tokens=tokens, min_clients=1, min_available=2, inline_bytes=0, insecure=True)
     alice = Recording(Shift(1.0, n=1), sleep=1.0)
     h.node(alice, [], token="tok-a")
     bob = Recording(Same())
@@ -327,7 +327,8 @@ def _refused(ch: grpc.Channel, ids: list[str], token: str) -> grpc.RpcError:
 
 def test_one_identity_cannot_crowd_out_the_others(harness) -> None:
     tokens = {"alice": "tok-a", "bob": "tok-b"}
-    h = harness(tokens=tokens, min_clients=4, max_clients_per_identity=3, max_calls_per_identity=3)
+    h = harness(tokens=tokens, min_clients=4, max_clients_per_identity=3, max_calls_per_identity=3,
+                insecure=True)
     ch = h.channel()
     reg = h.server.registry
     held = [Held(ch, [f"alice/{i}"], "tok-a") for i in range(3)]  # alice at both her limits

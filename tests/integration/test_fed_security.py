@@ -1,7 +1,8 @@
 """Security and robustness of the federated server over real gRPC on 127.0.0.1.
 
 Tokens (UNAUTHENTICATED for unknown clients, PERMISSION_DENIED for someone else's
-client id), TLS, updates that must be rejected with INVALID_ARGUMENT and never
+client id), TLS and mutual TLS, the service runtime's refusals (tokens over plaintext, an
+open non-loopback server) and its health service, updates that must be rejected with INVALID_ARGUMENT and never
 aggregated (faults injected by subclassing the client runtime), malformed bytes,
 and a slow or hung client that must not stall a round past its deadline.
 """
@@ -17,15 +18,16 @@ import grpc
 import numpy as np
 import pytest
 
-from federated.client import ClientNode
+from federated.client import ClientNode, start_client
 from federated.compress import EncodedTensor
 from federated.config import NodeConfig, ServerConfig
-from federated.errors import PermissionDeniedError, ServerUnavailableError, UnauthenticatedError
+from federated.errors import ConfigError, PermissionDeniedError, ServerUnavailableError, UnauthenticatedError
 from federated.protocol import FIT, Answer, Task
 from federated.runtime import Client, ClientRuntime
 from federated.server import FedServer
 from federated.strategy import make_strategy
 from tessera.security import self_signed_cert, token_metadata
+from tessera.service import issue_cert, make_ca
 from tessera.v1 import fed_pb2 as pb
 
 W0 = [np.arange(12, dtype=np.float32).reshape(3, 4) / 10, np.ones(5, dtype=np.float32)]
@@ -121,7 +123,7 @@ def mean_of(shifts: dict[float, int]) -> list[np.ndarray]:
 # --------------------------------------------------------------------------- tokens
 def test_unknown_token_is_refused_and_known_ones_train(harness) -> None:
     tokens = {"alice": "tok-a", "bob": "tok-b"}
-    h = harness(tokens=tokens, min_clients=2)
+    h = harness(tokens=tokens, min_clients=2, insecure=True)  # tokens over loopback plaintext
     intruder = h.client(Shift(100.0, 1), None, token="wrong")
     nobody = h.client(Shift(100.0, 1), None)
     h.client(Shift(1.0, 1), None, token="tok-a")
@@ -139,7 +141,7 @@ def test_unknown_token_is_refused_and_known_ones_train(harness) -> None:
 
 
 def test_a_token_may_not_act_for_another_client(harness) -> None:
-    h = harness(tokens={"alice": "tok-a", "bob": "tok-b"}, min_clients=1, wait_timeout=2)
+    h = harness(tokens={"alice": "tok-a", "bob": "tok-b"}, min_clients=1, wait_timeout=2, insecure=True)
     h.client(Shift(1.0, 1), "bob", token="tok-a")
     h.threads[0].join(10)
     err = h.results[0]
@@ -147,7 +149,7 @@ def test_a_token_may_not_act_for_another_client(harness) -> None:
 
 
 def test_raw_calls_without_token_get_unauthenticated(harness) -> None:
-    h = harness(tokens={"alice": "tok-a"})
+    h = harness(tokens={"alice": "tok-a"}, insecure=True)
     ch = grpc.insecure_channel(h.address)
     fetch = ch.unary_stream("/tessera.v1.Federated/Fetch")
     submit = ch.stream_unary("/tessera.v1.Federated/Submit")
@@ -173,6 +175,107 @@ def test_tls_round_and_plaintext_client_cannot_connect(harness) -> None:
         np.testing.assert_allclose(got, want, rtol=1e-6)
     h.threads[2].join(10)
     assert isinstance(h.results[2], ServerUnavailableError) and not plain.connected.is_set()
+
+
+# --------------------------------------------------------------------------- the runtime's refusals
+def test_tokens_over_plaintext_and_open_non_loopback_are_refused_unless_insecure() -> None:
+    """The service runtime's rules (tessera.service.ServerSecurity.check), raised as the federated
+    ConfigError by FedServer before anything binds."""
+    tokens = {"alice": "tok-a"}
+    with pytest.raises(ConfigError, match="tokens over plaintext") as e:
+        FedServer(ServerConfig(tokens=tokens), make_strategy("fedavg"), W0)
+    assert type(e.value) is ConfigError and "--insecure" in str(e.value)  # the federated class, naming the way out
+    with pytest.raises(ConfigError, match="open server .* on 0.0.0.0"):
+        FedServer(ServerConfig(host="0.0.0.0"), make_strategy("fedavg"), W0)
+    with pytest.raises(ConfigError, match="mutual TLS"):
+        ServerConfig(tls_ca=b"ca")  # a client CA without the server's own certificate
+    # accepted with insecure, and the server says so at start
+    assert any("plaintext" in w for w in FedServer(ServerConfig(tokens=tokens, insecure=True), make_strategy("fedavg"),
+                                                   W0).warnings)
+    assert any("OPEN" in w for w in FedServer(ServerConfig(host="0.0.0.0", insecure=True), make_strategy("fedavg"),
+                                              W0).warnings)
+    cert, key = self_signed_cert(("localhost", "127.0.0.1"))
+    assert FedServer(ServerConfig(tls_cert=cert, tls_key=key, tokens=tokens), make_strategy("fedavg"), W0).warnings == []
+
+
+# --------------------------------------------------------------------------- mutual TLS
+def test_mutual_tls_refuses_clients_without_a_certificate_of_its_ca(harness) -> None:
+    ca, ca_key = make_ca()
+    srv_cert, srv_key = issue_cert(ca, ca_key, "localhost", ["127.0.0.1"])
+    alice_cert, alice_key = issue_cert(ca, ca_key, "alice")
+    other_ca, other_key = make_ca("another CA")
+    mallory_cert, mallory_key = issue_cert(other_ca, other_key, "alice")  # the right name, the wrong CA
+    h = harness(tls_cert=srv_cert, tls_key=srv_key, tls_ca=ca, min_clients=1)
+    assert h.server.warnings == []  # mutual TLS is authentication: not open, not plaintext
+    bare = h.client(Shift(100.0, 1), None, root_cert=ca, reconnect_timeout=1.5)
+    mallory = h.client(Shift(100.0, 1), None, root_cert=ca, tls_cert=mallory_cert, tls_key=mallory_key,
+                       reconnect_timeout=1.5)
+    impostor = h.client(Shift(100.0, 1), "bob", root_cert=ca, tls_cert=alice_cert, tls_key=alice_key)
+    for k in range(3):
+        h.threads[k].join(15)
+    assert isinstance(h.results[0], ServerUnavailableError) and not bare.connected.is_set()
+    assert isinstance(h.results[1], ServerUnavailableError) and not mallory.connected.is_set()
+    # under mutual TLS without tokens a client is named by its certificate: alice may not act for bob
+    assert isinstance(h.results[2], PermissionDeniedError) and "'alice'" in str(h.results[2]) and not impostor.connected.is_set()
+    h.client(Shift(1.0, 2), None, root_cert=ca, tls_cert=alice_cert, tls_key=alice_key)
+    history = h.server.run()
+    assert history[0]["answered"] == 1 and set(history[0]["clients"]) == {"alice"}
+    for got, want in zip(h.server.weights, mean_of({1.0: 2})):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_start_client_takes_a_client_certificate(tmp_path) -> None:
+    """The SDK entry point: tls_ca/tls_cert/tls_key (files), root_cert kept as tls_ca's older name."""
+    ca, ca_key = make_ca()
+    srv_cert, srv_key = issue_cert(ca, ca_key, "localhost", ["127.0.0.1"])
+    cert, key = issue_cert(ca, ca_key, "carol")
+    for name, data in {"ca.crt": ca, "carol.crt": cert, "carol.key": key}.items():
+        (tmp_path / name).write_bytes(data)
+    server = FedServer(ServerConfig(tls_cert=srv_cert, tls_key=srv_key, tls_ca=ca, rounds=1, min_clients=1,
+                                    round_timeout=20, wait_timeout=20, eval_every=0), make_strategy("fedavg"), W0)
+    port = server.start()
+    done: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            start_client(f"127.0.0.1:{port}", Shift(2.0, 1), tls_ca=str(tmp_path / "ca.crt"),
+                         tls_cert=str(tmp_path / "carol.crt"), tls_key=str(tmp_path / "carol.key"), reconnect_timeout=10)
+            done.append(None)
+        except BaseException as e:  # noqa: BLE001
+            done.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        history = server.run()
+        t.join(15)
+    finally:
+        server.stop(grace=0.5)
+    assert done == [None] and set(history[0]["clients"]) == {"carol"}
+    with pytest.raises(ConfigError, match="needs TLS"):
+        start_client("127.0.0.1:1", Shift(0.0, 1), tls_cert=cert, tls_key=key)  # a client certificate over plaintext
+    with pytest.raises(ConfigError, match="once"):
+        start_client("127.0.0.1:1", Shift(0.0, 1), root_cert=ca, tls_ca=make_ca("other")[0])  # two different CAs
+
+
+# --------------------------------------------------------------------------- health
+def test_health_service_answers_serving_without_a_token(harness) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    h = harness(tokens={"alice": "tok-a"}, insecure=True)
+    ch = grpc.insecure_channel(h.address)
+    stub = health_pb2_grpc.HealthStub(ch)
+    for svc in ("", "tessera.v1.Federated"):
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=svc), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, svc
+    with pytest.raises(grpc.RpcError) as e:  # the federated service itself still wants a token
+        list(ch.unary_stream("/tessera.v1.Federated/Fetch")(pb.FetchRequest(blob="b1").SerializeToString(), timeout=5))
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    h.server.stop(grace=0.1)
+    assert h.server.health is not None  # after stop the servicer reports NOT_SERVING to anyone still asking
+    reply = h.server.health.Check(health_pb2.HealthCheckRequest(service="tessera.v1.Federated"), None)
+    assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    ch.close()
 
 
 # --------------------------------------------------------------------------- bad updates

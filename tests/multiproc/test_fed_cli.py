@@ -1,6 +1,7 @@
 """The `tessera fed` commands as separate processes: a TLS + token server for 2 rounds,
 two built-in clients that exit cleanly when it is done, and an intruder with a wrong
-token that is refused at once."""
+token that is refused at once; a mutual-TLS server and a client with its certificate;
+setups the service runtime refuses (exit 2, one line, nothing bound)."""
 from __future__ import annotations
 
 import json
@@ -39,19 +40,22 @@ def test_server_and_clients_over_tls_with_tokens(procs, tmp_path) -> None:
     assert main(["fed", "tokens", "alice", "bob", "--out", f"{d}/tokens"]) == 0
     tokens = dict(line.split() for line in open(f"{d}/tokens"))
     server = tessera("fed", "server", "--task", "digits_logreg", "--rounds", "2", "--min-clients", "2",
-                     "--tls-cert", f"{d}/server.crt", "--tls-key", f"{d}/server.key", "--tokens", f"{d}/tokens",
+                     "--tls-cert", f"{d}/server.crt", "--tls-key", f"{d}/server.key", "--token-file", f"{d}/tokens",
                      "--results", f"{d}/results.json", "--checkpoint", f"{d}/ckpt", "--eval-fraction", "1",
                      stdout=subprocess.PIPE)
     procs.append(server)
     line = read_first_line(server, time.monotonic() + 60)
     assert "listening on" in line, line
     address = line.split("listening on ")[1].split()[0]
-    common = ("--server", address, "--task", "digits_logreg", "--root-cert", f"{d}/server.crt", "--reconnect-timeout", "20")
+    common = ("--server", address, "--task", "digits_logreg", "--tls-ca", f"{d}/server.crt", "--reconnect-timeout", "20")
     intruder = tessera("fed", "client", *common, "--partition", "0/2", "--token=not-a-token",
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     procs.append(intruder)
-    clients = [tessera("fed", "client", *common, "--partition", f"{i}/2", f"--token={tokens[name]}", stdout=subprocess.PIPE)
-               for i, name in enumerate(("alice", "bob"))]
+    clients = [  # alice's token on the command line, bob's from the token file
+        tessera("fed", "client", *common, "--partition", "0/2", f"--token={tokens['alice']}", stdout=subprocess.PIPE),
+        tessera("fed", "client", *common, "--partition", "1/2", "--token-file", f"{d}/tokens", "--identity", "bob",
+                stdout=subprocess.PIPE),
+    ]
     procs.extend(clients)
     out_i, err_i = intruder.communicate(timeout=60)
     assert intruder.returncode == 2 and "UnauthenticatedError" in err_i and "unknown client token" in err_i
@@ -65,3 +69,64 @@ def test_server_and_clients_over_tls_with_tokens(procs, tmp_path) -> None:
     assert set(h[0]["clients"]) == {"alice", "bob"} and all(r["eval_clients"] == 2 for r in h)
     assert h[-1]["central_metrics"]["accuracy"] > 0.5  # logistic regression on digits learns fast
     assert os.path.getsize(f"{d}/ckpt") > 0
+
+
+def test_mutual_tls_server_and_client_with_its_certificate(procs, tmp_path) -> None:
+    from tessera.cli import main
+
+    d = str(tmp_path)
+    assert main(["cert", "--out-dir", d, "--hosts", "localhost,127.0.0.1", "--clients", "alice"]) == 0
+    server = tessera("fed", "server", "--task", "digits_logreg", "--rounds", "1", "--min-clients", "1", "--eval-every", "0",
+                     "--tls-cert", f"{d}/server.crt", "--tls-key", f"{d}/server.key", "--tls-ca", f"{d}/ca.crt",
+                     "--results", f"{d}/results.json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    procs.append(server)
+    line = read_first_line(server, time.monotonic() + 60)
+    assert "listening on" in line, line
+    address = line.split("listening on ")[1].split()[0]
+    common = ("--server", address, "--task", "digits_logreg", "--partition", "0/1", "--root-cert", f"{d}/ca.crt")
+    bare = tessera("fed", "client", *common, "--reconnect-timeout", "2", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    procs.append(bare)
+    _, err = bare.communicate(timeout=60)
+    assert bare.returncode == 2 and "ServerUnavailableError" in err, err[-2000:]  # no certificate: no connection
+    alice = tessera("fed", "client", *common, "--tls-cert", f"{d}/alice.crt", "--tls-key", f"{d}/alice.key",
+                    "--reconnect-timeout", "20", stdout=subprocess.PIPE)
+    procs.append(alice)
+    out, _ = alice.communicate(timeout=90)
+    assert alice.returncode == 0 and "server finished" in out, out
+    assert server.wait(30) == 0
+    h = json.load(open(f"{d}/results.json"))["history"]
+    assert len(h) == 1 and set(h[0]["clients"]) == {"alice"}  # named by its certificate
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--token-file", "TOKENS"), "tokens over plaintext"),
+    (("--host", "0.0.0.0"), "open server"),
+    (("--tls-ca", "CA"), "mutual TLS"),
+], ids=["tokens-plaintext", "open-non-loopback", "ca-without-cert"])
+def test_refused_setups_exit_2_with_one_line(tmp_path, extra, message) -> None:
+    from tessera.service import write_token_file
+
+    write_token_file(str(tmp_path / "tokens"), {"alice": "a" * 32})
+    (tmp_path / "ca").write_text("not used")
+    extra = tuple({"TOKENS": str(tmp_path / "tokens"), "CA": str(tmp_path / "ca")}.get(a, a) for a in extra)
+    p = tessera("fed", "server", "--task", "digits_logreg", "--rounds", "1", *extra,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 2, (out, err)
+    assert "listening" not in out and "Traceback" not in err
+    assert err.startswith("tessera-fed: ") and message in err and len(err.strip().splitlines()) == 1, err
+    if message != "mutual TLS":
+        assert "--insecure" in err  # names the way out
+
+
+def test_older_flag_names_still_parse() -> None:
+    from tessera.cli import build_parser
+
+    s = build_parser().parse_args(["fed", "server", "--tokens", "t.txt"])
+    assert s.token_file == "t.txt" and not s.insecure
+    c = build_parser().parse_args(["fed", "client", "--server", "h:1", "--partition", "0/1", "--root-cert", "ca.pem"])
+    assert c.tls_ca == "ca.pem" and c.tls_cert is None and c.token_file is None
