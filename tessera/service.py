@@ -195,9 +195,9 @@ class ServerSecurity:
     roles; an identity without roles gets ``default_roles``. ``insecure``: allow plaintext with
     tokens, or an open server on a non-loopback address."""
 
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_ca: str | None = None
+    tls_cert: str | bytes | None = None  # PEM file name, or PEM bytes
+    tls_key: str | bytes | None = None
+    tls_ca: str | bytes | None = None
     tokens: Mapping[str, str] | None = None
     roles: Mapping[str, Sequence[str]] = field(default_factory=dict)
     default_roles: tuple[str, ...] = ()
@@ -393,9 +393,9 @@ class ClientSecurity:
     (its own certificate: mutual TLS), ``token`` (sent on every call), ``server_name`` (the name
     to check in the server's certificate, when the address is not in it)."""
 
-    tls_ca: str | None = None
-    tls_cert: str | None = None
-    tls_key: str | None = None
+    tls_ca: str | bytes | None = None  # PEM file name, or PEM bytes
+    tls_cert: str | bytes | None = None
+    tls_key: str | bytes | None = None
     token: str | None = None
     server_name: str | None = None
 
