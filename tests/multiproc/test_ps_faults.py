@@ -240,7 +240,10 @@ def test_c_a_cluster_restored_from_a_checkpoint_finishes_like_an_uninterrupted_r
     h = hosts("p0", "p1", "w0", "w1")
     ps = cluster(h)
     m = [str(tmp_path / f"w{i}.jsonl") for i in range(2)]
-    [h.worker(f"w{i}", i, ps, m[i], "sync", steps) for i in range(2)]
+    # the checkpoint keeps the members; restored, each stays in the sync set for one lease, so every
+    # worker must be back within it (a worker missing longer is dropped, and rounds go on without it)
+    lease = ("--lease", "60")
+    [h.worker(f"w{i}", i, ps, m[i], "sync", steps, *lease) for i in range(2)]
     _wait(lambda: _step(m[0]) >= 20, 180, "training under way")
     with PSClient(ps, timeout=60) as c:  # what `tessera ps checkpoint --ps ...` does
         clocks = {clock for _, clock in c.checkpoint()}
@@ -248,7 +251,7 @@ def test_c_a_cluster_restored_from_a_checkpoint_finishes_like_an_uninterrupted_r
     h.kill_all()  # SIGKILL: workers and shards, no final checkpoint
     ps = cluster(h, restore=True)
     m = [str(tmp_path / f"resumed-w{i}.jsonl") for i in range(2)]
-    _finish([h.worker(f"w{i}", i, ps, m[i], "sync", steps) for i in range(2)])
+    _finish([h.worker(f"w{i}", i, ps, m[i], "sync", steps, *lease) for i in range(2)])
     s = _summary(m[0])
     assert 0 < s["start_clock"] < steps and s["final_clock"] == steps
     assert abs(s["auc"] - ref_auc) <= 1e-6, (s["auc"], ref_auc)
