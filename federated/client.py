@@ -25,16 +25,12 @@ from federated.errors import (
     ConfigError,
     FedError,
     InvalidUpdateError,
-    PermissionDeniedError,
-    ResourceExhaustedError,
     ServerUnavailableError,
     TaskClosedError,
-    UnauthenticatedError,
-    UnknownTaskError,
 )
 from federated.protocol import Task
 from federated.runtime import Client, ClientRuntime
-from federated.wire import answer_chunks, blob_from_chunks, decode_message, task_from_proto
+from federated.wire import ERRORS, answer_chunks, blob_from_chunks, decode_message, task_from_proto
 from tessera.rpc import channel_options
 from tessera.security import token_metadata
 from tessera.service import ClientSecurity, client_channel
@@ -45,23 +41,14 @@ __all__ = ["Client", "ClientNode", "NodeStats", "start_client", "start_node", "E
 log = logging.getLogger(__name__)
 
 _SERVICE = "/tessera.v1.Federated/"
-ERROR_OF: dict[grpc.StatusCode, type[FedError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidUpdateError,
-    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
-    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
-    grpc.StatusCode.NOT_FOUND: UnknownTaskError,
-    grpc.StatusCode.FAILED_PRECONDITION: TaskClosedError,
-    grpc.StatusCode.UNAVAILABLE: ServerUnavailableError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
-}
+ERROR_OF = ERRORS.error_of  # code (and the server's class name) -> error class
 _KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
               ("grpc.keepalive_permit_without_calls", 1)]
 
 
 def _typed(e: grpc.RpcError, what: str) -> FedError:
-    code = e.code() if hasattr(e, "code") else None
-    cls = ERROR_OF.get(code, FedError) if code is not None else FedError
-    details = e.details() if hasattr(e, "details") else str(e)
+    found, code, details = ERRORS.exception_of(e)
+    cls: type[FedError] = found if issubclass(found, FedError) else FedError
     return cls(f"{what}: {details} ({code.name if code is not None else 'no status'})")
 
 

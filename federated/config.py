@@ -4,7 +4,6 @@ The ``tessera fed`` CLI only fills these in.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Mapping
 

@@ -16,20 +16,13 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from federated.errors import (
-    ConfigError,
-    InvalidUpdateError,
     MalformedMessageError,
-    PermissionDeniedError,
     ResourceExhaustedError,
-    TaskClosedError,
     UnauthenticatedError,
-    UnknownTaskError,
 )
 from federated.protocol import Task
 from federated.registry import Cancel, Registry, Shutdown
-from federated.wire import answer_from_chunks, blob_chunks, decode_message, task_to_proto
-from tessera.codec import CodecError
-from tessera.rpc import status_of
+from federated.wire import ERRORS, answer_from_chunks, blob_chunks, decode_message, task_to_proto
 from tessera.security import TokenTable, identity_of
 from tessera.v1 import fed_pb2 as pb
 
@@ -39,17 +32,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "tessera.v1.Federated"
 
-# error class -> status code; the first match along the class's MRO wins
-STATUS_OF: dict[type[BaseException], grpc.StatusCode] = {
-    InvalidUpdateError: grpc.StatusCode.INVALID_ARGUMENT,
-    CodecError: grpc.StatusCode.INVALID_ARGUMENT,
-    UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
-    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
-    UnknownTaskError: grpc.StatusCode.NOT_FOUND,
-    TaskClosedError: grpc.StatusCode.FAILED_PRECONDITION,
-    ConfigError: grpc.StatusCode.FAILED_PRECONDITION,
-    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
+STATUS_OF = ERRORS.codes
 
 _END = object()
 
@@ -95,7 +78,7 @@ class FedServicer:
         return who
 
     def _fail(self, method: str, context: grpc.ServicerContext, exc: BaseException) -> None:
-        code = status_of(exc, STATUS_OF)
+        code = ERRORS.code_of(exc)
         with self._count_lock:
             self.errors[code.name] += 1
         if code == grpc.StatusCode.INTERNAL:
@@ -104,7 +87,7 @@ class FedServicer:
         else:
             log.info("%s refused (%s): %s", method, code.name, exc)
             msg = str(exc)
-        context.abort(code, msg)
+        ERRORS.abort(context, exc, msg)
 
     def _count(self, name: str) -> None:
         with self._count_lock:

@@ -10,15 +10,31 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Iterator, Mapping
 
+import grpc
+
 import numpy as np
 
 from federated.compress import EncodedTensor
-from federated.errors import MalformedMessageError, ShapeMismatchError
+from federated.errors import (
+    ConfigError,
+    FedError,
+    InvalidUpdateError,
+    MalformedMessageError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    ServerUnavailableError,
+    ShapeMismatchError,
+    TaskClosedError,
+    UnauthenticatedError,
+    UnknownTaskError,
+)
 from federated.protocol import EVALUATE, FIT, SECAGG, Answer, Blob, Scalar, Task
 from tessera.codec import CodecError, from_wire, pack, to_wire, unpack
+from tessera.service import ErrorTable
 from tessera.v1 import fed_pb2 as pb
 
 __all__ = [
+    "ERRORS",
     "DEFAULT_CHUNK_BYTES",
     "config_to_proto",
     "config_from_proto",
@@ -289,3 +305,22 @@ def answer_from_chunks(raws: Iterable[bytes], limit: int,
     if h is None:
         raise MalformedMessageError("Submit: empty stream (no header)")
     raise MalformedMessageError(f"task {h.task_id!r}: Submit stream ended without its last chunk (truncated)")
+
+
+# federated mode's two-way error table: error class <-> status code. Classes that share a code
+# (TaskClosedError, ConfigError) are told apart by the class name the server sends along.
+ERRORS = ErrorTable(
+    {
+        InvalidUpdateError: grpc.StatusCode.INVALID_ARGUMENT,
+        CodecError: grpc.StatusCode.INVALID_ARGUMENT,
+        UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+        PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
+        UnknownTaskError: grpc.StatusCode.NOT_FOUND,
+        TaskClosedError: grpc.StatusCode.FAILED_PRECONDITION,
+        ConfigError: grpc.StatusCode.FAILED_PRECONDITION,
+        ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+        ServerUnavailableError: grpc.StatusCode.UNAVAILABLE,
+    },
+    default=FedError,
+    family=FedError,
+)

@@ -35,16 +35,12 @@ from ps.config import (
     TableSpec,
 )
 from ps.errors import (
-    DeadlineExceededError,
-    FailedPreconditionError,
     InternalError,
     InvalidArgumentError,
     NonFiniteError,
     PSError,
     ResourceExhaustedError,
     ShardUnavailableError,
-    TableExistsError,
-    TableNotFoundError,
     with_table,
 )
 from ps.consistency import SyncPolicy
@@ -731,9 +727,7 @@ class PSClient:
 
 # ---------------------------------------------------------------------- helpers
 def _typed(e: grpc.RpcError, address: str, table: str | None = None) -> PSError:
-    code = e.code() if hasattr(e, "code") else None
-    details = e.details() if hasattr(e, "details") else str(e)
-    found = ERRORS.error_of(code)
+    found, code, details = ERRORS.exception_of(e)
     cls: type[PSError] = found if issubclass(found, PSError) else InternalError
     if table is not None and f"table {table!r}" not in (details or ""):
         details = f"table {table!r}: {details}"  # e.g. gRPC's own "Received message larger than max"

@@ -16,20 +16,14 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from ps.errors import (
-    DeadlineExceededError,
     DtypeError,
     FailedPreconditionError,
     InvalidArgumentError,
     MalformedMessageError,
-    PSError,
     ResourceExhaustedError,
     ShapeMismatchError,
-    InternalError,
     PermissionDeniedError,
     ShardUnavailableError,
-    TableExistsError,
-    TableNotFoundError,
-    UnauthenticatedError,
 )
 from ps.checkpoint import CheckpointError, pack_plain, snapshot_to_plain, unpack_plain
 from ps.replication import SNAPSHOT_CHUNK, ReplicaSender
@@ -37,7 +31,7 @@ from ps.shard import BACKUP, PRIMARY, Shard
 from ps.table import ASSIGN, GRADIENT, DenseTable
 from ps.wire import ERRORS, info_to_proto, membership_to_proto, policy_from_proto, spec_from_proto, stats_to_proto
 from tessera.codec import WIRE_FLOAT_DTYPES, CodecError, byte_view, from_wire, pack, to_wire, unpack
-from tessera.service import ANONYMOUS, Access, Caller, ClientSecurity, ErrorTable, ServerSecurity
+from tessera.service import ANONYMOUS, Access, Caller, ClientSecurity, ServerSecurity
 from tessera.v1 import ps_pb2 as pb
 
 __all__ = ["PSServicer", "STATUS_OF", "ERRORS", "SERVICE_NAME", "ROLES", "METHOD_ROLES"]
@@ -121,7 +115,7 @@ class PSServicer:
         else:
             log.info("%s rejected (%s): %s", method, code.name, exc)
             msg = str(exc)
-        context.abort(code, msg)
+        ERRORS.abort(context, exc, msg)
 
     def _decode(self, cls: type, raw: bytes, payloads: tuple[int, ...] = ()) -> tuple[Any, dict[int, memoryview]]:
         self.shard.bytes_in += len(raw)

@@ -72,14 +72,3 @@ class CountMinSketch:
         if self.added >= self.reset_every:
             self.counters >>= 1
             self.added //= 2
-
-    def forget(self, ids: np.ndarray, estimate: np.ndarray) -> None:
-        """Take back ``estimate`` sightings of each of ``ids`` (an id admitted: it starts afresh if its
-        row is evicted later)."""
-        if not len(ids):
-            return
-        cols = self._cols(ids)
-        est = np.asarray(estimate, np.int64)
-        for r in range(cols.shape[0]):
-            row = self.counters[r]
-            row[cols[r]] = np.maximum(row[cols[r]].astype(np.int64) - est, 0).astype(np.uint32)

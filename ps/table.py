@@ -374,6 +374,11 @@ class SparseTable:
         )
         return per_param, per_state
 
+    def _row_bytes(self) -> int:
+        """Everything one allocated row costs: values, optimizer state, and its version, last touch
+        and id (int64 each)."""
+        return sum(self._bytes_per_row()) + 3 * 8
+
     def param_bytes(self) -> int:
         return self.rows * self._bytes_per_row()[0]
 
@@ -381,10 +386,10 @@ class SparseTable:
         return self.rows * self._bytes_per_row()[1]
 
     def held_bytes(self) -> int:
-        """Memory this table holds on the shard: rows allocated, live or free (params + optimizer
-        state), the id index, the slot map and the admission sketch."""
+        """Memory this table holds on the shard: rows allocated, live or free (params, optimizer
+        state, version, last touch, id), the id index, the slot map and the admission sketch."""
         return (
-            self._cap * sum(self._bytes_per_row()) + self._index.nbytes + self.slots.nbytes
+            self._cap * self._row_bytes() + self._index.nbytes + self.slots.nbytes
             + (self._seen.nbytes if self._seen is not None else 0)
         )
 
@@ -417,7 +422,7 @@ class SparseTable:
     def _room_bytes(self, fresh: int, new_ids: int) -> int:
         """Bytes that storing ``new_ids`` more ids, ``fresh`` of them in rows never used, allocates."""
         rows = (self._cap_for(self._n_alloc + fresh) - self._cap) if fresh else 0
-        return rows * sum(self._bytes_per_row()) + self._index.grow_bytes(new_ids)
+        return rows * self._row_bytes() + self._index.grow_bytes(new_ids)
 
     def _grow(self, need: int, new_ids: int = 0) -> None:
         """Make room for ``need`` rows (and ``new_ids`` more index entries); the budget is asked first."""
@@ -425,7 +430,7 @@ class SparseTable:
         index_growth = self._index.grow_bytes(new_ids)
         if cap == self._cap and not index_growth:
             return
-        self._reserve(sum(self._bytes_per_row()) * (cap - self._cap) + index_growth)
+        self._reserve(self._row_bytes() * (cap - self._cap) + index_growth)
         if cap == self._cap:
             return
         values = torch.empty((cap, self.dim))
@@ -460,10 +465,12 @@ class SparseTable:
         return ok, seen
 
     def _sighted(self, ids: np.ndarray, ok: np.ndarray, seen: np.ndarray | None) -> None:
-        """Count a sighting of the ``ids`` not admitted; admitted ones start afresh."""
+        """Count a sighting of the ``ids`` not admitted. Admitted ids are not taken back out of the
+        sketch: its counters are shared, and subtracting one id's count lowered its neighbours'
+        below their true counts (a count-min sketch may over-count, never under-count); an
+        admitted id whose row is evicted later is simply re-admitted sooner."""
         if self._seen is not None and seen is not None:
             self._seen.add(ids[~ok], seen[~ok])
-            self._seen.forget(ids[ok], seen[ok])
 
     def _create(self, ids: np.ndarray, pinned: np.ndarray | None = None) -> np.ndarray:
         """Allocate and initialize rows for new ``ids``; returns their row numbers. LRU eviction to

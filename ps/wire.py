@@ -19,6 +19,7 @@ from ps.errors import (
     InternalError,
     InvalidArgumentError,
     PermissionDeniedError,
+    PSError,
     ResourceExhaustedError,
     ShardUnavailableError,
     TableExistsError,
@@ -222,4 +223,5 @@ ERRORS = ErrorTable(
         InternalError: grpc.StatusCode.INTERNAL,
     },
     default=InternalError,
+    family=PSError,
 )

@@ -50,6 +50,7 @@ __all__ = [
 ]
 
 ANONYMOUS = ""
+ERROR_CLASS_HEADER = "tessera-error"  # trailing metadata: the error class a refusal came from
 
 
 class ServiceError(Exception):
@@ -78,15 +79,18 @@ class ErrorTable:
     exception's MRO that has a code (INTERNAL if none); ``error_of(code)``: the class registered
     first for that code (``default`` if none)."""
 
-    def __init__(self, codes: Mapping[type[BaseException], grpc.StatusCode], default: type[Exception] = ServiceError) -> None:
+    def __init__(
+        self, codes: Mapping[type[BaseException], grpc.StatusCode], default: type[Exception] = ServiceError,
+        family: type[BaseException] = BaseException,
+    ) -> None:
+        """``family``: the base of the classes a client of this table raises (a runtime error of the
+        kernel, e.g. RateLimitedError, comes back as the family's class for its code)."""
+        self.family = family
         self.codes = dict(codes)
         self.codes.setdefault(UnauthenticatedError, grpc.StatusCode.UNAUTHENTICATED)
         self.codes.setdefault(PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED)
         self.codes.setdefault(RateLimitedError, grpc.StatusCode.RESOURCE_EXHAUSTED)
         self.default = default
-        self._errors: dict[grpc.StatusCode, type[BaseException]] = {}
-        for cls, code in self.codes.items():
-            self._errors.setdefault(code, cls)
 
     def code_of(self, exc: BaseException) -> grpc.StatusCode:
         for cls in type(exc).__mro__:
@@ -94,8 +98,36 @@ class ErrorTable:
                 return self.codes[cls]
         return grpc.StatusCode.INTERNAL
 
-    def error_of(self, code: grpc.StatusCode | None) -> type[BaseException]:
-        return self._errors.get(code, self.default) if code is not None else self.default  # type: ignore[arg-type]
+    def error_of(self, code: grpc.StatusCode | None, name: str | None = None) -> type[BaseException]:
+        """The class for ``code``; ``name`` (the server's class name, see abort()) picks among the
+        classes that share the code (e.g. TaskClosedError and ConfigError: FAILED_PRECONDITION)."""
+        if name:
+            for cls, c in self.codes.items():
+                if cls.__name__ == name and c == code and issubclass(cls, self.family):
+                    return cls
+        if code is None:
+            return self.default
+        first = [cls for cls, c in self.codes.items() if c == code and issubclass(cls, self.family)]
+        return first[0] if first else self.default
+
+    def abort(self, context: grpc.ServicerContext, exc: BaseException, message: str) -> None:
+        """End the call with ``exc``'s code and ``message``; the error's class name travels as
+        trailing metadata (``tessera-error``), so the client raises the same class. Raises."""
+        code = self.code_of(exc)
+        if code != grpc.StatusCode.INTERNAL:
+            context.set_trailing_metadata(((ERROR_CLASS_HEADER, type(exc).__name__),))
+        context.abort(code, message)
+
+    def exception_of(self, e: grpc.RpcError) -> tuple[type[BaseException], grpc.StatusCode | None, str]:
+        """(class, code, details) of a failed call, as the server raised it."""
+        code = e.code() if hasattr(e, "code") else None
+        details = e.details() if hasattr(e, "details") else str(e)
+        name = None
+        trailing = e.trailing_metadata() if hasattr(e, "trailing_metadata") else None
+        for key, value in trailing or ():
+            if key == ERROR_CLASS_HEADER:
+                name = value.decode() if isinstance(value, bytes) else value
+        return self.error_of(code, name), code, details or ""
 
 
 # ---------------------------------------------------------------------- identities

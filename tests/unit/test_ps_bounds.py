@@ -375,3 +375,16 @@ def test_index_bytes_are_counted_and_budgeted() -> None:
     t.pull(np.arange(5000, dtype=np.int64))
     assert t.held_bytes() >= t._index.nbytes + t._cap * 4 * 4
     assert sum(asked) >= t.held_bytes() - SparseTable.fixed_bytes(t.spec)
+
+
+def test_sparse_budget_counts_every_array_a_row_allocates() -> None:
+    """held_bytes of a sparse table covers values, optimizer state and the per-row version, last
+    touch and id arrays (the memory test found the last three, 24 bytes a row, uncounted)."""
+    from ps.config import SPARSE, OptimizerSpec, TableSpec
+    from ps.table import SparseTable
+
+    t = SparseTable(TableSpec("emb", SPARSE, dim=1, optimizer=OptimizerSpec("sgd")), 0, 1)
+    t.pull(np.arange(5000))
+    arrays = t.values.numel() * 4 + t.versions.nbytes + t.last_touch.nbytes + t.row_ids.nbytes
+    arrays += sum(v.numel() * v.element_size() for v in t.state.values())
+    assert t.held_bytes() >= arrays + t._index.nbytes
