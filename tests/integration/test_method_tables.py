@@ -1,0 +1,53 @@
+"""Method names live in the .proto: every RPC of both services is served by its servicer, and
+every method a client calls exists there (a typo in a hand-written method string fails here,
+not at run time)."""
+from __future__ import annotations
+
+import os
+import re
+
+import grpc
+import pytest
+
+from tessera.v1 import fed_pb2, ps_pb2
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+class _Details(grpc.HandlerCallDetails):
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.invocation_metadata = ()
+
+
+def _served(handler: grpc.GenericRpcHandler, service: str, methods: set[str]) -> set[str]:
+    return {m for m in methods if handler.service(_Details(f"/{service}/{m}")) is not None}
+
+
+def _called(path: str) -> set[str]:
+    src = open(os.path.join(ROOT, path)).read()
+    return set(re.findall(r'_SERVICE \+ "(\w+)"', src)) | set(re.findall(r'u\("(\w+)"\)', src))
+
+
+@pytest.mark.parametrize("which", ["ps", "federated"])
+def test_servicers_serve_exactly_the_proto_and_clients_call_only_it(which: str) -> None:
+    if which == "ps":
+        from ps.config import ShardConfig
+        from ps.servicer import METHOD_ROLES, SERVICE_NAME, PSServicer
+        from ps.shard import Shard
+
+        proto = set(ps_pb2.DESCRIPTOR.services_by_name["ParameterServer"].methods_by_name)
+        shard = Shard(ShardConfig())
+        try:
+            assert _served(PSServicer(shard).handlers(), SERVICE_NAME, proto) == proto
+        finally:
+            shard.close()
+        assert set(METHOD_ROLES) == proto
+        assert _called("ps/client.py") <= proto and _called("ps/replication.py") <= proto
+    else:
+        from federated.registry import Registry
+        from federated.servicer import SERVICE_NAME as FED, FedServicer
+
+        proto = set(fed_pb2.DESCRIPTOR.services_by_name["Federated"].methods_by_name)
+        assert _served(FedServicer(Registry()).handlers(), FED, proto) == proto
+        assert _called("federated/client.py") <= proto and _called("federated/client.py")
