@@ -1,5 +1,5 @@
 """The PS error tree. Domain code raises these; the servicer maps each class to one
-gRPC status code (``ps.servicer.STATUS_OF``, looked up by ``tessera.rpc.status_of``) and the client maps codes back."""
+gRPC status code, and the client maps codes back, through one two-way table (``ps.wire.ERRORS``)."""
 from __future__ import annotations
 
 __all__ = [

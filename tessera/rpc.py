@@ -1,14 +1,13 @@
-"""Channel/server options and the retry policy shared by every gRPC component."""
+"""Channel/server options shared by every gRPC component, and a delay interceptor for experiments."""
 from __future__ import annotations
 
-import random
 import time
-from typing import Callable, Mapping, TypeVar
+from typing import TypeVar
 
 import grpc
 
 __all__ = [
-    "DEFAULT_MAX_MESSAGE", "server_options", "channel_options", "retry_unavailable", "DelayInterceptor", "status_of",
+    "DEFAULT_MAX_MESSAGE", "server_options", "channel_options", "DelayInterceptor",
 ]
 
 DEFAULT_MAX_MESSAGE = 64 << 20  # bulk data is chunked well below this
@@ -42,37 +41,6 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE) -> list[tuple[
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
-
-
-def status_of(exc: BaseException, table: Mapping[type[BaseException], grpc.StatusCode]) -> grpc.StatusCode:
-    """The status code ``table`` gives ``exc``: the first match along its class's MRO; INTERNAL if none."""
-    for cls in type(exc).__mro__:
-        if cls in table:
-            return table[cls]
-    return grpc.StatusCode.INTERNAL
-
-
-def retry_unavailable(
-    fn: Callable[[], T], retries: int = 5, base_delay: float = 0.1, max_delay: float = 2.0, deadline: float | None = None
-) -> T:
-    """Call ``fn``; on UNAVAILABLE retry with jittered exponential backoff.
-
-    Gives up after ``retries`` retries or when ``deadline`` (time.monotonic())
-    would pass; other errors propagate at once.
-    """
-    attempt = 0
-    while True:
-        try:
-            return fn()
-        except grpc.RpcError as e:
-            code = e.code() if hasattr(e, "code") else None
-            if code != grpc.StatusCode.UNAVAILABLE or attempt >= retries:
-                raise
-            delay = min(max_delay, base_delay * 2**attempt) * (0.5 + random.random() / 2)
-            if deadline is not None and time.monotonic() + delay > deadline:
-                raise
-            time.sleep(delay)
-            attempt += 1
 
 
 class DelayInterceptor(

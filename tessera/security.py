@@ -1,16 +1,13 @@
-"""Channel security shared by every gRPC component: TLS credentials and bearer tokens.
+"""Bearer tokens (the service runtime, ``tessera.service``, builds TLS and channels on them).
 
-* TLS: :func:`server_credentials` (certificate chain + private key, PEM files) on the
-  server, :func:`channel_credentials` (the root certificate to trust) on the client;
-  :func:`make_channel` picks a secure or an insecure channel. :func:`self_signed_cert`
-  makes a throwaway certificate with ``cryptography`` (tests, local trials).
-* Tokens: each client presents ``authorization: Bearer <token>`` metadata on every
-  call. :class:`TokenAuthInterceptor` refuses calls without a known token with
-  UNAUTHENTICATED before any handler runs; handlers ask :func:`identity_of` whose
-  token it was. The server keeps only SHA-256 digests of tokens.
+Each client presents ``authorization: Bearer <token>`` metadata on every call.
+:class:`TokenAuthInterceptor` refuses calls without a known token with UNAUTHENTICATED
+before any handler runs; handlers ask :func:`identity_of` whose token it was. The server
+keeps only SHA-256 digests of tokens. :func:`self_signed_cert` makes a throwaway
+certificate (tests, local trials; ``tessera.service.make_ca`` for a cluster).
 
 A token file is ``identity token`` per line (``#`` comments), or a JSON object
-``{"identity": "token", ...}``.
+``{"identity": "token", ...}``; ``tessera.service.write_token_file`` writes one (mode 0600).
 """
 from __future__ import annotations
 
@@ -27,14 +24,10 @@ __all__ = [
     "TOKEN_HEADER",
     "TokenTable",
     "load_tokens",
-    "write_tokens",
     "new_tokens",
     "token_metadata",
     "identity_of",
     "TokenAuthInterceptor",
-    "server_credentials",
-    "channel_credentials",
-    "make_channel",
     "self_signed_cert",
 ]
 
@@ -86,12 +79,6 @@ def load_tokens(path: str) -> dict[str, str]:
             raise ValueError(f"{path}:{n}: expected 'identity token'")
         out[parts[0]] = parts[1]
     return out
-
-
-def write_tokens(path: str, tokens: Mapping[str, str]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for identity, token in tokens.items():
-            f.write(f"{identity} {token}\n")
 
 
 def new_tokens(identities: Iterable[str]) -> dict[str, str]:
@@ -158,35 +145,6 @@ def _read(path_or_pem: str | bytes) -> bytes:
         return path_or_pem.encode()
     with open(path_or_pem, "rb") as f:
         return f.read()
-
-
-def server_credentials(cert: str | bytes, key: str | bytes, client_ca: str | bytes | None = None) -> grpc.ServerCredentials:
-    """TLS for a server from PEM files or PEM bytes; ``client_ca`` also requires client certificates."""
-    pair = [(_read(key), _read(cert))]
-    if client_ca is None:
-        return grpc.ssl_server_credentials(pair)
-    return grpc.ssl_server_credentials(pair, root_certificates=_read(client_ca), require_client_auth=True)
-
-
-def channel_credentials(root_cert: str | bytes, cert: str | bytes | None = None, key: str | bytes | None = None) -> grpc.ChannelCredentials:
-    """TLS for a client: trust ``root_cert`` (PEM file or bytes); optional client certificate."""
-    return grpc.ssl_channel_credentials(
-        root_certificates=_read(root_cert),
-        private_key=_read(key) if key is not None else None,
-        certificate_chain=_read(cert) if cert is not None else None,
-    )
-
-
-def make_channel(address: str, options: Sequence[tuple[str, Any]] = (), root_cert: str | bytes | None = None,
-                 server_name: str | None = None) -> grpc.Channel:
-    """An insecure channel, or a TLS one when ``root_cert`` is given (``server_name``
-    overrides the name checked against the certificate)."""
-    opts = list(options)
-    if root_cert is None:
-        return grpc.insecure_channel(address, options=opts)
-    if server_name:
-        opts.append(("grpc.ssl_target_name_override", server_name))
-    return grpc.secure_channel(address, channel_credentials(root_cert), options=opts)
 
 
 def self_signed_cert(hostnames: Sequence[str] = ("localhost", "127.0.0.1"), days: int = 30) -> tuple[bytes, bytes]:
