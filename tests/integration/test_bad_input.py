@@ -513,7 +513,7 @@ class TestCreateTable:
         env.assert_serves()
 
     def test_dense_table_over_memory_budget_is_exhausted_and_absent(self, make_env: Any) -> None:
-        env = make_env(2, max_bytes=48 << 10)
+        env = make_env(2, max_bytes=100 << 10)
         before = env.snapshot()
         ps_error(lambda: env.client.create_dense("huge", 100_000), ResourceExhaustedError, EXHAUSTED, "huge", "bytes")
         env.assert_unchanged(before)
@@ -524,7 +524,7 @@ class TestCreateTable:
         env.assert_serves()
 
     def test_dense_table_over_budget_on_one_shard_is_created_nowhere(self, make_env: Any) -> None:
-        limit = 100 << 10
+        limit = 200 << 10
         env = make_env(2, max_bytes=limit)
         # make shard 0 hold 32 KiB more than shard 1: one row of a sparse table that lives on shard 0
         env.client.create_sparse("lopsided", 8)
@@ -1103,7 +1103,8 @@ class TestLimits:
         env.assert_serves()
 
     def test_sparse_rows_over_memory_budget(self, make_env: Any) -> None:
-        env = make_env(2, max_bytes=48 << 10)  # 1024 rows of dim 4 + adagrad state fit, 2048 do not
+        # 1024 rows of dim 4 + adagrad state + 24 bytes of bookkeeping each (and the id index) fit, 2048 do not
+        env = make_env(2, max_bytes=100 << 10)
         fresh = owned_ids(1100, 0, 2)
         before = env.snapshot()
         rpc_error(lambda: env.raw[0].unary("PullSparse", sparse_pull_req(SPARSE_NAME, fresh)), EXHAUSTED, SPARSE_NAME, "bytes")
