@@ -5,23 +5,21 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import grpc
 import msgpack
 import numpy as np
 import pytest
+from fed_harness import Harness, harnesses, wait_until
 
-from federated.client import ClientNode
-from federated.config import NodeConfig, SecAggSettings, ServerConfig
+from federated.config import SecAggSettings, ServerConfig
 from federated.errors import ConfigError
 from federated.privacy import DPConfig
-from federated.protocol import FIT, SECAGG, Answer, Task
+from federated.protocol import SECAGG, Answer, Task
 from federated.runtime import Client, ClientRuntime
 from federated.secagg import decode_fixed, encode_fixed
 from federated.secure_round import secagg_config_for
-from federated.server import FedServer
-from federated.strategy import make_strategy
 from tessera.codec import pack
 from tessera.security import token_metadata
 from tessera.v1 import fed_pb2 as pb
@@ -55,79 +53,10 @@ class Shift(Client):
         return 0.0, self.n, {}
 
 
-class Harness:
-    """A FedServer on 127.0.0.1:0 and client nodes in threads; everything stops at close()."""
-
-    def __init__(self, strategy: str = "fedavg", **cfg: Any) -> None:
-        cfg.setdefault("rounds", 1)
-        cfg.setdefault("round_timeout", 20)
-        cfg.setdefault("wait_timeout", 20)
-        cfg.setdefault("eval_every", 0)
-        self.server = FedServer(ServerConfig(**cfg), make_strategy(strategy), W0)
-        self.port = self.server.start()
-        self.address = f"127.0.0.1:{self.port}"
-        self.nodes: list[ClientNode] = []
-        self.threads: list[threading.Thread] = []
-        self.results: dict[int, BaseException | None] = {}
-        self.channels: list[grpc.Channel] = []
-
-    def node(self, runtime: ClientRuntime, ids: list[str], **kw: Any) -> ClientNode:
-        kw.setdefault("reconnect_timeout", 10)
-        node = ClientNode(NodeConfig(address=self.address, **kw), runtime, ids)
-        k = len(self.nodes)
-
-        def run() -> None:
-            try:
-                node.run()
-                self.results[k] = None
-            except BaseException as e:  # noqa: BLE001
-                self.results[k] = e
-
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        self.nodes.append(node)
-        self.threads.append(t)
-        return node
-
-    def client(self, client: Client, cid: str | None, **kw: Any) -> ClientNode:
-        return self.node(ClientRuntime(lambda _c: client), [cid] if cid else [], **kw)
-
-    def channel(self) -> grpc.Channel:
-        ch = grpc.insecure_channel(self.address)
-        self.channels.append(ch)
-        return ch
-
-    def close(self) -> None:
-        self.server.stop(grace=0.5)
-        for n in self.nodes:
-            n.stop()
-        for t in self.threads:
-            t.join(10)
-        for ch in self.channels:
-            ch.close()
-
-
 @pytest.fixture
-def harness():
-    made: list[Harness] = []
-
-    def make(strategy: str = "fedavg", **cfg: Any) -> Harness:
-        h = Harness(strategy, **cfg)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
-
-
-def wait_until(pred: Any, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
+def harness() -> Iterator[Callable[..., Harness]]:
+    with harnesses(W0) as make:
+        yield make
 
 
 # --------------------------------------------------------------------------- 1. DP noise

@@ -12,16 +12,22 @@ import enum
 import threading
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import grpc
 import numpy as np
 import pytest
+from fed_harness import Harness, harnesses, wait_until
 
-from federated.client import ClientNode, start_client
+from federated.client import start_client
 from federated.compress import EncodedTensor
-from federated.config import NodeConfig, ServerConfig
-from federated.errors import ConfigError, PermissionDeniedError, ServerUnavailableError, UnauthenticatedError
+from federated.config import ServerConfig
+from federated.errors import (
+    ConfigError,
+    PermissionDeniedError,
+    ServerUnavailableError,
+    UnauthenticatedError,
+)
 from federated.protocol import FIT, Answer, Task
 from federated.runtime import Client, ClientRuntime
 from federated.server import FedServer
@@ -48,71 +54,10 @@ class Shift(Client):
         return 0.0, self.n, {}
 
 
-class Harness:
-    """A FedServer on 127.0.0.1:0 and client nodes in threads; everything stops at close()."""
-
-    def __init__(self, strategy: str = "fedavg", **cfg: Any) -> None:
-        cfg.setdefault("rounds", 1)
-        cfg.setdefault("round_timeout", 20)
-        cfg.setdefault("wait_timeout", 20)
-        cfg.setdefault("eval_every", 0)
-        self.server = FedServer(ServerConfig(**cfg), make_strategy(strategy), W0)
-        self.port = self.server.start()
-        self.address = f"127.0.0.1:{self.port}"
-        self.nodes: list[ClientNode] = []
-        self.threads: list[threading.Thread] = []
-        self.results: dict[int, BaseException | None] = {}
-
-    def node(self, runtime: ClientRuntime, cid: str | None, **kw: Any) -> ClientNode:
-        kw.setdefault("reconnect_timeout", 10)
-        node = ClientNode(NodeConfig(address=self.address, **kw), runtime, [cid] if cid else [])
-        k = len(self.nodes)
-
-        def run() -> None:
-            try:
-                node.run()
-                self.results[k] = None
-            except BaseException as e:  # noqa: BLE001
-                self.results[k] = e
-
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        self.nodes.append(node)
-        self.threads.append(t)
-        return node
-
-    def client(self, client: Client, cid: str | None, **kw: Any) -> ClientNode:
-        return self.node(ClientRuntime(lambda _c: client), cid, **kw)
-
-    def close(self) -> None:
-        self.server.stop(grace=0.5)
-        for n in self.nodes:
-            n.stop()
-        for t in self.threads:
-            t.join(10)
-
-
 @pytest.fixture
-def harness():
-    made: list[Harness] = []
-
-    def make(strategy: str = "fedavg", **cfg: Any) -> Harness:
-        h = Harness(strategy, **cfg)
-        made.append(h)
-        return h
-
-    yield make
-    for h in made:
-        h.close()
-
-
-def wait_until(pred: Any, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
+def harness() -> Iterator[Callable[..., Harness]]:
+    with harnesses(W0) as make:
+        yield make
 
 
 def mean_of(shifts: dict[float, int]) -> list[np.ndarray]:
@@ -336,7 +281,7 @@ def test_bad_update_is_rejected_with_invalid_argument_and_not_aggregated(harness
     h = harness(min_clients=2, min_available=3, round_timeout=10)
     h.client(Shift(1.0, 2), "good1")
     h.client(Shift(2.0, 6), "good2")
-    evil = h.node(FaultyRuntime(Shift(1000.0, 50), fault), "evil")
+    evil = h.node(FaultyRuntime(Shift(1000.0, 50), fault), ["evil"])
     history = h.server.run()
     rec = history[0]
     assert rec["sampled"] == 3 and rec["answered"] == 2
@@ -382,7 +327,7 @@ def test_malformed_submits_get_invalid_argument(harness) -> None:
     # the server reads a Submit's data only for an open task of its sender: hold one open
     h = harness(min_clients=1)
     holder = Holding(Shift(1.0, 1), sleep=3.0)
-    h.node(holder, "x")
+    h.node(holder, ["x"])
     rounds = threading.Thread(target=h.server.run, daemon=True)
     rounds.start()
     assert wait_until(lambda: len(holder.tasks) == 1)
