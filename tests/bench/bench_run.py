@@ -1,0 +1,56 @@
+"""Run a benchmark's --quick mode as the smoke tests do: in its own session, bounded in time,
+its last stdout line the JSON it also wrote to --json-out, and none of its processes left."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _in_session(sid: int) -> set[int]:
+    """Processes in session ``sid`` (Linux /proc; empty elsewhere)."""
+    out = set()
+    for d in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[3]) == sid and fields[0] != "Z":
+                    out.add(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def run_quick(script: str, json_out: str, timeout: float) -> tuple[dict[str, Any], str]:
+    """Run ``bench/<script> --quick``: (its final JSON figures, its stdout). Fails the test if it
+    does not finish in ``timeout`` s, exits non-zero, prints other JSON than it wrote, or leaves a
+    process behind (shards, workers, load clients: every process it started is in its session)."""
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "bench", script), "--quick", "--json-out", json_out],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the bench and everything it started
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"bench/{script} --quick did not finish in {timeout:.0f} s:\n{stderr[-3000:]}") from None
+    assert proc.returncode == 0, stderr[-4000:]
+    last = json.loads(stdout.strip().splitlines()[-1])  # the last line is the JSON figures
+    with open(json_out) as f:
+        assert last == json.load(f)
+    deadline = time.monotonic() + 5
+    while _in_session(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _in_session(proc.pid)
+    for pid in left:  # clean up before failing
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {sorted(left)}"
+    return last, stdout
