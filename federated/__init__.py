@@ -21,6 +21,7 @@ __all__ = [
     "ClientUpdate",
     "make_strategy",
     "FedError",
+    "ServerTask",
 ]
 
 _WHERE = {
@@ -38,6 +39,7 @@ _WHERE = {
     "ClientUpdate": "federated.strategy",
     "make_strategy": "federated.strategy",
     "FedError": "federated.errors",
+    "ServerTask": "federated.server_task",
 }
 
 

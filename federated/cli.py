@@ -19,7 +19,9 @@ def parse_params(items: list[str] | None) -> dict[str, Any]:
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--strategy-param expects KEY=VALUE, got {item!r}")
+            from federated.errors import ConfigError
+
+            raise ConfigError(f"--strategy-param / --task-opt expect KEY=VALUE, got {item!r}")
         v: Any = value
         for conv in (int, float):
             try:
@@ -31,83 +33,145 @@ def parse_params(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def _training_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--task", default="digits", help="built-in task: digits, digits_logreg")
-    p.add_argument("--rounds", type=int, default=10)
+_FMT = argparse.ArgumentDefaultsHelpFormatter
+
+
+def _training_args(p: argparse.ArgumentParser, default_task: str | None = "digits") -> None:
+    p.add_argument("--rounds", type=int, default=10, help="rounds to train (a resumed run counts its checkpoint's)")
     p.add_argument("--strategy", default="fedavg",
                    help="fedavg, fedavgm, fedprox, scaffold, fedadam, fedyogi, fedadagrad, fedbuff, median, "
                         "trimmed_mean, krum, multikrum, or package.module:Class")
     p.add_argument("--strategy-param", action="append", metavar="K=V", help="strategy parameter (repeatable)")
-    p.add_argument("--fraction", type=float, default=None, help="fraction of connected clients sampled per round")
+    p.add_argument("--fraction", type=float, default=None,
+                   help="fraction of connected clients sampled per round (None: server 1.0, simulate 0.1)")
     p.add_argument("--min-clients", type=int, default=2, help="fewest answers a round aggregates")
     p.add_argument("--round-timeout", type=float, default=60.0, help="seconds a round waits for answers")
-    p.add_argument("--compress", default="", help="uplink: fp16, int8 or topk:RATIO")
+    p.add_argument("--compress", default="", help="uplink compression: fp16, int8 or topk:RATIO (empty: none)")
     p.add_argument("--secagg", action="store_true", help="secure aggregation (Bonawitz et al.)")
     p.add_argument("--secagg-threshold", type=float, default=0.6, help="Shamir threshold, fraction of sampled clients")
     p.add_argument("--dp-clip", type=float, default=0.0, help="client-level DP: L2 clip C of each update (0: off)")
     p.add_argument("--dp-noise", type=float, default=0.0, help="DP noise multiplier z (noise std z*C on the sum)")
-    p.add_argument("--dp-mode", choices=["central", "local"], default="central")
-    p.add_argument("--dp-delta", type=float, default=1e-5)
+    p.add_argument("--dp-mode", choices=["central", "local"], default="central",
+                   help="where DP noise is added: on the server's sum (central) or on each client (local)")
+    p.add_argument("--dp-delta", type=float, default=1e-5, help="the delta of the reported (epsilon, delta)")
     p.add_argument("--dp-adaptive", action="store_true", help="adaptive clipping to the median update norm")
-    p.add_argument("--epochs", type=int, default=None, help="local epochs (default: the task's)")
-    p.add_argument("--lr", type=float, default=None, help="local learning rate (default: the task's)")
-    p.add_argument("--batch-size", type=int, default=None)
+    p.add_argument("--epochs", type=int, default=None, help="local epochs (None: the task's)")
+    p.add_argument("--lr", type=float, default=None, help="local learning rate (None: the task's)")
+    p.add_argument("--batch-size", type=int, default=None, help="local batch size (None: the task's)")
     p.add_argument("--eval-every", type=int, default=1, help="evaluate every N rounds (0: never)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of client sampling and of the task's initial weights")
+
+
+def _debug_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--debug", dest="fed_debug", action="store_true",
+                   help="show the traceback of an error instead of one line")
 
 
 def add_fed_commands(sub: Any) -> None:
-    fed = sub.add_parser("fed", help="federated learning").add_subparsers(dest="fed_command", required=True)
+    """Add ``tessera fed {server,client,simulate,tokens,cert}`` to the ``tessera`` parser's subcommands."""
+    fed = sub.add_parser("fed", help="federated learning", formatter_class=_FMT).add_subparsers(
+        dest="fed_command", required=True)
 
-    s = fed.add_parser("server", help="run a federated server for a built-in task (exits when the rounds are done)")
+    s = fed.add_parser("server", help="run a federated server for a built-in task or your own model "
+                                      "(exits when the rounds are done)", formatter_class=_FMT)
+    s.add_argument("--task", default="digits",
+                   help="built-in task (digits, digits_logreg) or package.module:function returning a "
+                        "federated.ServerTask (your model, with central evaluation)")
+    s.add_argument("--task-opt", action="append", default=[], metavar="K=V",
+                   help="keyword argument for a package.module:function task (repeatable)")
     _training_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind")
     s.add_argument("--port", type=int, default=0, help="port (0: pick a free one and print it)")
-    s.add_argument("--min-available", type=int, default=0, help="clients that must be connected before a round starts")
+    s.add_argument("--min-available", type=int, default=0,
+                   help="clients that must be connected before a round starts (0: --min-clients)")
     s.add_argument("--eval-fraction", type=float, default=1.0, help="fraction of clients evaluating each round")
+    s.add_argument("--max-retries", type=int, default=20,
+                   help="times a round that gathers too few answers is retried before the server gives up (exit 1)")
+    s.add_argument("--retry-backoff", type=float, default=1.0,
+                   help="seconds before the first retry of a round; doubles per retry, at most 30 s")
+    s.add_argument("--wait-timeout", type=float, default=None,
+                   help="give up (exit 1) when too few clients connect within this many seconds (None: wait forever)")
     add_server_security_args(s)  # --tls-cert --tls-key --tls-ca --token-file --insecure
     s.add_argument("--tokens", dest="token_file", help="the older name of --token-file")
     s.add_argument("--checkpoint", help="checkpoint file, written every round; resumes from it when present")
     s.add_argument("--results", help="write the round history (and peak RSS) here as JSON")
     s.add_argument("--ready-file", help="write the bound port here once serving")
+    _debug_arg(s)
     s.set_defaults(func=_server)
 
-    c = fed.add_parser("client", help="run a built-in client on one partition of a task's data")
+    c = fed.add_parser("client", help="run a built-in client on one part of a built-in task's data",
+                       formatter_class=_FMT)
     c.add_argument("--server", required=True, help="HOST:PORT of the server")
-    c.add_argument("--task", default="digits")
-    c.add_argument("--partition", required=True, help="i/N: this client holds part i of N (0-based)")
-    c.add_argument("--split", default="iid", help="how the N parts are drawn: iid, dirichlet:ALPHA, shards:S")
-    c.add_argument("--seed", type=int, default=0, help="partition seed (the same on every client)")
+    c.add_argument("--task", default="digits", help="built-in task: digits, digits_logreg (the server's)")
+    c.add_argument("--partition", required=True, metavar="I/N",
+                   help="this client holds part I of N (0-based) of the task's training data")
+    c.add_argument("--split", default="iid",
+                   help="how the data is cut into the N parts: iid, dirichlet:ALPHA or shards:S (as fed simulate --split)")
+    c.add_argument("--seed", type=int, default=0, help="split seed (the same on every client)")
     c.add_argument("--token", default=None, help="client token (or $TESSERA_FED_TOKEN, or --token-file)")
     add_client_security_args(c)  # --tls-ca --tls-cert --tls-key --token-file --identity
     c.add_argument("--root-cert", dest="tls_ca", help="the older name of --tls-ca")
-    c.add_argument("--client-id", help="client id (default: the token's identity)")
-    c.add_argument("--reconnect-timeout", type=float, default=60.0)
+    c.add_argument("--client-id", help="client id (None: the token's identity)")
+    c.add_argument("--reconnect-timeout", type=float, default=60.0,
+                   help="give up (exit 1) after this many seconds without reaching the server")
+    _debug_arg(c)
     c.set_defaults(func=_client)
 
-    m = fed.add_parser("simulate", help="server + many clients on this machine over real gRPC; plots and results.json")
+    m = fed.add_parser("simulate", help="server + many clients on this machine over real gRPC; plots and results.json",
+                       formatter_class=_FMT)
+    m.add_argument("--task", default="digits", help="built-in task: digits, digits_logreg")
     _training_args(m)
     m.add_argument("--clients", type=int, default=100, help="registered (virtual) clients")
-    m.add_argument("--partition", default="dirichlet:0.5", help="iid, dirichlet:ALPHA or shards:S")
+    m.add_argument("--split", default="dirichlet:0.5",
+                   help="how the data is cut among the clients: iid, dirichlet:ALPHA or shards:S (as fed client --split)")
+    m.add_argument("--partition", dest="old_partition", default=None, help=argparse.SUPPRESS)  # the older name of --split
     m.add_argument("--processes", type=int, default=0, help="client processes (0: client threads in this process)")
     m.add_argument("--workers", type=int, default=16, help="concurrent client tasks per node")
     m.add_argument("--eval-fraction", type=float, default=0.0, help="fraction of clients evaluating (central eval always)")
     m.add_argument("--out", default="fed-sim", help="output directory")
-    m.add_argument("--no-progress", action="store_true")
+    m.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _debug_arg(m)
     m.set_defaults(func=_simulate)
 
-    t = fed.add_parser("tokens", help="write a token file with a fresh random token per identity")
-    t.add_argument("identities", nargs="+")
-    t.add_argument("--out", required=True)
+    t = fed.add_parser("tokens", help="write a token file with a fresh random token per identity", formatter_class=_FMT)
+    t.add_argument("identities", nargs="+", help="client identities, one token each")
+    t.add_argument("--out", required=True, help="token file to write (mode 0600)")
+    _debug_arg(t)
     t.set_defaults(func=_tokens)
 
-    k = fed.add_parser("cert", help="write a self-signed TLS certificate and key (for trials)")
-    k.add_argument("--out-dir", required=True)
-    k.add_argument("--host", action="append", default=None, help="DNS name or IP the certificate covers (repeatable)")
+    k = fed.add_parser("cert", help="write a self-signed TLS certificate and key (for trials)", formatter_class=_FMT)
+    k.add_argument("--out-dir", required=True, help="directory for server.crt and server.key")
+    k.add_argument("--host", action="append", default=None,
+                   help="DNS name or IP the certificate covers (repeatable; None: localhost and 127.0.0.1)")
+    _debug_arg(k)
     k.set_defaults(func=_cert)
+    for p in (s, c, m, t, k):
+        p.set_defaults(func=_one_line_errors(p.get_default("func")))
+
+
+def _one_line_errors(fn: Any) -> Any:
+    """Errors a user causes (bad task, bad flags, unreachable server, a failed run) as
+    one line on stderr and exit 2 (setup) or 1 (run failed); ``--debug``: the traceback."""
+    import functools
+
+    @functools.wraps(fn)
+    def run(args: argparse.Namespace) -> int:
+        from federated.errors import ConfigError, FedError
+
+        try:
+            return int(fn(args) or 0)
+        except (ConfigError, FedError, OSError, ValueError) as e:
+            if getattr(args, "fed_debug", False) or getattr(args, "debug", False):
+                raise
+            setup = isinstance(e, (ConfigError, OSError, ValueError))
+            print(f"tessera-fed {args.fed_command}: {e}", file=sys.stderr, flush=True)
+            return 2 if setup else 1
+
+    return run
 
 
 def _client_config(args: argparse.Namespace, task: Any) -> dict[str, Any]:
+    """The task's client settings with the command line's --epochs/--lr/--batch-size on top."""
     cc = dict(task.client_config)
     for key in ("epochs", "lr", "batch_size"):
         v = getattr(args, key)
@@ -119,7 +183,9 @@ def _client_config(args: argparse.Namespace, task: Any) -> dict[str, Any]:
 def _dp(args: argparse.Namespace) -> Any:
     if args.dp_clip <= 0:
         if args.dp_noise > 0:
-            raise SystemExit("--dp-noise needs --dp-clip (the noise is scaled by the clip bound)")
+            from federated.errors import ConfigError
+
+            raise ConfigError("--dp-noise needs --dp-clip (the noise is scaled by the clip bound)")
         return None
     from federated.privacy import DPConfig
 
@@ -131,9 +197,10 @@ def _server(args: argparse.Namespace) -> int:
     """Refused setups (tokens over plaintext without --insecure, a bad token file, ...) print
     one line and exit 2 before anything binds."""
     from federated.errors import ConfigError
+    from federated.orchestrator import RoundFailedError
     from federated.server import serve
+    from federated.server_task import load_server_task
     from federated.simulate import peak_rss_mb
-    from federated.tasks import get_task
     from tessera import service
 
     try:
@@ -142,18 +209,25 @@ def _server(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:  # service.ConfigError is a ValueError
         print(f"tessera-fed: {e}", file=sys.stderr, flush=True)
         return 2
-    task = get_task(args.task)
     try:
+        task = load_server_task(args.task, seed=args.seed, **parse_params(args.task_opt))
         server, strategy = _build_server(args, task, tokens)
     except ConfigError as e:
         print(f"tessera-fed: {e}", file=sys.stderr, flush=True)
         return 2
-    history = serve(server, ready_file=args.ready_file)
+    code, failure = 0, None
+    try:
+        history = serve(server, ready_file=args.ready_file)
+    except RoundFailedError as e:  # clients were told; the history so far is still written
+        history, code, failure = server.history, 1, str(e)
     if args.results:
         with open(args.results, "w") as f:
             json.dump({"history": history, "peak_rss_mb": peak_rss_mb(), "strategy": strategy.name,
-                       "params": strategy.params()}, f, indent=1, default=float)
-    return 0
+                       "params": strategy.params(), "failed": failure}, f, indent=1, default=float)
+    if failure is not None:
+        print(f"tessera-fed: training failed after {len(history)} completed round(s): {failure}", file=sys.stderr,
+              flush=True)
+    return code
 
 
 def _build_server(args: argparse.Namespace, task: Any, tokens: dict[str, str] | None) -> tuple[Any, Any]:
@@ -165,6 +239,8 @@ def _build_server(args: argparse.Namespace, task: Any, tokens: dict[str, str] | 
     cfg = ServerConfig(
         host=args.host, port=args.port, rounds=args.rounds, fraction=args.fraction if args.fraction is not None else 1.0,
         min_clients=args.min_clients, min_available=args.min_available, round_timeout=args.round_timeout,
+        max_retries=args.max_retries, retry_backoff=args.retry_backoff,
+        retry_backoff_max=max(30.0, args.retry_backoff), wait_timeout=args.wait_timeout,
         eval_fraction=args.eval_fraction, eval_every=args.eval_every, seed=args.seed, checkpoint=args.checkpoint,
         compress=args.compress, client_config=_client_config(args, task), dp=_dp(args),
         secagg=SecAggSettings(enabled=args.secagg, threshold=args.secagg_threshold),
@@ -184,22 +260,26 @@ def _build_server(args: argparse.Namespace, task: Any, tokens: dict[str, str] | 
               f"central accuracy {acc if acc is None else f'{acc:.4f}'}, up {rec['bytes_up']} B, down {rec['bytes_down']} B{eps}",
               flush=True)
 
-    return FedServer(cfg, strategy, task.initial_weights(args.seed), task.evaluator(), report), strategy
+    def status(line: str) -> None:
+        print(f"tessera-fed: {line}", file=sys.stderr, flush=True)
+
+    return FedServer(cfg, strategy, task.initial_weights, task.evaluate_fn, report, status), strategy
 
 
 def _client(args: argparse.Namespace) -> int:
     import torch
 
     from federated.client import start_client
+    from federated.errors import ClientFailedError, TrainingFailedError
     from federated.tasks import get_task
 
     try:
         i_s, n_s = args.partition.split("/")
         i, n = int(i_s), int(n_s)
     except ValueError:
-        raise SystemExit(f"--partition expects i/N, got {args.partition!r}") from None
+        raise ValueError(f"--partition expects I/N (e.g. 0/2), got {args.partition!r}") from None
     if not 0 <= i < n:
-        raise SystemExit(f"--partition {args.partition}: need 0 <= i < N")
+        raise ValueError(f"--partition {args.partition}: need 0 <= I < N")
     from federated.errors import FedError
     from tessera.service import ClientSecurity
 
@@ -220,17 +300,25 @@ def _client(args: argparse.Namespace) -> int:
     who = args.client_id or args.identity or "(token identity)"
     print(f"tessera-fed client {who}: {len(parts[i])} examples of {args.task}, connecting to {args.server}", flush=True)
     try:
-        start_client(args.server, client, token=token, tls_ca=sec.tls_ca, tls_cert=sec.tls_cert, tls_key=sec.tls_key,
-                     client_id=args.client_id, reconnect_timeout=args.reconnect_timeout)
+        stats = start_client(args.server, client, token=token, tls_ca=sec.tls_ca, tls_cert=sec.tls_cert,
+                             tls_key=sec.tls_key, client_id=args.client_id, reconnect_timeout=args.reconnect_timeout)
+    except (ClientFailedError, TrainingFailedError) as e:  # the run happened, but not well: exit 1
+        print(f"tessera-fed client: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
     except FedError as e:
         print(f"tessera-fed client: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 2
-    print("tessera-fed client: server finished; exiting", flush=True)
+    print(f"tessera-fed client: server finished; exiting ({stats.contributed} update(s) contributed)", flush=True)
     return 0
 
 
 def _simulate(args: argparse.Namespace) -> int:
     from federated.simulate import SimulationConfig, run_simulation
+
+    split = args.split
+    if args.old_partition is not None:
+        print("tessera-fed simulate: --partition is now --split (in fed client, --partition is I/N)", file=sys.stderr)
+        split = args.old_partition
 
     cc: dict[str, Any] = {}
     for key in ("epochs", "lr", "batch_size"):
@@ -240,7 +328,7 @@ def _simulate(args: argparse.Namespace) -> int:
     cfg = SimulationConfig(
         task=args.task, clients=args.clients, fraction=args.fraction if args.fraction is not None else 0.1,
         rounds=args.rounds, strategy=args.strategy, strategy_params=parse_params(args.strategy_param),
-        partition=args.partition, seed=args.seed, processes=args.processes, workers=args.workers,
+        partition=split, seed=args.seed, processes=args.processes, workers=args.workers,
         min_clients=args.min_clients, round_timeout=args.round_timeout, eval_fraction=args.eval_fraction,
         eval_every=args.eval_every, compress=args.compress, secagg=args.secagg, dp=_dp(args), client_config=cc,
         out=args.out, progress=not args.no_progress,
@@ -269,6 +357,7 @@ def _write_private(path: str, data: bytes) -> None:
 
 
 def _tokens(args: argparse.Namespace) -> int:
+    """``tessera fed tokens``: one fresh random token per identity, written 0600."""
     from tessera.security import new_tokens
 
     tokens = new_tokens(args.identities)
@@ -279,6 +368,7 @@ def _tokens(args: argparse.Namespace) -> int:
 
 
 def _cert(args: argparse.Namespace) -> int:
+    """``tessera fed cert``: a self-signed server certificate and key (for trials)."""
     from tessera.security import self_signed_cert
 
     os.makedirs(args.out_dir, exist_ok=True)

@@ -22,13 +22,15 @@ import grpc
 
 from federated.config import NodeConfig
 from federated.errors import (
+    ClientFailedError,
     ConfigError,
     FedError,
     InvalidUpdateError,
     ServerUnavailableError,
     TaskClosedError,
+    TrainingFailedError,
 )
-from federated.protocol import Task
+from federated.protocol import EVALUATE, Task
 from federated.runtime import Client, ClientRuntime
 from federated.wire import ERRORS, answer_chunks, blob_from_chunks, decode_message, task_from_proto
 from tessera.rpc import channel_options
@@ -36,12 +38,13 @@ from tessera.security import token_metadata
 from tessera.service import ClientSecurity, client_channel
 from tessera.v1 import fed_pb2 as pb
 
-__all__ = ["Client", "ClientNode", "NodeStats", "start_client", "start_node", "ERROR_OF"]
+__all__ = ["Client", "ClientNode", "NodeStats", "start_client", "start_node", "check_outcome", "ERROR_OF"]
 
 log = logging.getLogger(__name__)
 
 _SERVICE = "/tessera.v1.Federated/"
 ERROR_OF = ERRORS.error_of  # code (and the server's class name) -> error class
+_NOTE_EVERY_S = 5.0  # while the server is unreachable, say so this often
 _KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
               ("grpc.keepalive_permit_without_calls", 1)]
 
@@ -54,18 +57,26 @@ def _typed(e: grpc.RpcError, what: str) -> FedError:
 
 @dataclass
 class NodeStats:
-    """What a node did (for reports); updated from worker threads under a lock."""
+    """What a node did (for reports); updated from worker threads under a lock.
+
+    ``tasks``: answers submitted (``failed`` of them carried the Client's error);
+    ``contributed``: training answers (fit / secure aggregation) submitted without
+    error and accepted; ``rejected``: answers the server refused as invalid; ``late``:
+    answers after their round closed; ``errors``: the last few failures as text
+    (``"CODE: details"`` for refusals, ``"ExceptionName: message"`` for the Client's).
+    """
 
     tasks: int = 0
     failed: int = 0
     rejected: int = 0
     late: int = 0
+    contributed: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
     connects: int = 0
-    errors: list[str] = field(default_factory=list)  # the last few refusals, "CODE: details"
-
+    errors: list[str] = field(default_factory=list)
     def note(self, err: str) -> None:
+        """Keep ``err`` among the last 20 failures."""
         self.errors.append(err)
         del self.errors[:-20]
 
@@ -75,9 +86,11 @@ class ClientNode:
 
     ``client_ids``: the ids to register (empty: one client named after the token).
     ``runtime`` executes the tasks. :meth:`run` blocks until the server says
-    Shutdown (returns), the node is stopped (returns), the token is refused
-    (UnauthenticatedError / PermissionDeniedError) or the server stays unreachable
-    for ``config.reconnect_timeout`` seconds (ServerUnavailableError).
+    Shutdown (returns; the reason is in :attr:`shutdown_reason`), the node is stopped
+    (returns), the token is refused (UnauthenticatedError / PermissionDeniedError) or
+    the server stays unreachable for ``config.reconnect_timeout`` seconds
+    (ServerUnavailableError). While the server is unreachable it logs a warning every
+    few seconds. :attr:`stats` counts what it did.
     """
 
     def __init__(self, config: NodeConfig, runtime: ClientRuntime, client_ids: Sequence[str] = ()) -> None:
@@ -135,6 +148,8 @@ class ClientNode:
         pool = ThreadPoolExecutor(max_workers=cfg.workers, thread_name_prefix="fedclient")
         backoff = cfg.backoff_min
         give_up_at = time.monotonic() + cfg.reconnect_timeout
+        down_since = time.monotonic()  # when the server was last seen (start: never yet)
+        noted_at = -1e9
         try:
             while not self._stop.is_set():
                 try:
@@ -149,6 +164,9 @@ class ClientNode:
                             self.connected.set()
                             backoff = cfg.backoff_min
                             give_up_at = None  # type: ignore[assignment]
+                            if noted_at > 0:  # we said it was unreachable: say it is back
+                                log.warning("connected to %s", cfg.address)
+                            noted_at = -1e9
                             log.info("connected to %s as %d client(s)", cfg.address, len(self.client_ids))
                         elif body == "task":
                             task = task_from_proto(msg.task)
@@ -170,7 +188,17 @@ class ClientNode:
                     code = e.code()
                     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
                         raise _typed(e, f"server {cfg.address} refused this client") from None
-                    log.info("connection to %s lost (%s); retrying", cfg.address, code.name if code else e)
+                    now = time.monotonic()
+                    if self.connected.is_set():
+                        down_since = now
+                    if now - noted_at >= _NOTE_EVERY_S:
+                        noted_at = now
+                        what = e.details() if isinstance(e, grpc.Call) else str(e)
+                        log.warning("server %s not reachable for %.0f s (%s: %s); retrying until %.0f s without a "
+                                    "connection", cfg.address, now - down_since, code.name if code else "error",
+                                    (what or "")[:200], cfg.reconnect_timeout)
+                    else:
+                        log.info("connection to %s failed (%s); retrying", cfg.address, code.name if code else e)
                 self.connected.clear()
                 if give_up_at is None:
                     give_up_at = time.monotonic() + cfg.reconnect_timeout
@@ -202,6 +230,9 @@ class ClientNode:
                 stream = self._fetch(req.SerializeToString(), metadata=self._md, timeout=cfg.rpc_timeout)
                 tensors, received = blob_from_chunks(stream, cfg.max_blob_bytes, f"blob {task.blob}")
             answer = self.runtime.handle(task, tensors, received)
+            if answer.error:
+                with self._stats_lock:
+                    self.stats.note(answer.error)
             with self._stats_lock:
                 if task.task_id in self._cancelled:
                     self._cancelled.discard(task.task_id)
@@ -215,6 +246,7 @@ class ClientNode:
             with self._stats_lock:
                 self.stats.tasks += 1
                 self.stats.failed += bool(answer.error)
+                self.stats.contributed += not answer.error and task.kind != EVALUATE
                 self.stats.bytes_sent += sum(len(c) for c in chunks)
                 self.stats.bytes_received += received
         except grpc.RpcError as e:
@@ -272,9 +304,12 @@ def start_client(
     tls_cert: str | bytes | None = None,
     tls_key: str | bytes | None = None,
     **node_options: Any,
-) -> None:
+) -> NodeStats:
     """Connect ``client`` to the server at ``address`` and serve its tasks until the
-    server says it is done (returns normally).
+    server says it is done. Blocking; returns what this client did (:class:`NodeStats`).
+
+    ``address``: ``"HOST:PORT"`` of the server. ``client``: a
+    :class:`~federated.runtime.Client`; a numpy-only Client never imports torch.
 
     ``token``: this client's credential (sent as ``authorization: Bearer``);
     ``tls_ca`` (or its older name ``root_cert``): PEM file or bytes of the CA that signed
@@ -282,10 +317,37 @@ def start_client(
     certificate and key, for a server that requires them (mutual TLS); ``client_id``:
     defaults to the token's identity (or the certificate's name, or one the server
     assigns). Further keyword arguments go to :class:`~federated.config.NodeConfig`
-    (``reconnect_timeout``, ``workers``, ...). Raises UnauthenticatedError for a
-    refused token and ServerUnavailableError when the server stays unreachable.
+    (``reconnect_timeout``, ``workers``, ...). While the server is unreachable a warning
+    is logged every few seconds.
+
+    Raises UnauthenticatedError / PermissionDeniedError for a refused token,
+    ServerUnavailableError when the server stays unreachable for ``reconnect_timeout``
+    seconds, TrainingFailedError when the server ended the run because it failed, and
+    ClientFailedError when the server finished but none of this client's training
+    tasks succeeded (e.g. its model does not match the server's: the message has the
+    last error), so that a client that never contributed does not look successful.
     """
     node_options.setdefault("workers", 2)
     cfg = NodeConfig(address=address, token=token, root_cert=_ca(root_cert, tls_ca), tls_cert=tls_cert, tls_key=tls_key,
                      **node_options)
-    ClientNode(cfg, ClientRuntime(lambda _cid: client, keep_clients=True), [client_id] if client_id else []).run()
+    node = ClientNode(cfg, ClientRuntime(lambda _cid: client, keep_clients=True), [client_id] if client_id else [])
+    node.run()
+    check_outcome(node)
+    return node.stats
+
+
+def check_outcome(node: ClientNode) -> None:
+    """Raise if a node that ran to the server's Shutdown did not take part usefully:
+    TrainingFailedError when the server's reason says training failed, ClientFailedError
+    when it had tasks and none of its training answers succeeded."""
+    reason = node.shutdown_reason or ""
+    st = node.stats
+    if reason.startswith("training failed"):
+        raise TrainingFailedError(f"the server ended the run: {reason}")
+    if st.contributed == 0 and (st.failed or st.rejected):
+        last = st.errors[-1] if st.errors else "unknown"
+        who = ", ".join(node.client_ids) or "this client"
+        raise ClientFailedError(
+            f"{who} never contributed: {st.failed + st.rejected} of its tasks failed or were refused "
+            f"(last: {last}); does its model match the server's?"
+        )

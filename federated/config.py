@@ -53,7 +53,11 @@ class ServerConfig:
     connected clients (at least ``min_available`` must be connected), send the
     global weights, and collect until every sampled client answered or
     ``round_timeout`` seconds passed; aggregate if at least ``min_clients``
-    answered, else retry the round (up to ``max_retries`` times in a row).
+    answered, else retry the round (up to ``max_retries`` times in a row, waiting
+    ``retry_backoff`` seconds before the first retry, doubling up to
+    ``retry_backoff_max``); a round that still fails raises
+    :class:`~federated.orchestrator.RoundFailedError` from :meth:`FedServer.run`
+    (clients are told the run failed).
     ``eval_fraction`` of the connected clients evaluate the new weights every
     ``eval_every`` rounds (0: never). ``checkpoint``: a file written after every
     round and read at start (resume).
@@ -86,6 +90,8 @@ class ServerConfig:
     eval_timeout: float = 0.0  # 0: round_timeout
     wait_timeout: float | None = None  # how long to wait for min_available clients (None: forever)
     max_retries: int = 20
+    retry_backoff: float = 1.0  # seconds before the first retry of a failed round; doubles per retry
+    retry_backoff_max: float = 30.0
     seed: int = 0  # client sampling without DP (public; never used for anything private)
     insecure_reproducible_seed: int | None = None  # seeded server draws; refused with dp
     checkpoint: str | None = None
@@ -123,6 +129,8 @@ class ServerConfig:
             raise ConfigError(f"min available ({self.min_available}) must be >= min clients ({self.min_clients})")
         if not self.round_timeout > 0:
             raise ConfigError(f"round timeout must be > 0, got {self.round_timeout}")
+        if self.retry_backoff < 0 or self.retry_backoff_max < self.retry_backoff:
+            raise ConfigError("need 0 <= retry_backoff <= retry_backoff_max")
         if self.eval_every < 0 or self.max_retries < 0:
             raise ConfigError("eval_every and max_retries must be >= 0")
         if not 0 <= self.port < 65536:

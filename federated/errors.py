@@ -18,6 +18,7 @@ __all__ = [
     "ResourceExhaustedError",
     "ServerUnavailableError",
     "ClientFailedError",
+    "TrainingFailedError",
 ]
 
 
@@ -76,3 +77,9 @@ class ServerUnavailableError(FedError):
 
 class ClientFailedError(FedError):
     """The user's Client raised while fitting or evaluating; reported to the server."""
+
+
+class TrainingFailedError(FedError):
+    """The server ended the run because training failed (a round could not gather
+    enough answers); raised by :func:`~federated.client.start_client` with the server's
+    reason, so that a client process does not exit as if all went well."""

@@ -35,11 +35,23 @@ __all__ = ["Orchestrator", "EvaluateFn", "RoundFailedError", "check_combination"
 log = logging.getLogger(__name__)
 
 EvaluateFn = Callable[[Weights], tuple[float, dict[str, float]]]
-"""Central evaluation: weights -> (loss, metrics) on the server's own test set."""
+"""Central evaluation: ``evaluate_fn(weights) -> (loss, metrics)`` on the server's own
+test set. ``weights`` is the global model as a list of numpy arrays (the order and
+shapes of the initial weights; do not modify them); ``loss`` a float and ``metrics`` a
+dict of metric name -> float (e.g. ``{"accuracy": 0.93}``). Called in the round
+loop's thread after every round (blocking it), never concurrently."""
+
+StatusFn = Callable[[str], None]
+"""Receives one-line progress notes that are not round records: waiting for clients,
+a round retried (e.g. ``print``; the default logs at INFO / WARNING)."""
+
+_WAIT_NOTE_S = 5.0  # while waiting for clients, say so at least this often
 
 
 class RoundFailedError(FedError):
-    """A round could not gather ``min_clients`` answers in ``max_retries + 1`` attempts."""
+    """A round could not gather ``min_clients`` answers in ``max_retries + 1`` attempts
+    (or ``min_available`` clients did not connect within ``wait_timeout``). The message
+    names the round, what was needed and the clients' last failures."""
 
 
 def check_combination(config: ServerConfig, strategy: Strategy) -> None:
@@ -92,8 +104,10 @@ class Orchestrator:
         initial_weights: Weights,
         evaluate_fn: EvaluateFn | None = None,
         on_round: Callable[[dict[str, Any]], None] | None = None,
+        on_status: StatusFn | None = None,
     ) -> None:
         check_combination(config, strategy)
+        self.on_status = on_status
         self.config = config
         self.strategy = strategy
         self.registry = registry
@@ -180,19 +194,47 @@ class Orchestrator:
         pick = rng.choice(n, size=k, replace=False)
         return [ids[i] for i in sorted(pick.tolist())]
 
+    def _status(self, line: str, warning: bool = False) -> None:
+        if self.on_status is not None:
+            self.on_status(line)
+        else:
+            log.log(logging.WARNING if warning else logging.INFO, "%s", line)
+
     def _wait_for_clients(self, stop: threading.Event) -> bool:
+        """Block until ``config.needed`` clients are connected, saying so when the count
+        changes and every few seconds ("waiting for clients (1/2 connected)")."""
         need = self.config.needed
         if self.registry.num_connected() >= need:
             return True
-        log.info("waiting for %d clients (%d connected)", need, self.registry.num_connected())
         t0 = time.monotonic()
-        ok = self.registry.wait_for_clients(need, self.config.wait_timeout, stop)
+        end = None if self.config.wait_timeout is None else t0 + self.config.wait_timeout
+        said: tuple[int, float] | None = None  # (count, when) of the last note
+        ok = False
+        while not stop.is_set():
+            have = self.registry.num_connected()
+            now = time.monotonic()
+            if said is None or have != said[0] or now - said[1] >= _WAIT_NOTE_S:
+                self._status(f"waiting for clients ({have}/{need} connected)")
+                said = (have, now)
+            slice_s = _WAIT_NOTE_S if end is None else min(_WAIT_NOTE_S, end - now)
+            if slice_s <= 0:
+                break
+            # returns early when enough connect; a changed count is noted on the next pass
+            if self.registry.wait_for_clients(need, min(slice_s, 1.0), stop):
+                ok = True
+                break
         self.waited += time.monotonic() - t0
         if not ok and not stop.is_set():
             raise RoundFailedError(
                 f"only {self.registry.num_connected()} of the {need} clients needed connected within {self.config.wait_timeout} s"
             )
         return ok
+
+    def retry_delay(self, attempt: int) -> float:
+        """Seconds to wait before retry ``attempt + 1`` of a round (``attempt`` from 0):
+        ``config.retry_backoff`` doubled per attempt, at most ``config.retry_backoff_max``."""
+        b = self.config.retry_backoff
+        return 0.0 if b <= 0 else min(self.config.retry_backoff_max, b * 2.0 ** attempt)
 
     def _weights_blob(self, payload: dict[str, Weights]) -> str:
         tensors = encode_raw(self.weights)
@@ -279,13 +321,20 @@ class Orchestrator:
                     rec["failed"] = failures
                     self.weights = new
                     return new
-                log.warning("round %d attempt %d: %d of %d sampled clients answered, %d needed; retrying",
-                            rnd, attempt + 1, len(ok), len(sample), cfg.min_clients)
+                if attempt == cfg.max_retries:
+                    break
+                delay = self.retry_delay(attempt)
+                last = "; ".join(f"{k}: {v}" for k, v in list(failures.items())[-3:]) or "none answered in time"
+                self._status(f"round {rnd} attempt {attempt + 1}/{cfg.max_retries + 1}: {len(ok)} of {len(sample)} "
+                             f"sampled clients answered, {cfg.min_clients} needed; retrying in {delay:.1f} s "
+                             f"(last failures: {last})", warning=True)
+                if stop.wait(delay):
+                    return None
         finally:
             self.registry.drop_blobs([blob])
         raise RoundFailedError(
             f"round {rnd}: fewer than {cfg.min_clients} clients answered in {cfg.max_retries + 1} attempts; last failures: "
-            + ", ".join(f"{k}: {v}" for k, v in list(failures.items())[:5])
+            + ("; ".join(f"{k}: {v}" for k, v in list(failures.items())[-5:]) or "none answered in time")
         )
 
     def _aggregate(self, rnd: int, received: list[Received], rec: dict[str, Any], num_sampled: int) -> Weights:

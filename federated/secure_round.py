@@ -177,6 +177,12 @@ class SecureRound:
         stage_timeout = sc.stage_timeout or cfg.round_timeout
         failures: dict[str, str] = {}
         for attempt in range(cfg.max_retries + 1):
+            if attempt:  # a failed attempt: back off before the next (doubling, capped)
+                delay = o.retry_delay(attempt - 1)
+                o._status(f"round {rnd} secure aggregation attempt {attempt}/{cfg.max_retries + 1} failed "
+                          f"({failures}); retrying in {delay:.1f} s", warning=True)
+                if stop.wait(delay):
+                    return None
             if not o._wait_for_clients(stop):
                 return None
             sample = o._sample(o.registry.connected(), cfg.fraction, rnd, attempt, 0)

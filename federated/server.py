@@ -11,7 +11,7 @@ import grpc
 
 from federated.config import ServerConfig
 from federated.errors import ConfigError
-from federated.orchestrator import EvaluateFn, Orchestrator
+from federated.orchestrator import EvaluateFn, Orchestrator, RoundFailedError, StatusFn
 from federated.registry import Registry
 from federated.servicer import SERVICE_NAME, FedServicer
 from federated.strategy import Strategy, Weights
@@ -63,6 +63,16 @@ class FedServer:
     """A federated server. ``start()`` binds and serves; ``run()`` runs the rounds
     (blocking) and then tells the clients to exit; ``stop()`` ends everything.
 
+    ``initial_weights``: the global model as a non-empty list of float numpy arrays
+    (any shapes; clients receive and return arrays of the same shapes and dtypes),
+    replaced by the checkpoint's when ``config.checkpoint`` names an existing file.
+    ``evaluate_fn(weights) -> (loss, {metric: value})``: central evaluation after every
+    round (see :data:`federated.orchestrator.EvaluateFn`; None: none). ``on_round(record)``:
+    called with each round's record (a dict: ``round``, ``answered``, ``sampled``,
+    ``round_s``, ``central_loss``, ``central_metrics``, ``bytes_up``, ...) once it is in
+    :attr:`history`. ``on_status(line)``: one-line notes while waiting for clients and
+    when a round is retried (default: logged).
+
     Bad combinations (robust strategy with secure aggregation, tokens over plaintext
     without ``insecure``, ...) raise ConfigError here, before anything binds. The server
     is built by the kernel's service runtime (``tessera.service.build_server``): TLS or
@@ -76,11 +86,13 @@ class FedServer:
         initial_weights: Weights,
         evaluate_fn: EvaluateFn | None = None,
         on_round: Callable[[dict[str, Any]], None] | None = None,
+        on_status: StatusFn | None = None,
     ) -> None:
         self.config = config
         self.security, self.warnings = server_security(config)  # refuse unsafe setups first
         self.registry = Registry(config.max_clients, config.max_clients_per_identity, config.max_num_examples)
-        self.orchestrator = Orchestrator(config, strategy, self.registry, initial_weights, evaluate_fn, on_round)
+        self.orchestrator = Orchestrator(config, strategy, self.registry, initial_weights, evaluate_fn, on_round,
+                                         on_status)
         self.tokens = TokenTable(config.tokens) if config.tokens is not None else None
         self.servicer = FedServicer(self.registry, self.tokens, config.chunk_bytes, config.max_nodes,
                                     config.max_calls_per_identity, by_certificate=self.security.mutual)
@@ -93,7 +105,13 @@ class FedServer:
         self._stop = threading.Event()
 
     @property
+    def complete(self) -> bool:
+        """Whether every round is done already (e.g. resumed from a finished run's checkpoint)."""
+        return self.orchestrator.round >= self.config.rounds
+
+    @property
     def address(self) -> str:
+        """``host:port`` the server listens on (after :meth:`start`)."""
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         return f"{host}:{self.port}"
 
@@ -109,15 +127,25 @@ class FedServer:
         return port
 
     def run(self) -> list[dict[str, Any]]:
-        """Run the rounds (blocking; ``start()`` first). Returns the history. When the
-        rounds are done and ``config.shutdown_clients``, clients are told to exit."""
+        """Run the rounds (blocking; calls :meth:`start` if not started). Returns the
+        history (one record per round). When the rounds are done and
+        ``config.shutdown_clients``, clients are told to exit ("training finished").
+        Raises :class:`~federated.orchestrator.RoundFailedError` when a round cannot
+        gather ``min_clients`` answers in ``max_retries + 1`` attempts; the clients are
+        then told "training failed: ..." with the reason."""
         if self._server is None:
             self.start()
+        reason = "training finished"
         try:
             return self.orchestrator.run(self._stop)
+        except RoundFailedError as e:
+            reason = f"training failed: {e}"
+            raise
         finally:
+            if self._stop.is_set():
+                reason = "server stopping"
             if self.config.shutdown_clients:
-                self.registry.shutdown("training finished" if not self._stop.is_set() else "server stopping")
+                self.registry.shutdown(reason)
 
     def stop(self, grace: float = 1.0, notify_clients: bool = True) -> None:
         """Stop the round loop and stop serving. ``notify_clients``: tell clients to exit
@@ -132,18 +160,26 @@ class FedServer:
 
     @property
     def history(self) -> list[dict[str, Any]]:
+        """The round records so far (see ``on_round``), including resumed ones."""
         return self.orchestrator.history
 
     @property
     def weights(self) -> Weights:
+        """The current global weights (list of numpy arrays; do not modify)."""
         return self.orchestrator.weights
 
 
 def serve(server: FedServer, ready_file: str | None = None) -> list[dict[str, Any]]:
-    """Run ``server`` until its rounds are done or SIGTERM/SIGINT. Prints one line
-    ``tessera-fed listening on HOST:PORT`` when ready."""
+    """Run ``server`` until its rounds are done or SIGTERM/SIGINT (blocking). Prints one
+    line ``tessera-fed listening on HOST:PORT`` when ready. A server whose checkpoint
+    already holds every round does not listen: it says so and returns the history.
+    Raises RoundFailedError as :meth:`FedServer.run` does (after stopping)."""
     for warning in server.warnings:
         print(f"tessera-fed: {warning}", file=sys.stderr, flush=True)
+    if server.complete:
+        print(f"tessera-fed: the run is already complete: checkpoint {server.config.checkpoint} holds all "
+              f"{server.config.rounds} rounds; nothing to do (give a larger --rounds to train further)", flush=True)
+        return server.history
     port = server.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server._stop.set())
