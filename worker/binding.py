@@ -1,10 +1,7 @@
-"""Binding a torch model to PS tables.
+"""PS embeddings: sparse layers whose rows live on the parameter server.
 
-- Dense parameters: every trainable parameter of the model (outside
-  ``PSEmbedding``) becomes a view into one flat buffer, and their gradients
-  views into one flat gradient buffer; the flat vector is one dense PS table
-  (``{prefix}/dense``), cut by the shards into contiguous slices. A pull fills
-  the buffer, a push sends the buffer: no per-parameter copies or RPCs.
+(Dense parameters are a ``worker.flat.FlatParams``; how they meet the PS is ``worker.paramsync.PSSync``.)
+
 - Sparse layers: ``PSEmbedding`` (like ``nn.Embedding``/``nn.EmbeddingBag``)
   holds no rows. For a batch it gets the rows of the batch's *unique* ids from
   the PS (prefetched by the trainer, or pulled on first use), runs the lookup
@@ -12,14 +9,12 @@
   row per unique id for the push. Tables far larger than the worker's memory
   train this way.
 
-The user does not write the mapping: ``ModelBinding(model, client, prefix)``
-finds the parameters and the ``PSEmbedding`` modules.
+The user does not write the mapping: ``PSSync`` finds the ``PSEmbedding`` modules
+of a model and binds them to its ``PSClient``.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -27,9 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ps import InitializerSpec, OptimizerSpec, PSClient, SyncPolicy
-from ps.errors import TableNotFoundError
 
-__all__ = ["PSEmbedding", "ModelBinding", "SparseGrad"]
+__all__ = ["PSEmbedding", "SparseGrad"]
 
 
 @dataclass
@@ -92,7 +86,7 @@ class PSEmbedding(nn.Module):
     def fetch(self, ids: torch.Tensor, policy: SyncPolicy | None = None) -> _Rows:
         """Pull the rows of ``ids``' unique ids (blocking; safe to call from a prefetch thread)."""
         if self.client is None:
-            raise RuntimeError(f"PSEmbedding {self.table!r} is not bound to a PSClient (use ModelBinding)")
+            raise RuntimeError(f"PSEmbedding {self.table!r} is not bound to a PSClient (train it with PSSync)")
         flat = ids.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
         uniq, inverse = np.unique(flat, return_inverse=True)
         rows, versions, clock = self.client.pull_sparse(self.table, uniq, return_versions=True, policy=policy, return_clock=True)
@@ -137,77 +131,3 @@ class PSEmbedding(nn.Module):
     def discard(self) -> None:
         self._pending.clear()
         self._prefetched = None
-
-
-class ModelBinding:
-    """Maps ``model``'s dense parameters to one flat PS table and finds its PSEmbedding layers.
-
-    After construction the parameters are views into ``self.flat`` (on
-    ``device``) and their ``.grad`` views into ``self.flat_grad``.
-    """
-
-    def __init__(self, model: nn.Module, client: PSClient, prefix: str, device: torch.device | str = "cpu") -> None:
-        self.model = model
-        self.client = client
-        self.prefix = prefix
-        self.device = torch.device(device)
-        self.embeddings: dict[str, PSEmbedding] = {n: m for n, m in model.named_modules() if isinstance(m, PSEmbedding)}
-        for m in self.embeddings.values():
-            m.client = client
-        model.to(self.device)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.numel = sum(p.numel() for p in self.params)
-        self.dense_table = f"{prefix}/dense"
-        self.flat = torch.empty(self.numel, device=self.device)
-        self.flat_grad = torch.zeros(self.numel, device=self.device)
-        off = 0
-        with torch.no_grad():
-            for p in self.params:
-                n = p.numel()
-                self.flat[off : off + n].copy_(p.reshape(-1))
-                p.data = self.flat[off : off + n].view_as(p)
-                p.grad = self.flat_grad[off : off + n].view_as(p)
-                off += n
-
-    @property
-    def ready_table(self) -> str:
-        return f"{self.prefix}/ready"
-
-    def create_tables(self, dense_optimizer: OptimizerSpec, creator: bool, timeout: float = 120.0) -> None:
-        """``creator`` (worker 0) creates every table, seeds the dense one with the model's own initial
-        values, then marks the model ready; the others wait for that mark, so nobody reads a table
-        before its initial values are in."""
-        if creator:
-            if self.numel:
-                self.client.create_dense(self.dense_table, self.numel, optimizer=dense_optimizer, init=self.flat.cpu().numpy())
-            for m in self.embeddings.values():
-                self.client.create_sparse(m.table, m.dim, optimizer=m.optimizer, init=m.init, seed=m.seed)
-            self.client.create_dense(self.ready_table, 1)
-            return
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self.client.describe(self.ready_table)
-                break
-            except TableNotFoundError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"tables of {self.prefix!r} not ready after {timeout:.0f} s: is worker 0 running?"
-                    ) from None
-                time.sleep(0.2)
-        if self.numel:
-            self.client.describe(self.dense_table)
-        for m in self.embeddings.values():
-            self.client.describe(m.table)
-
-    def sparse_gradients(self) -> list[SparseGrad]:
-        return [g for g in (m.gradients() for m in self.embeddings.values()) if g is not None]
-
-    def set_policy(self, policy: SyncPolicy | None) -> None:
-        for m in self.embeddings.values():
-            m.policy = policy
-
-    def load_flat(self, values: Any) -> None:
-        """Copy pulled dense values (a host tensor, pinned on CUDA) into the model's parameters."""
-        with torch.no_grad():
-            self.flat.copy_(values, non_blocking=True)

@@ -28,6 +28,13 @@ def _kv(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def _ps_mode(value: str) -> str:
+    """argparse type for --mode: the old name 'hybrid' gets a message naming 'dense-sync'."""
+    if value == "hybrid":
+        raise argparse.ArgumentTypeError("'hybrid' was renamed 'dense-sync' (dense tables BSP, sparse tables async, both on the PS)")
+    return value
+
+
 def add_worker_commands(sub: Any) -> None:
     w = sub.add_parser("worker", help="train a task against PS shards (one worker process)")
     w.add_argument(
@@ -41,7 +48,7 @@ def add_worker_commands(sub: Any) -> None:
     add_client_security_args(w)
     w.add_argument("--task", default="ctr", help="ctr, digits, or package.module:function")
     w.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE", help="option for the task (repeatable)")
-    w.add_argument("--mode", default="async", choices=["sync", "async", "ssp", "hybrid"])
+    w.add_argument("--mode", default="async", type=_ps_mode, choices=["sync", "async", "ssp", "dense-sync"])
     w.add_argument("--staleness", type=int, default=4, help="SSP bound K (default 4)")
     w.add_argument("--backup-workers", type=int, default=0, help="sync: apply the first W-b gradients of each step")
     w.add_argument("--staleness-aware-lr", action="store_true", help="async/ssp: scale each update's lr by 1/staleness")
@@ -68,7 +75,7 @@ def add_worker_commands(sub: Any) -> None:
     d = sub.add_parser("demo", help="start 2 shards + 2 workers locally, train ctr for about a minute, plot it")
     d.add_argument("--shards", type=int, default=2)
     d.add_argument("--workers", type=int, default=2)
-    d.add_argument("--mode", default="ssp", choices=["sync", "async", "ssp", "hybrid"])
+    d.add_argument("--mode", default="ssp", type=_ps_mode, choices=["sync", "async", "ssp", "dense-sync"])
     d.add_argument("--staleness", type=int, default=4)
     d.add_argument("--seconds", type=float, default=60.0, help="training time (default 60)")
     d.add_argument("--batch-size", type=int, default=256)
@@ -83,7 +90,7 @@ def add_worker_commands(sub: Any) -> None:
     c.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE")
     c.add_argument("--workers", type=int, default=4)
     c.add_argument("--shards", type=int, default=2)
-    c.add_argument("--modes", default="sync,async,ssp:1,ssp:4,ssp:16", help="comma-separated: sync, async, ssp:K, hybrid")
+    c.add_argument("--modes", default="sync,async,ssp:1,ssp:4,ssp:16", help="comma-separated: sync, async, ssp:K, dense-sync")
     c.add_argument("--staleness-aware-lr", default="off", choices=["off", "on", "both"],
                    help="scale async/ssp updates' lr by 1/staleness; 'both' runs each async/ssp mode with and without")
     c.add_argument("--steps", type=int, default=None, help="steps per mode (default 600; --quick 120)")

@@ -1,6 +1,6 @@
 """`tessera experiment consistency`: how much does staleness cost, and when does async win in wall time?
 
-Runs each mode of a grid (sync, async, ssp:K, hybrid, each optionally with the
+Runs each mode of a grid (sync, async, ssp:K, dense-sync, each optionally with the
 staleness-aware learning rate) on the same task, seed and data split, each on a
 fresh local PS cluster of real processes, with optional perturbations (a
 straggler, per-step jitter, delay on one worker's RPCs). Worker 0 evaluates the
@@ -32,7 +32,7 @@ __all__ = ["ExperimentConfig", "ModeSpec", "parse_modes", "run_experiment", "sum
 
 @dataclass(frozen=True)
 class ModeSpec:
-    mode: str  # sync | async | ssp | hybrid
+    mode: str  # sync | async | ssp | dense-sync
     staleness: int = 0
     staleness_aware_lr: bool = False
 
@@ -50,8 +50,10 @@ def parse_modes(spec: str, staleness_aware_lr: str = "off") -> list[ModeSpec]:
     out: list[ModeSpec] = []
     for item in (x.strip() for x in spec.split(",") if x.strip()):
         name, _, k = item.partition(":")
-        if name not in ("sync", "async", "ssp", "hybrid"):
-            raise ValueError(f"unknown mode {item!r}: use sync, async, ssp:K or hybrid")
+        if name == "hybrid":
+            raise ValueError("mode 'hybrid' was renamed 'dense-sync' (dense tables BSP, sparse tables async, both on the PS)")
+        if name not in ("sync", "async", "ssp", "dense-sync"):
+            raise ValueError(f"unknown mode {item!r}: use sync, async, ssp:K or dense-sync")
         if name == "ssp" and not k.isdigit():
             raise ValueError(f"{item!r}: ssp needs a bound, e.g. ssp:4")
         if name != "ssp" and k:

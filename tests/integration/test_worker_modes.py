@@ -1,4 +1,4 @@
-"""Backup workers, hybrid mode and staleness-aware learning rates, end to end over real gRPC shards."""
+"""Backup workers, dense-sync mode and staleness-aware learning rates, end to end over real gRPC shards."""
 from __future__ import annotations
 
 import time
@@ -37,9 +37,9 @@ def test_backup_workers_drop_the_stragglers_gradients(inproc_cluster, train_work
     assert all(x.final_clock == 40 for x in s.values())
 
 
-def test_hybrid_is_sync_for_dense_and_async_for_sparse(inproc_cluster, train_workers) -> None:
+def test_dense_sync_is_sync_for_dense_and_async_for_sparse(inproc_cluster, train_workers) -> None:
     cluster = inproc_cluster(2)
-    s = _run(train_workers, cluster, 2, "ctr", mode="hybrid", steps=30, batch_size=64, evaluate=False)
+    s = _run(train_workers, cluster, 2, "ctr", mode="dense-sync", steps=30, batch_size=64, evaluate=False)
     stats = {t.name: t for sh in cluster.shards for t in sh.stats().tables}
     assert stats["ctr/dense"].version == 30 and stats["ctr/dense"].max_staleness == 0  # one mean per clock
     assert stats["ctr/emb"].max_staleness >= 1  # rows updated by the other worker in between: async

@@ -31,7 +31,7 @@ def _run_workers(train_workers, cluster, task_name: str, overlap: bool = True, *
         )
         return Trainer(
             tasks[i], cluster.client(timeout=60), cfg,
-            on_step=lambda step, tr: seen[i].__setitem__(step, tr.binding.flat.detach().clone()),
+            on_step=lambda step, tr: seen[i].__setitem__(step, tr.flat.detach().clone()),
         )
 
     train_workers(W, make, timeout=120)

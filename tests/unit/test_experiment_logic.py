@@ -7,9 +7,14 @@ from worker.experiment import ExperimentConfig, ModeSpec, parse_modes, time_to_t
 
 
 def test_mode_grid_with_staleness_aware_lr_as_a_factor() -> None:
-    got = [m.label for m in parse_modes("sync,async,ssp:4,hybrid", "both")]
-    assert got == ["sync", "async", "async+salr", "ssp:4", "ssp:4+salr", "hybrid"]
+    got = [m.label for m in parse_modes("sync,async,ssp:4,dense-sync", "both")]
+    assert got == ["sync", "async", "async+salr", "ssp:4", "ssp:4+salr", "dense-sync"]
     assert parse_modes("ssp:16")[0] == ModeSpec("ssp", 16, False)
+
+
+def test_the_old_name_hybrid_points_to_dense_sync() -> None:
+    with pytest.raises(ValueError, match="renamed 'dense-sync'"):
+        parse_modes("sync,hybrid")
 
 
 @pytest.mark.parametrize("bad", ["ssp", "ssp:x", "sync:2", "bsp", ""])

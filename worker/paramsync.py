@@ -1,0 +1,407 @@
+"""``ParamSync``: how a worker's parameters and gradients meet the other workers'.
+
+The trainer owns the step pipeline (prefetch, compute, the push window, metrics); a ``ParamSync``
+owns everything else: where the values for step t come from, where step t's gradients go, and
+membership. One step, as the trainer drives it::
+
+    start = sync.join()                  # once: tables/process group, membership; the first step
+    f = sync.fetch(t, batch)             # values for step t (may block; may run in a thread if pipelined)
+    sync.load(f)                         # main thread: those values into the model
+    sync.zero_grad(); forward; backward  # (micro-batches under sync.no_sync() but the last)
+    g = sync.gradients(t)                # main thread: step t's gradients, safe to push in the background
+    sync.push(t, g)                      # send them (may run in a thread if pipelined)
+    sync.leave()                         # once, also after an error
+
+Implementations: ``PSSync`` (this module: the PS through ``PSClient``) and, in ``worker.peer``,
+the all-reduce data parallelism and ZeRO. ``tests/integration/test_paramsync_contract.py`` is
+the one contract suite all of them pass.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from ps import PSClient, SyncPolicy
+from ps.errors import TableNotFoundError
+from worker.binding import PSEmbedding, SparseGrad, _Rows
+from worker.flat import FlatParams
+
+__all__ = ["ParamSync", "Fetched", "Grads", "PushResult", "PSSync", "PS_MODES", "check_ps_mode"]
+
+log = logging.getLogger(__name__)
+
+PS_MODES = ("sync", "async", "ssp", "dense-sync")
+_SYNC_DENSE = ("sync", "dense-sync")
+
+
+def check_ps_mode(mode: str) -> str:
+    """``mode`` if it is a PS mode; the old name ``hybrid`` gets an error naming its new one."""
+    if mode == "hybrid":
+        raise ValueError(
+            "mode 'hybrid' was renamed 'dense-sync' (dense tables BSP, sparse tables async, both on the PS); "
+            "'hybrid' now means PS embeddings beside an all-reduced dense part (peer mode)"
+        )
+    if mode not in PS_MODES:
+        raise ValueError(f"PS mode must be one of {PS_MODES}, got {mode!r}")
+    return mode
+
+
+@dataclass
+class Fetched:
+    """What ``fetch(step)`` got: ``clock`` is the step the values are for (a BSP worker that fell
+    behind may be handed a later one and catches up); ``state`` is the implementation's own."""
+
+    step: int
+    batch: Any
+    clock: int
+    state: Any = None
+
+
+@dataclass
+class Grads:
+    """Step t's gradients as ``gradients(t)`` took them: ``dense`` (flat, or None when the sync
+    already owns them), ``sparse`` rows of PS embeddings, ``state`` the implementation's own."""
+
+    dense: torch.Tensor | None
+    sparse: list[SparseGrad] = field(default_factory=list)
+    state: Any = None
+
+
+@dataclass
+class PushResult:
+    """What a push measured: the staleness of each applied update (PS async/SSP) and late shards."""
+
+    staleness: list[int] = field(default_factory=list)
+    late: int = 0
+
+
+class ParamSync(ABC):
+    """One worker's side of parameter synchronisation.
+
+    Contract (checked by the contract suite):
+    - ``flat``: the model's dense parameters as a ``FlatParams`` (their ``.grad`` views into ``flat.grad``).
+    - ``join()`` returns the first step; after it, ``fetch(step)`` + ``load`` give every worker the
+      same dense values for the same step (for the synchronous implementations).
+    - ``push(t, gradients(t))`` applies step t's update (synchronous implementations: the mean of the
+      workers' gradients, with the task's optimizer) before ``fetch(t + 1)`` returns.
+    - ``pipelined``: True if ``fetch`` and ``push`` may run in background threads while the main
+      thread computes (PS); False if they must run in line on the main thread (collectives).
+    - ``leave()`` is idempotent and safe after an error.
+    """
+
+    name: str = "sync"
+    pipelined: bool = False
+    flat: FlatParams
+
+    @abstractmethod
+    def join(self) -> int:
+        """Become a member; returns the step this worker starts at."""
+
+    @abstractmethod
+    def fetch(self, step: int, batch: Any) -> Fetched:
+        """The values for ``step`` (blocking as the consistency rule requires)."""
+
+    def load(self, fetched: Fetched) -> None:
+        """Main thread: put ``fetched``'s values into the model (default: they are already there)."""
+
+    def discard(self) -> None:
+        """The values loaded last will not be computed on (the run ends): drop what was fetched for them."""
+
+    def zero_grad(self) -> None:
+        """Zero the gradients before a step's first micro-batch."""
+        self.flat.zero_grad()
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Context for accumulation micro-batches: their backward sends nothing."""
+        return contextlib.nullcontext()
+
+    @abstractmethod
+    def gradients(self, step: int) -> Grads:
+        """Main thread, after the step's backward: its gradients in a form ``push`` may use later."""
+
+    @abstractmethod
+    def push(self, step: int, grads: Grads) -> PushResult:
+        """Send step ``step``'s gradients / apply its update."""
+
+    @abstractmethod
+    def leave(self) -> None:
+        """Stop being a member (idempotent)."""
+
+    def evaluate(self, step: int, final: bool, fn: Callable[[], dict[str, float]]) -> tuple[dict[str, float], dict[str, Any]]:
+        """``fn()`` (test metrics) on the latest parameters; returns (metrics, extra record fields)."""
+        return fn(), {}
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for the run's summary record."""
+        return {}
+
+    def close(self) -> None:
+        """Release threads and buffers (after ``leave``)."""
+
+
+class PSSync(ParamSync):
+    """The parameter server through ``PSClient``: BSP (``sync``), ASP (``async``), SSP, or
+    ``dense-sync`` (dense tables BSP, sparse tables async).
+
+    The model's dense parameters are one flat dense table ``{task}/dense``; its ``PSEmbedding``
+    layers are sparse tables. ``fetch`` pulls the dense values and the batch's rows (concurrently,
+    one thread per table), ``push`` sends the dense gradient and the sparse row gradients. Both may
+    run in background threads (``pipelined``). Membership: join every shard, renew the lease with
+    heartbeats from a thread, leave at the end.
+    """
+
+    pipelined = True
+
+    def __init__(
+        self, model: torch.nn.Module, client: PSClient, prefix: str, *, mode: str = "async", staleness: int = 4,
+        backup_workers: int = 0, staleness_aware_lr: bool = False, worker_index: int = 0, num_workers: int = 1,
+        worker_name: str = "", lease_s: float = 10.0, start_timeout_s: float = 300.0,
+        dense_optimizer: Any = None, device: torch.device | str = "cpu", stop: threading.Event | None = None,
+        sparse_ids: Callable[[Any], dict[str, torch.Tensor]] | None = None,
+    ) -> None:
+        self.mode = check_ps_mode(mode)
+        self.name = mode
+        self.client = client
+        self.prefix = prefix
+        self.staleness, self.backup_workers, self.staleness_aware_lr = staleness, backup_workers, staleness_aware_lr
+        self.worker_index, self.num_workers = worker_index, num_workers
+        self.lease_s, self.start_timeout_s = lease_s, start_timeout_s
+        self.dense_optimizer = dense_optimizer
+        self.stop = stop or threading.Event()
+        self.sparse_ids = sparse_ids  # batch -> {PSEmbedding module name: ids}, to prefetch rows
+        client.worker = worker_name or f"w{worker_index}"
+        self.device = torch.device(device)
+        self.embeddings: dict[str, PSEmbedding] = {n: m for n, m in model.named_modules() if isinstance(m, PSEmbedding)}
+        for m in self.embeddings.values():
+            m.client = client
+        self.flat = FlatParams.of(model, self.device)
+        self.dense_table = f"{prefix}/dense"
+        cuda = self.device.type == "cuda"
+        n = self.flat.numel
+        # host buffers the PS reads from / writes into; pinned so copies to and from the GPU are async.
+        # Two, by step parity: fetch(t+1) fills one while step t's (possibly asynchronous) copy to the
+        # device reads the other
+        self._staging = [torch.empty(n, pin_memory=cuda) for _ in range(2)]
+        self._send = [torch.empty(n, pin_memory=cuda) for _ in range(2)]
+        # one thread per table each for fetches and pushes: a BSP fetch blocks its thread until the round
+        # completes, and the pushes that complete it must never queue behind it
+        per = max(1, len(self.embeddings))
+        self._fetch_pool = ThreadPoolExecutor(max_workers=per, thread_name_prefix=f"{client.worker}-fetch")
+        self._push_pool = ThreadPoolExecutor(max_workers=per, thread_name_prefix=f"{client.worker}-push")
+        self._hb_stop = threading.Event()
+        self._hb: threading.Thread | None = None
+        self.committed = 0  # steps whose pushes have completed (what heartbeats report)
+        self._versions: tuple[int, ...] = ()  # of the values loaded last
+        self._left = False
+
+    # ------------------------------------------------------------------ policies
+    @property
+    def dense_sync(self) -> bool:
+        return self.mode in _SYNC_DENSE
+
+    def dense_policy(self, step: int) -> SyncPolicy:
+        return self._policy(step, sync=self.dense_sync)
+
+    def sparse_policy(self, step: int) -> SyncPolicy:
+        return self._policy(step, sync=self.mode == "sync")  # dense-sync: sparse tables are async
+
+    def _policy(self, step: int, sync: bool) -> SyncPolicy:
+        if sync:
+            return SyncPolicy(clock=step, sync=True, backup_workers=self.backup_workers)
+        return SyncPolicy(clock=step, staleness=self.staleness if self.mode == "ssp" else -1, staleness_aware_lr=self.staleness_aware_lr)
+
+    # ------------------------------------------------------------------ tables and membership
+    @property
+    def ready_table(self) -> str:
+        return f"{self.prefix}/ready"
+
+    def create_tables(self, creator: bool, timeout: float = 120.0) -> None:
+        """``creator`` (worker 0) creates every table, seeds the dense one with the model's own initial
+        values, then marks the model ready; the others wait for that mark, so nobody reads a table
+        before its initial values are in."""
+        if creator:
+            if self.flat.numel:
+                self.client.create_dense(self.dense_table, self.flat.numel, optimizer=self.dense_optimizer, init=self.flat.data.cpu().numpy())
+            for m in self.embeddings.values():
+                self.client.create_sparse(m.table, m.dim, optimizer=m.optimizer, init=m.init, seed=m.seed)
+            self.client.create_dense(self.ready_table, 1)
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.client.describe(self.ready_table)
+                break
+            except TableNotFoundError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"tables of {self.prefix!r} not ready after {timeout:.0f} s: is worker 0 running?") from None
+                time.sleep(0.2)
+        if self.flat.numel:
+            self.client.describe(self.dense_table)
+        for m in self.embeddings.values():
+            self.client.describe(m.table)
+
+    def join(self) -> int:
+        """Create or find the tables, join the shards, start heartbeats; returns the clock this worker starts at."""
+        self.create_tables(creator=self.worker_index == 0)
+        views = self.client.join(self.lease_s)
+        # at the start of a run, wait for all num_workers (so step 0 is everyone's); a worker that joins
+        # a run already under way starts at once from the current clock
+        joining_late = self._under_way(views)
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self._under_way(views) and min(len(v.live) for v in views) < self.num_workers:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.client.worker}: only {min(len(v.live) for v in views)} of {self.num_workers} workers "
+                    f"joined within {self.start_timeout_s:.0f} s"
+                )
+            if self.stop.wait(0.05):
+                break
+            views = self.client.heartbeat(0)
+        if self.dense_sync:
+            start = min(v.sync_clock for v in views)
+        else:
+            others = [v.min_clock for v in views if v.min_clock >= 0]
+            start = min(others) if others and joining_late else 0
+            if start:
+                self.client.heartbeat(start)  # the shards count this worker from its start, for SSP waits
+        self.committed = start
+        self._hb = threading.Thread(target=self._heartbeats, name=f"{self.client.worker}-heartbeat", daemon=True)
+        self._hb.start()
+        return start
+
+    @staticmethod
+    def _under_way(views: list[Any]) -> bool:
+        return any(v.sync_clock > 0 or v.min_clock > 0 for v in views)
+
+    def _heartbeats(self) -> None:
+        period = self.lease_s / 4
+        while not self._hb_stop.wait(period):
+            try:
+                self.client.heartbeat(self.committed)
+            except Exception as e:  # noqa: BLE001 - a missed heartbeat is retried; the lease absorbs it
+                log.warning("heartbeat failed: %s", e)
+
+    def leave(self) -> None:
+        if self._left:
+            return
+        self._left = True
+        self._hb_stop.set()
+        try:
+            self.client.leave()
+        except Exception as e:  # noqa: BLE001 - the lease will expire instead
+            log.warning("leave failed: %s", e)
+
+    def close(self) -> None:
+        self._fetch_pool.shutdown(wait=True)
+        self._push_pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ steps
+    def fetch(self, step: int, batch: Any) -> Fetched:
+        """Dense parameters (into a staging buffer) and the batch's sparse rows for ``step``: the tables concurrently."""
+        clock, versions = 0, ()
+        futs = {}
+        policy = self.sparse_policy(step)
+        for name, ids in (self.sparse_ids(batch) if self.sparse_ids is not None else {}).items():
+            futs[name] = self._fetch_pool.submit(self.embeddings[name].fetch, ids, policy)
+        if self.flat.numel:
+            _, (clock, versions) = self.client.pull_dense(
+                self.dense_table, out=self._staging[step % 2], policy=self.dense_policy(step), return_clock=True
+            )
+        rows: dict[str, _Rows] = {}
+        for name, fut in futs.items():
+            rows[name] = r = fut.result()
+            if policy.sync:
+                clock = min(clock, r.clock) if self.flat.numel else r.clock
+        if not self.dense_sync and self.mode != "sync":
+            clock = step  # async/SSP: no catching up, the clock is the step
+        return Fetched(step, batch, clock, (versions, rows))
+
+    def load(self, fetched: Fetched) -> None:
+        versions, rows = fetched.state
+        self._versions = versions
+        step = max(fetched.step, fetched.clock)
+        if self.flat.numel:
+            self.flat.load_(self._staging[fetched.step % 2])
+            if step != fetched.step and self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()  # the next fetch may reuse this buffer
+        for name, r in rows.items():
+            self.embeddings[name].prefetched(r)
+        for m in self.embeddings.values():
+            m.policy = self.sparse_policy(step)
+
+    def discard(self) -> None:
+        """Drop prefetched rows and pending row gradients (a step that will not be computed)."""
+        for m in self.embeddings.values():
+            m.discard()
+
+    def gradients(self, step: int) -> Grads:
+        sparse = [g for g in (m.gradients() for m in self.embeddings.values()) if g is not None]
+        send = None
+        if self.flat.numel:
+            send = self._send[step % 2]
+            send.copy_(self.flat.grad, non_blocking=True)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+        return Grads(send, sparse, self._versions)  # the dense slices' versions it was computed from
+
+    def push(self, step: int, grads: Grads) -> PushResult:
+        """Dense gradient and sparse row gradients, the tables concurrently (blocking; BSP: until the
+        shards have it, not until the round completes)."""
+        stale: list[int] = []
+        late = 0
+        jobs: list[Callable[[], Any]] = []
+        dense, versions = grads.dense, grads.state
+        if dense is not None:
+            jobs.append(lambda: self.client.push_dense(
+                self.dense_table, dense, base_version=versions or -1, policy=self.dense_policy(step)
+            ))
+        for g in grads.sparse:
+            jobs.append(functools.partial(
+                self.client.push_sparse, g.table, g.ids, g.grads, g.base_versions, policy=self.sparse_policy(step)
+            ))
+        futs = [self._push_pool.submit(j) for j in jobs[1:]]  # tables concurrently; the first in this thread
+        results = [jobs[0]()] if jobs else []
+        results += [f.result() for f in futs]
+        self.committed = max(self.committed, step + 1)
+        for r in results:
+            late += r.late
+            if hasattr(r, "versions"):
+                stale.extend(s for s in r.staleness if s >= 0)
+            elif r.mean_staleness >= 0:
+                stale.append(round(r.mean_staleness))
+        return PushResult(stale, late)
+
+    def evaluate(self, step: int, final: bool, fn: Callable[[], dict[str, float]]) -> tuple[dict[str, float], dict[str, Any]]:
+        """Evaluate on the latest parameters, pulled now (so the model reflects every applied push);
+        at the end, sync modes wait for the last round to be applied. The step in progress keeps the
+        parameters it fetched."""
+        saved = self.flat.data.clone() if not final else None
+        waits = final and self.dense_sync
+        updates = 0.0
+        if self.flat.numel:
+            # into a buffer of its own: a prefetch may be filling the staging buffers right now
+            values, (_, versions) = self.client.pull_dense(
+                self.dense_table, out=torch.empty(self.flat.numel), policy=self.dense_policy(step) if waits else None,
+                return_clock=True,
+            )
+            self.flat.load_(values.to(self.device))
+            updates = float(np.mean([v for v in versions if v >= 0]))  # optimizer steps applied to the model
+        for m in self.embeddings.values():
+            m.policy = self.sparse_policy(step) if waits and self.mode == "sync" else None
+        metrics = fn()
+        if saved is not None:
+            self.flat.load_(saved)
+        return metrics, {"updates": updates}
+
+    def stats(self) -> dict[str, Any]:
+        return {"acked": dict(self.client.acked), "duplicates": self.client.duplicates}
