@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 
 _SERVICE = "/tessera.v1.Federated/"
 ERROR_OF = ERRORS.error_of  # code (and the server's class name) -> error class
-_NOTE_EVERY_S = 5.0  # while the server is unreachable, say so this often
 _KEEPALIVE = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
               ("grpc.keepalive_permit_without_calls", 1)]
 
@@ -191,7 +190,7 @@ class ClientNode:
                     now = time.monotonic()
                     if self.connected.is_set():
                         down_since = now
-                    if now - noted_at >= _NOTE_EVERY_S:
+                    if now - noted_at >= cfg.note_every:
                         noted_at = now
                         what = e.details() if isinstance(e, grpc.Call) else str(e)
                         log.warning("server %s not reachable for %.0f s (%s: %s); retrying until %.0f s without a "
@@ -342,12 +341,12 @@ def check_outcome(node: ClientNode) -> None:
     when it had tasks and none of its training answers succeeded."""
     reason = node.shutdown_reason or ""
     st = node.stats
-    if reason.startswith("training failed"):
-        raise TrainingFailedError(f"the server ended the run: {reason}")
-    if st.contributed == 0 and (st.failed or st.rejected):
+    if st.contributed == 0 and (st.failed or st.rejected):  # its own failure says most: first
         last = st.errors[-1] if st.errors else "unknown"
         who = ", ".join(node.client_ids) or "this client"
         raise ClientFailedError(
             f"{who} never contributed: {st.failed + st.rejected} of its tasks failed or were refused "
-            f"(last: {last}); does its model match the server's?"
+            f"(last: {last}); does its model match the server's? Server: {reason or 'no reason given'}"
         )
+    if reason.startswith("training failed"):
+        raise TrainingFailedError(f"the server ended the run: {reason}")

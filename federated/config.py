@@ -166,9 +166,16 @@ class ServerConfig:
 class NodeConfig:
     """How a client node talks to the server.
 
+    ``address``: ``"HOST:PORT"``. ``token``: this client's bearer token (None: none).
+    ``root_cert``: PEM file name or bytes of the CA to trust (TLS; None: plaintext);
+    ``tls_cert``/``tls_key``: this client's certificate and key (mutual TLS).
     ``reconnect_timeout``: give up (ServerUnavailableError) after this many seconds
     without a connection; backoff starts at ``backoff_min`` and doubles to
-    ``backoff_max``. ``workers``: tasks run at once (threads).
+    ``backoff_max``; a warning says the server is unreachable every ``note_every``
+    seconds. ``workers``: tasks run at once (threads). ``rpc_timeout``: deadline of each
+    Fetch/Submit call. ``chunk_bytes``: size of uploaded chunks; ``max_message_bytes``
+    and ``max_blob_bytes``: the largest message and download accepted. ``name``: the
+    node's name in the server's logs.
     """
 
     address: str
@@ -186,12 +193,15 @@ class NodeConfig:
     name: str = ""
     tls_cert: str | bytes | None = None  # this client's certificate (mutual TLS) ...
     tls_key: str | bytes | None = None  # ... and its private key
+    note_every: float = 5.0  # while the server is unreachable, say so this often (seconds)
 
     def __post_init__(self) -> None:
         if not self.address:
             raise ConfigError("client needs a server address HOST:PORT")
         if self.workers < 1:
             raise ConfigError("workers must be >= 1")
+        if not self.note_every > 0:
+            raise ConfigError("note_every must be > 0 seconds")
         if not (0 < self.backoff_min <= self.backoff_max):
             raise ConfigError("need 0 < backoff_min <= backoff_max")
         if (self.tls_cert is None) != (self.tls_key is None):

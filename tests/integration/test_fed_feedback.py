@@ -1,0 +1,202 @@
+"""What a federated server and client say while things go wrong (issue 17 items 9, 11, 13), with a
+real FedServer on 127.0.0.1:0 and client nodes on real sockets in threads:
+
+* a round whose clients all fail is retried with doubling backoff (not 21 times in milliseconds),
+  each retry reported with the clients' errors; after ``max_retries`` the server raises
+  RoundFailedError and tells the clients "training failed: ..."; a client that never contributed
+  raises ClientFailedError naming its own error;
+* a client that contributed while another failed finishes normally;
+* while too few clients are connected the server says "waiting for clients (k/n connected)";
+* a client whose server is unreachable warns every ``note_every`` seconds, then gives up.
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from federated.client import ClientNode, check_outcome
+from federated.config import NodeConfig, ServerConfig
+from federated.errors import ClientFailedError, ServerUnavailableError, TrainingFailedError
+from federated.orchestrator import RoundFailedError
+from federated.runtime import Client, ClientRuntime
+from federated.server import FedServer
+from federated.strategy import make_strategy
+
+W0 = [np.zeros((3, 2), np.float32), np.zeros(2, np.float32)]
+
+
+class AddOne(Client):
+    """fit: every weight + 1 (FedAvg of one such client: the global weights + 1)."""
+
+    def fit(self, weights, config):
+        return [w + 1 for w in weights], 4, {}
+
+
+class WrongModel(Client):
+    """A client whose model does not match the server's (as a user's mismatched model would)."""
+
+    def fit(self, weights, config):
+        raise ValueError(f"size mismatch: my model has 7 parameters, got {sum(w.size for w in weights)}")
+
+
+class Live:
+    """A started FedServer (run in a thread) and client nodes in threads; closed by the fixture."""
+
+    def __init__(self, **cfg: Any) -> None:
+        self.status: list[tuple[float, str]] = []
+        cfg.setdefault("round_timeout", 10)
+        cfg.setdefault("eval_every", 0)
+        self.server = FedServer(ServerConfig(**cfg), make_strategy("fedavg"), W0,
+                                on_status=lambda line: self.status.append((time.monotonic(), line)))
+        self.address = f"127.0.0.1:{self.server.start()}"
+        self.nodes: list[ClientNode] = []
+        self.threads: list[threading.Thread] = []
+        self.outcome: dict[int, BaseException | None] = {}
+        self.run_error: BaseException | None = None
+        self.run_thread: threading.Thread | None = None
+
+    def run_in_thread(self) -> None:
+        def go() -> None:
+            try:
+                self.server.run()
+            except BaseException as e:  # noqa: BLE001 - the test looks at it
+                self.run_error = e
+
+        self.run_thread = threading.Thread(target=go, daemon=True)
+        self.run_thread.start()
+
+    def client(self, client: Client, cid: str) -> ClientNode:
+        node = ClientNode(NodeConfig(address=self.address, reconnect_timeout=20), ClientRuntime(lambda _c: client),
+                          [cid])
+        k = len(self.nodes)
+
+        def go() -> None:
+            try:
+                node.run()
+                check_outcome(node)  # what start_client does after run()
+                self.outcome[k] = None
+            except BaseException as e:  # noqa: BLE001
+                self.outcome[k] = e
+
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        self.nodes.append(node)
+        self.threads.append(t)
+        return node
+
+    def join(self, timeout: float = 30) -> None:
+        end = time.monotonic() + timeout
+        for t in [self.run_thread, *self.threads]:
+            if t is not None:
+                t.join(max(0.1, end - time.monotonic()))
+                assert not t.is_alive(), "a thread did not finish"
+
+    def close(self) -> None:
+        self.server.stop(grace=0.5)
+        for n in self.nodes:
+            n.stop()
+        for t in self.threads:
+            t.join(10)
+
+
+@pytest.fixture
+def live():
+    made: list[Live] = []
+
+    def make(**cfg: Any) -> Live:
+        made.append(Live(**cfg))
+        return made[-1]
+
+    yield make
+    for x in made:
+        x.close()
+
+
+@pytest.mark.timeout(60)
+def test_failing_round_backs_off_reports_and_stops_cleanly(live) -> None:
+    s = live(min_clients=1, max_retries=2, retry_backoff=0.4, retry_backoff_max=10)
+    s.client(WrongModel(), "bad")
+    t0 = time.monotonic()
+    with pytest.raises(RoundFailedError) as e:
+        s.server.run()
+    took = time.monotonic() - t0
+    assert "round 1: fewer than 1 clients answered in 3 attempts" in str(e.value)
+    assert "size mismatch" in str(e.value)  # the clients' own errors, not just a count
+    retries = [(t, line) for t, line in s.status if "retrying in" in line]
+    assert [line.split("retrying in ")[1].split(" s")[0] for _, line in retries] == ["0.4", "0.8"]  # doubling
+    assert all("size mismatch" in line and "0 of 1 sampled clients answered" in line for _, line in retries)
+    assert retries[1][0] - retries[0][0] >= 0.4 - 0.05  # it really waited
+    assert took >= 0.4 + 0.8 - 0.05
+    s.threads[0].join(20)
+    err = s.outcome[0]
+    # the client never contributed: it says so, with its own error and the server's reason
+    assert isinstance(err, ClientFailedError), err
+    assert "never contributed" in str(err) and "size mismatch" in str(err) and "training failed" in str(err)
+    assert s.nodes[0].shutdown_reason.startswith("training failed: round 1")
+
+
+@pytest.mark.timeout(60)
+def test_contributing_client_finishes_while_a_mismatched_one_fails(live) -> None:
+    s = live(min_clients=1, rounds=2, fraction=1.0, min_available=2, retry_backoff=5)
+    s.client(AddOne(), "good")
+    s.client(WrongModel(), "bad")
+    history = s.server.run()
+    s.join()
+    assert [r["answered"] for r in history] == [1, 1] and [r["attempts"] for r in history] == [1, 1]
+    # reference: FedAvg of the one good client, twice, from zeros, computed here
+    for got, w0 in zip(s.server.weights, W0):
+        np.testing.assert_array_equal(got, w0 + 2)
+    assert s.outcome[0] is None and s.nodes[0].stats.contributed == 2
+    assert isinstance(s.outcome[1], ClientFailedError) and "never contributed: 2" in str(s.outcome[1])
+
+
+@pytest.mark.timeout(60)
+def test_server_says_it_is_waiting_for_clients(live) -> None:
+    s = live(min_clients=2, rounds=1)
+    s.run_in_thread()
+    deadline = time.monotonic() + 10
+    while not any("(0/2 connected)" in line for _, line in s.status):
+        assert time.monotonic() < deadline, s.status
+        time.sleep(0.05)
+    s.client(AddOne(), "a")
+    while not any("(1/2 connected)" in line for _, line in s.status):
+        assert time.monotonic() < deadline, s.status
+        time.sleep(0.05)
+    s.client(AddOne(), "b")
+    s.join()
+    assert s.run_error is None and len(s.server.history) == 1
+    assert [line for _, line in s.status] == ["waiting for clients (0/2 connected)", "waiting for clients (1/2 connected)"]
+    assert all(x is None for x in s.outcome.values())
+
+
+@pytest.mark.timeout(30)
+def test_client_says_periodically_that_the_server_is_unreachable(caplog) -> None:
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    node = ClientNode(NodeConfig(address=f"127.0.0.1:{port}", reconnect_timeout=2.0, note_every=0.5, backoff_max=0.2),
+                      ClientRuntime(lambda _c: AddOne()), ["a"])
+    caplog.set_level(logging.WARNING, logger="federated.client")
+    t0 = time.monotonic()
+    with pytest.raises(ServerUnavailableError, match="unreachable for 2 s; giving up"):
+        node.run()
+    assert time.monotonic() - t0 >= 2.0
+    notes = [r.getMessage() for r in caplog.records if "not reachable" in r.getMessage()]
+    assert 3 <= len(notes) <= 6, notes  # about every 0.5 s for 2 s, not once per retry
+    assert all(f"127.0.0.1:{port} not reachable" in n and "UNAVAILABLE" in n for n in notes)
+
+
+def test_training_failed_reason_alone_raises_training_failed() -> None:
+    node = ClientNode(NodeConfig(address="127.0.0.1:1"), ClientRuntime(lambda _c: AddOne()), ["a"])
+    node.shutdown_reason = "training failed: round 3: fewer than 2 clients answered"
+    node.stats.contributed = 2  # it did its part; the run still failed
+    with pytest.raises(TrainingFailedError, match="round 3"):
+        check_outcome(node)
+    node.shutdown_reason = "training finished"
+    check_outcome(node)  # no error
