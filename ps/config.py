@@ -21,6 +21,7 @@ __all__ = [
     "spec_to_dict",
     "spec_from_dict",
     "MAX_SLOTS",
+    "ROW_DTYPE_NAMES",
 ]
 
 DENSE = "dense"
@@ -56,6 +57,9 @@ HPARAM_RANGES: dict[str, tuple[float, bool, float, bool]] = {
     "l1": _NON_NEGATIVE,
     "l2": _NON_NEGATIVE,
 }
+
+# how sparse rows may be stored (TableSpec.dtype, the "row dtype"); dense tables are float32
+ROW_DTYPE_NAMES = ("float32", "float16", "bfloat16")
 
 # sparse tables hash ids to at most this many virtual slots (the slot map is 8 bytes per slot on
 # every shard and in every client)
@@ -158,7 +162,9 @@ class TableSpec:
     """What a table is. Two specs are the same table iff they compare equal.
 
     Dense: ``shape`` is the logical shape of the whole table. Sparse: rows of
-    width ``dim`` keyed by int64 ids, hashed to ``num_slots`` virtual slots.
+    width ``dim`` keyed by int64 ids, hashed to ``num_slots`` virtual slots, stored in ``dtype``
+    (the row dtype: float32, float16 or bfloat16; optimizer state stays float32). Dense tables
+    are float32.
     """
 
     name: str
@@ -178,8 +184,10 @@ class TableSpec:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         if not self.name or len(self.name) > 256:
             raise InvalidArgumentError("table name must be 1..256 characters")
-        if self.dtype != "float32":
-            raise InvalidArgumentError(f"table {self.name!r}: storage dtype must be float32, got {self.dtype!r}")
+        if self.dtype not in ROW_DTYPE_NAMES:
+            raise InvalidArgumentError(
+                f"table {self.name!r}: storage dtype must be one of {list(ROW_DTYPE_NAMES)}, got {self.dtype!r}"
+            )
         if not 0 <= self.seed < 2**64:
             raise InvalidArgumentError(f"table {self.name!r}: seed must fit in uint64")
         if self.kind == DENSE:
@@ -187,6 +195,10 @@ class TableSpec:
                 raise InvalidArgumentError(f"table {self.name!r}: dense shape must be non-empty and positive, got {self.shape}")
             if self.optimizer.name == "rowwise_adagrad":
                 raise InvalidArgumentError(f"table {self.name!r}: rowwise_adagrad is for sparse tables")
+            if self.dtype != "float32":
+                raise InvalidArgumentError(
+                    f"table {self.name!r}: dense tables store float32; dtype (row dtype) {self.dtype!r} is for sparse tables"
+                )
             if self.admission.enabled or self.eviction.ttl_steps or self.eviction.max_rows:
                 raise InvalidArgumentError(f"table {self.name!r}: admission/eviction apply to sparse tables only")
         elif self.kind == SPARSE:
@@ -200,6 +212,11 @@ class TableSpec:
                 )
         else:
             raise InvalidArgumentError(f"table {self.name!r}: kind must be 'dense' or 'sparse', got {self.kind!r}")
+
+    @property
+    def row_dtype(self) -> str:
+        """How a sparse table stores its rows (``dtype``): float32, float16 or bfloat16 (see ps.rowdtype)."""
+        return self.dtype
 
     @property
     def numel(self) -> int:
@@ -216,6 +233,9 @@ class ShardConfig:
     - ``max_bytes`` (default 8 GiB): everything the tables hold on this shard: params, optimizer
       state, rows allocated but free, the id index, slot maps and admission sketches. A request
       that would go beyond it is refused (RESOURCE_EXHAUSTED). 0 lifts the bound (explicitly).
+    - ``max_resident_bytes`` (default 0: no disk tier): the RAM the sparse tables' rows may take
+      (resident chunks); rows beyond it live in a file-backed tier under ``spill_dir``, the most
+      recently used stay resident (ps.tier). ``max_bytes`` does not count the tier's disk bytes.
     - ``max_tables`` (default 4096): tables on this shard; one more is RESOURCE_EXHAUSTED.
     - ``max_workers`` (default 4096): members (live or recently dead) this shard remembers; a new
       worker beyond it is RESOURCE_EXHAUSTED (dead members are forgotten first to make room).
@@ -248,6 +268,10 @@ class ShardConfig:
     failover_s: float = 2.0  # a backup takes over after its primary was unreachable this long
     solo_after_s: float = 10.0  # a primary that lost its backup refuses writes this long, then goes on alone
     cut_hold_s: float = 30.0  # a cluster checkpoint's hold on the BSP tables lapses after this long without its cut
+    # disk tier: sparse rows beyond this many resident bytes (all sparse tables of the shard together)
+    # are demoted, least recently used first, to memory-mapped files under spill_dir (0: all in RAM)
+    max_resident_bytes: int = 0
+    spill_dir: str = ""  # where the disk tier's (unlinked) files go ("": the system temp directory)
 
     @property
     def forget_s(self) -> float:
@@ -278,6 +302,8 @@ class ShardConfig:
                 f"max_bytes must be >= 0 (0: unbounded), max_tables and max_workers >= 1; got "
                 f"{self.max_bytes}, {self.max_tables}, {self.max_workers}"
             )
+        if self.max_resident_bytes < 0:
+            raise ValueError(f"max_resident_bytes must be >= 0 (0: no disk tier), got {self.max_resident_bytes}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port {self.port} out of range")
 

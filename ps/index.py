@@ -102,19 +102,27 @@ class IdIndex:
         while todo.size:
             hs = h[todo]
             free = self.state[hs] != _USED
-            # ids of this batch that probe the same free slot: the first takes it, the rest probe on
-            cand = np.nonzero(free)[0]
-            slots, first = np.unique(hs[cand], return_index=True)
-            won = todo[cand[first]]
+            # ids of this batch that probe the same free slot: each writes its key there, one write
+            # wins (reading the slot back tells which); the rest probe on. No sort per round.
+            cand = todo[free]
+            cs = hs[free]
+            self.keys[cs] = ids[cand]
+            won = self.keys[cs] == ids[cand]
+            slots, winners = cs[won], cand[won]
             self.tombs -= int(np.count_nonzero(self.state[slots] == _TOMB))
-            self.keys[slots] = ids[won]
-            self.vals[slots] = rows[won]
+            self.vals[slots] = rows[winners]
             self.state[slots] = _USED
             lost = np.ones(len(todo), bool)
-            lost[cand[first]] = False
+            lost[np.flatnonzero(free)[won]] = False
             todo = todo[lost]
             h[todo] = (hs[lost] + 1) & self.mask
         self.n += len(ids)
+
+    def assign(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Point ``ids`` (unique, each present) at new ``rows``."""
+        slot = self._find(np.ascontiguousarray(ids, np.int64))
+        assert (slot >= 0).all(), "assign to an id that is not in the index"
+        self.vals[slot] = rows
 
     def delete(self, ids: np.ndarray) -> None:
         """Remove ``ids`` (each present)."""

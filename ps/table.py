@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Container, Iterator, Sized
+from typing import Any, Callable, Container, Iterator, Mapping, Sized
 
 import numpy as np
 import torch
@@ -29,9 +30,12 @@ from ps.index import BYTES_PER_SLOT, IdIndex
 from ps.initializers import init_dense, init_rows, table_key, uniform01
 from ps.optim import Optimizer, make_optimizer, scaled_lr
 from ps.partition import SlotMap, dense_range, slot_of
+from ps.rowdtype import ROW_DTYPES, from_storage_array, round_rows, row_keys, to_storage_array
+from ps.rowstore import Column, RowStore, chunk_rows_for
 from ps.sketch import CountMinSketch
+from ps.tier import ColdTier, ResidentBudget
 
-__all__ = ["DenseTable", "DenseUpdate", "SparseTable", "SparsePush", "RowDelta", "PushResult", "StalenessStats", "GRADIENT", "ASSIGN"]
+__all__ = ["DenseTable", "DenseUpdate", "SparseTable", "SparsePush", "TableMemory", "RowDelta", "PushResult", "StalenessStats", "GRADIENT", "ASSIGN"]
 
 GRADIENT = "gradient"
 ASSIGN = "assign"
@@ -315,24 +319,99 @@ class DenseUpdate:
         self.staged.clear()
 
 
+@dataclass(frozen=True)
+class TableMemory:
+    """What one sparse table holds on this shard (``SparseTable.memory_stats()``; bytes unless said).
+
+    ``payload_bytes_per_row``: what a row *is* (values in the row dtype + optimizer state);
+    ``bytes_per_row``: RAM held per live row, every overhead included (held_bytes / rows);
+    ``values_bytes`` / ``state_bytes`` / ``metadata_bytes``: the resident chunks' columns, allocated
+    rows (live or free) — metadata is version, last touch, id and admission count, plus the cold
+    rows' metadata; ``index_bytes``: the id index; ``other_bytes``: slot map and admission sketch;
+    ``disk_bytes``: the disk tier's file."""
+
+    rows: int
+    resident_rows: int
+    cold_rows: int
+    free_rows: int
+    row_dtype: str
+    payload_bytes_per_row: int
+    bytes_per_row: float
+    values_bytes: int
+    state_bytes: int
+    metadata_bytes: int
+    index_bytes: int
+    other_bytes: int
+    held_bytes: int
+    disk_bytes: int
+    chunks: int
+    chunk_rows: int
+
+
+class _ColumnView:
+    """``table.values[rows]``-style read access to one column of the resident rows (compatibility:
+    rows used to live in one tensor per column). Indexing gathers a copy."""
+
+    def __init__(self, store: RowStore, name: str, as_numpy: bool) -> None:
+        self._store, self._name, self._np = store, name, as_numpy
+
+    def __getitem__(self, rows: Any) -> Any:
+        r = rows.numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows, np.int64)
+        out = self._store.gather(np.atleast_1d(r).astype(np.int64), [self._name])[self._name]
+        return out.numpy() if self._np else out
+
+    def numel(self) -> int:
+        c = self._store.columns[self._name]
+        return self._store.capacity * max(1, c.width)
+
+    @property
+    def nbytes(self) -> int:
+        return self._store.capacity * self._store.columns[self._name].row_nbytes
+
+
+_META = (
+    Column("version", torch.int64),  # updates applied to the row
+    Column("touch", torch.int64),  # table step of its last pull or push (LRU, TTL, residency)
+    Column("id", torch.int64),
+    Column("admits", torch.int16),  # sightings when it was admitted (1 without admission; saturates)
+)
+_META_NAMES = [c.name for c in _META]
+
+
 class SparseTable:
     """The rows of a sparse table that hash to this shard.
 
-    Rows live in preallocated arrays grown by doubling; ``_index`` (a vectorized hash, keyed per
-    table) maps id -> row. Every row carries a version (updates applied) and the table step of
-    its last touch (for TTL/LRU eviction).
+    Rows live in a :class:`~ps.rowstore.RowStore`: fixed-size chunks holding each row's values
+    (in the table's row dtype, ``spec.dtype``: float32, float16 or bfloat16), optimizer state
+    (fp32, elementwise or row-wise) and metadata (version, last touch, id, admission count);
+    ``_index`` (a vectorized hash, keyed per table) maps id -> location. Eviction (TTL/LRU)
+    releases rows to the store's free list, which new rows reuse before any chunk is added.
 
-    Memory: ``held_bytes()`` counts everything the table allocates (rows, free or live, with their
-    optimizer state; the index; the slot map; the admission sketch), and every allocation that
-    grows it asks ``max_bytes_fn(extra)`` first (which raises ResourceExhaustedError when over
-    budget), so a refused request allocated nothing. ``fixed_bytes(spec, num_shards)``: what the
-    constructor allocates (the caller reserves it).
+    Low precision: pulls widen stored rows to fp32 (``pull``) or return them as stored
+    (``pull_rows``); a push widens, applies the optimizer in fp32, and rounds back (bf16:
+    stochastic rounding, see ``ps.rowdtype``).
+
+    Disk tier: with ``resident_budget`` (a :class:`~ps.tier.ResidentBudget` shared by a shard's
+    tables), the rows beyond what the budget leaves this table are demoted, least recently
+    touched first, to a file-backed :class:`~ps.tier.ColdTier` under ``spill_dir``; a pull or push
+    of a cold row brings it back (demoting others). Index locations: row >= 0 resident, -1
+    absent, <= -2 cold slot ``-loc - 2``.
+
+    Memory: ``held_bytes()`` counts everything the table allocates in RAM (resident chunks, free
+    rows included; the id index; cold rows' metadata; the slot map; the admission sketch), and
+    every allocation that grows it asks ``max_bytes_fn(extra)`` first (which raises
+    ResourceExhaustedError when over budget), so a refused request allocated nothing.
+    ``fixed_bytes(spec)``: what the constructor allocates (the caller reserves it).
+    ``memory_stats()``: the breakdown.
+
+    Thread-safety: ``lock`` guards everything; public methods take it themselves.
     """
 
     INITIAL_INDEX = 16  # slots of the id index of an empty table (it doubles as rows come)
 
     def __init__(
-        self, spec: TableSpec, shard_index: int, num_shards: int, max_bytes_fn=lambda extra: None
+        self, spec: TableSpec, shard_index: int, num_shards: int, max_bytes_fn: Callable[[int], None] = lambda extra: None,
+        *, resident_budget: ResidentBudget | None = None, spill_dir: str | None = None, chunk_bytes: int = 32 << 20,
     ) -> None:
         self.spec = spec
         self.dim = spec.dim
@@ -342,14 +421,26 @@ class SparseTable:
         self._key = table_key(spec.name, spec.seed)
         self._reserve = max_bytes_fn  # raises ResourceExhaustedError when growth is over budget
         self._index = IdIndex(self.INITIAL_INDEX)
-        self._free: list[int] = []
-        self._cap = 0
-        self._n_alloc = 0  # rows [0, _n_alloc) have been handed out at least once
-        self.values = torch.zeros((0, self.dim))
-        self.state: dict[str, torch.Tensor] = self.optimizer.init_state(self.values)
-        self.versions = np.zeros(0, np.int64)
-        self.last_touch = np.zeros(0, np.int64)
-        self.row_ids = np.zeros(0, np.int64)
+        self.row_dtype = ROW_DTYPES[spec.dtype]
+        opt = self.optimizer
+        self._state_names = list(opt.elementwise_state) + list(opt.rowwise_state)
+        self._payload = (
+            [Column("values", self.row_dtype, self.dim)]
+            + [Column(k, torch.float32, self.dim) for k in opt.elementwise_state]
+            + [Column(k, torch.float32, 0) for k in opt.rowwise_state]
+        )
+        self._budget = resident_budget if resident_budget is not None and resident_budget.limit else None
+        row_nbytes = sum(c.row_nbytes for c in self._payload) + sum(c.row_nbytes for c in _META)
+        if self._budget is not None:  # a chunk is the budget's granularity: keep it well below the budget
+            chunk_bytes = max(64 << 10, min(chunk_bytes, self._budget.limit // 16))
+        self._chunk_rows = chunk_rows_for(row_nbytes, chunk_bytes, lo=64)
+        self._store = RowStore(self._payload + list(_META), self._chunk_rows, first_rows=min(256, self._chunk_rows))
+        self._spill_dir = spill_dir
+        self._cold: ColdTier | None = None
+        self._budget_handle = 0
+        if self._budget is not None:
+            ref = weakref.ref(self)
+            self._budget_handle = self._budget.register(lambda: t.resident_bytes() if (t := ref()) is not None else 0)
         # admission: sightings of ids not yet admitted, in fixed memory
         self._seen = CountMinSketch() if spec.admission.enabled else None
         self.track_evictions = False
@@ -359,25 +450,59 @@ class SparseTable:
         self.evicted = 0
         self.dropped = 0
         self.rejected = 0
+        self.demoted = 0  # rows moved to the disk tier
+        self.promoted = 0  # rows brought back from it
         self.staleness = StalenessStats()
         self.lock = threading.Lock()
+
+    def close(self) -> None:
+        """Give back the disk tier's file and leave the resident budget (the table is not used afterwards)."""
+        with self.lock:
+            if self._budget is not None:
+                self._budget.unregister(self._budget_handle)
+            if self._cold is not None:
+                self._cold.close()
+                self._cold = None
+
+    # ------------------------------------------------------------------ compatibility views
+    @property
+    def values(self) -> _ColumnView:
+        """Resident rows' values by row number (``values[rows]`` gathers a copy, row dtype)."""
+        return _ColumnView(self._store, "values", False)
+
+    @property
+    def state(self) -> dict[str, _ColumnView]:
+        return {k: _ColumnView(self._store, k, False) for k in self._state_names}
+
+    @property
+    def versions(self) -> _ColumnView:
+        return _ColumnView(self._store, "version", True)
+
+    @property
+    def last_touch(self) -> _ColumnView:
+        return _ColumnView(self._store, "touch", True)
+
+    @property
+    def row_ids(self) -> _ColumnView:
+        return _ColumnView(self._store, "id", True)
 
     # ------------------------------------------------------------------ sizes
     @property
     def rows(self) -> int:
         return len(self._index)
 
-    def _bytes_per_row(self) -> tuple[int, int]:
-        per_param = self.dim * 4
-        per_state = sum(v[:1].numel() * v.element_size() for v in self.state.values()) if self._cap else (
-            4 * (self.dim * len(self.optimizer.elementwise_state) + len(self.optimizer.rowwise_state))
-        )
-        return per_param, per_state
+    @property
+    def resident_rows(self) -> int:
+        return self._store.live
 
-    def _row_bytes(self) -> int:
-        """Everything one allocated row costs: values, optimizer state, and its version, last touch
-        and id (int64 each)."""
-        return sum(self._bytes_per_row()) + 3 * 8
+    @property
+    def cold_rows(self) -> int:
+        return self._cold.live if self._cold is not None else 0
+
+    def _bytes_per_row(self) -> tuple[int, int]:
+        per_param = self.dim * self._payload[0].row_nbytes // self.dim
+        per_state = sum(c.row_nbytes for c in self._payload[1:])
+        return per_param, per_state
 
     def param_bytes(self) -> int:
         return self.rows * self._bytes_per_row()[0]
@@ -385,18 +510,40 @@ class SparseTable:
     def state_bytes(self) -> int:
         return self.rows * self._bytes_per_row()[1]
 
+    def resident_bytes(self) -> int:
+        """RAM of the resident rows' chunks (what the resident budget counts)."""
+        return self._store.nbytes
+
     def held_bytes(self) -> int:
-        """Memory this table holds on the shard: rows allocated, live or free (params, optimizer
-        state, version, last touch, id), the id index, the slot map and the admission sketch."""
+        """Memory this table holds on the shard: resident chunks (rows live or free: values, optimizer
+        state, metadata), the id index, cold rows' metadata, the slot map and the admission sketch."""
         return (
-            self._cap * self._row_bytes() + self._index.nbytes + self.slots.nbytes
+            self._store.nbytes + self._index.nbytes + self.slots.nbytes
             + (self._seen.nbytes if self._seen is not None else 0)
+            + (self._cold.ram_bytes if self._cold is not None else 0)
         )
+
+    def memory_stats(self) -> TableMemory:
+        """Where this table's bytes are (a snapshot; see TableMemory)."""
+        with self.lock:
+            st = self._store
+            meta = st.column_nbytes(_META_NAMES) + (self._cold.ram_bytes if self._cold is not None else 0)
+            held = self.held_bytes()
+            rows = self.rows
+            return TableMemory(
+                rows=rows, resident_rows=st.live, cold_rows=self.cold_rows, free_rows=st.capacity - st.live,
+                row_dtype=self.spec.dtype, payload_bytes_per_row=sum(self._bytes_per_row()),
+                bytes_per_row=held / rows if rows else 0.0, values_bytes=st.column_nbytes(["values"]),
+                state_bytes=st.column_nbytes(self._state_names), metadata_bytes=meta, index_bytes=self._index.nbytes,
+                other_bytes=self.slots.nbytes + (self._seen.nbytes if self._seen is not None else 0), held_bytes=held,
+                disk_bytes=self._cold.disk_bytes if self._cold is not None else 0, chunks=st.num_chunks,
+                chunk_rows=st.chunk_rows,
+            )
 
     @classmethod
     def fixed_bytes(cls, spec: TableSpec) -> int:
         """Bytes the constructor allocates for ``spec`` (empty index, admission sketch; the default
-        slot map is computed, not stored)."""
+        slot map is computed, not stored; chunks come with the first rows)."""
         sketch = CountMinSketch.bytes_for() if spec.admission.enabled else 0
         return cls.INITIAL_INDEX * BYTES_PER_SLOT + sketch
 
@@ -413,40 +560,20 @@ class SparseTable:
                 )
 
     # ------------------------------------------------------------------ storage
-    def _cap_for(self, need: int) -> int:
-        cap = max(1024, self._cap)
-        while cap < need:
-            cap *= 2
-        return cap
-
-    def _room_bytes(self, fresh: int, new_ids: int) -> int:
-        """Bytes that storing ``new_ids`` more ids, ``fresh`` of them in rows never used, allocates."""
-        rows = (self._cap_for(self._n_alloc + fresh) - self._cap) if fresh else 0
-        return rows * self._row_bytes() + self._index.grow_bytes(new_ids)
-
-    def _grow(self, need: int, new_ids: int = 0) -> None:
-        """Make room for ``need`` rows (and ``new_ids`` more index entries); the budget is asked first."""
-        cap = self._cap_for(need) if need > self._cap else self._cap
-        index_growth = self._index.grow_bytes(new_ids)
-        if cap == self._cap and not index_growth:
-            return
-        self._reserve(self._row_bytes() * (cap - self._cap) + index_growth)
-        if cap == self._cap:
-            return
-        values = torch.empty((cap, self.dim))
-        values[: self._cap] = self.values[: self._cap]
-        self.values = values
-        new_state = self.optimizer.init_state(torch.empty((cap, self.dim)))
-        for k, v in new_state.items():
-            v[: self._cap] = self.state[k][: self._cap]
-        self.state = new_state
-        self.versions = np.resize(self.versions, cap)
-        self.last_touch = np.resize(self.last_touch, cap)
-        self.row_ids = np.resize(self.row_ids, cap)
-        self._cap = cap
-
     def _lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Location of each id: row >= 0 resident, -1 absent, <= -2 cold."""
         return self._index.lookup(ids)
+
+    def _resident_cap(self) -> int:
+        """Rows this table may keep resident now (-1: no limit)."""
+        if self._budget is None:
+            return -1
+        return self._budget.rows_for(self._budget_handle, self._store.row_nbytes)
+
+    def _cold_tier(self) -> ColdTier:
+        if self._cold is None:
+            self._cold = ColdTier(self._payload, _META, self._chunk_rows, self._spill_dir)
+        return self._cold
 
     def _admit(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """(mask of the missing ``ids`` (unique) admitted now, their earlier sightings). Changes
@@ -472,32 +599,110 @@ class SparseTable:
         if self._seen is not None and seen is not None:
             self._seen.add(ids[~ok], seen[~ok])
 
-    def _create(self, ids: np.ndarray, pinned: np.ndarray | None = None) -> np.ndarray:
-        """Allocate and initialize rows for new ``ids``; returns their row numbers. LRU eviction to
-        make room never picks a ``pinned`` row (the rows the same request reads)."""
-        n = len(ids)
-        evict = max(0, self.rows + n - self.spec.eviction.max_rows) if self.spec.eviction.max_rows else 0
-        # the budget before anything changes (the rows eviction frees are reused, not allocated)
-        self._reserve(self._room_bytes(max(0, n - len(self._free) - evict), n))
+    def _make_resident(
+        self, uniq: np.ndarray, loc: np.ndarray, cold_pos: np.ndarray, new_pos: np.ndarray, seen: np.ndarray | None = None
+    ) -> None:
+        """Bring the cold rows at positions ``cold_pos`` of ``uniq`` back and create rows for the
+        ids at ``new_pos`` (``seen``: their earlier sightings); ``loc`` is updated in place. The
+        byte budget is asked first (nothing changes if it refuses). Rows this request already
+        found are pinned: neither LRU eviction nor demotion picks them."""
+        n_new, n_in = new_pos.size, new_pos.size + cold_pos.size
+        if not n_in:
+            return
+        cap = self.spec.eviction.max_rows
+        evict = max(0, self.rows + n_new - cap) if cap else 0
+        limit = self._resident_cap()
+        demote = 0
+        if limit >= 0:
+            excess = self._store.live + n_in - evict - limit
+            if excess > 0:
+                demote = excess + limit // 8  # some slack: demotion is batched, not one row per pull
+        fresh = max(0, n_in - evict - demote - (self._store.capacity - self._store.live))
+        need = self._store.grow_bytes(fresh) + self._index.grow_bytes(n_new)
+        if demote:
+            cold = self._cold_tier()
+            need += cold.meta.alloc_bytes(demote)
+        self._reserve(need)
         if evict:
-            self._evict_lru(evict, pinned)
-        take = min(n, len(self._free))
-        fresh = n - take
-        self._grow(self._n_alloc + fresh, n)  # the budget first: refused, nothing was taken
-        reused = self._free[len(self._free) - take :]
-        del self._free[len(self._free) - take :]
-        self._n_alloc += fresh
-        r = np.concatenate([np.asarray(reused[::-1], np.int64), np.arange(self._n_alloc - fresh, self._n_alloc, dtype=np.int64)])
-        rt = torch.from_numpy(r)
-        self.values[rt] = torch.from_numpy(init_rows(self.spec.initializer, self._key, ids, self.dim))
+            self._evict_lru(evict, pinned_ids=uniq[loc != -1])
+        if demote:
+            self._demote(demote, pinned_rows=loc[loc >= 0])
+        if cold_pos.size:
+            loc[cold_pos] = self._promote(uniq[cold_pos], -loc[cold_pos] - 2)
+        if n_new:
+            loc[new_pos] = self._create(uniq[new_pos], seen)
+
+    def _create(self, ids: np.ndarray, seen: np.ndarray | None = None) -> np.ndarray:
+        """Allocate and initialize rows for new ``ids`` (room was made); returns their row numbers."""
+        n = len(ids)
+        rows = self._store.alloc(n)
         fill = self.spec.optimizer.hparams.get("initial_accumulator", 0.0)
-        for k, v in self.state.items():
-            v[rt] = fill if k in ("sum", "n") else 0.0
-        self.versions[r] = 0
-        self.last_touch[r] = self.step
-        self.row_ids[r] = ids
-        self._index.insert(ids, r)
-        return r
+        data: dict[str, Any] = {
+            "values": init_rows(self.spec.initializer, self._key, ids, self.dim),
+            "version": 0, "touch": self.step, "id": ids,
+            "admits": 1 if seen is None else np.minimum(seen + 1, 32767).astype(np.int16),
+        }
+        for k in self._state_names:
+            data[k] = float(fill) if k in ("sum", "n") else 0.0
+        self._store.scatter(rows, data)
+        self._index.insert(ids, rows)
+        return rows
+
+    def _demote(self, count: int, pinned_rows: np.ndarray | None = None) -> None:
+        """Move the ``count`` least recently touched resident rows (not ``pinned_rows``) to the disk tier."""
+        live = self._store.all_rows()
+        if pinned_rows is not None and pinned_rows.size:
+            live = live[~np.isin(live, pinned_rows)]
+        count = min(count, live.size)
+        if count <= 0:
+            return
+        if count < live.size:
+            touch = self._store.gather(live, ["touch"])["touch"].numpy()
+            live = live[np.argpartition(touch, count - 1)[:count]]
+        data = self._store.gather(live)
+        slots = self._cold_tier().put(data)
+        self._index.assign(data["id"].numpy(), -slots - 2)
+        self._store.release(live)
+        self.demoted += count
+
+    def _promote(self, ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Bring the cold rows of ``ids`` (at ``slots``) back; returns their resident rows."""
+        assert self._cold is not None
+        data = self._cold.get(slots)
+        rows = self._store.alloc(len(slots))
+        self._store.scatter(rows, data)
+        self._index.assign(ids, rows)
+        self._cold.release(slots)
+        self.promoted += len(slots)
+        return rows
+
+    def _gather(self, loc: np.ndarray, names: list[str]) -> dict[str, torch.Tensor]:
+        """Columns of rows at locations ``loc`` (resident or cold; none absent)."""
+        res = loc >= 0
+        if res.all():
+            return self._store.gather(loc, names)
+        cols = {c.name: c for c in self._store.columns.values()}
+        out = {}
+        for k in names:
+            c = cols[k]
+            out[k] = torch.empty((len(loc), c.width) if c.width else (len(loc),), dtype=c.dtype)
+        rp, cp = np.flatnonzero(res), np.flatnonzero(~res)
+        assert self._cold is not None
+        for pos, part in ((rp, self._store.gather(loc[rp], names)), (cp, self._cold.get(-loc[cp] - 2, names))):
+            pt = torch.from_numpy(pos)
+            for k in names:
+                out[k][pt] = part[k]
+        return out
+
+    def _live(self, names: list[str]) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
+        """(locations, columns) of every live row, both tiers."""
+        rows = self._store.all_rows()
+        data = self._store.gather(rows, names)
+        if self._cold is None or not self._cold.live:
+            return rows, data
+        slots = self._cold.meta.all_rows()
+        cd = self._cold.get(slots, names)
+        return np.concatenate([rows, -slots - 2]), {k: torch.cat([data[k], cd[k]]) for k in names}
 
     def take_evicted(self) -> np.ndarray:
         """Ids evicted since the last call (tracked only while ``track_evictions``; caller holds the lock)."""
@@ -505,22 +710,31 @@ class SparseTable:
         self._evicted_ids = []
         return out
 
-    def _drop_rows(self, rows: np.ndarray) -> None:
-        if self.track_evictions:  # a backup must drop them too (sent with the next replicated push)
-            self._evicted_ids.append(self.row_ids[rows].copy())
-        self._index.delete(self.row_ids[rows])
-        self._free.extend(rows.tolist())
-        self.evicted += len(rows)
+    def _drop(self, ids: np.ndarray, loc: np.ndarray, count: bool = True) -> None:
+        """Remove rows (ids at locations ``loc``) from the index and free their storage."""
+        if count and self.track_evictions:  # a backup must drop them too (sent with the next replicated push)
+            self._evicted_ids.append(ids.copy())
+        self._index.delete(ids)
+        res = loc >= 0
+        if res.any():
+            self._store.release(loc[res])
+        if not res.all():
+            assert self._cold is not None
+            self._cold.release(-loc[~res] - 2)
+        if count:
+            self.evicted += len(ids)
 
-    def _evict_lru(self, count: int, pinned: np.ndarray | None = None) -> None:
-        live = self._index.values()
-        if pinned is not None and pinned.size:
-            live = live[~np.isin(live, pinned)]
-        if count <= 0 or not live.size:
+    def _evict_lru(self, count: int, pinned_ids: np.ndarray | None = None) -> None:
+        loc, d = self._live(["id", "touch"])
+        ids, touch = d["id"].numpy(), d["touch"].numpy()
+        if pinned_ids is not None and pinned_ids.size:
+            keep = ~np.isin(ids, pinned_ids)
+            loc, ids, touch = loc[keep], ids[keep], touch[keep]
+        if count <= 0 or not loc.size:
             return
-        count = min(count, live.size)
-        oldest = live[np.argpartition(self.last_touch[live], count - 1)[:count]]
-        self._drop_rows(oldest)
+        count = min(count, loc.size)
+        pick = np.argpartition(touch, count - 1)[:count]
+        self._drop(ids[pick], loc[pick])
 
     def evict_expired(self) -> int:
         """Drop rows untouched for more than ttl_steps table updates; returns how many."""
@@ -528,19 +742,19 @@ class SparseTable:
         if not ttl or not len(self._index):
             return 0
         with self.lock:
-            live = self._index.values()
-            old = live[self.last_touch[live] < self.step - ttl]
-            if old.size:
-                self._drop_rows(old)
-            return int(old.size)
+            loc, d = self._live(["id", "touch"])
+            old = d["touch"].numpy() < self.step - ttl
+            if old.any():
+                self._drop(d["id"].numpy()[old], loc[old])
+            return int(np.count_nonzero(old))
 
     # ------------------------------------------------------------------ API
-    def pull(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rows for int64 ``ids`` (any order, duplicates allowed): (float32 (n, dim), int64 versions).
+    def pull_rows(self, ids: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+        """Rows for int64 ``ids`` (any order, duplicates allowed) as stored: ((n, dim) tensor in the
+        row dtype, int64 versions).
 
-        Missing rows are created with the initializer (unless admission says
-        not yet: then the initial values are returned but nothing is stored).
-        """
+        Missing rows are created with the initializer (unless admission says not yet: then the
+        initial values are returned but nothing is stored); cold rows are brought back."""
         self.check_ids(ids)
         uniq, inverse = np.unique(ids, return_inverse=True)
         cap = self.spec.eviction.max_rows
@@ -550,27 +764,41 @@ class SparseTable:
                 f"more than its eviction.max_rows of {cap}; split the request or raise max_rows"
             )
         with self.lock:
-            rows = self._lookup(uniq)
-            missing = np.nonzero(rows < 0)[0]
-            out_vals = np.empty((len(uniq), self.dim), np.float32)
-            out_vers = np.zeros(len(uniq), np.int64)
+            loc = self._lookup(uniq)
+            missing = np.flatnonzero(loc == -1)
+            cold = np.flatnonzero(loc < -1)
+            ok, seen = self._admit(uniq[missing]) if missing.size else (np.zeros(0, bool), None)
+            admitted = missing[ok]
+            self._make_resident(uniq, loc, cold, admitted, seen[ok] if seen is not None else None)
             if missing.size:
-                ok, seen = self._admit(uniq[missing])
-                admitted = missing[ok]
-                if admitted.size:
-                    # the rows this request already found are pinned: eviction must not reuse them
-                    rows[admitted] = self._create(uniq[admitted], pinned=rows[rows >= 0])
                 self._sighted(uniq[missing], ok, seen)
-                pending = missing[rows[missing] < 0]
-                if pending.size:
-                    out_vals[pending] = init_rows(self.spec.initializer, self._key, uniq[pending], self.dim)
-            have = np.nonzero(rows >= 0)[0]
-            if have.size:
-                r = rows[have]
-                out_vals[have] = self.values[torch.from_numpy(r)].numpy()
-                out_vers[have] = self.versions[r]
-                self.last_touch[r] = self.step
-        return out_vals[inverse], out_vers[inverse]
+            have = np.flatnonzero(loc >= 0)
+            if have.size == len(uniq):
+                d = self._store.gather(loc, ["values", "version"])
+                out_vals, out_vers = d["values"], d["version"].numpy()
+                self._store.scatter(loc, {"touch": self.step})
+            else:
+                out_vals = torch.empty((len(uniq), self.dim), dtype=self.row_dtype)
+                out_vers = np.zeros(len(uniq), np.int64)
+                if have.size:
+                    r = loc[have]
+                    d = self._store.gather(r, ["values", "version"])
+                    ht = torch.from_numpy(have)
+                    out_vals[ht] = d["values"]
+                    out_vers[have] = d["version"].numpy()
+                    self._store.scatter(r, {"touch": self.step})
+                pending = np.flatnonzero(loc < 0)
+                out_vals[torch.from_numpy(pending)] = torch.from_numpy(
+                    init_rows(self.spec.initializer, self._key, uniq[pending], self.dim)
+                ).to(self.row_dtype)
+        inv = torch.from_numpy(inverse.reshape(-1).astype(np.int64))
+        return out_vals[inv], out_vers[inverse.reshape(-1)]
+
+    def pull(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows for int64 ``ids`` (any order, duplicates allowed): (float32 (n, dim), int64 versions).
+        Low-precision rows are widened exactly. See ``pull_rows``."""
+        vals, vers = self.pull_rows(ids)
+        return vals.float().numpy(), vers
 
     def prepare_push(self, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None) -> "SparsePush":
         """Validate a push and sum duplicate ids; changes nothing."""
@@ -585,11 +813,11 @@ class SparseTable:
         _check_finite(self.spec, grads, "gradient")
         uniq, inverse = np.unique(ids, return_inverse=True)
         g = torch.zeros((len(uniq), self.dim))
-        g.index_add_(0, torch.from_numpy(inverse.astype(np.int64)), torch.from_numpy(np.array(grads, np.float32)))
+        g.index_add_(0, torch.from_numpy(inverse.reshape(-1).astype(np.int64)), torch.from_numpy(np.array(grads, np.float32)))
         base = None
         if base_versions is not None:
             base = np.full(len(uniq), -1, np.int64)
-            np.maximum.at(base, inverse, base_versions)  # the newest version any copy was computed from
+            np.maximum.at(base, inverse.reshape(-1), base_versions)  # the newest version any copy was computed from
         return SparsePush(uniq, g, base)
 
     def push(
@@ -615,47 +843,53 @@ class SparseTable:
     ) -> PushResult:
         """Apply a prepared push under the table lock. ``once()`` first (deduplication: a result it
         returns is returned as is); ``before_swap(result, delta)`` sees the rows' new state before
-        it is stored (replication); if it raises, nothing is applied."""
+        it is stored (replication); if it raises, nothing is applied (a cold row the push brought
+        back stays resident: its values are unchanged).
+
+        The optimizer runs in fp32; the new values are rounded to the row dtype (``ps.rowdtype``)."""
         uniq, g, base = p.ids, p.grads, p.base_versions
         with self.lock:
             prior = once() if once is not None else None
             if prior is not None:
                 return prior
-            rows = self._lookup(uniq)
-            have = np.nonzero(rows >= 0)[0]
+            loc = self._lookup(uniq)
+            cold = np.flatnonzero(loc < -1)
+            if cold.size:
+                self._make_resident(uniq, loc, cold, np.zeros(0, np.int64))
+            have = np.flatnonzero(loc >= 0)
             dropped = len(uniq) - have.size
             stale = np.zeros(0, np.int64)
+            r = loc[have]
+            d = self._store.gather(r, ["values", "version", *self._state_names])
+            versions = d["version"].numpy()
+            if have.size and base is not None:
+                b = base[have]
+                stale = np.where(b >= 0, versions - b, -1)
+                self.staleness.add(stale)
+            opt = self.optimizer
+            measured = stale[stale >= 0]
+            if staleness_aware_lr and measured.size and measured.mean() > 1:
+                opt = scaled_lr(opt, 1.0 / float(measured.mean()))
+            param = d["values"].float() if self.row_dtype != torch.float32 else d["values"]
+            state = {k: d[k] for k in self._state_names}
+            new_versions = versions + 1
+            stored = param
             if have.size:
-                r = rows[have]
-                rt = torch.from_numpy(r)
-                if base is not None:
-                    b = base[have]
-                    stale = np.where(b >= 0, self.versions[r] - b, -1)
-                    self.staleness.add(stale)
-                opt = self.optimizer
-                measured = stale[stale >= 0]
-                if staleness_aware_lr and measured.size and measured.mean() > 1:
-                    opt = scaled_lr(opt, 1.0 / float(measured.mean()))
-                param = self.values[rt]
-                state = {k: v[rt] for k, v in self.state.items()}
-                step = torch.from_numpy(self.versions[r] + 1).to(torch.float64)[:, None]
+                step = torch.from_numpy(new_versions).to(torch.float64)[:, None]
                 opt.update(param, g[torch.from_numpy(have)], state, step)
-            else:
-                r = np.zeros(0, np.int64)
-                param, state = self.values[:0], {k: v[:0] for k, v in self.state.items()}
+                if self.row_dtype != torch.float32:
+                    keys = row_keys(self._key, uniq[have], new_versions) if self.row_dtype == torch.bfloat16 else None
+                    stored = round_rows(param, self.row_dtype, keys)
             valid = stale[stale >= 0]
             result = PushResult(
                 int(have.size), dropped, float(valid.mean()) if valid.size else -1.0, int(valid.max()) if valid.size else -1,
                 self.step + 1,
             )
             if before_swap is not None:
-                before_swap(result, RowDelta(uniq[have], param.numpy(), {k: v.numpy() for k, v in state.items()}, self.versions[r] + 1))
+                values = stored.float().numpy() if stored.dtype != torch.float32 else stored.numpy()
+                before_swap(result, RowDelta(uniq[have], values, {k: v.numpy() for k, v in state.items()}, new_versions))
             if have.size:
-                self.values[rt] = param
-                for k, v in state.items():
-                    self.state[k][rt] = v
-                self.versions[r] += 1
-                self.last_touch[r] = self.step
+                self._store.scatter(r, {"values": stored, **state, "version": new_versions, "touch": self.step})
             self.step += 1
             self.updates += int(have.size)
             self.dropped += dropped
@@ -664,77 +898,100 @@ class SparseTable:
         return result
 
     def export_state(self, along: Callable[[], Any] | None = None) -> dict[str, Any]:
-        """Live rows (ids, values, optimizer state, versions) sorted by virtual slot, and the table step
-        (copies); ``along()`` as for DenseTable.export_state."""
+        """Live rows of both tiers (ids, values, optimizer state, versions) sorted by virtual slot, and
+        the table step (copies); ``along()`` as for DenseTable.export_state. Values are in the row
+        dtype (bfloat16 as uint16 bit patterns, see ps.rowdtype.to_storage_array)."""
         with self.lock:
             extra = along() if along is not None else None
-            ids, rows = self._index.items()
+            ids, loc = self._index.items()
             order = np.lexsort((ids, slot_of(ids, self.spec.num_slots))) if ids.size else np.zeros(0, np.int64)
-            ids, rows = ids[order], rows[order]
-            rt = torch.from_numpy(rows)
+            ids, loc = ids[order], loc[order]
+            d = self._gather(loc, ["values", "version", *self._state_names])
             return {
-                "step": self.step, "updates": self.updates, "ids": ids, "values": self.values[rt].numpy().copy(),
-                "versions": self.versions[rows].copy(), "state": {k: v[rt].numpy().copy() for k, v in self.state.items()},
+                "step": self.step, "updates": self.updates, "ids": ids, "values": to_storage_array(d["values"]),
+                "versions": d["version"].numpy(), "state": {k: d[k].numpy() for k in self._state_names},
                 "along": extra,
             }
 
+    def _values_tensor(self, values: Any, n: int) -> torch.Tensor:
+        a = np.asarray(values)
+        if a.dtype not in (np.float32, np.float16, np.uint16):
+            a = a.astype(np.float32)
+        return from_storage_array(a.reshape(n, self.dim), self.row_dtype)
+
     def load_state(self, snap: dict[str, Any]) -> None:
-        """Replace every row with ``snap``'s (from export_state; ids must belong to this shard)."""
+        """Replace every row with ``snap``'s (from export_state; ids must belong to this shard). Rows
+        beyond the resident budget go to the disk tier."""
         ids = np.asarray(snap["ids"], np.int64)
-        values = np.asarray(snap["values"], np.float32).reshape(len(ids), self.dim)
+        values = self._values_tensor(snap["values"], len(ids))
         self.check_ids(ids)
         with self.lock:
             self._index = IdIndex(max(self.INITIAL_INDEX, 2 * len(ids)))
-            self._free, self._cap, self._n_alloc = [], 0, 0
-            self.values = torch.zeros((0, self.dim))
-            self.state = self.optimizer.init_state(self.values)
-            self.versions = np.zeros(0, np.int64)
-            self.last_touch = np.zeros(0, np.int64)
-            self.row_ids = np.zeros(0, np.int64)
+            self._store.clear()
+            if self._cold is not None:
+                self._cold.clear()
             self.step = int(snap["step"])
             self.updates = int(snap.get("updates", 0))
             if len(ids):
                 self._upsert(ids, values, snap["state"], np.asarray(snap["versions"], np.int64))
 
-    def _upsert(self, ids: np.ndarray, values: np.ndarray, state: dict[str, Any], versions: np.ndarray) -> None:
-        """Store rows as given (create the missing ones). Caller holds the lock."""
-        rows = self._lookup(ids)
-        missing = np.nonzero(rows < 0)[0]
-        if missing.size:
-            n = missing.size
-            take = min(n, len(self._free))
-            fresh = n - take
-            self._grow(self._n_alloc + fresh, n)  # the budget first
-            reused = np.asarray(self._free[len(self._free) - take :][::-1], np.int64)
-            del self._free[len(self._free) - take :]
-            self._n_alloc += fresh
-            new = np.concatenate([reused, np.arange(self._n_alloc - fresh, self._n_alloc, dtype=np.int64)])
-            self._index.insert(ids[missing], new)
-            self.row_ids[new] = ids[missing]
-            rows[missing] = new
-        rt = torch.from_numpy(rows)
-        self.values[rt] = torch.from_numpy(np.asarray(values, np.float32))
-        for k, v in self.state.items():
-            v[rt] = torch.from_numpy(np.asarray(state[k], np.float32))
-        self.versions[rows] = versions
-        self.last_touch[rows] = self.step
+    def _upsert(self, ids: np.ndarray, values: torch.Tensor, state: Mapping[str, Any], versions: np.ndarray) -> None:
+        """Store rows as given (create the missing ones: resident while the budget has room, then
+        in the disk tier). Caller holds the lock."""
+        loc = self._lookup(ids)
+        new = np.flatnonzero(loc == -1)
+        if new.size:
+            limit = self._resident_cap()
+            free = self._store.capacity - self._store.live
+            k = new.size if limit < 0 else min(new.size, max(0, limit - self._store.live))
+            cold_n = new.size - k
+            need = self._store.grow_bytes(max(0, k - free)) + self._index.grow_bytes(new.size)
+            if cold_n:
+                need += self._cold_tier().meta.alloc_bytes(cold_n)
+            self._reserve(need)  # the budget first
+            rows = self._store.alloc(k)
+            loc[new[:k]] = rows
+            if cold_n:
+                cold = self._cold_tier()
+                slots = cold.payload.alloc(cold_n)
+                same = cold.meta.alloc(cold_n)
+                assert np.array_equal(slots, same)
+                loc[new[k:]] = -slots - 2
+            self._index.insert(ids[new], loc[new])
+        data: dict[str, Any] = {"values": values, "version": np.asarray(versions, np.int64), "id": ids}
+        for k in self._state_names:
+            data[k] = torch.from_numpy(np.ascontiguousarray(state[k], np.float32))
+        res = loc >= 0
+        if res.all():
+            self._store.scatter(loc, {**data, "touch": self.step, "admits": 0} if new.size else {**data, "touch": self.step})
+            return
+        for part, sel in ((res, loc[res]), (~res, -loc[~res] - 2)):
+            if not part.any():
+                continue
+            pt = torch.from_numpy(np.flatnonzero(part))
+            sub = {k: (v[pt] if isinstance(v, torch.Tensor) else v[part]) for k, v in data.items()}
+            sub["touch"] = self.step
+            if part is res:
+                self._store.scatter(sel, sub)
+            else:
+                assert self._cold is not None
+                self._cold.update(sel, sub)
 
     def apply_delta(self, delta: RowDelta, step: int, evicted: np.ndarray | None = None) -> None:
         """Make rows equal to a primary's (replication): upsert ``delta``, drop ``evicted`` ids, set the step."""
         with self.lock:
             if evicted is not None and evicted.size:
-                rows = self._lookup(evicted)
-                gone = rows[rows >= 0]
-                if gone.size:
-                    self._index.delete(self.row_ids[gone])
-                    self._free.extend(gone.tolist())
+                loc = self._lookup(evicted)
+                there = loc != -1
+                if there.any():
+                    self._drop(evicted[there], loc[there], count=False)
             if delta.ids.size:
-                self._upsert(delta.ids, delta.values, delta.state, delta.versions)
+                self._upsert(delta.ids, self._values_tensor(delta.values, len(delta.ids)), delta.state, delta.versions)
             self.updates += int(delta.ids.size)
             self.step = step
 
     def items(self) -> Iterator[tuple[int, int]]:
-        """(id, row) pairs of live rows (a snapshot)."""
+        """(id, location) pairs of live rows (a snapshot; location >= 0: a resident row, <= -2: cold)."""
         with self.lock:
-            ids, rows = self._index.items()
-            return zip(ids.tolist(), rows.tolist())
+            ids, loc = self._index.items()
+            return zip(ids.tolist(), loc.tolist())

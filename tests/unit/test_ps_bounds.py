@@ -373,7 +373,7 @@ def test_index_bytes_are_counted_and_budgeted() -> None:
     asked: list[int] = []
     t = SparseTable(TableSpec("s", "sparse", dim=4), 0, 1, max_bytes_fn=asked.append)
     t.pull(np.arange(5000, dtype=np.int64))
-    assert t.held_bytes() >= t._index.nbytes + t._cap * 4 * 4
+    assert t.held_bytes() >= t._index.nbytes + t._store.capacity * 4 * 4
     assert sum(asked) >= t.held_bytes() - SparseTable.fixed_bytes(t.spec)
 
 
@@ -385,6 +385,6 @@ def test_sparse_budget_counts_every_array_a_row_allocates() -> None:
 
     t = SparseTable(TableSpec("emb", SPARSE, dim=1, optimizer=OptimizerSpec("sgd")), 0, 1)
     t.pull(np.arange(5000))
-    arrays = t.values.numel() * 4 + t.versions.nbytes + t.last_touch.nbytes + t.row_ids.nbytes
-    arrays += sum(v.numel() * v.element_size() for v in t.state.values())
+    arrays = t.values.nbytes + t.versions.nbytes + t.last_touch.nbytes + t.row_ids.nbytes
+    arrays += sum(v.nbytes for v in t.state.values())
     assert t.held_bytes() >= arrays + t._index.nbytes

@@ -1,0 +1,364 @@
+"""RowStore: fixed-width rows in fixed-size chunks, with a free list (no doubling, no big copy).
+
+A sparse table's rows (values, optimizer state and per-row metadata) live in *columns*; each
+column is a (rows, width) tensor (width 0: one scalar per row). Rows are numbered 0, 1, ...;
+row ``r`` lives in chunk ``r >> shift`` at offset ``r & mask``. A chunk is ONE buffer holding
+every column's slice for its ``chunk_rows`` rows, allocated when the first row of it is handed
+out and never moved afterwards, so growth costs one chunk (no doubling of one big array, no
+transient 2x peak while copying it). Only chunk 0 grows by doubling (from ``first_rows`` up to
+``chunk_rows``, so that a table of ten rows does not cost a whole chunk); the copy is at most
+one chunk.
+
+Buffers come from a :class:`ChunkBacking`: RAM (``torch.empty``: pages are committed by the
+kernel as rows are first written, so a chunk only partly filled costs RSS for what it holds) or
+a file (:class:`FileBacking`: memory-mapped segments of one unlinked temporary file, the disk
+tier of ``ps.tier``).
+
+Rows released (eviction, demotion to the disk tier) go on a free stack and are handed out again
+before any fresh row: a table whose row count stays bounded never allocates another chunk.
+
+Not thread-safe: the owning table's lock guards it. Pure torch/numpy.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["Column", "RowStore", "ChunkBacking", "RamBacking", "FileBacking", "chunk_rows_for"]
+
+_ALIGN = 64  # byte alignment of each column inside a chunk buffer
+
+
+@dataclass(frozen=True)
+class Column:
+    """One per-row field: ``width`` elements of ``dtype`` per row (0: a scalar per row)."""
+
+    name: str
+    dtype: torch.dtype
+    width: int = 0
+
+    @property
+    def row_nbytes(self) -> int:
+        return max(1, self.width) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def chunk_rows_for(row_nbytes: int, chunk_bytes: int = 32 << 20, lo: int = 1024, hi: int = 1 << 20) -> int:
+    """Rows per chunk: the power of two that makes a chunk about ``chunk_bytes`` (within [lo, hi])."""
+    rows = max(1, chunk_bytes // max(1, row_nbytes))
+    p = 1 << (rows.bit_length() - 1)
+    return int(min(hi, max(lo, p)))
+
+
+class ChunkBacking:
+    """Where chunk buffers come from. ``allocate(nbytes)`` returns a uint8 tensor of that size."""
+
+    file_backed = False
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def free(self, buf: torch.Tensor) -> None:
+        """``buf`` (from allocate) is no longer used (chunk 0 replaced by a bigger one)."""
+
+    def drop_pages(self) -> None:
+        """Let the kernel drop this backing's pages from the process's resident set (file backing)."""
+
+    def close(self) -> None:
+        """Release everything (the store is not used afterwards)."""
+
+
+class RamBacking(ChunkBacking):
+    """Chunks in RAM (``torch.empty``; not zeroed, so pages are committed as rows are written)."""
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class FileBacking(ChunkBacking):
+    """Chunks as memory-mapped segments of one temporary file in ``directory`` (unlinked at once:
+    the disk space goes back when the process ends, even if it crashes).
+
+    Why mmap and not an embedded key-value store: rows are fixed-width and already numbered, so
+    a row's place in the file is arithmetic (no second index, no serialization), and a batch of
+    rows is read or written with one vectorized gather/scatter per segment, the same code as the
+    RAM tier. Pages the process touched are handed back by :meth:`drop_pages` (``MADV_DONTNEED``
+    on a shared file mapping: dirty pages stay in the page cache and reach the file; the
+    process's RSS no longer counts them).
+    """
+
+    file_backed = True
+
+    def __init__(self, directory: str | None = None) -> None:
+        if directory:
+            os.makedirs(directory, exist_ok=True)
+        self._file = tempfile.TemporaryFile(prefix="tessera-tier-", dir=directory or None)
+        self._fd = self._file.fileno()
+        self._size = 0
+        self._maps: list[mmap.mmap] = []
+        self._views: list[torch.Tensor] = []
+
+    @property
+    def file_bytes(self) -> int:
+        return self._size
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        page = mmap.ALLOCATIONGRANULARITY
+        nbytes = -(-nbytes // page) * page
+        offset = self._size
+        os.ftruncate(self._fd, offset + nbytes)  # sparse: disk blocks are taken as rows are written
+        self._size = offset + nbytes
+        mm = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+        self._maps.append(mm)
+        t = torch.frombuffer(mm, dtype=torch.uint8)
+        self._views.append(t)
+        return t
+
+    def drop_pages(self) -> None:
+        for mm in self._maps:
+            mm.madvise(mmap.MADV_DONTNEED)
+
+    def close(self) -> None:
+        self._views.clear()
+        for mm in self._maps:
+            try:
+                mm.close()
+            except BufferError:  # a tensor view is still referenced somewhere: the mapping goes with it
+                pass
+        self._maps.clear()
+        self._file.close()
+
+
+class _Chunk:
+    __slots__ = ("buf", "cols", "rows")
+
+    def __init__(self, buf: torch.Tensor, cols: dict[str, torch.Tensor], rows: int) -> None:
+        self.buf, self.cols, self.rows = buf, cols, rows
+
+
+class RowStore:
+    """Rows of ``columns`` in chunks of ``chunk_rows`` (a power of two) rows.
+
+    ``first_rows``: the capacity chunk 0 starts with (it doubles up to ``chunk_rows``);
+    ``backing``: where chunk buffers come from (default RAM).
+    """
+
+    def __init__(
+        self, columns: Sequence[Column], chunk_rows: int, first_rows: int = 256, backing: ChunkBacking | None = None
+    ) -> None:
+        if chunk_rows < 1 or chunk_rows & (chunk_rows - 1):
+            raise ValueError(f"chunk_rows must be a power of two, got {chunk_rows}")
+        self.columns = {c.name: c for c in columns}
+        self.chunk_rows = chunk_rows
+        self.shift = chunk_rows.bit_length() - 1
+        self.mask = chunk_rows - 1
+        self.first_rows = max(1, min(first_rows, chunk_rows))
+        self.backing = backing or RamBacking()
+        self._chunks: list[_Chunk] = []
+        self.n_alloc = 0  # rows [0, n_alloc) were handed out at least once
+        self._free = np.zeros(0, np.int64)  # a stack of released rows
+        self._n_free = 0
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes one row takes in its chunk (every column)."""
+        return sum(c.row_nbytes for c in self.columns.values())
+
+    @property
+    def capacity(self) -> int:
+        """Rows the allocated chunks hold."""
+        return sum(ch.rows for ch in self._chunks)
+
+    @property
+    def live(self) -> int:
+        """Rows handed out and not released."""
+        return self.n_alloc - self._n_free
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._chunks)
+
+    def column_nbytes(self, names: Sequence[str] | None = None) -> int:
+        """Bytes the allocated chunks hold for ``names`` (default: every column)."""
+        names = list(self.columns) if names is None else names
+        return self.capacity * sum(self.columns[n].row_nbytes for n in names)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the allocated chunks (plus the free stack)."""
+        return self.capacity * self.row_nbytes + self._free.nbytes
+
+    def _layout(self, rows: int) -> tuple[int, list[tuple[Column, int]]]:
+        off, out = 0, []
+        for c in self.columns.values():
+            out.append((c, off))
+            off += -(-(rows * c.row_nbytes) // _ALIGN) * _ALIGN
+        return off, out
+
+    def _new_chunk(self, rows: int) -> _Chunk:
+        total, layout = self._layout(rows)
+        buf = self.backing.allocate(max(total, 1))
+        cols = {}
+        for c, off in layout:
+            n = rows * c.row_nbytes
+            v = buf[off : off + n].view(c.dtype)
+            cols[c.name] = v.view(rows, c.width) if c.width else v
+        return _Chunk(buf, cols, rows)
+
+    def grow_bytes(self, fresh: int) -> int:
+        """Bytes that handing out ``fresh`` rows never used before allocates (0 if they fit)."""
+        need = self.n_alloc + fresh
+        have = self.capacity
+        if need <= have:
+            return 0
+        extra = 0
+        if not self._chunks or (len(self._chunks) == 1 and self._chunks[0].rows < self.chunk_rows):
+            cap0 = self._chunks[0].rows if self._chunks else 0
+            new0 = max(self.first_rows, cap0)
+            while new0 < min(need, self.chunk_rows):
+                new0 *= 2
+            new0 = min(new0, self.chunk_rows)
+            extra += (new0 - cap0) * self.row_nbytes
+            have = new0
+        if need > have:
+            chunks = -(-(need - have) // self.chunk_rows)
+            extra += chunks * self.chunk_rows * self.row_nbytes
+        return extra
+
+    def alloc_bytes(self, n: int) -> int:
+        """Bytes ``alloc(n)`` would allocate."""
+        return self.grow_bytes(max(0, n - self._n_free))
+
+    def _ensure(self, need: int) -> None:
+        if need <= self.capacity:
+            return
+        if not self._chunks or (len(self._chunks) == 1 and self._chunks[0].rows < self.chunk_rows):
+            old = self._chunks[0] if self._chunks else None
+            cap0 = old.rows if old else 0
+            new0 = max(self.first_rows, cap0)
+            while new0 < min(need, self.chunk_rows):
+                new0 *= 2
+            new0 = min(new0, self.chunk_rows)
+            if new0 > cap0:
+                ch = self._new_chunk(new0)
+                if old is not None:
+                    for name, v in old.cols.items():
+                        ch.cols[name][: old.rows] = v
+                    self.backing.free(old.buf)
+                    self._chunks[0] = ch
+                else:
+                    self._chunks.append(ch)
+        while self.capacity < need:
+            self._chunks.append(self._new_chunk(self.chunk_rows))
+
+    # ------------------------------------------------------------------ rows
+    def alloc(self, n: int) -> np.ndarray:
+        """``n`` row numbers: released ones first (most recently released first), then fresh ones.
+        Their contents are undefined until written."""
+        take = min(n, self._n_free)
+        reused = self._free[self._n_free - take : self._n_free][::-1].copy()
+        fresh = n - take
+        self._ensure(self.n_alloc + fresh)
+        self._n_free -= take
+        new = np.arange(self.n_alloc, self.n_alloc + fresh, dtype=np.int64)
+        self.n_alloc += fresh
+        return np.concatenate([reused, new]) if take else new
+
+    def release(self, rows: np.ndarray) -> None:
+        """Give ``rows`` back (each live, no duplicates); alloc hands them out again."""
+        rows = np.asarray(rows, np.int64)
+        need = self._n_free + len(rows)
+        if need > len(self._free):
+            grown = np.zeros(max(need, 2 * len(self._free), 1024), np.int64)
+            grown[: self._n_free] = self._free[: self._n_free]
+            self._free = grown
+        self._free[self._n_free : need] = rows
+        self._n_free = need
+
+    def free_rows(self) -> np.ndarray:
+        return self._free[: self._n_free].copy()
+
+    def _groups(self, rows: np.ndarray) -> Iterator[tuple[_Chunk, torch.Tensor | None, torch.Tensor]]:
+        """(chunk, positions in ``rows`` (None: all of them), offsets in the chunk) per chunk touched."""
+        if not len(rows):
+            return
+        c = rows >> self.shift
+        lo, hi = int(c.min()), int(c.max())
+        if lo == hi:
+            yield self._chunks[lo], None, torch.from_numpy(rows & self.mask)
+            return
+        order = np.argsort(c, kind="stable")
+        cs = c[order]
+        cut = np.flatnonzero(cs[1:] != cs[:-1]) + 1
+        starts = np.concatenate([[0], cut])
+        stops = np.concatenate([cut, [len(rows)]])
+        offs = rows[order] & self.mask
+        order_t, offs_t = torch.from_numpy(order), torch.from_numpy(offs)
+        for a, b in zip(starts.tolist(), stops.tolist()):
+            yield self._chunks[int(cs[a])], order_t[a:b], offs_t[a:b]
+
+    def gather(self, rows: np.ndarray, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Copies of ``names`` (default all columns) for ``rows`` (int64, any order): {name: (n, width) or (n,)}."""
+        rows = np.ascontiguousarray(rows, np.int64)
+        names = list(self.columns) if names is None else list(names)
+        n = len(rows)
+        out = {}
+        for name in names:
+            c = self.columns[name]
+            out[name] = torch.empty((n, c.width) if c.width else (n,), dtype=c.dtype)
+        for ch, pos, off in self._groups(rows):
+            for name in names:
+                if pos is None:
+                    torch.index_select(ch.cols[name], 0, off, out=out[name])
+                else:
+                    out[name][pos] = ch.cols[name].index_select(0, off)
+        return out
+
+    def scatter(self, rows: np.ndarray, data: Mapping[str, torch.Tensor | np.ndarray | float | int]) -> None:
+        """Write ``data`` ({name: (n, width) / (n,) values, or one scalar for every row}) into ``rows``
+        (no duplicates). Values are cast to each column's dtype."""
+        rows = np.ascontiguousarray(rows, np.int64)
+        tens: dict[str, torch.Tensor | float | int] = {}
+        for name, v in data.items():
+            c = self.columns[name]
+            if isinstance(v, (int, float)):
+                tens[name] = v
+            else:
+                t = torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+                tens[name] = t.to(c.dtype) if t.dtype != c.dtype else t
+        for ch, pos, off in self._groups(rows):
+            for name, v in tens.items():
+                if isinstance(v, torch.Tensor):
+                    ch.cols[name].index_copy_(0, off, v if pos is None else v[pos])
+                else:
+                    ch.cols[name][off] = v
+
+    def all_rows(self) -> np.ndarray:
+        """Every live row (handed out, not released), ascending."""
+        if not self._n_free:
+            return np.arange(self.n_alloc, dtype=np.int64)
+        keep = np.ones(self.n_alloc, bool)
+        keep[self._free[: self._n_free]] = False
+        return np.flatnonzero(keep).astype(np.int64)
+
+    def clear(self) -> None:
+        """Forget every row (chunks stay allocated for reuse; every row handed out is free again)."""
+        n = self.n_alloc
+        if n > len(self._free):
+            self._free = np.zeros(n, np.int64)
+        self._free[:n] = np.arange(n - 1, -1, -1, dtype=np.int64)  # alloc hands out row 0 first
+        self._n_free = n
+
+    def close(self) -> None:
+        self._chunks.clear()
+        self.backing.close()

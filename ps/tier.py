@@ -1,0 +1,133 @@
+"""The disk tier of sparse tables: a resident-bytes budget per shard and the file-backed cold rows.
+
+``ResidentBudget(limit)``: one per shard (``ShardConfig.max_resident_bytes``), shared by its
+sparse tables. A table asks :meth:`ResidentBudget.rows_for` how many rows it may keep resident:
+the bytes left by every other member (registered with ``register(fn)``: a table's resident
+bytes, or a dense table's held bytes) divided by its own bytes per resident row. Beyond that, the
+table demotes its least recently used rows to its :class:`ColdTier`.
+
+``ColdTier``: rows that are not resident. Their payload (values in the row dtype, optimizer
+state) sits in a :class:`~ps.rowstore.FileBacking` (memory-mapped chunks of an unlinked temporary
+file under ``directory``); their metadata (id, version, last touch) stays in RAM, so LRU/TTL
+eviction and checkpoints need no disk read to choose rows. What a cold row costs in RAM: its
+metadata (26 bytes) and its id-index entry.
+
+Not thread-safe: the owning table's lock guards a tier; the budget's own lock guards its members.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ps.rowstore import Column, FileBacking, RowStore
+
+__all__ = ["ResidentBudget", "ColdTier"]
+
+
+class ResidentBudget:
+    """Bytes a shard's tables may keep resident (``limit``; 0: no limit)."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 0:
+            raise ValueError(f"max_resident_bytes must be >= 0, got {limit}")
+        self.limit = int(limit)
+        self._members: dict[int, Callable[[], int]] = {}
+        self._lock = threading.Lock()
+        self._next = 0
+
+    def register(self, resident_bytes: Callable[[], int]) -> int:
+        """Count ``resident_bytes()`` against the budget; returns a handle for ``unregister``/``rows_for``."""
+        with self._lock:
+            self._next += 1
+            self._members[self._next] = resident_bytes
+            return self._next
+
+    def unregister(self, handle: int) -> None:
+        with self._lock:
+            self._members.pop(handle, None)
+
+    def others(self, handle: int) -> int:
+        """Resident bytes of every member but ``handle``."""
+        with self._lock:
+            fns = [f for h, f in self._members.items() if h != handle]
+        return sum(f() for f in fns)
+
+    def rows_for(self, handle: int, row_nbytes: int) -> int:
+        """Rows of ``row_nbytes`` member ``handle`` may keep resident (-1: unlimited)."""
+        if not self.limit:
+            return -1
+        return max(0, (self.limit - self.others(handle)) // max(1, row_nbytes))
+
+
+class ColdTier:
+    """Cold rows: ``payload`` columns in a file, ``meta`` columns in RAM, numbered alike (slots)."""
+
+    def __init__(self, payload: Sequence[Column], meta: Sequence[Column], chunk_rows: int, directory: str | None) -> None:
+        self.backing = FileBacking(directory)
+        self.payload = RowStore(payload, chunk_rows, first_rows=chunk_rows, backing=self.backing)
+        self.meta = RowStore(meta, chunk_rows, first_rows=chunk_rows)
+        self.payload_names = [c.name for c in payload]
+        self.meta_names = [c.name for c in meta]
+
+    @property
+    def live(self) -> int:
+        return self.meta.live
+
+    @property
+    def ram_bytes(self) -> int:
+        """RAM the tier holds (metadata of cold rows; the payload is on disk)."""
+        return self.meta.nbytes
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes of the tier's file (sparse: blocks never written take no disk)."""
+        return self.backing.file_bytes
+
+    def put(self, data: Mapping[str, torch.Tensor | np.ndarray]) -> np.ndarray:
+        """Store rows (every payload and meta column given); returns their slots."""
+        n = len(next(iter(data.values())))
+        slots = self.payload.alloc(n)
+        same = self.meta.alloc(n)
+        assert np.array_equal(slots, same), "cold tier stores out of step"
+        self.payload.scatter(slots, {k: data[k] for k in self.payload_names})
+        self.meta.scatter(slots, {k: data[k] for k in self.meta_names})
+        self.backing.drop_pages()
+        return slots
+
+    def get(self, slots: np.ndarray, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Copies of the rows at ``slots`` (every column by default)."""
+        names = self.payload_names + self.meta_names if names is None else list(names)
+        out = {}
+        p = [n for n in names if n in self.payload_names]
+        if p:
+            out.update(self.payload.gather(slots, p))
+            self.backing.drop_pages()
+        m = [n for n in names if n in self.meta_names]
+        if m:
+            out.update(self.meta.gather(slots, m))
+        return out
+
+    def update(self, slots: np.ndarray, data: Mapping[str, torch.Tensor | np.ndarray | float | int]) -> None:
+        """Overwrite columns of the rows at ``slots`` in place."""
+        p = {k: v for k, v in data.items() if k in self.payload_names}
+        if p:
+            self.payload.scatter(slots, p)
+            self.backing.drop_pages()
+        m = {k: v for k, v in data.items() if k in self.meta_names}
+        if m:
+            self.meta.scatter(slots, m)
+
+    def release(self, slots: np.ndarray) -> None:
+        self.payload.release(slots)
+        self.meta.release(slots)
+
+    def clear(self) -> None:
+        self.payload.clear()
+        self.meta.clear()
+
+    def close(self) -> None:
+        self.payload.close()
+        self.meta.close()
