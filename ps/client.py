@@ -19,7 +19,7 @@ import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import grpc
 import numpy as np
@@ -35,11 +35,13 @@ from ps.config import (
     TableSpec,
 )
 from ps.errors import (
+    DtypeError,
     InternalError,
     InvalidArgumentError,
     NonFiniteError,
     PSError,
     ResourceExhaustedError,
+    ShapeMismatchError,
     ShardUnavailableError,
     with_table,
 )
@@ -48,12 +50,12 @@ from ps.partition import SlotMap
 from ps.shard import MembershipView, ShardStats, TableInfo
 from ps.table import PushResult
 from ps.wire import ERRORS, info_from_proto, membership_from_proto, policy_to_proto, spec_to_proto, stats_from_proto
-from tessera.codec import as_numpy, from_wire, pack, to_wire, unpack
+from tessera.codec import DTYPES, as_numpy, from_wire, pack, to_wire, unpack
 from tessera.rpc import channel_options
 from tessera.service import ClientSecurity, client_channel
 from tessera.v1 import ps_pb2 as pb
 
-__all__ = ["PSClient", "DenseResult"]
+__all__ = ["PSClient", "DenseResult", "StepResult"]
 
 T = TypeVar("T")
 
@@ -68,6 +70,24 @@ class DenseResult:
     staleness: tuple[int, ...]
     late: int = 0  # BSP: shards where the push's clock was already applied (not applied there)
     clock: int = -1  # BSP: the table's clock after the push (min over shards)
+
+
+@dataclass
+class StepResult:
+    """What ``PSClient.step`` brought back.
+
+    ``dense``: per pulled dense table, its values (the caller's ``out`` buffer, filled in place, or a
+    new float32 array of the table's shape). ``dense_versions``: per pulled dense table, each shard's
+    slice version at the pull (pass it back as the next push's base version). ``sparse``: per pulled
+    sparse table, (rows ids.shape + (dim,), int64 row versions ids.shape), in the caller's id order,
+    numpy or torch like the ids. ``clock``: per pulled table, its BSP clock (min over shards).
+    ``pushed``: per pushed table, a DenseResult or a PushResult as push_dense/push_sparse return."""
+
+    dense: dict[str, Any]
+    dense_versions: dict[str, tuple[int, ...]]
+    sparse: dict[str, tuple[Any, Any]]
+    clock: dict[str, int]
+    pushed: dict[str, Any]
 
 
 @dataclass
@@ -96,6 +116,7 @@ class _Replica:
         self.create, self.describe, self.stats = u("CreateTable"), u("DescribeTable"), u("Stats")
         self.pull_sparse, self.push_sparse = u("PullSparse"), u("PushSparse")
         self.join, self.heartbeat, self.checkpoint, self.role = u("Join"), u("Heartbeat"), u("Checkpoint"), u("Role")
+        self.step = u("Step")
         self.push_dense = self.channel.stream_stream(_SERVICE + "PushDense")
         self.pull_dense = self.channel.unary_stream(_SERVICE + "PullDense")
 
@@ -149,6 +170,7 @@ class _Shard:
     checkpoint = property(lambda self: self.replicas[self.cur].checkpoint)
     push_dense = property(lambda self: self.replicas[self.cur].push_dense)
     pull_dense = property(lambda self: self.replicas[self.cur].pull_dense)
+    step = property(lambda self: self.replicas[self.cur].step)
 
 
 class PSClient:
@@ -336,7 +358,11 @@ class PSClient:
         created = self._create_table(spec)
         fresh = [i for i, c in enumerate(created) if c]
         if values is not None and fresh:
-            self._push_dense(name, values, pb.DENSE_OP_ASSIGN, -1, False, None, shards=fresh)
+            # initial values in any float dtype, as the table's shape or its flat view (cast, not refused)
+            arr = as_numpy(values)
+            if arr.dtype.kind == "f":
+                arr = arr.astype(spec.dtype, copy=False)
+            self._push_dense(name, arr, pb.DENSE_OP_ASSIGN, -1, False, None, shards=fresh, flat_view=arr.ndim == 1)
         return bool(fresh)
 
     def create_sparse(
@@ -457,10 +483,14 @@ class PSClient:
 
     def push_dense(
         self, name: str, grad: Any, base_version: int | Sequence[int] = -1, return_params: bool = False, out: Any = None,
-        policy: SyncPolicy | None = None,
+        policy: SyncPolicy | None = None, flat: bool = False,
     ) -> Any:
-        """Push a gradient for the whole table (same numel as the table); the shards apply their optimizer.
+        """Push a gradient for the whole table; the shards apply their optimizer.
 
+        ``grad``: a numpy array or torch tensor of the table's shape and dtype (float32); another
+        shape or dtype is refused (ShapeMismatchError / DtypeError, both InvalidArgumentError,
+        naming the table, the expected and the given shape or dtype; nothing is sent). ``flat``:
+        push the table's flat view on purpose (a 1-D tensor of the table's numel, C order).
         With ``return_params`` the updated values stream back in the same call
         and are returned (into ``out`` if given, else like ``grad``); otherwise
         returns a DenseResult. ``base_version``: the version the gradient was computed
@@ -470,26 +500,23 @@ class PSClient:
         """
         if policy is not None and policy.sync and return_params:
             raise InvalidArgumentError(f"table {name!r}: return_params is not available for BSP pushes; pull instead")
-        return self._push_dense(name, grad, pb.DENSE_OP_GRADIENT, base_version, return_params, out, policy)
+        return self._push_dense(name, grad, pb.DENSE_OP_GRADIENT, base_version, return_params, out, policy, flat_view=flat)
 
-    def assign_dense(self, name: str, values: Any) -> DenseResult:
-        """Overwrite the table's values (optimizer state and version are kept)."""
-        return self._push_dense(name, values, pb.DENSE_OP_ASSIGN, -1, False, None)
+    def assign_dense(self, name: str, values: Any, flat: bool = False) -> DenseResult:
+        """Overwrite the table's values (optimizer state and version are kept). ``values``: the
+        table's shape and dtype, or its flat view with ``flat`` (as for push_dense)."""
+        return self._push_dense(name, values, pb.DENSE_OP_ASSIGN, -1, False, None, flat_view=flat)
 
     def _push_dense(
         self, name: str, grad: Any, op: int, base_version: int | Sequence[int], return_params: bool, out: Any,
-        policy: SyncPolicy | None = None, shards: Sequence[int] | None = None,
+        policy: SyncPolicy | None = None, shards: Sequence[int] | None = None, flat_view: bool = False,
     ) -> Any:
         meta = self._dense_meta(name)
         bases = [base_version] * self.num_shards if isinstance(base_version, int) else list(base_version)
         if len(bases) != self.num_shards:
             raise InvalidArgumentError(f"table {name!r}: {len(bases)} base versions for {self.num_shards} shards")
         sync = policy_to_proto(policy) if policy is not None else None
-        g = as_numpy(grad).reshape(-1)
-        if g.size != meta.spec.numel:
-            raise InvalidArgumentError(
-                f"table {name!r}: pushed {g.size} elements ({tuple(np.shape(as_numpy(grad)))}), table has {meta.spec.numel} {meta.spec.shape}"
-            )
+        g, given_shape = _dense_input(meta.spec, grad, flat_view, "gradient" if op == pb.DENSE_OP_GRADIENT else "values")
         direct = _direct_out(out, meta.spec.numel) if return_params else None
         flat = (direct if direct is not None else np.empty(meta.spec.numel, np.float32)) if return_params else None
         # values assigned are kept, not accumulated: never round them to a low-precision wire dtype
@@ -511,6 +538,8 @@ class PSClient:
                         head.table, head.op, head.base_version = name, op, bases[i]  # type: ignore[assignment]
                         head.return_params, head.reply_dtype, head.worker = return_params, wire, self.worker
                         head.client, head.seq = self.client_id, seq
+                        head.shape.extend(given_shape)
+                        head.flat_view = flat_view
                         if sync is not None:
                             head.sync.CopyFrom(sync)
                     dtype, data = to_wire(part, wire)
@@ -677,6 +706,268 @@ class PSClient:
             min((p.clock for p in parts), default=-1),
         )
 
+    # ------------------------------------------------------------------ step
+    def step(
+        self,
+        push_dense: Mapping[str, Any] | None = None,
+        push_sparse: Mapping[str, Sequence[Any]] | None = None,
+        pull_dense: Mapping[str, Any] | Sequence[str] | None = None,
+        pull_sparse: Mapping[str, Any] | None = None,
+        policy: SyncPolicy | Mapping[str, SyncPolicy] | None = None,
+        pull_policy: SyncPolicy | Mapping[str, SyncPolicy] | None = None,
+        base_versions: Mapping[str, int | Sequence[int]] | None = None,
+    ) -> StepResult:
+        """One training step in one RPC per shard: push step t's gradients, then pull step t+1's values.
+
+        ``push_dense``: table -> gradient (the table's shape and dtype, as push_dense);
+        ``push_sparse``: table -> (ids, grads) or (ids, grads, base_versions) (as push_sparse: duplicate
+        ids are summed); ``pull_dense``: table names, or table -> ``out`` buffer (or None);
+        ``pull_sparse``: table -> ids (any shape). ``policy`` / ``pull_policy``: the SyncPolicy of the
+        pushes (step t) and of the pulls (step t+1), one for every table or one per table (absent: async).
+        ``base_versions``: per pushed dense table, the version(s) its gradient was computed from.
+
+        Each shard gets one Step call holding its parts of every table; it validates them all before
+        applying any (a bad part raises naming its table; nothing applied on that shard), applies the
+        pushes (each table atomically, retried calls deduplicated), then answers the pulls once their
+        policy allows, so in BSP the values returned are those of the round the pushes completed.
+        Everything is checked here before anything is sent (shapes, dtypes, NaN/Inf, id ranges). A
+        step whose request or reply to one shard would exceed ``max_request_bytes`` runs as the
+        separate calls instead (pushes, then pulls; same results). Blocks until every shard answered.
+        """
+        push_dense, push_sparse = dict(push_dense or {}), dict(push_sparse or {})
+        pull_dense = dict(pull_dense) if isinstance(pull_dense, Mapping) else {n: None for n in (pull_dense or ())}
+        pull_sparse = dict(pull_sparse or {})
+        base_versions = dict(base_versions or {})
+        pol = lambda p, n: p.get(n) if isinstance(p, Mapping) else p  # noqa: E731
+        wire = self.wire_dtype
+        item = DTYPES[wire].itemsize
+        S = self.num_shards
+        reqs: list[list[tuple[Any, list[Any]]]] = [[] for _ in range(S)]  # per shard: (StepPart, [bulk pieces])
+        size = [0] * S  # request bytes per shard
+        reply = [0] * S  # reply bytes per shard
+        dense_meta: dict[str, _Dense] = {}
+        sparse_plan: dict[str, Any] = {}
+        seqs: list[int] = []
+
+        # ---- pushes: validated and cast once, here, before anything is sent
+        for name, grad in push_dense.items():
+            meta = dense_meta[name] = self._dense_meta(name)
+            g, _ = _dense_input(meta.spec, grad, False, "gradient")
+            dtype, data = _wire_checked(meta.spec, g, wire)
+            p = pol(policy, name)
+            b = base_versions.get(name, -1)
+            bases = [b] * S if isinstance(b, int) else list(b)
+            if len(bases) != S:
+                raise InvalidArgumentError(f"table {name!r}: {len(bases)} base versions for {S} shards")
+            for i, (start, stop) in enumerate(meta.ranges):
+                if stop > start:
+                    part = pb.StepPart(table=name, op=pb.STEP_OP_PUSH_DENSE, seq=next(self._seq), base_version=bases[i],
+                                       count=stop - start, data_at=size[i])
+                    if p is not None:
+                        part.sync.CopyFrom(policy_to_proto(p))
+                    piece = data[start * item : stop * item]
+                    reqs[i].append((part, [piece]))
+                    size[i] += len(piece)
+        for name, args in push_sparse.items():
+            ids, grads = args[0], args[1]
+            base = args[2] if len(args) > 2 else None
+            p = pol(policy, name)
+            spec, uniq, groups, summed, bmax = self._sparse_push_prep(name, ids, grads, base)
+            dtype, data = _wire_checked(spec, summed, wire)
+            rows = np.frombuffer(data, DTYPES[dtype]).reshape(len(uniq), spec.dim)
+            for i, g in enumerate(groups):
+                idx = np.concatenate(g) if g else np.zeros(0, np.int64)
+                if not idx.size and not (p is not None and p.sync):
+                    continue  # a BSP push reaches every shard (its round waits for every live worker)
+                part = pb.StepPart(table=name, op=pb.STEP_OP_PUSH_SPARSE, seq=next(self._seq), count=len(idx), dim=spec.dim)
+                if p is not None:
+                    part.sync.CopyFrom(policy_to_proto(p))
+                pieces = [np.ascontiguousarray(uniq[idx]), np.ascontiguousarray(rows[idx])]
+                if bmax is not None:
+                    pieces.append(np.ascontiguousarray(bmax[idx]))
+                part.ids_at = size[i]
+                part.data_at = part.ids_at + pieces[0].nbytes
+                part.base_at = part.data_at + pieces[1].nbytes if bmax is not None else -1
+                reqs[i].append((part, pieces))
+                size[i] += sum(x.nbytes for x in pieces)
+
+        # ---- pulls
+        for name in pull_dense:
+            meta = dense_meta.get(name) or self._dense_meta(name)
+            dense_meta[name] = meta
+            p = pol(pull_policy, name)
+            for i, (start, stop) in enumerate(meta.ranges):
+                if stop > start:
+                    part = pb.StepPart(table=name, op=pb.STEP_OP_PULL_DENSE)
+                    if p is not None:
+                        part.sync.CopyFrom(policy_to_proto(p))
+                    reqs[i].append((part, []))
+                    reply[i] += (stop - start) * item
+        for name, ids in pull_sparse.items():
+            spec, uniq, inverse, groups = self._group(name, ids)
+            p = pol(pull_policy, name)
+            sparse_plan[name] = (spec, uniq, inverse, ids, [])
+            for i, g in enumerate(groups):
+                idx = np.concatenate(g) if g else np.zeros(0, np.int64)
+                if not idx.size:
+                    continue
+                sparse_plan[name][4].append((i, idx))
+                piece = np.ascontiguousarray(uniq[idx])
+                part = pb.StepPart(table=name, op=pb.STEP_OP_PULL_SPARSE, count=len(idx), ids_at=size[i])
+                if p is not None:
+                    part.sync.CopyFrom(policy_to_proto(p))
+                reqs[i].append((part, [piece]))
+                size[i] += piece.nbytes
+                reply[i] += len(idx) * (spec.dim * item + 8)
+
+        if max(size + reply, default=0) + 4096 > self.max_request_bytes:
+            return self._step_separately(push_dense, push_sparse, pull_dense, pull_sparse, policy, pull_policy, base_versions)
+
+        # ---- one call per shard
+        def one(i: int) -> tuple[pb.StepReply, memoryview]:
+            head = pb.StepRequest(worker=self.worker, client=self.client_id, dtype=wire)
+            head.parts.extend(part for part, _ in reqs[i])
+            pieces = [x for _, ps in reqs[i] for x in ps]
+            raw = pack(head, {15: b"".join(memoryview(x).cast("B") if not isinstance(x, bytes) else x for x in pieces)})
+            msg, pl = unpack(pb.StepReply, self._call(i, "step", raw), (15,))
+            if len(msg.parts) != len(reqs[i]):
+                raise InternalError(f"shard {self._shards[i].label}: Step answered {len(msg.parts)} of {len(reqs[i])} parts")
+            return msg, pl.get(15, memoryview(b""))
+
+        replies = self._fan_out([(lambda i=i: one(i)) if reqs[i] else (lambda: None) for i in range(S)])
+
+        # ---- reassemble
+        dense_out: dict[str, Any] = {}
+        flats: dict[str, np.ndarray] = {}
+        for name, out in pull_dense.items():
+            meta = dense_meta[name]
+            direct = _direct_out(out, meta.spec.numel)
+            flats[name] = direct if direct is not None else np.empty(meta.spec.numel, np.float32)
+        sparse_rows = {n: (np.empty((len(v[1]), v[0].dim), np.float32), np.empty(len(v[1]), np.int64)) for n, v in sparse_plan.items()}
+        sparse_idx = {n: dict(v[4]) for n, v in sparse_plan.items()}
+        dense_versions = {n: [-1] * S for n in pull_dense}
+        clocks: dict[str, list[int]] = {}
+        pushed_parts: dict[str, list[Any]] = {}
+        for i, rep in enumerate(replies):
+            if rep is None:
+                continue
+            msg, data = rep
+            for r in msg.parts:
+                name = r.table
+                if r.op == pb.STEP_OP_PULL_DENSE:
+                    start, stop = dense_meta[name].ranges[i]
+                    flats[name][start:stop] = _reply_span(data, r.data_at, wire, (stop - start,), name)
+                    dense_versions[name][i] = r.version
+                    clocks.setdefault(name, []).append(r.clock)
+                elif r.op == pb.STEP_OP_PULL_SPARSE:
+                    spec = sparse_plan[name][0]
+                    idx = sparse_idx[name][i]
+                    rows, vers = sparse_rows[name]
+                    rows[idx] = _reply_span(data, r.data_at, wire, (len(idx), spec.dim), name)
+                    vers[idx] = _reply_span(data, r.versions_at, "int64", (len(idx),), name)
+                    clocks.setdefault(name, []).append(r.clock)
+                else:
+                    pushed_parts.setdefault(name, []).append((i, r))
+        pushed: dict[str, Any] = {}
+        for name, prs in pushed_parts.items():
+            sync = isinstance(pol(policy, name), SyncPolicy) and pol(policy, name).sync
+            for i, r in prs:
+                n = (1 if name in push_dense else r.applied) if not sync else 0
+                self._count_ack(f"{name}@{i}", n, r.duplicate)
+            if name in push_dense:
+                vs = [-1] * S
+                st = [-1] * S
+                for i, r in prs:
+                    vs[i], st[i] = r.version, r.staleness
+                cl = [r.clock for _, r in prs if r.clock >= 0]
+                pushed[name] = DenseResult(tuple(vs), tuple(st), sum(int(r.late) for _, r in prs), min(cl, default=-1))
+            else:
+                rs = [r for _, r in prs]
+                measured = [r.mean_staleness for r in rs if r.mean_staleness >= 0]
+                pushed[name] = PushResult(
+                    sum(r.applied for r in rs), sum(r.dropped for r in rs), float(np.mean(measured)) if measured else -1.0,
+                    max((r.max_staleness for r in rs), default=-1), 0, sum(int(r.late) for r in rs), min((r.clock for r in rs), default=-1),
+                )
+        for name, out in pull_dense.items():
+            meta = dense_meta[name]
+            if _direct_out(out, meta.spec.numel) is not None:
+                dense_out[name] = out
+            else:
+                arr = flats[name].reshape(meta.spec.shape)
+                dense_out[name] = arr if out is None else _fill(out, arr, name)
+        sparse_out = {}
+        for name, (spec, uniq, inverse, ids, _) in sparse_plan.items():
+            rows, vers = sparse_rows[name]
+            shape = tuple(np.shape(ids))
+            sparse_out[name] = (_like(ids, rows[inverse].reshape(shape + (spec.dim,))), _like(ids, vers[inverse].reshape(shape)))
+        return StepResult(
+            dense_out, {n: tuple(v) for n, v in dense_versions.items()}, sparse_out,
+            {n: min(c) for n, c in clocks.items()}, pushed,
+        )
+
+    def _step_separately(
+        self, push_dense: dict, push_sparse: dict, pull_dense: dict, pull_sparse: dict, policy: Any, pull_policy: Any,
+        base_versions: dict,
+    ) -> StepResult:
+        """``step`` as separate calls (a step too big for one message per shard): pushes, then pulls."""
+        pol = lambda p, n: p.get(n) if isinstance(p, Mapping) else p  # noqa: E731
+        jobs: list[Callable[[], Any]] = [
+            lambda n=n, g=g: (n, self.push_dense(n, g, base_version=base_versions.get(n, -1), policy=pol(policy, n)))
+            for n, g in push_dense.items()
+        ] + [
+            lambda n=n, a=a: (n, self.push_sparse(n, a[0], a[1], a[2] if len(a) > 2 else None, policy=pol(policy, n)))
+            for n, a in push_sparse.items()
+        ]
+        pushed = dict(self._fan_out(jobs)) if jobs else {}
+        pulls: list[Callable[[], Any]] = [
+            lambda n=n, o=o: ("d", n, self.pull_dense(n, out=o, policy=pol(pull_policy, n), return_clock=True))
+            for n, o in pull_dense.items()
+        ] + [
+            lambda n=n, ids=ids: ("s", n, self.pull_sparse(n, ids, return_versions=True, policy=pol(pull_policy, n), return_clock=True))
+            for n, ids in pull_sparse.items()
+        ]
+        dense, versions, sparse, clock = {}, {}, {}, {}
+        for kind, n, r in (self._fan_out(pulls) if pulls else []):
+            if kind == "d":
+                dense[n], (clock[n], versions[n]) = r[0], r[1]
+            else:
+                sparse[n], clock[n] = (r[0], r[1]), r[2]
+        return StepResult(dense, versions, sparse, clock, pushed)
+
+    def _sparse_push_prep(
+        self, name: str, ids: Any, grads: Any, base_versions: Any
+    ) -> tuple[TableSpec, np.ndarray, list[list[np.ndarray]], np.ndarray, np.ndarray | None]:
+        """Validate a sparse push and sum its duplicate ids: (spec, unique ids, per-shard index groups,
+        summed float32 rows, newest base version per unique id or None)."""
+        spec, uniq, inverse, groups = self._group(name, ids)
+        ga = as_numpy(grads)
+        if ga.size and (ga.ndim < 1 or ga.shape[-1] != spec.dim):
+            raise InvalidArgumentError(
+                f"table {name!r}: gradient shape {tuple(ga.shape)} does not end in the table's dim {spec.dim}"
+            )
+        g = ga.reshape(-1, spec.dim) if ga.size else np.zeros((0, spec.dim), np.float32)
+        if g.shape[0] != len(inverse):
+            raise InvalidArgumentError(
+                f"table {name!r}: {g.shape[0]} gradient rows for {len(inverse)} ids (dim {spec.dim})"
+            )
+        if len(inverse) == len(uniq) and _is_identity(inverse):
+            summed = np.ascontiguousarray(g, np.float32)  # ids already unique and sorted: no scatter, no copy
+        else:
+            summed = np.zeros((len(uniq), spec.dim), np.float32)
+            if len(inverse) == len(uniq):
+                summed[inverse] = g  # no duplicates: a scatter, not a sum
+            else:
+                torch.from_numpy(summed).index_add_(0, torch.from_numpy(inverse), torch.from_numpy(np.ascontiguousarray(g, np.float32)))
+        base = None
+        if base_versions is not None:
+            bv = as_numpy(base_versions).reshape(-1).astype(np.int64, copy=False)
+            if len(inverse) == len(uniq) and _is_identity(inverse):
+                base = bv
+            else:
+                base = np.full(len(uniq), -1, np.int64)
+                np.maximum.at(base, inverse, bv)
+        return spec, uniq, groups, summed, base
+
     # ------------------------------------------------------------------ membership
     def join(self, lease_s: float = 0.0) -> list[MembershipView]:
         """Register this client's ``worker`` name with every shard (lease_s 0: the shard's default)."""
@@ -747,6 +1038,67 @@ def _check_finite(spec: TableSpec, g: np.ndarray, wire: str, what: str = "gradie
         raise NonFiniteError(
             f"table {spec.name!r}: {what} holds {bad} NaN/Inf value(s) as {wire} on the wire; rejected before sending"
         )
+
+
+def _dense_input(spec: TableSpec, x: Any, flat: bool, what: str) -> tuple[np.ndarray, tuple[int, ...]]:
+    """``x`` as the flat array to send, and the shape the caller gave. Refuses (before anything is
+    sent) a dtype other than the table's and a shape other than the table's (or, with ``flat``,
+    its flat view (numel,)): a (5, 2) tensor is not silently a (2, 5) table, nor float64 float32."""
+    if isinstance(x, (list, tuple)) or np.isscalar(x):
+        x = np.asarray(x, dtype=spec.dtype)  # no dtype of its own: the table's
+    dtype = str(x.dtype).removeprefix("torch.")
+    shape = tuple(int(d) for d in x.shape)
+    if dtype != spec.dtype:
+        raise DtypeError(
+            f"table {spec.name!r}: {what} of dtype {dtype}, the table holds {spec.dtype}; cast it first "
+            f"(numpy .astype(np.{spec.dtype}), torch .to(torch.{spec.dtype}))"
+        )
+    want = (spec.numel,) if flat else tuple(spec.shape)
+    if shape != want:
+        view = " (the flat view, flat=True)" if flat else ""
+        hint = "" if flat or int(np.prod(shape, dtype=np.int64)) != spec.numel else "; to push the flat view on purpose pass flat=True"
+        raise ShapeMismatchError(
+            f"table {spec.name!r}: {what} of shape {shape} ({int(np.prod(shape, dtype=np.int64))} elements), "
+            f"expected {want}{view} ({spec.numel} elements){hint}; nothing sent"
+        )
+    return as_numpy(x).reshape(-1), shape
+
+
+def _wire_checked(spec: TableSpec, g: np.ndarray, wire: str) -> tuple[str, memoryview]:
+    """``g`` cast once to the wire dtype (the bytes to send), after refusing NaN/Inf in what is sent."""
+    dtype, data = to_wire(g, wire)
+    if not spec.allow_nonfinite:
+        sent = from_wire(data, dtype, None)
+        if not _all_finite(sent):
+            bad = int(sent.size - np.count_nonzero(np.isfinite(sent)))
+            raise NonFiniteError(
+                f"table {spec.name!r}: gradient holds {bad} NaN/Inf value(s) as {wire} on the wire; rejected before sending"
+            )
+    return dtype, data
+
+
+def _all_finite(x: np.ndarray) -> bool:
+    """NaN/Inf anywhere in ``x``? One pass without a boolean temporary: a NaN or Inf makes the
+    float64 dot product NaN/Inf; a finite product says every element is finite (an overflow of the
+    sum itself falls back to the exact check)."""
+    if x.size == 0:
+        return True
+    s = float(np.dot(x.reshape(-1), np.ones(x.size, x.dtype))) if x.dtype == np.float32 and x.size < (1 << 16) else None
+    if s is not None and np.isfinite(s):
+        return True
+    return bool(np.isfinite(x).all())
+
+
+def _is_identity(inverse: np.ndarray) -> bool:
+    """``inverse`` is 0, 1, ..., n-1 (the ids were unique and sorted already)."""
+    return bool(inverse.size == 0 or (inverse[0] == 0 and inverse[-1] == inverse.size - 1 and np.all(np.diff(inverse) == 1)))
+
+
+def _reply_span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], table: str) -> np.ndarray:
+    n = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+    if at < 0 or at + n > len(data):
+        raise InternalError(f"table {table!r}: the shard's Step reply is shorter than its parts say")
+    return from_wire(data[at : at + n], dtype, shape, what=f"table {table!r} reply")
 
 
 def _opt(optimizer: str | OptimizerSpec, hparams: dict[str, float]) -> OptimizerSpec:

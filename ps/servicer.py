@@ -14,6 +14,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 import grpc
+import numpy as np
 
 from ps.errors import (
     DtypeError,
@@ -24,13 +25,14 @@ from ps.errors import (
     ShapeMismatchError,
     PermissionDeniedError,
     ShardUnavailableError,
+    with_table,
 )
 from ps.checkpoint import CheckpointError, pack_plain, snapshot_to_plain, unpack_plain
 from ps.replication import SNAPSHOT_CHUNK, ReplicaSender
-from ps.shard import BACKUP, PRIMARY, Shard
+from ps.shard import BACKUP, PRIMARY, PULL_DENSE, PULL_SPARSE, PUSH_DENSE, PUSH_SPARSE, Shard, StepPart
 from ps.table import ASSIGN, GRADIENT, DenseTable
 from ps.wire import ERRORS, info_to_proto, membership_to_proto, policy_from_proto, spec_from_proto, stats_to_proto
-from tessera.codec import WIRE_FLOAT_DTYPES, CodecError, byte_view, from_wire, pack, to_wire, unpack
+from tessera.codec import DTYPES, WIRE_FLOAT_DTYPES, CodecError, byte_view, from_wire, pack, to_wire, unpack
 from tessera.service import ANONYMOUS, Access, Caller, ClientSecurity, ServerSecurity
 from tessera.v1 import ps_pb2 as pb
 
@@ -56,6 +58,7 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "Join": frozenset({"admin", "worker"}),
     "Heartbeat": frozenset({"admin", "worker"}),
     "Checkpoint": frozenset({"admin"}),
+    "Step": frozenset({"admin", "worker"}),
     "Role": frozenset(ROLES),
     "Attach": frozenset({"admin", "replica"}),
     "Replicate": frozenset({"admin", "replica"}),
@@ -181,6 +184,7 @@ class PSServicer:
                 "Join": uu(guard("Join", self.Join)),
                 "Heartbeat": uu(guard("Heartbeat", self.Heartbeat)),
                 "Checkpoint": uu(guard("Checkpoint", self.Checkpoint)),
+                "Step": uu(guard("Step", self.Step)),
                 "Role": uu(guard("Role", self.Role)),
                 "Attach": grpc.unary_stream_rpc_method_handler(guard("Attach", self.Attach)),
                 "Replicate": uu(guard("Replicate", self.Replicate)),
@@ -307,6 +311,7 @@ class PSServicer:
                             f"table {table.spec.name!r}: assigning values needs the admin role; "
                             f"identity {caller.identity!r} has {sorted(caller.roles)}"
                         )
+                    _check_push_shape(table, msg.shape, msg.flat_view)
                     policy = policy_from_proto(msg.sync, msg.HasField("sync"))
                     worker, client, seq = msg.worker, self._client_key(caller, msg.client), msg.seq
                     self._own(caller, worker)
@@ -386,6 +391,40 @@ class PSServicer:
             head = pb.DenseChunk(offset=k * table.chunk_elems, dtype=dtype, version=version, clock=clock)
             yield self._out(pack(head, {15: to_wire(block, dtype)[1]}))
 
+    # ------------------------------------------------------------------ step
+    def Step(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
+        req, pl = self._decode(pb.StepRequest, raw, (15,))
+        parts = step_parts_from_proto(req, pl.get(15, memoryview(b"")))
+        dtype = req.dtype or "float32"
+        if req.worker:
+            self._own(caller, req.worker)
+            self.shard.membership.touch(req.worker)
+        outcomes = self.shard.step(parts, req.worker, self._client_key(caller, req.client), _time_left(context))
+        reply = pb.StepReply()
+        pieces: list[Any] = []
+        at = 0
+        for o in outcomes:
+            r = reply.parts.add(table=o.table, op=_STEP_OPS_PB[o.op], version=o.version, clock=o.clock)
+            if o.push is not None:
+                res = o.push.result
+                r.late, r.duplicate, r.applied, r.dropped = o.push.late, o.push.duplicate, res.applied, res.dropped
+                r.mean_staleness, r.max_staleness, r.staleness = res.mean_staleness, res.max_staleness, res.max_staleness
+                if o.op == PUSH_DENSE:
+                    r.version = res.version if not o.push.late and res.version else o.version
+            elif o.blocks is not None:
+                r.data_at, r.count = at, sum(int(b.numel()) for b in o.blocks)
+                for b in o.blocks:
+                    piece = to_wire(b, dtype)[1]
+                    pieces.append(piece)
+                    at += piece.nbytes
+            elif o.rows is not None and o.versions is not None:
+                r.count, r.dim = o.rows.shape[0], o.rows.shape[1]
+                piece = to_wire(o.rows, dtype)[1]
+                r.data_at, at = at, at + piece.nbytes
+                r.versions_at, at = at, at + o.versions.nbytes
+                pieces += [piece, byte_view(o.versions)]
+        return self._out(pack(reply, {15: b"".join(pieces)}))
+
     # ------------------------------------------------------------------ sparse
     def PullSparse(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, pl = self._decode(pb.PullSparseRequest, raw, (15,))
@@ -427,12 +466,71 @@ class PSServicer:
         )
 
 
+_STEP_OPS = {
+    pb.STEP_OP_PUSH_DENSE: PUSH_DENSE,
+    pb.STEP_OP_PUSH_SPARSE: PUSH_SPARSE,
+    pb.STEP_OP_PULL_DENSE: PULL_DENSE,
+    pb.STEP_OP_PULL_SPARSE: PULL_SPARSE,
+}
+_STEP_OPS_PB = {v: k for k, v in _STEP_OPS.items()}
+
+
+def _span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], what: str) -> Any:
+    """The array of ``dtype`` and ``shape`` that starts ``at`` bytes into ``data`` (a view; bfloat16: a copy)."""
+    n = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+    if at < 0 or any(d < 0 for d in shape) or at + n > len(data):
+        raise MalformedMessageError(f"{what}: bytes [{at}, {at + n}) lie outside the request's {len(data)} data bytes")
+    return from_wire(data[at : at + n], dtype, shape, what=what)
+
+
+def step_parts_from_proto(req: Any, data: memoryview) -> list[StepPart]:
+    """A StepRequest's parts as domain values (views of ``data``). Raises InvalidArgumentError naming the table."""
+    dtype = _float_dtype(req.dtype, req.parts[0].table if req.parts else "", "dtype")
+    parts = []
+    for p in req.parts:
+        name = p.table
+        op = _STEP_OPS.get(p.op)
+        if op is None:
+            raise InvalidArgumentError(f"table {name!r}: unknown step op {p.op}")
+        try:
+            policy = policy_from_proto(p.sync, p.HasField("sync"))
+        except InvalidArgumentError as e:
+            raise with_table(name, e) from None
+        if p.count < 0 or p.dim < 0:
+            raise InvalidArgumentError(f"table {name!r}: count and dim must be >= 0, got {p.count} and {p.dim}")
+        values = ids = base = None
+        if op == PUSH_DENSE:
+            values = _span(data, p.data_at, dtype, (p.count,), f"table {name!r}: step gradient")
+        elif op in (PUSH_SPARSE, PULL_SPARSE):
+            ids = _span(data, p.ids_at, "int64", (p.count,), f"table {name!r}: step ids")
+            if op == PUSH_SPARSE:
+                values = _span(data, p.data_at, dtype, (p.count, p.dim), f"table {name!r}: step gradient rows")
+                if p.base_at >= 0:
+                    base = _span(data, p.base_at, "int64", (p.count,), f"table {name!r}: step base versions")
+        parts.append(StepPart(name, op, policy, p.seq, p.base_version, values, ids, base))
+    return parts
+
+
 def _chunk_data(msg: Any, pl: dict[int, memoryview], table: str) -> Any:
     """A pushed DenseChunk's values (a view of the request's bytes), after checking it is for ``table``."""
     if msg.table and msg.table != table:
         raise InvalidArgumentError(f"push to table {table!r} carries a chunk for {msg.table!r}")
     dtype = _float_dtype(msg.dtype, table, "dtype")
     return from_wire(pl.get(15, b""), dtype, None, what=f"table {table!r}: chunk at offset {msg.offset}")
+
+
+def _check_push_shape(table: DenseTable, shape: Any, flat_view: bool) -> None:
+    """A push that states its shape must state the table's (or, asking for it, the flat view)."""
+    if not len(shape):
+        return  # not stated (older clients): the element count is still checked chunk by chunk
+    given = tuple(int(d) for d in shape)
+    spec = table.spec
+    want = (spec.numel,) if flat_view else tuple(spec.shape)
+    if given != want:
+        raise ShapeMismatchError(
+            f"table {spec.name!r}: pushed shape {given}, expected {want}"
+            + (" (the flat view)" if flat_view else f" (or flat_view with ({spec.numel},))") + "; nothing applied"
+        )
 
 
 def _float_dtype(dtype: str, table: str, field: str) -> str:

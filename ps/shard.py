@@ -12,7 +12,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from ps.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     ResourceExhaustedError,
+    ShapeMismatchError,
     ShardUnavailableError,
     TableExistsError,
     TableNotFoundError,
@@ -31,14 +32,17 @@ from ps.errors import (
 from ps.optim import make_optimizer
 from ps.dedup import Dedup
 from ps.gate import Gate
-from ps.table import DenseTable, DenseUpdate, PushResult, RowDelta, SparsePush, SparseTable
+from ps.table import GRADIENT, DenseTable, DenseUpdate, PushResult, RowDelta, SparsePush, SparseTable
 
 log = logging.getLogger(__name__)
 
 PRIMARY = "primary"
 BACKUP = "backup"
 
-__all__ = ["Shard", "TableInfo", "TableStats", "ShardStats", "MembershipView", "WorkerStats", "SyncPush"]
+__all__ = [
+    "Shard", "TableInfo", "TableStats", "ShardStats", "MembershipView", "WorkerStats", "SyncPush", "StepPart", "StepOutcome",
+    "PUSH_DENSE", "PUSH_SPARSE", "PULL_DENSE", "PULL_SPARSE",
+]
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,44 @@ class MembershipView:
     sync_clock: int
     min_clock: int
     rejoined: bool = False
+
+
+PUSH_DENSE = "push_dense"
+PUSH_SPARSE = "push_sparse"
+PULL_DENSE = "pull_dense"
+PULL_SPARSE = "pull_sparse"
+
+
+@dataclass(frozen=True)
+class StepPart:
+    """One part of a step (``Shard.step``): a push or a pull of one table on this shard.
+
+    ``values``: a dense push's gradient for the whole slice (n,), or a sparse push's rows (len(ids), dim)
+    (read-only views of the request are fine: never written). ``ids``: int64 (sparse)."""
+
+    table: str
+    op: str
+    policy: SyncPolicy = SyncPolicy()
+    seq: int = 0
+    base_version: int = -1
+    values: np.ndarray | None = None
+    ids: np.ndarray | None = None
+    base_versions: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a step part did: a push's ``push`` result; a dense pull's ``blocks`` (immutable tensors) and
+    ``version``; a sparse pull's ``rows`` and row ``versions``; ``clock``: the table's BSP clock."""
+
+    table: str
+    op: str
+    push: "SyncPush | None" = None
+    version: int = 0
+    clock: int = 0
+    blocks: list | None = None
+    rows: np.ndarray | None = None
+    versions: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -449,13 +491,25 @@ class Shard:
         self, name: str, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None,
         worker: str = "", policy: SyncPolicy = SyncPolicy(), client: str = "", seq: int = 0,
     ) -> SyncPush:
+        return self.apply_sparse(name, self.prepare_sparse(name, ids, grads, base_versions), worker, policy, client, seq)
+
+    def prepare_sparse(self, name: str, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None) -> SparsePush:
+        """Validate a sparse push (and sum its duplicate ids); changes nothing but the rejected count."""
         t = self.sparse(name)
         self.check_ids_request(name, len(ids))
         try:
-            prepared: SparsePush = t.prepare_push(ids, grads, base_versions)
+            return t.prepare_push(ids, grads, base_versions)
         except Exception:
             t.rejected += 1
             raise
+
+    def apply_sparse(
+        self, name: str, prepared: SparsePush, worker: str = "", policy: SyncPolicy = SyncPolicy(), client: str = "",
+        seq: int = 0,
+    ) -> SyncPush:
+        """Apply a prepared sparse push: BSP contributes it to the round of ``policy.clock``; async/SSP
+        apply it now, at most once per (client, seq)."""
+        t = self.sparse(name)
         if policy.sync and policy.clock >= 0:
             return self._contribute(name, worker, policy, prepared, client, seq)
         once, dup = self._once(client, name, seq)
@@ -469,6 +523,87 @@ class Shard:
         if not dup:
             self.pushed(worker, policy)
         return SyncPush(result, False, self.rounds[name].clock, bool(dup))
+
+    # ------------------------------------------------------------------ step
+    def step(self, parts: Sequence[StepPart], worker: str = "", client: str = "", timeout: float = 300.0) -> list[StepOutcome]:
+        """One worker's step on this shard: every push part, then every pull part (in order).
+
+        All parts are validated first (tables, kinds, sizes, finiteness, id limits): a bad part raises
+        naming its table and nothing is applied. Then each push commits as PushDense/PushSparse would
+        (atomically per table, at most once per (client, seq); BSP pushes join their round), then each
+        pull waits as its policy requires (a BSP pull for clock t+1 waits for round t: in sync mode it
+        returns the values of the round the pushes took part in) and reads. Blocks up to ``timeout``."""
+        staged: list[Any] = []
+        try:
+            for p in parts:
+                staged.append(self._stage(p, worker))
+            out: list[StepOutcome] = []
+            for p, st in zip(parts, staged):
+                if p.op == PUSH_DENSE:
+                    if isinstance(st, DenseUpdate):
+                        res = self.commit_dense(st, worker, p.policy, client, p.seq)
+                    else:
+                        res = self._contribute(p.table, worker, p.policy, st, client, p.seq)
+                    out.append(StepOutcome(p.table, p.op, push=res, version=self.dense(p.table).version, clock=res.clock))
+                elif p.op == PUSH_SPARSE:
+                    res = self.apply_sparse(p.table, st, worker, p.policy, client, p.seq)
+                    out.append(StepOutcome(p.table, p.op, push=res, clock=res.clock))
+            for p in parts:
+                if p.op == PULL_DENSE:
+                    clock = self.wait(p.table, p.policy, timeout)
+                    version, blocks = self.dense(p.table).snapshot()
+                    out.append(StepOutcome(p.table, p.op, version=version, clock=clock, blocks=blocks))
+                elif p.op == PULL_SPARSE:
+                    clock = self.wait(p.table, p.policy, timeout)
+                    assert p.ids is not None
+                    values, versions = self.pull_sparse(p.table, p.ids)
+                    out.append(StepOutcome(p.table, p.op, clock=clock, rows=values, versions=versions))
+            return out
+        finally:
+            for st in staged:
+                if isinstance(st, DenseUpdate):
+                    st.abort()  # a no-op once committed; drops what a failed step staged
+
+    def _stage(self, p: StepPart, worker: str) -> Any:
+        """Validate one part of a step; for a push, what applying it takes (nothing changes)."""
+        if p.op == PUSH_DENSE:
+            t = self.dense(p.table)
+            assert p.values is not None
+            if p.values.ndim != 1 or p.values.shape[0] != t.length:
+                raise ShapeMismatchError(
+                    f"table {p.table!r}: step pushes {p.values.size} elements, this shard's slice has {t.length}; nothing applied"
+                )
+            blocks = [(k * t.chunk_elems, p.values[k * t.chunk_elems : k * t.chunk_elems + t.block_len(k)]) for k in range(t.num_blocks)]
+            if p.policy.sync:
+                if not worker:
+                    raise InvalidArgumentError(f"table {p.table!r}: a BSP push must name its worker")
+                chunks: dict[int, Any] = {}
+                for off, data in blocks:
+                    chunks[t.check_chunk(off, data, chunks)] = data
+                t.check_complete(chunks)
+                return chunks
+            update = t.begin_update(GRADIENT, p.base_version, staleness_aware_lr=p.policy.staleness_aware_lr)
+            try:
+                for off, data in blocks:
+                    update.apply(off, data)
+            except BaseException:
+                update.abort()
+                raise
+            return update
+        if p.op == PUSH_SPARSE:
+            assert p.ids is not None and p.values is not None
+            if p.policy.sync and not worker:
+                raise InvalidArgumentError(f"table {p.table!r}: a BSP push must name its worker")
+            return self.prepare_sparse(p.table, p.ids, p.values, p.base_versions)
+        if p.op == PULL_DENSE:
+            return self.dense(p.table)
+        if p.op == PULL_SPARSE:
+            assert p.ids is not None
+            t = self.sparse(p.table)
+            self.check_ids_request(p.table, len(p.ids))
+            t.check_ids(p.ids)
+            return t
+        raise InvalidArgumentError(f"table {p.table!r}: unknown step op {p.op!r}")
 
     # ------------------------------------------------------------------ replication
     def _apply_round(self, name: str, values: list) -> PushResult:

@@ -17,11 +17,24 @@ class DenseOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DENSE_OP_GRADIENT: _ClassVar[DenseOp]
     DENSE_OP_ASSIGN: _ClassVar[DenseOp]
+
+class StepOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STEP_OP_UNSPECIFIED: _ClassVar[StepOp]
+    STEP_OP_PUSH_DENSE: _ClassVar[StepOp]
+    STEP_OP_PUSH_SPARSE: _ClassVar[StepOp]
+    STEP_OP_PULL_DENSE: _ClassVar[StepOp]
+    STEP_OP_PULL_SPARSE: _ClassVar[StepOp]
 TABLE_KIND_UNSPECIFIED: TableKind
 TABLE_KIND_DENSE: TableKind
 TABLE_KIND_SPARSE: TableKind
 DENSE_OP_GRADIENT: DenseOp
 DENSE_OP_ASSIGN: DenseOp
+STEP_OP_UNSPECIFIED: StepOp
+STEP_OP_PUSH_DENSE: StepOp
+STEP_OP_PUSH_SPARSE: StepOp
+STEP_OP_PULL_DENSE: StepOp
+STEP_OP_PULL_SPARSE: StepOp
 
 class OptimizerSpec(_message.Message):
     __slots__ = ("name", "hparams")
@@ -156,7 +169,7 @@ class SyncSpec(_message.Message):
     def __init__(self, clock: _Optional[int] = ..., sync: bool = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., staleness_aware_lr: bool = ...) -> None: ...
 
 class DenseChunk(_message.Message):
-    __slots__ = ("table", "offset", "dtype", "op", "base_version", "return_params", "reply_dtype", "version", "staleness", "worker", "last", "clock", "sync", "late", "data", "client", "seq", "duplicate")
+    __slots__ = ("table", "offset", "dtype", "op", "base_version", "return_params", "reply_dtype", "version", "staleness", "worker", "last", "clock", "sync", "late", "data", "client", "seq", "duplicate", "shape", "flat_view")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +188,8 @@ class DenseChunk(_message.Message):
     CLIENT_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    FLAT_VIEW_FIELD_NUMBER: _ClassVar[int]
     table: str
     offset: int
     dtype: str
@@ -193,7 +208,9 @@ class DenseChunk(_message.Message):
     client: str
     seq: int
     duplicate: bool
-    def __init__(self, table: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., op: _Optional[_Union[DenseOp, str]] = ..., base_version: _Optional[int] = ..., return_params: bool = ..., reply_dtype: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., worker: _Optional[str] = ..., last: bool = ..., clock: _Optional[int] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., late: bool = ..., data: _Optional[bytes] = ..., client: _Optional[str] = ..., seq: _Optional[int] = ..., duplicate: bool = ...) -> None: ...
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    flat_view: bool
+    def __init__(self, table: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., op: _Optional[_Union[DenseOp, str]] = ..., base_version: _Optional[int] = ..., return_params: bool = ..., reply_dtype: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., worker: _Optional[str] = ..., last: bool = ..., clock: _Optional[int] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., late: bool = ..., data: _Optional[bytes] = ..., client: _Optional[str] = ..., seq: _Optional[int] = ..., duplicate: bool = ..., shape: _Optional[_Iterable[int]] = ..., flat_view: bool = ...) -> None: ...
 
 class PullDenseRequest(_message.Message):
     __slots__ = ("table", "dtype", "sync", "worker")
@@ -486,3 +503,83 @@ class ReplicateRequest(_message.Message):
 class ReplicateReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class StepPart(_message.Message):
+    __slots__ = ("table", "op", "sync", "seq", "base_version", "count", "dim", "ids_at", "data_at", "base_at")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    IDS_AT_FIELD_NUMBER: _ClassVar[int]
+    DATA_AT_FIELD_NUMBER: _ClassVar[int]
+    BASE_AT_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    op: StepOp
+    sync: SyncSpec
+    seq: int
+    base_version: int
+    count: int
+    dim: int
+    ids_at: int
+    data_at: int
+    base_at: int
+    def __init__(self, table: _Optional[str] = ..., op: _Optional[_Union[StepOp, str]] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., seq: _Optional[int] = ..., base_version: _Optional[int] = ..., count: _Optional[int] = ..., dim: _Optional[int] = ..., ids_at: _Optional[int] = ..., data_at: _Optional[int] = ..., base_at: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("worker", "client", "dtype", "parts", "data")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    client: str
+    dtype: str
+    parts: _containers.RepeatedCompositeFieldContainer[StepPart]
+    data: bytes
+    def __init__(self, worker: _Optional[str] = ..., client: _Optional[str] = ..., dtype: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[StepPart, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class StepPartReply(_message.Message):
+    __slots__ = ("table", "op", "version", "staleness", "clock", "late", "duplicate", "applied", "dropped", "mean_staleness", "max_staleness", "count", "dim", "data_at", "versions_at")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    DATA_AT_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_AT_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    op: StepOp
+    version: int
+    staleness: int
+    clock: int
+    late: bool
+    duplicate: bool
+    applied: int
+    dropped: int
+    mean_staleness: float
+    max_staleness: int
+    count: int
+    dim: int
+    data_at: int
+    versions_at: int
+    def __init__(self, table: _Optional[str] = ..., op: _Optional[_Union[StepOp, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., clock: _Optional[int] = ..., late: bool = ..., duplicate: bool = ..., applied: _Optional[int] = ..., dropped: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., count: _Optional[int] = ..., dim: _Optional[int] = ..., data_at: _Optional[int] = ..., versions_at: _Optional[int] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("parts", "data")
+    PARTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    parts: _containers.RepeatedCompositeFieldContainer[StepPartReply]
+    data: bytes
+    def __init__(self, parts: _Optional[_Iterable[_Union[StepPartReply, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...

@@ -84,6 +84,11 @@ class ParameterServerStub(object):
                 request_serializer=tessera_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_ps__pb2.CheckpointReply.FromString,
                 _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/tessera.v1.ParameterServer/Step',
+                request_serializer=tessera_dot_v1_dot_ps__pb2.StepRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_ps__pb2.StepReply.FromString,
+                _registered_method=True)
         self.Role = channel.unary_unary(
                 '/tessera.v1.ParameterServer/Role',
                 request_serializer=tessera_dot_v1_dot_ps__pb2.RoleRequest.SerializeToString,
@@ -164,6 +169,13 @@ class ParameterServerServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Step(self, request, context):
+        """one training step on this shard in one call: push step t's gradients, then pull step t+1's values
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Role(self, request, context):
         """replication (primary-backup)
         """
@@ -237,6 +249,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Checkpoint,
                     request_deserializer=tessera_dot_v1_dot_ps__pb2.CheckpointRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_ps__pb2.CheckpointReply.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=tessera_dot_v1_dot_ps__pb2.StepRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_ps__pb2.StepReply.SerializeToString,
             ),
             'Role': grpc.unary_unary_rpc_method_handler(
                     servicer.Role,
@@ -524,6 +541,33 @@ class ParameterServer(object):
             '/tessera.v1.ParameterServer/Checkpoint',
             tessera_dot_v1_dot_ps__pb2.CheckpointRequest.SerializeToString,
             tessera_dot_v1_dot_ps__pb2.CheckpointReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.ParameterServer/Step',
+            tessera_dot_v1_dot_ps__pb2.StepRequest.SerializeToString,
+            tessera_dot_v1_dot_ps__pb2.StepReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -556,6 +556,63 @@ class TestDensePush:
         env.assert_unchanged(before)
         env.assert_serves()
 
+    @pytest.mark.parametrize(
+        "grad, problem",
+        [
+            (np.zeros((7, 5), np.float32), ("(7, 5)", "(5, 7)", "flat=True")),  # same numel, transposed
+            (np.zeros(35, np.float32), ("(35,)", "(5, 7)", "flat=True")),  # the flat view, not asked for
+            (torch.zeros((7, 5)), ("(7, 5)", "(5, 7)")),
+            (np.zeros(DENSE_SHAPE, np.float64), ("float64", "float32")),
+            (np.zeros(DENSE_SHAPE, np.float16), ("float16", "float32")),
+            (torch.zeros(DENSE_SHAPE, dtype=torch.float64), ("float64", "float32")),
+            (np.zeros(DENSE_SHAPE, np.int32), ("int32", "float32")),
+        ],
+        ids=["transposed", "flat_not_asked", "torch_transposed", "float64", "float16", "torch_float64", "int32"],
+    )
+    def test_client_wrong_shape_or_dtype_of_right_size_is_refused(self, env: Env, grad: Any, problem: tuple) -> None:
+        """Issue 17: a (7, 5) push into a (5, 7) table, or a float64 one into a float32 table, was applied
+        silently. Now: InvalidArgumentError naming the table, the expected and the given shape/dtype,
+        nothing sent, nothing changed (push and assign alike). Reference: the snapshot before."""
+        before = env.snapshot()
+        sent = env.requests_sent()
+        for call in (lambda: env.client.push_dense(DENSE_NAME, grad), lambda: env.client.assign_dense(DENSE_NAME, grad)):
+            ps_error(call, InvalidArgumentError, None, DENSE_NAME, *problem)
+        assert env.requests_sent() == sent, "a refused push still reached a shard"
+        env.assert_unchanged(before)
+        env.assert_serves()
+
+    def test_client_flat_view_on_purpose_is_accepted(self, env: Env) -> None:
+        """flat=True: the (35,) view of a (5, 7) table is pushed as its row-major flattening. Reference: a
+        twin table (same spec and init) given the (5, 7) gradient."""
+        g = np.random.default_rng(3).standard_normal(DENSE_SHAPE).astype(np.float32)
+        for twin in ("twin_flat", "twin_shaped"):
+            env.client.create_dense(twin, DENSE_SHAPE, **{**DENSE_KW, "init": "zeros"})
+        env.client.push_dense("twin_flat", g.reshape(-1), flat=True)
+        env.client.push_dense("twin_shaped", g)
+        np.testing.assert_array_equal(env.client.pull_dense("twin_flat"), env.client.pull_dense("twin_shaped"))
+        env.client.assign_dense("twin_flat", np.arange(35, dtype=np.float32), flat=True)
+        np.testing.assert_array_equal(env.client.pull_dense("twin_flat"), np.arange(35, dtype=np.float32).reshape(DENSE_SHAPE))
+        ps_error(lambda: env.client.push_dense("twin_flat", g, flat=True), InvalidArgumentError, None, "twin_flat", "(5, 7)", "(35,)")
+
+    @pytest.mark.parametrize("shape, flat_view", [((7, 5), False), ((35,), False), ((5, 7), True), ((36,), True)])
+    def test_raw_push_stating_wrong_shape_is_invalid(self, env: Env, shape: tuple, flat_view: bool) -> None:
+        """The shard itself refuses a push whose first chunk states another shape (a client in another language)."""
+        chunks = env.full_push(0, shape=list(shape), flat_view=flat_view)
+        before = env.snapshot()
+        rpc_error(lambda: env.raw[0].push_dense(chunks), INVALID, DENSE_NAME, str(shape), "nothing applied")
+        env.assert_unchanged(before)
+        env.assert_serves()
+
+    def test_raw_push_stating_the_right_shape_applies(self, env: Env) -> None:
+        v0 = env.shards[0].tables[DENSE_NAME].version
+        for head in (dict(shape=list(DENSE_SHAPE)), dict(shape=[35], flat_view=True)):
+            chunks = env.full_push(0, fill=0.0, **head)
+            length, chunk = env.slice(0)
+            last = (length - 1) // chunk * chunk
+            chunks[-1] = dense_chunk(last, np.zeros(length - last), last=True, **(head if last == 0 else {}))
+            env.raw[0].push_dense(chunks)
+        assert env.shards[0].tables[DENSE_NAME].version == v0 + 2
+
     @pytest.mark.parametrize("shard", [0, 1])
     def test_raw_chunk_of_wrong_length(self, env: Env, shard: int) -> None:
         chunks = env.full_push(shard)
@@ -883,11 +940,13 @@ class TestNonFinite:
 
     @pytest.mark.filterwarnings("ignore:overflow encountered")
     def test_client_float64_gradient_overflowing_float32_applies_nowhere(self, env: Env) -> None:
-        """1e39 is finite in float64 but Inf once cast to the float32 wire dtype."""
+        """1e39 is finite in float64 but Inf in float32: a float64 push is refused for its dtype (issue 17),
+        and cast by the caller, for its Inf."""
         g = np.full(DENSE_SHAPE, 0.1, np.float64)
         g.reshape(-1)[30] = 1e39  # shard 1's part
         before = env.snapshot()
-        ps_error(lambda: env.client.push_dense(DENSE_NAME, g), InvalidArgumentError, (None, INVALID), DENSE_NAME, "nan/inf")
+        ps_error(lambda: env.client.push_dense(DENSE_NAME, g), InvalidArgumentError, None, DENSE_NAME, "float64", "float32")
+        ps_error(lambda: env.client.push_dense(DENSE_NAME, g.astype(np.float32)), InvalidArgumentError, None, DENSE_NAME, "nan/inf")
         env.assert_unchanged(before)
         env.assert_serves()
 
