@@ -252,13 +252,15 @@ def _build_server(args: argparse.Namespace, task: Any, tokens: dict[str, str] | 
 
     def report(rec: dict[str, Any]) -> None:
         rec["rss_mb"] = rss_mb()
-        acc = rec.get("central_metrics", {}).get("accuracy")
         eps = f" epsilon {rec['epsilon']:.3f}" if "epsilon" in rec else ""
         waited = f" (+{rec['wait_s']:.1f} s waiting for clients)" if rec.get("wait_s", 0) > 0.05 else ""
+        central = ""
+        if "central_loss" in rec:  # the task's central evaluation: loss and each metric
+            central = f"central loss {rec['central_loss']:.4g}" + "".join(
+                f", {k} {v:.4g}" for k, v in sorted(rec.get("central_metrics", {}).items())) + ", "
         print(f"round {rec['round']}: {rec.get('answered')}/{rec.get('sampled')} clients, "
               f"{rec['round_s'] - rec.get('wait_s', 0.0):.3f} s{waited}, "
-              f"central accuracy {acc if acc is None else f'{acc:.4f}'}, up {rec['bytes_up']} B, down {rec['bytes_down']} B{eps}",
-              flush=True)
+              f"{central}up {rec['bytes_up']} B, down {rec['bytes_down']} B{eps}", flush=True)
 
     def status(line: str) -> None:
         print(f"tessera-fed: {line}", file=sys.stderr, flush=True)
