@@ -1,4 +1,4 @@
-"""``tessera ps ...``: run a shard, print cluster stats, or try a local cluster."""
+"""tessera ps ...: run a shard, checkpoint or reshard a cluster, print cluster stats, or try a local cluster."""
 from __future__ import annotations
 
 import argparse
@@ -8,21 +8,37 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ps.client import PSClient
+from ps.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    PSError,
+    ShardUnavailableError,
+    TableExistsError,
+    UnauthenticatedError,
+)
+from tessera.cli import UsageError
 from tessera.service import (
     ClientSecurity,
     ConfigError,
+    Diagnosis,
+    ServerUnreachableError,
     add_client_security_args,
     add_server_security_args,
     client_security_from,
     server_security_from,
+    wait_for_server,
 )
 from ps.config import ShardConfig
 from ps.shard import ShardStats
 
-__all__ = ["add_ps_commands", "start_local_shards", "stop_processes", "read_first_line"]
+__all__ = [
+    "add_ps_commands", "start_local_shards", "stop_processes", "read_first_line", "format_stats",
+    "wait_for_shards", "check_shards", "explain_error", "is_internal_table",
+]
 
 
 def add_ps_commands(sub: Any) -> None:
@@ -31,8 +47,8 @@ def add_ps_commands(sub: Any) -> None:
     s = ps.add_parser("serve", help="run one shard server (until SIGTERM)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=0, help="port (0: pick a free one and print it)")
-    s.add_argument("--shard-index", type=int, default=0)
-    s.add_argument("--num-shards", type=int, default=1)
+    s.add_argument("--shard-index", type=int, default=0, help="which shard this is, 0..num-shards-1 (workers list shards in this order in --ps)")
+    s.add_argument("--num-shards", type=int, default=1, help="how many shards the cluster has (every shard and --ps must agree)")
     d = ShardConfig()
     s.add_argument(
         "--max-bytes", type=int, default=d.max_bytes,
@@ -45,7 +61,7 @@ def add_ps_commands(sub: Any) -> None:
         "--forget-after", type=float, default=d.forget_after_s, metavar="SECONDS",
         help="forget a member dead this long (default 0: 10 x --lease)",
     )
-    s.add_argument("--chunk-elems", type=int, default=1 << 18, help="dense wire chunk in elements")
+    s.add_argument("--chunk-elems", type=int, default=1 << 18, help="dense wire chunk in elements (float32: 4 bytes each)")
     s.add_argument("--threads", type=int, default=64, help="RPC worker threads (BSP/SSP pulls hold one while they wait)")
     s.add_argument("--lease", type=float, default=10.0, help="seconds a silent worker stays in the sync set (default 10)")
     s.add_argument(
@@ -81,7 +97,7 @@ def add_ps_commands(sub: Any) -> None:
     c = ps.add_parser("checkpoint", help="checkpoint every shard at one BSP clock (a consistent cut)")
     c.add_argument("--ps", required=True, help="HOST:PORT,... of every shard, in shard order")
     c.add_argument("--at-clock", type=int, default=None, help="BSP clock to cut at (default: the highest reached; -1: now, uncoordinated)")
-    c.add_argument("--timeout", type=float, default=120.0)
+    c.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS", help="deadline of each shard's checkpoint call")
     add_client_security_args(c)
     c.set_defaults(func=_checkpoint)
 
@@ -91,21 +107,29 @@ def add_ps_commands(sub: Any) -> None:
 
     st = ps.add_parser("stats", help="print per-shard tables, sizes and request counts")
     st.add_argument("--ps", required=True, help="HOST:PORT,... of every shard, in shard order")
-    st.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    st.add_argument("--json", action="store_true", help="print JSON instead of a table (every table and counter, as the shards report them)")
+    st.add_argument(
+        "--all", action="store_true",
+        help="also show internal tables (e.g. PREFIX/ready, the mark worker 0 sets when the tables are seeded) and raw error counts",
+    )
+    st.add_argument("--wait", type=float, default=5.0, metavar="SECONDS", help="how long to wait for an unreachable shard")
     add_client_security_args(st)
     st.set_defaults(func=_stats)
 
     r.set_defaults(func=_reshard)
 
     q = ps.add_parser("quickstart", help="start local shards, train a toy table on them, print stats, stop")
-    q.add_argument("--shards", type=int, default=2)
-    q.add_argument("--steps", type=int, default=200)
+    q.add_argument("--shards", type=int, default=2, help="shard processes to start on loopback")
+    q.add_argument("--steps", type=int, default=200, help="training steps of the toy least-squares model")
     q.set_defaults(func=_quickstart)
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
     addresses = [a for a in args.ps.split(",") if a]
-    with PSClient(addresses, timeout=args.timeout, retries=2, security=client_security_from(args)) as client:
+    security = client_security_from(args)
+    wait_for_shards(addresses, security, timeout=10.0)
+    with PSClient(addresses, timeout=args.timeout, retries=2, security=security) as client:
+        check_shards(client, addresses)
         for i, (path, clock) in enumerate(client.checkpoint(args.at_clock)):
             print(f"shard {i}: {path} (clock {clock})")
     return 0
@@ -160,11 +184,23 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_stats(stats: list[ShardStats], addresses: list[str]) -> str:
+def is_internal_table(name: str) -> bool:
+    """Tables the trainer keeps for itself (``PREFIX/ready``: worker 0's mark that the model's
+    tables are created and seeded); ``tessera ps stats`` hides them unless ``--all``."""
+    return name.endswith("/ready")
+
+
+def format_stats(stats: list[ShardStats], addresses: list[str], show_all: bool = True) -> str:
+    """The stats of every shard as a text table. ``show_all=False`` hides internal tables and
+    the NOT_FOUND answers that describe lookups explain (workers polling for a table worker 0
+    has not created yet), so a healthy run shows no errors."""
     lines = []
     for addr, s in zip(addresses, stats):
         reqs = ", ".join(f"{k}={v}" for k, v in sorted(s.requests.items())) or "-"
-        errs = ", ".join(f"{k}={v}" for k, v in sorted(s.errors.items())) or "-"
+        errors = dict(s.errors)
+        if not show_all and 0 < errors.get("NOT_FOUND", 0) <= s.requests.get("DescribeTable", 0):
+            del errors["NOT_FOUND"]
+        errs = ", ".join(f"{k}={v}" for k, v in sorted(errors.items())) or "-"
         lines.append(
             f"shard {s.shard_index}/{s.num_shards} at {addr}  up {s.uptime_s:.0f}s  in {s.bytes_in / 1e6:.1f} MB  out {s.bytes_out / 1e6:.1f} MB"
         )
@@ -172,24 +208,99 @@ def format_stats(stats: list[ShardStats], addresses: list[str]) -> str:
         lines.append(f"  errors:   {errs}")
         if s.workers:
             ws = ", ".join(f"{w.name}@{w.clock}{'' if w.live else ' (gone)'}" for w in s.workers)
-            lines.append(f"  workers:  {ws}  (leases expired: {s.leases_expired})")
+            lines.append(f"  workers:  {ws}  (name@clock; leases expired: {s.leases_expired})")
         lines.append(f"  {'table':<20} {'kind':<7} {'rows':>10} {'elements':>12} {'param MB':>9} {'state MB':>9} {'version':>8} {'evicted':>8}")
         for t in s.tables:
+            if not show_all and is_internal_table(t.name):
+                continue
             lines.append(
                 f"  {t.name:<20} {t.kind:<7} {t.rows:>10} {t.elements:>12} {t.param_bytes / 1e6:>9.2f} {t.state_bytes / 1e6:>9.2f} {t.version:>8} {t.evicted:>8}"
             )
+    lines.append("version: updates applied to the table (staleness counts these versions, not steps)")
     return "\n".join(lines)
 
 
 def _stats(args: argparse.Namespace) -> int:
     addresses = [a for a in args.ps.split(",") if a]
-    with PSClient(addresses, timeout=10, retries=2, security=client_security_from(args)) as client:
-        stats = client.stats()
+    security = client_security_from(args)
+    wait_for_shards(addresses, security, timeout=args.wait)
+    with PSClient(addresses, timeout=10, retries=2, security=security) as client:
+        stats = check_shards(client, addresses)
     if args.json:
         print(json.dumps([dataclasses.asdict(s) for s in stats], indent=2))
     else:
-        print(format_stats(stats, addresses))
+        print(format_stats(stats, addresses, show_all=args.all))
     return 0
+
+
+def wait_for_shards(
+    addresses: list[str], security: ClientSecurity | None, timeout: float,
+    say: Callable[[str], None] | None = None, every: float = 5.0,
+) -> None:
+    """Wait until every shard (any replica of ``"A|B"``) accepts connections, at most ``timeout``
+    seconds for each; ``say(text)`` is called every ``every`` seconds while one is not reachable.
+    Raises the kernel's TransportSecurityError at once on a TLS mismatch, ServerUnreachableError
+    (naming the shard and why) at the deadline."""
+    for i, spec in enumerate(addresses):
+        replicas = [a for a in spec.split("|") if a]
+        deadline = time.monotonic() + timeout
+        while True:
+            last: ServerUnreachableError | None = None
+            for a in replicas:
+                def on_wait(waited: float, d: Diagnosis, a: str = a, i: int = i) -> None:
+                    if say is not None:
+                        say(f"waiting for shard {i} at {a} ({waited:.0f} s of {timeout:g}): {d.message}")
+
+                try:
+                    left = max(0.1, deadline - time.monotonic())
+                    wait_for_server(a, security, timeout=min(left, 1.0) if len(replicas) > 1 else left, on_wait=on_wait, every=every)
+                    last = None
+                    break
+                except ServerUnreachableError as e:
+                    last = e
+            if last is None:
+                break
+            if time.monotonic() >= deadline:
+                d = last.diagnosis
+                why = d.message if d is not None and d.kind != "ok" else "it accepts TCP connections but no gRPC connection was made"
+                raise ServerUnreachableError(f"shard {i} ({spec}) not reachable within {timeout:.3g} s: {why}", d) from None
+
+
+def check_shards(client: PSClient, addresses: list[str]) -> list[ShardStats]:
+    """Refuse (UsageError) a ``--ps`` list that does not match the shards: shard k must be at
+    position k, and the list must name every shard. Returns the shards' stats."""
+    stats = client.stats()
+    n = len(addresses)
+    for i, st in enumerate(stats):
+        if st.num_shards != n or st.shard_index != i:
+            raise UsageError(
+                f"--ps lists {n} shard{'s' if n != 1 else ''}, but position {i} ({addresses[i]}) is shard "
+                f"{st.shard_index} of {st.num_shards}: list all {st.num_shards} shards in shard order "
+                f"(the shard started with --shard-index k at position k)"
+            )
+    return stats
+
+
+def explain_error(exc: BaseException) -> tuple[str, int] | None:
+    """One line and an exit code for a PS error a user can cause (None: not a PS error)."""
+    if not isinstance(exc, PSError):
+        return None
+    msg = str(exc)
+    if isinstance(exc, ShardUnavailableError):
+        return f"{msg}: is every shard running at the address --ps gives, in shard order? (--retry-timeout waits longer)", 1
+    if isinstance(exc, UnauthenticatedError):
+        if "TLS" in msg or "certificate" in msg:
+            return msg, 2
+        return f"{msg}: give a token the shards know (--token-file FILE --identity NAME)", 2
+    if isinstance(exc, PermissionDeniedError):
+        return f"{msg} (roles are the token file's third column; worker 0 creates the tables, so it needs admin,worker)", 2
+    if isinstance(exc, TableExistsError):
+        return f"{msg}: these shards hold a table of that name with another spec (another task or model?): use fresh shards", 2
+    if isinstance(exc, InvalidArgumentError) and "client assumes" in msg:
+        return f"{msg}: --ps must list every shard, in shard order", 2
+    if isinstance(exc, DeadlineExceededError):
+        return f"{msg}: a wait for the other workers (sync/ssp) or a shard took too long; are all workers running?", 1
+    return msg, 1
 
 
 def start_local_shards(num_shards: int, extra_args: tuple[str, ...] = (), timeout: float = 60.0) -> tuple[list[subprocess.Popen], list[str]]:
@@ -274,7 +385,7 @@ def _quickstart(args: argparse.Namespace) -> int:
                 client.push_dense("w", X.T @ err / len(y))
                 client.push_sparse("bias", ids, (err / len(y))[:, None])
                 bar.set_postfix(loss=f"{float(np.mean(err**2)):.4f}", ex_s=f"{(step + 1) * 64 / (time.perf_counter() - t0):.0f}")
-            print(format_stats(client.stats(), addresses))
+            print(format_stats(client.stats(), addresses, show_all=False))
     finally:
         stop_processes(procs)
     return 0

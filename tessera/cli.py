@@ -1,13 +1,53 @@
-"""The ``tessera`` command: one entry point, a subcommand per part."""
+"""The tessera command: one entry point, a subcommand per part (ps, worker, demo, experiment, fed, cert, tokens).
+
+Errors a user can cause are one line on stderr saying what to do next, not a traceback:
+exit 2 when the command line or the setup is wrong (fix it and run again), 1 when something
+failed while running. ``--debug`` (anywhere on the line) shows the traceback instead.
+"""
 from __future__ import annotations
 
 import argparse
 import logging
 import os
 import sys
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "HelpFormatter", "Parser", "UsageError", "explain_error"]
+
+
+class UsageError(Exception):
+    """A command line that cannot work (e.g. ``--worker-index 3 --num-workers 2``): printed as one
+    line, exit 2. Parts' CLIs raise it for what argparse alone cannot check."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows every option's default, unless its help text states it already or there
+    is nothing to show (no default, a flag that is off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            not action.option_strings or "%(default)" in text or "(default" in text
+            or action.default in (None, False, "", [], argparse.SUPPRESS)
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line (with where to look) and whose help
+    shows defaults; subcommands inherit both."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> Any:  # argparse's signature: NoReturn
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
+# each part's CLI may explain its own errors: exc -> (one line, exit code), or None
+_EXPLAINERS: list[Callable[[BaseException], tuple[str, int] | None]] = []
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,23 +55,46 @@ def build_parser() -> argparse.ArgumentParser:
     from ps.cli import add_ps_commands
     from worker.cli import add_worker_commands
 
-    parser = argparse.ArgumentParser(prog="tessera", description=__doc__)
+    from ps.cli import explain_error as explain_ps
+    from worker.cli import explain_error as explain_worker
+
+    parser = Parser(
+        prog="tessera", description=(__doc__ or "").split("\n")[0],
+        epilog="Errors are one line; --debug (anywhere) shows the traceback. Exit 2: fix the command line or "
+        "setup; 1: failed while running.",
+    )
     parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (also after the subcommand)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_ps_commands(sub)
     add_worker_commands(sub)
     add_fed_commands(sub)
     c = sub.add_parser("cert", help="make a development CA and certificates for named hosts and clients")
-    c.add_argument("--out-dir", required=True)
-    c.add_argument("--hosts", default="localhost,127.0.0.1", help="server names (DNS or IP), comma-separated: one certificate each")
+    c.add_argument("--out-dir", required=True, help="directory for ca.crt, ca.key, server.crt/key and CLIENT.crt/key")
+    c.add_argument("--hosts", default="localhost,127.0.0.1", help="server names (DNS or IP), comma-separated: one server certificate valid for all")
     c.add_argument("--clients", default="", help="client identities, comma-separated: one client certificate each (mutual TLS)")
-    c.add_argument("--days", type=int, default=365)
+    c.add_argument("--days", type=int, default=365, help="validity of the CA and the certificates in days")
     c.set_defaults(func=_cert)
     t = sub.add_parser("tokens", help="write a token file (mode 0600): IDENTITY[:ROLE,ROLE...] ...")
-    t.add_argument("identities", nargs="+", help="e.g. admin:admin,worker w0:worker w1:worker backup:replica")
-    t.add_argument("--out", required=True)
+    t.add_argument("identities", nargs="+", help="IDENTITY[:ROLE,ROLE...], e.g. admin:admin,worker w0:worker w1:worker backup:replica")
+    t.add_argument("--out", required=True, help="the token file to write (mode 0600; give each client only its own line)")
     t.set_defaults(func=_tokens)
+    _finish(parser)
+    _EXPLAINERS[:] = [explain_ps, explain_worker]
     return parser
+
+
+def _finish(parser: argparse.ArgumentParser) -> None:
+    """Every subcommand: its one-line help as its description, its name for error messages."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, p in action.choices.items():
+                if not p.description and helps.get(name):
+                    p.description = helps[name]
+                _finish(p)
+            return
+    parser.set_defaults(_prog=parser.prog)
 
 
 def _write_private(path: str, data: bytes) -> None:
@@ -73,14 +136,60 @@ def _tokens(args: argparse.Namespace) -> int:
     return 0
 
 
+def explain_error(exc: BaseException) -> tuple[str, int]:
+    """(one line saying what went wrong and what to do, exit code) for an error of a command."""
+    from tessera.service import ConfigError, ServerUnreachableError, TransportSecurityError
+
+    for explain in _EXPLAINERS:
+        found = explain(exc)
+        if found is not None:
+            return found
+    if isinstance(exc, UsageError):
+        return str(exc), 2
+    if isinstance(exc, TransportSecurityError):
+        return str(exc), 2
+    if isinstance(exc, ServerUnreachableError):
+        return f"{exc}; is the server running at that address?", 1
+    if isinstance(exc, ConfigError):
+        return str(exc), 2
+    if isinstance(exc, FileNotFoundError):
+        return f"no such file: {exc.filename}", 2
+    if isinstance(exc, PermissionError):
+        return f"not allowed to read or write {exc.filename}: {exc.strerror}", 2
+    if isinstance(exc, IsADirectoryError):
+        return f"{exc.filename} is a directory, a file was expected", 2
+    if isinstance(exc, OSError) and exc.filename:
+        return f"{exc.filename}: {exc.strerror}", 1
+    if isinstance(exc, ValueError):
+        return f"{exc}", 2
+    return f"{type(exc).__name__}: {exc} (--debug shows the traceback)", 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``tessera`` command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    debug = "--debug" in argv[:cut] or os.environ.get("TESSERA_DEBUG", "") not in ("", "0")
+    argv = [a for i, a in enumerate(argv) if not (i < cut and a == "--debug")]
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except SystemExit:
+        raise
+    except Exception as e:  # noqa: BLE001 - every error a user can cause ends here as one line
+        if debug:
+            raise
+        message, code = explain_error(e)
+        message = " ".join(message.split())  # one line, whatever the error carried
+        print(f"{getattr(args, '_prog', 'tessera')}: error: {message}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run the importable module's main, so that the parts' CLIs and this one share one UsageError
+    from tessera.cli import main as _main
+
+    sys.exit(_main())

@@ -14,7 +14,11 @@
 * **The error table** (:class:`ErrorTable`): domain error class <-> gRPC status code, both
   ways, with the message kept.
 * **Clients** (:func:`client_channel`): TLS / mutual TLS / plaintext channels that put the
-  token on every call.
+  token on every call. A call that cannot connect because client and server disagree about TLS
+  (a plaintext client to a TLS server, a TLS client to a plaintext one, a server certificate the
+  client's CA did not sign) fails at once with :class:`TransportSecurityError` naming the likely
+  cause, instead of being retried as UNAVAILABLE (:func:`diagnose` probes the server).
+  :func:`wait_for_server` waits (bounded) until a server accepts connections, saying why not.
 * **Credentials for a cluster** (:func:`make_ca`, :func:`issue_cert`, :func:`write_token_file`):
   a development CA, certificates for named hosts, token files written mode 0600.
 
@@ -30,6 +34,9 @@ import hashlib
 import ipaddress
 import json
 import os
+import socket
+import ssl
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -47,6 +54,7 @@ __all__ = [
     "ErrorTable", "Identities", "load_token_file", "write_token_file", "ServerSecurity", "ClientSecurity", "Caller",
     "Access", "build_server", "client_channel", "make_ca", "issue_cert", "is_loopback", "ANONYMOUS",
     "add_server_security_args", "add_client_security_args", "server_security_from", "client_security_from",
+    "TransportSecurityError", "ServerUnreachableError", "Diagnosis", "diagnose", "wait_for_server",
 ]
 
 ANONYMOUS = ""
@@ -487,9 +495,305 @@ def client_channel(address: str, security: ClientSecurity | None = None, options
         channel = grpc.secure_channel(address, creds, options=opts)
     else:
         channel = grpc.insecure_channel(address, options=opts)
+    # outermost: it sees the calls' outcomes (a mismatch is known before the token matters)
+    channel = grpc.intercept_channel(channel, _MismatchInterceptor(address, sec))
     if sec.token:
         channel = grpc.intercept_channel(channel, _TokenInterceptor(sec.token))
     return channel
+
+
+# ---------------------------------------------------------------------- why a connection fails
+class TransportSecurityError(grpc.RpcError, grpc.Call, ServiceError):
+    """Client and server disagree about transport security, so no call can ever succeed: a
+    plaintext client to a TLS server (forgot ``--tls-ca``), a TLS client to a plaintext server,
+    a server certificate the client's CA does not accept, a server that wants a client
+    certificate. Calls on a :func:`client_channel` raise it at once instead of retrying
+    UNAVAILABLE; as a gRPC error its code is UNAUTHENTICATED (clients map it to their
+    ``UnauthenticatedError``, which nobody retries) and its details name the likely cause."""
+
+    def __init__(self, message: str, address: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.address = address
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAUTHENTICATED
+
+    def details(self) -> str:
+        return self.message
+
+    def initial_metadata(self) -> tuple:
+        return ()
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ServerUnreachableError(ServiceError, TimeoutError):
+    """:func:`wait_for_server` gave up: no connection within its timeout (the message says why;
+    ``diagnosis`` is the last probe's finding)."""
+
+    def __init__(self, message: str, diagnosis: "Diagnosis | None" = None) -> None:
+        super().__init__(message)
+        self.diagnosis = diagnosis
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """What a probe of a server found. ``kind``: ``ok`` (a TLS/plaintext handshake as the client
+    would do it works), ``refused`` (nothing listening), ``unreachable`` (no answer, or the name
+    does not resolve), or a security mismatch: ``tls_required``, ``tls_unsupported``,
+    ``untrusted``, ``name_mismatch``, ``client_cert_required``. ``message``: one sentence with
+    what to do."""
+
+    kind: str
+    message: str
+
+    @property
+    def mismatch(self) -> bool:
+        """True for a transport-security mismatch (retrying cannot help)."""
+        return self.kind in ("tls_required", "tls_unsupported", "untrusted", "name_mismatch", "client_cert_required")
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    a = address.split("///", 1)[-1]
+    for scheme in ("ipv4:", "ipv6:", "dns:"):
+        if a.startswith(scheme):
+            a = a[len(scheme):]
+    host, sep, port = a.rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    return host.strip("[]") or "localhost", int(port)
+
+
+@contextlib.contextmanager
+def _pem_file(pem: str | bytes) -> Iterator[str]:
+    """A file name holding ``pem`` (ssl loads client certificates from files only)."""
+    if isinstance(pem, str) and not pem.lstrip().startswith("-----BEGIN"):
+        yield pem
+        return
+    fd, path = tempfile.mkstemp(suffix=".pem")  # created 0600
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_read(pem))
+        yield path
+    finally:
+        os.unlink(path)
+
+
+def diagnose(address: str, security: ClientSecurity | None = None, timeout: float = 2.0) -> Diagnosis:
+    """Probe ``address`` the way a client with ``security`` would connect (TCP, then a TLS
+    handshake) and say why a gRPC connection fails, if it can tell. Takes at most about
+    2 x ``timeout`` seconds; never raises."""
+    sec = security or ClientSecurity()
+    hp = _host_port(address)
+    if hp is None:
+        return Diagnosis("unreachable", f"{address!r} is not HOST:PORT")
+    host, port = hp
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except ConnectionRefusedError:
+        return Diagnosis("refused", f"nothing is listening at {address} (connection refused)")
+    except socket.gaierror as e:
+        return Diagnosis("unreachable", f"cannot resolve {host!r}: {e.strerror}")
+    except OSError as e:
+        return Diagnosis("unreachable", f"no connection to {address}: {e.strerror or e}")
+    tls_flags = "--tls-cert/--tls-key"
+    try:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.set_alpn_protocols(["h2"])
+        name = sec.server_name or host
+        if sec.tls_ca:
+            ctx.load_verify_locations(cadata=_read(sec.tls_ca).decode())
+        else:
+            ctx.check_hostname = False
+            ctx.verify_mode = ssl.CERT_NONE
+        with contextlib.ExitStack() as stack:
+            if sec.tls_ca and sec.tls_cert and sec.tls_key:
+                ctx.load_cert_chain(stack.enter_context(_pem_file(sec.tls_cert)), stack.enter_context(_pem_file(sec.tls_key)))
+            try:
+                tls = ctx.wrap_socket(sock, server_hostname=name)
+            except ssl.SSLCertVerificationError as e:
+                why = e.verify_message or str(e)
+                if "hostname" in why.lower() or "ip address mismatch" in why.lower():
+                    return Diagnosis(
+                        "name_mismatch",
+                        f"the certificate of the server at {address} is not valid for the name {name!r} ({why}): "
+                        "connect by a name the certificate holds (tessera cert --hosts ...)",
+                    )
+                return Diagnosis(
+                    "untrusted",
+                    f"the server at {address} speaks TLS, but its certificate is not accepted by the CA given "
+                    f"(--tls-ca): {why}; give the CA that signed the server's certificate",
+                )
+            except ssl.SSLError as e:
+                reason = e.reason or ""
+                if "CERTIFICATE_REQUIRED" in reason or ("HANDSHAKE_FAILURE" in reason and sec.tls_ca):
+                    return _client_cert_required(address, tls_flags)
+                if "ALERT" in reason and not sec.tls_ca:
+                    return _tls_required(address)
+                if sec.tls_ca:
+                    return _tls_unsupported(address)
+                return Diagnosis("ok", f"the server at {address} answers in plaintext, as this client speaks")
+            except OSError:  # reset or closed during the handshake: not a TLS server
+                if sec.tls_ca:
+                    return _tls_unsupported(address)
+                return Diagnosis("ok", f"the server at {address} answers in plaintext, as this client speaks")
+            sock = tls
+            if not sec.tls_ca:
+                return _tls_required(address)
+            # TLS 1.3: a server that requires a client certificate says so after the handshake
+            tls.settimeout(min(timeout, 0.5))
+            try:
+                tls.recv(1)
+            except ssl.SSLError as e:
+                if "CERTIFICATE_REQUIRED" in (e.reason or "") or "ALERT" in (e.reason or ""):
+                    return _client_cert_required(address, tls_flags)
+            except OSError:
+                pass
+            return Diagnosis("ok", f"the server at {address} speaks TLS with a certificate the CA given accepts")
+    except (ssl.SSLError, OSError, ValueError) as e:  # e.g. an unreadable CA file
+        return Diagnosis("unknown", f"could not probe {address}: {e}")
+    finally:
+        sock.close()
+
+
+def _tls_required(address: str) -> Diagnosis:
+    return Diagnosis(
+        "tls_required",
+        f"the server at {address} speaks TLS but this client connects in plaintext: "
+        "give the CA that signed its certificate (--tls-ca CA.crt; formerly --root-cert)",
+    )
+
+
+def _tls_unsupported(address: str) -> Diagnosis:
+    return Diagnosis(
+        "tls_unsupported",
+        f"the server at {address} does not speak TLS (plaintext) but this client uses TLS (--tls-ca): "
+        "drop --tls-ca, or start the server with --tls-cert/--tls-key",
+    )
+
+
+def _client_cert_required(address: str, flags: str) -> Diagnosis:
+    return Diagnosis(
+        "client_cert_required",
+        f"the server at {address} requires a client certificate (mutual TLS): give this client's {flags} "
+        "(tessera cert --clients NAME makes one)",
+    )
+
+
+class _MismatchInterceptor(
+    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor,
+):
+    """Turns a transport failure (UNAVAILABLE without a server's error class) that a probe of the
+    server explains as a security mismatch into :class:`TransportSecurityError`. The probe runs
+    only after such a failure, at most once per ``every`` seconds per channel."""
+
+    def __init__(self, address: str, security: ClientSecurity, every: float = 5.0) -> None:
+        self.address, self.security, self.every = address, security, every
+        self._lock = threading.Lock()
+        self._at = -1e9
+        self._last: Diagnosis | None = None
+
+    def check(self, e: BaseException) -> None:
+        if not isinstance(e, grpc.RpcError) or isinstance(e, TransportSecurityError):
+            return
+        code = e.code() if hasattr(e, "code") else None
+        if code != grpc.StatusCode.UNAVAILABLE:
+            return
+        for key, _ in (e.trailing_metadata() if hasattr(e, "trailing_metadata") else None) or ():
+            if key == ERROR_CLASS_HEADER:  # the server itself answered UNAVAILABLE (e.g. a backup)
+                return
+        with self._lock:
+            if time.monotonic() - self._at > self.every:
+                self._last = diagnose(self.address, self.security)
+                self._at = time.monotonic()
+            d = self._last
+        if d is not None and d.mismatch:
+            raise TransportSecurityError(d.message, self.address) from None
+
+    def _unary(self, continuation: Callable, details: Any, request: Any) -> Any:
+        outcome = continuation(details, request)
+        # the blocking path hands back a finished outcome; a .future() call is left alone (not waited on)
+        if outcome.done() and not outcome.cancelled():
+            self.check(outcome.exception())
+        return outcome
+
+    def _stream(self, continuation: Callable, details: Any, request: Any) -> Any:
+        return _CheckedStream(continuation(details, request), self.check)
+
+    intercept_unary_unary = intercept_stream_unary = _unary
+    intercept_unary_stream = intercept_stream_stream = _stream
+
+
+class _CheckedStream:
+    """A response stream whose errors pass through ``check`` first (everything else delegated)."""
+
+    def __init__(self, call: Any, check: Callable[[BaseException], None]) -> None:
+        self._call, self._check = call, check
+
+    def __iter__(self) -> "_CheckedStream":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._call)
+        except grpc.RpcError as e:
+            self._check(e)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._call, name)
+
+
+def wait_for_server(
+    address: str, security: ClientSecurity | None = None, timeout: float = 60.0,
+    on_wait: Callable[[float, Diagnosis], None] | None = None, every: float = 5.0,
+) -> None:
+    """Block until the server at ``address`` accepts a connection (as a client with ``security``),
+    at most ``timeout`` seconds. While it waits, ``on_wait(seconds waited, diagnosis)`` is called
+    every ``every`` seconds (e.g. to print "nothing is listening there"). Raises
+    :class:`TransportSecurityError` as soon as a probe finds a TLS mismatch, and
+    :class:`ServerUnreachableError` (the last diagnosis in its message) at the deadline."""
+    channel = client_channel(address, security)
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    said = t0
+    try:
+        while True:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+                return
+            except grpc.FutureTimeoutError:
+                pass
+            d = diagnose(address, security, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+            if d.mismatch:
+                raise TransportSecurityError(d.message, address)
+            now = time.monotonic()
+            if now >= deadline:
+                why = d.message if d.kind != "ok" else "it accepts TCP connections but no gRPC connection was made"
+                raise ServerUnreachableError(f"{address} not reachable within {timeout:.3g} s: {why}", d)
+            if on_wait is not None and now - said >= every:
+                said = now
+                on_wait(now - t0, d)
+    finally:
+        channel.close()
 
 
 # ---------------------------------------------------------------------- certificates

@@ -1,4 +1,5 @@
-"""``tessera worker``: train a task against PS shards; ``tessera demo``: a whole local cluster in one command."""
+"""tessera worker: train a task against PS shards; tessera demo: a whole local cluster in one command;
+tessera experiment: consistency modes compared on local clusters."""
 from __future__ import annotations
 
 import argparse
@@ -10,9 +11,11 @@ import threading
 import time
 from typing import Any
 
+from tessera.cli import UsageError
 from tessera.service import add_client_security_args, client_security_from
 
-__all__ = ["add_worker_commands"]
+__all__ = ["add_worker_commands", "explain_error", "default_torch_threads"]
+
 
 
 def _kv(items: list[str]) -> dict[str, Any]:
@@ -20,7 +23,7 @@ def _kv(items: list[str]) -> dict[str, Any]:
     for item in items:
         k, sep, v = item.partition("=")
         if not sep:
-            raise SystemExit(f"--task-opt expects KEY=VALUE, got {item!r}")
+            raise UsageError(f"--task-opt expects KEY=VALUE, got {item!r}")
         try:
             out[k] = json.loads(v)
         except json.JSONDecodeError:
@@ -46,57 +49,73 @@ def add_worker_commands(sub: Any) -> None:
         help="how long a call keeps retrying (and failing over) an unreachable shard before the worker gives up (default 60)",
     )
     add_client_security_args(w)
-    w.add_argument("--task", default="ctr", help="ctr, digits, or package.module:function")
+    w.add_argument("--task", default="ctr", help="ctr, digits, or module:function (a module in the current directory or on PYTHONPATH)")
     w.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE", help="option for the task (repeatable)")
-    w.add_argument("--mode", default="async", type=_ps_mode, choices=["sync", "async", "ssp", "dense-sync"])
-    w.add_argument("--staleness", type=int, default=4, help="SSP bound K (default 4)")
+    w.add_argument(
+        "--mode", default="async", type=_ps_mode, choices=["sync", "async", "ssp", "dense-sync"],
+        help="sync (BSP), async (ASP), ssp (bounded staleness), dense-sync (dense tables sync, sparse async)",
+    )
+    w.add_argument("--staleness", type=int, default=4, help="SSP bound K, in steps: a pull for step c waits until the slowest worker finished step c-K-1")
     w.add_argument("--backup-workers", type=int, default=0, help="sync: apply the first W-b gradients of each step")
-    w.add_argument("--staleness-aware-lr", action="store_true", help="async/ssp: scale each update's lr by 1/staleness")
+    w.add_argument("--staleness-aware-lr", action="store_true", help="async/ssp: scale each update's lr by 1/staleness (staleness in versions: updates applied since its pull)")
     w.add_argument("--steps", type=int, default=1000, help="train until the cluster's clock reaches this")
-    w.add_argument("--batch-size", type=int, default=256)
-    w.add_argument("--worker-index", type=int, default=0)
-    w.add_argument("--num-workers", type=int, default=1)
+    w.add_argument("--batch-size", type=int, default=256, help="examples per step on this worker")
+    w.add_argument("--worker-index", type=int, default=0, help="this worker's index, 0..num-workers-1 (worker 0 creates the tables)")
+    w.add_argument("--num-workers", type=int, default=1, help="workers in the run (each takes its slice of every step's data)")
     w.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     w.add_argument("--lease", type=float, default=10.0, help="lease in seconds; heartbeats every lease/4")
     w.add_argument("--no-overlap", action="store_true", help="no prefetch, no background pushes (for comparison)")
     w.add_argument("--eval-every", type=int, default=0, help="worker 0 evaluates every N steps (0: at the end)")
     w.add_argument("--max-seconds", type=float, default=0.0, help="stop after this many seconds (0: no limit)")
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--wire-dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    w.add_argument("--seed", type=int, default=0, help="seed of the task's data and model (same on every worker)")
+    w.add_argument(
+        "--wire-dtype", default=None, choices=["float32", "float16", "bfloat16"],
+        help="precision of pushes and pulls on the wire (tables stay float32; default float32)",
+    )
     w.add_argument("--metrics-out", default=None, help="append JSON lines (steps, evals, summary) here")
-    w.add_argument("--no-progress", action="store_true")
+    w.add_argument("--no-progress", action="store_true", help="no progress bar")
     w.add_argument("--name", default="", help="worker name on the shards (default w<index>)")
-    w.add_argument("--torch-threads", type=int, default=0, help="intra-op threads (0: torch's default)")
+    w.add_argument(
+        "--torch-threads", type=int, default=0,
+        help="torch intra-op threads (default 0: the machine's cores divided among --local-workers; -1: torch's default, one per core)",
+    )
+    w.add_argument(
+        "--local-workers", type=int, default=0, metavar="N",
+        help="worker processes on this machine, for dividing its cores (default 0: --num-workers if every --ps address is loopback, else 1)",
+    )
     w.add_argument("--slowdown", type=float, default=1.0, help="experiments: compute takes this many times longer")
     w.add_argument("--jitter-ms", type=float, default=0.0, help="experiments: random per-step delay, exponential with this mean")
     w.add_argument("--rpc-delay-ms", type=float, default=0.0, help="experiments: delay added to every RPC this worker sends")
     w.set_defaults(func=_worker)
 
     d = sub.add_parser("demo", help="start 2 shards + 2 workers locally, train ctr for about a minute, plot it")
-    d.add_argument("--shards", type=int, default=2)
-    d.add_argument("--workers", type=int, default=2)
-    d.add_argument("--mode", default="ssp", type=_ps_mode, choices=["sync", "async", "ssp", "dense-sync"])
-    d.add_argument("--staleness", type=int, default=4)
-    d.add_argument("--seconds", type=float, default=60.0, help="training time (default 60)")
-    d.add_argument("--batch-size", type=int, default=256)
-    d.add_argument("--device", default="auto")
-    d.add_argument("--task", default="ctr")
+    d.add_argument("--shards", type=int, default=2, help="shard processes")
+    d.add_argument("--workers", type=int, default=2, help="worker processes (each gets the machine's cores divided among the workers)")
+    d.add_argument(
+        "--mode", default="ssp", type=_ps_mode, choices=["sync", "async", "ssp", "dense-sync"],
+        help="consistency mode (see tessera worker --help)",
+    )
+    d.add_argument("--staleness", type=int, default=4, help="SSP bound K, in steps")
+    d.add_argument("--seconds", type=float, default=60.0, help="training time in seconds")
+    d.add_argument("--batch-size", type=int, default=256, help="examples per step per worker")
+    d.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    d.add_argument("--task", default="ctr", help="ctr, digits, or module:function")
     d.add_argument("--out", default="tessera-demo", help="directory for metrics, summary and plot")
     d.set_defaults(func=_demo)
 
     e = sub.add_parser("experiment", help="experiments on a local cluster").add_subparsers(dest="experiment", required=True)
     c = e.add_parser("consistency", help="sync vs async vs SSP on one task: metric vs time and updates, staleness")
-    c.add_argument("--task", default="ctr")
-    c.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE")
-    c.add_argument("--workers", type=int, default=4)
-    c.add_argument("--shards", type=int, default=2)
+    c.add_argument("--task", default="ctr", help="ctr, digits, or module:function")
+    c.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE", help="option for the task (repeatable)")
+    c.add_argument("--workers", type=int, default=4, help="worker processes per mode")
+    c.add_argument("--shards", type=int, default=2, help="shard processes per mode")
     c.add_argument("--modes", default="sync,async,ssp:1,ssp:4,ssp:16", help="comma-separated: sync, async, ssp:K, dense-sync")
     c.add_argument("--staleness-aware-lr", default="off", choices=["off", "on", "both"],
                    help="scale async/ssp updates' lr by 1/staleness; 'both' runs each async/ssp mode with and without")
     c.add_argument("--steps", type=int, default=None, help="steps per mode (default 600; --quick 120)")
     c.add_argument("--batch-size", type=int, default=None, help="per worker (default 128; --quick 64)")
     c.add_argument("--eval-every", type=int, default=None, help="worker 0 evaluates every N steps (default steps/12)")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0, help="seed of the task's data and model (same for every mode)")
     c.add_argument("--straggler", default="", help="WORKERxFACTOR, e.g. 1x4: worker 1 computes 4x slower")
     c.add_argument("--jitter", type=float, default=0.0, metavar="MS", help="random per-step delay on every worker (mean MS)")
     c.add_argument("--net-delay", type=float, default=0.0, metavar="MS", help="delay added to the last worker's RPCs")
@@ -104,20 +123,51 @@ def add_worker_commands(sub: Any) -> None:
                    help="make --net-delay a real link delay: the last worker runs in a network namespace behind tc netem (root)")
     c.add_argument("--target", type=float, default=None, help="test metric to reach (default: 99%% of the worst mode's best)")
     c.add_argument("--quick", action="store_true", help="a small run (~2 minutes on 2 cores)")
-    c.add_argument("--out", default="tessera-experiment")
+    c.add_argument("--out", default="tessera-experiment", help="directory for results.json, summary.md and the plots")
     c.set_defaults(func=_experiment)
+
+
+def default_torch_threads(addresses: str, num_workers: int, local_workers: int = 0) -> int:
+    """Torch intra-op threads for one worker: this machine's cores divided among the worker
+    processes on it (``local_workers``; 0: ``num_workers`` if every shard address is loopback,
+    i.e. the whole run is on this machine, else 1). At least 1."""
+    from tessera.service import is_loopback
+
+    if local_workers <= 0:
+        hosts = [a.rpartition(":")[0].strip("[]") for spec in addresses.split(",") for a in spec.split("|") if a]
+        local_workers = num_workers if hosts and all(is_loopback(h) for h in hosts) else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, local_workers))
+
+
+def explain_error(exc: BaseException) -> tuple[str, int] | None:
+    """One line and an exit code for a worker-side error a user can cause (None: not one)."""
+    from worker.tasks import TaskLoadError
+
+    if isinstance(exc, TaskLoadError):
+        return str(exc), 2
+    return None
 
 
 def _worker(args: argparse.Namespace) -> int:
     import torch
 
     from ps import PSClient
+    from ps.cli import check_shards, wait_for_shards
     from tessera.rpc import DelayInterceptor
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
 
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
+    if args.num_workers < 1:
+        raise UsageError(f"--num-workers must be at least 1, got {args.num_workers}")
+    if not 0 <= args.worker_index < args.num_workers:
+        raise UsageError(
+            f"--worker-index {args.worker_index} is out of range for --num-workers {args.num_workers}: "
+            f"give each worker one index of 0..{args.num_workers - 1}"
+        )
+    threads = args.torch_threads if args.torch_threads != 0 else default_torch_threads(args.ps, args.num_workers, args.local_workers)
+    if threads > 0:
+        torch.set_num_threads(threads)
     cfg = TrainConfig(
         mode=args.mode, staleness=args.staleness, backup_workers=args.backup_workers,
         staleness_aware_lr=args.staleness_aware_lr, steps=args.steps, batch_size=args.batch_size,
@@ -131,18 +181,29 @@ def _worker(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     task = load_task(args.task, seed=args.seed, **_kv(args.task_opt))
+    if args.eval_every > 0 and task.evaluate is None:
+        print(
+            f"tessera worker: warning: --eval-every {args.eval_every}: task {task.name!r} has no evaluation "
+            "(its Task.evaluate is None), so nothing is evaluated",
+            file=sys.stderr,
+        )
+    security = client_security_from(args)
+    addresses = [a for a in args.ps.split(",") if a]
+    wait_for_shards(
+        addresses, security, timeout=args.retry_timeout, say=lambda text: print(f"tessera worker: {text}", file=sys.stderr),
+    )
     interceptors = [DelayInterceptor(args.rpc_delay_ms / 1000.0)] if args.rpc_delay_ms > 0 else []
     with PSClient(
-        args.ps, timeout=max(60.0, 3 * args.lease), wire_dtype=args.wire_dtype, interceptors=interceptors,
-        retry_timeout=args.retry_timeout, security=client_security_from(args),
+        addresses, timeout=max(60.0, 3 * args.lease), wire_dtype=args.wire_dtype, interceptors=interceptors,
+        retry_timeout=args.retry_timeout, security=security,
     ) as client:
-        client.wait_ready(timeout=60)
+        check_shards(client, addresses)
         summary = Trainer(task, client, cfg, stop=stop).run()
     metrics = " ".join(f"{k}={v:.4f}" for k, v in summary.metrics.items())
     print(
         f"{summary.worker} {summary.mode}: {summary.steps} steps ({summary.start_clock}->{summary.final_clock}) in "
         f"{summary.seconds:.1f} s, {summary.examples_per_s:,.0f} examples/s, loss {summary.loss:.4f}, "
-        f"waiting {100 * summary.wait_fraction:.0f}% of step time, staleness mean {summary.mean_staleness:.2f} "
+        f"waiting {100 * summary.wait_fraction:.0f}% of step time, staleness (in versions) mean {summary.mean_staleness:.2f} "
         f"max {summary.max_staleness}{' (stopped early)' if summary.stopped_early else ''} {metrics}",
         file=sys.stderr,
     )

@@ -30,5 +30,5 @@ def test_readme_task_example_trains(inproc_cluster, tmp_path, monkeypatch) -> No
 def test_unknown_task_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown task 'nope'"):
         load_task("nope")
-    with pytest.raises(ValueError, match="cannot load 'missing'"):
+    with pytest.raises(ValueError, match="has no function 'missing'"):
         load_task("worker.tasks:missing")

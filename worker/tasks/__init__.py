@@ -7,6 +7,8 @@ Built in: ``ctr`` (synthetic click-through data with a known best AUC) and
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -15,7 +17,7 @@ from torch import nn
 
 from ps import OptimizerSpec
 
-__all__ = ["Task", "load_task", "TASKS"]
+__all__ = ["Task", "load_task", "TaskLoadError", "TASKS"]
 
 Batch = Any
 
@@ -74,19 +76,64 @@ def _digits(**kw: Any) -> Task:
 TASKS: dict[str, Callable[..., Task]] = {"ctr": _ctr, "digits": _digits}
 
 
+class TaskLoadError(ValueError):
+    """A ``--task`` that cannot be loaded: unknown name, module not found, no such function, or
+    the function did not return a :class:`Task`. The message says how to fix it."""
+
+
+def _import(module: str, spec: str) -> Any:
+    """Import ``module`` as ``python -m`` would find it: from the current directory too."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        top = module.split(".")[0]
+        if e.name not in (top, module) and not module.startswith(f"{e.name}."):
+            raise TaskLoadError(
+                f"task {spec!r}: importing {module!r} failed: {e} (a module your task imports is missing: pip install it)"
+            ) from None
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)  # after the installed packages: a file here never shadows one of them
+        importlib.invalidate_caches()
+        try:
+            return importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name not in (module.split(".")[0], module):
+                raise TaskLoadError(f"task {spec!r}: importing {module!r} failed: {e}") from None
+    path = module.replace(".", os.sep)
+    raise TaskLoadError(
+        f"task {spec!r}: no module {module!r} in the current directory ({cwd}) or on PYTHONPATH: run from the "
+        f"directory that holds {path}.py, or set PYTHONPATH=/path/to/that/directory"
+    )
+
+
 def load_task(spec: str, **options: Any) -> Task:
-    """A built-in task by name, or ``package.module:function`` called with ``options``."""
+    """A built-in task by name (``ctr``, ``digits``), or ``module:function`` called with
+    ``options`` (the module is looked for on ``sys.path`` and then in the current directory, as
+    ``python -m`` does). Raises :class:`TaskLoadError` naming what is wrong and how to fix it."""
+    fn: Any
     if spec in TASKS:
         fn = TASKS[spec]
     elif ":" in spec:
         mod, _, attr = spec.partition(":")
-        try:
-            fn = getattr(importlib.import_module(mod), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"task {spec!r}: cannot load {attr!r} from {mod!r}: {e}") from None
+        if not mod or not attr:
+            raise TaskLoadError(f"task {spec!r}: expected module:function, e.g. mytask:make for make() in mytask.py")
+        module = _import(mod, spec)
+        fn = getattr(module, attr, None)
+        if not callable(fn):
+            names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+            raise TaskLoadError(
+                f"task {spec!r}: {mod!r} ({getattr(module, '__file__', '?')}) has no function {attr!r}"
+                + (f"; it has: {', '.join(names[:10])}" if names else "")
+            )
     else:
-        raise ValueError(f"unknown task {spec!r}: use one of {sorted(TASKS)} or package.module:function")
-    task = fn(**options)
+        raise TaskLoadError(f"unknown task {spec!r}: use one of {', '.join(sorted(TASKS))}, or module:function for your own")
+    try:
+        task = fn(**options)
+    except TypeError as e:
+        if options and "unexpected keyword argument" in str(e):
+            raise TaskLoadError(f"task {spec!r}: {e} (from --task-opt; add **kwargs to the function to ignore unknown options)") from None
+        raise
     if not isinstance(task, Task):
-        raise TypeError(f"task {spec!r}: {fn!r} returned {type(task).__name__}, not worker.tasks.Task")
+        raise TaskLoadError(f"task {spec!r}: {getattr(fn, '__name__', fn)!r} returned {type(task).__name__}, not worker.tasks.Task")
     return task
