@@ -32,7 +32,7 @@ from ps.replication import SNAPSHOT_CHUNK, ReplicaSender
 from ps.shard import BACKUP, PRIMARY, PULL_DENSE, PULL_SPARSE, PUSH_DENSE, PUSH_SPARSE, Shard, StepPart
 from ps.table import ASSIGN, GRADIENT, DenseTable
 from ps.wire import ERRORS, info_to_proto, membership_to_proto, policy_from_proto, spec_from_proto, stats_to_proto
-from tessera.codec import DTYPES, WIRE_FLOAT_DTYPES, CodecError, byte_view, from_wire, pack, to_wire, unpack
+from tessera.codec import DTYPES, WIRE_FLOAT_DTYPES, CodecError, as_float32, byte_view, from_wire, pack, to_wire, unpack
 from tessera.service import ANONYMOUS, Access, Caller, ClientSecurity, ServerSecurity
 from tessera.v1 import ps_pb2 as pb
 
@@ -448,7 +448,7 @@ class PSServicer:
         ids = from_wire(pl.get(14, b""), "int64", None, what=f"table {name!r}: ids")
         if req.dim != table.dim:
             raise ShapeMismatchError(f"table {name!r}: gradient dim {req.dim} != table dim {table.dim}")
-        grads = from_wire(pl.get(15, b""), dtype, (len(ids), table.dim), what=f"table {name!r}: gradient rows")
+        grads = as_float32(from_wire(pl.get(15, b""), dtype, (len(ids), table.dim), what=f"table {name!r}: gradient rows"))
         base = None
         if len(pl.get(13, b"")):
             base = from_wire(pl[13], "int64", None, what=f"table {name!r}: base_versions")
@@ -500,11 +500,11 @@ def step_parts_from_proto(req: Any, data: memoryview) -> list[StepPart]:
             raise InvalidArgumentError(f"table {name!r}: count and dim must be >= 0, got {p.count} and {p.dim}")
         values = ids = base = None
         if op == PUSH_DENSE:
-            values = _span(data, p.data_at, dtype, (p.count,), f"table {name!r}: step gradient")
+            values = as_float32(_span(data, p.data_at, dtype, (p.count,), f"table {name!r}: step gradient"))
         elif op in (PUSH_SPARSE, PULL_SPARSE):
             ids = _span(data, p.ids_at, "int64", (p.count,), f"table {name!r}: step ids")
             if op == PUSH_SPARSE:
-                values = _span(data, p.data_at, dtype, (p.count, p.dim), f"table {name!r}: step gradient rows")
+                values = as_float32(_span(data, p.data_at, dtype, (p.count, p.dim), f"table {name!r}: step gradient rows"))
                 if p.base_at >= 0:
                     base = _span(data, p.base_at, "int64", (p.count,), f"table {name!r}: step base versions")
         parts.append(StepPart(name, op, policy, p.seq, p.base_version, values, ids, base))
@@ -516,7 +516,7 @@ def _chunk_data(msg: Any, pl: dict[int, memoryview], table: str) -> Any:
     if msg.table and msg.table != table:
         raise InvalidArgumentError(f"push to table {table!r} carries a chunk for {msg.table!r}")
     dtype = _float_dtype(msg.dtype, table, "dtype")
-    return from_wire(pl.get(15, b""), dtype, None, what=f"table {table!r}: chunk at offset {msg.offset}")
+    return as_float32(from_wire(pl.get(15, b""), dtype, None, what=f"table {table!r}: chunk at offset {msg.offset}"))
 
 
 def _check_push_shape(table: DenseTable, shape: Any, flat_view: bool) -> None:

@@ -14,6 +14,7 @@ Nothing here is pickled: a tensor is its dtype name, its shape and its bytes.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping, Sequence, TypeVar
 
 import numpy as np
@@ -29,6 +30,7 @@ __all__ = [
     "to_wire",
     "byte_view",
     "from_wire",
+    "as_float32",
     "as_numpy",
     "tensor_to_proto",
     "tensor_from_proto",
@@ -171,10 +173,18 @@ def to_wire(x: Any, wire_dtype: str | None = None) -> tuple[str, memoryview]:
     if isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 and wire_dtype in (None, "bfloat16"):
         t = x.detach().cpu().contiguous()
         return "bfloat16", byte_view(t.view(torch.int16).numpy())
+    if isinstance(x, torch.Tensor) and x.dtype == torch.float32 and wire_dtype == "float16":
+        return "float16", byte_view(x.detach().cpu().contiguous().to(torch.float16).numpy())
     arr = as_numpy(x)
     if wire_dtype == "bfloat16":
         t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(torch.bfloat16)
         return "bfloat16", byte_view(t.view(torch.int16).numpy())
+    if wire_dtype == "float16" and arr.dtype == np.float32:
+        # torch's cast: 2-3x numpy's astype (the float32 -> float16 cast is the cost of a float16 push)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a read-only array: only read here
+            t = torch.from_numpy(np.ascontiguousarray(arr)).to(torch.float16)
+        return "float16", byte_view(t.numpy())
     if wire_dtype is not None:
         if wire_dtype not in DTYPES:
             raise CodecError(f"unknown wire dtype {wire_dtype!r}")
@@ -209,9 +219,23 @@ def from_wire(data: Any, dtype: str, shape: Sequence[int] | None = None, what: s
         )
     arr = np.frombuffer(data, dtype=npdt).reshape(shape)
     if dtype == "bfloat16":
-        bits = torch.from_numpy(arr.astype(np.int16, copy=True).view(np.int16))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only request bytes: only read (no copy first)
+            bits = torch.from_numpy(arr.view(np.int16))
         return bits.view(torch.bfloat16).float().numpy()
     return arr
+
+
+def as_float32(arr: np.ndarray) -> np.ndarray:
+    """``arr`` (a decoded wire array) as float32: itself when it is, else one cast (torch's, 2x
+    numpy's for float16). The result may be read-only."""
+    if arr.dtype == np.float32:
+        return arr
+    if arr.dtype == np.float16:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only request bytes: only read
+            return torch.from_numpy(arr).float().numpy()
+    return arr.astype(np.float32)
 
 
 def tensor_to_proto(x: Any, wire_dtype: str | None = None) -> Any:
