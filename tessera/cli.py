@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     from federated.cli import add_fed_commands
     from ps.cli import add_ps_commands
     from worker.cli import add_worker_commands
+    from worker.peer.cli import add_peer_commands
 
     from ps.cli import explain_error as explain_ps
     from worker.cli import explain_error as explain_worker
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_ps_commands(sub)
     add_worker_commands(sub)
+    add_peer_commands(sub)
     add_fed_commands(sub)
     c = sub.add_parser("cert", help="make a development CA and certificates for named hosts and clients")
     c.add_argument("--out-dir", required=True, help="directory for ca.crt, ca.key, server.crt/key and CLIENT.crt/key")
@@ -153,7 +155,7 @@ def explain_error(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, ConfigError):
         return str(exc), 2
     if isinstance(exc, FileNotFoundError):
-        return f"no such file: {exc.filename}", 2
+        return f"no such file or directory: {exc.filename}", 2
     if isinstance(exc, PermissionError):
         return f"not allowed to read or write {exc.filename}: {exc.strerror}", 2
     if isinstance(exc, IsADirectoryError):

@@ -141,6 +141,11 @@ class ParamSync(ABC):
         """``fn()`` (test metrics) on the latest parameters; returns (metrics, extra record fields)."""
         return fn(), {}
 
+    def parameters(self) -> torch.Tensor:
+        """The whole model's dense parameters as one flat copy, in parameter order (a collective for
+        implementations that shard them: every rank calls it)."""
+        return self.flat.data.detach().clone()
+
     def stats(self) -> dict[str, Any]:
         """Counters for the run's summary record."""
         return {}

@@ -203,8 +203,8 @@ class Trainer:
 
     @property
     def flat(self) -> torch.Tensor:
-        """The model's dense parameters as one flat tensor (a view: clone to keep a copy)."""
-        return self.sync.flat.data
+        """The model's dense parameters as one flat tensor (a copy; a collective where they are sharded)."""
+        return self.sync.parameters()
 
     def _perturb(self, compute_s: float) -> None:
         delay = (self.cfg.slowdown - 1.0) * compute_s

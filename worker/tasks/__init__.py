@@ -73,7 +73,13 @@ def _digits(**kw: Any) -> Task:
     return make_task(**kw)
 
 
-TASKS: dict[str, Callable[..., Task]] = {"ctr": _ctr, "digits": _digits}
+def _gpt(**kw: Any) -> Task:
+    from worker.tasks.gpt import make_task
+
+    return make_task(**kw)
+
+
+TASKS: dict[str, Callable[..., Task]] = {"ctr": _ctr, "digits": _digits, "gpt": _gpt}
 
 
 class TaskLoadError(ValueError):

@@ -1,0 +1,239 @@
+"""Peer mode's command line.
+
+- ``tessera peer --nproc-per-node N [--nnodes M --rdzv-endpoint HOST:PORT] [--max-restarts K] --task gpt ...``
+  runs torchrun's elastic agent (``torch.distributed.run``, c10d rendezvous; ``--standalone`` when
+  no endpoint is given), which starts N ranks of ``python -m worker.peer ...`` on this node.
+- ``torchrun --nproc-per-node N -m worker.peer --task gpt ...`` is the same rank program under a
+  torchrun you start yourself.
+
+Each rank joins the group, checks that every rank agrees on the run (one clear message on every
+rank otherwise), and trains with the trainer's step pipeline and the mode's ``ParamSync``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Sequence
+
+__all__ = ["add_peer_commands", "add_train_args", "main", "run_rank", "launcher_argv"]
+
+log = logging.getLogger(__name__)
+
+
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    """The flags of one rank (``python -m worker.peer``); ``tessera peer`` passes them through."""
+    p.add_argument("--task", default="gpt", help="gpt, digits, ctr (dense part only: not yet), or package.module:function")
+    p.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE", help="option for the task (repeatable)")
+    p.add_argument("--mode", default="dp", choices=["dp", "zero1", "zero2", "zero3"], help="data parallel or ZeRO stage")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--global-batch", type=int, default=64, help="examples per step over all ranks (divisible by world size x accumulate)")
+    p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (no all-reduce on accumulation micro-batches)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket size in MiB (dp)")
+    p.add_argument("--compress", default="none", choices=["none", "bf16", "fp16"], help="dp: 16-bit gradients on the wire, fp32 sums")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"], help="auto: NCCL on CUDA, Gloo on CPU")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (each rank takes cuda:LOCAL_RANK)")
+    p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds: a dead rank stops the others within it")
+    p.add_argument("--world-size", type=int, default=0, help="expected world size; the run refuses to start on any other (0: any)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--no-eval", action="store_true", help="skip the final evaluation")
+    p.add_argument("--max-seconds", type=float, default=0.0)
+    p.add_argument("--metrics-out", default=None, help="directory: rank<r>.jsonl per rank")
+    p.add_argument("--torch-threads", type=int, default=0, help="intra-op threads per rank (0: cores / local ranks)")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="peak of one device for MFU (0: a table for known GPUs; CPU: measured matmul)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def _kv(items: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--task-opt expects KEY=VALUE, got {item!r}")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}  # dense bf16/fp16
+
+
+def peak_tflops(device: Any, dtype: Any, given: float = 0.0) -> tuple[float, str]:
+    """(peak TFLOP/s of one device, where the number comes from) for MFU."""
+    import torch
+
+    if given > 0:
+        return given, "--peak-tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, tf in _PEAK_TFLOPS.items():
+            if key in name:
+                return (tf if dtype in (torch.bfloat16, torch.float16) else tf / 2 if "H" in key else tf / 16), f"table ({name})"
+    # CPU (or an unknown GPU): the best fp32 matmul this process achieves, measured now
+    n = 512
+    a = torch.randn(n, n, device=device)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e12, "measured 512x512 matmul"
+
+
+def run_rank(args: argparse.Namespace) -> int:
+    """One rank: join, check, train, report. Returns the exit code."""
+    import torch
+    import torch.distributed as dist
+
+    from worker.peer import PeerConfigError, init_mesh, make_sync
+    from worker.tasks import load_task
+    from worker.trainer import TrainConfig, Trainer
+
+    mesh = init_mesh(args.backend, args.device, args.timeout)
+    rank, world = mesh.rank, mesh.world
+    try:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads = args.torch_threads or max(1, (os.cpu_count() or 1) // local)
+        if mesh.device.type == "cpu":
+            torch.set_num_threads(threads)
+        # checks every rank makes alike, before any collective of training: one message everywhere
+        if args.world_size and args.world_size != world:
+            raise PeerConfigError(f"world size is {world} but --world-size {args.world_size} was asked for")
+        if args.global_batch % (world * args.accumulate):
+            raise PeerConfigError(
+                f"global batch {args.global_batch} is not divisible by world size {world} x accumulate {args.accumulate}"
+            )
+        per_rank = args.global_batch // world
+        opts = _kv(args.task_opt)
+        task = load_task(args.task, seed=args.seed, **opts)
+        settings = {
+            "task": args.task, "task_opts": json.dumps(opts, sort_keys=True), "global_batch": args.global_batch,
+            "accumulate": args.accumulate, "steps": args.steps, "seed": args.seed,
+        }
+        sync = make_sync(
+            args.mode, task.model, task.dense_optimizer, device=mesh.device, bucket_mb=args.bucket_mb,
+            compress=None if args.compress == "none" else args.compress, settings=settings,
+        )
+        metrics_out = os.path.join(args.metrics_out, f"rank{rank}.jsonl") if args.metrics_out else None
+        cfg = TrainConfig(
+            mode=args.mode, steps=args.steps, batch_size=per_rank, worker_index=rank, num_workers=world,
+            device=str(mesh.device), accumulate=args.accumulate, eval_every=args.eval_every, log_every=args.log_every,
+            max_seconds=args.max_seconds, seed=args.seed, progress=rank == 0 and not args.no_progress,
+            metrics_out=metrics_out, name=f"rank{rank}", evaluate=not args.no_eval,
+        )
+        summary = Trainer(task, sync, cfg).run()
+        tokens = task.info.get("tokens_per_example", 0.0)
+        report: dict[str, Any] = {
+            "rank": rank, "world": world, "mode": args.mode, "steps": summary.steps, "seconds": round(summary.seconds, 3),
+            "loss": summary.loss, **summary.metrics,
+            "examples_per_s": summary.examples_per_s * world,
+        }
+        if tokens:
+            tps = summary.examples_per_s * world * tokens
+            report["tokens_per_s"] = tps
+            flops = task.info.get("flops_per_token", 0.0)
+            if flops:
+                dtype = next(task.model.parameters()).dtype if args.mode != "zero3" else torch.float32
+                peak, source = peak_tflops(mesh.device, dtype, args.peak_tflops)
+                report["mfu"] = tps * flops / (peak * 1e12 * world)
+                report["peak_tflops"], report["peak_source"] = peak, source
+        if rank == 0:
+            print(json.dumps(report), flush=True)
+        return 0
+    except PeerConfigError as e:
+        print(f"tessera peer: rank {rank}: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m worker.peer ...`` (one rank, under torchrun)."""
+    p = argparse.ArgumentParser(prog="python -m worker.peer", description="one peer-mode rank (run under torchrun)")
+    add_train_args(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("TESSERA_LOG", "WARNING"))
+    try:
+        return run_rank(args)
+    except Exception as e:  # noqa: BLE001 - one line per rank; torchrun reports the failed rank too
+        from worker.peer import PeerConfigError
+
+        if isinstance(e, PeerConfigError):
+            print(f"tessera peer: {e}", file=sys.stderr, flush=True)
+            return 2
+        raise
+
+
+def _train_argv(args: argparse.Namespace) -> list[str]:
+    """The rank flags of ``args`` back as a command line (those that differ from the defaults)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_train_args(p)
+    out: list[str] = []
+    for a in p._actions:
+        if not a.option_strings or not hasattr(args, a.dest):
+            continue
+        v = getattr(args, a.dest)
+        flag = a.option_strings[0]
+        if isinstance(a, argparse._StoreTrueAction):
+            out += [flag] if v else []
+        elif isinstance(a, argparse._AppendAction):
+            for item in v or []:
+                out += [flag, str(item)]
+        elif v != a.default:
+            out += [flag, str(v)]
+    return out
+
+
+def launcher_argv(args: argparse.Namespace) -> list[str]:
+    """torchrun's arguments for ``tessera peer``: the elastic agent, then ``-m worker.peer`` and the rank flags."""
+    argv = ["--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts)]
+    if args.rdzv_endpoint:
+        argv += ["--nnodes", str(args.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
+        if args.rdzv_id:
+            argv += ["--rdzv-id", args.rdzv_id]
+    else:
+        if str(args.nnodes) not in ("1", "1:1"):
+            raise SystemExit("tessera peer: --nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+        argv += ["--standalone"]
+    return argv + ["-m", "worker.peer", *_train_argv(args)]
+
+
+def add_peer_commands(sub: Any) -> None:
+    p = sub.add_parser(
+        "peer", help="peer mode: N ranks per node under torchrun's elastic agent, all-reduce DP or ZeRO",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--nproc-per-node", type=int, default=1, help="ranks on this node (default 1)")
+    p.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for an elastic run (default 1)")
+    p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous (several nodes); none: standalone")
+    p.add_argument("--rdzv-id", default="", help="job id shared by the nodes of one run")
+    p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts the ranks this many times after a failure")
+    add_train_args(p)
+    p.set_defaults(func=_peer)
+
+
+def _peer(args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    argv = launcher_argv(args)
+    try:
+        torchrun(argv)
+    except ChildFailedError as e:
+        # the rank that failed first on its own (the agent then stops the others with a signal)
+        fails = sorted(e.failures.items(), key=lambda kv: (kv[1].exitcode is None or kv[1].exitcode <= 0, kv[1].timestamp))
+        rank, why = fails[0] if fails else (-1, None)
+        code = why.exitcode if why is not None and why.exitcode is not None else 1
+        print(f"tessera peer: rank {rank} failed first (exit code {code}); its message is above", file=sys.stderr)
+        return code if code > 0 else 1
+    return 0

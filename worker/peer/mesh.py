@@ -1,0 +1,165 @@
+"""The peer group: ``torch.distributed`` set up from torchrun's environment, and the start checks.
+
+Transport is ``torch.distributed`` (NCCL on CUDA, Gloo on CPU); this module only starts it,
+picks the device, and makes every rank agree on the run before the first collective of training:
+a rank configured differently (batch, model size, mode) stops every rank at start with one
+message naming the field and each rank's value, never a hang in a mismatched collective.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "PeerError", "PeerConfigError", "Mesh", "init_mesh", "check_agreement", "torch_optimizer", "all_gather_into",
+    "reduce_scatter_into",
+]
+
+
+class PeerError(RuntimeError):
+    """Peer mode failed (a collective, a rank)."""
+
+
+class PeerConfigError(PeerError, ValueError):
+    """The ranks' configurations do not fit together (raised on every rank, at start)."""
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This process's place in the peer group: ``rank`` of ``world`` (data-parallel ranks),
+    ``local_rank`` on its node, its ``device`` and the ``backend``."""
+
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def init_mesh(backend: str = "auto", device: str = "auto", timeout_s: float = 300.0) -> Mesh:
+    """Join the process group described by torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``), or reuse one already initialised.
+
+    ``backend``: ``auto`` (NCCL if the device is CUDA, else Gloo), ``gloo`` or ``nccl``.
+    ``device``: ``auto`` (``cuda:LOCAL_RANK`` if CUDA is available, else CPU), ``cpu`` or ``cuda``.
+    ``timeout_s`` bounds every collective: a dead peer makes the others fail within it.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise PeerConfigError("--device cuda: CUDA is not available on this machine")
+        dev = torch.device("cuda", local_rank if dev.index is None else dev.index)
+        torch.cuda.set_device(dev)
+    if backend == "auto":
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise PeerConfigError(f"backend must be auto, gloo or nccl, got {backend!r}")
+    if backend == "nccl" and dev.type != "cuda":
+        raise PeerConfigError("backend nccl needs a CUDA device")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise PeerConfigError(
+                "peer mode runs under torchrun: use `tessera peer --nproc-per-node N ...` or "
+                "`torchrun --nproc-per-node N -m worker.peer ...` (RANK/WORLD_SIZE are not set)"
+            )
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=dev if backend == "nccl" else None,
+        )
+    return Mesh(dist.get_rank(), dist.get_world_size(), local_rank, dev, dist.get_backend())
+
+
+def _code(value: Any) -> float:
+    """A number that is equal on two ranks iff their values are (exact for ints/floats, a hash otherwise)."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    return float(int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=6).digest(), "big"))
+
+
+def check_agreement(fields: Mapping[str, Any], device: torch.device | str = "cpu") -> None:
+    """Every rank calls this with the same field names; raises ``PeerConfigError`` on every rank if
+    any field differs between ranks, naming the field and each rank's value (numbers) or the
+    ranks that differ (other values). One all-gather of a small float64 vector; no pickle."""
+    names = sorted(fields)
+    world = dist.get_world_size()
+    mine = torch.tensor([float(len(names))] + [_code(fields[n]) for n in names], dtype=torch.float64, device=device)
+    # the field names themselves are part of the check (a rank from another version of the program)
+    mine = torch.cat([mine, torch.tensor([_code(tuple(names))], dtype=torch.float64, device=device)])
+    lengths = [torch.zeros(1, dtype=torch.float64, device=device) for _ in range(world)]
+    dist.all_gather(lengths, mine[:1].clone())
+    if len({float(x) for x in lengths}) > 1:
+        raise PeerConfigError(f"ranks disagree on the set of peer settings: counts {[int(x) for x in lengths]}")
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine)
+    rows = [g.cpu().tolist() for g in gathered]
+    if len({r[-1] for r in rows}) > 1:
+        raise PeerConfigError("ranks disagree on the names of the peer settings (different program versions?)")
+    for i, n in enumerate(names, start=1):
+        values = [r[i] for r in rows]
+        if len(set(values)) > 1:
+            v = fields[n]
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                shown = ", ".join(f"rank {r}: {int(x) if float(x).is_integer() else x}" for r, x in enumerate(values))
+            else:
+                groups: dict[float, list[int]] = {}
+                for r, x in enumerate(values):
+                    groups.setdefault(x, []).append(r)
+                shown = "; ".join(f"ranks {rs}" for rs in groups.values()) + f" (this rank: {v!r})"
+            raise PeerConfigError(f"peer ranks disagree on {n!r}: {shown}")
+
+
+_TORCH_OPTIMIZERS: dict[str, Callable[[Iterable[Any], Mapping[str, float]], torch.optim.Optimizer]] = {
+    "sgd": lambda p, h: torch.optim.SGD(p, lr=h["lr"], weight_decay=h.get("weight_decay", 0.0)),
+    "momentum": lambda p, h: torch.optim.SGD(p, lr=h["lr"], momentum=h["momentum"], weight_decay=h.get("weight_decay", 0.0)),
+    "nesterov": lambda p, h: torch.optim.SGD(
+        p, lr=h["lr"], momentum=h["momentum"], nesterov=True, weight_decay=h.get("weight_decay", 0.0)
+    ),
+    "adagrad": lambda p, h: torch.optim.Adagrad(
+        p, lr=h["lr"], lr_decay=h.get("lr_decay", 0.0), weight_decay=h.get("weight_decay", 0.0),
+        initial_accumulator_value=h.get("initial_accumulator", 0.0), eps=h.get("eps", 1e-10),
+    ),
+    "adam": lambda p, h: torch.optim.Adam(
+        p, lr=h["lr"], betas=(h.get("beta1", 0.9), h.get("beta2", 0.999)), eps=h.get("eps", 1e-8),
+        weight_decay=h.get("weight_decay", 0.0),
+    ),
+    "adamw": lambda p, h: torch.optim.AdamW(
+        p, lr=h["lr"], betas=(h.get("beta1", 0.9), h.get("beta2", 0.999)), eps=h.get("eps", 1e-8),
+        weight_decay=h.get("weight_decay", 0.01),
+    ),
+}
+
+
+def torch_optimizer(spec: Any) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
+    """A factory ``params -> torch.optim.Optimizer`` for a task's ``OptimizerSpec`` (name + hparams)
+    or for a callable (returned as is: any ``torch.optim`` optimizer works on a ZeRO shard)."""
+    if callable(spec) and not hasattr(spec, "hparams"):
+        return spec  # type: ignore[no-any-return]
+    name, h = spec.name, dict(spec.hparams)
+    if name not in _TORCH_OPTIMIZERS:
+        raise PeerConfigError(f"optimizer {name!r} has no torch.optim equivalent here: use one of {sorted(_TORCH_OPTIMIZERS)}")
+    make = _TORCH_OPTIMIZERS[name]
+    return lambda params: make(params, h)
+
+
+def all_gather_into(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False) -> Any:
+    """``out`` (world * len(inp)) <- every rank's ``inp`` in rank order."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False) -> Any:
+    """``out`` (len(inp) / world) <- this rank's chunk of the sum of every rank's ``inp``."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, async_op=async_op)
