@@ -33,9 +33,6 @@ def parse_params(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-_FMT = argparse.ArgumentDefaultsHelpFormatter
-
-
 def _training_args(p: argparse.ArgumentParser, default_task: str | None = "digits") -> None:
     p.add_argument("--rounds", type=int, default=10, help="rounds to train (a resumed run counts its checkpoint's)")
     p.add_argument("--strategy", default="fedavg",
@@ -62,18 +59,13 @@ def _training_args(p: argparse.ArgumentParser, default_task: str | None = "digit
     p.add_argument("--seed", type=int, default=0, help="seed of client sampling and of the task's initial weights")
 
 
-def _debug_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--debug", dest="fed_debug", action="store_true",
-                   help="show the traceback of an error instead of one line")
-
-
 def add_fed_commands(sub: Any) -> None:
     """Add ``tessera fed {server,client,simulate,tokens,cert}`` to the ``tessera`` parser's subcommands."""
-    fed = sub.add_parser("fed", help="federated learning", formatter_class=_FMT).add_subparsers(
+    fed = sub.add_parser("fed", help="federated learning").add_subparsers(
         dest="fed_command", required=True)
 
     s = fed.add_parser("server", help="run a federated server for a built-in task or your own model "
-                                      "(exits when the rounds are done)", formatter_class=_FMT)
+                                      "(exits when the rounds are done)")
     s.add_argument("--task", default="digits",
                    help="built-in task (digits, digits_logreg) or package.module:function returning a "
                         "federated.ServerTask (your model, with central evaluation)")
@@ -96,11 +88,10 @@ def add_fed_commands(sub: Any) -> None:
     s.add_argument("--checkpoint", help="checkpoint file, written every round; resumes from it when present")
     s.add_argument("--results", help="write the round history (and peak RSS) here as JSON")
     s.add_argument("--ready-file", help="write the bound port here once serving")
-    _debug_arg(s)
     s.set_defaults(func=_server)
 
     c = fed.add_parser("client", help="run a built-in client on one part of a built-in task's data",
-                       formatter_class=_FMT)
+)
     c.add_argument("--server", required=True, help="HOST:PORT of the server")
     c.add_argument("--task", default="digits", help="built-in task: digits, digits_logreg (the server's)")
     c.add_argument("--partition", required=True, metavar="I/N",
@@ -114,11 +105,10 @@ def add_fed_commands(sub: Any) -> None:
     c.add_argument("--client-id", help="client id (None: the token's identity)")
     c.add_argument("--reconnect-timeout", type=float, default=60.0,
                    help="give up (exit 1) after this many seconds without reaching the server")
-    _debug_arg(c)
     c.set_defaults(func=_client)
 
     m = fed.add_parser("simulate", help="server + many clients on this machine over real gRPC; plots and results.json",
-                       formatter_class=_FMT)
+)
     m.add_argument("--task", default="digits", help="built-in task: digits, digits_logreg")
     _training_args(m)
     m.add_argument("--clients", type=int, default=100, help="registered (virtual) clients")
@@ -130,44 +120,25 @@ def add_fed_commands(sub: Any) -> None:
     m.add_argument("--eval-fraction", type=float, default=0.0, help="fraction of clients evaluating (central eval always)")
     m.add_argument("--out", default="fed-sim", help="output directory")
     m.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _debug_arg(m)
     m.set_defaults(func=_simulate)
 
-    t = fed.add_parser("tokens", help="write a token file with a fresh random token per identity", formatter_class=_FMT)
+    t = fed.add_parser("tokens", help="write a token file with a fresh random token per identity")
     t.add_argument("identities", nargs="+", help="client identities, one token each")
     t.add_argument("--out", required=True, help="token file to write (mode 0600)")
-    _debug_arg(t)
     t.set_defaults(func=_tokens)
 
-    k = fed.add_parser("cert", help="write a self-signed TLS certificate and key (for trials)", formatter_class=_FMT)
+    k = fed.add_parser("cert", help="write a self-signed TLS certificate and key (for trials)")
     k.add_argument("--out-dir", required=True, help="directory for server.crt and server.key")
     k.add_argument("--host", action="append", default=None,
                    help="DNS name or IP the certificate covers (repeatable; None: localhost and 127.0.0.1)")
-    _debug_arg(k)
     k.set_defaults(func=_cert)
-    for p in (s, c, m, t, k):
-        p.set_defaults(func=_one_line_errors(p.get_default("func")))
 
 
-def _one_line_errors(fn: Any) -> Any:
-    """Errors a user causes (bad task, bad flags, unreachable server, a failed run) as
-    one line on stderr and exit 2 (setup) or 1 (run failed); ``--debug``: the traceback."""
-    import functools
-
-    @functools.wraps(fn)
-    def run(args: argparse.Namespace) -> int:
-        from federated.errors import ConfigError, FedError
-
-        try:
-            return int(fn(args) or 0)
-        except (ConfigError, FedError, OSError, ValueError) as e:
-            if getattr(args, "fed_debug", False) or getattr(args, "debug", False):
-                raise
-            setup = isinstance(e, (ConfigError, OSError, ValueError))
-            print(f"tessera-fed {args.fed_command}: {e}", file=sys.stderr, flush=True)
-            return 2 if setup else 1
-
-    return run
+def _reraise_if_debug(args: argparse.Namespace) -> None:
+    """Inside an ``except``: re-raise (the traceback) when ``--debug`` (anywhere on the
+    command line; ``tessera.cli.main`` takes it out before parsing) or $TESSERA_DEBUG asks for it."""
+    if getattr(args, "debug", False) or "--debug" in sys.argv[1:] or os.environ.get("TESSERA_DEBUG", "") not in ("", "0"):
+        raise  # noqa: PLE0704 - called from an except block
 
 
 def _client_config(args: argparse.Namespace, task: Any) -> dict[str, Any]:
@@ -207,12 +178,14 @@ def _server(args: argparse.Namespace) -> int:
         # identity -> token; a role column (tessera tokens) is read and ignored here
         tokens = service.load_token_file(args.token_file)[0] if args.token_file else None
     except (OSError, ValueError) as e:  # service.ConfigError is a ValueError
+        _reraise_if_debug(args)
         print(f"tessera-fed: {e}", file=sys.stderr, flush=True)
         return 2
     try:
         task = load_server_task(args.task, seed=args.seed, **parse_params(args.task_opt))
         server, strategy = _build_server(args, task, tokens)
     except ConfigError as e:
+        _reraise_if_debug(args)
         print(f"tessera-fed: {e}", file=sys.stderr, flush=True)
         return 2
     code, failure = 0, None
@@ -292,6 +265,7 @@ def _client(args: argparse.Namespace) -> int:
         sec = ClientSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.token_file, args.identity,
                                         token=args.token if args.token_file is None else None)
     except (OSError, ValueError) as e:  # a missing file; service.ConfigError (a ValueError): no such identity
+        _reraise_if_debug(args)
         print(f"tessera-fed client: {e}", file=sys.stderr, flush=True)
         return 2
     token = sec.token or (None if args.token_file else os.environ.get("TESSERA_FED_TOKEN") or None)
@@ -305,9 +279,11 @@ def _client(args: argparse.Namespace) -> int:
         stats = start_client(args.server, client, token=token, tls_ca=sec.tls_ca, tls_cert=sec.tls_cert,
                              tls_key=sec.tls_key, client_id=args.client_id, reconnect_timeout=args.reconnect_timeout)
     except (ClientFailedError, TrainingFailedError) as e:  # the run happened, but not well: exit 1
+        _reraise_if_debug(args)
         print(f"tessera-fed client: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 1
     except FedError as e:
+        _reraise_if_debug(args)
         print(f"tessera-fed client: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         return 2
     print(f"tessera-fed client: server finished; exiting ({stats.contributed} update(s) contributed)", flush=True)
