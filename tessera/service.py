@@ -658,14 +658,22 @@ def diagnose(address: str, security: ClientSecurity | None = None, timeout: floa
             if not sec.tls_ca:
                 return _tls_required(address)
             # TLS 1.3: a server that requires a client certificate says so after the handshake
+            # (an alert, or it just closes); a server that accepted us waits for our HTTP/2 preface
             tls.settimeout(min(timeout, 0.5))
             try:
-                tls.recv(1)
+                closed = tls.recv(1) == b""
             except ssl.SSLError as e:
-                if "CERTIFICATE_REQUIRED" in (e.reason or "") or "ALERT" in (e.reason or ""):
-                    return _client_cert_required(address, tls_flags)
-            except OSError:
-                pass
+                closed = "CERTIFICATE_REQUIRED" in (e.reason or "") or "ALERT" in (e.reason or "")
+            except (ConnectionError, socket.timeout):
+                closed = False
+            if closed:
+                if sec.tls_cert:
+                    return Diagnosis(
+                        "client_cert_required",
+                        f"the server at {address} refused this client's certificate after the TLS handshake: "
+                        "is it signed by the CA the server trusts (its --tls-ca)?",
+                    )
+                return _client_cert_required(address, tls_flags)
             return Diagnosis("ok", f"the server at {address} speaks TLS with a certificate the CA given accepts")
     except (ssl.SSLError, OSError, ValueError) as e:  # e.g. an unreadable CA file
         return Diagnosis("unknown", f"could not probe {address}: {e}")

@@ -1,0 +1,153 @@
+"""Issue 17 items 3 (CLI side), 5, 8, 12, 14: what a new user hits on the command line.
+
+Every error a user can cause is one line on stderr with what to do next (no traceback), exit 2
+for a wrong command line or setup and 1 for a failure while running; ``--debug`` shows the
+traceback. These run the real ``tessera`` command (``python -m tessera.cli``, or the installed
+console script where it matters: its sys.path lacks the current directory) against real shard
+processes on loopback ports chosen at run time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tessera.cli import build_parser
+
+pytestmark = pytest.mark.timeout(120)
+
+README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
+
+
+def _tessera(*args: str, cwd: str | None = None, console: bool = False, timeout: float = 90) -> subprocess.CompletedProcess:
+    exe = shutil.which("tessera", path=os.path.dirname(sys.executable)) if console else None
+    cmd = [exe] if exe else [sys.executable, "-m", "tessera.cli"]
+    env = {**os.environ, "PYTHONPATH": ""} if console else None
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def _one_line_error(r: subprocess.CompletedProcess, code: int, *needles: str) -> str:
+    """The process failed with ``code`` and said so in exactly one stderr line holding ``needles``."""
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == code, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert len(lines) == 1, r.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bad_flags_and_bad_settings_are_one_line(tmp_path) -> None:
+    _one_line_error(_tessera("worker", "--ps", "127.0.0.1:1", "--worker-index"), 2,
+                    "tessera worker: error:", "--worker-index: expected one argument", "tessera worker --help")
+    _one_line_error(_tessera("worker", "--ps", "127.0.0.1:1", "--worker-index", "2", "--num-workers", "2"), 2,
+                    "--worker-index 2 is out of range for --num-workers 2", "0..1")
+    _one_line_error(_tessera("demo", "--workers", "two"), 2, "tessera demo: error:", "invalid int value: 'two'")
+    _one_line_error(_tessera("experiment", "consistency", "--modes", "bogus", "--out", str(tmp_path / "e")), 2,
+                    "tessera experiment consistency: error:", "unknown mode 'bogus'")
+    _one_line_error(_tessera("tokens", "w0:worker", "--out", str(tmp_path / "no" / "such" / "tokens.txt")), 2,
+                    "tessera tokens: error:", "no such file or directory")
+    _one_line_error(_tessera("cert", "--out-dir", str(tmp_path / "pki"), "--days", "soon"), 2,
+                    "tessera cert: error:", "--days: invalid int value")
+    _one_line_error(_tessera("ps", "serve", "--port", "-3"), 2, "tessera ps serve: error:")
+
+
+def test_debug_shows_the_traceback() -> None:
+    r = _tessera("worker", "--ps", "127.0.0.1:1", "--worker-index", "5", "--debug")
+    assert r.returncode != 0 and "Traceback" in r.stderr and "UsageError" in r.stderr
+
+
+def test_bad_task_and_module_in_the_current_directory(tmp_path) -> None:
+    _one_line_error(_tessera("worker", "--ps", "127.0.0.1:1", "--task", "nope"), 2, "unknown task 'nope'", "module:function")
+    line = _one_line_error(_tessera("worker", "--ps", "127.0.0.1:1", "--task", "myrec:make", cwd=str(tmp_path), console=True), 2,
+                           "no module 'myrec' in the current directory", "PYTHONPATH")
+    assert str(tmp_path) in line
+    (tmp_path / "myrec.py").write_text("def other():\n    pass\n")
+    _one_line_error(_tessera("worker", "--ps", "127.0.0.1:1", "--task", "myrec:make", cwd=str(tmp_path), console=True), 2,
+                    "has no function 'make'", "other")
+
+
+def test_unreachable_shard_is_named_with_the_cause() -> None:
+    port = _free_port()
+    r = _tessera("worker", "--ps", f"127.0.0.1:{port}", "--retry-timeout", "2", "--steps", "2")
+    _one_line_error(r, 1, f"shard 0 (127.0.0.1:{port}) not reachable within 2 s", "nothing is listening", "connection refused")
+
+
+def test_shard_count_and_order_mismatch(proc_cluster) -> None:
+    a0, a1 = proc_cluster(2)
+    _one_line_error(_tessera("worker", "--ps", a0, "--steps", "2"), 2,
+                    "--ps lists 1 shard, but position 0", "is shard 0 of 2", "list all 2 shards in shard order")
+    _one_line_error(_tessera("ps", "stats", "--ps", f"{a1},{a0}"), 2, f"position 0 ({a1}) is shard 1 of 2")
+
+
+def _readme_task(tmp_path) -> None:
+    text = open(README).read()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith("# mytask.py"))
+    (tmp_path / "mytask.py").write_text(block)
+
+
+def test_healthy_run_stats_show_no_errors_or_internal_tables_and_eval_warning(proc_cluster, tmp_path) -> None:
+    """Two workers of a user task (a module in the current directory, run by the console script):
+    worker 1 polls for worker 0's tables (NOT_FOUND answers on the shard), yet ``ps stats`` shows no
+    errors and no ``*/ready`` table unless ``--all``; --eval-every on a task without an evaluation
+    warns once."""
+    (address,) = proc_cluster(1)
+    _readme_task(tmp_path)
+    exe = shutil.which("tessera", path=os.path.dirname(sys.executable)) or ""
+    base = [exe, "worker", "--ps", address, "--task", "mytask:make", "--steps", "4", "--batch-size", "16",
+            "--num-workers", "2", "--no-progress", "--mode", "async"]
+    procs = [
+        subprocess.Popen([*base, "--worker-index", str(i), *(["--eval-every", "2"] if i == 0 else [])],
+                         cwd=str(tmp_path), stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ""})
+        for i in (1, 0)  # worker 1 first: it waits for worker 0's tables
+    ]
+    errs = [p.communicate(timeout=100)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert errs[1].count("warning: --eval-every 2: task 'my' has no evaluation") == 1, errs[1]
+    assert "warning" not in errs[0]
+    plain = _tessera("ps", "stats", "--ps", address)
+    assert plain.returncode == 0, plain.stderr
+    assert "errors:   -" in plain.stdout and "NOT_FOUND" not in plain.stdout, plain.stdout
+    assert "my/emb" in plain.stdout and "/ready" not in plain.stdout
+    full = _tessera("ps", "stats", "--ps", address, "--all")
+    assert "my/ready" in full.stdout
+
+
+def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _walk(sub, (*path, name))
+
+
+@pytest.mark.parametrize("command", ["ps", "worker", "demo", "experiment", "cert", "tokens"])
+def test_help_has_a_line_for_every_option_shows_defaults_and_no_markup(command) -> None:
+    parser = build_parser()
+    seen = 0
+    for path, p in _walk(parser):
+        if not path or path[0] != command:
+            continue
+        seen += 1
+        for action in p._actions:
+            if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
+                continue
+            assert action.help, f"tessera {' '.join(path)} {'/'.join(action.option_strings) or action.dest}: no help"
+        text = p.format_help()
+        assert "``" not in text and ":func:" not in text and ":class:" not in text, text
+        for action in p._actions:
+            if action.option_strings and action.default not in (None, False, "", [], argparse.SUPPRESS) and action.help:
+                assert "default" in (p._get_formatter()._expand_help(action) if action.help else ""), (path, action.dest)
+    assert seen
