@@ -107,7 +107,7 @@ def _encode(x: Any, w: _ArrayWriter) -> Any:
     return x
 
 
-_DTYPES = {"<f4", "<f8", "<i8", "<i4", "|u1", "<u8", "|b1", "<f2"}
+_DTYPES = {"<f4", "<f8", "<i8", "<i4", "|u1", "<u8", "|b1", "<f2", "<u2"}  # <u2: bfloat16 rows as bits
 
 
 def _decode(x: Any, data: memoryview) -> Any:

@@ -31,7 +31,7 @@ from ps.initializers import init_dense, init_rows, table_key, uniform01
 from ps.optim import Optimizer, make_optimizer, scaled_lr
 from ps.partition import SlotMap, dense_range, slot_of
 from ps.rowdtype import ROW_DTYPES, from_storage_array, round_rows, row_keys, to_storage_array
-from ps.rowstore import Column, RowStore, chunk_rows_for
+from ps.rowstore import Column, RowStore, chunk_rows_for, limit_heap_retention
 from ps.sketch import CountMinSketch
 from ps.tier import ColdTier, ResidentBudget
 
@@ -413,6 +413,7 @@ class SparseTable:
         self, spec: TableSpec, shard_index: int, num_shards: int, max_bytes_fn: Callable[[int], None] = lambda extra: None,
         *, resident_budget: ResidentBudget | None = None, spill_dir: str | None = None, chunk_bytes: int = 32 << 20,
     ) -> None:
+        limit_heap_retention()  # the process holds sparse rows: freed temporaries go back to the kernel
         self.spec = spec
         self.dim = spec.dim
         self.shard_index = shard_index
@@ -434,7 +435,7 @@ class SparseTable:
         if self._budget is not None:  # a chunk is the budget's granularity: keep it well below the budget
             chunk_bytes = max(64 << 10, min(chunk_bytes, self._budget.limit // 16))
         self._chunk_rows = chunk_rows_for(row_nbytes, chunk_bytes, lo=64)
-        self._store = RowStore(self._payload + list(_META), self._chunk_rows, first_rows=min(256, self._chunk_rows))
+        self._store = RowStore(self._payload + list(_META), self._chunk_rows, first_rows=min(1024, self._chunk_rows))
         self._spill_dir = spill_dir
         self._cold: ColdTier | None = None
         self._budget_handle = 0
@@ -637,8 +638,11 @@ class SparseTable:
         n = len(ids)
         rows = self._store.alloc(n)
         fill = self.spec.optimizer.hparams.get("initial_accumulator", 0.0)
+        init = self.spec.initializer
         data: dict[str, Any] = {
-            "values": init_rows(self.spec.initializer, self._key, ids, self.dim),
+            # zeros / constant: one fill, no (n, dim) temporary
+            "values": float(init.params.get("value", 0.0)) if init.name in ("zeros", "constant")
+            else init_rows(init, self._key, ids, self.dim),
             "version": 0, "touch": self.step, "id": ids,
             "admits": 1 if seen is None else np.minimum(seen + 1, 32767).astype(np.int16),
         }

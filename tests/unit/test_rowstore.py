@@ -1,0 +1,101 @@
+"""ps/rowstore.py RowStore against plain numpy arrays: chunks never move, rows come back as
+written, released rows are reused before any new chunk, the byte forecast is what gets allocated.
+Also the file backing (the disk tier's chunks)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ps.rowstore import Column, FileBacking, RowStore, chunk_rows_for
+
+pytestmark = pytest.mark.timeout(60)
+
+COLS = [Column("values", torch.bfloat16, 8), Column("sum", torch.float32, 0), Column("version", torch.int64)]
+
+
+def _store(chunk_rows: int = 64, first_rows: int = 16, backing=None) -> RowStore:
+    return RowStore(COLS, chunk_rows, first_rows=first_rows, backing=backing)
+
+
+def test_rows_round_trip_in_any_order_across_chunks() -> None:
+    rng = np.random.default_rng(0)
+    s = _store()
+    n = 1000
+    rows = s.alloc(n)
+    assert rows.tolist() == list(range(n))
+    ref_v = torch.randn(n, 8).to(torch.bfloat16)
+    ref_s = torch.rand(n)
+    ref_ver = torch.from_numpy(rng.integers(0, 100, n))
+    # scattered in a random order, in two parts
+    perm = rng.permutation(n)
+    for part in (perm[:400], perm[400:]):
+        s.scatter(rows[part], {"values": ref_v[part], "sum": ref_s[part].numpy(), "version": ref_ver[part]})
+    q = rng.integers(0, n, 777)  # duplicates allowed when reading
+    got = s.gather(q)
+    assert torch.equal(got["values"], ref_v[q]) and torch.equal(got["sum"], ref_s[q]) and torch.equal(got["version"], ref_ver[q])
+    assert s.num_chunks == -(-n // 64)
+    # scalars fill every given row
+    s.scatter(np.array([5, 900, 3]), {"sum": 2.5, "version": 7})
+    got = s.gather(np.array([3, 5, 900, 4]), ["sum", "version"])
+    assert got["sum"].tolist() == [2.5, 2.5, 2.5, float(ref_s[4])]
+    assert got["version"].tolist() == [7, 7, 7, int(ref_ver[4])]
+
+
+def test_chunks_are_never_moved_once_full_size() -> None:
+    s = _store(chunk_rows=64, first_rows=16)
+    s.alloc(10)
+    assert s.capacity == 16  # chunk 0 starts small (a small table stays small) ...
+    s.alloc(30)
+    assert s.capacity == 64  # ... and doubles up to a full chunk (the only copy ever made)
+    s.alloc(100)
+    ptrs = [ch.buf.data_ptr() for ch in s._chunks]
+    s.scatter(np.arange(140), {"version": torch.arange(140)})
+    for _ in range(20):
+        s.alloc(64)
+    assert [ch.buf.data_ptr() for ch in s._chunks[: len(ptrs)]] == ptrs  # grown by adding chunks only
+    assert s.gather(np.arange(140), ["version"])["version"].tolist() == list(range(140))
+    assert s.capacity == s.num_chunks * 64
+
+
+def test_released_rows_are_reused_before_a_new_chunk_and_bytes_are_forecast() -> None:
+    s = _store(chunk_rows=64, first_rows=64)
+    s.alloc(64)
+    assert s.grow_bytes(1) == 64 * s.row_nbytes and s.alloc_bytes(1) == 64 * s.row_nbytes
+    s.release(np.array([3, 40, 7]))
+    assert s.live == 61 and s.alloc_bytes(3) == 0 and s.alloc_bytes(4) == 64 * s.row_nbytes
+    before = s.nbytes
+    again = s.alloc(3)
+    assert sorted(again.tolist()) == [3, 7, 40] and s.num_chunks == 1
+    assert s.nbytes == before
+    forecast = s.alloc_bytes(100)
+    cap = s.capacity
+    s.alloc(100)
+    assert (s.capacity - cap) * s.row_nbytes == forecast
+    assert s.all_rows().tolist() == list(range(164))
+    s.release(np.arange(0, 164, 2))
+    assert s.all_rows().tolist() == list(range(1, 164, 2))
+    s.clear()
+    assert s.live == 0 and s.alloc(3).tolist() == [0, 1, 2]
+
+
+def test_chunk_rows_are_a_power_of_two_near_the_target_bytes() -> None:
+    assert chunk_rows_for(512) == 65536  # 32 MiB / 512 B
+    assert chunk_rows_for(1 << 20) == 1024  # at least lo
+    r = chunk_rows_for(600)
+    assert r & (r - 1) == 0 and r * 600 <= 32 << 20 < 2 * r * 600
+
+
+def test_file_backing_holds_rows_and_gives_pages_back(tmp_path) -> None:
+    fb = FileBacking(str(tmp_path))
+    s = _store(chunk_rows=4096, first_rows=4096, backing=fb)
+    n = 10_000
+    rows = s.alloc(n)
+    vals = torch.randn(n, 8).to(torch.bfloat16)
+    s.scatter(rows, {"values": vals, "sum": torch.arange(n, dtype=torch.float32), "version": 1})
+    fb.drop_pages()
+    got = s.gather(rows[::-1])
+    assert torch.equal(got["values"], vals.flip(0)) and got["sum"][0] == n - 1
+    assert fb.file_bytes >= s.capacity * s.row_nbytes
+    assert not list(tmp_path.iterdir()), "the tier's file is unlinked at once (nothing is left behind)"
+    s.close()
