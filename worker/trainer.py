@@ -197,6 +197,7 @@ class Trainer:
         self.sync: ParamSync = sync
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{config.worker_name}-io")  # fetch + push
         self.clock = 0  # the step being computed
+        self.last_loss = math.nan  # this worker's loss of the last step computed (its batch's mean)
         self._rng = np.random.default_rng([config.seed, config.worker_index, 99])
         self.metrics_file: TextIO | None = None
         self._t0 = time.monotonic()
@@ -292,19 +293,19 @@ class Trainer:
             t0 = time.perf_counter()
             batch = to_dev(f.batch, self.device)
             s.zero_grad()
-            loss_sum = torch.zeros((), device=self.device)
+            loss_sum: torch.Tensor | None = None
             for j, micro in enumerate(split_batch(batch, k)):
                 with s.no_sync() if j < k - 1 else contextlib.nullcontext():
                     loss = task.loss(model, micro)
                     if k > 1:
                         loss = loss / k
                     loss.backward()
-                loss_sum += loss.detach()
+                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
             grads = s.gradients(step)
             self._perturb(time.perf_counter() - t0)
             if push_fut is not None:  # the window: the previous push must be done before this one starts
                 t0 += finish_push(push_fut)
-            last_loss = float(loss_sum)
+            last_loss = self.last_loss = float(loss_sum) if loss_sum is not None else math.nan
             compute += (c := time.perf_counter() - t0)
             window["compute"] += c
             push_fut = self._submit(s.push, step, grads)

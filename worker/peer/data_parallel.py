@@ -110,6 +110,7 @@ class AllReduceDP(ParamSync):
         self._next = 0  # the next bucket to launch (launches go in bucket order on every rank)
         self.world = 1
         self.comm_wait_s = 0.0  # time push waited for communication backward did not hide
+        self.launched_in_backward = 0  # buckets launched by the hooks (not by push): the overlap
         self.bytes_reduced = 0
 
     # ------------------------------------------------------------------ membership
@@ -181,6 +182,7 @@ class AllReduceDP(ParamSync):
             if b.pending > 0 and not force:
                 return
             self._launch(b)
+            self.launched_in_backward += not force
             self._next += 1
 
     def _launch(self, b: Bucket) -> None:
@@ -227,7 +229,7 @@ class AllReduceDP(ParamSync):
 
     def stats(self) -> dict[str, Any]:
         return {
-            "buckets": len(self.buckets), "bytes_reduced": self.bytes_reduced, "comm_wait_s": self.comm_wait_s,
+            "buckets": len(self.buckets), "launched_in_backward": self.launched_in_backward, "bytes_reduced": self.bytes_reduced, "comm_wait_s": self.comm_wait_s,
             "compress": self.compress_name,
         }
 
