@@ -633,6 +633,18 @@ class SparseTable:
         if n_new:
             loc[new_pos] = self._create(uniq[new_pos], seen)
 
+    def _trim(self) -> None:
+        """After a request larger than the resident budget (its rows were pinned while it ran):
+        demote the surplus, least recently touched first."""
+        limit = self._resident_cap()
+        if limit >= 0 and self._store.live > limit:
+            need = self._cold_tier().meta.alloc_bytes(self._store.live - limit)
+            try:
+                self._reserve(need)
+            except ResourceExhaustedError:
+                return  # over the byte budget: stay resident (the next request tries again)
+            self._demote(self._store.live - limit)
+
     def _create(self, ids: np.ndarray, seen: np.ndarray | None = None) -> np.ndarray:
         """Allocate and initialize rows for new ``ids`` (room was made); returns their row numbers."""
         n = len(ids)
@@ -795,6 +807,7 @@ class SparseTable:
                 out_vals[torch.from_numpy(pending)] = torch.from_numpy(
                     init_rows(self.spec.initializer, self._key, uniq[pending], self.dim)
                 ).to(self.row_dtype)
+            self._trim()
         inv = torch.from_numpy(inverse.reshape(-1).astype(np.int64))
         return out_vals[inv], out_vers[inverse.reshape(-1)]
 
@@ -894,6 +907,7 @@ class SparseTable:
                 before_swap(result, RowDelta(uniq[have], values, {k: v.numpy() for k, v in state.items()}, new_versions))
             if have.size:
                 self._store.scatter(r, {"values": stored, **state, "version": new_versions, "touch": self.step})
+            self._trim()
             self.step += 1
             self.updates += int(have.size)
             self.dropped += dropped
