@@ -182,7 +182,7 @@ def log(msg: str) -> None:
 
 
 # =========================================================================== (a) raw gRPC
-def bench_grpc(addrs: list[str], nbytes: int, repeats: int, warmup: int) -> list[Result]:
+def bench_grpc(addrs: list[str], nbytes: int, repeats: int, warmup: int, small: int = 0) -> list[Result]:
     import grpc
     import numpy as np
 
@@ -214,7 +214,14 @@ def bench_grpc(addrs: list[str], nbytes: int, repeats: int, warmup: int) -> list
         def unary16() -> None:
             assert sum(len(unary(b, timeout=60)) for b in bigs) == nbytes
 
+        small_payload = payload[:small]
+
+        def unary_small() -> None:
+            assert len(unary(small_payload, timeout=60)) == small
+
         fns: dict[str, Callable[[], object]] = {"grpc_stream": stream1, "grpc_unary": unary16}
+        if small:
+            fns["grpc_unary_small"] = unary_small
         if len(addrs) > 1:
             fns["grpc_stream_2srv"] = stream2
         t = interleaved(fns, repeats, warmup)
@@ -226,8 +233,10 @@ def bench_grpc(addrs: list[str], nbytes: int, repeats: int, warmup: int) -> list
         "grpc_stream": "bidi stream, 1 MiB chunks, 1 server",
         "grpc_stream_2srv": "bidi stream, 1 MiB chunks, 2 servers (half each)",
         "grpc_unary": "unary echo, 16 MiB messages, sequential",
+        "grpc_unary_small": f"unary echo of {small} bytes (the sparse payload)",
     }
-    return [Result(k, nbytes, v, "raw", note=notes[k]) for k, v in t.items()]
+    return [Result(k, small if k == "grpc_unary_small" else nbytes, v, "raw-small" if k == "grpc_unary_small" else "raw", note=notes[k])
+            for k, v in t.items()]
 
 
 # =========================================================================== (d) raw TCP
@@ -260,50 +269,78 @@ def bench_tcp(addr: str, nbytes: int, repeats: int, warmup: int) -> Result:
 
 # =========================================================================== (b) PS dense
 def bench_dense(addrs: list[str], numel: int, repeats: int, warmup: int) -> list[Result]:
+    """Adam and SGD tables of ``numel`` float32, three ways each: push then pull ("separate"), one
+    push that returns the values ("fused"), and ``PSClient.step`` (one Step call per shard when the
+    slice fits a message, else the separate calls)."""
     import numpy as np
 
     from ps.client import PSClient
 
     s = len(addrs)
-    name = "bench_dense"
     grad = np.random.default_rng(2).standard_normal(numel, dtype=np.float32) * np.float32(1e-3)
     push_t: list[float] = []
     pull_t: list[float] = []
-    with PSClient(addrs, timeout=300) as c:
+    out = np.empty(numel, np.float32)
+    fns: dict[str, Callable[[], object]] = {}
+    # the server's message limit is 64 MiB: a step whose slice fits goes as one Step call per shard
+    with PSClient(addrs, timeout=300, max_request_bytes=60 << 20) as c:
         c.wait_ready()
-        c.create_dense(name, (numel,), "adam", lr=1e-3)
+        for opt, hp in (("adam", {"lr": 1e-3}), ("sgd", {"lr": 1e-3})):
+            name = f"bench_{opt}"
+            c.create_dense(name, (numel,), opt, **hp)
 
-        def separate() -> None:
-            t0 = time.perf_counter()
-            c.push_dense(name, grad)
-            t1 = time.perf_counter()
-            p = c.pull_dense(name)
-            push_t.append(t1 - t0)
-            pull_t.append(time.perf_counter() - t1)
-            assert p.size == numel
+            def separate(name: str = name, timed: bool = opt == "adam") -> None:
+                t0 = time.perf_counter()
+                c.push_dense(name, grad)
+                t1 = time.perf_counter()
+                p = c.pull_dense(name, out=out)
+                if timed:
+                    push_t.append(t1 - t0)
+                    pull_t.append(time.perf_counter() - t1)
+                assert p.size == numel
 
-        def fused() -> None:
-            p = c.push_dense(name, grad, return_params=True)
-            assert p.size == numel
+            def fused(name: str = name) -> None:
+                p = c.push_dense(name, grad, return_params=True, out=out)
+                assert p.size == numel
 
-        t = interleaved({"separate": separate, "fused": fused}, repeats, warmup)
-        version = c.describe(name)[0].version
-    expect = (warmup + repeats) * 2
-    if version != expect:
-        raise RuntimeError(f"dense table at version {version}, expected {expect}")
+            def step(name: str = name) -> None:
+                r = c.step(push_dense={name: grad}, pull_dense={name: out})
+                assert r.dense[name].size == numel
+
+            fns[f"{opt}_separate"], fns[f"{opt}_fused"], fns[f"{opt}_step"] = separate, fused, step
+        t = interleaved(fns, repeats, warmup)
+        versions = {opt: c.describe(f"bench_{opt}")[0].version for opt in ("adam", "sgd")}
+    expect = (warmup + repeats) * 3
+    if versions != {"adam": expect, "sgd": expect}:
+        raise RuntimeError(f"dense tables at versions {versions}, expected {expect} each")
     nbytes = numel * 4
-    out = [
-        Result(f"dense_{s}shard_separate", nbytes, t["separate"], "dense", note="push_dense + pull_dense"),
-        Result(f"dense_{s}shard_fused", nbytes, t["fused"], "dense", note="push_dense(return_params=True)"),
-    ]
+    notes = {"separate": "push_dense + pull_dense", "fused": "push_dense(return_params=True)", "step": "PSClient.step (Step RPC)"}
+    res = []
+    for opt in ("adam", "sgd"):
+        for way in ("separate", "fused", "step"):
+            grp = "dense" if opt == "adam" else "dense-sgd"
+            res.append(Result(f"dense_{s}shard_{way}" if opt == "adam" else f"sgd_{s}shard_{way}", nbytes, t[f"{opt}_{way}"], grp,
+                              note=f"{opt}: {notes[way]}"))
     # halves of "separate" (one-way figures: payload / time of that half), for the analysis
-    out.append(Result(f"dense_{s}shard_push_only", nbytes, push_t[warmup:], "dense-part", note="push half of separate (one way)"))
-    out.append(Result(f"dense_{s}shard_pull_only", nbytes, pull_t[warmup:], "dense-part", note="pull half of separate (one way)"))
-    return out
+    res.append(Result(f"dense_{s}shard_push_only", nbytes, push_t[warmup:], "dense-part", note="adam: push half of separate (one way)"))
+    res.append(Result(f"dense_{s}shard_pull_only", nbytes, pull_t[warmup:], "dense-part", note="adam: pull half of separate (one way)"))
+    return res
+
+
+def bench_adam_math(numel: int, repeats: int, warmup: int) -> Result:
+    """torch's fused Adam (torch.optim.Adam(fused=True)) on a ``numel`` float32 tensor, in this process:
+    the arithmetic a PS Adam push must do at least."""
+    import torch
+
+    p = torch.zeros(numel, requires_grad=True)
+    p.grad = torch.randn(numel) * 1e-3
+    opt = torch.optim.Adam([p], lr=1e-3, fused=True)
+    t = interleaved({"adam": opt.step}, repeats, warmup)["adam"]
+    return Result("torch_fused_adam", numel * 4, t, "math", note=f"torch.optim.Adam(fused=True).step, {torch.get_num_threads()} threads")
 
 
 # =========================================================================== (c) PS sparse
-def bench_sparse(addrs: list[str], table_rows: int, batch: int, dim: int, repeats: int, warmup: int) -> tuple[Result, float]:
+def bench_sparse(addrs: list[str], table_rows: int, batch: int, dim: int, repeats: int, warmup: int) -> tuple[list[Result], float]:
     import numpy as np
 
     from ps.client import PSClient
@@ -332,11 +369,23 @@ def bench_sparse(addrs: list[str], table_rows: int, batch: int, dim: int, repeat
             assert r.shape == (batch, dim)
             c.push_sparse(name, ids, grads)
 
-        t = interleaved({"sparse": pullpush}, repeats, warmup)["sparse"]
-    res = Result(
-        f"sparse_{len(addrs)}shard_pullpush", batch * dim * 4, t, "sparse", rows=batch,
-        note=f"{batch} ids x {dim} from {table_rows} rows",
-    )
+        prev = [id_sets[0]]
+
+        def step() -> None:
+            # push the rows pulled last time, pull the next batch's: one Step call per shard
+            ids = next(it)
+            r = c.step(push_sparse={name: (prev[0], grads)}, pull_sparse={name: ids})
+            assert r.sparse[name][0].shape == (batch, dim)
+            prev[0] = ids
+
+        id_sets += [rng.choice(table_rows, batch, replace=False).astype(np.int64) for _ in range(n)]
+        t = interleaved({"sparse": pullpush, "step": step}, repeats, warmup)
+    res = [
+        Result(f"sparse_{len(addrs)}shard_pullpush", batch * dim * 4, t["sparse"], "sparse", rows=batch,
+               note=f"{batch} ids x {dim} from {table_rows} rows: pull_sparse + push_sparse"),
+        Result(f"sparse_{len(addrs)}shard_step", batch * dim * 4, t["step"], "sparse-step", rows=batch,
+               note=f"the same bytes by PSClient.step (one Step call per shard)"),
+    ]
     return res, populate_s
 
 
@@ -403,11 +452,13 @@ def main(argv: list[str] | None = None) -> int:
         grpc_addrs = [spawn_echo("grpc", procs), spawn_echo("grpc", procs)]
         tcp_addr = spawn_echo("tcp", procs)
         log(f"raw gRPC echo, {dense_mib} MiB")
-        results += bench_grpc(grpc_addrs, nbytes, repeats, warmup + 1)
+        results += bench_grpc(grpc_addrs, nbytes, repeats, warmup + 1, small=batch * dim * 4)
         log(f"raw TCP echo, {dense_mib} MiB")
         results.append(bench_tcp(tcp_addr, nbytes, repeats, warmup + 1))
         stop_processes(procs)
         procs.clear()
+        log(f"torch fused Adam on {numel:,} float32 in this process (the arithmetic of a PS Adam push)")
+        results.append(bench_adam_math(numel, repeats, warmup + 1))
 
         # (b) + (c): the PS
         for s in shard_counts:
@@ -419,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
             if s == 2:
                 log(f"PS sparse: populating {sparse_rows} rows, then {batch} ids x {dim}")
                 res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup)
-                results.append(res)
+                results += res
                 extra["sparse_populate_s"] = round(populate_s, 3)
             stop_processes(procs)
             procs.clear()
@@ -428,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
             shard_procs, addrs = start_local_shards(2)
             procs += shard_procs
             res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup)
-            results.append(res)
+            results += res
             extra["sparse_populate_s"] = round(populate_s, 3)
     except BaseException as e:
         if not interrupted and not isinstance(e, KeyboardInterrupt):
@@ -439,13 +490,21 @@ def main(argv: list[str] | None = None) -> int:
         stop_processes(procs)
 
     by = {r.name: r for r in results}
-    raw = [r for r in results if r.name.startswith("grpc_")]
+    raw = [r for r in results if r.group == "raw" and r.name.startswith("grpc_")]
     raw_best = max(raw, key=lambda r: r.gbps)
     raw_grpc = raw_best.gbps
     dense = [r for r in results if r.group == "dense"]
     dense_best = max(dense, key=lambda r: r.gbps)
-    sparse = next(r for r in results if r.group == "sparse")
+    sgd_best = max((r for r in results if r.group == "dense-sgd"), key=lambda r: r.gbps)
+    adam_math = by["torch_fused_adam"]
+    sparse_pp = next(r for r in results if r.group == "sparse")
+    sparse_step = next(r for r in results if r.group == "sparse-step")
+    sparse = max((sparse_pp, sparse_step), key=lambda r: r.gbps)
+    raw_small = by["grpc_unary_small"]
     tcp = by["tcp_echo"]
+    # 1.0: the PS's Adam push+pull costs no more than moving its bytes (best raw gRPC round trip of
+    # the same bytes) plus torch's fused Adam on the same tensor
+    adam_limit = (raw_best.best + adam_math.best) / dense_best.best
 
     # ------------------------------------------------------------------ table
     hdr = f"{'measurement':<26} {'GB/s best':>9} {'GB/s med':>9} {'x raw gRPC':>10} {'ms min':>9} {'ms med':>9}  notes"
@@ -469,6 +528,10 @@ def main(argv: list[str] | None = None) -> int:
         f"\nraw gRPC baseline = {raw_best.name} ({raw_grpc:.3f} GB/s); best PS dense = {dense_best.name} "
         f"({dense_best.gbps:.3f} GB/s, {dense_best.gbps / raw_grpc:.1%} of raw gRPC, {dense_best.gbps / tcp.gbps:.1%} of raw TCP); "
         f"wall {wall:.1f} s\n"
+        f"dense_sgd_ratio {sgd_best.gbps / raw_grpc:.3f} (goal >= 0.8; {sgd_best.name}); adam_limit_ratio {adam_limit:.3f} "
+        f"(goal >= 0.85: (raw round trip {raw_best.best * 1e3:.1f} ms + fused Adam {adam_math.best * 1e3:.1f} ms) / PS Adam "
+        f"{dense_best.best * 1e3:.1f} ms); sparse {sparse.gbps:.3f} GB/s = {sparse.gbps / raw_grpc:.2f} x raw_grpc_gbps (goal >= 0.5; "
+        f"{sparse.name}), {sparse.gbps / raw_small.gbps:.2f} x raw gRPC at the sparse size\n"
     )
 
     # ------------------------------------------------------------------ JSON
@@ -480,6 +543,18 @@ def main(argv: list[str] | None = None) -> int:
         "dense_best": dense_best.name,
         "dense_ratio": round(dense_best.gbps / raw_grpc, 4),
         "dense_vs_tcp": round(dense_best.gbps / tcp.gbps, 4),
+        "dense_sgd_gbps": round(sgd_best.gbps, 4),
+        "dense_sgd_best": sgd_best.name,
+        "dense_sgd_ratio": round(sgd_best.gbps / raw_grpc, 4),
+        "adam_limit_ratio": round(adam_limit, 4),
+        "raw_grpc_roundtrip_ms": round(raw_best.best * 1e3, 3),
+        "torch_fused_adam_ms": round(adam_math.best * 1e3, 3),
+        "dense_adam_ms": round(dense_best.best * 1e3, 3),
+        "sparse_best": sparse.name,
+        "sparse_pullpush_gbps": round(sparse_pp.gbps, 5),
+        "sparse_step_gbps": round(sparse_step.gbps, 5),
+        "raw_grpc_sparse_size_gbps": round(raw_small.gbps, 5),
+        "sparse_vs_raw_same_size": round(sparse.gbps / raw_small.gbps, 5),
         "sparse_rows_per_s": round(sparse.rows / sparse.best, 1),
         "sparse_rows_per_s_median": round(sparse.rows / sparse.median, 1),
         "sparse_gbps": round(sparse.gbps, 5),
@@ -499,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         **extra,
     }
     for r in results:
-        if r.group != "sparse":
+        if r.group not in ("sparse", "sparse-step"):
             out[f"{r.name}_gbps"] = round(r.gbps, 4)
             out[f"{r.name}_gbps_median"] = round(r.gbps_median, 4)
     line = json.dumps(out, sort_keys=True)

@@ -186,6 +186,10 @@ class PSClient:
     ``wire_dtype``: "float16"/"bfloat16" sends pushes and pulls at that
     precision (tables stay float32), None sends float32. ``interceptors``: gRPC client
     interceptors on every shard channel (e.g. ``tessera.rpc.DelayInterceptor``).
+    ``max_request_bytes``: the most one request carries (sparse requests are split to fit; a step
+    that does not fit one Step call per shard runs as separate calls). ``step_inline_bytes``: in
+    ``step``, a dense table whose largest slice is bigger travels by the chunked streams instead
+    of inside the Step call (default 1 MiB, one wire chunk).
     """
 
     def __init__(
@@ -199,6 +203,7 @@ class PSClient:
         interceptors: Sequence[Any] = (),
         retry_timeout: float = 30.0,
         security: ClientSecurity | None = None,
+        step_inline_bytes: int = 1 << 20,
     ) -> None:
         if isinstance(addresses, str):
             addresses = [a for a in addresses.split(",") if a]
@@ -222,6 +227,7 @@ class PSClient:
         # fault test checks them against the shards' versions (acknowledged but lost = acked - applied)
         self.acked: Counter[str] = Counter()
         self.max_request_bytes = max_request_bytes
+        self.step_inline_bytes = step_inline_bytes
         opts = channel_options()
         self.security = security
         self._shards = [_Shard(i, a, opts, interceptors, security) for i, a in enumerate(self.addresses)]
@@ -726,6 +732,20 @@ class PSClient:
         pol = lambda p, n: p.get(n) if isinstance(p, Mapping) else p  # noqa: E731
         wire = self.wire_dtype
         item = DTYPES[wire].itemsize
+        # dense tables whose slices are big go by the chunked streams (PushDense/PullDense, concurrent
+        # with the Step calls): a unary message of many MiB costs more than its chunks streamed
+        big = {
+            n for n in (*push_dense, *pull_dense)
+            if max(b - a for a, b in self._dense_meta(n).ranges) * item > self.step_inline_bytes
+        }
+        streamed = None
+        if big:
+            for n in big & set(push_dense):  # checked before anything is sent, as the rest
+                meta = self._dense_meta(n)
+                _wire_checked(meta.spec, _dense_input(meta.spec, push_dense[n], False, "gradient")[0], wire)
+            streamed = (
+                {n: push_dense.pop(n) for n in big & set(push_dense)}, {}, {n: pull_dense.pop(n) for n in big & set(pull_dense)}, {},
+            )
         S = self.num_shards
         reqs: list[list[tuple[Any, list[Any]]]] = [[] for _ in range(S)]  # per shard: (StepPart, [bulk pieces])
         size = [0] * S  # request bytes per shard
@@ -804,8 +824,11 @@ class PSClient:
                 size[i] += piece.nbytes
                 reply[i] += len(idx) * (spec.dim * item + 8)
 
-        if max(size + reply, default=0) + 4096 > self.max_request_bytes:
-            return self._step_separately(push_dense, push_sparse, pull_dense, pull_sparse, policy, pull_policy, base_versions)
+        if max(size + reply, default=0) + 4096 > self.max_request_bytes:  # the request, or the reply, of one shard
+            return self._step_separately(push_dense, push_sparse, pull_dense, pull_sparse, policy, pull_policy, base_versions, streamed)
+        side = None
+        if streamed is not None:
+            side = self._pool.submit(self._step_separately, *streamed, policy, pull_policy, base_versions)
 
         # ---- one call per shard
         def one(i: int) -> tuple[pb.StepReply, memoryview]:
@@ -818,7 +841,10 @@ class PSClient:
                 raise InternalError(f"shard {self._shards[i].label}: Step answered {len(msg.parts)} of {len(reqs[i])} parts")
             return msg, pl.get(15, memoryview(b""))
 
-        replies = self._fan_out([(lambda i=i: one(i)) if reqs[i] else (lambda: None) for i in range(S)])
+        try:
+            replies = self._fan_out([(lambda i=i: one(i)) if reqs[i] else (lambda: None) for i in range(S)])
+        finally:
+            side_result = side.result() if side is not None else None  # its error, if any, after the Step calls ended
 
         # ---- reassemble
         dense_out: dict[str, Any] = {}
@@ -884,16 +910,21 @@ class PSClient:
             rows, vers = sparse_rows[name]
             shape = tuple(np.shape(ids))
             sparse_out[name] = (_like(ids, rows[inverse].reshape(shape + (spec.dim,))), _like(ids, vers[inverse].reshape(shape)))
-        return StepResult(
+        result = StepResult(
             dense_out, {n: tuple(v) for n, v in dense_versions.items()}, sparse_out,
             {n: min(c) for n, c in clocks.items()}, pushed,
         )
+        return result if side_result is None else _merge_steps(result, side_result)
 
     def _step_separately(
         self, push_dense: dict, push_sparse: dict, pull_dense: dict, pull_sparse: dict, policy: Any, pull_policy: Any,
-        base_versions: dict,
+        base_versions: dict, also: tuple[dict, dict, dict, dict] | None = None,
     ) -> StepResult:
-        """``step`` as separate calls (a step too big for one message per shard): pushes, then pulls."""
+        """``step`` as separate calls (a step too big for one message per shard): pushes, then pulls
+        (``also``: more tables to run so, as (push_dense, push_sparse, pull_dense, pull_sparse))."""
+        if also is not None:
+            push_dense, push_sparse = {**push_dense, **also[0]}, {**push_sparse, **also[1]}
+            pull_dense, pull_sparse = {**pull_dense, **also[2]}, {**pull_sparse, **also[3]}
         pol = lambda p, n: p.get(n) if isinstance(p, Mapping) else p  # noqa: E731
         jobs: list[Callable[[], Any]] = [
             lambda n=n, g=g: (n, self.push_dense(n, g, base_version=base_versions.get(n, -1), policy=pol(policy, n)))
@@ -1033,6 +1064,13 @@ def _dense_input(spec: TableSpec, x: Any, flat: bool, what: str) -> tuple[np.nda
             f"expected {want}{view} ({spec.numel} elements){hint}; nothing sent"
         )
     return as_numpy(x).reshape(-1), shape
+
+
+def _merge_steps(a: StepResult, b: StepResult) -> StepResult:
+    return StepResult(
+        {**a.dense, **b.dense}, {**a.dense_versions, **b.dense_versions}, {**a.sparse, **b.sparse}, {**a.clock, **b.clock},
+        {**a.pushed, **b.pushed},
+    )
 
 
 def _wire_checked(spec: TableSpec, g: np.ndarray, wire: str, what: str = "gradient") -> tuple[str, memoryview]:

@@ -87,6 +87,28 @@ def test_too_big_for_one_message_runs_as_separate_calls(inproc_cluster) -> None:
     assert res.pushed["w"].versions == (1, 1)
 
 
+def test_big_dense_slices_stream_beside_the_step_call(inproc_cluster) -> None:
+    """A dense table whose slice is over step_inline_bytes goes by PushDense/PullDense, the rest by Step;
+    same results (reference: numpy SGD)."""
+    cluster = inproc_cluster(2)
+    c = cluster.client(worker="w0", step_inline_bytes=16)
+    _tables(c)
+    c.pull_sparse("emb", [1, 2])
+    before = _calls(cluster)
+    g = np.ones(SHAPE, np.float32)
+    res = c.step(push_dense={"w": g}, push_sparse={"emb": ([1, 2], np.ones((2, DIM), np.float32))},
+                 pull_dense=["w"], pull_sparse={"emb": [2, 1]})
+    np.testing.assert_allclose(res.dense["w"], -0.5 * g)
+    np.testing.assert_allclose(res.sparse["emb"][0], np.full((2, DIM), -0.5))
+    assert res.pushed["w"].versions == (1, 1) and res.pushed["emb"].applied == 2
+    after = _calls(cluster)
+    for b, a in zip(before, after):
+        assert {k: a.get(k, 0) - b.get(k, 0) for k in a if a.get(k, 0) != b.get(k, 0)} == {"Step": 1, "PushDense": 1, "PullDense": 1}
+    with pytest.raises(ShapeMismatchError):  # checked before anything is sent, streamed or not
+        c.step(push_dense={"w": np.ones((5, 6), np.float32)}, pull_sparse={"emb": [1]})
+    assert _calls(cluster) == after
+
+
 @pytest.mark.parametrize("wire", ["float16", "bfloat16"])
 def test_step_at_a_low_precision_wire_dtype(inproc_cluster, wire: str) -> None:
     """Reference: numpy SGD on the gradient rounded to the wire dtype (values exact in both: multiples of 1/8)."""
