@@ -112,7 +112,7 @@ def add_ps_commands(sub: Any) -> None:
         "--all", action="store_true",
         help="also show internal tables (e.g. PREFIX/ready, the mark worker 0 sets when the tables are seeded) and raw error counts",
     )
-    st.add_argument("--wait", type=float, default=5.0, metavar="SECONDS", help="how long to wait for an unreachable shard")
+    st.add_argument("--wait", type=float, default=30.0, metavar="SECONDS", help="how long to wait for a shard that is not reachable (yet)")
     add_client_security_args(st)
     st.set_defaults(func=_stats)
 
@@ -127,7 +127,7 @@ def add_ps_commands(sub: Any) -> None:
 def _checkpoint(args: argparse.Namespace) -> int:
     addresses = [a for a in args.ps.split(",") if a]
     security = client_security_from(args)
-    wait_for_shards(addresses, security, timeout=10.0)
+    wait_for_shards(addresses, security, timeout=10.0, say=lambda text: print(f"tessera ps checkpoint: {text}", file=sys.stderr))
     with PSClient(addresses, timeout=args.timeout, retries=2, security=security) as client:
         check_shards(client, addresses)
         for i, (path, clock) in enumerate(client.checkpoint(args.at_clock)):
@@ -223,7 +223,7 @@ def format_stats(stats: list[ShardStats], addresses: list[str], show_all: bool =
 def _stats(args: argparse.Namespace) -> int:
     addresses = [a for a in args.ps.split(",") if a]
     security = client_security_from(args)
-    wait_for_shards(addresses, security, timeout=args.wait)
+    wait_for_shards(addresses, security, timeout=args.wait, say=lambda text: print(f"tessera ps stats: {text}", file=sys.stderr))
     with PSClient(addresses, timeout=10, retries=2, security=security) as client:
         stats = check_shards(client, addresses)
     if args.json:
