@@ -7,14 +7,23 @@ Measures, on loopback, with every server in its own process:
     2^18 float32), the same over two echo servers at once (half each, like two
     shards), and sequential unary calls of 16 MiB. ``raw_grpc_gbps`` is the
     best of them: the baseline is the best bare gRPC transport.
-(b) PS dense push + pull of a 64 MiB float32 table (16M elements, Adam on the
-    shards) on 1 and on 2 shard processes (``ps.cli.start_local_shards``), two
-    ways: "separate" = push_dense(grad) then pull_dense(); "fused" =
-    push_dense(grad, return_params=True). ``dense_pushpull_gbps`` is the best
-    variant / shard count; ``dense_ratio`` = that / raw_grpc_gbps.
+(b) PS dense push + pull of a 64 MiB float32 table (16M elements) on 1 and on 2
+    shard processes (``ps.cli.start_local_shards``), with Adam and with SGD on
+    the shards, three ways each: "separate" = push_dense(grad) then
+    pull_dense(); "fused" = push_dense(grad, return_params=True); "step" =
+    PSClient.step(push t, pull t+1). ``dense_pushpull_gbps``: the best Adam
+    way / shard count, ``dense_ratio`` = that / raw_grpc_gbps;
+    ``dense_sgd_ratio`` = the best SGD way / raw_grpc_gbps (same bytes);
+    ``adam_limit_ratio`` = (best raw gRPC round trip of the same bytes + torch's
+    fused Adam on the same tensor in this process) / the best PS Adam push+pull
+    time: 1.0 means the PS adds nothing beyond moving the bytes and the maths.
 (c) PS sparse pull_sparse + push_sparse of 4096 unique random ids x 64 dims from
     a 1M-row table (adagrad, rows created before timing), 2 shards, fresh ids
-    each repeat: ``sparse_rows_per_s``, ``sparse_gbps`` (4096*64*4 bytes / time).
+    each repeat, and the same bytes by PSClient.step (push the last batch's
+    rows, pull the next's): ``sparse_rows_per_s``, ``sparse_gbps`` (4096*64*4
+    bytes / time, the better way), ``sparse_ratio`` = sparse_gbps /
+    raw_grpc_gbps, and ``sparse_vs_raw_same_size`` against a raw unary echo of
+    the same 1 MiB.
 (d) plain TCP echo of the dense payload (sendall in a thread + recv_into):
     ``raw_tcp_gbps``.
 
@@ -27,14 +36,15 @@ median time.
 Run (about a minute on 2 cores)::
 
     python bench/ps_throughput.py                 # full run
-    python bench/ps_throughput.py --quick         # smoke run (~20 s): 16 MiB table, 100k rows
+    python bench/ps_throughput.py --quick         # smoke run (~20 s): 16 MiB table, 2 shards only, 100k rows
     python bench/ps_throughput.py --json-out bench/out/ps.json
     python bench/ps_throughput.py --shard-omp-threads 1   # shards with OMP_NUM_THREADS=1 (A/B)
 
 It prints a table and, as its last line, one line of JSON (keys
-raw_grpc_gbps, raw_tcp_gbps, dense_pushpull_gbps, dense_ratio,
-sparse_rows_per_s, sparse_gbps, sparse_ratio, dense_vs_tcp, per-variant
-figures, ...). Every child process is stopped on exit, also on Ctrl-C.
+raw_grpc_gbps, raw_tcp_gbps, dense_pushpull_gbps, dense_ratio, dense_sgd_ratio,
+adam_limit_ratio (with raw_grpc_roundtrip_ms, torch_fused_adam_ms,
+dense_adam_ms behind it), sparse_rows_per_s, sparse_gbps, sparse_ratio,
+sparse_vs_raw_same_size, dense_vs_tcp, per-variant figures, ...). Every child process is stopped on exit, also on Ctrl-C.
 """
 from __future__ import annotations
 
@@ -397,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 10, quick 3; sparse: 6x / 4x that)")
     ap.add_argument("--dense-mib", type=int, default=None, help="dense table / echo payload in MiB (default 64, quick 16)")
     ap.add_argument("--sparse-rows", type=int, default=None, help="sparse table rows (default 1M, quick 100k)")
-    ap.add_argument("--shards", default="1,2", help="shard counts for the dense benchmark (default 1,2)")
+    ap.add_argument("--shards", default=None, help="shard counts for the dense benchmark (default 1,2; quick 2)")
     ap.add_argument(
         "--shard-omp-threads", type=int, default=None,
         help="set OMP_NUM_THREADS for the shard processes (default: inherit, i.e. the system as shipped)",
@@ -419,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     sparse_warmup = 3
     dense_mib = args.dense_mib or (16 if quick else 64)
     sparse_rows = args.sparse_rows or (100_000 if quick else 1_000_000)
-    shard_counts = [int(x) for x in args.shards.split(",") if x]
+    shard_counts = [int(x) for x in (args.shards or ("2" if quick else "1,2")).split(",") if x]
     if not shard_counts or min(shard_counts) < 1:
         ap.error("--shards needs at least one shard count >= 1")
     nbytes = dense_mib * MiB

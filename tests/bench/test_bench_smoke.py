@@ -1,7 +1,8 @@
 """The benchmark still runs end to end (tiny sizes) and reports the figures it promises.
 
-Speed is not asserted here (benchmarks measure, tests check); only that every
-figure is present and positive and that the run cleans up after itself.
+Speed is not asserted here (benchmarks measure, tests check); only that every figure is present
+and positive, that the ratios are what their definitions say (recomputed from the raw figures the
+JSON also holds, so a wrong formula fails), and that the run cleans up after itself.
 """
 from __future__ import annotations
 
@@ -11,7 +12,16 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-KEYS = ["raw_grpc_gbps", "raw_tcp_gbps", "dense_pushpull_gbps", "dense_ratio", "sparse_rows_per_s", "sparse_gbps"]
+KEYS = [
+    "raw_grpc_gbps", "raw_tcp_gbps", "dense_pushpull_gbps", "dense_ratio", "sparse_rows_per_s", "sparse_gbps",
+    "dense_sgd_gbps", "dense_sgd_ratio", "adam_limit_ratio", "raw_grpc_roundtrip_ms", "torch_fused_adam_ms", "dense_adam_ms",
+    "sparse_ratio", "sparse_pullpush_gbps", "sparse_step_gbps", "raw_grpc_sparse_size_gbps", "sparse_vs_raw_same_size",
+]
+
+
+def close(a: float, b: float, rel: float = 0.02) -> bool:
+    """Equal up to the JSON's rounding (figures are rounded to 3-5 digits)."""
+    return abs(a - b) <= rel * max(abs(a), abs(b)) + 1e-4
 
 
 def test_ps_throughput_quick(tmp_path) -> None:
@@ -25,3 +35,18 @@ def test_ps_throughput_quick(tmp_path) -> None:
     assert last == json.loads(out.read_text())
     for k in KEYS:
         assert last[k] > 0, k
+    mib = last["dense_mib"] * (1 << 20)
+    # each ratio, recomputed from its parts
+    assert close(last["dense_sgd_ratio"], last["dense_sgd_gbps"] / last["raw_grpc_gbps"])
+    assert close(last["dense_ratio"], last["dense_pushpull_gbps"] / last["raw_grpc_gbps"])
+    assert close(last["sparse_ratio"], last["sparse_gbps"] / last["raw_grpc_gbps"])
+    assert close(last["sparse_vs_raw_same_size"], last["sparse_gbps"] / last["raw_grpc_sparse_size_gbps"])
+    assert close(last["adam_limit_ratio"], (last["raw_grpc_roundtrip_ms"] + last["torch_fused_adam_ms"]) / last["dense_adam_ms"])
+    # the times behind them are the same bytes: the dense payload moved at the stated rates
+    assert close(last["raw_grpc_roundtrip_ms"], mib / last["raw_grpc_gbps"] / 1e6)
+    assert close(last["dense_adam_ms"], mib / last["dense_pushpull_gbps"] / 1e6)
+    assert close(last["torch_fused_adam_ms"], mib / last["torch_fused_adam_gbps"] / 1e6)
+    # the best of the ways, and rows/s from the same time as GB/s (4096 rows of 64 float32)
+    assert close(last["sparse_gbps"], max(last["sparse_pullpush_gbps"], last["sparse_step_gbps"]))
+    assert close(last["sparse_rows_per_s"], last["sparse_gbps"] * 1e9 / (64 * 4))
+    assert last["dense_sgd_gbps"] >= max(last[f"sgd_2shard_{w}_gbps"] for w in ("separate", "fused", "step")) - 1e-4
