@@ -7,8 +7,8 @@ ranges) the buckets of data parallelism and the shards of ZeRO.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ class FlatParams:
                 p.grad = self.grad[s.offset : s.offset + s.numel].view(s.shape)
 
     @classmethod
-    def of(cls, model: nn.Module, device: torch.device | str | None = None, skip: Sequence[nn.Module] = ()) -> "FlatParams":
+    def of(cls, model: nn.Module, device: torch.device | str | None = None, skip: Sequence[nn.Module] = ()) -> FlatParams:
         """The trainable parameters of ``model`` outside the modules in ``skip``, moved to ``device``."""
         if device is not None:
             model.to(device)

@@ -24,9 +24,10 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,7 +37,7 @@ from ps.errors import TableNotFoundError
 from worker.binding import PSEmbedding, SparseGrad, _Rows
 from worker.flat import FlatParams
 
-__all__ = ["ParamSync", "Fetched", "Grads", "PushResult", "PSSync", "PS_MODES", "check_ps_mode"]
+__all__ = ["PS_MODES", "Fetched", "Grads", "PSSync", "ParamSync", "PushResult", "check_ps_mode"]
 
 log = logging.getLogger(__name__)
 

@@ -26,18 +26,26 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 import numpy as np
 import torch
 
 from ps import PSClient
-from worker.paramsync import PS_MODES, Fetched, ParamSync, PSSync, PushResult, check_ps_mode
+from worker.paramsync import (
+    PS_MODES,
+    Fetched,
+    ParamSync,
+    PSSync,
+    PushResult,
+    check_ps_mode,
+)
 from worker.tasks import Task, move
 
-__all__ = ["TrainConfig", "Trainer", "Summary", "MODES", "PEER_MODES", "resolve_device", "split_batch"]
+__all__ = ["MODES", "PEER_MODES", "Summary", "TrainConfig", "Trainer", "resolve_device", "split_batch"]
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +185,7 @@ class Trainer:
 
     def __init__(
         self, task: Task, sync: ParamSync | PSClient, config: TrainConfig, stop: threading.Event | None = None,
-        on_step: Callable[[int, "Trainer"], None] | None = None,
+        on_step: Callable[[int, Trainer], None] | None = None,
     ) -> None:
         self.task = task
         self.cfg = config

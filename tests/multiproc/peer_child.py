@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import copy
 import sys
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch

@@ -2,12 +2,27 @@
 collectives instead of a PS. ``AllReduceDP`` (bucketed all-reduce from backward hooks) and
 ``ZeroSync`` (ZeRO stages 1-3) are ``ParamSync``s the trainer runs like ``PSSync``."""
 from worker.peer.data_parallel import AllReduceDP, make_buckets
-from worker.peer.mesh import Mesh, PeerConfigError, PeerError, check_agreement, init_mesh, torch_optimizer
+from worker.peer.mesh import (
+    Mesh,
+    PeerConfigError,
+    PeerError,
+    check_agreement,
+    init_mesh,
+    torch_optimizer,
+)
 from worker.peer.zero import ZeroSync
 
 __all__ = [
-    "AllReduceDP", "ZeroSync", "make_buckets", "Mesh", "init_mesh", "check_agreement", "torch_optimizer",
-    "PeerError", "PeerConfigError", "make_sync",
+    "AllReduceDP",
+    "Mesh",
+    "PeerConfigError",
+    "PeerError",
+    "ZeroSync",
+    "check_agreement",
+    "init_mesh",
+    "make_buckets",
+    "make_sync",
+    "torch_optimizer",
 ]
 
 

@@ -17,9 +17,10 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["add_peer_commands", "add_train_args", "main", "run_rank", "launcher_argv"]
+__all__ = ["add_peer_commands", "add_train_args", "launcher_argv", "main", "run_rank"]
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("TESSERA_LOG", "WARNING"))
     try:
         return run_rank(args)
-    except Exception as e:  # noqa: BLE001 - one line per rank; torchrun reports the failed rank too
+    except Exception as e:
         from worker.peer import PeerConfigError
 
         if isinstance(e, PeerConfigError):

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,9 +26,14 @@ from torch import nn
 
 from worker.flat import FlatParams
 from worker.paramsync import Fetched, Grads, ParamSync, PushResult
-from worker.peer.mesh import PeerConfigError, all_gather_into, check_agreement, torch_optimizer
+from worker.peer.mesh import (
+    PeerConfigError,
+    all_gather_into,
+    check_agreement,
+    torch_optimizer,
+)
 
-__all__ = ["AllReduceDP", "Bucket", "make_buckets", "optimizer_state_bytes", "COMPRESS"]
+__all__ = ["COMPRESS", "AllReduceDP", "Bucket", "make_buckets", "optimizer_state_bytes"]
 
 COMPRESS = {None: None, "none": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -10,16 +10,23 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 __all__ = [
-    "PeerError", "PeerConfigError", "Mesh", "init_mesh", "check_agreement", "torch_optimizer", "all_gather_into",
+    "Mesh",
+    "PeerConfigError",
+    "PeerError",
+    "all_gather_into",
+    "check_agreement",
+    "init_mesh",
     "reduce_scatter_into",
+    "torch_optimizer",
 ]
 
 

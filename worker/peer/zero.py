@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,13 @@ from torch import nn
 
 from worker.paramsync import Fetched, Grads, ParamSync, PushResult
 from worker.peer.data_parallel import optimizer_state_bytes
-from worker.peer.mesh import PeerConfigError, all_gather_into, check_agreement, reduce_scatter_into, torch_optimizer
+from worker.peer.mesh import (
+    PeerConfigError,
+    all_gather_into,
+    check_agreement,
+    reduce_scatter_into,
+    torch_optimizer,
+)
 
 __all__ = ["ZeroSync"]
 

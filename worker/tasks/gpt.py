@@ -18,7 +18,7 @@ a run reports tokens/s and model FLOPs utilisation.
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from torch import nn
 from ps import OptimizerSpec
 from worker.tasks import Task
 
-__all__ = ["make_task", "GPT", "MarkovCorpus"]
+__all__ = ["GPT", "MarkovCorpus", "make_task"]
 
 _PROBS = np.array([0.55, 0.25, 0.12, 0.08])
 

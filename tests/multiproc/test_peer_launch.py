@@ -1,0 +1,54 @@
+"""Launching peer mode: `tessera peer` (torchrun's elastic agent), `torchrun -m worker.peer`, and
+the start checks that stop every rank with one message (never a hang)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_peer_equivalence import ROOT, run_ranks  # type: ignore[import-not-found]
+
+ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+GPT = ["--task", "gpt", "--task-opt", "dim=32", "--task-opt", "seq=16", "--task-opt", "layers=1", "--no-progress",
+       "--torch-threads", "1"]
+
+
+@pytest.mark.timeout(150)
+def test_tessera_peer_trains_gpt_on_two_ranks_and_reports_tokens_per_s_and_mfu() -> None:
+    cmd = [sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", "2", *GPT, "--steps", "30", "--global-batch", "16"]
+    p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=140)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])
+    assert report["world"] == 2 and report["steps"] == 30
+    assert report["loss"] < math.log(256) - 1.0, report  # it learns the chain (ln(vocab) at the start)
+    assert report["tokens_per_s"] > 0 and 0 < report["mfu"] < 1, report
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_module_form_refuses_an_indivisible_batch_on_every_rank() -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "worker.peer",
+           *GPT, "--steps", "2", "--global-batch", "7"]
+    p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert p.returncode != 0
+    for r in range(2):
+        assert f"rank {r}: global batch 7 is not divisible by world size 2 x accumulate 1" in p.stderr, p.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_disagree_stop_at_start_naming_the_setting_and_values() -> None:
+    base = [*GPT, "--steps", "2", "--backend", "gloo", "--device", "cpu"]
+    results = run_ranks(2, [[*base, "--global-batch", "8"], [*base, "--global-batch", "12"]], module=True, timeout=100)
+    for r, (rc, _, err) in enumerate(results):
+        assert rc == 2, (r, rc, err[-3000:])
+        assert "peer ranks disagree on 'global_batch': rank 0: 8, rank 1: 12" in err, err[-3000:]
+
+
+@pytest.mark.timeout(60)
+def test_old_hybrid_mode_name_points_to_dense_sync() -> None:
+    p = subprocess.run([sys.executable, "-m", "tessera.cli", "worker", "--ps", "127.0.0.1:1", "--mode", "hybrid"],
+                       env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert p.returncode == 2 and "'hybrid' was renamed 'dense-sync'" in p.stderr, p.stderr
