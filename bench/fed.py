@@ -20,21 +20,32 @@ Figures (last line, JSON):
   ``secagg_bytes_ratio``: bytes per round (up + down) with / without;
   ``secagg_up_ratio``: uplink only.
 * ``int8_bytes_ratio``: uplink bytes per round with int8 / fp32; ``int8_acc_delta``:
-  final accuracy int8 - fp32 (same seeds).
-* ``server_rss_mb_10k``: peak RSS of the server process with 10,000 registered
-  clients (100 sampled per round); ``server_rss_mb_100`` the same with 100, and
-  ``rss_growth_mb`` the RSS change between the 10k run's second and last round.
+  final accuracy int8 - fp32, the mean over seeds 0, 1, 2 (``int8_acc_deltas`` each;
+  the same seed for both runs of a pair).
+* ``server_rss_mb_10k``: peak RSS (VmHWM) of the server process alone with 10,000
+  registered clients (100 sampled per round); quick mode measures 1,000 clients and
+  names the figure ``server_rss_mb_1k``. ``server_rss_mb_100``: the same for the
+  100-client FedAvg run (always a server process of its own); ``rss_growth_mb`` the
+  RSS change between the big run's second and last round.
+* ``client_import_s`` / ``client_import_mb``: a fresh interpreter importing what a
+  numpy client needs (``import federated``, ``Client``, ``start_client``): seconds of
+  the import inside the interpreter (min of 7; 3 quick) and the interpreter's peak RSS;
+  ``torch_client_import_s``/``_mb`` the same for ``TorchClient`` (the baseline).
+* ``round_overhead_ratio``: ``s_per_round`` over ``inproc_s_per_round``, the median
+  seconds per round of the same FedAvg (same task, partition, sampling rule, local
+  training on as many threads, aggregation and central evaluation) run in this
+  process with no server, wire or client runtime.
 * ``fedbuff_speedup``: wall time for FedAvg to reach ``--target`` accuracy / the
   same for FedBuff (K=4), 5 clients one of which is 5x slower (local training
   padded to 0.1 s, 0.5 s for the slow one, so compute dominates as on devices);
   time counted from the first task sent to the first evaluation at or above target,
   best of 2 runs each.
 
-Run (1-2 minutes on 2 cores)::
+Run (2-3 minutes on 2 cores)::
 
     python bench/fed.py               # full run
-    python bench/fed.py --quick       # smoke run (< 30 s): 3 rounds, everything in this process,
-                                      # 1,000 clients for the RSS figure
+    python bench/fed.py --quick       # smoke run (under a minute): 3 rounds; the 100-client FedAvg
+                                      # and the 1,000-client RSS run as processes, the rest in this one
     python bench/fed.py --json-out bench/out/fed.json
 """
 from __future__ import annotations
@@ -139,6 +150,8 @@ def run_inproc(rounds: int, clients: int, fraction: float, server_args: list[str
             opts["compress"] = next(it)
         elif a == "--secagg":
             opts["secagg"] = True
+        elif a == "--seed":
+            opts["seed"] = int(next(it))
         else:
             raise ValueError(f"run_inproc does not know {a}")
     res = run_simulation(SimulationConfig(rounds=rounds, clients=clients, fraction=fraction, progress=False, plots=False,
@@ -154,6 +167,7 @@ def summarize(res: dict[str, Any]) -> dict[str, float]:
         # median: robust to the shared machine's hiccups (the mean is reported beside it)
         "s_per_round": statistics.median(r["round_s"] for r in later),
         "s_per_round_mean": sum(r["round_s"] for r in later) / len(later),
+        "round_s": [r["round_s"] for r in h],
         "acc": h[-1].get("central_metrics", {}).get("accuracy", float("nan")),
         "up": sum(r["bytes_up"] for r in h) / len(h),
         "down": sum(r["bytes_down"] for r in h) / len(h),
@@ -231,90 +245,207 @@ def fedbuff_experiment(rounds_avg: int, rounds_buff: int, target: float, pad: fl
     }
 
 
+CLIENT_IMPORT = """
+import json, sys, time
+t0 = time.perf_counter()
+{imports}
+took = time.perf_counter() - t0
+hwm = next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith("VmHWM:"))  # this process alone
+print(json.dumps({{"s": took, "mb": hwm * 1024 / 1e6, "torch": "torch" in sys.modules, "sklearn": "sklearn" in sys.modules}}))
+"""
+NUMPY_CLIENT = "import federated\nfrom federated import Client, start_client"
+TORCH_CLIENT = "import federated\nfrom federated import TorchClient, start_client"
+
+
+def client_import(repeats: int) -> dict[str, Any]:
+    """Fresh interpreters importing what a numpy client needs (``federated``, ``Client``,
+    ``start_client``), and, as the baseline, what a torch client needs (``TorchClient``):
+    import seconds (inside the interpreter) and its peak RSS, min and median of ``repeats``."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+
+    def one(imports: str) -> dict[str, Any]:
+        p = subprocess.run([sys.executable, "-c", CLIENT_IMPORT.format(imports=imports)], capture_output=True,
+                           text=True, env=env, cwd=ROOT, timeout=120)
+        if p.returncode != 0:
+            raise RuntimeError(p.stderr[-2000:])
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    runs = [one(NUMPY_CLIENT) for _ in range(repeats)]
+    torch_runs = [one(TORCH_CLIENT) for _ in range(max(1, repeats // 2))]
+    return {
+        "client_import_s": min(r["s"] for r in runs),
+        "client_import_s_median": statistics.median(r["s"] for r in runs),
+        "client_import_mb": min(r["mb"] for r in runs),
+        "client_import_samples_s": [round(r["s"], 4) for r in runs],
+        "client_imports_torch": any(r["torch"] or r["sklearn"] for r in runs),
+        "torch_client_import_s": min(r["s"] for r in torch_runs),
+        "torch_client_import_mb": min(r["mb"] for r in torch_runs),
+    }
+
+
+def inproc_fedavg(rounds: int, clients: int = 100, fraction: float = 0.1, seed: int = 0, workers: int = 16,
+                  partition: str = "dirichlet:0.5") -> dict[str, Any]:
+    """The baseline of ``round_overhead_ratio``: the same FedAvg rounds with no server, no
+    wire and no client runtime, in this process: the same clients (task, partition, seed),
+    the same sampling rule, local training on ``workers`` threads (as the client node
+    runs them, one torch thread each), FedAvg, then the same central evaluation."""
+    import math
+
+    import numpy as np
+    import torch
+
+    from federated.simulate import _client_fn
+    from federated.strategy import ClientUpdate, make_strategy
+    from concurrent.futures import ThreadPoolExecutor
+
+    torch.set_num_threads(1)
+    make, task, _ = _client_fn("digits", clients, partition, seed, 1, {})
+    ids = sorted(f"sim/{i}" for i in range(clients))  # the registry's order
+    weights = task.initial_weights(seed)
+    evaluate = task.evaluator()
+    strategy = make_strategy("fedavg")
+    strategy.setup(weights)
+    k = min(clients, max(2, math.ceil(fraction * clients)))
+    warm = make(ids[0])  # torch's one-off set-up, as the client node does first
+    warm.fit(warm.get_weights(), {"epochs": 1})
+    round_s: list[float] = []
+    acc = float("nan")
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for rnd in range(1, rounds + 1):
+            t0 = time.perf_counter()
+            pick = np.random.default_rng([seed, rnd, 0, 0]).choice(len(ids), size=k, replace=False)
+            sample = [ids[i] for i in sorted(pick.tolist())]
+            config = dict(task.client_config, round=rnd)
+            base = weights
+
+            def fit(cid: str) -> ClientUpdate:
+                w, n, m = make(cid).fit([x.copy() for x in base], dict(config))[:3]
+                return ClientUpdate(cid, [np.asarray(x) for x in w], int(n), m, base_round=rnd - 1)
+
+            weights = strategy.aggregate(rnd, weights, list(pool.map(fit, sample)))
+            acc = evaluate(weights)[1]["accuracy"]
+            round_s.append(time.perf_counter() - t0)
+    later = round_s[1:] if len(round_s) > 1 else round_s
+    return {"s_per_round": statistics.median(later), "acc": acc, "round_s": round_s}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run (< 30 s)")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds of the accuracy runs (default 30; quick 4)")
+    ap.add_argument("--quick", action="store_true", help="smoke run (under a minute)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds of the accuracy runs (default 30; quick 3)")
     ap.add_argument("--target", type=float, default=0.95, help="FedBuff experiment's target accuracy")
-    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--json-out", default=None, help="also write the final JSON here")
     args = ap.parse_args()
     quick = args.quick
     rounds = args.rounds or (3 if quick else 30)
     big = 1000 if quick else 10_000
+    seeds = (0, 1, 2)
     t_all = time.monotonic()
     rows: list[tuple[str, dict[str, float]]] = []
 
-    def job(name: str, *server_args: str, rounds: int = rounds, clients: int = 100, fraction: float = 0.1) -> dict[str, float]:
+    def job(name: str, *server_args: str, rounds: int = rounds, clients: int = 100, fraction: float = 0.1,
+            process: bool | None = None) -> dict[str, float]:
+        """One run: a server process and a client-node process (in quick mode: in this process
+        unless ``process``)."""
         t = time.monotonic()
-        if quick:
-            s = summarize(run_inproc(rounds, clients, fraction, list(server_args)))
-        else:
+        if process or (process is None and not quick):
             s = summarize(Job(rounds, clients, fraction, list(server_args)).run())
+        else:
+            s = summarize(run_inproc(rounds, clients, fraction, list(server_args)))
         s["wall_s"] = time.monotonic() - t
         rows.append((name, s))
-        print(f"  {name:<22} {s['s_per_round']:.4f} s/round  acc {s['acc']:.4f}  up {s['up'] / 1e3:.1f} kB/round  "
+        print(f"  {name:<26} {s['s_per_round']:.4f} s/round  acc {s['acc']:.4f}  up {s['up'] / 1e3:.1f} kB/round  "
               f"startup {s['startup_s']:.2f} s  peak RSS {s['peak_rss_mb']:.0f} MB  ({s['wall_s']:.1f} s)", flush=True)
         return s
 
     print(f"federated benchmark: digits, 100 clients, Dirichlet(0.5), fraction 0.1, {rounds} rounds", flush=True)
-    fedavg = job("fedavg")
+    t = time.monotonic()
+    imp = client_import(3 if quick else 7)
+    print(f"  {'numpy client import':<26} {imp['client_import_s']:.3f} s (median {imp['client_import_s_median']:.3f}), "
+          f"{imp['client_import_mb']:.0f} MB; torch client {imp['torch_client_import_s']:.3f} s, "
+          f"{imp['torch_client_import_mb']:.0f} MB  ({time.monotonic() - t:.1f} s)", flush=True)
+    # the server and its clients as separate processes, always: its RSS is the server's alone
+    fedavg = job("fedavg (processes)", process=True)
+    t = time.monotonic()
+    base = inproc_fedavg(rounds)
+    print(f"  {'fedavg in-process, no wire':<26} {base['s_per_round']:.4f} s/round  acc {base['acc']:.4f}  "
+          f"({time.monotonic() - t:.1f} s)", flush=True)
     sec = job("fedavg + secagg", "--secagg")  # right after its baseline: the machine's load drifts
     fedprox = job("fedprox mu=0.01", "--strategy", "fedprox", "--strategy-param", "proximal_mu=0.01")
-    int8 = job("fedavg int8 uplink", "--compress", "int8")
+    # int8 against fp32 over 3 seeds (one seed's accuracy difference is mostly the seed's noise)
+    plain_by_seed = [fedavg if (not quick and sd == 0) else job(f"fedavg seed {sd}", "--seed", str(sd))
+                     for sd in seeds]
+    int8_by_seed = [job(f"fedavg int8 uplink seed {sd}", "--compress", "int8", "--seed", str(sd)) for sd in seeds]
+    int8, plain0 = int8_by_seed[0], plain_by_seed[0]
     # the secure-aggregation overhead is a ratio of two noisy timings: best of two interleaved pairs
     if quick:
-        plain_best, sec_best = fedavg["s_per_round"], sec["s_per_round"]
+        plain_best, sec_best = plain0["s_per_round"], sec["s_per_round"]
     else:
         plain2 = job("fedavg (repeat)", rounds=15)
         sec2 = job("fedavg + secagg (repeat)", "--secagg", rounds=15)
         plain_best = min(fedavg["s_per_round"], plain2["s_per_round"])
         sec_best = min(sec["s_per_round"], sec2["s_per_round"])
-    plain_s = fedavg
-    big_run = job(f"{big} clients, 100/round", rounds=3 if quick else 5, clients=big, fraction=(10 if quick else 100) / big)
+    big_run = job(f"{big} clients, {10 if quick else 100}/round", rounds=3 if quick else 5, clients=big,
+                  fraction=(10 if quick else 100) / big, process=True)
     t = time.monotonic()
     if quick:
         fb = fedbuff_experiment(3, 6, 0.8, pad=0.03, repeats=1)
     else:
         fb = fedbuff_experiment(20, 40, args.target)
-    print(f"  {'fedbuff vs fedavg':<22} time to target: fedavg {fb['fedavg_time_to_target_s']:.2f} s, "
+    print(f"  {'fedbuff vs fedavg':<26} time to target: fedavg {fb['fedavg_time_to_target_s']:.2f} s, "
           f"fedbuff {fb['fedbuff_time_to_target_s']:.2f} s -> {fb['fedbuff_speedup']:.2f}x  ({time.monotonic() - t:.1f} s)",
           flush=True)
 
+    deltas = [i["acc"] - p["acc"] for i, p in zip(int8_by_seed, plain_by_seed)]
+    big_key = "server_rss_mb_10k" if big == 10_000 else "server_rss_mb_1k"  # named for what was measured
     out = {
         "s_per_round": round(fedavg["s_per_round"], 4),
         "s_per_round_mean": round(fedavg["s_per_round_mean"], 4),
+        "fedavg_rounds_s": [round(x, 4) for x in fedavg["round_s"]],  # each round, for checking s_per_round
+        "inproc_s_per_round": round(base["s_per_round"], 4),
+        "round_overhead_ratio": round(fedavg["s_per_round"] / base["s_per_round"], 3),
         "startup_s": round(fedavg["startup_s"], 3),
         "agg_mbps": round(fedavg["agg_mbps"], 1),
         "fedavg_acc": round(fedavg["acc"], 4),
+        "inproc_acc": round(base["acc"], 4),
         "fedprox_acc": round(fedprox["acc"], 4),
         "secagg_overhead": round(sec_best / plain_best, 3),
-        "secagg_bytes_ratio": round((sec["up"] + sec["down"]) / (plain_s["up"] + plain_s["down"]), 3),
-        "secagg_up_ratio": round(sec["up"] / plain_s["up"], 3),
-        "int8_bytes_ratio": round(int8["up"] / fedavg["up"], 3),
-        "int8_acc_delta": round(int8["acc"] - fedavg["acc"], 4),
-        "server_rss_mb_10k" if not quick else "server_rss_mb_1k": round(big_run["peak_rss_mb"], 1),
+        "secagg_bytes_ratio": round((sec["up"] + sec["down"]) / (plain0["up"] + plain0["down"]), 3),
+        "secagg_up_ratio": round(sec["up"] / plain0["up"], 3),
+        "int8_bytes_ratio": round(int8["up"] / plain0["up"], 3),
+        "int8_acc_delta": round(statistics.mean(deltas), 4),
+        "int8_acc_deltas": [round(d, 4) for d in deltas],
+        "int8_accs": [round(i["acc"], 4) for i in int8_by_seed],
+        "fp32_accs": [round(p["acc"], 4) for p in plain_by_seed],
+        big_key: round(big_run["peak_rss_mb"], 1),
+        "big_clients": big,
         "server_rss_mb_100": round(fedavg["peak_rss_mb"], 1),
+        "inproc_peak_rss_mb": round(max(s["peak_rss_mb"] for n, s in rows if "processes" not in n and "clients," not in n),
+                                    1) if quick else None,
         "rss_growth_mb": round(big_run["rss_growth_mb"], 2),
         "secagg_s_per_round": round(sec["s_per_round"], 4),
         "secagg_acc": round(sec["acc"], 4),
+        **{k: round(v, 4) for k, v in imp.items() if isinstance(v, float)},
+        "client_import_samples_s": imp["client_import_samples_s"],
+        "client_imports_torch": imp["client_imports_torch"],
         **{k: round(v, 3) for k, v in fb.items()},
         "rounds": rounds,
         "quick": quick,
         "wall_s": round(time.monotonic() - t_all, 1),
     }
-    if quick:
-        out["server_rss_mb_10k"] = out["server_rss_mb_1k"]  # the key is always present; quick measures 1,000 clients
     goals = [("fedavg_acc", ">=", 0.90), ("secagg_overhead", "<=", 2.0), ("secagg_bytes_ratio", "<=", 2.0),
              ("int8_bytes_ratio", "<=", 0.3), ("int8_acc_delta", ">=", -0.01), ("s_per_round", "<=", 0.1),
-             ("startup_s", "<=", 5.0), ("fedbuff_speedup", ">=", 1.7)]
+             ("startup_s", "<=", 5.0), ("fedbuff_speedup", ">=", 1.7), ("client_import_s", "<=", 0.3),
+             ("client_import_mb", "<=", 80), ("round_overhead_ratio", "<=", 1.5)]
     print()
-    print(f"{'figure':<22} {'value':>10}  goal")
+    print(f"{'figure':<24} {'value':>10}  goal")
     for k, op, g in goals:
         v = out[k]
         ok = (v >= g) if op == ">=" else (v <= g)
-        print(f"{k:<22} {v:>10}  {op} {g}  {'ok' if ok else 'MISSED'}")
-    for k in ("agg_mbps", "fedprox_acc", "server_rss_mb_10k", "server_rss_mb_100", "rss_growth_mb", "secagg_up_ratio"):
-        print(f"{k:<22} {out[k]:>10}")
+        print(f"{k:<24} {v:>10}  {op} {g}  {'ok' if ok else 'MISSED'}")
+    for k in ("inproc_s_per_round", "agg_mbps", "fedprox_acc", big_key, "server_rss_mb_100", "rss_growth_mb",
+              "secagg_up_ratio", "torch_client_import_s", "torch_client_import_mb"):
+        print(f"{k:<24} {out[k]:>10}")
     if args.json_out:
         os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
         with open(args.json_out, "w") as f:

@@ -45,7 +45,17 @@ def rss_mb() -> float:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set size, in MB."""
+    """This process's peak resident set size, in MB: /proc's VmHWM, which counts this
+    process alone (``getrusage``'s ``ru_maxrss`` of a child started by fork and exec
+    starts from the parent's peak, so a server launched by a process that had imported
+    torch would report that process's memory); ``ru_maxrss`` where /proc is missing."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024 / 1e6  # kB
+    except (OSError, ValueError):
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6  # KiB on Linux
