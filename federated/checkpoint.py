@@ -52,6 +52,8 @@ def _ext_hook(code: int, data: bytes) -> Any:
 
 
 def save_checkpoint(path: str, ckpt: Checkpoint) -> None:
+    """Write ``ckpt`` to ``path`` atomically (msgpack; numpy arrays as dtype + shape + raw bytes, never
+    pickle): a crash mid-write leaves the previous checkpoint in place. Blocking."""
     doc = {
         "format": _FORMAT,
         "round": ckpt.round,

@@ -136,6 +136,9 @@ class ClientNode:
         self._submit_one = ch.unary_unary(_SERVICE + "SubmitOne")
 
     def run(self) -> None:
+        """Connect and serve tasks until the server says Shutdown or :meth:`stop` is called
+        (returns), or the token is refused / the server stays unreachable (raises; see the
+        class doc). Blocking; tasks run on ``config.workers`` threads."""
         cfg = self.config
         hello = pb.NodeMessage()
         hello.hello.node = cfg.name

@@ -159,6 +159,7 @@ class ServerConfig:
 
     @property
     def needed(self) -> int:
+        """Clients that must be connected before a round starts: ``max(min_available, min_clients)``."""
         return max(self.min_available, self.min_clients)
 
 

@@ -225,6 +225,8 @@ class AdaptiveClip:
 
     @classmethod
     def from_config(cls, config: DPConfig, rng: np.random.Generator | None = None) -> "AdaptiveClip":
+        """The adaptive clip of ``config`` (its clip norm as the start, target quantile, learning
+        rate and count noise); ``rng`` draws the count noise (None: the OS CSPRNG)."""
         return cls(config.clip_norm, config.target_quantile, config.clip_lr, config.count_stddev, rng)
 
     def update_from_count(self, unclipped_count: float, num_clients: int) -> float:
@@ -248,9 +250,11 @@ class AdaptiveClip:
         return self.update_from_count(count, len(norms))
 
     def state_dict(self) -> dict[str, Any]:
+        """``{"clip_norm": C}``: what a checkpoint keeps."""
         return {"clip_norm": self.clip_norm}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (PrivacyError for a non-positive norm)."""
         self.clip_norm = _pos("clip_norm", state["clip_norm"])
 
 
@@ -452,10 +456,12 @@ class RDPAccountant:
         return self.epsilon_and_order(delta, conversion)[0]
 
     def state_dict(self) -> dict[str, Any]:
+        """The accumulated privacy loss (RDP orders and values, steps, noise, sample rate), for checkpoints."""
         return {"orders": self.orders.copy(), "rdp": self.rdp.copy(), "steps": self.steps,
                 "noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; PrivacyError for inconsistent orders and values."""
         orders = _check_orders(state["orders"])
         rdp = np.asarray(state["rdp"], dtype=np.float64)
         if orders.shape != rdp.shape:

@@ -61,6 +61,7 @@ class Blob:
 
     @property
     def nbytes(self) -> int:
+        """Size of the blob's encoded bytes."""
         return len(self.data)
 
 
@@ -90,4 +91,5 @@ class Answer:
     bytes_sent: int = 0
 
     def group(self, name: str) -> list[EncodedTensor]:
+        """The answer's tensors of group ``name`` (``"weights"``, or an extra such as ``"delta_c"``), in order."""
         return [t for t in self.tensors if t.group == name]

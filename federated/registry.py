@@ -88,6 +88,7 @@ class Pending:
 
     @property
     def client_id(self) -> str:
+        """The client the task went to."""
         return self.task.client_id
 
 
@@ -184,6 +185,7 @@ class Registry:
             return sorted(self._clients)
 
     def num_connected(self) -> int:
+        """Number of client ids connected now."""
         with self._lock:
             return len(self._clients)
 
@@ -216,16 +218,19 @@ class Registry:
 
     # ------------------------------------------------------------------ blobs
     def put_blob(self, blob: Blob) -> str:
+        """Store ``blob`` for clients to Fetch; returns its id (128 random bits). Thread-safe."""
         with self._lock:
             bid = f"b{secrets.token_hex(16)}"  # unguessable, like task ids
             self._blobs[bid] = blob
             return bid
 
     def blob(self, blob_id: str) -> Blob | None:
+        """The stored blob ``blob_id`` (None: unknown or dropped)."""
         with self._lock:
             return self._blobs.get(blob_id)
 
     def drop_blobs(self, ids: Iterable[str]) -> None:
+        """Forget these blobs (unknown ids are ignored); later Fetches of them get NOT_FOUND."""
         with self._lock:
             for b in ids:
                 self._blobs.pop(b, None)
@@ -392,6 +397,7 @@ class Registry:
                 pass
 
     def in_flight(self) -> int:
+        """Number of issued tasks not yet answered, failed or forgotten."""
         with self._lock:
             return len(self._tasks)
 

@@ -220,5 +220,6 @@ class ClientRuntime:
         return client_step(self, task, tensors, base)
 
     def forget_round(self, client_id: str, rnd: int) -> None:
+        """Drop the secure-aggregation state of ``client_id`` for round ``rnd`` (done or abandoned)."""
         self._secagg.pop((client_id, rnd), None)
 

@@ -143,10 +143,12 @@ class SecAggConfig:
 
     @property
     def ring_dtype(self) -> np.dtype:
+        """Unsigned little-endian dtype of the ring Z_(2^ring_bits) (uint32 or uint64)."""
         return np.dtype("<u4") if self.ring_bits == 32 else np.dtype("<u8")
 
     @property
     def signed_dtype(self) -> np.dtype:
+        """Signed dtype of the same width (decoding the unmasked sum)."""
         return np.dtype("<i4") if self.ring_bits == 32 else np.dtype("<i8")
 
 
@@ -592,6 +594,8 @@ class SecAggServer:
 
     # -- round 0
     def receive_advertise(self, client_id: str, data: bytes) -> None:
+        """Round 0: a sampled client's two public keys (and signature data); SecAggError for a
+        message out of order, from an unknown or repeated sender, or malformed."""
         self._expect(Round.ADVERTISE_KEYS, "AdvertiseKeys message")
         msg = _unpack(data, "advertise", f"client {client_id!r}")
         self._sender(client_id, msg, self.client_ids, self._keys)
@@ -613,10 +617,12 @@ class SecAggServer:
 
     @property
     def u1(self) -> list[str]:
+        """U1: the clients whose keys arrived in round 0, sorted."""
         return sorted(self._keys)
 
     # -- round 1
     def receive_shares(self, client_id: str, data: bytes) -> None:
+        """Round 1: a client's encrypted Shamir shares, one per other U1 member; SecAggError as above."""
         self._expect(Round.SHARE_KEYS, "ShareKeys message")
         who = f"client {client_id!r}"
         msg = _unpack(data, "shares", who)
@@ -648,6 +654,7 @@ class SecAggServer:
 
     # -- round 2
     def receive_masked_input(self, client_id: str, data: bytes) -> None:
+        """Round 2: a client's masked input vector (ring elements); SecAggError for a wrong length or sender."""
         self._expect(Round.MASKED_INPUT, "masked input")
         who = f"client {client_id!r}"
         msg = _unpack(data, "masked", who)
@@ -681,6 +688,8 @@ class SecAggServer:
 
     # -- round 3
     def receive_unmasking(self, client_id: str, data: bytes) -> None:
+        """Round 3: a client's shares of dropped clients' keys and survivors' self-mask seeds;
+        SecAggError for a malformed message or sender."""
         self._expect(Round.UNMASKING, "unmasking message")
         who = f"client {client_id!r}"
         msg = _unpack(data, "unmask", who)

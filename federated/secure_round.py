@@ -171,6 +171,9 @@ class SecureRound:
         return [p.client_id for p in pending if p.ok]
 
     def run(self, rnd: int, stop: threading.Event, rec: dict[str, Any], traffic: dict[str, list[int]]) -> Weights | None:
+        """Run round ``rnd``'s fit phase as the Bonawitz protocol (retried with backoff up to
+        ``max_retries`` times); returns the new global weights, None when ``stop`` was set.
+        Fills ``rec`` (secagg stage counts) and ``traffic``. Raises RoundFailedError."""
         o = self.o
         cfg = o.config
         sc = cfg.secagg

@@ -119,6 +119,8 @@ class FedServicer:
                     self._open_calls.pop(identity, None)
 
     def handlers(self) -> grpc.GenericRpcHandler:
+        """The gRPC handlers of ``tessera.v1.Federated`` (raw bytes in and out; each method
+        runs inside the error translator: a federated error becomes its status code)."""
         def guard(name: str, fn: Callable) -> Callable:
             if inspect.isgeneratorfunction(fn):
 
@@ -172,6 +174,8 @@ class FedServicer:
 
     # ------------------------------------------------------------------ Connect
     def Connect(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """One node's long-lived stream: reads its Hello, registers its client ids, then sends
+        Welcome, tasks, cancels and finally Shutdown. RESOURCE_EXHAUSTED past ``max_nodes``."""
         identity = self._identity(context)
         # each stream holds a server thread for its lifetime: past the limit, refuse (the client
         # retries with backoff) rather than let streams take the threads Fetch and Submit need
@@ -220,6 +224,7 @@ class FedServicer:
 
     # ------------------------------------------------------------------ Fetch
     def Fetch(self, raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        """A task's blob in chunks, for the client (and identity) the task was issued to only."""
         identity = self._identity(context)
         self._in(len(raw))
         req, _ = decode_message(pb.FetchRequest, raw)
@@ -229,6 +234,7 @@ class FedServicer:
 
     # ------------------------------------------------------------------ Submit
     def Submit(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        """A chunked answer; its header is checked (task, client, identity) before data is read."""
         identity = self._identity(context)
 
         def counted() -> Iterator[bytes]:
@@ -241,6 +247,7 @@ class FedServicer:
         return self._out(pb.SubmitReply(accepted=True).SerializeToString())
 
     def SubmitOne(self, raw: bytes, context: grpc.ServicerContext) -> bytes:
+        """An answer that fits one message (the common case), checked as :meth:`Submit` does."""
         identity = self._identity(context)
         self._in(len(raw))
         answer = answer_from_chunks(iter([raw]), self.max_answer_bytes, self._owner_check(identity))

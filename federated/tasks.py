@@ -89,6 +89,7 @@ class FedTask:
 
     # ------------------------------------------------------------------ model
     def initial_weights(self, seed: int = 0) -> Weights:
+        """The model's floating-point state as numpy arrays (state_dict order), initialised by torch under ``seed``."""
         torch.manual_seed(seed)
         m = self.model_fn()
         return [v.detach().numpy().copy() for v in m.state_dict().values() if torch.is_floating_point(v)]
@@ -128,6 +129,7 @@ class FedTask:
         return evaluate
 
     def describe(self) -> dict[str, Any]:
+        """Sizes for reports: ``task``, ``train``, ``test``, ``classes``, ``params``."""
         x_tr, _, x_te, _ = self.split
         return {"task": self.name, "train": len(x_tr), "test": len(x_te), "classes": 10,
                 "params": int(sum(w.size for w in self.initial_weights()))}

@@ -102,10 +102,13 @@ class TorchClient(Client):
 
     # ------------------------------------------------------------------ weights
     def get_weights(self) -> Weights:
+        """Copies of the model's floating-point state (state_dict order) as CPU numpy arrays."""
         state = self.model.state_dict()
         return [state[k].detach().cpu().numpy().copy() for k in self._keys]
 
     def set_weights(self, weights: Weights) -> None:
+        """Load ``weights`` (as :meth:`get_weights` returns them) into the model; ValueError when
+        their count or shapes do not match the model."""
         if len(weights) != len(self._keys):
             raise ValueError(f"got {len(weights)} arrays, the model has {len(self._keys)} floating-point entries")
         state = self.model.state_dict()

@@ -111,6 +111,8 @@ def accept_fit(answer: Answer, rnd: int, global_weights: Weights, strategy: Stra
 
 
 def accept_evaluation(answer: Answer) -> Evaluation:
+    """Check an evaluate answer (non-negative example count, finite loss and metrics);
+    InvalidUpdateError otherwise."""
     who = _who(answer)
     if answer.num_examples < 0:
         raise InvalidUpdateError(f"{who}: num_examples must be >= 0, got {answer.num_examples}")

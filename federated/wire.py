@@ -82,6 +82,7 @@ def config_to_proto(config: Mapping[str, Scalar], out: object) -> None:
 
 
 def config_from_proto(cfg: Mapping[str, pb.Scalar]) -> dict[str, Scalar]:
+    """A task config message map -> dict of str -> float/int/str/bool (inverse of ``config_to_proto``)."""
     out: dict[str, Scalar] = {}
     for k, s in cfg.items():
         which = s.WhichOneof("value")
@@ -91,6 +92,7 @@ def config_from_proto(cfg: Mapping[str, pb.Scalar]) -> dict[str, Scalar]:
 
 # --------------------------------------------------------------------------- tasks
 def task_to_proto(t: Task) -> pb.ServerMessage:
+    """A :class:`~federated.protocol.Task` as the ServerMessage that carries it (inverse of ``task_from_proto``)."""
     msg = pb.ServerMessage()
     m = msg.task
     m.task_id, m.client_id, m.round, m.kind = t.task_id, t.client_id, t.round, _KIND_TO_PB[t.kind]
@@ -105,6 +107,7 @@ def task_to_proto(t: Task) -> pb.ServerMessage:
 
 
 def task_from_proto(m: pb.Task) -> Task:
+    """A Task message -> :class:`~federated.protocol.Task`; MalformedMessageError for an unknown kind or bad inline tensors."""
     if m.kind not in _KIND_FROM_PB:
         raise MalformedMessageError(f"task {m.task_id!r}: unknown kind {m.kind}")
     inline = None
