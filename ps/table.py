@@ -369,6 +369,15 @@ class _ColumnView:
         return self._store.capacity * self._store.columns[self._name].row_nbytes
 
 
+def _filled(shape: tuple[int, int], value: float, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``value``; zeros come from calloc (numpy), whose fresh pages cost nothing until written."""
+    if value != 0.0:
+        return torch.full(shape, value, dtype=dtype)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    z = torch.from_numpy(np.zeros(shape, {4: np.int32, 2: np.int16}[itemsize]))
+    return z.view(dtype)
+
+
 _META = (
     Column("version", torch.int64),  # updates applied to the row
     Column("touch", torch.int64),  # table step of its last pull or push (LRU, TTL, residency)
@@ -433,7 +442,7 @@ class SparseTable:
         self._budget = resident_budget if resident_budget is not None and resident_budget.limit else None
         row_nbytes = sum(c.row_nbytes for c in self._payload) + sum(c.row_nbytes for c in _META)
         if self._budget is not None:  # a chunk is the budget's granularity: keep it well below the budget
-            chunk_bytes = max(64 << 10, min(chunk_bytes, self._budget.limit // 16))
+            chunk_bytes = max(256 << 10, min(chunk_bytes, self._budget.limit // 8))
         self._chunk_rows = chunk_rows_for(row_nbytes, chunk_bytes, lo=64)
         self._store = RowStore(self._payload + list(_META), self._chunk_rows, first_rows=min(1024, self._chunk_rows))
         self._spill_dir = spill_dir
@@ -602,14 +611,15 @@ class SparseTable:
 
     def _make_resident(
         self, uniq: np.ndarray, loc: np.ndarray, cold_pos: np.ndarray, new_pos: np.ndarray, seen: np.ndarray | None = None
-    ) -> None:
+    ) -> "np.ndarray | float | None":
         """Bring the cold rows at positions ``cold_pos`` of ``uniq`` back and create rows for the
-        ids at ``new_pos`` (``seen``: their earlier sightings); ``loc`` is updated in place. The
+        ids at ``new_pos`` (``seen``: their earlier sightings); ``loc`` is updated in place; returns
+        the new rows' initial values (as ``_create``; None if none were created). The
         byte budget is asked first (nothing changes if it refuses). Rows this request already
         found are pinned: neither LRU eviction nor demotion picks them."""
         n_new, n_in = new_pos.size, new_pos.size + cold_pos.size
         if not n_in:
-            return
+            return None
         cap = self.spec.eviction.max_rows
         evict = max(0, self.rows + n_new - cap) if cap else 0
         limit = self._resident_cap()
@@ -630,8 +640,10 @@ class SparseTable:
             self._demote(demote, pinned_rows=loc[loc >= 0])
         if cold_pos.size:
             loc[cold_pos] = self._promote(uniq[cold_pos], -loc[cold_pos] - 2)
-        if n_new:
-            loc[new_pos] = self._create(uniq[new_pos], seen)
+        if not n_new:
+            return None
+        loc[new_pos], init = self._create(uniq[new_pos], seen)
+        return init
 
     def _trim(self) -> None:
         """After a request larger than the resident budget (its rows were pinned while it ran):
@@ -645,8 +657,9 @@ class SparseTable:
                 return  # over the byte budget: stay resident (the next request tries again)
             self._demote(self._store.live - limit)
 
-    def _create(self, ids: np.ndarray, seen: np.ndarray | None = None) -> np.ndarray:
-        """Allocate and initialize rows for new ``ids`` (room was made); returns their row numbers."""
+    def _create(self, ids: np.ndarray, seen: np.ndarray | None = None) -> tuple[np.ndarray, "np.ndarray | float"]:
+        """Allocate and initialize rows for new ``ids`` (room was made); returns their row numbers and
+        initial values (fp32 (n, dim), or one float for every element)."""
         n = len(ids)
         rows = self._store.alloc(n)
         fill = self.spec.optimizer.hparams.get("initial_accumulator", 0.0)
@@ -662,7 +675,7 @@ class SparseTable:
             data[k] = float(fill) if k in ("sum", "n") else 0.0
         self._store.scatter(rows, data)
         self._index.insert(ids, rows)
-        return rows
+        return rows, data["values"]
 
     def _demote(self, count: int, pinned_rows: np.ndarray | None = None) -> None:
         """Move the ``count`` least recently touched resident rows (not ``pinned_rows``) to the disk tier."""
@@ -785,31 +798,48 @@ class SparseTable:
             cold = np.flatnonzero(loc < -1)
             ok, seen = self._admit(uniq[missing]) if missing.size else (np.zeros(0, bool), None)
             admitted = missing[ok]
-            self._make_resident(uniq, loc, cold, admitted, seen[ok] if seen is not None else None)
+            init = self._make_resident(uniq, loc, cold, admitted, seen[ok] if seen is not None else None)
             if missing.size:
                 self._sighted(uniq[missing], ok, seen)
-            have = np.flatnonzero(loc >= 0)
-            if have.size == len(uniq):
-                d = self._store.gather(loc, ["values", "version"])
-                out_vals, out_vers = d["values"], d["version"].numpy()
-                self._store.scatter(loc, {"touch": self.step})
-            else:
-                out_vals = torch.empty((len(uniq), self.dim), dtype=self.row_dtype)
+            if admitted.size == len(uniq):  # all new (a table filling up): the values are the initial ones
+                if isinstance(init, float):  # one value everywhere: no gather by id, calloc'd zeros need no pages yet
+                    self._trim()
+                    return _filled((len(ids), self.dim), init, self.row_dtype), np.zeros(len(ids), np.int64)
+                out_vals = self._init_values(uniq, init)
                 out_vers = np.zeros(len(uniq), np.int64)
+            else:
+                found = loc >= 0
+                if admitted.size:
+                    found[admitted] = False
+                have = np.flatnonzero(found)
+                if have.size == len(uniq):
+                    d = self._store.gather(loc, ["values", "version"])
+                    out_vals, out_vers = d["values"], d["version"].numpy()
+                else:
+                    out_vals = torch.empty((len(uniq), self.dim), dtype=self.row_dtype)
+                    out_vers = np.zeros(len(uniq), np.int64)
+                    if have.size:
+                        d = self._store.gather(loc[have], ["values", "version"])
+                        out_vals[torch.from_numpy(have)] = d["values"]
+                        out_vers[have] = d["version"].numpy()
+                    new = np.flatnonzero(~found)  # created now, or not admitted: their initial values
+                    same = new.size == admitted.size  # every one was created (both ascending)
+                    out_vals[torch.from_numpy(new)] = self._init_values(uniq[new], init if same else None)
                 if have.size:
-                    r = loc[have]
-                    d = self._store.gather(r, ["values", "version"])
-                    ht = torch.from_numpy(have)
-                    out_vals[ht] = d["values"]
-                    out_vers[have] = d["version"].numpy()
-                    self._store.scatter(r, {"touch": self.step})
-                pending = np.flatnonzero(loc < 0)
-                out_vals[torch.from_numpy(pending)] = torch.from_numpy(
-                    init_rows(self.spec.initializer, self._key, uniq[pending], self.dim)
-                ).to(self.row_dtype)
+                    self._store.scatter(loc[have], {"touch": self.step})
             self._trim()
         inv = torch.from_numpy(inverse.reshape(-1).astype(np.int64))
         return out_vals[inv], out_vers[inverse.reshape(-1)]
+
+    def _init_values(self, ids: np.ndarray, init: "np.ndarray | float | None") -> torch.Tensor:
+        """The initial rows of ``ids`` in the row dtype (``init``: as _create returned, or None)."""
+        if init is None:
+            spec = self.spec.initializer
+            init = float(spec.params.get("value", 0.0)) if spec.name in ("zeros", "constant") else init_rows(
+                spec, self._key, ids, self.dim)
+        if isinstance(init, float):
+            return torch.full((len(ids), self.dim), init, dtype=self.row_dtype)
+        return torch.from_numpy(init).to(self.row_dtype)
 
     def pull(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows for int64 ``ids`` (any order, duplicates allowed): (float32 (n, dim), int64 versions).

@@ -442,3 +442,74 @@ def test_shard_memory_stays_within_budget_under_attack() -> None:
         stop_processes(procs, grace=3.0)
         if attacker is not None:
             attacker.close()
+
+
+# ====================================================================== issue 18: bytes per sparse row
+ROWS_2M = 2_000_000
+ROW_DIM = 64
+POPULATE_BATCH = 1 << 16  # ids per pull while filling (a 16 MiB fp32 reply)
+FAST_RSS_SAMPLE_S = 0.02  # spikes are short: sample often while the table fills
+# what a row of the fp32 reference is: 64 fp32 values + 64 fp32 Adagrad accumulators
+PAYLOAD_FP32_ADAGRAD = ROWS_2M * ROW_DIM * 4 * 2
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    "row_dtype, optimizer, limit",
+    [
+        # 2M x 64 fp32 rows with elementwise Adagrad: RSS growth <= 1.25x their bytes
+        ("float32", "adagrad", 1.25 * PAYLOAD_FP32_ADAGRAD),
+        # the same rows in bf16 with row-wise Adagrad: <= 0.7x the fp32 payload
+        ("bfloat16", "rowwise_adagrad", 0.7 * PAYLOAD_FP32_ADAGRAD),
+    ],
+    ids=["fp32-adagrad", "bf16-rowwise-adagrad"],
+)
+def test_sparse_rows_grow_a_shard_process_by_their_bytes(row_dtype: str, optimizer: str, limit: float) -> None:
+    """Issue 18: 2,000,000 rows of dim 64 created in a ``tessera ps serve`` process through
+    PSClient. Reference for the bytes: the fp32 rows plus fp32 Adagrad state (977 MiB). The shard's
+    RSS growth (VmRSS after - before, measured from /proc) must stay within ``limit``, and no
+    sample taken while the table filled (every 20 ms) may exceed the final growth by more than 10%
+    (no transient 2x while storage grows). Measured: ~1.14x and ~0.40x, peak/final 1.00-1.01."""
+    procs, addresses = start_local_shards(1, ("--max-bytes", "0"))
+    client = PSClient(addresses, timeout=60.0, retries=0)
+    try:
+        spec = TableSpec("rows", "sparse", dim=ROW_DIM, dtype=row_dtype, optimizer=OptimizerSpec(optimizer, {}),
+                         initializer=InitializerSpec("zeros"))
+        client.create_table(spec)
+        ids = np.random.default_rng(0).permutation(np.arange(ROWS_2M, dtype=np.int64)) * 7919 + 13
+        client.pull_sparse("rows", ids[:4096])  # warm: server threads, channel buffers, the first chunk
+        pid = procs[0].pid
+        time.sleep(0.2)
+        start = rss_bytes(pid)
+        sampler = RssSampler(pid)
+        sampler.samples.clear()
+        global RSS_SAMPLE_S
+        saved, RSS_SAMPLE_S = RSS_SAMPLE_S, FAST_RSS_SAMPLE_S
+        try:
+            sampler.start()
+            t0 = time.monotonic()
+            for a in range(4096, ROWS_2M, POPULATE_BATCH):
+                rows = client.pull_sparse("rows", ids[a : a + POPULATE_BATCH])
+                assert rows.shape == (min(POPULATE_BATCH, ROWS_2M - a), ROW_DIM)
+            fill_s = time.monotonic() - t0
+            time.sleep(0.3)
+        finally:
+            sampler.stop.set()
+            sampler.join(5)
+            RSS_SAMPLE_S = saved
+        end = rss_bytes(pid)
+        growth = end - start
+        peak = max(r for _, r in sampler.samples) - start
+        stats = [t for t in client.stats()[0].tables if t.name == "rows"][0]
+        print(
+            f"\n{row_dtype}/{optimizer}: {stats.rows} rows in {fill_s:.1f} s ({ROWS_2M / fill_s:,.0f} rows/s over the wire), "
+            f"RSS growth {growth / MIB:.0f} MiB = {growth / PAYLOAD_FP32_ADAGRAD:.3f}x the fp32 payload "
+            f"({PAYLOAD_FP32_ADAGRAD / MIB:.0f} MiB), limit {limit / PAYLOAD_FP32_ADAGRAD:.2f}x; peak {peak / MIB:.0f} MiB "
+            f"({peak / growth:.3f}x the final growth, {len(sampler.samples)} samples)"
+        )
+        assert stats.rows == ROWS_2M
+        assert growth <= limit, f"RSS grew {growth / MIB:.0f} MiB for 2M rows, over {limit / MIB:.0f} MiB"
+        assert peak <= 1.10 * growth, f"RSS spiked to {peak / MIB:.0f} MiB over start, final {growth / MIB:.0f} MiB"
+    finally:
+        client.close()
+        stop_processes(procs)
