@@ -226,12 +226,17 @@ class AllReduceDP(ParamSync):
         """Launch any bucket whose gradients never came (unused parameters: zeros), wait for every
         bucket, step the optimizer on the averaged gradient."""
         t0 = time.perf_counter()
-        self._launch_ready(force=True)
-        for b in self.buckets:
-            self._finish(b)
+        self.allreduce_gradients()
         self.comm_wait_s += time.perf_counter() - t0
         self.optimizer.step()
         return PushResult()
+
+    def allreduce_gradients(self) -> None:
+        """Average ``flat.grad`` over the ranks: launch the buckets the hooks have not launched (in
+        bucket order), wait for all of them. Blocking; every rank calls it."""
+        self._launch_ready(force=True)
+        for b in self.buckets:
+            self._finish(b)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -123,6 +123,7 @@ class ZeroSync(ParamSync):
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         self._hooks: list[Any] = []
         self._syncing = True
+        self._inflight: list[_Unit] = []  # stage 2/3: units whose reduce-scatter may still run
         self.comm_wait_s = 0.0
         self.peak_grad_bytes = 0
 
@@ -223,6 +224,7 @@ class ZeroSync(ParamSync):
     def _reset(self) -> None:
         for u in self.units:
             u.pending, u.works = len(u.params), []
+        self._inflight = []
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -250,6 +252,19 @@ class ZeroSync(ParamSync):
         if self.stage == 3:
             self._release(u)  # its values are not needed again until the next forward
         u.pending = -1  # launched
+        if self.stage >= 2:
+            # at most 2 reduce-scatters in flight: the older ones are waited for and their full gradients freed
+            self._inflight.append(u)
+            while len(self._inflight) > 2:
+                self._retire(self._inflight.pop(0))
+
+    def _retire(self, u: _Unit) -> None:
+        for w in u.works:
+            w.wait()
+        u.works = []
+        if self._syncing and u.grad_alive:
+            _free(u.grad)
+            u.grad_alive = False
 
     def _scratch(self, u: _Unit) -> torch.Tensor:
         return self.shard_grad[u.offset : u.offset + u.chunk]
@@ -270,9 +285,11 @@ class ZeroSync(ParamSync):
         for u in self.units:
             for w in u.works:
                 w.wait()
-            if self.stage >= 2:
+            u.works = []
+            if self.stage >= 2 and u.grad_alive:
                 _free(u.grad)
                 u.grad_alive = False
+        self._inflight.clear()
         self.comm_wait_s += time.perf_counter() - t0
         self.optimizer.step()
         if self.stage < 3:
@@ -305,7 +322,7 @@ class ZeroSync(ParamSync):
             "param_bytes": (shard if self.stage == 3 else full + shard),
             "grad_bytes": (shard if self.stage >= 2 else full + shard),
             "state_bytes": optimizer_state_bytes(self.optimizer),
-            "peak_grad_bytes": self.peak_grad_bytes,
+            "peak_grad_bytes": self.peak_grad_bytes if self.stage >= 2 else full + shard,
         }
 
     def stats(self) -> dict[str, Any]:

@@ -1,0 +1,339 @@
+"""Peer-mode benchmark: our collectives against torch's, in one run on CPU with Gloo (or NCCL).
+
+Measures, with D ranks (default 2; each rank a process of this script with ``--rank R``, one
+torch thread on CPU) in one process group:
+
+(a) All-reduce bus bandwidth at 16 and 64 MiB (``--quick``: 4 and 16 MiB): raw
+    ``torch.distributed.all_reduce`` of one float32 tensor of that size, and ours on the same
+    bytes: ``AllReduceDP.allreduce_gradients`` over a flat buffer of 1 MiB parameters with the
+    default 25 MiB buckets (bucketing, the mean's division, the waits). Bus bandwidth =
+    2 (D-1)/D x bytes / time. Repeats alternate raw and ours; min and median of the repeats.
+(b) A data-parallel training step of ``gpt`` (dim 128, 4 layers, seq 64, vocab 256, 8 sequences
+    per rank; ``--quick``: dim 64, 2 layers) with ours (``Trainer`` + ``AllReduceDP``: hooks,
+    buckets, Adam) against ``torch.nn.parallel.DistributedDataParallel`` (same initial model,
+    batches, bucket size 25 MiB, Adam). Rounds alternate ours and DDP; step time per step after
+    warm-up, min and median.
+(c) Per-rank bytes kept between steps for ZeRO 0 (plain DP), 1, 2, 3 on the same gpt model after
+    two Adam steps: optimizer state, gradients, parameters (``memory()`` of each sync), and each
+    stage's peak gradient bytes during backward.
+
+Output: a table, then a final line of JSON (also written to ``--json-out``) with
+``allreduce_ratio`` (ours / raw bus bandwidth, the smaller of the two sizes' median ratios),
+``dp_step_ratio`` (ours / DDP median step time), ``zero1_state_ratio``, ``zero2_grad_ratio``,
+``zero3_param_ratio`` (each against plain DP per rank), and the figures behind them. The machine
+may be shared and noisy: compare ratios from the same run.
+
+DDP's process group is not torn down (torch 2.13 can deadlock freeing a DDP ``ProcessGroupGloo``);
+the ranks exit with ``os._exit`` after reporting.
+
+Run::
+
+    python bench/peer.py                 # about 1-2 minutes on 2 CPU cores
+    python bench/peer.py --quick         # smoke run
+    python bench/peer.py --world 4 --device cuda --backend nccl
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+MiB = 2**20
+
+
+def _bus_gbps(nbytes: int, seconds: float, world: int) -> float:
+    return 2 * (world - 1) / world * nbytes / seconds / 1e9
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_allreduce(mesh: Any, sizes_mib: list[int], repeats: int, bar: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from worker.peer import AllReduceDP
+
+    out: dict[str, Any] = {}
+    for mib in sizes_mib:
+        n = mib * MiB // 4
+        raw = torch.ones(n, device=mesh.device)
+        params = nn.ParameterList([nn.Parameter(torch.ones(MiB // 4, device=mesh.device)) for _ in range(mib)])
+        ours = AllReduceDP(params, lambda p: torch.optim.SGD(p, lr=0.0), device=mesh.device)
+        ours.world = mesh.world
+        t_raw, t_ours = [], []
+        for _ in range(repeats):
+            dist.barrier()
+            _sync(mesh.device)
+            t0 = time.perf_counter()
+            dist.all_reduce(raw)
+            _sync(mesh.device)
+            t_raw.append(time.perf_counter() - t0)
+            ours.zero_grad()
+            dist.barrier()
+            _sync(mesh.device)
+            t0 = time.perf_counter()
+            ours.allreduce_gradients()
+            _sync(mesh.device)
+            t_ours.append(time.perf_counter() - t0)
+            bar.update(1)
+        nbytes = n * 4
+        out[f"{mib}"] = {
+            "raw_gbps_med": _bus_gbps(nbytes, statistics.median(t_raw), mesh.world),
+            "raw_gbps_max": _bus_gbps(nbytes, min(t_raw), mesh.world),
+            "ours_gbps_med": _bus_gbps(nbytes, statistics.median(t_ours), mesh.world),
+            "ours_gbps_max": _bus_gbps(nbytes, min(t_ours), mesh.world),
+            "raw_ms_min": 1e3 * min(t_raw), "raw_ms_med": 1e3 * statistics.median(t_raw),
+            "ours_ms_min": 1e3 * min(t_ours), "ours_ms_med": 1e3 * statistics.median(t_ours),
+            "buckets": len(ours.buckets),
+        }
+        out[f"{mib}"]["ratio"] = out[f"{mib}"]["ours_gbps_med"] / out[f"{mib}"]["raw_gbps_med"]
+        del raw, params, ours
+    return out
+
+
+def _gpt_opts(quick: bool) -> dict[str, Any]:
+    return dict(vocab=256, seq=64, dim=64 if quick else 128, layers=2 if quick else 4, heads=4, test_size=8)
+
+
+def bench_dp_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch: int, bar: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from worker.peer import AllReduceDP
+    from worker.tasks import load_task
+    from worker.trainer import TrainConfig, Trainer
+
+    task = load_task("gpt", **_gpt_opts(quick))
+    base = copy.deepcopy(task.model)
+    ddp_model = DDP(copy.deepcopy(base).to(mesh.device), bucket_cap_mb=25, device_ids=None)
+    ddp_opt = torch.optim.Adam(ddp_model.parameters(), lr=3e-3)
+    t_ours: list[float] = []
+    t_ddp: list[float] = []
+    for r in range(rounds):
+        # ours: the trainer's step pipeline with AllReduceDP, as `tessera peer` runs it
+        task.model = copy.deepcopy(base)
+        sync = AllReduceDP(task.model, task.dense_optimizer, device=mesh.device, bucket_mb=25.0)
+        stamps: list[float] = []
+        cfg = TrainConfig(
+            mode="dp", steps=warmup + steps, batch_size=batch, worker_index=mesh.rank, num_workers=mesh.world,
+            device=str(mesh.device), progress=False, evaluate=False, name=f"rank{mesh.rank}",
+        )
+        dist.barrier()
+        t0 = time.perf_counter()
+        Trainer(task, sync, cfg, on_step=lambda s, tr: stamps.append(time.perf_counter())).run()
+        stamps.insert(0, t0)
+        t_ours += [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])]
+        bar.update(1)
+        # DDP: the same loop by hand
+        data = task.batches(mesh.rank, mesh.world, batch, 0)
+        dist.barrier()
+        last = time.perf_counter()
+        for s in range(warmup + steps):
+            b = next(data).to(mesh.device)
+            ddp_opt.zero_grad()
+            loss = task.loss(ddp_model, b)
+            loss.backward()
+            ddp_opt.step()
+            float(loss.detach())
+            now = time.perf_counter()
+            if s >= warmup:
+                t_ddp.append(now - last)
+            last = now
+        bar.update(1)
+    params = sum(p.numel() for p in base.parameters())
+    tokens = batch * mesh.world * task.info["tokens_per_example"]
+    return {
+        "params": params, "batch_per_rank": batch, "seq": task.info["tokens_per_example"],
+        "ours_ms_min": 1e3 * min(t_ours), "ours_ms_med": 1e3 * statistics.median(t_ours),
+        "ddp_ms_min": 1e3 * min(t_ddp), "ddp_ms_med": 1e3 * statistics.median(t_ddp),
+        "ours_tokens_per_s": tokens / statistics.median(t_ours), "ddp_tokens_per_s": tokens / statistics.median(t_ddp),
+        "ratio": statistics.median(t_ours) / statistics.median(t_ddp),
+    }
+
+
+def bench_zero_memory(mesh: Any, quick: bool, batch: int, bar: Any) -> dict[str, Any]:
+    from worker.peer import make_sync
+    from worker.tasks import load_task
+    from worker.trainer import TrainConfig, Trainer
+
+    out: dict[str, Any] = {}
+    for mode in ("dp", "zero1", "zero2", "zero3"):
+        task = load_task("gpt", **_gpt_opts(quick))
+        sync = make_sync(mode, task.model, task.dense_optimizer, device=mesh.device)
+        cfg = TrainConfig(
+            mode=mode, steps=2, batch_size=batch, worker_index=mesh.rank, num_workers=mesh.world,
+            device=str(mesh.device), progress=False, evaluate=False, name=f"rank{mesh.rank}",
+        )
+        Trainer(task, sync, cfg).run()
+        mem = sync.memory()  # type: ignore[attr-defined]
+        mem.setdefault("peak_grad_bytes", mem["grad_bytes"])
+        out[mode] = mem
+        bar.update(1)
+    return out
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import torch
+    from tqdm import tqdm
+
+    from worker.peer import init_mesh
+
+    mesh = init_mesh(args.backend, args.device, timeout_s=300)
+    if mesh.device.type == "cpu":
+        torch.set_num_threads(1)
+    quick = args.quick
+    sizes = [4, 16] if quick else [16, 64]
+    repeats = 3 if quick else 7
+    rounds, steps, warmup = (2, 3, 1) if quick else (3, 8, 2)
+    batch = 8
+    total = len(sizes) * repeats + 2 * rounds + 4
+    bar = tqdm(total=total, desc="bench/peer", disable=mesh.rank != 0 or args.no_progress, file=sys.stderr, mininterval=0.5)
+    t0 = time.time()
+    ar = bench_allreduce(mesh, sizes, repeats, bar)
+    dp = bench_dp_step(mesh, quick, rounds, steps, warmup, batch, bar)
+    zm = bench_zero_memory(mesh, quick, batch, bar)
+    bar.close()
+    if mesh.rank == 0:
+        result = {
+            "world": mesh.world, "backend": mesh.backend, "device": str(mesh.device), "quick": quick,
+            "allreduce": ar, "dp_step": dp, "zero_memory": zm, "seconds": time.time() - t0,
+        }
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # see the module docstring: no teardown of DDP's process group
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def summarize(res: dict[str, Any]) -> dict[str, Any]:
+    ar, dp, zm = res["allreduce"], res["dp_step"], res["zero_memory"]
+    sizes = sorted(ar, key=int)
+    base = zm["dp"]
+    figures: dict[str, Any] = {
+        "allreduce_ratio": min(ar[s]["ratio"] for s in sizes),
+        "dp_step_ratio": dp["ratio"],
+        "zero1_state_ratio": zm["zero1"]["state_bytes"] / base["state_bytes"],
+        "zero2_grad_ratio": zm["zero2"]["grad_bytes"] / base["grad_bytes"],
+        "zero3_param_ratio": zm["zero3"]["param_bytes"] / base["param_bytes"],
+        "zero2_peak_grad_ratio": zm["zero2"]["peak_grad_bytes"] / base["grad_bytes"],
+        "zero3_state_ratio": zm["zero3"]["state_bytes"] / base["state_bytes"],
+    }
+    for s in sizes:
+        figures[f"allreduce_{s}mib_ratio"] = ar[s]["ratio"]
+        figures[f"raw_{s}mib_busbw_gbps"] = ar[s]["raw_gbps_med"]
+        figures[f"ours_{s}mib_busbw_gbps"] = ar[s]["ours_gbps_med"]
+    figures.update({
+        "ours_step_ms": dp["ours_ms_med"], "ddp_step_ms": dp["ddp_ms_med"], "ours_step_ms_min": dp["ours_ms_min"],
+        "ddp_step_ms_min": dp["ddp_ms_min"], "ours_tokens_per_s": dp["ours_tokens_per_s"], "gpt_params": dp["params"],
+        "world": res["world"], "backend": res["backend"], "device": res["device"], "quick": res["quick"],
+        "seconds": round(res["seconds"], 1), "loadavg": list(os.getloadavg()),
+    })
+    return figures
+
+
+def print_table(res: dict[str, Any]) -> None:
+    ar, dp, zm = res["allreduce"], res["dp_step"], res["zero_memory"]
+    print(f"peer mode, world {res['world']}, {res['backend']} on {res['device']}")
+    print(f"{'all-reduce':<14}{'raw GB/s med/max':>20}{'ours GB/s med/max':>20}{'raw ms min/med':>18}{'ours ms min/med':>18}{'ratio':>8}")
+    for s in sorted(ar, key=int):
+        a = ar[s]
+        print(
+            f"{s + ' MiB':<14}{a['raw_gbps_med']:>11.3f}/{a['raw_gbps_max']:<8.3f}{a['ours_gbps_med']:>11.3f}/{a['ours_gbps_max']:<8.3f}"
+            f"{a['raw_ms_min']:>9.1f}/{a['raw_ms_med']:<8.1f}{a['ours_ms_min']:>9.1f}/{a['ours_ms_med']:<8.1f}{a['ratio']:>8.3f}"
+        )
+    print(f"\ngpt DP step ({dp['params']:,} params, {dp['batch_per_rank']} x {dp['seq']:.0f} tokens per rank)")
+    print(f"{'':<8}{'ms min':>10}{'ms median':>12}{'tokens/s':>12}")
+    print(f"{'ours':<8}{dp['ours_ms_min']:>10.1f}{dp['ours_ms_med']:>12.1f}{dp['ours_tokens_per_s']:>12,.0f}")
+    print(f"{'DDP':<8}{dp['ddp_ms_min']:>10.1f}{dp['ddp_ms_med']:>12.1f}{dp['ddp_tokens_per_s']:>12,.0f}")
+    print(f"ours / DDP step time: {dp['ratio']:.3f}")
+    print("\nper-rank bytes kept between steps (gpt, Adam)")
+    print(f"{'stage':<8}{'params':>12}{'grads':>12}{'opt state':>12}{'peak grads':>12}")
+    for mode, m in zm.items():
+        print(f"{mode:<8}{m['param_bytes']:>12,}{m['grad_bytes']:>12,}{m['state_bytes']:>12,}{m['peak_grad_bytes']:>12,}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="smoke run: smaller sizes, fewer repeats")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda (each rank cuda:RANK)")
+    p.add_argument("--json-out", default=None)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
+    p.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
+    p.add_argument("--result", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.rank >= 0:
+        rank_main(args)
+        return 0
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        port = _free_port()
+        procs = []
+        for r in range(args.world):
+            env = dict(
+                os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(args.world), LOCAL_WORLD_SIZE=str(args.world),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+            )
+            cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(r), "--result", result,
+                   "--backend", args.backend, "--device", args.device]
+            cmd += ["--quick"] if args.quick else []
+            cmd += ["--no-progress"] if args.no_progress else []
+            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
+        deadline = time.monotonic() + args.timeout
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"bench/peer: ranks did not finish in {args.timeout:.0f} s", file=sys.stderr)
+            return 1
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        bad = [r for r, proc in enumerate(procs) if proc.returncode != 0]
+        if bad or not os.path.exists(result):
+            print(f"bench/peer: ranks {bad} failed", file=sys.stderr)
+            return 1
+        with open(result) as f:
+            res = json.load(f)
+    print_table(res)
+    figures = summarize(res)
+    if args.json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+        with open(args.json_out, "w") as f:
+            json.dump(figures, f)
+    print(json.dumps(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
