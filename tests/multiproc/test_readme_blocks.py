@@ -29,6 +29,9 @@ SKIP = {
         "installs into a fresh venv (downloads, minutes); `tessera demo` itself is tests/multiproc/test_demo.py",
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e '.[test]'":
         "runs the whole test suite, this test included (CI's .ci/run)",
+    "# 2 ranks on this machine":
+        "peer mode: 200 gpt steps on 2 ranks take minutes on 2 CPU cores (and torchrun); the peer-mode tests run "
+        "`tessera peer` and the rank program",
     "tessera experiment consistency":
         "takes minutes even with --quick; the command runs in tests/multiproc/test_experiment.py",
     "# checkpoints: on request":
