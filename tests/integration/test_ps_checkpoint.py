@@ -265,3 +265,86 @@ def test_periodic_checkpoints_and_the_cli(tmp_path) -> None:
         assert "shard 0:" in out.stdout and "ckpt-" in out.stdout
     finally:
         stop_processes(procs)
+
+
+# ---------------------------------------------------------------------- issue 18: bf16 rows, the disk tier
+def test_bf16_rows_checkpoint_and_reshard_bit_exactly(inproc_cluster, tmp_path) -> None:
+    """A bf16 table with row-wise Adagrad (created over the wire: TableSpec.dtype is the row dtype)
+    is saved as bf16 bit patterns, re-spread over 3 shards and restored. Reference: pulls from the
+    original 2-shard cluster (bf16 rows widened to fp32 exactly, so equality is bit-exact)."""
+    from ps.config import InitializerSpec, OptimizerSpec, TableSpec
+
+    cluster = inproc_cluster(2, checkpoint_dir="")
+    c = cluster.client()
+    c.create_table(TableSpec("emb16", "sparse", dim=8, dtype="bfloat16", optimizer=OptimizerSpec("rowwise_adagrad", {"lr": 0.1}),
+                             initializer=InitializerSpec("normal"), seed=4))
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        ids = rng.integers(0, 300, size=64)
+        c.pull_sparse("emb16", ids)
+        c.push_sparse("emb16", ids, rng.normal(size=(64, 8)).astype(np.float32))
+    ids = np.arange(300)
+    want = c.pull_sparse("emb16", ids)
+    assert not (np.ascontiguousarray(want, np.float32).view(np.uint32) & 0xFFFF).any()  # bf16 values, widened exactly
+    src = [str(tmp_path / f"old{i}") for i in range(2)]
+    for d, sh in zip(src, cluster.shards):
+        path = write_checkpoint(d, sh.snapshot())
+        t = [t for t in read_checkpoint(path).tables if t["spec"]["name"] == "emb16"][0]
+        assert t["values"].dtype == np.uint16 and t["state"]["sum"].shape == (len(t["ids"]),)
+    dirs = [str(tmp_path / f"new{i}") for i in range(3)]
+    out = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "ps", "reshard", "--from", ",".join(src), "--to", ",".join(dirs)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    servers = []
+    try:
+        addresses = []
+        for i, d in enumerate(dirs):
+            server, port, shard = build_server(ShardConfig(shard_index=i, num_shards=3, checkpoint_dir=d), restore=True)
+            servers.append((server, shard))
+            addresses.append(f"127.0.0.1:{port}")
+        with PSClient(addresses, timeout=10) as c3:
+            np.testing.assert_array_equal(c3.pull_sparse("emb16", ids), want)
+        assert all(sh.sparse("emb16").spec.dtype == "bfloat16" for _, sh in servers)
+    finally:
+        for server, shard in servers:
+            server.stop(0)
+            shard.close()
+
+
+def test_a_checkpoint_holds_both_tiers_of_a_table(tmp_path) -> None:
+    """A table 4x its resident budget: the checkpoint on disk holds every row of both tiers, and
+    loads into a table with a budget (the surplus goes straight to its disk tier) and into one
+    without. Reference: the live table's own export (values, state, versions) before the save."""
+    from ps.checkpoint import ShardSnapshot
+    from ps.config import InitializerSpec, OptimizerSpec, TableSpec, spec_to_dict
+    from ps.table import SparseTable
+    from ps.tier import ResidentBudget
+
+    spec = TableSpec("big", "sparse", dim=16, optimizer=OptimizerSpec("adagrad", {"lr": 0.1}), initializer=InitializerSpec("uniform"))
+    row_nbytes = SparseTable(spec, 0, 1)._store.row_nbytes
+    t = SparseTable(spec, 0, 1, resident_budget=ResidentBudget(2000 * row_nbytes), spill_dir=str(tmp_path / "tier"))
+    rng = np.random.default_rng(0)
+    for a in range(0, 8000, 1000):
+        ids = np.arange(a, a + 1000, dtype=np.int64)
+        t.pull(ids)
+        t.push(ids, rng.normal(size=(1000, 16)).astype(np.float32))
+    assert t.cold_rows >= 6000
+    live = t.export_state()
+    st = {**t.export_state(), "kind": "sparse", "spec": spec_to_dict(spec)}
+    st.pop("along")
+    path = write_checkpoint(str(tmp_path / "ck"), ShardSnapshot(0, 1, [st]))
+    (saved,) = read_checkpoint(path).tables
+    assert len(saved["ids"]) == 8000
+    for k in ("ids", "values", "versions"):
+        np.testing.assert_array_equal(saved[k], live[k])
+    np.testing.assert_array_equal(saved["state"]["sum"], live["state"]["sum"])
+    for budget in (ResidentBudget(1000 * row_nbytes), None):
+        u = SparseTable(spec, 0, 1, resident_budget=budget, spill_dir=str(tmp_path / "tier2"))
+        u.load_state(saved)
+        back = u.export_state()
+        for k in ("ids", "values", "versions"):
+            np.testing.assert_array_equal(back[k], live[k])
+        assert (u.cold_rows >= 7000) if budget else (u.cold_rows == 0)
+        np.testing.assert_array_equal(u.pull(np.arange(8000))[0], t.pull(np.arange(8000))[0])
