@@ -18,14 +18,18 @@ GPT = ["--task", "gpt", "--task-opt", "dim=32", "--task-opt", "seq=16", "--task-
 
 
 @pytest.mark.timeout(150)
-def test_tessera_peer_trains_gpt_on_two_ranks_and_reports_tokens_per_s_and_mfu() -> None:
-    cmd = [sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", "2", *GPT, "--steps", "30", "--global-batch", "16"]
+def test_tessera_peer_trains_gpt_on_two_ranks_and_reports_tokens_per_s_and_mfu(tmp_path) -> None:
+    cmd = [sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", "2", *GPT, "--steps", "30", "--global-batch", "16",
+           "--metrics-out", str(tmp_path)]
     p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=140)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])
     assert report["world"] == 2 and report["steps"] == 30
     assert report["loss"] < math.log(256) - 1.0, report  # it learns the chain (ln(vocab) at the start)
     assert report["tokens_per_s"] > 0 and 0 < report["mfu"] < 1, report
+    for r in range(2):  # --metrics-out: one JSON-lines file per rank, ending with the summary
+        records = [json.loads(line) for line in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()]
+        assert records[-1]["kind"] == "summary" and records[-1]["steps"] == 30, records[-1]
 
 
 @pytest.mark.timeout(120)
@@ -45,6 +49,17 @@ def test_ranks_that_disagree_stop_at_start_naming_the_setting_and_values() -> No
     for r, (rc, _, err) in enumerate(results):
         assert rc == 2, (r, rc, err[-3000:])
         assert "peer ranks disagree on 'global_batch': rank 0: 8, rank 1: 12" in err, err[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_world_size_other_than_asked_for_and_a_ps_model_are_refused_on_every_rank() -> None:
+    base = [*GPT, "--steps", "2", "--backend", "gloo", "--device", "cpu", "--global-batch", "8"]
+    for extra, msg in [
+        (["--world-size", "3"], "world size is 2 but --world-size 3 was asked for"),
+        (["--task", "ctr", "--task-opt", "vocab=1000"], "the model has PSEmbedding layers"),
+    ]:
+        for r, (rc, _, err) in enumerate(run_ranks(2, [*base, *extra], module=True, timeout=100)):
+            assert rc == 2 and msg in err, (r, rc, err[-3000:])
 
 
 @pytest.mark.timeout(60)

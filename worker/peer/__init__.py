@@ -28,6 +28,12 @@ __all__ = [
 
 def make_sync(mode: str, model, optimizer, *, device, bucket_mb: float = 25.0, compress: str | None = None, settings=None):  # type: ignore[no-untyped-def]
     """The ``ParamSync`` of peer ``mode``: ``dp``, ``zero1``, ``zero2`` or ``zero3``."""
+    from worker.binding import PSEmbedding
+
+    if any(isinstance(m, PSEmbedding) for m in model.modules()):
+        raise PeerConfigError(
+            "the model has PSEmbedding layers (rows on a PS): peer mode with PS embeddings (the hybrid) is not built yet"
+        )
     if mode == "dp":
         return AllReduceDP(model, optimizer, device=device, bucket_mb=bucket_mb, compress=compress, settings=settings)
     if mode in ("zero1", "zero2", "zero3"):

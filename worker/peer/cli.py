@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """The flags of one rank (``python -m worker.peer``); ``tessera peer`` passes them through."""
-    p.add_argument("--task", default="gpt", help="gpt, digits, ctr (dense part only: not yet), or package.module:function")
+    p.add_argument("--task", default="gpt", help="gpt, digits, or package.module:function (models without PSEmbedding layers)")
     p.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE", help="option for the task (repeatable)")
     p.add_argument("--mode", default="dp", choices=["dp", "zero1", "zero2", "zero3"], help="data parallel or ZeRO stage")
     p.add_argument("--steps", type=int, default=100)
