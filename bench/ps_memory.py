@@ -24,7 +24,7 @@ table's and nothing else's:
 Run::
 
     python bench/ps_memory.py            # full: 2M rows (~1-2 minutes on 2 cores)
-    python bench/ps_memory.py --quick    # smoke: 200k rows (~15 s)
+    python bench/ps_memory.py --quick    # smoke: 100k rows (~15 s)
     python bench/ps_memory.py --json-out bench/out/ps_memory.json
 
 Prints a table and, as its last line, one line of JSON.
@@ -195,7 +195,7 @@ def _child_main(arg: str) -> int:
 # ======================================================================== main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smoke run: 200k rows, fewer repeats")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 100k rows, fewer repeats")
     ap.add_argument("--rows", type=int, default=None, help="rows of the memory measurement (default 2M, quick 200k)")
     ap.add_argument("--repeats", type=int, default=None, help="repeats of each timed measurement (default 3, quick 2)")
     ap.add_argument("--json-out", default=None, help="also write the JSON result to this path")
@@ -203,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         return _child_main(args.child)
-    rows = args.rows or (200_000 if args.quick else 2_000_000)
+    rows = args.rows or (100_000 if args.quick else 2_000_000)
     repeats = args.repeats or (2 if args.quick else 3)
-    tier_rows = max(80_000, rows // 8)
+    tier_rows = max(60_000 if args.quick else 250_000, rows // 8)
     payload = rows * DIM * 4 * 2  # fp32 values + fp32 Adagrad state
     steps = 2 + 2 * repeats + 1
     done = 0
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         pops_u.append(res["seconds"])
         done += 1
     _progress(done, steps, "disk tier: resident vs in-RAM pulls")
-    tier = _run_child("tier", rows=tier_rows, repeats=max(6, 3 * repeats))
+    tier = _run_child("tier", rows=tier_rows, repeats=3 * repeats)
     done += 1
     _progress(steps, steps, "done")
 
