@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import socket
 import subprocess
@@ -21,9 +20,6 @@ import pytest
 from tessera.cli import build_parser
 
 pytestmark = pytest.mark.timeout(120)
-
-README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
-
 
 def _tessera(*args: str, cwd: str | None = None, console: bool = False, timeout: float = 90) -> subprocess.CompletedProcess:
     exe = shutil.which("tessera", path=os.path.dirname(sys.executable)) if console else None
@@ -92,10 +88,31 @@ def test_shard_count_and_order_mismatch(proc_cluster) -> None:
     _one_line_error(_tessera("ps", "stats", "--ps", f"{a1},{a0}"), 2, f"position 0 ({a1}) is shard 1 of 2")
 
 
-def _readme_task(tmp_path) -> None:
-    text = open(README).read()
-    block = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith("# mytask.py"))
-    (tmp_path / "mytask.py").write_text(block)
+# a user task without an evaluation, with one PSEmbedding (so worker 1 waits for worker 0's tables)
+PLAIN_TASK = """
+import torch, torch.nn.functional as F
+from worker import PSEmbedding, Task
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = PSEmbedding("plain/emb", 8, mode="mean", optimizer="adagrad", lr=0.05)
+        self.out = torch.nn.Linear(8, 2)
+    def forward(self, ids):
+        return self.out(self.emb(ids))
+
+def make(seed=0, **_):
+    torch.manual_seed(seed)
+    def batches(worker_index, num_workers, batch_size, start_step):
+        step = start_step
+        while True:
+            g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+            ids = torch.randint(0, 1000, (num_workers * batch_size, 4), generator=g)
+            lo = worker_index * batch_size
+            yield ids[lo:lo + batch_size], (ids % 2).sum(1)[lo:lo + batch_size] % 2
+            step += 1
+    return Task("plain", Model(), batches, loss=lambda m, b: F.cross_entropy(m(b[0]), b[1]), sparse_ids=lambda b: {"emb": b[0]})
+"""
 
 
 def test_healthy_run_stats_show_no_errors_or_internal_tables_and_eval_warning(proc_cluster, tmp_path) -> None:
@@ -104,9 +121,9 @@ def test_healthy_run_stats_show_no_errors_or_internal_tables_and_eval_warning(pr
     errors and no ``*/ready`` table unless ``--all``; --eval-every on a task without an evaluation
     warns once."""
     (address,) = proc_cluster(1)
-    _readme_task(tmp_path)
+    (tmp_path / "plaintask.py").write_text(PLAIN_TASK)
     exe = shutil.which("tessera", path=os.path.dirname(sys.executable)) or ""
-    base = [exe, "worker", "--ps", address, "--task", "mytask:make", "--steps", "4", "--batch-size", "16",
+    base = [exe, "worker", "--ps", address, "--task", "plaintask:make", "--steps", "4", "--batch-size", "16",
             "--num-workers", "2", "--no-progress", "--mode", "async"]
     procs = [
         subprocess.Popen([*base, "--worker-index", str(i), *(["--eval-every", "2"] if i == 0 else [])],
@@ -115,14 +132,14 @@ def test_healthy_run_stats_show_no_errors_or_internal_tables_and_eval_warning(pr
     ]
     errs = [p.communicate(timeout=100)[1] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], errs
-    assert errs[1].count("warning: --eval-every 2: task 'my' has no evaluation") == 1, errs[1]
+    assert errs[1].count("warning: --eval-every 2: task 'plain' has no evaluation") == 1, errs[1]
     assert "warning" not in errs[0]
     plain = _tessera("ps", "stats", "--ps", address)
     assert plain.returncode == 0, plain.stderr
     assert "errors:   -" in plain.stdout and "NOT_FOUND" not in plain.stdout, plain.stdout
-    assert "my/emb" in plain.stdout and "/ready" not in plain.stdout
+    assert "plain/emb" in plain.stdout and "/ready" not in plain.stdout
     full = _tessera("ps", "stats", "--ps", address, "--all")
-    assert "my/ready" in full.stdout
+    assert "plain/ready" in full.stdout
 
 
 def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
@@ -151,3 +168,13 @@ def test_help_has_a_line_for_every_option_shows_defaults_and_no_markup(command) 
             if action.option_strings and action.default not in (None, False, "", [], argparse.SUPPRESS) and action.help:
                 assert "default" in (p._get_formatter()._expand_help(action) if action.help else ""), (path, action.dest)
     assert seen
+
+
+def test_default_torch_threads_divide_the_cores_among_local_workers() -> None:
+    from worker.cli import default_torch_threads
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    assert default_torch_threads("127.0.0.1:5000,localhost:5001", 2) == max(1, cores // 2)  # the whole run is here
+    assert default_torch_threads("127.0.0.1:5000|127.0.0.1:5002", 64) == 1  # never below one
+    assert default_torch_threads("10.0.0.1:5000", 4) == cores  # shards elsewhere: one worker per machine assumed
+    assert default_torch_threads("10.0.0.1:5000", 4, local_workers=2) == max(1, cores // 2)

@@ -24,16 +24,47 @@ Batch = Any
 
 @dataclass
 class Task:
-    """What the trainer needs to know about a training job.
+    """What the trainer needs to know about a training job: a model, this worker's data, a loss,
+    and optionally an evaluation. ``tessera worker --task mod:fn`` calls ``fn(seed=..., **task_opts)``,
+    which returns one of these.
 
-    - ``batches(worker_index, num_workers, batch_size, start_step)``: this worker's batches, one per
-      step from ``start_step``. For sync mode to equal one process with batch ``num_workers *
-      batch_size``, worker i's batch at step t must be slice i of that global batch.
-    - ``loss(model, batch)``: scalar loss, the *mean* over the batch.
-    - ``evaluate(model)``: test metrics; ``metric`` names the main one.
-    - ``sparse_ids(batch)``: {PSEmbedding module name: ids tensor the model will look up}, so the
-      trainer can prefetch rows during the previous step (optional: rows are pulled on first use).
-    - ``to_device(batch, device)``: move a batch (default: tensors, tuples, lists, dicts).
+    An evaluation is ``evaluate`` + ``metric``: worker 0 calls ``evaluate(model)`` every
+    ``--eval-every`` steps and at the end, on the latest parameters (pulled from the shards
+    then); it returns ``{metric name: value}`` and ``metric`` names the main one. Example (a
+    test split held by the task)::
+
+        @torch.no_grad()
+        def evaluate(model):
+            acc = (model(test_x).argmax(1) == test_y).float().mean().item()
+            return {"accuracy": acc}
+
+        Task("my", model, batches, loss, evaluate=evaluate, metric="accuracy")
+
+    A task without one (``evaluate=None``) trains only; ``--eval-every`` then warns once.
+
+    Attributes:
+        name: the task's name: the dense PS table is ``NAME/dense``, and ``NAME/ready`` is worker
+            0's mark that the tables are seeded (each ``PSEmbedding`` names its own table).
+        model: a ``torch.nn.Module``; its ``PSEmbedding`` modules keep their rows on the PS,
+            every other parameter becomes part of one flat dense PS table.
+        batches: ``batches(worker_index, num_workers, batch_size, start_step)`` -> an iterator of
+            this worker's batches, one per step from ``start_step`` (a restarted or late worker
+            starts at the cluster's clock). For sync mode to equal one process with batch
+            ``num_workers * batch_size``, worker i's batch at step t must be slice i of that
+            global batch.
+        loss: ``loss(model, batch)`` -> a scalar tensor, the *mean* over the batch.
+        evaluate: ``evaluate(model)`` -> ``{metric: float}`` on test data, or None (no evaluation).
+        metric: the main metric's key in ``evaluate``'s result (progress, experiments, targets).
+        higher_is_better: whether a larger ``metric`` is better (False for a loss).
+        sparse_ids: ``sparse_ids(batch)`` -> ``{the PSEmbedding's module name in the model, as in
+            ``model.named_modules()`` (e.g. "emb"): the ids tensor it will be called with}``, so the trainer can
+            prefetch those rows during the previous step. Optional: without it rows are pulled
+            on first use in the forward.
+        dense_optimizer: the shards' optimizer for the dense table (Adam, lr 1e-3 by default).
+        to_device: ``to_device(batch, device)`` -> the batch on ``device`` (default: tensors,
+            tuples, named tuples, lists and dicts of tensors are moved).
+        info: extra facts about the task, e.g. ``{"best_auc": 0.866}`` (``tessera demo``
+            reports the metric against it).
     """
 
     name: str
