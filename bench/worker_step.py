@@ -17,14 +17,17 @@ Measures in one run, on loopback, every worker and shard its own process:
     ids seen so far in one array grown by doubling (id -> row by a sorted-key
     index, vectorised), looks up a leaf of the batch's unique rows like
     ``PSEmbedding`` does, and applies the shards' Adagrad to those rows; Adam
-    (torch.optim) on the MLP. One torch thread, as each worker has.
+    (torch.optim) on the MLP. It runs with one torch thread and again with as
+    many as the cluster used cores (2; each worker has one); the faster is the
+    baseline. It runs after the last ctr run's shards have exited.
 (3) A dense ~5M-parameter MLP (784 -> 1024 x 5 -> 10, synthetic data from a
     hidden linear teacher; the user task ``bench.worker_step:dense_task``) with
     2 workers in sync mode against 2 shards (Adam on the shards), and the same
     model with ``torch.nn.parallel.DistributedDataParallel`` (Gloo, 2
     processes, same per-worker batch, Adam on each rank). In the same Gloo
     group: raw ``all_reduce`` of a float32 tensor of the model's size (bus
-    bandwidth, = algorithm bandwidth for 2 ranks).
+    bandwidth, = algorithm bandwidth for 2 ranks). DDP is timed after the
+    PS run's shard processes have exited.
 
 How. Two long-lived worker processes (this script with ``--child``; torch with
 one intra-op thread, like ``tessera worker --torch-threads 1``) take jobs over
@@ -41,7 +44,13 @@ For each block, examples/s are summed over the workers: a run's ``*_eps`` is
 the median block, ``*_eps_best`` the best block, ``*_eps_mean`` all steady
 examples over their time. Step times (``*_step_ms``) are the mean step time of
 a block (averaged over the workers): median block, ``_min`` the best block,
-``_mean`` over all steady steps. ``cpu wkr`` / ``cpu shd``: CPU time of the
+``_mean`` over all steady steps. ``*_eps_span``: all steady examples of all
+workers over the shared wall-clock span (the first worker's first steady step
+to the last worker's last step, from the records' wall-clock times): what the
+cluster delivers, also when the workers do not run at the same time;
+``async_vs_local`` is async's over the local baseline's. ``cpu_per_example_ratio``:
+CPU seconds of the workers and shards (async, whole run, OS process times) per
+example over the local baseline's. ``cpu wkr`` / ``cpu shd``: CPU time of the
 worker processes / of both shard processes (Linux /proc) over the whole run,
 per worker step: what a step costs, whatever the machine's load. The machine
 is shared and noisy: compare ratios from the same run; the JSON records the
@@ -62,7 +71,9 @@ Run (about 1.5-2 minutes on 2 cores)::
 
 It prints a table and, as its last line, one line of JSON with at least
 sync_eps, ssp_eps, async_eps, local_eps, sync_noov_eps, ssp_noov_eps,
-async_noov_eps, overlap_speedup (async with overlap / async without),
+async_noov_eps, async_vs_local, cpu_per_example_ratio (with the raw figures
+behind them: *_eps_span, *_span_s, *_steady_examples, async_cpu_s,
+async_examples, local_cpu_s, local_examples), overlap_speedup (async with overlap / async without),
 async_wait_fraction (share of async step time spent waiting on the PS),
 sync_step_ms, ddp_step_ms, sync_vs_ddp (PS sync step / DDP step) and
 gloo_allreduce_gbps. Every child process is stopped on exit, also on Ctrl-C.
@@ -250,6 +261,7 @@ def torch_adam(params: Any, h: Any) -> "torch.optim.Optimizer":
 def run_local(steps: int, batch: int, warmup: int, block: int, seed: int = 0) -> dict[str, Any]:
     """Train the ctr model with no PS; returns per-block wall times (steps after ``warmup``)."""
     import numpy as np
+    import torch
 
     from worker.tasks import load_task
 
@@ -268,7 +280,10 @@ def run_local(steps: int, batch: int, warmup: int, block: int, seed: int = 0) ->
     model.train()
     marks: list[float] = []
     losses: list[float] = []
+    span0 = 0.0
     for step in range(steps):
+        if step == warmup:
+            span0 = time.time()  # the steady span on the wall clock the PS runs' records use
         if step >= warmup and (step - warmup) % block == 0:
             marks.append(time.perf_counter())
         b = next(data)
@@ -279,9 +294,11 @@ def run_local(steps: int, batch: int, warmup: int, block: int, seed: int = 0) ->
         opt_mlp.step()
         losses.append(float(loss.detach()))  # the workers read the loss every step too
     marks.append(time.perf_counter())
+    span = (span0, time.time())
     walls = [b - a for a, b in zip(marks, marks[1:])]
     ns = [block] * (len(walls) - 1) + [steps - warmup - block * (len(walls) - 1)]
-    return {"walls": walls, "steps": ns, "rows": local.rows, "loss": float(np.mean(losses[-block:]))}
+    return {"walls": walls, "steps": ns, "rows": local.rows, "loss": float(np.mean(losses[-block:])), "span": span,
+            "threads": torch.get_num_threads()}
 
 
 # =========================================================================== DDP + Gloo all-reduce
@@ -406,7 +423,12 @@ def child_main() -> int:
             if kind == "ps":
                 res = run_ps_job(job)
             elif kind == "local":
-                res = run_local(job["steps"], job["batch"], job["warmup"], job["block"])
+                # the one-process baseline may use every core the cluster uses (the workers keep one each)
+                torch.set_num_threads(job.get("threads", 1))
+                try:
+                    res = run_local(job["steps"], job["batch"], job["warmup"], job["block"])
+                finally:
+                    torch.set_num_threads(int(os.environ.get("BENCH_TORCH_THREADS", "1")))
             elif kind == "ddp_init":
                 res = ddp_init(job, say)
             elif kind == "ddp_steps":
@@ -495,6 +517,31 @@ class Run:
     shard_cpu_s: float = float("nan")  # and of the shard processes
     worker_steps: int = 0  # steps trained, summed over workers (whole run)
     loss: float = float("nan")  # training loss at the end (mean over workers of their last window)
+    # per repeat: each worker's steady span on the shared wall clock (first steady step's start, last
+    # step's end); steady examples summed over workers and repeats
+    spans: list[list[tuple[float, float]]] = field(default_factory=list)
+    steady_examples: int = 0
+    threads: int = 1  # torch intra-op threads per worker process
+
+    @property
+    def span_s(self) -> float:
+        """Seconds of the shared steady span: per repeat, first worker's start to last worker's end."""
+        return sum(max(t1 for _, t1 in rep) - min(t0 for t0, _ in rep) for rep in self.spans)
+
+    @property
+    def eps_span(self) -> float:
+        """Examples/s of the cluster: all steady examples over the shared wall-clock span (a worker
+        that runs while the other waits counts its time once, not per worker)."""
+        return self.steady_examples / self.span_s if self.span_s > 0 else float("nan")
+
+    @property
+    def cpu_s(self) -> float:
+        return self.worker_cpu_s + self.shard_cpu_s
+
+    @property
+    def cpu_per_example_s(self) -> float:
+        """CPU seconds of all processes (workers and shards, whole run) per example trained."""
+        return self.cpu_s / (self.worker_steps * self.batch) if self.worker_steps else float("nan")
 
     @property
     def worker_cpu_ms(self) -> float:
@@ -563,6 +610,8 @@ class Run:
         self.worker_cpu_s += other.worker_cpu_s
         self.shard_cpu_s += other.shard_cpu_s
         self.worker_steps += other.worker_steps
+        self.spans += other.spans
+        self.steady_examples += other.steady_examples
 
 
 def blocks_from_file(path: str, warmup: int, batch: int, start: int = 0) -> list[tuple[int, float, float, float, float]]:
@@ -583,6 +632,26 @@ def blocks_from_file(path: str, warmup: int, batch: int, start: int = 0) -> list
                 out.append((n, n * batch / r["examples_per_s"], r["compute_s"], r["pull_wait_s"], r["push_wait_s"]))
             prev = r["step"]
     return out
+
+
+def span_from_file(path: str, warmup: int, batch: int, start: int = 0) -> tuple[tuple[float, float], int]:
+    """(wall-clock span of the steady steps, steady examples) from a trainer's metrics file: from
+    the record that closes step ``start + warmup`` (the first steady step starts then) to the last
+    step record; examples: the steady steps times the batch."""
+    t0 = t1 = float("nan")
+    last_step = first = None
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("kind") != "step":
+                continue
+            if r["step"] <= start + warmup:
+                t0, first = r["time"], r["step"]
+            else:
+                t1, last_step = r["time"], r["step"]
+    if first is None or last_step is None:
+        return (t0, t1), 0
+    return (t0, t1), (last_step - first) * batch
 
 
 # =========================================================================== orchestration
@@ -651,6 +720,13 @@ class ShardSets:
             self._live.remove(p)
             self._retired.append(p)
 
+    def drain(self) -> None:
+        """Wait until every retired set has exited (nothing of the PS runs while the next figure is timed)."""
+        from ps.cli import stop_processes
+
+        stop_processes(self._retired)
+        self._retired.clear()
+
     def close(self) -> None:
         from ps.cli import stop_processes
 
@@ -692,9 +768,11 @@ def ps_run(
     blocks = [blocks_from_file(f, warmup, batch) for f in files]
     if any(not b for b in blocks):
         raise RuntimeError(f"{name}: no steady blocks (steps {steps}, warm-up {warmup}, block {cfg['log_every']})")
+    spans = [span_from_file(f, warmup, batch) for f in files]
     run = Run(name, batch, blocks, summaries, time.perf_counter() - t0, worker_cpu_s=cpu1[0] - cpu0[0],
               shard_cpu_s=cpu1[1] - cpu0[1], worker_steps=sum(x["steps"] for x in summaries),
-              loss=statistics.mean(x["loss"] for x in summaries))
+              loss=statistics.mean(x["loss"] for x in summaries), spans=[[sp for sp, _ in spans]],
+              steady_examples=sum(n for _, n in spans))
     log(f"  {name}: {run.eps:,.0f} ex/s (median block), step {run.step_ms:.1f} ms; {run.wall_s:.1f} s "
         f"(waiting for shards {t_shards:.1f} s, training {max(x['seconds'] for x in summaries):.1f} s)")
     return run
@@ -754,6 +832,7 @@ def main(argv: list[str] | None = None) -> int:
     sets = ShardSets(ahead=quick)
     runs: dict[str, Run] = {}
     local: Run | None = None
+    local_variants: dict[str, float] = {}
     ddp: dict[str, Any] = {}
     try:
         log("starting 2 worker processes (and the first 2 shards)")
@@ -783,13 +862,27 @@ def main(argv: list[str] | None = None) -> int:
         log(f"ctr local baseline: one process, no PS, {steps * args.repeats} steps, batch {batch}")
         t0 = time.perf_counter()
         lsteps = steps * args.repeats
-        cpu0 = cpu_seconds([children[0].proc.pid])
-        children[0].send({"job": "local", "steps": lsteps, "batch": batch, "warmup": warmup, "block": block})
-        res = children[0].recv(60 + lsteps * step_timeout)
-        local = Run("local", batch, [[(n, w, w, 0.0, 0.0) for n, w in zip(res["steps"], res["walls"])]],
-                    wall_s=time.perf_counter() - t0, note=f"{res['rows']:,} rows, loss {res['loss']:.4f}",
-                    worker_cpu_s=cpu_seconds([children[0].proc.pid]) - cpu0, shard_cpu_s=0.0, worker_steps=lsteps,
-                    loss=res["loss"])
+        sets.drain()  # the last ctr run's shards are gone: the baseline has the machine to itself
+        # one torch thread, and as many as the cluster used cores (2): the baseline is the faster (an
+        # OpenMP pool of 2 on a loaded 2-core machine can be far slower than 1 thread)
+        locals_: list[Run] = []
+        for threads in sorted({1, min(WORKERS, os.cpu_count() or 1)}):
+            t0 = time.perf_counter()
+            cpu0 = cpu_seconds([children[0].proc.pid])
+            children[0].send({"job": "local", "steps": lsteps, "batch": batch, "warmup": warmup, "block": block, "threads": threads})
+            res = children[0].recv(60 + lsteps * step_timeout)
+            locals_.append(Run(
+                "local", batch, [[(n, w, w, 0.0, 0.0) for n, w in zip(res["steps"], res["walls"])]],
+                wall_s=time.perf_counter() - t0,
+                note=f"{res['rows']:,} rows, loss {res['loss']:.4f}, {res['threads']} torch thread(s)",
+                worker_cpu_s=cpu_seconds([children[0].proc.pid]) - cpu0, shard_cpu_s=0.0, worker_steps=lsteps,
+                loss=res["loss"], spans=[[tuple(res["span"])]], steady_examples=(lsteps - warmup) * batch,
+                threads=res["threads"],
+            ))
+            log(f"  local, {threads} thread(s): {locals_[-1].eps_span:,.0f} ex/s over its steady span")
+        local = max(locals_, key=lambda r: r.eps_span)
+        local_variants.update({f"local_{r.threads}t_eps_span": round(r.eps_span, 1) for r in locals_})
+        local_variants.update({f"local_{r.threads}t_cpu_per_example_us": round(1e6 * r.cpu_per_example_s, 2) for r in locals_})
         log(f"  local: {local.eps:,.0f} ex/s (median block); {local.wall_s:.1f} s")
 
         # (3) dense MLP: DDP group set up once in the two worker processes, then PS sync and DDP
@@ -809,11 +902,13 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(dense_repeats):
             left = dense_repeats - 1 - rep
             log(f"dense MLP: 2 workers sync x {dense_steps} steps, batch {dense_batch}, 2 fresh shards" + (f" (repeat {rep + 1})" if dense_repeats > 1 else ""))
-            r = ps_run(children, sets, left > 0, "dense_sync", DENSE_TASK, dense_opts, dcfg, dense_steps, dense_warmup, tmp, step_timeout)
+            # no set started ahead, and the retired one waited for: DDP is timed with no shard process alive
+            r = ps_run(children, sets, False, "dense_sync", DENSE_TASK, dense_opts, dcfg, dense_steps, dense_warmup, tmp, step_timeout)
             if "dense_sync" in runs:
                 runs["dense_sync"].merge(r)
             else:
                 runs["dense_sync"] = r
+            sets.drain()
             log(f"dense MLP: DDP x {dense_steps} steps, then raw all-reduce of {numel * 4 / 1e6:.1f} MB")
             t0 = time.perf_counter()
             for ch in children:
@@ -844,12 +939,14 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     assert local is not None
     wall = time.perf_counter() - t_start
-    return report(args, runs, local, ddp, wall, steps, warmup, block, dense_steps, dense_warmup, dense_batch, dense_opts, load0)
+    return report(args, runs, local, ddp, wall, steps, warmup, block, dense_steps, dense_warmup, dense_batch, dense_opts, load0,
+                  local_variants)
 
 
 def report(
     args: argparse.Namespace, runs: dict[str, Run], local: Run, ddp: dict[str, Any], wall: float, steps: int, warmup: int,
     block: int, dense_steps: int, dense_warmup: int, dense_batch: int, dense_opts: dict[str, Any], load0: float,
+    local_variants: dict[str, float] | None = None,
 ) -> int:
     # DDP: per-step walls of both ranks after warm-up, in blocks like the PS runs
     def ddp_blocks(rounds: list[list[float]]) -> list[tuple[int, float, float, float, float]]:
@@ -901,6 +998,10 @@ def report(
     out: dict[str, Any] = {}
     for name, r in [*runs.items(), ("local", local)]:
         out[f"{name}_eps"] = round(r.eps, 1)
+        if r.spans:
+            out[f"{name}_eps_span"] = round(r.eps_span, 1)
+            out[f"{name}_span_s"] = round(r.span_s, 4)
+            out[f"{name}_steady_examples"] = r.steady_examples
         out[f"{name}_eps_best"] = round(r.eps_best, 1)
         out[f"{name}_eps_mean"] = round(r.eps_mean, 1)
         if r.loss == r.loss:  # not nan
@@ -923,7 +1024,13 @@ def report(
         "sync_overlap_speedup": round(runs["sync"].eps / runs["sync_noov"].eps, 4),
         "ssp_overlap_speedup": round(runs["ssp"].eps / runs["ssp_noov"].eps, 4),
         "async_wait_fraction": round(a.wait_fraction, 4),
-        "async_vs_local": round(a.eps / local.eps, 4),
+        # examples/s: all steady examples over the shared wall-clock span; the baseline on the same cores
+        "async_vs_local": round(a.eps_span / local.eps_span, 4),
+        "async_vs_local_blocks": round(a.eps / local.eps, 4),  # the older per-block figure, for comparison
+        "cpu_per_example_ratio": round(a.cpu_per_example_s / local.cpu_per_example_s, 4),
+        "async_cpu_s": round(a.cpu_s, 3), "async_examples": a.worker_steps * a.batch,
+        "local_cpu_s": round(local.cpu_s, 3), "local_examples": local.worker_steps * local.batch,
+        "local_threads": local.threads, "ddp_after_shards_exit": True, **(local_variants or {}),
         "sync_step_ms": round(dense.step_ms, 2),
         "sync_step_ms_min": round(dense.step_ms_min, 2),
         "sync_step_ms_mean": round(dense.step_ms_mean, 2),
@@ -949,7 +1056,12 @@ def report(
         "wall_s": round(wall, 1), "loadavg_start": round(load0, 2), "loadavg_end": round(os.getloadavg()[0], 2), "wire_dtype": args.wire_dtype or "float32",
     })
     print(
-        f"\noverlap_speedup {out['overlap_speedup']:.2f} (goal >= 1.3), async_wait_fraction {out['async_wait_fraction']:.2f} "
+        f"\ncpu_per_example_ratio {out['cpu_per_example_ratio']:.2f} (goal <= 1.5: async workers + shards CPU per example "
+        f"over the one-process baseline's), async_vs_local {out['async_vs_local']:.2f} (goal >= 0.8: cluster examples/s over "
+        f"the shared span / the baseline's, {out['local_threads']} torch threads)"
+    )
+    print(
+        f"overlap_speedup {out['overlap_speedup']:.2f} (goal >= 1.3), async_wait_fraction {out['async_wait_fraction']:.2f} "
         f"(goal <= 0.2), sync_vs_ddp {out['sync_vs_ddp']:.2f} (goal <= 1.5): PS sync {dense.step_ms:.1f} ms vs DDP "
         f"{ddp_run.step_ms:.1f} ms per step; Gloo all-reduce of {nbytes / 1e6:.1f} MB: {max(busbw):.3f} GB/s bus bandwidth best, "
         f"{statistics.median(busbw):.3f} median; wall {wall:.1f} s\n"
