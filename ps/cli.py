@@ -20,12 +20,12 @@ from ps.errors import (
     TableExistsError,
     UnauthenticatedError,
 )
-from tessera.cli import UsageError
 from tessera.service import (
     ClientSecurity,
     ConfigError,
     Diagnosis,
     ServerUnreachableError,
+    UsageError,
     add_client_security_args,
     add_server_security_args,
     client_security_from,

@@ -12,12 +12,9 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from tessera.service import UsageError
+
 __all__ = ["main", "build_parser", "HelpFormatter", "Parser", "UsageError", "explain_error"]
-
-
-class UsageError(Exception):
-    """A command line that cannot work (e.g. ``--worker-index 3 --num-workers 2``): printed as one
-    line, exit 2. Parts' CLIs raise it for what argparse alone cannot check."""
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -140,7 +137,7 @@ def _tokens(args: argparse.Namespace) -> int:
 
 def explain_error(exc: BaseException) -> tuple[str, int]:
     """(one line saying what went wrong and what to do, exit code) for an error of a command."""
-    from tessera.service import ConfigError, ServerUnreachableError, TransportSecurityError
+    from tessera.service import BindError, ConfigError, ServerUnreachableError, TransportSecurityError
 
     for explain in _EXPLAINERS:
         found = explain(exc)
@@ -152,7 +149,7 @@ def explain_error(exc: BaseException) -> tuple[str, int]:
         return str(exc), 2
     if isinstance(exc, ServerUnreachableError):
         return f"{exc}; is the server running at that address?", 1
-    if isinstance(exc, ConfigError):
+    if isinstance(exc, (ConfigError, BindError)):
         return str(exc), 2
     if isinstance(exc, FileNotFoundError):
         return f"no such file or directory: {exc.filename}", 2
@@ -173,6 +170,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     cut = argv.index("--") if "--" in argv else len(argv)
     debug = "--debug" in argv[:cut] or os.environ.get("TESSERA_DEBUG", "") not in ("", "0")
     argv = [a for i, a in enumerate(argv) if not (i < cut and a == "--debug")]
+    if not debug:
+        # gRPC core's own log lines (a failed handshake, a failed bind) would come before our one
+        # line saying the same with what to do; --debug (or GRPC_VERBOSITY set by the user) shows them
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:

@@ -54,7 +54,8 @@ __all__ = [
     "ErrorTable", "Identities", "load_token_file", "write_token_file", "ServerSecurity", "ClientSecurity", "Caller",
     "Access", "build_server", "client_channel", "make_ca", "issue_cert", "is_loopback", "ANONYMOUS",
     "add_server_security_args", "add_client_security_args", "server_security_from", "client_security_from",
-    "TransportSecurityError", "ServerUnreachableError", "Diagnosis", "diagnose", "wait_for_server",
+    "TransportSecurityError", "ServerUnreachableError", "Diagnosis", "diagnose", "wait_for_server", "BindError",
+    "UsageError",
 ]
 
 ANONYMOUS = ""
@@ -79,6 +80,16 @@ class RateLimitedError(ServiceError):
 
 class ConfigError(ServiceError, ValueError):
     """A server or client set up in a way the runtime refuses (e.g. tokens over plaintext)."""
+
+
+class UsageError(Exception):
+    """A command line that cannot work (e.g. ``--worker-index 3 --num-workers 2``): the ``tessera``
+    command prints it as one line and exits 2. Parts' CLIs raise it for what argparse alone
+    cannot check (it lives here, not in ``tessera.cli``, so that they need not import the command)."""
+
+
+class BindError(ServiceError, OSError):
+    """A server could not listen on its address (port in use, or not this machine's address)."""
 
 
 # ---------------------------------------------------------------------- errors
@@ -419,9 +430,15 @@ def build_server(
         health_servicer.set(svc, health_pb2.HealthCheckResponse.SERVING)
     bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     creds = security.credentials()
-    bound = server.add_secure_port(bind, creds) if creds is not None else server.add_insecure_port(bind)
+    try:
+        bound = server.add_secure_port(bind, creds) if creds is not None else server.add_insecure_port(bind)
+    except RuntimeError:  # grpcio raises this where a bind fails
+        bound = 0
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+        raise BindError(
+            f"cannot listen on {bind}: the port is in use, or {host} is not an address of this machine "
+            "(choose another --port, --port 0 for a free one, or another --host)"
+        )
     server.start()
     return server, bound, health_servicer
 

@@ -11,8 +11,7 @@ import threading
 import time
 from typing import Any
 
-from tessera.cli import UsageError
-from tessera.service import add_client_security_args, client_security_from
+from tessera.service import UsageError, add_client_security_args, client_security_from
 
 __all__ = ["add_worker_commands", "explain_error", "default_torch_threads"]
 

@@ -86,6 +86,12 @@ def test_shard_count_and_order_mismatch(proc_cluster) -> None:
     _one_line_error(_tessera("worker", "--ps", a0, "--steps", "2"), 2,
                     "--ps lists 1 shard, but position 0", "is shard 0 of 2", "list all 2 shards in shard order")
     _one_line_error(_tessera("ps", "stats", "--ps", f"{a1},{a0}"), 2, f"position 0 ({a1}) is shard 1 of 2")
+    # a second shard on a port in use: the start warning, then one error line (no gRPC log lines)
+    r = _tessera("ps", "serve", "--port", a0.rpartition(":")[2])
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert [ln for ln in lines if "error" in ln.lower()] == lines[-1:], r.stderr
+    assert "cannot listen on" in lines[-1] and "--port 0" in lines[-1]
 
 
 # a user task without an evaluation, with one PSEmbedding (so worker 1 waits for worker 0's tables)
