@@ -314,7 +314,7 @@ def _simulate(args: argparse.Namespace) -> int:
     res = run_simulation(cfg)
     s = res["summary"]
     print(json.dumps({k: s[k] for k in ("final_accuracy", "s_per_round", "startup_s", "bytes_up_per_round",
-                                         "server_peak_rss_mb", "epsilon")}, default=float))
+                                         "peak_rss_mb", "server_peak_rss_mb", "epsilon")}, default=float))
     print(f"wrote {os.path.join(args.out, 'results.json')} and plots", file=sys.stderr)
     return 0
 

@@ -291,7 +291,10 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict[str, Any]], N
         "config": {**asdict(cfg), "dp": asdict(cfg.dp) if cfg.dp else None},
         "task": task.describe(),
         "strategy": {"name": strategy.name, "params": strategy.params()},
-        "summary": {**_summary(history, startup), "wall_s": time.monotonic() - t_start, "server_peak_rss_mb": peak_rss_mb()},
+        "summary": {**_summary(history, startup), "wall_s": time.monotonic() - t_start,
+                    # this process: the server alone only when the clients ran in child processes
+                    "peak_rss_mb": peak_rss_mb(),
+                    "server_peak_rss_mb": peak_rss_mb() if cfg.processes > 0 else None},
         "history": history,
         "partition_label_counts": counts.tolist() if len(counts) <= 1000 else None,
     }
