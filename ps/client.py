@@ -49,8 +49,17 @@ from ps.consistency import SyncPolicy
 from ps.partition import SlotMap
 from ps.shard import MembershipView, ShardStats, TableInfo
 from ps.table import PushResult
-from ps.wire import ERRORS, info_from_proto, membership_from_proto, policy_to_proto, spec_to_proto, stats_from_proto
-from tessera.codec import DTYPES, as_numpy, from_wire, pack, to_wire, unpack
+from ps.wire import (
+    ERRORS,
+    frame,
+    info_from_proto,
+    membership_from_proto,
+    policy_to_proto,
+    spec_to_proto,
+    stats_from_proto,
+    unframe,
+)
+from tessera.codec import DTYPES, as_numpy, from_wire, to_wire
 from tessera.rpc import channel_options
 from tessera.service import ClientSecurity, client_channel
 from tessera.v1 import ps_pb2 as pb
@@ -330,7 +339,7 @@ class PSClient:
         replies = self._fan_out([lambda i=i: self._call(i, "create", req, spec.name) for i in range(self.num_shards)])
         infos, created = [], []
         for raw in replies:
-            msg, _ = unpack(pb.CreateTableReply, raw)
+            msg, _ = unframe(pb.CreateTableReply, raw)
             created.append(msg.created)
             infos.append(info_from_proto(msg.info))
         self._remember(infos)
@@ -397,7 +406,7 @@ class PSClient:
     def describe(self, name: str) -> list[TableInfo]:
         req = pb.DescribeTableRequest(table=name).SerializeToString()
         raws = self._fan_out([lambda i=i: self._call(i, "describe", req, name) for i in range(self.num_shards)])
-        infos = [info_from_proto(unpack(pb.TableInfo, r)[0]) for r in raws]
+        infos = [info_from_proto(unframe(pb.TableInfo, r)[0]) for r in raws]
         self._remember(infos)
         return infos
 
@@ -461,8 +470,8 @@ class PSClient:
                 version = 0
                 got = 0
                 for raw in s.pull_dense(req, timeout=self.timeout):
-                    msg, pl = unpack(pb.DenseChunk, raw, (15,))
-                    data = from_wire(pl.get(15, b""), msg.dtype, None, what=f"table {name!r} reply")
+                    msg, pl = unframe(pb.DenseChunk, raw)
+                    data = from_wire(pl.get("data", b""), msg.dtype, None, what=f"table {name!r} reply")
                     a = start + msg.offset
                     flat[a : a + data.size] = data
                     got += data.size
@@ -551,15 +560,15 @@ class PSClient:
                         if sync is not None:
                             head.sync.CopyFrom(sync)
                     head.last = off + chunk >= stop - start
-                    yield pack(head, {15: part})
+                    yield frame(head, data=part)
 
             def attempt() -> tuple[int, int, bool, int]:
                 version = staleness = clock = -1
                 late = False
                 for raw in s.push_dense(requests(), timeout=self.timeout):
-                    msg, pl = unpack(pb.DenseChunk, raw, (15,))
-                    if 15 in pl and flat is not None:
-                        data = from_wire(pl[15], msg.dtype, None, what=f"table {name!r} reply")
+                    msg, pl = unframe(pb.DenseChunk, raw)
+                    if "data" in pl and flat is not None:
+                        data = from_wire(pl["data"], msg.dtype, None, what=f"table {name!r} reply")
                         a = start + msg.offset
                         flat[a : a + data.size] = data
                     else:
@@ -640,10 +649,10 @@ class PSClient:
         clocks: list[int] = []
 
         def one(i: int, idx: np.ndarray) -> None:
-            req = pack(head, {15: np.ascontiguousarray(uniq[idx])})
-            msg, pl = unpack(pb.PullSparseReply, self._call(i, "pull_sparse", req, name), (14, 15))
-            rows[idx] = from_wire(pl.get(15, b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
-            versions[idx] = from_wire(pl.get(14, b""), "int64", (len(idx),), what=f"table {name!r} versions")
+            req = frame(head, ids=np.ascontiguousarray(uniq[idx]))
+            msg, pl = unframe(pb.PullSparseReply, self._call(i, "pull_sparse", req, name))
+            rows[idx] = from_wire(pl.get("data", b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
+            versions[idx] = from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions")
             clocks.append(msg.clock)
 
         self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, g in enumerate(groups) for idx in g])
@@ -678,10 +687,10 @@ class PSClient:
             if sync is not None:
                 head.sync.CopyFrom(sync)
             head.dtype = wdtype
-            payloads: dict[int, Any] = {14: np.ascontiguousarray(uniq[idx]), 15: np.ascontiguousarray(wrows[idx])}
+            bulk: dict[str, Any] = {"ids": np.ascontiguousarray(uniq[idx]), "data": np.ascontiguousarray(wrows[idx])}
             if base is not None:
-                payloads[13] = np.ascontiguousarray(base[idx])
-            msg, _ = unpack(pb.PushSparseReply, self._call(i, "push_sparse", pack(head, payloads), name))
+                bulk["base_versions"] = np.ascontiguousarray(base[idx])
+            msg, _ = unframe(pb.PushSparseReply, self._call(i, "push_sparse", frame(head, **bulk), name))
             self._count_ack(f"{name}@{i}", 0 if sync is not None and sync.sync else msg.applied, msg.duplicate)
             return PushResult(msg.applied, msg.dropped, msg.mean_staleness, msg.max_staleness, 0, int(msg.late), msg.clock)
 
@@ -835,11 +844,11 @@ class PSClient:
             head = pb.StepRequest(worker=self.worker, client=self.client_id, dtype=wire)
             head.parts.extend(part for part, _ in reqs[i])
             pieces = [x for _, ps in reqs[i] for x in ps]
-            raw = pack(head, {15: b"".join(memoryview(x).cast("B") if not isinstance(x, bytes) else x for x in pieces)})
-            msg, pl = unpack(pb.StepReply, self._call(i, "step", raw), (15,))
+            raw = frame(head, data=b"".join(memoryview(x).cast("B") if not isinstance(x, bytes) else x for x in pieces))
+            msg, pl = unframe(pb.StepReply, self._call(i, "step", raw))
             if len(msg.parts) != len(reqs[i]):
                 raise InternalError(f"shard {self._shards[i].label}: Step answered {len(msg.parts)} of {len(reqs[i])} parts")
-            return msg, pl.get(15, memoryview(b""))
+            return msg, pl.get("data", memoryview(b""))
 
         try:
             replies = self._fan_out([(lambda i=i: one(i)) if reqs[i] else (lambda: None) for i in range(S)])
@@ -989,14 +998,14 @@ class PSClient:
         self._need_worker("join")
         req = pb.JoinRequest(worker=self.worker, lease_ms=int(lease_s * 1000)).SerializeToString()
         raws = self._fan_out([lambda i=i: self._call(i, "join", req) for i in range(self.num_shards)])
-        return [membership_from_proto(unpack(pb.MembershipReply, r)[0]) for r in raws]
+        return [membership_from_proto(unframe(pb.MembershipReply, r)[0]) for r in raws]
 
     def heartbeat(self, clock: int = 0, leave: bool = False) -> list[MembershipView]:
         """Renew this worker's lease on every shard (``leave``: leave the live set instead)."""
         self._need_worker("heartbeat")
         req = pb.HeartbeatRequest(worker=self.worker, clock=clock, leave=leave).SerializeToString()
         raws = self._fan_out([lambda i=i: self._call(i, "heartbeat", req) for i in range(self.num_shards)])
-        return [membership_from_proto(unpack(pb.MembershipReply, r)[0]) for r in raws]
+        return [membership_from_proto(unframe(pb.MembershipReply, r)[0]) for r in raws]
 
     def leave(self) -> None:
         self.heartbeat(leave=True)
@@ -1015,12 +1024,12 @@ class PSClient:
         if at_clock is None or at_clock >= 0:
             hold = pb.CheckpointRequest(at_clock=at_clock or 0, hold=True).SerializeToString()
             held = self._fan_out([lambda i=i: self._call(i, "checkpoint", hold) for i in range(self.num_shards)])
-            at_clock = max(unpack(pb.CheckpointReply, r)[0].clock for r in held)
+            at_clock = max(unframe(pb.CheckpointReply, r)[0].clock for r in held)
         req = pb.CheckpointRequest(at_clock=at_clock).SerializeToString()
         raws = self._fan_out([lambda i=i: self._call(i, "checkpoint", req) for i in range(self.num_shards)])
         out = []
         for raw in raws:
-            msg, _ = unpack(pb.CheckpointReply, raw)
+            msg, _ = unframe(pb.CheckpointReply, raw)
             out.append((msg.path, msg.clock))
         return out
 
@@ -1028,7 +1037,7 @@ class PSClient:
     def stats(self) -> list[ShardStats]:
         req = pb.StatsRequest().SerializeToString()
         raws = self._fan_out([lambda i=i: self._call(i, "stats", req) for i in range(self.num_shards)])
-        return [stats_from_proto(unpack(pb.StatsReply, r)[0]) for r in raws]
+        return [stats_from_proto(unframe(pb.StatsReply, r)[0]) for r in raws]
 
 
 # ---------------------------------------------------------------------- helpers

@@ -31,8 +31,17 @@ from ps.checkpoint import CheckpointError, pack_plain, snapshot_to_plain, unpack
 from ps.replication import SNAPSHOT_CHUNK, ReplicaSender
 from ps.shard import BACKUP, PRIMARY, PULL_DENSE, PULL_SPARSE, PUSH_DENSE, PUSH_SPARSE, Shard, StepPart
 from ps.table import ASSIGN, GRADIENT, DenseTable
-from ps.wire import ERRORS, info_to_proto, membership_to_proto, policy_from_proto, spec_from_proto, stats_to_proto
-from tessera.codec import DTYPES, WIRE_FLOAT_DTYPES, CodecError, as_float32, byte_view, from_wire, pack, to_wire, unpack
+from ps.wire import (
+    ERRORS,
+    frame,
+    info_to_proto,
+    membership_to_proto,
+    policy_from_proto,
+    spec_from_proto,
+    stats_to_proto,
+    unframe,
+)
+from tessera.codec import DTYPES, WIRE_FLOAT_DTYPES, CodecError, as_float32, byte_view, from_wire, to_wire
 from tessera.service import ANONYMOUS, Access, Caller, ClientSecurity, ServerSecurity
 from tessera.v1 import ps_pb2 as pb
 
@@ -120,10 +129,11 @@ class PSServicer:
             msg = str(exc)
         ERRORS.abort(context, exc, msg)
 
-    def _decode(self, cls: type, raw: bytes, payloads: tuple[int, ...] = ()) -> tuple[Any, dict[int, memoryview]]:
+    def _decode(self, cls: type, raw: bytes) -> tuple[Any, dict[str, memoryview]]:
+        """The request and its bulk fields by name (zero-copy views; see ps.wire.frame)."""
         self.shard.bytes_in += len(raw)
         try:
-            return unpack(cls, raw, payloads)
+            return unframe(cls, raw)
         except CodecError as e:
             raise MalformedMessageError(f"{cls.__name__}: {e}") from None
 
@@ -224,17 +234,17 @@ class PSServicer:
             for off in range(0, len(data), SNAPSHOT_CHUNK):
                 last = off + SNAPSHOT_CHUNK >= len(data)
                 head = pb.AttachChunk(last=last, attach_id=attach_id if last else 0)
-                yield self._out(pack(head, {15: data[off : off + SNAPSHOT_CHUNK]}))
+                yield self._out(frame(head, data=data[off : off + SNAPSHOT_CHUNK]))
             sh.attach_backup(req.backup, ReplicaSender(req.backup, sh.epoch, attach_id, security=self.peer).send, attach_id)
         log.info("shard %d: backup %s attached (%d bytes of snapshot)", sh.config.shard_index, req.backup, len(data))
 
     def Replicate(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
-        req, pl = self._decode(pb.ReplicateRequest, raw, (15,))
+        req, pl = self._decode(pb.ReplicateRequest, raw)
         sh = self.shard
         if sh.role != BACKUP:
             raise FailedPreconditionError(f"Replicate: shard {sh.config.shard_index} here is a primary (epoch {sh.epoch})")
         try:
-            entry = unpack_plain(pl.get(15, b""))
+            entry = unpack_plain(pl.get("entry", b""))
         except CheckpointError as e:
             raise MalformedMessageError(f"Replicate: {e}") from None
         sh.apply_entry(entry, req.attach_id, _time_left(context))
@@ -296,7 +306,7 @@ class PSServicer:
         with self.shard.watch_stream(context) as touch:
             for raw in request_iterator:
                 touch()
-                msg, pl = self._decode(pb.DenseChunk, raw, (15,))
+                msg, pl = self._decode(pb.DenseChunk, raw)
                 if update is None:
                     table = self.shard.dense(msg.table)
                     reply_dtype = _float_dtype(msg.reply_dtype, table.spec.name, "reply_dtype")
@@ -339,7 +349,7 @@ class PSServicer:
         if want:
             _, blocks = table.snapshot()
             for k, block in enumerate(blocks):
-                yield self._out(pack(pb.DenseChunk(offset=k * table.chunk_elems, dtype=reply_dtype), {15: to_wire(block, reply_dtype)[1]}))
+                yield self._out(frame(pb.DenseChunk(offset=k * table.chunk_elems, dtype=reply_dtype), data=to_wire(block, reply_dtype)[1]))
         yield self._out(
             pb.DenseChunk(
                 table=table.spec.name, version=result.version, staleness=result.max_staleness,
@@ -348,7 +358,7 @@ class PSServicer:
         )
 
     def _push_dense_sync(
-        self, first: Any, first_pl: dict[int, memoryview], rest: Iterator[bytes], table: DenseTable, worker: str, policy: Any,
+        self, first: Any, first_pl: dict[str, memoryview], rest: Iterator[bytes], table: DenseTable, worker: str, policy: Any,
         touch: Callable[[], None], caller: Caller,
     ) -> Iterator[bytes]:
         """A BSP push: collect and validate every chunk (the request's bytes, not copied), then contribute."""
@@ -367,7 +377,7 @@ class PSServicer:
                     f"table {name!r}: push stream ended without its last chunk "
                     f"({len(chunks)} of {table.num_blocks} chunks); nothing applied"
                 )
-            msg, pl = self._decode(pb.DenseChunk, raw, (15,))
+            msg, pl = self._decode(pb.DenseChunk, raw)
         if not worker:
             raise InvalidArgumentError(f"table {name!r}: a BSP push must name its worker")
         out = self.shard.push_dense_sync(name, worker, policy, chunks, self._client_key(caller, first.client), first.seq)
@@ -389,12 +399,12 @@ class PSServicer:
         version, blocks = table.snapshot()
         for k, block in enumerate(blocks):
             head = pb.DenseChunk(offset=k * table.chunk_elems, dtype=dtype, version=version, clock=clock)
-            yield self._out(pack(head, {15: to_wire(block, dtype)[1]}))
+            yield self._out(frame(head, data=to_wire(block, dtype)[1]))
 
     # ------------------------------------------------------------------ step
     def Step(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
-        req, pl = self._decode(pb.StepRequest, raw, (15,))
-        parts = step_parts_from_proto(req, pl.get(15, memoryview(b"")))
+        req, pl = self._decode(pb.StepRequest, raw)
+        parts = step_parts_from_proto(req, pl.get("data", memoryview(b"")))
         dtype = req.dtype or "float32"
         if req.worker:
             self._own(caller, req.worker)
@@ -423,14 +433,14 @@ class PSServicer:
                 r.data_at, at = at, at + piece.nbytes
                 r.versions_at, at = at, at + o.versions.nbytes
                 pieces += [piece, byte_view(o.versions)]
-        return self._out(pack(reply, {15: b"".join(pieces)}))
+        return self._out(frame(reply, data=b"".join(pieces)))
 
     # ------------------------------------------------------------------ sparse
     def PullSparse(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
-        req, pl = self._decode(pb.PullSparseRequest, raw, (15,))
+        req, pl = self._decode(pb.PullSparseRequest, raw)
         table = self.shard.sparse(req.table)
         dtype = _float_dtype(req.dtype, req.table, "dtype")
-        ids = from_wire(pl.get(15, b""), "int64", None, what=f"table {req.table!r}: ids")
+        ids = from_wire(pl.get("ids", b""), "int64", None, what=f"table {req.table!r}: ids")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
         if req.worker:
             self._own(caller, req.worker)
@@ -438,20 +448,20 @@ class PSServicer:
         clock = self.shard.wait(req.table, policy, _time_left(context))
         values, versions = self.shard.pull_sparse(req.table, ids)
         head = pb.PullSparseReply(dtype=dtype, dim=table.dim, clock=clock)
-        return self._out(pack(head, {14: byte_view(versions), 15: to_wire(values, dtype)[1]}))
+        return self._out(frame(head, versions=byte_view(versions), data=to_wire(values, dtype)[1]))
 
     def PushSparse(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
-        req, pl = self._decode(pb.PushSparseRequest, raw, (13, 14, 15))
+        req, pl = self._decode(pb.PushSparseRequest, raw)
         table = self.shard.sparse(req.table)
         name = req.table
         dtype = _float_dtype(req.dtype, name, "dtype")
-        ids = from_wire(pl.get(14, b""), "int64", None, what=f"table {name!r}: ids")
+        ids = from_wire(pl.get("ids", b""), "int64", None, what=f"table {name!r}: ids")
         if req.dim != table.dim:
             raise ShapeMismatchError(f"table {name!r}: gradient dim {req.dim} != table dim {table.dim}")
-        grads = as_float32(from_wire(pl.get(15, b""), dtype, (len(ids), table.dim), what=f"table {name!r}: gradient rows"))
+        grads = as_float32(from_wire(pl.get("data", b""), dtype, (len(ids), table.dim), what=f"table {name!r}: gradient rows"))
         base = None
-        if len(pl.get(13, b"")):
-            base = from_wire(pl[13], "int64", None, what=f"table {name!r}: base_versions")
+        if len(pl.get("base_versions", b"")):
+            base = from_wire(pl["base_versions"], "int64", None, what=f"table {name!r}: base_versions")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
         if policy.sync and not req.worker:
             raise InvalidArgumentError(f"table {name!r}: a BSP push must name its worker")
@@ -511,12 +521,12 @@ def step_parts_from_proto(req: Any, data: memoryview) -> list[StepPart]:
     return parts
 
 
-def _chunk_data(msg: Any, pl: dict[int, memoryview], table: str) -> Any:
+def _chunk_data(msg: Any, pl: dict[str, memoryview], table: str) -> Any:
     """A pushed DenseChunk's values (a view of the request's bytes), after checking it is for ``table``."""
     if msg.table and msg.table != table:
         raise InvalidArgumentError(f"push to table {table!r} carries a chunk for {msg.table!r}")
     dtype = _float_dtype(msg.dtype, table, "dtype")
-    return as_float32(from_wire(pl.get(15, b""), dtype, None, what=f"table {table!r}: chunk at offset {msg.offset}"))
+    return as_float32(from_wire(pl.get("data", b""), dtype, None, what=f"table {table!r}: chunk at offset {msg.offset}"))
 
 
 def _check_push_shape(table: DenseTable, shape: Any, flat_view: bool) -> None:

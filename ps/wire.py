@@ -1,7 +1,11 @@
-"""Protobuf messages <-> PS domain values. Pure and symmetric."""
+"""Protobuf messages <-> PS domain values (pure and symmetric), and the framing of messages
+whose bulk bytes travel beside them (``frame`` / ``unframe``)."""
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import grpc
+from google.protobuf.message import Message
 
 from ps.config import (
     DENSE,
@@ -28,12 +32,17 @@ from ps.errors import (
     with_table,
 )
 from ps.shard import MembershipView, ShardStats, TableInfo, TableStats, WorkerStats
-from tessera.codec import CodecError
+from tessera.codec import CodecError, pack, unpack
 from tessera.service import ErrorTable
 from tessera.v1 import ps_pb2 as pb
 
+M = TypeVar("M", bound=Message)
+
 __all__ = [
     "ERRORS",
+    "BULK",
+    "frame",
+    "unframe",
     "spec_to_proto",
     "spec_from_proto",
     "info_to_proto",
@@ -45,6 +54,46 @@ __all__ = [
     "membership_to_proto",
     "membership_from_proto",
 ]
+
+# ---------------------------------------------------------------------- framing
+# The bulk ``bytes`` fields of each message: sent beside the header, not copied through protobuf
+# (tessera.codec.pack/unpack), and read back as zero-copy views. Named here once; their numbers
+# come from the .proto (13/14/15 by convention: the last fields of a message on the wire).
+BULK: dict[type, tuple[str, ...]] = {
+    pb.PullSparseRequest: ("ids",),
+    pb.PullSparseReply: ("versions", "data"),
+    pb.PushSparseRequest: ("base_versions", "ids", "data"),
+    pb.DenseChunk: ("data",),
+    pb.StepRequest: ("data",),
+    pb.StepReply: ("data",),
+    pb.AttachChunk: ("data",),
+    pb.ReplicateRequest: ("entry",),
+}
+_NUMBERS: dict[type, dict[str, int]] = {
+    cls: {n: cls.DESCRIPTOR.fields_by_name[n].number for n in names} for cls, names in BULK.items()
+}
+_NAMES: dict[type, dict[int, str]] = {cls: {v: k for k, v in m.items()} for cls, m in _NUMBERS.items()}
+
+
+def frame(msg: Any, **bulk: Any) -> bytes:
+    """``msg`` serialized with its bulk fields (by name: bytes, memoryview or contiguous array) beside it.
+
+    One copy of the bulk bytes; the result is ordinary protobuf wire format."""
+    numbers = _NUMBERS[type(msg)]
+    return pack(msg, {numbers[k]: v for k, v in bulk.items()})
+
+
+def unframe(cls: type[M], raw: bytes) -> tuple[M, dict[str, memoryview]]:
+    """Parse ``raw`` as ``cls``: (header message, {bulk field name: zero-copy view} for those present).
+
+    Raises CodecError on malformed input."""
+    numbers = _NUMBERS.get(cls)
+    if numbers is None:
+        return unpack(cls, raw)[0], {}
+    msg, payloads = unpack(cls, raw, tuple(numbers.values()))
+    names = _NAMES[cls]
+    return msg, {names[k]: v for k, v in payloads.items()}
+
 
 _KIND_TO_PB = {DENSE: pb.TABLE_KIND_DENSE, SPARSE: pb.TABLE_KIND_SPARSE}
 _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
