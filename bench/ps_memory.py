@@ -27,7 +27,8 @@ Run::
     python bench/ps_memory.py --quick    # smoke: 100k rows (~15 s)
     python bench/ps_memory.py --json-out bench/out/ps_memory.json
 
-Prints a table and, as its last line, one line of JSON.
+Prints a table and, as its last line, one line of JSON. The measuring processes run torch with
+one intra-op thread (``--torch-threads``), both sides of every ratio alike.
 """
 from __future__ import annotations
 
@@ -176,8 +177,11 @@ def child_tier(rows: int, repeats: int) -> dict[str, Any]:
             "disk_bytes": m.disk_bytes, "budget": budget.limit, "resident_bytes": m.values_bytes + m.state_bytes}
 
 
+THREADS = 1
+
+
 def _run_child(kind: str, **kw: Any) -> dict[str, Any]:
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps({"kind": kind, **kw})]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps({"kind": kind, "threads": THREADS, **kw})]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
     if p.returncode != 0:
         raise RuntimeError(f"child {kind} failed: {p.stderr[-2000:]}")
@@ -187,6 +191,9 @@ def _run_child(kind: str, **kw: Any) -> dict[str, Any]:
 def _child_main(arg: str) -> int:
     kw = json.loads(arg)
     kind = kw.pop("kind")
+    import torch
+
+    torch.set_num_threads(int(kw.pop("threads")))
     fn: Callable[..., dict[str, Any]] = {"rows": child_rows, "raw": child_raw, "tier": child_tier}[kind]
     print(json.dumps(fn(**kw)))
     return 0
@@ -199,10 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=None, help="rows of the memory measurement (default 2M, quick 200k)")
     ap.add_argument("--repeats", type=int, default=None, help="repeats of each timed measurement (default 3, quick 2)")
     ap.add_argument("--json-out", default=None, help="also write the JSON result to this path")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads in the measuring processes (default 1: on a busy 2-core box two "
+                         "OpenMP threads made the same pull swing from 2 to 20 ms)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         return _child_main(args.child)
+    global THREADS
+    THREADS = args.torch_threads
     rows = args.rows or (100_000 if args.quick else 2_000_000)
     repeats = args.repeats or (2 if args.quick else 3)
     tier_rows = max(60_000 if args.quick else 250_000, rows // 8)

@@ -365,7 +365,7 @@ class RowStore:
                 elif pos is None:
                     torch.index_select(src, 0, off, out=dst)
                 else:
-                    dst[pos] = src.index_select(0, off)
+                    dst.index_copy_(0, pos, src.index_select(0, off))  # (index_put_ is ~100x slower)
         return out
 
     def scatter(self, rows: np.ndarray, data: Mapping[str, torch.Tensor | np.ndarray | float | int]) -> None:
@@ -384,7 +384,7 @@ class RowStore:
             for name, v in tens.items():
                 dst = ch.cols[name]
                 if isinstance(v, torch.Tensor):
-                    part = v if pos is None else v[pos]
+                    part = v if pos is None else (v[pos] if isinstance(pos, slice) else v.index_select(0, pos))
                     if isinstance(off, slice):
                         dst[off].copy_(part)
                     else:

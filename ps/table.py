@@ -720,7 +720,7 @@ class SparseTable:
         for pos, part in ((rp, self._store.gather(loc[rp], names)), (cp, self._cold.get(-loc[cp] - 2, names))):
             pt = torch.from_numpy(pos)
             for k in names:
-                out[k][pt] = part[k]
+                out[k].index_copy_(0, pt, part[k])
         return out
 
     def _live(self, names: list[str]) -> tuple[np.ndarray, dict[str, torch.Tensor]]:
@@ -820,16 +820,16 @@ class SparseTable:
                     out_vers = np.zeros(len(uniq), np.int64)
                     if have.size:
                         d = self._store.gather(loc[have], ["values", "version"])
-                        out_vals[torch.from_numpy(have)] = d["values"]
+                        out_vals.index_copy_(0, torch.from_numpy(have), d["values"])
                         out_vers[have] = d["version"].numpy()
                     new = np.flatnonzero(~found)  # created now, or not admitted: their initial values
                     same = new.size == admitted.size  # every one was created (both ascending)
-                    out_vals[torch.from_numpy(new)] = self._init_values(uniq[new], init if same else None)
+                    out_vals.index_copy_(0, torch.from_numpy(new), self._init_values(uniq[new], init if same else None))
                 if have.size:
                     self._store.scatter(loc[have], {"touch": self.step})
             self._trim()
         inv = torch.from_numpy(inverse.reshape(-1).astype(np.int64))
-        return out_vals[inv], out_vers[inverse.reshape(-1)]
+        return out_vals.index_select(0, inv), out_vers[inverse.reshape(-1)]
 
     def _init_values(self, ids: np.ndarray, init: "np.ndarray | float | None") -> torch.Tensor:
         """The initial rows of ``ids`` in the row dtype (``init``: as _create returned, or None)."""
@@ -923,7 +923,7 @@ class SparseTable:
             stored = param
             if have.size:
                 step = torch.from_numpy(new_versions).to(torch.float64)[:, None]
-                opt.update(param, g[torch.from_numpy(have)], state, step)
+                opt.update(param, g if have.size == len(uniq) else g.index_select(0, torch.from_numpy(have)), state, step)
                 if self.row_dtype != torch.float32:
                     keys = row_keys(self._key, uniq[have], new_versions) if self.row_dtype == torch.bfloat16 else None
                     stored = round_rows(param, self.row_dtype, keys)
@@ -1017,7 +1017,7 @@ class SparseTable:
             if not part.any():
                 continue
             pt = torch.from_numpy(np.flatnonzero(part))
-            sub = {k: (v[pt] if isinstance(v, torch.Tensor) else v[part]) for k, v in data.items()}
+            sub = {k: (v.index_select(0, pt) if isinstance(v, torch.Tensor) else v[part]) for k, v in data.items()}
             sub["touch"] = self.step
             if part is res:
                 self._store.scatter(sel, sub)
