@@ -22,7 +22,7 @@ import pytest
 
 from federated.client import ClientNode, check_outcome
 from federated.config import NodeConfig, ServerConfig
-from federated.errors import ClientFailedError, ServerUnavailableError, TrainingFailedError
+from federated.errors import ClientFailedError, ConfigError, ServerUnavailableError, TrainingFailedError
 from federated.orchestrator import RoundFailedError
 from federated.runtime import Client, ClientRuntime
 from federated.server import FedServer
@@ -200,3 +200,23 @@ def test_training_failed_reason_alone_raises_training_failed() -> None:
         check_outcome(node)
     node.shutdown_reason = "training finished"
     check_outcome(node)  # no error
+
+
+@pytest.mark.timeout(30)
+def test_waiting_note_repeats_and_wait_timeout_fails_the_run(live, monkeypatch) -> None:
+    import federated.orchestrator as orch
+
+    monkeypatch.setattr(orch, "_WAIT_NOTE_S", 0.3)  # README: "... and every 5 s"; shortened here
+    s = live(min_clients=2, rounds=1, wait_timeout=1.2)
+    with pytest.raises(RoundFailedError, match=r"only 0 of the 2 clients needed connected within 1.2 s"):
+        s.server.run()
+    notes = [line for _, line in s.status]
+    assert 3 <= len(notes) <= 6 and set(notes) == {"waiting for clients (0/2 connected)"}, notes
+
+
+def test_retry_delay_doubles_up_to_its_cap() -> None:
+    cfg = ServerConfig(retry_backoff=1.0, retry_backoff_max=30.0)
+    o = FedServer(cfg, make_strategy("fedavg"), W0).orchestrator
+    assert [o.retry_delay(a) for a in range(7)] == [1, 2, 4, 8, 16, 30, 30]
+    with pytest.raises(ConfigError, match="retry_backoff"):
+        ServerConfig(retry_backoff=5.0, retry_backoff_max=1.0)
