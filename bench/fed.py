@@ -318,7 +318,7 @@ def inproc_fedavg(rounds: int, clients: int = 100, fraction: float = 0.1, seed: 
             config = dict(task.client_config, round=rnd)
             base = weights
 
-            def fit(cid: str) -> ClientUpdate:
+            def fit(cid: str, base: Any = base, config: Any = config, rnd: int = rnd) -> ClientUpdate:
                 w, n, m = make(cid).fit([x.copy() for x in base], dict(config))[:3]
                 return ClientUpdate(cid, [np.asarray(x) for x in w], int(n), m, base_round=rnd - 1)
 
