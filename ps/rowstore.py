@@ -365,6 +365,7 @@ class RowStore:
                 elif pos is None:
                     torch.index_select(src, 0, off, out=dst)
                 else:
+                    assert isinstance(pos, torch.Tensor)
                     dst.index_copy_(0, pos, src.index_select(0, off))  # (index_put_ is ~100x slower)
         return out
 

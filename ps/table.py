@@ -991,20 +991,20 @@ class SparseTable:
         if new.size:
             limit = self._resident_cap()
             free = self._store.capacity - self._store.live
-            k = new.size if limit < 0 else min(new.size, max(0, limit - self._store.live))
-            cold_n = new.size - k
-            need = self._store.grow_bytes(max(0, k - free)) + self._index.grow_bytes(new.size)
+            hot = new.size if limit < 0 else min(new.size, max(0, limit - self._store.live))
+            cold_n = new.size - hot
+            need = self._store.grow_bytes(max(0, hot - free)) + self._index.grow_bytes(new.size)
             if cold_n:
                 need += self._cold_tier().meta.alloc_bytes(cold_n)
             self._reserve(need)  # the budget first
-            rows = self._store.alloc(k)
-            loc[new[:k]] = rows
+            rows = self._store.alloc(hot)
+            loc[new[:hot]] = rows
             if cold_n:
                 cold = self._cold_tier()
                 slots = cold.payload.alloc(cold_n)
                 same = cold.meta.alloc(cold_n)
                 assert np.array_equal(slots, same)
-                loc[new[k:]] = -slots - 2
+                loc[new[hot:]] = -slots - 2
             self._index.insert(ids[new], loc[new])
         data: dict[str, Any] = {"values": values, "version": np.asarray(versions, np.int64), "id": ids}
         for k in self._state_names:

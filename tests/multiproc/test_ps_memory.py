@@ -500,7 +500,7 @@ def test_sparse_rows_grow_a_shard_process_by_their_bytes(row_dtype: str, optimiz
         end = rss_bytes(pid)
         growth = end - start
         peak = max(r for _, r in sampler.samples) - start
-        stats = [t for t in client.stats()[0].tables if t.name == "rows"][0]
+        stats = next(t for t in client.stats()[0].tables if t.name == "rows")
         print(
             f"\n{row_dtype}/{optimizer}: {stats.rows} rows in {fill_s:.1f} s ({ROWS_2M / fill_s:,.0f} rows/s over the wire), "
             f"RSS growth {growth / MIB:.0f} MiB = {growth / PAYLOAD_FP32_ADAGRAD:.3f}x the fp32 payload "
