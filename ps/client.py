@@ -12,7 +12,6 @@ Thread-safety: a PSClient may be shared by threads.
 from __future__ import annotations
 
 import itertools
-import random
 import threading
 import time
 import uuid
@@ -21,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
-import grpc
 import numpy as np
 import torch
 
@@ -39,18 +37,16 @@ from ps.errors import (
     InternalError,
     InvalidArgumentError,
     NonFiniteError,
-    PSError,
     ResourceExhaustedError,
     ShapeMismatchError,
-    ShardUnavailableError,
     with_table,
 )
 from ps.consistency import SyncPolicy
 from ps.partition import SlotMap
 from ps.shard import MembershipView, ShardStats, TableInfo
+from ps.stub import CallPolicy, ShardStub
 from ps.table import PushResult
 from ps.wire import (
-    ERRORS,
     frame,
     info_from_proto,
     membership_from_proto,
@@ -59,16 +55,14 @@ from ps.wire import (
     stats_from_proto,
     unframe,
 )
-from tessera.codec import DTYPES, as_numpy, from_wire, to_wire
+from tessera.codec import DTYPES, as_numpy, byte_view, from_wire, to_wire
 from tessera.rpc import channel_options
-from tessera.service import ClientSecurity, client_channel
+from tessera.service import ClientSecurity
 from tessera.v1 import ps_pb2 as pb
 
 __all__ = ["PSClient", "DenseResult", "StepResult"]
 
 T = TypeVar("T")
-
-_SERVICE = "/tessera.v1.ParameterServer/"
 
 
 @dataclass(frozen=True)
@@ -111,75 +105,6 @@ class _Sparse:
     spec: TableSpec
     slots: SlotMap
     max_ids: list[int]  # per shard: most ids one request may carry (0: unknown)
-
-
-class _Replica:
-    """One server of a shard: its channel and method stubs (raw bytes in and out)."""
-
-    def __init__(self, address: str, options: list, interceptors: Sequence[Any] = (), security: ClientSecurity | None = None) -> None:
-        self.address = address
-        self.channel = client_channel(address, security, options)
-        if interceptors:
-            self.channel = grpc.intercept_channel(self.channel, *interceptors)
-        u = lambda m: self.channel.unary_unary(_SERVICE + m)  # noqa: E731
-        self.create, self.describe, self.stats = u("CreateTable"), u("DescribeTable"), u("Stats")
-        self.pull_sparse, self.push_sparse = u("PullSparse"), u("PushSparse")
-        self.join, self.heartbeat, self.checkpoint, self.role = u("Join"), u("Heartbeat"), u("Checkpoint"), u("Role")
-        self.step = u("Step")
-        self.push_dense = self.channel.stream_stream(_SERVICE + "PushDense")
-        self.pull_dense = self.channel.unary_stream(_SERVICE + "PullDense")
-
-
-class _Shard:
-    """One shard: its primary and backups (``"HOST:PORT|HOST:PORT"``); stubs go to the current primary."""
-
-    def __init__(self, index: int, spec: str, options: list, interceptors: Sequence[Any] = (), security: ClientSecurity | None = None) -> None:
-        self.index = index
-        self.replicas = [_Replica(a, options, interceptors, security) for a in spec.split("|") if a]
-        if not self.replicas:
-            raise ValueError(f"shard {index}: no address in {spec!r}")
-        self.cur = 0
-        self.label = f"{index} at {spec}"
-        self.failovers = 0
-
-    @property
-    def address(self) -> str:
-        return self.replicas[self.cur].address
-
-    def failover(self, timeout: float = 1.0) -> bool:
-        """Point at the replica that says it is primary with the highest epoch; True if one does."""
-        best: tuple[int, int] | None = None
-        for j, r in enumerate(self.replicas):
-            try:
-                reply = pb.RoleReply.FromString(r.role(pb.RoleRequest().SerializeToString(), timeout=timeout))
-            except grpc.RpcError:
-                continue
-            if reply.role == "primary" and (best is None or reply.epoch > best[1]):
-                best = (j, reply.epoch)
-        if best is None:
-            return False
-        if best[0] != self.cur:
-            self.cur = best[0]
-            self.failovers += 1
-        return True
-
-    def close(self) -> None:
-        for r in self.replicas:
-            r.channel.close()
-
-
-    # the stubs of the current primary
-    create = property(lambda self: self.replicas[self.cur].create)
-    describe = property(lambda self: self.replicas[self.cur].describe)
-    stats = property(lambda self: self.replicas[self.cur].stats)
-    pull_sparse = property(lambda self: self.replicas[self.cur].pull_sparse)
-    push_sparse = property(lambda self: self.replicas[self.cur].push_sparse)
-    join = property(lambda self: self.replicas[self.cur].join)
-    heartbeat = property(lambda self: self.replicas[self.cur].heartbeat)
-    checkpoint = property(lambda self: self.replicas[self.cur].checkpoint)
-    push_dense = property(lambda self: self.replicas[self.cur].push_dense)
-    pull_dense = property(lambda self: self.replicas[self.cur].pull_dense)
-    step = property(lambda self: self.replicas[self.cur].step)
 
 
 class PSClient:
@@ -239,7 +164,8 @@ class PSClient:
         self.step_inline_bytes = step_inline_bytes
         opts = channel_options()
         self.security = security
-        self._shards = [_Shard(i, a, opts, interceptors, security) for i, a in enumerate(self.addresses)]
+        policy = CallPolicy(timeout, retries, retry_timeout)
+        self._shards = [ShardStub(i, a, opts, policy, interceptors, security) for i, a in enumerate(self.addresses)]
         # BSP/SSP pulls block in these threads while the shards wait: leave room for the pushes that unblock them
         self._pool = ThreadPoolExecutor(max_workers=max(16, 8 * self.num_shards), thread_name_prefix="psclient")
         self._dense: dict[str, _Dense] = {}
@@ -261,44 +187,11 @@ class PSClient:
     def wait_ready(self, timeout: float = 30.0) -> None:
         """Block until every shard accepts connections (raises ShardUnavailableError)."""
         for s in self._shards:
-            try:
-                grpc.channel_ready_future(s.replicas[s.cur].channel).result(timeout=timeout)
-            except grpc.FutureTimeoutError:
-                raise ShardUnavailableError(f"shard {s.label} not reachable within {timeout} s") from None
+            s.wait_ready(timeout)
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, shard: int, method: str, request: bytes, table: str | None = None) -> bytes:
-        s = self._shards[shard]
-        try:
-            return self._retry(s, lambda: getattr(s, method)(request, timeout=self.timeout))
-        except grpc.RpcError as e:
-            raise _typed(e, s.label, table) from None
-
-    def _retry(self, s: _Shard, attempt: Callable[[], T]) -> T:
-        """``attempt()`` until it does not fail UNAVAILABLE, for at most ``retry_timeout`` seconds
-        (and ``retries`` retries): jittered exponential backoff, and a failover check between
-        attempts where the shard has replicas. Every other error propagates at once."""
-        deadline = time.monotonic() + self.retry_timeout
-        n = 0
-        while True:
-            try:
-                return attempt()
-            except grpc.RpcError as e:
-                code = e.code() if hasattr(e, "code") else None
-                if code != grpc.StatusCode.UNAVAILABLE or (self.retries is not None and n >= self.retries):
-                    raise
-                cap = 2.0
-                if len(s.replicas) > 1:
-                    before = s.cur
-                    if s.failover() and s.cur != before:
-                        n += 1
-                        continue  # a new primary: try it now
-                    cap = 0.5  # a backup may take over any moment: look again soon
-                delay = min(cap, 0.1 * 2**n) * (0.5 + random.random() / 2)
-                if time.monotonic() + delay > deadline:
-                    raise
-                time.sleep(delay)
-                n += 1
+        return self._shards[shard].call(method, request, table)
 
     def _count_ack(self, key: str, updates: int, duplicate: bool) -> None:
         with self._meta_lock:
@@ -334,9 +227,9 @@ class PSClient:
         check = pb.CreateTableRequest(spec=spec_to_proto(spec), num_shards=self.num_shards, validate_only=True)
         check_raw = check.SerializeToString()
         # every shard must accept before any creates: a refusal on one shard must not leave the table on others
-        self._fan_out([lambda i=i: self._call(i, "create", check_raw, spec.name) for i in range(self.num_shards)])
+        self._fan_out([lambda i=i: self._call(i, "CreateTable", check_raw, spec.name) for i in range(self.num_shards)])
         req = pb.CreateTableRequest(spec=spec_to_proto(spec), num_shards=self.num_shards).SerializeToString()
-        replies = self._fan_out([lambda i=i: self._call(i, "create", req, spec.name) for i in range(self.num_shards)])
+        replies = self._fan_out([lambda i=i: self._call(i, "CreateTable", req, spec.name) for i in range(self.num_shards)])
         infos, created = [], []
         for raw in replies:
             msg, _ = unframe(pb.CreateTableReply, raw)
@@ -405,7 +298,7 @@ class PSClient:
 
     def describe(self, name: str) -> list[TableInfo]:
         req = pb.DescribeTableRequest(table=name).SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, "describe", req, name) for i in range(self.num_shards)])
+        raws = self._fan_out([lambda i=i: self._call(i, "DescribeTable", req, name) for i in range(self.num_shards)])
         infos = [info_from_proto(unframe(pb.TableInfo, r)[0]) for r in raws]
         self._remember(infos)
         return infos
@@ -469,7 +362,7 @@ class PSClient:
             def attempt() -> int:
                 version = 0
                 got = 0
-                for raw in s.pull_dense(req, timeout=self.timeout):
+                for raw in s.pull_dense(req):
                     msg, pl = unframe(pb.DenseChunk, raw)
                     data = from_wire(pl.get("data", b""), msg.dtype, None, what=f"table {name!r} reply")
                     a = start + msg.offset
@@ -481,11 +374,8 @@ class PSClient:
                     raise InternalError(f"table {name!r}: shard {s.address} returned {got} of {stop - start} elements")
                 return version
 
-            try:
-                versions[i] = self._retry(s, attempt)
-                return versions[i]
-            except grpc.RpcError as e:
-                raise _typed(e, s.label, name) from None
+            versions[i] = s.retry(attempt, name)
+            return versions[i]
 
         # shards whose range of a tiny table is empty hold nothing to read (and see no BSP pushes)
         self._fan_out([lambda i=i: one(i) for i in range(self.num_shards) if meta.ranges[i][1] > meta.ranges[i][0]])
@@ -565,7 +455,7 @@ class PSClient:
             def attempt() -> tuple[int, int, bool, int]:
                 version = staleness = clock = -1
                 late = False
-                for raw in s.push_dense(requests(), timeout=self.timeout):
+                for raw in s.push_dense(requests()):
                     msg, pl = unframe(pb.DenseChunk, raw)
                     if "data" in pl and flat is not None:
                         data = from_wire(pl["data"], msg.dtype, None, what=f"table {name!r} reply")
@@ -577,10 +467,7 @@ class PSClient:
                 return version, staleness, late, clock
 
             dup = [False]
-            try:
-                out = self._retry(s, attempt)
-            except grpc.RpcError as e:
-                raise _typed(e, s.label, name) from None
+            out = s.retry(attempt, name)
             # counted once the call succeeded: an attempt that read its reply and then failed is retried
             self._count_ack(f"{name}@{i}", 1 if op == pb.DENSE_OP_GRADIENT and not (sync is not None and sync.sync) else 0, dup[0])
             return out
@@ -650,7 +537,7 @@ class PSClient:
 
         def one(i: int, idx: np.ndarray) -> None:
             req = frame(head, ids=np.ascontiguousarray(uniq[idx]))
-            msg, pl = unframe(pb.PullSparseReply, self._call(i, "pull_sparse", req, name))
+            msg, pl = unframe(pb.PullSparseReply, self._call(i, "PullSparse", req, name))
             rows[idx] = from_wire(pl.get("data", b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
             versions[idx] = from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions")
             clocks.append(msg.clock)
@@ -690,7 +577,7 @@ class PSClient:
             bulk: dict[str, Any] = {"ids": np.ascontiguousarray(uniq[idx]), "data": np.ascontiguousarray(wrows[idx])}
             if base is not None:
                 bulk["base_versions"] = np.ascontiguousarray(base[idx])
-            msg, _ = unframe(pb.PushSparseReply, self._call(i, "push_sparse", frame(head, **bulk), name))
+            msg, _ = unframe(pb.PushSparseReply, self._call(i, "PushSparse", frame(head, **bulk), name))
             self._count_ack(f"{name}@{i}", 0 if sync is not None and sync.sync else msg.applied, msg.duplicate)
             return PushResult(msg.applied, msg.dropped, msg.mean_staleness, msg.max_staleness, 0, int(msg.late), msg.clock)
 
@@ -747,7 +634,7 @@ class PSClient:
             n for n in (*push_dense, *pull_dense)
             if max(b - a for a, b in self._dense_meta(n).ranges) * item > self.step_inline_bytes
         }
-        streamed = None
+        streamed: tuple[dict, dict, dict, dict] | None = None
         if big:
             for n in big & set(push_dense):  # checked before anything is sent, as the rest
                 meta = self._dense_meta(n)
@@ -786,16 +673,16 @@ class PSClient:
             base = args[2] if len(args) > 2 else None
             p = pol(policy, name)
             spec, uniq, groups, summed, bmax = self._sparse_push_prep(name, ids, grads, base)
-            dtype, data = _wire_checked(spec, summed, wire)
-            rows = np.frombuffer(data, DTYPES[dtype]).reshape(len(uniq), spec.dim)
-            for i, g in enumerate(groups):
-                idx = np.concatenate(g) if g else np.zeros(0, np.int64)
+            sdtype, sdata = _wire_checked(spec, summed, wire)
+            wrows = np.frombuffer(sdata, DTYPES[sdtype]).reshape(len(uniq), spec.dim)
+            for i, grp in enumerate(groups):
+                idx = np.concatenate(grp) if grp else np.zeros(0, np.int64)
                 if not idx.size and not (p is not None and p.sync):
                     continue  # a BSP push reaches every shard (its round waits for every live worker)
                 part = pb.StepPart(table=name, op=pb.STEP_OP_PUSH_SPARSE, seq=next(self._seq), count=len(idx), dim=spec.dim)
                 if p is not None:
                     part.sync.CopyFrom(policy_to_proto(p))
-                pieces = [np.ascontiguousarray(uniq[idx]), np.ascontiguousarray(rows[idx])]
+                pieces = [np.ascontiguousarray(uniq[idx]), np.ascontiguousarray(wrows[idx])]
                 if bmax is not None:
                     pieces.append(np.ascontiguousarray(bmax[idx]))
                 part.ids_at = size[i]
@@ -820,17 +707,17 @@ class PSClient:
             spec, uniq, inverse, groups = self._group(name, ids)
             p = pol(pull_policy, name)
             sparse_plan[name] = (spec, uniq, inverse, ids, [])
-            for i, g in enumerate(groups):
-                idx = np.concatenate(g) if g else np.zeros(0, np.int64)
+            for i, grp in enumerate(groups):
+                idx = np.concatenate(grp) if grp else np.zeros(0, np.int64)
                 if not idx.size:
                     continue
                 sparse_plan[name][4].append((i, idx))
-                piece = np.ascontiguousarray(uniq[idx])
+                ids_piece = np.ascontiguousarray(uniq[idx])
                 part = pb.StepPart(table=name, op=pb.STEP_OP_PULL_SPARSE, count=len(idx), ids_at=size[i])
                 if p is not None:
                     part.sync.CopyFrom(policy_to_proto(p))
-                reqs[i].append((part, [piece]))
-                size[i] += piece.nbytes
+                reqs[i].append((part, [ids_piece]))
+                size[i] += ids_piece.nbytes
                 reply[i] += len(idx) * (spec.dim * item + 8)
 
         if max(size + reply, default=0) + 4096 > self.max_request_bytes:  # the request, or the reply, of one shard
@@ -844,8 +731,8 @@ class PSClient:
             head = pb.StepRequest(worker=self.worker, client=self.client_id, dtype=wire)
             head.parts.extend(part for part, _ in reqs[i])
             pieces = [x for _, ps in reqs[i] for x in ps]
-            raw = frame(head, data=b"".join(memoryview(x).cast("B") if not isinstance(x, bytes) else x for x in pieces))
-            msg, pl = unframe(pb.StepReply, self._call(i, "step", raw))
+            raw = frame(head, data=b"".join(byte_view(x) if isinstance(x, np.ndarray) else x for x in pieces))
+            msg, pl = unframe(pb.StepReply, self._call(i, "Step", raw))
             if len(msg.parts) != len(reqs[i]):
                 raise InternalError(f"shard {self._shards[i].label}: Step answered {len(msg.parts)} of {len(reqs[i])} parts")
             return msg, pl.get("data", memoryview(b""))
@@ -889,10 +776,11 @@ class PSClient:
                     pushed_parts.setdefault(name, []).append((i, r))
         pushed: dict[str, Any] = {}
         for name, prs in pushed_parts.items():
-            sync = isinstance(pol(policy, name), SyncPolicy) and pol(policy, name).sync
+            pp = pol(policy, name)
+            sync = pp is not None and pp.sync
             for i, r in prs:
-                n = (1 if name in push_dense else r.applied) if not sync else 0
-                self._count_ack(f"{name}@{i}", n, r.duplicate)
+                acked = (1 if name in push_dense else r.applied) if not sync else 0
+                self._count_ack(f"{name}@{i}", acked, r.duplicate)
             if name in push_dense:
                 vs = [-1] * S
                 st = [-1] * S
@@ -935,7 +823,7 @@ class PSClient:
             push_dense, push_sparse = {**push_dense, **also[0]}, {**push_sparse, **also[1]}
             pull_dense, pull_sparse = {**pull_dense, **also[2]}, {**pull_sparse, **also[3]}
         pol = lambda p, n: p.get(n) if isinstance(p, Mapping) else p  # noqa: E731
-        jobs: list[Callable[[], Any]] = [
+        jobs: list[Any] = [
             lambda n=n, g=g: (n, self.push_dense(n, g, base_version=base_versions.get(n, -1), policy=pol(policy, n)))
             for n, g in push_dense.items()
         ] + [
@@ -943,7 +831,7 @@ class PSClient:
             for n, a in push_sparse.items()
         ]
         pushed = dict(self._fan_out(jobs)) if jobs else {}
-        pulls: list[Callable[[], Any]] = [
+        pulls: list[Any] = [
             lambda n=n, o=o: ("d", n, self.pull_dense(n, out=o, policy=pol(pull_policy, n), return_clock=True))
             for n, o in pull_dense.items()
         ] + [
@@ -997,14 +885,14 @@ class PSClient:
         """Register this client's ``worker`` name with every shard (lease_s 0: the shard's default)."""
         self._need_worker("join")
         req = pb.JoinRequest(worker=self.worker, lease_ms=int(lease_s * 1000)).SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, "join", req) for i in range(self.num_shards)])
+        raws = self._fan_out([lambda i=i: self._call(i, "Join", req) for i in range(self.num_shards)])
         return [membership_from_proto(unframe(pb.MembershipReply, r)[0]) for r in raws]
 
     def heartbeat(self, clock: int = 0, leave: bool = False) -> list[MembershipView]:
         """Renew this worker's lease on every shard (``leave``: leave the live set instead)."""
         self._need_worker("heartbeat")
         req = pb.HeartbeatRequest(worker=self.worker, clock=clock, leave=leave).SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, "heartbeat", req) for i in range(self.num_shards)])
+        raws = self._fan_out([lambda i=i: self._call(i, "Heartbeat", req) for i in range(self.num_shards)])
         return [membership_from_proto(unframe(pb.MembershipReply, r)[0]) for r in raws]
 
     def leave(self) -> None:
@@ -1023,10 +911,10 @@ class PSClient:
         ``at_clock`` -1: each shard now, without coordination (async/SSP runs have no common clock)."""
         if at_clock is None or at_clock >= 0:
             hold = pb.CheckpointRequest(at_clock=at_clock or 0, hold=True).SerializeToString()
-            held = self._fan_out([lambda i=i: self._call(i, "checkpoint", hold) for i in range(self.num_shards)])
+            held = self._fan_out([lambda i=i: self._call(i, "Checkpoint", hold) for i in range(self.num_shards)])
             at_clock = max(unframe(pb.CheckpointReply, r)[0].clock for r in held)
         req = pb.CheckpointRequest(at_clock=at_clock).SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, "checkpoint", req) for i in range(self.num_shards)])
+        raws = self._fan_out([lambda i=i: self._call(i, "Checkpoint", req) for i in range(self.num_shards)])
         out = []
         for raw in raws:
             msg, _ = unframe(pb.CheckpointReply, raw)
@@ -1036,21 +924,11 @@ class PSClient:
     # ------------------------------------------------------------------ stats
     def stats(self) -> list[ShardStats]:
         req = pb.StatsRequest().SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, "stats", req) for i in range(self.num_shards)])
+        raws = self._fan_out([lambda i=i: self._call(i, "Stats", req) for i in range(self.num_shards)])
         return [stats_from_proto(unframe(pb.StatsReply, r)[0]) for r in raws]
 
 
 # ---------------------------------------------------------------------- helpers
-def _typed(e: grpc.RpcError, address: str, table: str | None = None) -> PSError:
-    found, code, details = ERRORS.exception_of(e)
-    cls: type[PSError] = found if issubclass(found, PSError) else InternalError
-    if table is not None and f"table {table!r}" not in (details or ""):
-        details = f"table {table!r}: {details}"  # e.g. gRPC's own "Received message larger than max"
-    err = cls(f"{details} [shard {address}, {code.name if code else 'unknown'}]")
-    err.code = code  # type: ignore[attr-defined]
-    return err
-
-
 def _dense_input(spec: TableSpec, x: Any, flat: bool, what: str) -> tuple[np.ndarray, tuple[int, ...]]:
     """``x`` as the flat array to send, and the shape the caller gave. Refuses (before anything is
     sent) a dtype other than the table's and a shape other than the table's (or, with ``flat``,

@@ -329,7 +329,7 @@ class Shard:
                     spec,
                     self.config.shard_index,
                     self.config.num_shards,
-                    max_bytes_fn=lambda extra, n=spec.name: self._reserve(extra, n),
+                    max_bytes_fn=functools.partial(self._reserve, name=spec.name),
                 )
             with self.gate.shared():
                 self._replicate({"k": "create", "spec": spec_to_dict(spec)})
@@ -599,10 +599,10 @@ class Shard:
             return self.dense(p.table)
         if p.op == PULL_SPARSE:
             assert p.ids is not None
-            t = self.sparse(p.table)
+            st = self.sparse(p.table)
             self.check_ids_request(p.table, len(p.ids))
-            t.check_ids(p.ids)
-            return t
+            st.check_ids(p.ids)
+            return st
         raise InvalidArgumentError(f"table {p.table!r}: unknown step op {p.op!r}")
 
     # ------------------------------------------------------------------ replication

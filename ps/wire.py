@@ -70,7 +70,8 @@ BULK: dict[type, tuple[str, ...]] = {
     pb.ReplicateRequest: ("entry",),
 }
 _NUMBERS: dict[type, dict[str, int]] = {
-    cls: {n: cls.DESCRIPTOR.fields_by_name[n].number for n in names} for cls, names in BULK.items()
+    cls: {n: cls.DESCRIPTOR.fields_by_name[n].number for n in names}  # type: ignore[attr-defined]
+    for cls, names in BULK.items()
 }
 _NAMES: dict[type, dict[int, str]] = {cls: {v: k for k, v in m.items()} for cls, m in _NUMBERS.items()}
 

@@ -95,7 +95,7 @@ def pack(msg: Message, payloads: Mapping[int, Any] | None = None) -> bytes:
     """
     parts: list[Any] = [msg.SerializeToString()]
     for field, data in (payloads or {}).items():
-        mv = memoryview(data).cast("B") if not isinstance(data, bytes) else data
+        mv = data if isinstance(data, bytes) else byte_view(data) if isinstance(data, np.ndarray) else memoryview(data).cast("B")
         parts.append(_varint((field << 3) | 2))
         parts.append(_varint(len(mv)))
         parts.append(mv)

@@ -26,7 +26,12 @@ def _served(handler: grpc.GenericRpcHandler, service: str, methods: set[str]) ->
 
 def _called(path: str) -> set[str]:
     src = open(os.path.join(ROOT, path)).read()
-    return set(re.findall(r'_SERVICE \+ "(\w+)"', src)) | set(re.findall(r'u\("(\w+)"\)', src))
+    found = set(re.findall(r'_?SERVICE \+ "(\w+)"', src)) | set(re.findall(r'u\("(\w+)"\)', src))
+    found |= set(re.findall(r'_call\(\w+, "(\w+)"', src))  # PSClient -> ShardStub.call by method name
+    unary = re.search(r"_UNARY = \(([^)]*)\)", src)  # ps/stub.py: the unary stubs it makes
+    if unary:
+        found |= set(re.findall(r'"(\w+)"', unary.group(1)))
+    return found
 
 
 @pytest.mark.parametrize("which", ["ps", "federated"])
@@ -43,7 +48,9 @@ def test_servicers_serve_exactly_the_proto_and_clients_call_only_it(which: str) 
         finally:
             shard.close()
         assert set(METHOD_ROLES) == proto
-        assert _called("ps/client.py") <= proto and _called("ps/replication.py") <= proto
+        assert _called("ps/client.py") <= proto and _called("ps/stub.py") <= proto and _called("ps/replication.py") <= proto
+        assert {"Step", "PullSparse", "PushSparse", "CreateTable"} <= _called("ps/client.py")
+        assert {"PushDense", "PullDense", "Role", "Step"} <= _called("ps/stub.py")
     else:
         from federated.registry import Registry
         from federated.servicer import SERVICE_NAME as FED, FedServicer

@@ -1,0 +1,165 @@
+"""One shard as a client sees it: ``ShardStub``.
+
+A shard is a primary and its backups (``"HOST:PORT|HOST:PORT"``). The stub holds a channel and the
+method stubs (raw bytes in and out; the framing is ``ps.wire``'s) per replica, sends every call to
+the current primary with a deadline, retries UNAVAILABLE with jittered backoff (failing over to
+whichever replica says it is primary with the highest epoch), and turns any other gRPC error into
+the PS's typed error (``ps.errors``, through the two-way table ``ps.wire.ERRORS``) naming the shard.
+
+``PSClient`` (``ps.client``) partitions tables over the shards, fans calls out to their stubs and
+reassembles the results; everything about talking to one shard is here.
+
+Thread-safety: a stub may be used by many threads at once (gRPC channels are; the failover state
+is a replica index, replaced atomically).
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence, TypeVar
+
+import grpc
+
+from ps.errors import InternalError, PSError, ShardUnavailableError
+from ps.wire import ERRORS
+from tessera.service import ClientSecurity, client_channel
+from tessera.v1 import ps_pb2 as pb
+
+__all__ = ["ShardStub", "CallPolicy", "typed_error", "SERVICE"]
+
+T = TypeVar("T")
+
+SERVICE = "/tessera.v1.ParameterServer/"
+
+_UNARY = ("CreateTable", "DescribeTable", "Stats", "PullSparse", "PushSparse", "Join", "Heartbeat", "Checkpoint", "Role", "Step")
+
+
+@dataclass(frozen=True)
+class CallPolicy:
+    """Deadlines and retries of every call: ``timeout`` per attempt (s); UNAVAILABLE is retried for
+    at most ``retry_timeout`` s (and ``retries`` retries; None: only the time bounds them)."""
+
+    timeout: float = 60.0
+    retries: int | None = None
+    retry_timeout: float = 30.0
+
+
+class _Replica:
+    """One server of a shard: its channel and method stubs."""
+
+    def __init__(self, address: str, options: list, interceptors: Sequence[Any], security: ClientSecurity | None) -> None:
+        self.address = address
+        self.channel = client_channel(address, security, options)
+        if interceptors:
+            self.channel = grpc.intercept_channel(self.channel, *interceptors)
+        self.unary = {m: self.channel.unary_unary(SERVICE + m) for m in _UNARY}
+        self.push_dense = self.channel.stream_stream(SERVICE + "PushDense")
+        self.pull_dense = self.channel.unary_stream(SERVICE + "PullDense")
+
+
+class ShardStub:
+    """Shard ``index`` at ``spec`` (``"HOST:PORT"`` or ``"PRIMARY|BACKUP"``): calls go to the current primary."""
+
+    def __init__(
+        self, index: int, spec: str, options: list, policy: CallPolicy = CallPolicy(), interceptors: Sequence[Any] = (),
+        security: ClientSecurity | None = None,
+    ) -> None:
+        self.index = index
+        self.replicas = [_Replica(a, options, interceptors, security) for a in spec.split("|") if a]
+        if not self.replicas:
+            raise ValueError(f"shard {index}: no address in {spec!r}")
+        self.policy = policy
+        self.cur = 0
+        self.label = f"{index} at {spec}"
+        self.failovers = 0
+
+    @property
+    def address(self) -> str:
+        return self.replicas[self.cur].address
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.channel.close()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until the current primary accepts connections (ShardUnavailableError after ``timeout``)."""
+        try:
+            grpc.channel_ready_future(self.replicas[self.cur].channel).result(timeout=timeout)
+        except grpc.FutureTimeoutError:
+            raise ShardUnavailableError(f"shard {self.label} not reachable within {timeout} s") from None
+
+    # ------------------------------------------------------------------ calls
+    def call(self, method: str, request: bytes, table: str | None = None) -> bytes:
+        """Unary ``method`` (a name in the .proto) with ``request`` bytes: the reply's bytes.
+        Deadline and retries per ``policy``; errors raised typed (naming ``table`` where given)."""
+        return self.retry(lambda: self.replicas[self.cur].unary[method](request, timeout=self.policy.timeout), table)
+
+    def push_dense(self, requests: Iterator[bytes]) -> Iterator[bytes]:
+        """The PushDense stream of the current primary (one attempt; wrap it in ``retry``)."""
+        return self.replicas[self.cur].push_dense(requests, timeout=self.policy.timeout)
+
+    def pull_dense(self, request: bytes) -> Iterator[bytes]:
+        """The PullDense stream of the current primary (one attempt; wrap it in ``retry``)."""
+        return self.replicas[self.cur].pull_dense(request, timeout=self.policy.timeout)
+
+    def retry(self, attempt: Callable[[], T], table: str | None = None) -> T:
+        """``attempt()`` until it does not fail UNAVAILABLE, for at most ``policy.retry_timeout`` seconds
+        (and ``policy.retries`` retries): jittered exponential backoff, and a failover check between
+        attempts where the shard has replicas. Any gRPC error left is raised as the PS's typed error."""
+        try:
+            return self._retry(attempt)
+        except grpc.RpcError as e:
+            raise typed_error(e, self.label, table) from None
+
+    def _retry(self, attempt: Callable[[], T]) -> T:
+        deadline = time.monotonic() + self.policy.retry_timeout
+        n = 0
+        while True:
+            try:
+                return attempt()
+            except grpc.RpcError as e:
+                code = e.code() if hasattr(e, "code") else None
+                if code != grpc.StatusCode.UNAVAILABLE or (self.policy.retries is not None and n >= self.policy.retries):
+                    raise
+                cap = 2.0
+                if len(self.replicas) > 1:
+                    before = self.cur
+                    if self.failover() and self.cur != before:
+                        n += 1
+                        continue  # a new primary: try it now
+                    cap = 0.5  # a backup may take over any moment: look again soon
+                delay = min(cap, 0.1 * 2**n) * (0.5 + random.random() / 2)
+                if time.monotonic() + delay > deadline:
+                    raise
+                time.sleep(delay)
+                n += 1
+
+    def failover(self, timeout: float = 1.0) -> bool:
+        """Point at the replica that says it is primary with the highest epoch; True if one does."""
+        best: tuple[int, int] | None = None
+        for j, r in enumerate(self.replicas):
+            try:
+                reply = pb.RoleReply.FromString(r.unary["Role"](pb.RoleRequest().SerializeToString(), timeout=timeout))
+            except grpc.RpcError:
+                continue
+            if reply.role == "primary" and (best is None or reply.epoch > best[1]):
+                best = (j, reply.epoch)
+        if best is None:
+            return False
+        if best[0] != self.cur:
+            self.cur = best[0]
+            self.failovers += 1
+        return True
+
+
+def typed_error(e: grpc.RpcError, address: str, table: str | None = None) -> PSError:
+    """The PS error class the status (and the server's tessera-error metadata) names, with the
+    server's message, the shard and the code; ``err.code`` is the gRPC status code."""
+    found, code, details = ERRORS.exception_of(e)
+    cls: type[PSError] = found if issubclass(found, PSError) else InternalError
+    if table is not None and f"table {table!r}" not in (details or ""):
+        details = f"table {table!r}: {details}"  # e.g. gRPC's own "Received message larger than max"
+    err = cls(f"{details} [shard {address}, {code.name if code else 'unknown'}]")
+    err.code = code  # type: ignore[attr-defined]
+    return err
