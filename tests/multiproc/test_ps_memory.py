@@ -513,3 +513,70 @@ def test_sparse_rows_grow_a_shard_process_by_their_bytes(row_dtype: str, optimiz
     finally:
         client.close()
         stop_processes(procs)
+
+
+# ====================================================================== issue 18: the disk tier's RAM
+TIER_CHILD = r'''
+import json, sys, tempfile, time
+import numpy as np
+import torch
+from ps.config import InitializerSpec, OptimizerSpec, TableSpec
+from ps.table import SparseTable
+from ps.tier import ResidentBudget
+
+torch.set_num_threads(1)  # on a busy 2-core box two OpenMP threads make every gather 5-10x slower
+
+def rss():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+
+rows, dim = int(sys.argv[1]), int(sys.argv[2])
+spec = TableSpec("e", "sparse", dim=dim, optimizer=OptimizerSpec("adagrad", {}), initializer=InitializerSpec("uniform"))
+row_nbytes = SparseTable(spec, 0, 1)._store.row_nbytes
+budget = ResidentBudget(rows // 4 * row_nbytes)
+with tempfile.TemporaryDirectory() as d:
+    t = SparseTable(spec, 0, 1, resident_budget=budget, spill_dir=d)
+    t.pull(np.arange(16, dtype=np.int64))
+    start = peak = rss()
+    ids = np.random.default_rng(0).permutation(np.arange(rows, dtype=np.int64)) * 7919 + 13
+    for a in range(0, rows, 1 << 15):
+        t.pull(ids[a : a + (1 << 15)])
+        peak = max(peak, rss())
+    rng = np.random.default_rng(1)
+    for _ in range(30):  # training-like traffic over the whole table: most pulls hit the disk tier
+        b = rng.choice(ids, 4096, replace=False)
+        t.push(b, np.full((4096, dim), 0.01, np.float32), base_versions=t.pull(b)[1])
+        peak = max(peak, rss())
+    m = t.memory_stats()
+    print(json.dumps({"start": start, "peak": peak, "end": rss(), "budget": budget.limit, "index": m.index_bytes,
+                      "metadata": m.metadata_bytes, "chunk": m.chunk_rows * row_nbytes, "resident_rows": m.resident_rows,
+                      "cold_rows": m.cold_rows, "disk": m.disk_bytes, "payload": rows * row_nbytes}))
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_table_4x_its_resident_budget_keeps_rss_within_the_budget_plus_its_bookkeeping() -> None:
+    """Issue 18, disk tier: 400k rows of dim 64 (fp32, Adagrad: ~230 MB with metadata) in a table
+    whose resident budget is a quarter of that, filled and then trained on with random batches,
+    in a fresh process. RSS growth (peak) must stay within the budget plus the stated overhead:
+    the id index and the metadata of every row (both tiers: they stay in RAM), one chunk of
+    rounding, and 48 MiB for a request's temporaries (a 32k-row pull, its reply, the allocator)."""
+    import json
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", TIER_CHILD, "400000", "64"], capture_output=True, text=True, timeout=100,
+                       check=False, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    overhead = r["index"] + r["metadata"] + r["chunk"] + 48 * MIB
+    growth = r["peak"] - r["start"]
+    print(f"\ntier: {r['resident_rows']:,} resident / {r['cold_rows']:,} cold rows, payload {r['payload'] / MIB:.0f} MiB, "
+          f"budget {r['budget'] / MIB:.0f} MiB, RSS growth peak {growth / MIB:.0f} MiB (end {(r['end'] - r['start']) / MIB:.0f}), "
+          f"allowed {(r['budget'] + overhead) / MIB:.0f} MiB (index {r['index'] / MIB:.0f}, metadata {r['metadata'] / MIB:.0f}, "
+          f"chunk {r['chunk'] / MIB:.1f}); disk {r['disk'] / MIB:.0f} MiB")
+    assert r["cold_rows"] >= 3 * r["resident_rows"] * 0.9
+    assert growth <= r["budget"] + overhead, "the disk tier's process held more than its budget plus bookkeeping"
+    assert growth < 0.6 * r["payload"], "most of the table must not be resident"
