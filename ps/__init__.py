@@ -1,9 +1,10 @@
 """Parameter server: sharded dense and sparse tables with server-side optimizers."""
-from ps.client import DenseResult, PSClient
+from ps.client import DenseResult, PSClient, StepResult
 from ps.consistency import SyncPolicy
 from ps.config import AdmissionSpec, EvictionSpec, InitializerSpec, OptimizerSpec, ShardConfig, TableSpec
 from ps.errors import (
     DeadlineExceededError,
+    DtypeError,
     FailedPreconditionError,
     InvalidArgumentError,
     NonFiniteError,
@@ -19,6 +20,7 @@ from ps.server import build_server, serve
 __all__ = [
     "PSClient",
     "DenseResult",
+    "StepResult",
     "SyncPolicy",
     "AdmissionSpec",
     "EvictionSpec",
@@ -28,6 +30,7 @@ __all__ = [
     "TableSpec",
     "PSError",
     "DeadlineExceededError",
+    "DtypeError",
     "FailedPreconditionError",
     "InvalidArgumentError",
     "NonFiniteError",

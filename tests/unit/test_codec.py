@@ -74,3 +74,30 @@ def test_length_and_dtype_checks() -> None:
         from_wire(b"", "complex64")
     with pytest.raises(CodecError, match="no wire encoding"):
         to_wire(np.zeros(2, np.complex64))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+@pytest.mark.parametrize("src", ["numpy", "torch"])
+def test_float16_cast_through_torch_rounds_as_numpy(src: str) -> None:
+    """The float16 wire cast goes through torch (2-3x numpy's astype): same bits as numpy's
+    round-to-nearest-even, overflow to Inf included; and as_float32 decodes it back exactly."""
+    from tessera.codec import as_float32
+
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.standard_normal(10_000).astype(np.float32) * 1e3, np.array([65504, 65520, 1e6, -1e6, 6e-8, 0.0], np.float32)])
+    name, data = to_wire(torch.from_numpy(x) if src == "torch" else x, "float16")
+    assert name == "float16"
+    got = from_wire(data, "float16")
+    np.testing.assert_array_equal(got.view(np.uint16), x.astype(np.float16).view(np.uint16))
+    back = as_float32(got)
+    assert back.dtype == np.float32
+    np.testing.assert_array_equal(back, x.astype(np.float16).astype(np.float32))
+
+
+def test_pack_frames_empty_arrays() -> None:
+    """An empty bulk field (a BSP step's empty part for a shard) frames as a zero-length field."""
+    from tessera.v1 import ps_pb2 as pb
+
+    raw = pack(pb.PushSparseRequest(table="t"), {14: np.zeros(0, np.int64), 15: np.zeros((0, 4), np.float32)})
+    msg, pl = unpack(pb.PushSparseRequest, raw, (14, 15))
+    assert msg.table == "t" and len(pl[14]) == 0 and len(pl[15]) == 0
