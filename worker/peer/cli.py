@@ -96,6 +96,7 @@ def run_rank(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from worker.peer import PeerConfigError, init_mesh, make_sync
+    from worker.peer.mesh import Liveness
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
 
@@ -131,7 +132,19 @@ def run_rank(args: argparse.Namespace) -> int:
             max_seconds=args.max_seconds, seed=args.seed, progress=rank == 0 and not args.no_progress,
             metrics_out=metrics_out, name=f"rank{rank}", evaluate=not args.no_eval,
         )
-        summary = Trainer(task, sync, cfg).run()
+        liveness = Liveness(rank, world)
+        try:
+            summary = Trainer(task, sync, cfg).run()
+        except (RuntimeError, dist.DistError) as e:
+            if isinstance(e, PeerConfigError):
+                raise
+            # a collective failed or timed out: name the rank that is gone (one line, exit 1)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"tessera peer: rank {rank}: a collective failed: {liveness.dead()} ({type(e).__name__}: {first[:200]})",
+                  file=sys.stderr, flush=True)
+            return 1
+        finally:
+            liveness.close()
         tokens = task.info.get("tokens_per_example", 0.0)
         report: dict[str, Any] = {
             "rank": rank, "world": world, "mode": args.mode, "steps": summary.steps, "seconds": round(summary.seconds, 3),

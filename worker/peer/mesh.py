@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -170,3 +172,61 @@ def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, async_op: bool = F
     """``out`` (len(inp) / world) <- this rank's chunk of the sum of every rank's ``inp``."""
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return fn(out, inp, async_op=async_op)
+
+
+class Liveness:
+    """Heartbeats through the rendezvous store, to name the rank that died when a collective fails.
+
+    Every rank's background thread bumps its counter (``tessera/alive/<rank>``) every ``period_s``.
+    After a failure, ``dead(wait_s)`` reads every counter twice, ``wait_s`` apart: ranks whose
+    counter did not move are named. The store is torchrun's agent store (or rank 0's, when
+    launched without torchrun); if it is unreachable, that is said instead. Connects its own
+    client (``MASTER_ADDR``/``MASTER_PORT``), so it never blocks the process group's store.
+    """
+
+    def __init__(self, rank: int, world: int, period_s: float = 0.5) -> None:
+        self.rank, self.world, self.period_s = rank, world, period_s
+        host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "0"))
+        self.store: Any = None
+        if port:
+            base = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
+            self.store = dist.PrefixStore("tessera/alive/", base)
+            self.store.set(str(rank), "0")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="tessera-liveness", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        n = 0
+        while not self._stop.wait(self.period_s):
+            n += 1
+            try:
+                if self.store is not None:
+                    self.store.set(str(self.rank), str(n))
+            except Exception:  # noqa: BLE001 - the store's host is gone; dead() says so
+                return
+
+    def _read(self) -> dict[int, str]:
+        out = {}
+        for r in range(self.world):
+            if r != self.rank and self.store.check([str(r)]):
+                out[r] = self.store.get(str(r)).decode()
+        return out
+
+    def dead(self, wait_s: float = 2.0) -> str:
+        """A sentence naming the ranks that stopped beating (blocking about ``wait_s``)."""
+        if self.store is None:
+            return "no rendezvous store to ask which rank is gone"
+        try:
+            first = self._read()
+            time.sleep(wait_s)
+            second = self._read()
+        except Exception as e:  # noqa: BLE001 - the store lives with torchrun's agent or rank 0
+            return f"the rendezvous store (torchrun's agent, or rank 0 without torchrun) is unreachable: {type(e).__name__}"
+        gone = sorted(r for r in range(self.world) if r != self.rank and (r not in second or first.get(r) == second.get(r)))
+        if not gone:
+            return "every rank is still alive: one is stalled (or the ranks issued different collectives)"
+        return f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} stopped responding"
+
+    def close(self) -> None:
+        self._stop.set()
