@@ -23,10 +23,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (
-            not action.option_strings or "%(default)" in text or "(default" in text
-            or action.default in (None, False, "", [], argparse.SUPPRESS)
-        ):
+        d = action.default
+        nothing = d is None or d is False or d is argparse.SUPPRESS or (isinstance(d, (str, list)) and not d)
+        if not action.option_strings or "%(default)" in text or "(default" in text or nothing:
             return text
         return f"{text} (default: %(default)s)"
 

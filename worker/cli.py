@@ -45,7 +45,7 @@ def add_worker_commands(sub: Any) -> None:
     )
     w.add_argument(
         "--retry-timeout", type=float, default=60.0, metavar="SECONDS",
-        help="how long a call keeps retrying (and failing over) an unreachable shard before the worker gives up (default 60)",
+        help="how long the worker waits for its shards at start, and a call keeps retrying (and failing over) an unreachable shard, before it gives up",
     )
     add_client_security_args(w)
     w.add_argument("--task", default="ctr", help="ctr, digits, or module:function (a module in the current directory or on PYTHONPATH)")

@@ -171,7 +171,9 @@ def test_help_has_a_line_for_every_option_shows_defaults_and_no_markup(command) 
         text = p.format_help()
         assert "``" not in text and ":func:" not in text and ":class:" not in text, text
         for action in p._actions:
-            if action.option_strings and action.default not in (None, False, "", [], argparse.SUPPRESS) and action.help:
+            d = action.default
+            nothing = d is None or d is False or d is argparse.SUPPRESS or (isinstance(d, (str, list)) and not d)
+            if action.option_strings and not nothing and action.help:
                 assert "default" in (p._get_formatter()._expand_help(action) if action.help else ""), (path, action.dest)
     assert seen
 
