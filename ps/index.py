@@ -2,7 +2,8 @@
 vectorized over numpy arrays (one probe round per array op, not one Python dict probe per id).
 
 Linear probing on a power-of-two table kept at most half full; deletions leave tombstones that
-inserts reuse and that a rebuild clears. Not thread-safe: the owning table's lock guards it.
+inserts reuse and that a rebuild clears. 12 bytes a slot: an int64 key and an int32 value that
+also marks empty and deleted slots. Not thread-safe: the owning table's lock guards it.
 
 The home slot is a *keyed* hash: two rounds of the splitmix64 finalizer, each keyed by a random
 64-bit key chosen per index (``secrets.randbits``, so per table and per load). Ids come from the network; with the plain, invertible
@@ -21,12 +22,19 @@ from ps.partition import mix64
 
 __all__ = ["IdIndex"]
 
-_EMPTY, _USED, _TOMB = np.uint8(0), np.uint8(1), np.uint8(2)
-BYTES_PER_SLOT = 8 + 8 + 1  # key, row, state
+# One int32 per slot holds the value or a marker (12 bytes a slot with the int64 key, instead of
+# 8 + 8 + a state byte): values are rows (>= 0) or a table's negative location codes (the disk
+# tier's slots), always above the two markers.
+_EMPTY = np.int32(np.iinfo(np.int32).min)
+_TOMB = np.int32(np.iinfo(np.int32).min + 1)
+VALUE_MIN, VALUE_MAX = int(_TOMB) + 1, int(np.iinfo(np.int32).max)
+BYTES_PER_SLOT = 8 + 4  # key, value (or marker)
 
 
 class IdIndex:
-    """``key``: the hash key (default: a fresh random one); tests pass one to reproduce a layout."""
+    """``key``: the hash key (default: a fresh random one); tests pass one to reproduce a layout.
+
+    Values are ints in [VALUE_MIN, VALUE_MAX] (int32 but the two markers)."""
 
     def __init__(self, capacity: int = 1024, key: int | None = None) -> None:
         k = secrets.randbits(128) if key is None else int(key)
@@ -39,6 +47,11 @@ class IdIndex:
     def nbytes(self) -> int:
         """Bytes held by the table's arrays."""
         return (self.mask + 1) * BYTES_PER_SLOT
+
+    @property
+    def used(self) -> np.ndarray:
+        """Mask of the slots holding an entry."""
+        return self.vals > _TOMB
 
     def _cap_for(self, extra: int) -> int:
         """Slots after inserting ``extra`` new ids (the current number when no rebuild is due)."""
@@ -55,8 +68,7 @@ class IdIndex:
 
     def _alloc(self, cap: int) -> None:
         self.keys = np.zeros(cap, np.int64)
-        self.vals = np.zeros(cap, np.int64)
-        self.state = np.zeros(cap, np.uint8)
+        self.vals = np.full(cap, _EMPTY, np.int32)
         self.mask = cap - 1
         self.tombs = 0
 
@@ -75,16 +87,16 @@ class IdIndex:
         todo = np.arange(len(ids))
         while todo.size:
             hs = h[todo]
-            st = self.state[hs]
-            hit = (st == _USED) & (self.keys[hs] == ids[todo])
+            v = self.vals[hs]
+            hit = (v > _TOMB) & (self.keys[hs] == ids[todo])
             slot[todo[hit]] = hs[hit]
-            go_on = ~hit & (st != _EMPTY)  # a tombstone or another key: probe further
+            go_on = ~hit & (v != _EMPTY)  # a tombstone or another key: probe further
             todo = todo[go_on]
             h[todo] = (hs[go_on] + 1) & self.mask
         return slot
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
-        """Row of each id (any order, duplicates allowed), -1 where absent."""
+        """Value of each id (int64; any order, duplicates allowed), -1 where absent."""
         ids = np.ascontiguousarray(ids, np.int64)
         slot = self._find(ids)
         out = np.full(len(ids), -1, np.int64)
@@ -92,16 +104,24 @@ class IdIndex:
         out[have] = self.vals[slot[have]]
         return out
 
+    @staticmethod
+    def _check(rows: np.ndarray) -> np.ndarray:
+        rows = np.asarray(rows, np.int64)
+        if rows.size and (int(rows.min()) < VALUE_MIN or int(rows.max()) > VALUE_MAX):
+            raise OverflowError(f"index values must lie in [{VALUE_MIN}, {VALUE_MAX}]")
+        return rows.astype(np.int32)
+
     def insert(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Add ``ids`` (unique, none present) -> ``rows``."""
         ids = np.ascontiguousarray(ids, np.int64)
+        rows = self._check(rows)
         if self.n + self.tombs + len(ids) > (self.mask + 1) // 2:
             self._rebuild(self.n + len(ids))
         h = self._home(ids)
         todo = np.arange(len(ids))
         while todo.size:
             hs = h[todo]
-            free = self.state[hs] != _USED
+            free = self.vals[hs] <= _TOMB
             # ids of this batch that probe the same free slot: each writes its key there, one write
             # wins (reading the slot back tells which); the rest probe on. No sort per round.
             cand = todo[free]
@@ -109,9 +129,8 @@ class IdIndex:
             self.keys[cs] = ids[cand]
             won = self.keys[cs] == ids[cand]
             slots, winners = cs[won], cand[won]
-            self.tombs -= int(np.count_nonzero(self.state[slots] == _TOMB))
+            self.tombs -= int(np.count_nonzero(self.vals[slots] == _TOMB))
             self.vals[slots] = rows[winners]
-            self.state[slots] = _USED
             lost = np.ones(len(todo), bool)
             lost[np.flatnonzero(free)[won]] = False
             todo = todo[lost]
@@ -122,23 +141,23 @@ class IdIndex:
         """Point ``ids`` (unique, each present) at new ``rows``."""
         slot = self._find(np.ascontiguousarray(ids, np.int64))
         assert (slot >= 0).all(), "assign to an id that is not in the index"
-        self.vals[slot] = rows
+        self.vals[slot] = self._check(rows)
 
     def delete(self, ids: np.ndarray) -> None:
         """Remove ``ids`` (each present)."""
         slot = self._find(np.ascontiguousarray(ids, np.int64))
         slot = slot[slot >= 0]
-        self.state[slot] = _TOMB
+        self.vals[slot] = _TOMB
         self.n -= len(slot)
         self.tombs += len(slot)
 
     def items(self) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, rows) of every entry, in slot order."""
-        used = self.state == _USED
-        return self.keys[used].copy(), self.vals[used].copy()
+        """(ids, values (int64)) of every entry, in slot order."""
+        used = self.used
+        return self.keys[used].copy(), self.vals[used].astype(np.int64)
 
     def values(self) -> np.ndarray:
-        return self.vals[self.state == _USED].copy()
+        return self.vals[self.used].astype(np.int64)
 
     def _rebuild(self, need: int) -> None:
         ids, rows = self.items()
