@@ -54,11 +54,73 @@ def init_dense(spec: InitializerSpec, key: np.uint64, start: int, stop: int) -> 
 
 
 def init_rows(spec: InitializerSpec, key: np.uint64, ids: np.ndarray, dim: int) -> np.ndarray:
-    """Initial rows (len(ids) x dim, float32) for int64 ids."""
+    """Initial rows (len(ids) x dim, float32) for int64 ids.
+
+    Element (i, j) is ``_values(spec, mix64(ids[i] ^ key) + (j + 1) * GOLDEN)``; computed here in
+    blocks that stay in cache, with in-place operations (the same operations in the same order,
+    so the same bits as the plain formula, ~2x faster on a table filling up)."""
     n = len(ids)
     if spec.name in ("zeros", "constant"):
         return _values(spec, np.empty((n, dim), _U64))
     with np.errstate(over="ignore"):
         row_keys = mix64(np.asarray(ids, np.int64).view(_U64) ^ key)
-        counters = row_keys[:, None] + np.arange(1, dim + 1, dtype=_U64)[None, :] * GOLDEN
-    return _values(spec, counters)
+        steps = np.arange(1, dim + 1, dtype=_U64) * GOLDEN
+    out = np.empty((n, dim), np.float32)
+    block = max(1, _BLOCK_ELEMS // max(1, dim))
+    for a in range(0, n, block):
+        b = min(n, a + block)
+        with np.errstate(over="ignore"):
+            c = np.add.outer(row_keys[a:b], steps)
+        out[a:b] = _values_blocked(spec, c)
+    return out
+
+
+_BLOCK_ELEMS = 1 << 14  # elements per block: the u64 and f64 buffers stay in L2
+
+
+def _mix64_(z: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+    """mix64 in place (``tmp``: a scratch array like ``z``)."""
+    with np.errstate(over="ignore"):
+        np.right_shift(z, _U64(30), out=tmp)
+        z ^= tmp
+        z *= _U64(0xBF58476D1CE4E5B9)
+        np.right_shift(z, _U64(27), out=tmp)
+        z ^= tmp
+        z *= _U64(0x94D049BB133111EB)
+        np.right_shift(z, _U64(31), out=tmp)
+        z ^= tmp
+    return z
+
+
+def _uniform01_(c: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """uniform01(c) into ``out`` (float64), consuming ``c``."""
+    _mix64_(c, tmp)
+    np.right_shift(c, _U64(11), out=c)
+    np.add(c, 1.0, out=out, casting="unsafe")  # c < 2^53: exact in float64, as astype(float64) + 1.0
+    out *= 1.0 / 9007199254740992.0
+    return out
+
+
+def _values_blocked(spec: InitializerSpec, c: np.ndarray) -> np.ndarray:
+    p = spec.params
+    tmp = np.empty_like(c)
+    if spec.name == "uniform":
+        u = _uniform01_(c.copy(), tmp, np.empty(c.shape, np.float64))
+        u *= p["high"] - p["low"]
+        u += p["low"]
+        return u
+    if spec.name == "normal":
+        with np.errstate(over="ignore"):
+            c2 = c ^ _SECOND
+        u = _uniform01_(c, tmp, np.empty(c.shape, np.float64))
+        u2 = _uniform01_(c2, tmp, np.empty(c.shape, np.float64))
+        np.log(u, out=u)
+        u *= -2.0
+        np.sqrt(u, out=u)
+        u2 *= 2.0 * np.pi
+        np.cos(u2, out=u2)
+        u *= u2
+        u *= p["std"]
+        u += p["mean"]
+        return u
+    return _values(spec, c)

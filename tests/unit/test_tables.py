@@ -120,3 +120,22 @@ def test_eviction_ttl() -> None:
         t.push(hot, np.ones((1, 4), np.float32))
     alive = {i for i, _ in t.items()}
     assert 1 not in alive and 2 in alive and t.evicted == 1
+
+
+@pytest.mark.parametrize("init", [InitializerSpec("uniform"), InitializerSpec("uniform", {"low": -1.5, "high": 0.25}),
+                                  InitializerSpec("normal"), InitializerSpec("normal", {"mean": 0.3, "std": 2.0})])
+def test_blocked_init_rows_give_the_plain_formulas_bits(init: InitializerSpec) -> None:
+    """init_rows computes in cache-sized blocks with in-place operations; reference: the plain
+    formula (one counter per element through ps.initializers._values), bit for bit, so rows
+    created before and after the change are the same."""
+    from ps.initializers import _values
+    from ps.partition import GOLDEN, mix64
+
+    key = table_key("t", 3)
+    ids = np.random.default_rng(0).integers(-(2**63), 2**63 - 1, 3000)
+    for dim in (1, 7, 64, 300):
+        with np.errstate(over="ignore"):
+            c = mix64(ids.view(np.uint64) ^ key)[:, None] + np.arange(1, dim + 1, dtype=np.uint64)[None, :] * GOLDEN
+        want = _values(init, c)
+        got = init_rows(init, key, ids, dim)
+        assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32)), dim
