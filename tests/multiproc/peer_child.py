@@ -10,6 +10,7 @@ compared after every step.
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -70,7 +71,10 @@ def reference(task: Task, opt: Callable[[Any], torch.optim.Optimizer], world: in
 def train(task: Task, mode: str, world: int, rank: int, batch: int, steps: int, **kw: Any):
     """[(global loss, flat params after the step)] of this rank in peer ``mode``, and the sync."""
     accumulate = kw.pop("accumulate", 1)
+    ckpt = kw.pop("checkpoint", None)
     sync = make_sync(mode, task.model, task.dense_optimizer, device="cpu", **kw)
+    if ckpt:
+        sync.set_checkpointing(*ckpt)
     seen: list[tuple[float, torch.Tensor]] = []
 
     def on_step(step: int, tr: Trainer) -> None:
@@ -149,6 +153,18 @@ def main(checks: list[str]) -> None:
             got, _ = train(task, "zero3", world, rank, 2, 3)
             compare(check, got, want, 1e-5, 1e-6)
             print("OK gpt-zero3", flush=True)
+        elif check.startswith(("ckpt-save:", "ckpt-load:")):
+            # save: train 4 steps, checkpoint after 3; load: resume from it (any world size, any mode)
+            # and train step 3 only. Both print step 3's global loss and the parameters after it.
+            kind, directory, mode = check.split(":")
+            task = tiny_task()
+            got, sync = train(task, mode, world, rank, 16 // world, 4, checkpoint=(directory, 3))
+            if kind == "ckpt-load":
+                assert sync.resumed_from and sync.resumed_from.endswith("step-3"), sync.resumed_from
+                assert len(got) == 1, len(got)
+            loss, params = got[-1]
+            print(f"CKPT {kind} {mode} " + json.dumps({"loss": loss, "params": params.tolist()}), flush=True)
+            print(f"OK {check}", flush=True)
         else:
             raise SystemExit(f"unknown check {check!r}")
     dist.destroy_process_group()

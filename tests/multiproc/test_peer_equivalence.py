@@ -4,10 +4,13 @@ Each test starts D rank processes (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, as t
 them) running tests/multiproc/peer_child.py, which runs several checks in one process group and
 compares, at every step, the global loss and the parameters with a reference computed in the
 same process: a deep copy of the same initial model trained with ``torch.optim`` on the global
-batch (fp32: rtol 1e-5; fp64 SGD lr=1: rtol 1e-12; bf16 transport: rtol 2e-2).
+batch (fp32: rtol 1e-5; fp64 SGD lr=1: rtol 1e-12; bf16 transport: rtol 2e-2). A ZeRO-3
+checkpoint saved at D=4 is resumed at D=2 (in ZeRO-1 and in DP) with the same next step.
+Two process groups in all (one D=4, one D=2), to keep the suite fast on 2 cores.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -15,6 +18,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHILD = os.path.join(ROOT, "tests", "multiproc", "peer_child.py")
@@ -60,13 +64,42 @@ def _check(results: list[tuple[int, str, str]], checks: list[str]) -> None:
             assert f"OK {c}" in so, f"rank {r}: check {c} did not report OK:\n{so}\n{se[-2000:]}"
 
 
-@pytest.mark.timeout(200)
-def test_d2_dp_zero_accumulation_compression_match_one_process() -> None:
-    checks = ["dp", "dp64", "zero1", "zero2", "zero3", "accum-dp", "accum-zero2", "accum-zero3", "bf16", "gpt-zero3"]
-    _check(run_ranks(2, checks), checks)
+D2_CHECKS = ["dp", "dp64", "zero1", "zero2", "zero3", "accum-dp", "accum-zero2", "accum-zero3", "bf16", "gpt-zero3"]
+D4_CHECKS = ["dp", "dp64", "zero3"]
+
+
+def _ckpt(out: str, kind: str, mode: str) -> tuple[float, list[float]]:
+    line = next(line for line in out.splitlines() if line.startswith(f"CKPT {kind} {mode} "))
+    rec = json.loads(line.split(" ", 3)[3])
+    return rec["loss"], rec["params"]
+
+
+@pytest.fixture(scope="module")
+def d4(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[tuple[int, str, str]]]:
+    """One D=4 process group: the D=4 checks, then 4 ZeRO-3 steps with a checkpoint after step 3."""
+    d = str(tmp_path_factory.mktemp("peer") / "ckpt")
+    return d, run_ranks(4, [*D4_CHECKS, f"ckpt-save:{d}:zero3"])
 
 
 @pytest.mark.timeout(200)
-def test_d4_dp_matches_one_process_fp32_and_fp64() -> None:
-    checks = ["dp", "dp64", "zero3"]
-    _check(run_ranks(4, checks), checks)
+def test_d4_dp_fp32_fp64_and_zero3_match_one_process(d4) -> None:
+    d, results = d4
+    _check(results, [*D4_CHECKS, f"ckpt-save:{d}:zero3"])
+    assert sorted(os.listdir(d)) == ["step-3"] and len(os.listdir(os.path.join(d, "step-3"))) == 5  # 4 ranks + manifest
+
+
+@pytest.mark.timeout(200)
+def test_d2_dp_zero_accumulation_compression_and_resuming_the_d4_checkpoint(d4) -> None:
+    """D=2 checks, and the ZeRO-3 checkpoint saved at D=4 resumed at D=2 in ZeRO-1 and in DP:
+    reference for the resumed step: the D=4 run itself, which went on past its checkpoint (step 3's
+    global loss and the parameters after it, rtol 1e-5)."""
+    d, saved = d4
+    _check(saved, [f"ckpt-save:{d}:zero3"])
+    want_loss, want_params = _ckpt(saved[0][1], "ckpt-save", "zero3")
+    checks = [*D2_CHECKS, f"ckpt-load:{d}:zero1", f"ckpt-load:{d}:dp"]
+    loaded = run_ranks(2, checks)
+    _check(loaded, checks)
+    for mode in ("zero1", "dp"):
+        loss, params = _ckpt(loaded[0][1], "ckpt-load", mode)
+        assert loss == pytest.approx(want_loss, rel=1e-5), mode
+        torch.testing.assert_close(torch.tensor(params), torch.tensor(want_params), rtol=1e-5, atol=1e-6)

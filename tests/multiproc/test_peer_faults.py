@@ -9,7 +9,6 @@ import sys
 import time
 
 import pytest
-
 from test_peer_equivalence import ROOT, _free_port  # type: ignore[import-not-found]
 
 GPT = ["--task", "gpt", "--task-opt", "dim=32", "--task-opt", "seq=16", "--task-opt", "layers=1", "--no-progress",

@@ -47,7 +47,12 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-out", default=None, help="directory: rank<r>.jsonl per rank")
     p.add_argument("--torch-threads", type=int, default=0, help="intra-op threads per rank (0: cores / local ranks)")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="peak of one device for MFU (0: a table for known GPUs; CPU: measured matmul)")
+    p.add_argument("--checkpoint-dir", default=None, help="sharded checkpoints here (a directory every rank can read); a run resumes from the newest")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: never)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve Prometheus metrics on this port + LOCAL_RANK (GET /metrics; 0: no endpoint)")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
 
 
 def _kv(items: list[str]) -> dict[str, Any]:
@@ -125,7 +130,16 @@ def run_rank(args: argparse.Namespace) -> int:
             args.mode, task.model, task.dense_optimizer, device=mesh.device, bucket_mb=args.bucket_mb,
             compress=None if args.compress == "none" else args.compress, settings=settings,
         )
+        if args.checkpoint_dir:
+            sync.set_checkpointing(args.checkpoint_dir, args.checkpoint_every)
         metrics_out = os.path.join(args.metrics_out, f"rank{rank}.jsonl") if args.metrics_out else None
+        if args.metrics_port:  # Prometheus over this rank's trainer records (one port per local rank)
+            from tessera.metrics import TrainerCollector, metrics_file, serve_metrics
+
+            metrics_out = metrics_out or metrics_file(argparse.Namespace(), prefix=f"tessera-rank{rank}-")
+            port = serve_metrics(args.metrics_port + int(os.environ.get("LOCAL_RANK", "0")), args.metrics_host,
+                                 [TrainerCollector(metrics_out)])
+            print(f"tessera peer: rank {rank} metrics on {args.metrics_host}:{port}", file=sys.stderr, flush=True)
         cfg = TrainConfig(
             mode=args.mode, steps=args.steps, batch_size=per_rank, worker_index=rank, num_workers=world,
             device=str(mesh.device), accumulate=args.accumulate, eval_every=args.eval_every, log_every=args.log_every,

@@ -26,6 +26,13 @@ from torch import nn
 
 from worker.flat import FlatParams
 from worker.paramsync import Fetched, Grads, ParamSync, PushResult
+from worker.peer.checkpoint import (
+    Checkpointing,
+    CheckpointReader,
+    Piece,
+    optimizer_pieces,
+    state_keys,
+)
 from worker.peer.mesh import (
     PeerConfigError,
     all_gather_into,
@@ -79,7 +86,7 @@ def _bucket(flat: FlatParams, index: int, params: list[int]) -> Bucket:
     return Bucket(index, min(s.offset for s in segs), max(s.offset + s.numel for s in segs), sorted(params))
 
 
-class AllReduceDP(ParamSync):
+class AllReduceDP(ParamSync, Checkpointing):
     """Every rank holds the whole model; gradients are averaged by bucketed all-reduce.
 
     ``model``: moved to ``device``; its trainable parameters become a ``FlatParams``.
@@ -104,6 +111,8 @@ class AllReduceDP(ParamSync):
         self.model = model
         self.device = torch.device(device)
         self.flat = FlatParams.of(model, self.device)
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.names = [names[id(p)] for p in self.flat.params]
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.compress = COMPRESS[compress]
         self.compress_name = compress or "none"
@@ -129,10 +138,11 @@ class AllReduceDP(ParamSync):
             "bucket_bytes": self.bucket_bytes, "compress": self.compress_name, **self.settings,
         }, self._agree_device())
         dist.broadcast(self.flat.data, 0)
+        start = self._resume()  # the newest checkpoint, if checkpointing is on and there is one
         for p in self.flat.params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._ready))
         self._reset()
-        return 0
+        return start
 
     def _agree_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -229,6 +239,7 @@ class AllReduceDP(ParamSync):
         self.allreduce_gradients()
         self.comm_wait_s += time.perf_counter() - t0
         self.optimizer.step()
+        self._maybe_save(step + 1)
         return PushResult()
 
     def allreduce_gradients(self) -> None:
@@ -237,6 +248,33 @@ class AllReduceDP(ParamSync):
         self._launch_ready(force=True)
         for b in self.buckets:
             self._finish(b)
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_pieces(self) -> tuple[list[Piece], dict[str, float]]:
+        """Rank 0 saves every parameter and its optimizer state whole (they are replicated)."""
+        pieces: list[Piece] = []
+        scalars: dict[str, float] = {}
+        if dist.get_rank() != 0:
+            return pieces, scalars
+        for p, n in zip(self.flat.params, self.names):
+            pieces.append(Piece(f"param/{n}", 0, p.detach().reshape(-1)))
+            ps, sc = optimizer_pieces(self.optimizer.state.get(p, {}), n, p.numel(), 0, p.numel(), 0)
+            pieces += ps
+            scalars.update(sc)
+        return pieces, scalars
+
+    def load_checkpoint(self, reader: CheckpointReader) -> None:
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        with torch.no_grad():
+            for i, (p, n) in enumerate(zip(self.flat.params, self.names)):
+                p.data.view(-1).copy_(reader.read(f"param/{n}", 0, p.numel()))
+                keys = state_keys(reader, n)
+                if keys:
+                    state[i] = {k: reader.read(f"state/{k}/{n}", 0, p.numel()).view_as(p).to(p) for k in keys}
+                    state[i].update({k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()})
+        if state:
+            sd = self.optimizer.state_dict()
+            self.optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -32,6 +32,13 @@ import torch.distributed as dist
 from torch import nn
 
 from worker.paramsync import Fetched, Grads, ParamSync, PushResult
+from worker.peer.checkpoint import (
+    Checkpointing,
+    CheckpointReader,
+    Piece,
+    optimizer_pieces,
+    state_keys,
+)
 from worker.peer.data_parallel import optimizer_state_bytes
 from worker.peer.mesh import (
     PeerConfigError,
@@ -69,7 +76,7 @@ def _alloc(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(want)
 
 
-class ZeroSync(ParamSync):
+class ZeroSync(ParamSync, Checkpointing):
     """ZeRO ``stage`` 1, 2 or 3 over the default process group (initialised before construction).
 
     ``model`` is moved to ``device``; ``optimizer`` is a task's ``OptimizerSpec`` or a factory
@@ -96,6 +103,7 @@ class ZeroSync(ParamSync):
         self.flat = None  # type: ignore[assignment]  # sharded: see parameters()
         self.units: list[_Unit] = []
         offset = 0
+        names = {id(p): n for n, p in model.named_parameters()}
         for m in model.modules():
             ps = [p for p in m.parameters(recurse=False) if p.requires_grad]
             if not ps:
@@ -121,6 +129,7 @@ class ZeroSync(ParamSync):
         self.shard_grad = self.shard.grad = torch.zeros_like(self.shard)
         self.optimizer = torch_optimizer(optimizer)([self.shard])
         self._unit_of = {id(p): u for u in self.units for p in u.params}
+        self._names = names
         self._hooks: list[Any] = []
         self._syncing = True
         self._inflight: list[_Unit] = []  # stage 2/3: units whose reduce-scatter may still run
@@ -136,6 +145,9 @@ class ZeroSync(ParamSync):
             for u in self.units:
                 dist.broadcast(u.full, 0)  # rank 0's initial values everywhere
                 self._my_chunk_of(u.full, u, into_shard=True)
+        start = self._resume()  # the newest checkpoint, if checkpointing is on and there is one
+        if start:
+            self._share_chunks()
         for u in self.units:
             for p in u.params:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._ready))
@@ -152,7 +164,7 @@ class ZeroSync(ParamSync):
                 _free(u.full)
                 u.gathered = False
         self._reset()
-        return 0
+        return start
 
     def leave(self) -> None:
         for h in self._hooks:
@@ -293,10 +305,60 @@ class ZeroSync(ParamSync):
         self.comm_wait_s += time.perf_counter() - t0
         self.optimizer.step()
         if self.stage < 3:
-            with torch.no_grad():
-                for u in self.units:
-                    all_gather_into(u.full, self.shard.data[u.offset : u.offset + u.chunk])
+            self._share_chunks()
+        self._maybe_save(step + 1)
         return PushResult()
+
+    def _share_chunks(self) -> None:
+        """Every unit's full values from the ranks' updated chunks (stage 1/2; stage 3 gathers just in time)."""
+        with torch.no_grad():
+            for u in self.units:
+                if u.gathered:
+                    all_gather_into(u.full, self.shard.data[u.offset : u.offset + u.chunk])
+
+    # ------------------------------------------------------------------ checkpoints
+    def _owned(self) -> list[tuple[str, int, int, int]]:
+        """(parameter name, its first element this rank owns, how many, where they are in the shard)."""
+        out = []
+        for u in self.units:
+            mine_lo, mine_hi = self.rank * u.chunk, (self.rank + 1) * u.chunk
+            a = 0
+            for p in u.params:
+                lo, hi = max(a, mine_lo), min(a + p.numel(), mine_hi)
+                if lo < hi:
+                    out.append((self._names[id(p)], lo - a, hi - lo, u.offset + lo - mine_lo))
+                a += p.numel()
+        return out
+
+    def checkpoint_pieces(self) -> tuple[list[Piece], dict[str, float]]:
+        """Each rank saves the elements of each parameter (and of its optimizer state) in its chunks."""
+        pieces: list[Piece] = []
+        scalars: dict[str, float] = {}
+        st = self.optimizer.state.get(self.shard, {})
+        for name, at, n, s0 in self._owned():
+            pieces.append(Piece(f"param/{name}", at, self.shard.detach()[s0 : s0 + n]))
+            ps, sc = optimizer_pieces(st, name, self.shard.numel(), s0, s0 + n, at)
+            pieces += ps
+            scalars.update(sc)
+        return pieces, scalars
+
+    def load_checkpoint(self, reader: CheckpointReader) -> None:
+        owned = self._owned()
+        keys = state_keys(reader, owned[0][0]) if owned else []
+        with torch.no_grad():
+            self.shard.data.zero_()
+            state = {k: torch.zeros_like(self.shard) for k in keys}
+            for name, at, n, s0 in owned:
+                reader.read(f"param/{name}", at, n, out=self.shard.data[s0 : s0 + n])
+                for k in keys:
+                    reader.read(f"state/{k}/{name}", at, n, out=state[k][s0 : s0 + n])
+        # every rank loads optimizer state if any rank has some (ranks with empty shards too)
+        has = torch.tensor([1 if keys else 0], dtype=torch.int64)
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)
+        if int(has):
+            full = {**state, **{k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()}}
+            sd = self.optimizer.state_dict()
+            self.optimizer.load_state_dict({"state": {0: full}, "param_groups": sd["param_groups"]})
 
     def parameters(self) -> torch.Tensor:
         """The whole model's parameters, flat in parameter order (stage 3: gathered; every rank calls it)."""
