@@ -84,6 +84,9 @@ def add_fed_commands(sub: Any) -> None:
     s.add_argument("--wait-timeout", type=float, default=None,
                    help="give up (exit 1) when too few clients connect within this many seconds (None: wait forever)")
     add_server_security_args(s)  # --tls-cert --tls-key --tls-ca --token-file --insecure
+    from tessera.metrics import add_metrics_args
+
+    add_metrics_args(s)  # --metrics-port/--metrics-host: Prometheus (RPCs, rounds, clients connected)
     s.add_argument("--tokens", dest="token_file", help="the older name of --token-file")
     s.add_argument("--checkpoint", help="checkpoint file, written every round; resumes from it when present")
     s.add_argument("--results", help="write the round history (and peak RSS) here as JSON")
@@ -188,6 +191,10 @@ def _server(args: argparse.Namespace) -> int:
         _reraise_if_debug(args)
         print(f"tessera-fed: {e}", file=sys.stderr, flush=True)
         return 2
+    if args.metrics_port:
+        from tessera.metrics import FedCollector, start_from_args
+
+        start_from_args(args, [FedCollector(server)], what="tessera-fed")
     code, failure = 0, None
     try:
         history = serve(server, ready_file=args.ready_file)

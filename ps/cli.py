@@ -92,6 +92,9 @@ def add_ps_commands(sub: Any) -> None:
         help="the identity in --token-file whose token this shard uses to reach its primary/backup (default replica)",
     )
     add_server_security_args(s)
+    from tessera.metrics import add_metrics_args
+
+    add_metrics_args(s)
     s.set_defaults(func=_serve)
 
     c = ps.add_parser("checkpoint", help="checkpoint every shard at one BSP clock (a consistent cut)")
@@ -176,12 +179,33 @@ def _serve(args: argparse.Namespace) -> int:
         tls_key=args.tls_key if args.tls_ca else None,
         token=(security.tokens or {}).get(args.peer_identity),
     )
+    if args.metrics_port:
+        _watch_shard_metrics(args)
     try:
         serve(cfg, ready_file=args.ready_file, restore=args.restore, security=security, peer=peer)
     except ConfigError as e:
         print(f"tessera-ps: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _watch_shard_metrics(args: argparse.Namespace) -> None:
+    """--metrics-port: serve Prometheus metrics; the shard's own figures (ShardCollector over
+    Shard.stats()) are registered once ps.server has built the shard."""
+    from prometheus_client import REGISTRY
+
+    from ps import server as ps_server
+    from tessera.metrics import ShardCollector, start_from_args
+
+    start_from_args(args, what="tessera-ps")
+    build = ps_server.build_server
+
+    def build_and_watch(*a: Any, **k: Any) -> Any:
+        server, port, shard = build(*a, **k)
+        REGISTRY.register(ShardCollector(shard))
+        return server, port, shard
+
+    ps_server.build_server = build_and_watch  # type: ignore[assignment]  # this process's one shard
 
 
 def is_internal_table(name: str) -> bool:

@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("identities", nargs="+", help="IDENTITY[:ROLE,ROLE...], e.g. admin:admin,worker w0:worker w1:worker backup:replica")
     t.add_argument("--out", required=True, help="the token file to write (mode 0600; give each client only its own line)")
     t.set_defaults(func=_tokens)
+    from tessera.health import add_health_command
+
+    add_health_command(sub)
     _finish(parser)
     _EXPLAINERS[:] = [explain_ps, explain_worker]
     return parser

@@ -417,10 +417,13 @@ def build_server(
     """A started server: (server, bound port, health servicer). ``security.check(host)`` runs first."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+    from tessera.metrics import MetricsInterceptor
+
     security.check(host)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
-        interceptors=list(interceptors) or None,
+        # outermost: every call is counted (requests, bytes, latency by method and code), refusals too
+        interceptors=[MetricsInterceptor(name), *interceptors],
         options=server_options(max_message_bytes) + list(extra_options),
     )
     server.add_generic_rpc_handlers(tuple(handlers))

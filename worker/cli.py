@@ -72,6 +72,9 @@ def add_worker_commands(sub: Any) -> None:
         help="precision of pushes and pulls on the wire (tables stay float32; default float32)",
     )
     w.add_argument("--metrics-out", default=None, help="append JSON lines (steps, evals, summary) here")
+    from tessera.metrics import add_metrics_args
+
+    add_metrics_args(w)  # --metrics-port/--metrics-host: Prometheus endpoint over the trainer's records
     w.add_argument("--no-progress", action="store_true", help="no progress bar")
     w.add_argument("--name", default="", help="worker name on the shards (default w<index>)")
     w.add_argument(
@@ -164,6 +167,11 @@ def _worker(args: argparse.Namespace) -> int:
             f"--worker-index {args.worker_index} is out of range for --num-workers {args.num_workers}: "
             f"give each worker one index of 0..{args.num_workers - 1}"
         )
+    if args.metrics_port:
+        from tessera.metrics import TrainerCollector, metrics_file, start_from_args
+
+        args.metrics_out = metrics_file(args)
+        start_from_args(args, [TrainerCollector(args.metrics_out)], what="tessera worker")
     threads = args.torch_threads if args.torch_threads != 0 else default_torch_threads(args.ps, args.num_workers, args.local_workers)
     if threads > 0:
         torch.set_num_threads(threads)
