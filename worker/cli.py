@@ -226,6 +226,9 @@ def _ctrl_c_interrupts() -> None:
 # ---------------------------------------------------------------------- experiment
 def _experiment(args: argparse.Namespace) -> int:
     from worker.experiment import ExperimentConfig, parse_modes, run_experiment
+    from worker.tasks import resolve_task
+
+    resolve_task(args.task)  # a bad --task is one line now, not after the shards started
 
     steps = args.steps or (120 if args.quick else 600)
     opts = _kv(args.task_opt)
@@ -263,7 +266,9 @@ def _demo(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from worker.launch import LocalRun
+    from worker.tasks import resolve_task
 
+    resolve_task(args.task)  # a bad --task is one line now, not after the shards started
     _ctrl_c_interrupts()
     out = os.path.abspath(args.out)
     print(f"tessera demo: {args.shards} shards + {args.workers} workers ({args.mode}) on loopback, task {args.task}, ~{args.seconds:.0f} s")

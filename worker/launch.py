@@ -44,6 +44,7 @@ class LocalRun:
         self.workers: list[subprocess.Popen] = []
         self.addresses: list[str] = []
         self.files: list[str] = []
+        self.logs: list[str] = []  # each worker's stderr
         self._pos: list[int] = []
 
     def __enter__(self) -> "LocalRun":
@@ -65,22 +66,29 @@ class LocalRun:
         self, num_workers: int, prefix: str, per_worker: Sequence[dict[str, Any]],
         wrap: dict[int, list[str]] | None = None,
     ) -> None:
-        """``wrap[i]``: a command prefix for worker i (e.g. ``ip netns exec NS``)."""
+        """Start worker i with ``per_worker[i]`` as its flags; its metrics go to
+        ``OUT/PREFIXw<i>.jsonl``, its stderr to ``OUT/PREFIXw<i>.log``. ``wrap[i]``: a command
+        prefix for worker i (e.g. ``ip netns exec NS``)."""
         for i in range(num_workers):
             path = os.path.join(self.out_dir, f"{prefix}w{i}.jsonl")
             if os.path.exists(path):
                 os.remove(path)
+            log = os.path.join(self.out_dir, f"{prefix}w{i}.log")
             cmd = (wrap or {}).get(i, []) + worker_command(self.addresses, i, num_workers, path, lease=self.lease_s, **per_worker[i])
-            p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            with open(log, "w") as err:  # a file, not a pipe: a chatty worker never blocks on a full pipe
+                p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
             self.procs.append(p)
             self.workers.append(p)
             self.files.append(path)
+            self.logs.append(log)
             self._pos.append(0)
 
     def running(self) -> bool:
+        """True while any worker process runs."""
         return any(p.poll() is None for p in self.workers)
 
     def poll(self) -> list[dict]:
+        """The metrics records the workers appended since the last call (complete lines only)."""
         out: list[dict] = []
         for i, path in enumerate(self.files):
             if not os.path.exists(path):
@@ -94,10 +102,16 @@ class LocalRun:
         return out
 
     def failures(self) -> list[str]:
-        """Why workers that exited non-zero failed (the tail of their stderr)."""
+        """One line per worker that exited non-zero: its exit code, the last line of its stderr
+        (a worker's error is one line) and where its whole log is."""
         bad = []
         for i, p in enumerate(self.workers):
             if p.poll() not in (None, 0):
-                err = p.stderr.read() if p.stderr else ""
-                bad.append(f"worker {i} exited with {p.returncode}:\n{err[-2000:]}")
+                try:
+                    with open(self.logs[i], errors="replace") as f:
+                        lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+                except OSError:
+                    lines = []
+                last = lines[-1] if lines else "(no output)"
+                bad.append(f"worker {i} exited with code {p.returncode}: {last} (log: {self.logs[i]})")
         return bad

@@ -67,6 +67,8 @@ def test_debug_shows_the_traceback() -> None:
 
 def test_bad_task_and_module_in_the_current_directory(tmp_path) -> None:
     _one_line_error(_tessera("worker", "--ps", "127.0.0.1:1", "--task", "nope"), 2, "unknown task 'nope'", "module:function")
+    _one_line_error(_tessera("demo", "--task", "nope:make", "--out", str(tmp_path / "demo")), 2,
+                    "tessera demo: error:", "no module 'nope'")  # refused before any process starts
     line = _one_line_error(_tessera("worker", "--ps", "127.0.0.1:1", "--task", "myrec:make", cwd=str(tmp_path), console=True), 2,
                            "no module 'myrec' in the current directory", "PYTHONPATH")
     assert str(tmp_path) in line

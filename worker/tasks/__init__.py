@@ -17,7 +17,7 @@ from torch import nn
 
 from ps import OptimizerSpec
 
-__all__ = ["Task", "load_task", "TaskLoadError", "TASKS"]
+__all__ = ["Task", "load_task", "resolve_task", "TaskLoadError", "TASKS"]
 
 Batch = Any
 
@@ -144,27 +144,32 @@ def _import(module: str, spec: str) -> Any:
     )
 
 
+def resolve_task(spec: str) -> Callable[..., Task]:
+    """The function behind a task spec (a built-in name or ``module:function``), not yet called:
+    checks a ``--task`` before anything is started. Raises :class:`TaskLoadError`."""
+    if spec in TASKS:
+        return TASKS[spec]
+    if ":" not in spec:
+        raise TaskLoadError(f"unknown task {spec!r}: use one of {', '.join(sorted(TASKS))}, or module:function for your own")
+    mod, _, attr = spec.partition(":")
+    if not mod or not attr:
+        raise TaskLoadError(f"task {spec!r}: expected module:function, e.g. mytask:make for make() in mytask.py")
+    module = _import(mod, spec)
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise TaskLoadError(
+            f"task {spec!r}: {mod!r} ({getattr(module, '__file__', '?')}) has no function {attr!r}"
+            + (f"; it has: {', '.join(names[:10])}" if names else "")
+        )
+    return fn
+
+
 def load_task(spec: str, **options: Any) -> Task:
     """A built-in task by name (``ctr``, ``digits``), or ``module:function`` called with
     ``options`` (the module is looked for on ``sys.path`` and then in the current directory, as
     ``python -m`` does). Raises :class:`TaskLoadError` naming what is wrong and how to fix it."""
-    fn: Any
-    if spec in TASKS:
-        fn = TASKS[spec]
-    elif ":" in spec:
-        mod, _, attr = spec.partition(":")
-        if not mod or not attr:
-            raise TaskLoadError(f"task {spec!r}: expected module:function, e.g. mytask:make for make() in mytask.py")
-        module = _import(mod, spec)
-        fn = getattr(module, attr, None)
-        if not callable(fn):
-            names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-            raise TaskLoadError(
-                f"task {spec!r}: {mod!r} ({getattr(module, '__file__', '?')}) has no function {attr!r}"
-                + (f"; it has: {', '.join(names[:10])}" if names else "")
-            )
-    else:
-        raise TaskLoadError(f"unknown task {spec!r}: use one of {', '.join(sorted(TASKS))}, or module:function for your own")
+    fn = resolve_task(spec)
     try:
         task = fn(**options)
     except TypeError as e:
