@@ -11,8 +11,10 @@ are served two ways, each in its own process on loopback:
 
 Workload, from one ``PSClient`` in this process: (a) sparse pull_sparse + push_sparse of 4096
 random ids x 64 (adagrad, 100k rows created first), (b) the same bytes by ``PSClient.step``,
-(c) dense push + pull of a 4 MiB Adam table, (d) an empty RPC (``Stats``... of a table-less
-shard: the per-call floor). Per workload: wall ms per op (min and median over repeats,
+(c) dense push + pull of a 4 MiB Adam table, (d) an empty call (DescribeTable: the per-call
+floor), (e) a ctr worker's traffic per step (the ctr task's sizes: a 63,361-float Adam table and
+5,400 unique ids x 16 of an Adagrad table) as the trainer makes it today, pulls then pushes, the
+tables concurrently ("ctr_separate": 4 calls), and (f) the same by ``PSClient.step`` (1 call). Per workload: wall ms per op (min and median over repeats,
 variants interleaved) and the shard process's CPU ms per op (the OS's per-thread CPU time, /proc/PID/task/*/schedstat).
 
 Run (about 30 s on 2 cores)::
@@ -40,7 +42,7 @@ from typing import Any, Callable
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-WORKLOADS = ("sparse_pullpush", "sparse_step", "dense_pushpull", "empty")
+WORKLOADS = ("sparse_pullpush", "sparse_step", "dense_pushpull", "empty", "ctr_separate", "ctr_step")
 
 
 def serve(model: str) -> None:
@@ -111,6 +113,28 @@ def measure(model: str, repeats: int, warmup: int, rows: int) -> dict[str, Any]:
             c.create_sparse("s", 64, "adagrad", lr=0.01)
             c.pull_sparse("s", np.arange(rows))
             c.create_dense("d", (1 << 20,), "adam", lr=1e-3)
+            c.create_dense("ctr_d", (63_361,), "adam", lr=1e-3)
+            c.create_sparse("ctr_e", 16, "adagrad", lr=0.01)
+            c.pull_sparse("ctr_e", np.arange(rows))
+            cg = rng.standard_normal(63_361, dtype=np.float32) * np.float32(1e-3)
+            eg = rng.standard_normal((5400, 16), dtype=np.float32) * np.float32(1e-2)
+            cprev = [np.sort(rng.choice(rows, 5400, replace=False))]
+            pool = ThreadPoolExecutor(max_workers=2)
+
+            def ctr_separate() -> None:
+                ids = np.sort(rng.choice(rows, 5400, replace=False))
+                f = pool.submit(c.pull_sparse, "ctr_e", ids, return_versions=True)
+                c.pull_dense("ctr_d")
+                f.result()
+                f = pool.submit(c.push_sparse, "ctr_e", cprev[0], eg)
+                c.push_dense("ctr_d", cg)
+                f.result()
+                cprev[0] = ids
+
+            def ctr_step() -> None:
+                ids = np.sort(rng.choice(rows, 5400, replace=False))
+                c.step(push_dense={"ctr_d": cg}, push_sparse={"ctr_e": (cprev[0], eg)}, pull_dense=["ctr_d"], pull_sparse={"ctr_e": ids})
+                cprev[0] = ids
             g = rng.standard_normal((4096, 64), dtype=np.float32) * np.float32(1e-2)
             dg = rng.standard_normal(1 << 20, dtype=np.float32) * np.float32(1e-3)
             prev = [rng.choice(rows, 4096, replace=False)]
@@ -134,6 +158,7 @@ def measure(model: str, repeats: int, warmup: int, rows: int) -> dict[str, Any]:
 
             fns: dict[str, Callable[[], None]] = {
                 "sparse_pullpush": pullpush, "sparse_step": step, "dense_pushpull": dense, "empty": empty,
+                "ctr_separate": ctr_separate, "ctr_step": ctr_step,
             }
             times: dict[str, list[float]] = {k: [] for k in fns}
             cpu: dict[str, float] = {k: 0.0 for k in fns}
@@ -147,6 +172,7 @@ def measure(model: str, repeats: int, warmup: int, rows: int) -> dict[str, Any]:
                     f()
                     times[k].append(time.perf_counter() - t0)
                     cpu[k] += cpu_seconds(proc.pid) - c0
+            pool.shutdown()
         return {
             k: {"ms": 1e3 * min(v), "ms_median": 1e3 * statistics.median(v), "cpu_ms": 1e3 * cpu[k] / repeats}
             for k, v in times.items()
@@ -190,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         })
         lines.append(f"{k:<17} {sm:>8.2f} {am:>8.2f} {out[f'sync_{k}_ms_median']:>9.2f} {out[f'aio_{k}_ms_median']:>8.2f} "
                      f"{out[f'sync_{k}_cpu_ms']:>9.2f} {out[f'aio_{k}_cpu_ms']:>8.2f} {am / sm:>9.3f}")
+    for model in ("sync", "aio"):
+        out[f"{model}_ctr_step_cpu_saving_ms"] = round(out[f"{model}_ctr_separate_cpu_ms"] - out[f"{model}_ctr_step_cpu_ms"], 3)
     out.update({"repeats": repeats, "rows": rows, "quick": args.quick, "cpus": os.cpu_count(), "wall_s": round(time.perf_counter() - t0, 1),
                 "loadavg": round(os.getloadavg()[0], 2)})
     print(f"\nShard server model: one shard process, one client; ms per op (min / median), shard CPU ms per op; "
