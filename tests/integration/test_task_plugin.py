@@ -21,8 +21,9 @@ def test_readme_task_example_trains(inproc_cluster, tmp_path, monkeypatch) -> No
     sys.modules.pop("mytask", None)
     task = load_task("mytask:make", hidden=16)
     cluster = inproc_cluster(2)
-    s = Trainer(task, cluster.client(), TrainConfig(mode="async", steps=20, batch_size=32, progress=False)).run()
+    s = Trainer(task, cluster.client(), TrainConfig(mode="async", steps=20, batch_size=32, progress=False, eval_every=10)).run()
     assert s.steps == 20 and s.loss == s.loss  # finite
+    assert task.metric == "accuracy" and 0.0 <= s.metrics["accuracy"] <= 1.0  # the example's evaluation ran
     rows = sum(t.rows for sh in cluster.shards for t in sh.stats().tables if t.name == "my/emb")
     assert rows > 20 * 32  # fresh random ids every step: rows created on the shards
 
