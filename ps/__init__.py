@@ -1,21 +1,12 @@
-"""Parameter server: sharded dense and sparse tables with server-side optimizers."""
-from ps.client import DenseResult, PSClient, StepResult
-from ps.consistency import SyncPolicy
-from ps.config import AdmissionSpec, EvictionSpec, InitializerSpec, OptimizerSpec, ShardConfig, TableSpec
-from ps.errors import (
-    DeadlineExceededError,
-    DtypeError,
-    FailedPreconditionError,
-    InvalidArgumentError,
-    NonFiniteError,
-    PSError,
-    ResourceExhaustedError,
-    ShapeMismatchError,
-    ShardUnavailableError,
-    TableExistsError,
-    TableNotFoundError,
-)
-from ps.server import build_server, serve
+"""Parameter server: sharded dense and sparse tables with server-side optimizers.
+
+The names below are re-exported lazily, so importing a domain module (``ps.table``, ``ps.shard``,
+...) loads neither grpc nor the generated protobuf code; ``ps.PSClient`` loads them on first use.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "PSClient",
@@ -42,3 +33,51 @@ __all__ = [
     "build_server",
     "serve",
 ]
+
+_WHERE = {
+    "PSClient": "ps.client",
+    "DenseResult": "ps.client",
+    "StepResult": "ps.client",
+    "SyncPolicy": "ps.consistency",
+    "AdmissionSpec": "ps.config",
+    "EvictionSpec": "ps.config",
+    "InitializerSpec": "ps.config",
+    "OptimizerSpec": "ps.config",
+    "ShardConfig": "ps.config",
+    "TableSpec": "ps.config",
+    "build_server": "ps.server",
+    "serve": "ps.server",
+    **{name: "ps.errors" for name in __all__ if name.endswith("Error")},
+}
+
+if TYPE_CHECKING:  # the names, for type checkers and IDEs
+    from ps.client import DenseResult, PSClient, StepResult
+    from ps.config import AdmissionSpec, EvictionSpec, InitializerSpec, OptimizerSpec, ShardConfig, TableSpec
+    from ps.consistency import SyncPolicy
+    from ps.errors import (
+        DeadlineExceededError,
+        DtypeError,
+        FailedPreconditionError,
+        InvalidArgumentError,
+        NonFiniteError,
+        PSError,
+        ResourceExhaustedError,
+        ShapeMismatchError,
+        ShardUnavailableError,
+        TableExistsError,
+        TableNotFoundError,
+    )
+    from ps.server import build_server, serve
+
+
+def __getattr__(name: str) -> Any:
+    # lazy: `import ps.table` (plain numpy/torch) must not pull in grpc and the generated stubs
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ps' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

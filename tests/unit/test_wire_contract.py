@@ -55,14 +55,7 @@ _DOMAIN = {
 @pytest.mark.parametrize(
     "part",
     [
-        pytest.param(
-            "ps",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="ps/__init__.py imports ps.client and ps.server eagerly, so `import ps.table` loads grpc "
-                "and the generated stubs (federated/__init__.py re-exports lazily and passes)",
-            ),
-        ),
+        "ps",  # ps/__init__.py re-exports lazily, as federated/__init__.py does
         "federated",
         pytest.param(
             "worker",
