@@ -402,7 +402,7 @@ def bench_sparse(addrs: list[str], table_rows: int, batch: int, dim: int, repeat
         Result(f"sparse_{len(addrs)}shard_pullpush", batch * dim * 4, t["sparse"], "sparse", rows=batch,
                note=f"{batch} ids x {dim} from {table_rows} rows: pull_sparse + push_sparse"),
         Result(f"sparse_{len(addrs)}shard_step", batch * dim * 4, t["step"], "sparse-step", rows=batch,
-               note=f"the same bytes by PSClient.step (one Step call per shard)"),
+               note="the same bytes by PSClient.step (one Step call per shard)"),
     ]
     return res, populate_s
 

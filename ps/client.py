@@ -18,7 +18,7 @@ import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 import torch

@@ -179,7 +179,7 @@ def to_wire(x: Any, wire_dtype: str | None = None) -> tuple[str, memoryview]:
 
     ``wire_dtype`` casts floats (e.g. "float16", "bfloat16"); None keeps the dtype.
     """
-    if _is_tensor(x) or wire_dtype in ("bfloat16", "float16"):
+    if _is_tensor(x) or wire_dtype == "bfloat16" or (wire_dtype == "float16" and "torch" in sys.modules):
         import torch  # needed (or already imported) on these paths only
     if _is_tensor(x) and x.dtype == torch.bfloat16 and wire_dtype in (None, "bfloat16"):
         t = x.detach().cpu().contiguous()
@@ -190,8 +190,9 @@ def to_wire(x: Any, wire_dtype: str | None = None) -> tuple[str, memoryview]:
     if wire_dtype == "bfloat16":
         t = torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).to(torch.bfloat16)
         return "bfloat16", byte_view(t.view(torch.int16).numpy())
-    if wire_dtype == "float16" and arr.dtype == np.float32:
-        # torch's cast: 2-3x numpy's astype (the float32 -> float16 cast is the cost of a float16 push)
+    if wire_dtype == "float16" and arr.dtype == np.float32 and "torch" in sys.modules:
+        # torch's cast: 2-3x numpy's astype (the float32 -> float16 cast is the cost of a float16 push);
+        # only where torch is loaded anyway (a numpy-only process keeps numpy's, bit-identical)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # a read-only array: only read here
             t = torch.from_numpy(np.ascontiguousarray(arr)).to(torch.float16)
@@ -244,7 +245,7 @@ def as_float32(arr: np.ndarray) -> np.ndarray:
     numpy's for float16). The result may be read-only."""
     if arr.dtype == np.float32:
         return arr
-    if arr.dtype == np.float16:
+    if arr.dtype == np.float16 and "torch" in sys.modules:  # a numpy-only process: numpy's cast
         import torch
 
         with warnings.catch_warnings():
