@@ -2,6 +2,7 @@
 timeout, never a hang; under `tessera peer` (torchrun's agent) the run reports the dead rank."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -88,3 +89,31 @@ def _rank_pid(agent: int, rank: int) -> int:
         except (OSError, ValueError, IndexError):
             continue
     raise AssertionError(f"no rank {rank} under process {agent}")
+
+
+@pytest.mark.timeout(150)
+def test_max_restarts_resumes_from_the_last_checkpoint_and_finishes(tmp_path) -> None:
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", "2", "--max-restarts", "1",
+           *[a for a in GPT if a not in ("100000", "--steps")], "--steps", "40", "--timeout", str(TIMEOUT),
+           "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", "--metrics-out", str(tmp_path)]
+    p = subprocess.Popen(cmd, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (ckpt / "step-5" / "manifest.json").exists():
+            assert time.monotonic() < deadline and p.poll() is None, "no checkpoint at step 5"
+            time.sleep(0.1)
+        os.kill(_rank_pid(p.pid, 1), signal.SIGKILL)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    assert p.returncode == 0, err[-3000:]
+    with open(tmp_path / "rank0.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    starts = [r["step"] for r in records if r["kind"] == "start"]
+    assert len(starts) == 2 and starts[0] == 0 and starts[1] >= 5 and starts[1] % 5 == 0, starts  # resumed, not restarted
+    summary = records[-1]
+    assert summary["kind"] == "summary" and summary["final_clock"] == 40, summary

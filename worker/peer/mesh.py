@@ -81,9 +81,21 @@ def init_mesh(backend: str = "auto", device: str = "auto", timeout_s: float = 30
                 "peer mode runs under torchrun: use `tessera peer --nproc-per-node N ...` or "
                 "`torchrun --nproc-per-node N -m worker.peer ...` (RANK/WORLD_SIZE are not set)"
             )
+        kw: dict[str, Any] = {}
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ and os.environ.get("MASTER_PORT"):
+            # under torchrun: the agent's store, with keys of this attempt only (after a restart the
+            # store still holds the dead attempt's addresses, and Gloo would dial them)
+            base = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+            kw = dict(
+                store=dist.PrefixStore(f"tessera/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", base),
+                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
+            )
         dist.init_process_group(
             backend, timeout=datetime.timedelta(seconds=timeout_s),
-            device_id=dev if backend == "nccl" else None,
+            device_id=dev if backend == "nccl" else None, **kw,
         )
     return Mesh(dist.get_rank(), dist.get_world_size(), local_rank, dev, dist.get_backend())
 
@@ -190,7 +202,8 @@ class Liveness:
         self.store: Any = None
         if port:
             base = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=10))
-            self.store = dist.PrefixStore("tessera/alive/", base)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            self.store = dist.PrefixStore(f"tessera/alive/{attempt}/", base)
             self.store.set(str(rank), "0")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="tessera-liveness", daemon=True)
