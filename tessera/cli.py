@@ -12,9 +12,17 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from tessera.service import UsageError
-
 __all__ = ["main", "build_parser", "HelpFormatter", "Parser", "UsageError", "explain_error"]
+
+
+def __getattr__(name: str) -> Any:
+    # UsageError lives in tessera.service (parts raise it); importing this module must not load grpc
+    # before main() has decided on gRPC's log verbosity
+    if name == "UsageError":
+        from tessera.service import UsageError
+
+        return UsageError
+    raise AttributeError(f"module 'tessera.cli' has no attribute {name!r}")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -139,7 +147,7 @@ def _tokens(args: argparse.Namespace) -> int:
 
 def explain_error(exc: BaseException) -> tuple[str, int]:
     """(one line saying what went wrong and what to do, exit code) for an error of a command."""
-    from tessera.service import BindError, ConfigError, ServerUnreachableError, TransportSecurityError
+    from tessera.service import BindError, ConfigError, ServerUnreachableError, TransportSecurityError, UsageError
 
     for explain in _EXPLAINERS:
         found = explain(exc)
