@@ -14,8 +14,9 @@ table's and nothing else's:
 (b) ``populate_rows_per_s``: rows created per second by ``SparseTable.pull`` of fresh ids in
     batches of 65536 (zeros initializer; ``populate_uniform_rows_per_s``: the uniform one,
     whose counter-based hash costs more), best (min time) and median of repeats over fresh
-    tables. Baseline: ``raw_fill_rows_per_s``, writing the same rows' bytes into preallocated
-    numpy arrays (the memory bandwidth bound); ``populate_vs_raw_fill`` is the ratio.
+    tables (500k rows each). Baseline, interleaved with them: ``raw_fill_rows_per_s``, writing the
+    same rows' values and state into two fresh numpy arrays in the same batches (page faults and
+    memory bandwidth, nothing else); ``populate_vs_raw_fill`` is the ratio.
 (c) ``tier_resident_pull_ratio``: pulls of 4096 random resident ids (a hot set that fits the
     budget) from a table 4x its ``max_resident_bytes`` (disk tier on), over the same pulls from
     the same table all in RAM, interleaved, min and median of repeats. ``tier_cold_pull_rows_per_s``:
@@ -83,7 +84,7 @@ class _Sampler(threading.Thread):
 
 # ======================================================================== children (fresh processes)
 def child_rows(rows: int, dtype: str, optimizer: str, init: str) -> dict[str, Any]:
-    """Fill a SparseTable with ``rows`` fresh ids; RSS growth, peak and time."""
+    """Fill a SparseTable with ``rows`` fresh ids; RSS growth, peak and time (pulls of BATCH ids)."""
     import numpy as np
 
     from ps.config import InitializerSpec, OptimizerSpec, TableSpec
@@ -117,7 +118,7 @@ def child_raw(rows: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     values = np.empty((rows, DIM), np.float32)
     state = np.empty((rows, DIM), np.float32)
-    for a in range(0, rows, BATCH):
+    for a in range(0, rows, BATCH):  # the same batches as the table's pulls
         values[a : a + BATCH] = 0.0
         state[a : a + BATCH] = 0.0
     dt = time.perf_counter() - t0
@@ -219,33 +220,32 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (2 if args.quick else 3)
     tier_rows = max(60_000 if args.quick else 250_000, rows // 8)
     payload = rows * DIM * 4 * 2  # fp32 values + fp32 Adagrad state
-    steps = 2 + 2 * repeats + 1
+    steps = 3 + repeats + 1
     done = 0
     _progress(done, steps, "raw arrays (baseline)")
-    raw = [_run_child("raw", rows=rows) for _ in range(repeats)]
+    raw_mem = _run_child("raw", rows=rows)
     done += 1
     _progress(done, steps, "fp32 Adagrad table")
     fp32 = _run_child("rows", rows=rows, dtype="float32", optimizer="adagrad", init="zeros")
     done += 1
     _progress(done, steps, "bf16 rows, row-wise Adagrad")
     bf16 = _run_child("rows", rows=rows, dtype="bfloat16", optimizer="rowwise_adagrad", init="zeros")
+    done += 1
+    # rates: the same number of rows for the table and its baseline, interleaved, fresh processes
     pop_rows = min(rows, 500_000)
-    pops, pops_u = [fp32["seconds"] / fp32["rows"] * pop_rows], []
+    pops, pops_u, raw_fill_s = [], [], []
     for r in range(repeats):
-        done += 1
         _progress(done, steps, f"populate repeat {r + 1}/{repeats}")
-        if r:
-            pops.append(_run_child("rows", rows=pop_rows, dtype="float32", optimizer="adagrad", init="zeros")["seconds"])
-        res = _run_child("rows", rows=pop_rows, dtype="float32", optimizer="adagrad", init="uniform")
-        pops_u.append(res["seconds"])
+        raw_fill_s.append(_run_child("raw", rows=pop_rows)["seconds"])
+        pops.append(_run_child("rows", rows=pop_rows, dtype="float32", optimizer="adagrad", init="zeros")["seconds"])
+        pops_u.append(_run_child("rows", rows=pop_rows, dtype="float32", optimizer="adagrad", init="uniform")["seconds"])
         done += 1
     _progress(done, steps, "disk tier: resident vs in-RAM pulls")
     tier = _run_child("tier", rows=tier_rows, repeats=3 * repeats)
     done += 1
     _progress(steps, steps, "done")
 
-    raw_growth = min(r["growth"] for r in raw)
-    raw_fill_s = [r["seconds"] for r in raw]
+    raw_growth = raw_mem["growth"]
     n_pop = pop_rows
     out: dict[str, Any] = {
         "rows": rows, "dim": DIM, "payload_bytes": payload,
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "populate_rows_per_s_median": round(n_pop / statistics.median(pops)),
         "populate_uniform_rows_per_s": round(n_pop / min(pops_u)),
         "populate_uniform_rows_per_s_median": round(n_pop / statistics.median(pops_u)),
-        "raw_fill_rows_per_s": round(rows / min(raw_fill_s)),
+        "raw_fill_rows_per_s": round(n_pop / min(raw_fill_s)),
         "tier_rows": tier_rows,
         "tier_ram_pull_rows_per_s": round(tier["rows_per_pull"] / min(tier["ram"])),
         "tier_resident_pull_rows_per_s": round(tier["rows_per_pull"] / min(tier["tier"])),

@@ -83,20 +83,30 @@ class _ArrayWriter:
     def __init__(self, f: BinaryIO) -> None:
         self.f, self.offset, self.sha = f, 0, hashlib.sha256()
 
-    def put(self, a: np.ndarray) -> dict[str, Any]:
+    def put(self, a: Any) -> dict[str, Any]:
+        if hasattr(a, "blocks"):  # a streamed array (ps.table.TieredRows): written block by block
+            start, shape, dtype = self.offset, list(a.shape), np.dtype(a.dtype)
+            for block in a.blocks():
+                self._write(np.ascontiguousarray(block, dtype))
+            return {"__nd__": True, "dtype": dtype.str, "shape": shape, "offset": start, "nbytes": self.offset - start}
         a = np.ascontiguousarray(a)
+        if a.dtype.byteorder == ">":
+            a = a.astype(a.dtype.newbyteorder("<"))
+        start = self.offset
+        self._write(a)
+        return {"__nd__": True, "dtype": a.dtype.str, "shape": list(a.shape), "offset": start, "nbytes": self.offset - start}
+
+    def _write(self, a: np.ndarray) -> None:
         if a.dtype.byteorder == ">":
             a = a.astype(a.dtype.newbyteorder("<"))
         data = a.data.cast("B") if a.size else b""
         self.f.write(data)
         self.sha.update(data)
-        ref = {"__nd__": True, "dtype": a.dtype.str, "shape": list(a.shape), "offset": self.offset, "nbytes": len(data)}
         self.offset += len(data)
-        return ref
 
 
 def _encode(x: Any, w: _ArrayWriter) -> Any:
-    if isinstance(x, np.ndarray):
+    if isinstance(x, np.ndarray) or hasattr(x, "blocks"):
         return w.put(x)
     if isinstance(x, dict):
         return {k: _encode(v, w) for k, v in x.items()}

@@ -130,11 +130,47 @@ class FileBacking(ChunkBacking):
     def __init__(self, directory: str | None = None) -> None:
         if directory:
             os.makedirs(directory, exist_ok=True)
-        self._file = tempfile.TemporaryFile(prefix="tessera-tier-", dir=directory or None)
+        self._directory = directory
+        self._file = tempfile.TemporaryFile(prefix="tessera-tier-", dir=directory or None)  # noqa: SIM115 - lives with the store
         self._fd = self._file.fileno()
         self._size = 0
+        self._segments: list[tuple[int, int]] = []  # (offset, bytes) of each allocation, in order
         self._maps: list[mmap.mmap] = []
         self._views: list[torch.Tensor] = []
+
+    @property
+    def views(self) -> list[torch.Tensor]:
+        """The buffer of every allocation, in order."""
+        return list(self._views)
+
+    def _map(self, offset: int, nbytes: int) -> torch.Tensor:
+        mm = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+        self._maps.append(mm)
+        self._segments.append((offset, nbytes))
+        t = torch.frombuffer(mm, dtype=torch.uint8)
+        self._views.append(t)
+        return t
+
+    def clone(self) -> "FileBacking":
+        """A copy of the file as it is now, with the same segments mapped: a consistent snapshot
+        that costs disk, not RAM (copied in the kernel; dirty pages of the mappings are in the page
+        cache, which the copy reads)."""
+        fb = FileBacking(self._directory)
+        os.ftruncate(fb._fd, self._size)
+        off = 0
+        while off < self._size:
+            n = min(64 << 20, self._size - off)
+            try:
+                done = os.copy_file_range(self._fd, fb._fd, n, off, off)
+            except (OSError, AttributeError):  # no copy_file_range here: through a bounded buffer
+                done = os.pwrite(fb._fd, os.pread(self._fd, n, off), off)
+            if done <= 0:
+                raise OSError(f"copying the disk tier's file stopped at byte {off} of {self._size}")
+            off += done
+        fb._size = self._size
+        for o, n in self._segments:
+            fb._map(o, n)
+        return fb
 
     @property
     def file_bytes(self) -> int:
@@ -146,11 +182,7 @@ class FileBacking(ChunkBacking):
         offset = self._size
         os.ftruncate(self._fd, offset + nbytes)  # sparse: disk blocks are taken as rows are written
         self._size = offset + nbytes
-        mm = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
-        self._maps.append(mm)
-        t = torch.frombuffer(mm, dtype=torch.uint8)
-        self._views.append(t)
-        return t
+        return self._map(offset, nbytes)
 
     def drop_pages(self) -> None:
         for mm in self._maps:
@@ -235,8 +267,11 @@ class RowStore:
         return off, out
 
     def _new_chunk(self, rows: int) -> _Chunk:
-        total, layout = self._layout(rows)
-        buf = self.backing.allocate(max(total, 1))
+        total, _ = self._layout(rows)
+        return self._carve(self.backing.allocate(max(total, 1)), rows)
+
+    def _carve(self, buf: torch.Tensor, rows: int) -> _Chunk:
+        _, layout = self._layout(rows)
         cols = {}
         for c, off in layout:
             n = rows * c.row_nbytes
@@ -394,6 +429,17 @@ class RowStore:
                     dst[off].fill_(v)
                 else:
                     dst.index_fill_(0, off, v)
+
+    def twin_on(self, backing: FileBacking) -> "RowStore":
+        """A store laid out like this one (file-backed, chunk 0 never regrown) whose chunks are the
+        buffers of ``backing`` (a ``clone()`` of this store's backing): a frozen copy to read from."""
+        views = backing.views
+        if len(views) != len(self._chunks):
+            raise ValueError("the backing does not hold this store's chunks")
+        twin = RowStore(list(self.columns.values()), self.chunk_rows, self.first_rows, backing=backing)
+        twin._chunks = [twin._carve(v, ch.rows) for v, ch in zip(views, self._chunks)]
+        twin.n_alloc = self.n_alloc
+        return twin
 
     def all_rows(self) -> np.ndarray:
         """Every live row (handed out, not released), ascending."""

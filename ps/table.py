@@ -35,7 +35,7 @@ from ps.rowstore import Column, RowStore, chunk_rows_for, limit_heap_retention
 from ps.sketch import CountMinSketch
 from ps.tier import ColdTier, ResidentBudget
 
-__all__ = ["DenseTable", "DenseUpdate", "SparseTable", "SparsePush", "TableMemory", "RowDelta", "PushResult", "StalenessStats", "GRADIENT", "ASSIGN"]
+__all__ = ["DenseTable", "DenseUpdate", "SparseTable", "SparsePush", "TableMemory", "TieredRows", "RowDelta", "PushResult", "StalenessStats", "GRADIENT", "ASSIGN"]
 
 GRADIENT = "gradient"
 ASSIGN = "assign"
@@ -376,6 +376,50 @@ def _filled(shape: tuple[int, int], value: float, dtype: torch.dtype) -> torch.T
     itemsize = torch.empty(0, dtype=dtype).element_size()
     z = torch.from_numpy(np.zeros(shape, {4: np.int32, 2: np.int16}[itemsize]))
     return z.view(dtype)
+
+
+class TieredRows:
+    """One column of a tiered table's export, read block by block (checkpoints stream it to disk:
+    a table larger than RAM is never materialized). Rows at ``resident`` positions come from a
+    copy taken at export time (at most the resident budget); the others from a frozen clone of
+    the disk tier (``twin``, taken at the same moment). ``np.asarray`` materializes it.
+
+    ``dtype``/``shape``: of the storage array (float32, float16, or uint16 bit patterns of bf16)."""
+
+    BLOCK_ROWS = 1 << 15
+
+    def __init__(self, name: str, width: int, torch_dtype: torch.dtype, resident: np.ndarray, hot: torch.Tensor,
+                 cold_slots: np.ndarray, twin: RowStore) -> None:
+        self.name, self._width, self._tdtype = name, width, torch_dtype
+        self._resident, self._hot, self._cold_slots, self._twin = resident, hot, cold_slots, twin
+        self._hot_idx = np.cumsum(resident) - 1
+        self._cold_idx = np.cumsum(~resident) - 1
+        n = len(resident)
+        self.shape: tuple[int, ...] = (n, width) if width else (n,)
+        self.dtype = to_storage_array(torch.empty(0, dtype=torch_dtype)).dtype
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def blocks(self) -> Iterator[np.ndarray]:
+        """The rows in order, as contiguous storage arrays of up to BLOCK_ROWS rows."""
+        n = self.shape[0]
+        for a in range(0, n, self.BLOCK_ROWS):
+            b = min(n, a + self.BLOCK_ROWS)
+            res = self._resident[a:b]
+            out = torch.empty((b - a,) + self.shape[1:], dtype=self._tdtype)
+            rp, cp = np.flatnonzero(res), np.flatnonzero(~res)
+            if rp.size:
+                out.index_copy_(0, torch.from_numpy(rp), self._hot.index_select(0, torch.from_numpy(self._hot_idx[a + rp])))
+            if cp.size:
+                part = self._twin.gather(self._cold_slots[self._cold_idx[a + cp]], [self.name])[self.name]
+                out.index_copy_(0, torch.from_numpy(cp), part)
+                self._twin.backing.drop_pages()
+            yield to_storage_array(out)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        a = np.concatenate(list(self.blocks())) if self.shape[0] else np.zeros(self.shape, self.dtype)
+        return a.astype(dtype) if dtype is not None else a
 
 
 _META = (
@@ -948,18 +992,41 @@ class SparseTable:
     def export_state(self, along: Callable[[], Any] | None = None) -> dict[str, Any]:
         """Live rows of both tiers (ids, values, optimizer state, versions) sorted by virtual slot, and
         the table step (copies); ``along()`` as for DenseTable.export_state. Values are in the row
-        dtype (bfloat16 as uint16 bit patterns, see ps.rowdtype.to_storage_array)."""
+        dtype (bfloat16 as uint16 bit patterns, see ps.rowdtype.to_storage_array). With rows on
+        disk, values and state are :class:`TieredRows` (a frozen copy read block by block; the
+        checkpoint writer streams them; ``np.asarray`` materializes one)."""
         with self.lock:
             extra = along() if along is not None else None
             ids, loc = self._index.items()
             order = np.lexsort((ids, slot_of(ids, self.spec.num_slots))) if ids.size else np.zeros(0, np.int64)
             ids, loc = ids[order], loc[order]
+            if self._cold is not None and self._cold.live:
+                return self._export_tiered(ids, loc, extra)
             d = self._gather(loc, ["values", "version", *self._state_names])
             return {
                 "step": self.step, "updates": self.updates, "ids": ids, "values": to_storage_array(d["values"]),
                 "versions": d["version"].numpy(), "state": {k: d[k].numpy() for k in self._state_names},
                 "along": extra,
             }
+
+    def _export_tiered(self, ids: np.ndarray, loc: np.ndarray, extra: Any) -> dict[str, Any]:
+        """export_state of a table with cold rows (caller holds the lock): resident rows copied,
+        the disk tier cloned on disk, values and state as TieredRows (streamed by checkpoints)."""
+        assert self._cold is not None
+        res = loc >= 0
+        names = ["values", *self._state_names]
+        hot = self._store.gather(loc[res], names + ["version"])
+        slots = -loc[~res] - 2
+        versions = np.empty(len(ids), np.int64)
+        versions[res] = hot["version"].numpy()
+        versions[~res] = self._cold.meta.gather(slots, ["version"])["version"].numpy()
+        twin = self._cold.payload.twin_on(self._cold.backing.clone())
+        cols = {c.name: c for c in self._payload}
+        lazy = {k: TieredRows(k, cols[k].width, cols[k].dtype, res, hot[k], slots, twin) for k in names}
+        return {
+            "step": self.step, "updates": self.updates, "ids": ids, "values": lazy["values"], "versions": versions,
+            "state": {k: lazy[k] for k in self._state_names}, "along": extra,
+        }
 
     def _values_tensor(self, values: Any, n: int) -> torch.Tensor:
         a = np.asarray(values)

@@ -143,3 +143,33 @@ def test_replicated_rows_land_in_a_tiered_backup(tmp_path) -> None:
     for d, step in deltas:  # re-applying is idempotent: the rows are set, not updated
         backup.apply_delta(d, step)
     _same(backup.export_state(), primary.export_state())
+
+
+def test_export_of_a_tiered_table_is_a_frozen_stream(tmp_path) -> None:
+    """With rows on disk, export_state does not materialize the table: values and state are
+    TieredRows (resident rows copied, the disk tier cloned on disk), read block by block. Pushes
+    after the export do not change it. Reference: np.asarray of an export taken at the same moment
+    from an all-in-RAM table given the same requests."""
+    from ps.table import TieredRows
+
+    probe = SparseTable(_spec(), 0, 1)
+    ref = SparseTable(_spec(), 0, 1)
+    t = _tiered(ResidentBudget(500 * _row_nbytes(probe)), tmp_path)
+    ids = np.arange(3000, dtype=np.int64)
+    for tab in (t, ref):
+        tab.pull(ids)
+        tab.push(ids[::2], np.ones((1500, DIM), np.float32))
+    snap, want = t.export_state(), ref.export_state()
+    assert isinstance(snap["values"], TieredRows) and isinstance(snap["state"]["sum"], TieredRows)
+    for tab in (t, ref):  # the live table moves on (rows come back, others go, values change)
+        tab.pull(ids[:1000])
+        tab.push(ids[:1000], np.full((1000, DIM), 3.0, np.float32))
+    TieredRows.BLOCK_ROWS, saved = 700, TieredRows.BLOCK_ROWS  # several blocks, mixed tiers in each
+    try:
+        blocks = list(snap["values"].blocks())
+    finally:
+        TieredRows.BLOCK_ROWS = saved
+    assert len(blocks) == 5
+    np.testing.assert_array_equal(np.concatenate(blocks), want["values"])
+    np.testing.assert_array_equal(np.asarray(snap["state"]["sum"]), want["state"]["sum"])
+    np.testing.assert_array_equal(snap["versions"], want["versions"])
