@@ -15,7 +15,8 @@ random ids x 64 (adagrad, 100k rows created first), (b) the same bytes by ``PSCl
 floor), (e) a ctr worker's traffic per step (the ctr task's sizes: a 63,361-float Adam table and
 5,400 unique ids x 16 of an Adagrad table) as the trainer makes it today, pulls then pushes, the
 tables concurrently ("ctr_separate": 4 calls), and (f) the same by ``PSClient.step`` (1 call). Per workload: wall ms per op (min and median over repeats,
-variants interleaved) and the shard process's CPU ms per op (the OS's per-thread CPU time, /proc/PID/task/*/schedstat).
+variants interleaved), the client's CPU ms per op (this process, both server models) and the
+shard process's CPU ms per op (the OS's per-thread CPU time, /proc/PID/task/*/schedstat).
 
 Run (about 30 s on 2 cores)::
 
@@ -162,19 +163,23 @@ def measure(model: str, repeats: int, warmup: int, rows: int) -> dict[str, Any]:
             }
             times: dict[str, list[float]] = {k: [] for k in fns}
             cpu: dict[str, float] = {k: 0.0 for k in fns}
+            ccpu: dict[str, float] = {k: 0.0 for k in fns}  # this process: the client
             for _ in range(warmup):
                 for f in fns.values():
                     f()
             for _ in range(repeats):
                 for k, f in fns.items():
                     c0 = cpu_seconds(proc.pid)
+                    p0 = time.process_time()
                     t0 = time.perf_counter()
                     f()
                     times[k].append(time.perf_counter() - t0)
+                    ccpu[k] += time.process_time() - p0
                     cpu[k] += cpu_seconds(proc.pid) - c0
             pool.shutdown()
         return {
-            k: {"ms": 1e3 * min(v), "ms_median": 1e3 * statistics.median(v), "cpu_ms": 1e3 * cpu[k] / repeats}
+            k: {"ms": 1e3 * min(v), "ms_median": 1e3 * statistics.median(v), "cpu_ms": 1e3 * cpu[k] / repeats,
+                "client_cpu_ms": 1e3 * ccpu[k] / repeats}
             for k, v in times.items()
         }
     finally:
@@ -199,11 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         for model in (("sync", "aio") if rnd == 0 else ("aio", "sync")):
             r = measure(model, repeats // 2 or 1, 2, rows)
             for k, v in r.items():
-                cur = res.setdefault(model, {}).setdefault(k, {"ms": [], "ms_median": [], "cpu_ms": []})
-                for f in ("ms", "ms_median", "cpu_ms"):
+                cur = res.setdefault(model, {}).setdefault(k, {"ms": [], "ms_median": [], "cpu_ms": [], "client_cpu_ms": []})
+                for f in ("ms", "ms_median", "cpu_ms", "client_cpu_ms"):
                     cur[f].append(v[f])
     out: dict[str, Any] = {}
-    hdr = f"{'workload':<17} {'sync ms':>8} {'aio ms':>8} {'sync med':>9} {'aio med':>8} {'sync cpu':>9} {'aio cpu':>8} {'aio/sync':>9}"
+    hdr = (f"{'workload':<17} {'sync ms':>8} {'aio ms':>8} {'sync med':>9} {'aio med':>8} {'sync cpu':>9} {'aio cpu':>8} {'aio/sync':>9}"
+           f" {'client cpu':>10}")
     lines = [hdr, "-" * len(hdr)]
     for k in WORKLOADS:
         s, a = res["sync"][k], res["aio"][k]
@@ -213,9 +219,10 @@ def main(argv: list[str] | None = None) -> int:
             f"sync_{k}_ms_median": round(statistics.mean(s["ms_median"]), 3), f"aio_{k}_ms_median": round(statistics.mean(a["ms_median"]), 3),
             f"sync_{k}_cpu_ms": round(statistics.mean(s["cpu_ms"]), 3), f"aio_{k}_cpu_ms": round(statistics.mean(a["cpu_ms"]), 3),
             f"aio_vs_sync_{k}": round(am / sm, 4),
+            f"client_{k}_cpu_ms": round(statistics.mean(s["client_cpu_ms"] + a["client_cpu_ms"]), 3),
         })
         lines.append(f"{k:<17} {sm:>8.2f} {am:>8.2f} {out[f'sync_{k}_ms_median']:>9.2f} {out[f'aio_{k}_ms_median']:>8.2f} "
-                     f"{out[f'sync_{k}_cpu_ms']:>9.2f} {out[f'aio_{k}_cpu_ms']:>8.2f} {am / sm:>9.3f}")
+                     f"{out[f'sync_{k}_cpu_ms']:>9.2f} {out[f'aio_{k}_cpu_ms']:>8.2f} {am / sm:>9.3f} {out[f'client_{k}_cpu_ms']:>10.2f}")
     for model in ("sync", "aio"):
         out[f"{model}_ctr_step_cpu_saving_ms"] = round(out[f"{model}_ctr_separate_cpu_ms"] - out[f"{model}_ctr_step_cpu_ms"], 3)
     out.update({"repeats": repeats, "rows": rows, "quick": args.quick, "cpus": os.cpu_count(), "wall_s": round(time.perf_counter() - t0, 1),
