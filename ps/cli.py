@@ -267,7 +267,8 @@ def wait_for_shards(
     (naming the shard and why) at the deadline."""
     for i, spec in enumerate(addresses):
         replicas = [a for a in spec.split("|") if a]
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline, said = t0 + timeout, t0
         while True:
             last: ServerUnreachableError | None = None
             for a in replicas:
@@ -277,17 +278,25 @@ def wait_for_shards(
 
                 try:
                     left = max(0.1, deadline - time.monotonic())
-                    wait_for_server(a, security, timeout=min(left, 1.0) if len(replicas) > 1 else left, on_wait=on_wait, every=every)
+                    if len(replicas) == 1:
+                        wait_for_server(a, security, timeout=left, on_wait=on_wait, every=every)
+                    else:  # any replica will do: look at each in turn
+                        wait_for_server(a, security, timeout=min(left, 1.0))
                     last = None
                     break
                 except ServerUnreachableError as e:
                     last = e
             if last is None:
                 break
-            if time.monotonic() >= deadline:
-                d = last.diagnosis
+            d = last.diagnosis
+            now = time.monotonic()
+            if now >= deadline:
                 why = d.message if d is not None and d.kind != "ok" else "it accepts TCP connections but no gRPC connection was made"
                 raise ServerUnreachableError(f"shard {i} ({spec}) not reachable within {timeout:.3g} s: {why}", d) from None
+            if say is not None and len(replicas) > 1 and now - said >= every:
+                said = now
+                say(f"waiting for shard {i} at {spec} ({now - t0:.0f} s of {timeout:g}): none of its servers answers"
+                    + (f"; {replicas[-1]}: {d.message}" if d is not None else ""))
 
 
 def check_shards(client: PSClient, addresses: list[str]) -> list[ShardStats]:

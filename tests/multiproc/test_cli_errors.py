@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -46,18 +47,31 @@ def _free_port() -> int:
 
 
 def test_bad_flags_and_bad_settings_are_one_line(tmp_path) -> None:
-    _one_line_error(_tessera("worker", "--ps", "127.0.0.1:1", "--worker-index"), 2,
-                    "tessera worker: error:", "--worker-index: expected one argument", "tessera worker --help")
-    _one_line_error(_tessera("worker", "--ps", "127.0.0.1:1", "--worker-index", "2", "--num-workers", "2"), 2,
-                    "--worker-index 2 is out of range for --num-workers 2", "0..1")
-    _one_line_error(_tessera("demo", "--workers", "two"), 2, "tessera demo: error:", "invalid int value: 'two'")
-    _one_line_error(_tessera("experiment", "consistency", "--modes", "bogus", "--out", str(tmp_path / "e")), 2,
-                    "tessera experiment consistency: error:", "unknown mode 'bogus'")
-    _one_line_error(_tessera("tokens", "w0:worker", "--out", str(tmp_path / "no" / "such" / "tokens.txt")), 2,
-                    "tessera tokens: error:", "no such file or directory")
-    _one_line_error(_tessera("cert", "--out-dir", str(tmp_path / "pki"), "--days", "soon"), 2,
-                    "tessera cert: error:", "--days: invalid int value")
-    _one_line_error(_tessera("ps", "serve", "--port", "-3"), 2, "tessera ps serve: error:")
+    cases = [
+        (("worker", "--ps", "127.0.0.1:1", "--worker-index"),
+         ("tessera worker: error:", "--worker-index: expected one argument", "tessera worker --help")),
+        (("worker", "--ps", "127.0.0.1:1", "--worker-index", "2", "--num-workers", "2"),
+         ("--worker-index 2 is out of range for --num-workers 2", "0..1")),
+        (("demo", "--workers", "two"), ("tessera demo: error:", "invalid int value: 'two'")),
+        (("experiment", "consistency", "--modes", "bogus", "--out", str(tmp_path / "e")),
+         ("tessera experiment consistency: error:", "unknown mode 'bogus'")),
+        (("tokens", "w0:worker", "--out", str(tmp_path / "no" / "such" / "tokens.txt")),
+         ("tessera tokens: error:", "no such file or directory")),
+        (("cert", "--out-dir", str(tmp_path / "pki"), "--days", "soon"), ("tessera cert: error:", "--days: invalid int value")),
+        (("ps", "serve", "--port", "-3"), ("tessera ps serve: error:",)),
+    ]
+    with ThreadPoolExecutor(4) as pool:  # independent commands: run them side by side
+        results = list(pool.map(lambda c: _tessera(*c[0]), cases))
+    for (_, needles), r in zip(cases, results):
+        _one_line_error(r, 2, *needles)
+
+
+def test_importing_the_command_loads_no_grpc() -> None:
+    """main() turns gRPC core's own log lines off before any gRPC code loads (they would come
+    before the one error line); importing tessera.cli must not load grpc."""
+    r = subprocess.run([sys.executable, "-c", "import sys, tessera.cli; print('grpc' in sys.modules)"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "False", r.stdout + r.stderr
 
 
 def test_debug_shows_the_traceback() -> None:
