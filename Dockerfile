@@ -37,9 +37,10 @@ USER 10001:10001
 WORKDIR /data
 VOLUME ["/data/checkpoints"]
 EXPOSE 7000 7100 9100 29400
-# the standard gRPC health service of the server in this container (SERVING: healthy); a TLS server
+# the standard gRPC health service of the server in this container (SERVING: healthy), asked by
+# `python -m tessera.health` (`tessera health` without loading torch: cheap every few seconds); a TLS server
 # is probed with TESSERA_HEALTH_ARGS (e.g. --tls-ca FILE). Containers that serve no gRPC (workers) turn it off.
 HEALTHCHECK --interval=5s --timeout=4s --start-period=20s --retries=5 \
-    CMD ["sh", "-c", "exec tessera health \"$TESSERA_HEALTH_ADDR\" $TESSERA_HEALTH_ARGS"]
+    CMD ["sh", "-c", "exec python -m tessera.health \"$TESSERA_HEALTH_ADDR\" $TESSERA_HEALTH_ARGS"]
 ENTRYPOINT ["tessera"]
 CMD ["--help"]

@@ -52,3 +52,19 @@ def add_health_command(sub: Any) -> None:
     h.add_argument("--server-name", default=None,
                    help="name to check in the server's certificate (e.g. the service name when probing 127.0.0.1)")
     h.set_defaults(func=_health)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tessera.health HOST:PORT [...]``: the same check without loading the whole command
+    (no torch import: a probe every few seconds stays cheap)."""
+    from tessera.cli import Parser  # argparse only; tessera.cli imports the parts lazily
+
+    p = Parser(prog="python -m tessera.health", description=(__doc__ or "").split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    add_health_command(sub)
+    args = p.parse_args(["health", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
