@@ -173,7 +173,7 @@ class PSSync(ParamSync):
         backup_workers: int = 0, staleness_aware_lr: bool = False, worker_index: int = 0, num_workers: int = 1,
         worker_name: str = "", lease_s: float = 10.0, start_timeout_s: float = 300.0,
         dense_optimizer: Any = None, device: torch.device | str = "cpu", stop: threading.Event | None = None,
-        sparse_ids: Callable[[Any], dict[str, torch.Tensor]] | None = None,
+        sparse_ids: Callable[[Any], dict[str, torch.Tensor]] | None = None, dense: bool = True,
     ) -> None:
         self.mode = check_ps_mode(mode)
         self.name = mode
@@ -190,7 +190,9 @@ class PSSync(ParamSync):
         self.embeddings: dict[str, PSEmbedding] = {n: m for n, m in model.named_modules() if isinstance(m, PSEmbedding)}
         for m in self.embeddings.values():
             m.client = client
-        self.flat = FlatParams.of(model, self.device)
+        # dense=False: only the PSEmbedding rows go through the PS (the dense part is synchronised
+        # elsewhere: peer mode's hybrid all-reduces it)
+        self.flat = FlatParams.of(model, self.device) if dense else FlatParams([], self.device)
         self.dense_table = f"{prefix}/dense"
         cuda = self.device.type == "cuda"
         n = self.flat.numel

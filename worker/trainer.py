@@ -15,7 +15,7 @@ mode), every fetch and push runs in line on the main thread.
 
 PS modes: ``sync`` (BSP), ``async`` (ASP), ``ssp`` (bounded staleness), ``dense-sync`` (dense
 tables BSP, sparse tables async; formerly called ``hybrid``). Peer modes (``worker.peer``): ``dp``,
-``zero1``, ``zero2``, ``zero3``.
+``zero1``, ``zero2``, ``zero3``, and ``hybrid`` (PS embeddings, all-reduced dense part).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ __all__ = ["MODES", "PEER_MODES", "Summary", "TrainConfig", "Trainer", "resolve_
 log = logging.getLogger(__name__)
 
 MODES = PS_MODES
-PEER_MODES = ("dp", "zero1", "zero2", "zero3")
+PEER_MODES = ("dp", "zero1", "zero2", "zero3", "hybrid")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -193,6 +193,8 @@ class Trainer:
         self.on_step = on_step
         self.device = resolve_device(config.device)
         if isinstance(sync, PSClient):
+            if config.mode == "hybrid":
+                check_ps_mode("hybrid")  # the PS-only mode once called hybrid is dense-sync: say so
             if config.mode in PEER_MODES:
                 raise ValueError(f"mode {config.mode!r} is a peer mode: pass its ParamSync (worker.peer), not a PSClient")
             sync = PSSync(

@@ -153,6 +153,46 @@ def main(checks: list[str]) -> None:
             got, _ = train(task, "zero3", world, rank, 2, 3)
             compare(check, got, want, 1e-5, 1e-6)
             print("OK gpt-zero3", flush=True)
+        elif check.startswith("hybrid-sync:"):
+            # ctr: PSEmbedding rows on the PS (BSP here, so the run is deterministic), the MLP all-reduced;
+            # reference: one process, the MLP with torch Adam and the rows with torch Adagrad (the table's
+            # optimizer: lr 0.05, initial accumulator 0.1), both on the global batch
+            from ps.client import PSClient
+            from ps.initializers import init_rows, table_key
+            from worker.peer import HybridSync
+
+            addresses = check.split(":", 1)[1].split(",")
+            task = load_task("ctr", vocab=2000, test_size=100, hidden=[32])
+            emb = task.model.emb
+            ref_mlp = copy.deepcopy(task.model.mlp)
+            data = task.batches(0, 1, world * B, 0)
+            batches = [next(data) for _ in range(STEPS)]
+            ids_all = np.unique(np.concatenate([b.ids.numpy().reshape(-1) for b in batches]))
+            ref_emb = nn.Parameter(torch.from_numpy(init_rows(emb.init, table_key(emb.table, emb.seed), ids_all, emb.dim).copy()))
+            client = PSClient(addresses, timeout=60)
+            sync = HybridSync(task.model, client, task.name, task.dense_optimizer, rank=rank, world=world,
+                              sparse_mode="sync", sparse_ids=task.sparse_ids)
+            seen: list[torch.Tensor] = []
+            cfg = TrainConfig(mode="hybrid", steps=STEPS, batch_size=B, worker_index=rank, num_workers=world,
+                              progress=False, evaluate=False, name=f"rank{rank}")
+            Trainer(task, sync, cfg, on_step=lambda s, tr: seen.append(tr.flat)).run()
+            opt_d = torch.optim.Adam(ref_mlp.parameters(), lr=1e-3)
+            opt_s = torch.optim.Adagrad([ref_emb], lr=0.05, initial_accumulator_value=0.1, eps=1e-10)
+            for t, b in enumerate(batches):
+                rows = F.embedding(torch.from_numpy(np.searchsorted(ids_all, b.ids.numpy())), ref_emb)
+                logits = ref_mlp(torch.cat([rows.flatten(1), b.dense], 1)).squeeze(1)
+                opt_d.zero_grad()
+                opt_s.zero_grad()
+                F.binary_cross_entropy_with_logits(logits, b.label).backward()
+                opt_d.step()
+                opt_s.step()
+                want = torch.cat([p.detach().reshape(-1) for p in ref_mlp.parameters()])
+                torch.testing.assert_close(seen[t], want, rtol=1e-5, atol=1e-6, msg=lambda m: f"hybrid dense step {t}: {m}")
+            dist.barrier()  # every rank's last row push is in
+            got = client.pull_sparse(emb.table, ids_all)
+            torch.testing.assert_close(torch.from_numpy(got), ref_emb.detach(), rtol=1e-5, atol=1e-6)
+            client.close()
+            print("OK hybrid-sync", flush=True)
         elif check.startswith(("ckpt-save:", "ckpt-load:")):
             # save: train 4 steps, checkpoint after 3; load: resume from it (any world size, any mode)
             # and train step 3 only. Both print step 3's global loss and the parameters after it.

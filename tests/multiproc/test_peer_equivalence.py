@@ -89,17 +89,21 @@ def test_d4_dp_fp32_fp64_and_zero3_match_one_process(d4) -> None:
 
 
 @pytest.mark.timeout(200)
-def test_d2_dp_zero_accumulation_compression_and_resuming_the_d4_checkpoint(d4) -> None:
-    """D=2 checks, and the ZeRO-3 checkpoint saved at D=4 resumed at D=2 in ZeRO-1 and in DP:
-    reference for the resumed step: the D=4 run itself, which went on past its checkpoint (step 3's
-    global loss and the parameters after it, rtol 1e-5)."""
+def test_d2_dp_zero_accumulation_compression_hybrid_and_resuming_the_d4_checkpoint(d4, proc_cluster) -> None:
+    """D=2 checks; the hybrid (ctr on 2 PS shard processes: rows BSP on the PS, the MLP all-reduced;
+    the MLP at every step and the rows at the end equal one process with the global batch, as PS
+    sync mode does in tests/integration/test_worker_sync_exact.py); and the ZeRO-3 checkpoint saved
+    at D=4 resumed at D=2 in ZeRO-1 and in DP: reference for the resumed step is the D=4 run itself,
+    which went on past its checkpoint (step 3's global loss and the parameters after it, rtol 1e-5)."""
     d, saved = d4
     _check(saved, [f"ckpt-save:{d}:zero3"])
     want_loss, want_params = _ckpt(saved[0][1], "ckpt-save", "zero3")
-    checks = [*D2_CHECKS, f"ckpt-load:{d}:zero1", f"ckpt-load:{d}:dp"]
+    hybrid = "hybrid-sync:" + ",".join(proc_cluster(2))
+    checks = [*D2_CHECKS, f"ckpt-load:{d}:zero1", f"ckpt-load:{d}:dp", hybrid]
     loaded = run_ranks(2, checks)
-    _check(loaded, checks)
+    _check(loaded, [*checks[:-1], "hybrid-sync"])
     for mode in ("zero1", "dp"):
         loss, params = _ckpt(loaded[0][1], "ckpt-load", mode)
         assert loss == pytest.approx(want_loss, rel=1e-5), mode
         torch.testing.assert_close(torch.tensor(params), torch.tensor(want_params), rtol=1e-5, atol=1e-6)
+

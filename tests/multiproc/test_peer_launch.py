@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_peer_equivalence import ROOT, run_ranks  # type: ignore[import-not-found]
 
 ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
@@ -30,6 +29,18 @@ def test_tessera_peer_trains_gpt_on_two_ranks_and_reports_tokens_per_s_and_mfu(t
     for r in range(2):  # --metrics-out: one JSON-lines file per rank, ending with the summary
         records = [json.loads(line) for line in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()]
         assert records[-1]["kind"] == "summary" and records[-1]["steps"] == 30, records[-1]
+
+
+@pytest.mark.timeout(150)
+def test_tessera_peer_hybrid_trains_ctr_with_rows_on_the_ps(proc_cluster) -> None:
+    addresses = proc_cluster(2)
+    cmd = [sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", "2", "--mode", "hybrid", "--ps", ",".join(addresses),
+           "--task", "ctr", "--task-opt", "vocab=5000", "--task-opt", "test_size=2000", "--steps", "60", "--global-batch", "128",
+           "--no-progress", "--torch-threads", "1"]
+    p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=140)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])
+    assert report["mode"] == "hybrid" and report["steps"] == 60 and report["auc"] > 0.55, report  # 0.5: chance
 
 
 @pytest.mark.timeout(120)

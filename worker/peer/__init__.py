@@ -2,6 +2,7 @@
 collectives instead of a PS. ``AllReduceDP`` (bucketed all-reduce from backward hooks) and
 ``ZeroSync`` (ZeRO stages 1-3) are ``ParamSync``s the trainer runs like ``PSSync``."""
 from worker.peer.data_parallel import AllReduceDP, make_buckets
+from worker.peer.hybrid import HybridSync
 from worker.peer.mesh import (
     Mesh,
     PeerConfigError,
@@ -14,6 +15,7 @@ from worker.peer.zero import ZeroSync
 
 __all__ = [
     "AllReduceDP",
+    "HybridSync",
     "Mesh",
     "PeerConfigError",
     "PeerError",

@@ -27,9 +27,12 @@ log = logging.getLogger(__name__)
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """The flags of one rank (``python -m worker.peer``); ``tessera peer`` passes them through."""
-    p.add_argument("--task", default="gpt", help="gpt, digits, or package.module:function (models without PSEmbedding layers)")
+    p.add_argument("--task", default="gpt", help="gpt, digits, ctr (hybrid), or package.module:function")
     p.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE", help="option for the task (repeatable)")
-    p.add_argument("--mode", default="dp", choices=["dp", "zero1", "zero2", "zero3"], help="data parallel or ZeRO stage")
+    p.add_argument("--mode", default="dp", choices=["dp", "zero1", "zero2", "zero3", "hybrid"],
+                   help="data parallel, a ZeRO stage, or hybrid (PSEmbedding rows on the PS given by --ps, dense all-reduced)")
+    p.add_argument("--ps", default="", help="hybrid: HOST:PORT,... of every PS shard, in shard order")
+    p.add_argument("--sparse-mode", default="async", choices=["async", "ssp", "sync"], help="hybrid: the rows' consistency on the PS")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--global-batch", type=int, default=64, help="examples per step over all ranks (divisible by world size x accumulate)")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (no all-reduce on accumulation micro-batches)")
@@ -107,6 +110,7 @@ def run_rank(args: argparse.Namespace) -> int:
 
     mesh = init_mesh(args.backend, args.device, args.timeout)
     rank, world = mesh.rank, mesh.world
+    client: Any = None
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         threads = args.torch_threads or max(1, (os.cpu_count() or 1) // local)
@@ -126,11 +130,28 @@ def run_rank(args: argparse.Namespace) -> int:
             "task": args.task, "task_opts": json.dumps(opts, sort_keys=True), "global_batch": args.global_batch,
             "accumulate": args.accumulate, "steps": args.steps, "seed": args.seed,
         }
-        sync = make_sync(
-            args.mode, task.model, task.dense_optimizer, device=mesh.device, bucket_mb=args.bucket_mb,
-            compress=None if args.compress == "none" else args.compress, settings=settings,
-        )
+        compress = None if args.compress == "none" else args.compress
+        if args.mode == "hybrid":
+            from ps import PSClient
+            from worker.peer.hybrid import HybridSync
+
+            if not args.ps:
+                raise PeerConfigError("--mode hybrid needs --ps HOST:PORT,... (the shards holding the embeddings)")
+            client = PSClient(args.ps.split(","), timeout=max(60.0, args.timeout))
+            client.wait_ready(timeout=60)
+            sync: Any = HybridSync(
+                task.model, client, task.name, task.dense_optimizer, rank=rank, world=world, device=mesh.device,
+                bucket_mb=args.bucket_mb, compress=compress, sparse_mode=args.sparse_mode, sparse_ids=task.sparse_ids,
+                settings=settings,
+            )
+        else:
+            sync = make_sync(
+                args.mode, task.model, task.dense_optimizer, device=mesh.device, bucket_mb=args.bucket_mb,
+                compress=compress, settings=settings,
+            )
         if args.checkpoint_dir:
+            if args.mode == "hybrid":
+                raise PeerConfigError("--checkpoint-dir: hybrid mode's rows live on the PS (use its checkpoints); not supported here")
             sync.set_checkpointing(args.checkpoint_dir, args.checkpoint_every)
         metrics_out = os.path.join(args.metrics_out, f"rank{rank}.jsonl") if args.metrics_out else None
         if args.metrics_port:  # Prometheus over this rank's trainer records (one port per local rank)
@@ -181,6 +202,8 @@ def run_rank(args: argparse.Namespace) -> int:
         print(f"tessera peer: rank {rank}: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
+        if client is not None:
+            client.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
