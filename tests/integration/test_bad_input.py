@@ -1049,7 +1049,7 @@ class TestMalformed:
     named (none was parsed). Reference: snapshot before the call."""
 
     @pytest.mark.parametrize("raw", list(GARBAGE.values()), ids=list(GARBAGE))
-    @pytest.mark.parametrize("method", ["CreateTable", "DescribeTable", "PullDense", "PushDense", "PullSparse", "PushSparse"])
+    @pytest.mark.parametrize("method", ["CreateTable", "DescribeTable", "PullDense", "PushDense", "PullSparse", "PushSparse", "Step"])
     def test_raw_garbage_is_malformed(self, env: Env, method: str, raw: bytes) -> None:
         before = env.snapshot()
         rpc_error(lambda: env.raw[0].call(method, raw), INVALID, None, "malformed")

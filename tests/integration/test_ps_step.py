@@ -138,10 +138,10 @@ def test_client_refuses_bad_parts_before_sending(inproc_cluster) -> None:
     np.testing.assert_array_equal(c.pull_dense("w"), np.zeros(SHAPE, np.float32))
 
 
-def _raw_step(address: str, parts: list[pb.StepPart], data: bytes, client: str = "raw") -> pb.StepReply:
+def _raw_step(address: str, parts: list[pb.StepPart], data: bytes, client: str = "raw", dtype: str = "float32") -> pb.StepReply:
     ch = grpc.insecure_channel(address)
     try:
-        req = pb.StepRequest(worker="raw", client=client, dtype="float32")
+        req = pb.StepRequest(worker="raw", client=client, dtype=dtype)
         req.parts.extend(parts)
         raw = ch.unary_unary("/tessera.v1.ParameterServer/Step")(pack(req, {15: data}), timeout=10)
         return unpack(pb.StepReply, raw)[0]
@@ -253,3 +253,31 @@ def test_bsp_step_replies_carry_the_round_and_match_a_single_process_reference(i
             torch.testing.assert_close(torch.from_numpy(w), ref_w.detach(), rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(e, want_rows, rtol=1e-5, atol=1e-6)
             assert clock == {"w": t + 1, "emb": t + 1}
+
+
+@pytest.mark.parametrize(
+    "part, data, dtype, text",
+    [
+        (pb.StepPart(table="w", op=pb.STEP_OP_PUSH_DENSE, count=30, data_at=64), np.ones(30, np.float32).tobytes(), "float32", "outside"),
+        (pb.StepPart(table="w", op=pb.STEP_OP_PUSH_DENSE, count=30, data_at=0), np.ones(30).tobytes()[:240], "float64", "float64"),
+        (pb.StepPart(table="w", op=pb.STEP_OP_PUSH_DENSE, count=30, data_at=0, sync=pb.SyncSpec(sync=True, clock=-1)),
+         np.ones(30, np.float32).tobytes(), "float32", "clock"),
+        (pb.StepPart(table="w", op=99), b"", "float32", "unknown step op"),
+        (pb.StepPart(table="emb", op=pb.STEP_OP_PULL_SPARSE, count=-1, ids_at=0), b"", "float32", "count"),
+    ],
+    ids=["data_outside_the_request", "float64", "bsp_negative_clock", "unknown_op", "negative_count"],
+)
+def test_malformed_step_parts_are_invalid_and_name_the_table(inproc_cluster, part, data, dtype, text) -> None:
+    """Each a clear INVALID_ARGUMENT naming the table and the problem; nothing applied (reference: the
+    slice's version and values before)."""
+    cluster = inproc_cluster(1)
+    c = cluster.client(worker="w0")
+    _tables(c)
+    t = cluster.shards[0].tables["w"]
+    v0, before = t.version, t.values().copy()
+    with pytest.raises(grpc.RpcError) as ei:
+        _raw_step(cluster.addresses[0], [part], data, dtype=dtype)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
+    assert f"'{part.table}'" in ei.value.details() and text in ei.value.details(), ei.value.details()
+    assert t.version == v0
+    np.testing.assert_array_equal(t.values(), before)
