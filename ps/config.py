@@ -113,6 +113,9 @@ class OptimizerSpec:
 
 @dataclass(frozen=True)
 class InitializerSpec:
+    """How new values are drawn (zeros, constant, uniform, normal): deterministic per element, see
+    ps.initializers; missing parameters take their defaults."""
+
     name: str = "zeros"
     params: Mapping[str, float] = field(default_factory=dict)
 
@@ -142,6 +145,7 @@ class AdmissionSpec:
 
     @property
     def enabled(self) -> bool:
+        """Whether admission filters anything (min_count > 1 or 0 < probability < 1)."""
         return self.min_count > 1 or 0.0 < self.probability < 1.0
 
 
@@ -220,6 +224,7 @@ class TableSpec:
 
     @property
     def numel(self) -> int:
+        """Elements of a dense table (the product of ``shape``)."""
         n = 1
         for s in self.shape:
             n *= s
