@@ -206,6 +206,7 @@ class Trainer:
             )
         self.sync: ParamSync = sync
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{config.worker_name}-io")  # fetch + push
+        self.tracer: Any = None  # a worker.peer.trace.Tracer (or anything with .span(name, cat)) for a timeline
         self.clock = 0  # the step being computed
         self.last_loss = math.nan  # this worker's loss of the last step computed (its batch's mean)
         self._rng = np.random.default_rng([config.seed, config.worker_index, 99])
@@ -242,7 +243,13 @@ class Trainer:
 
     def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         """In the background for a pipelined sync, else in line (collectives stay on the main thread)."""
-        return self._pool.submit(fn, *args) if self.sync.pipelined else _done(fn(*args))
+        if self.sync.pipelined:
+            return self._pool.submit(fn, *args)
+        with self._span(fn.__name__, "sync", step=args[0]):
+            return _done(fn(*args))
+
+    def _span(self, name: str, cat: str, **args: Any) -> contextlib.AbstractContextManager[None]:
+        return self.tracer.span(name, cat, **args) if self.tracer is not None else contextlib.nullcontext()
 
     def _loop(self, start: int) -> Summary:
         cfg, task, s = self.cfg, self.task, self.sync
@@ -304,14 +311,15 @@ class Trainer:
             batch = to_dev(f.batch, self.device)
             s.zero_grad()
             loss_sum: torch.Tensor | None = None
-            for j, micro in enumerate(split_batch(batch, k)):
-                with s.no_sync() if j < k - 1 else contextlib.nullcontext():
-                    loss = task.loss(model, micro)
-                    if k > 1:
-                        loss = loss / k
-                    loss.backward()
-                loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
-            grads = s.gradients(step)
+            with self._span("compute", "compute", step=step):
+                for j, micro in enumerate(split_batch(batch, k)):
+                    with s.no_sync() if j < k - 1 else contextlib.nullcontext():
+                        loss = task.loss(model, micro)
+                        if k > 1:
+                            loss = loss / k
+                        loss.backward()
+                    loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+                grads = s.gradients(step)
             self._perturb(time.perf_counter() - t0)
             if push_fut is not None:  # the window: the previous push must be done before this one starts
                 t0 += finish_push(push_fut)

@@ -19,7 +19,7 @@ GPT = ["--task", "gpt", "--task-opt", "dim=32", "--task-opt", "seq=16", "--task-
 @pytest.mark.timeout(150)
 def test_tessera_peer_trains_gpt_on_two_ranks_and_reports_tokens_per_s_and_mfu(tmp_path) -> None:
     cmd = [sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", "2", *GPT, "--steps", "30", "--global-batch", "16",
-           "--metrics-out", str(tmp_path)]
+           "--metrics-out", str(tmp_path), "--trace", str(tmp_path / "trace"), "--bucket-mb", "0.05"]
     p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=140)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])
@@ -29,6 +29,12 @@ def test_tessera_peer_trains_gpt_on_two_ranks_and_reports_tokens_per_s_and_mfu(t
     for r in range(2):  # --metrics-out: one JSON-lines file per rank, ending with the summary
         records = [json.loads(line) for line in (tmp_path / f"rank{r}.jsonl").read_text().splitlines()]
         assert records[-1]["kind"] == "summary" and records[-1]["steps"] == 30, records[-1]
+        # --trace: a Chrome trace per rank: each step's compute and push, each bucket's all-reduce
+        events = json.loads((tmp_path / "trace" / f"trace-rank{r}.json").read_text())["traceEvents"]
+        names = [e["name"] for e in events if e["ph"] == "X"]
+        assert names.count("compute") == 30 and names.count("push") == 30, names[:20]
+        buckets = {n for n in names if n.startswith("all_reduce bucket ")}
+        assert len(buckets) >= 2 and sum(n.startswith("all_reduce bucket ") for n in names) == 30 * len(buckets), buckets
 
 
 @pytest.mark.timeout(150)

@@ -52,6 +52,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=float, default=0.0, help="peak of one device for MFU (0: a table for known GPUs; CPU: measured matmul)")
     p.add_argument("--checkpoint-dir", default=None, help="sharded checkpoints here (a directory every rank can read); a run resumes from the newest")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: never)")
+    p.add_argument("--trace", default=None, metavar="DIR", help="write a Chrome trace per rank: DIR/trace-rank<r>.json")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics on this port + LOCAL_RANK (GET /metrics; 0: no endpoint)")
@@ -168,8 +169,13 @@ def run_rank(args: argparse.Namespace) -> int:
             metrics_out=metrics_out, name=f"rank{rank}", evaluate=not args.no_eval,
         )
         liveness = Liveness(rank, world)
+        trainer = Trainer(task, sync, cfg)
+        if args.trace:
+            from worker.peer.trace import Tracer
+
+            trainer.tracer = sync.tracer = Tracer(rank)
         try:
-            summary = Trainer(task, sync, cfg).run()
+            summary = trainer.run()
         except (RuntimeError, dist.DistError) as e:
             if isinstance(e, PeerConfigError):
                 raise
@@ -180,6 +186,8 @@ def run_rank(args: argparse.Namespace) -> int:
             return 1
         finally:
             liveness.close()
+            if args.trace:
+                trainer.tracer.save(os.path.join(args.trace, f"trace-rank{rank}.json"))
         tokens = task.info.get("tokens_per_example", 0.0)
         report: dict[str, Any] = {
             "rank": rank, "world": world, "mode": args.mode, "steps": summary.steps, "seconds": round(summary.seconds, 3),

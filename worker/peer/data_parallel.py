@@ -121,6 +121,7 @@ class AllReduceDP(ParamSync, Checkpointing):
         self._bucket_of = {i: b for b in self.buckets for i in b.params}
         self.optimizer = torch_optimizer(optimizer)(self.flat.params)
         self._hooks: list[Any] = []
+        self.tracer: Any = None  # a worker.peer.trace.Tracer: each bucket's collective on the timeline
         self._syncing = True
         self._next = 0  # the next bucket to launch (launches go in bucket order on every rank)
         self.world = 1
@@ -208,6 +209,8 @@ class AllReduceDP(ParamSync, Checkpointing):
         self.bytes_reduced += g.numel() * g.element_size()
         if self.compress is None:
             b.works = [dist.all_reduce(g, async_op=True)]
+            if self.tracer is not None:
+                self.tracer.work(f"all_reduce bucket {b.index}", b.works[0], bytes=g.numel() * g.element_size())
             return
         # phase 1: rank r receives chunk r of every rank's bucket (16-bit on the wire)
         n = -(-b.numel // self.world) * self.world
@@ -215,6 +218,8 @@ class AllReduceDP(ParamSync, Checkpointing):
         send[: b.numel].copy_(g)
         recv = torch.empty_like(send)
         b.works = [dist.all_to_all_single(recv, send, async_op=True)]
+        if self.tracer is not None:
+            self.tracer.work(f"all_to_all bucket {b.index}", b.works[0], bytes=send.numel() * send.element_size())
         b.staged = (send, recv)
 
     def _finish(self, b: Bucket) -> None:

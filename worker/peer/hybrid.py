@@ -53,6 +53,14 @@ class HybridSync(ParamSync):
             raise PeerConfigError("hybrid mode needs a model with PSEmbedding layers (use dp for a dense model)")
         self.flat = self.dense.flat
 
+    @property
+    def tracer(self) -> Any:
+        return self.dense.tracer
+
+    @tracer.setter
+    def tracer(self, value: Any) -> None:
+        self.dense.tracer = value
+
     def join(self) -> int:
         """The PS first (worker 0 creates the tables; everyone waits for all ranks), then the peer group."""
         start = self.sparse.join()

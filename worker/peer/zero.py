@@ -131,6 +131,7 @@ class ZeroSync(ParamSync, Checkpointing):
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         self._names = names
         self._hooks: list[Any] = []
+        self.tracer: Any = None  # a worker.peer.trace.Tracer: reduce-scatters and all-gathers on the timeline
         self._syncing = True
         self._inflight: list[_Unit] = []  # stage 2/3: units whose reduce-scatter may still run
         self.comm_wait_s = 0.0
@@ -182,9 +183,15 @@ class ZeroSync(ParamSync, Checkpointing):
         if u.gathered:
             return
         _alloc(u.full)
-        with torch.no_grad():
+        with torch.no_grad(), self._span(f"all_gather {self._label(u)}"):
             all_gather_into(u.full, self.shard.data[u.offset : u.offset + u.chunk])
         u.gathered = True
+
+    def _label(self, u: _Unit) -> str:
+        return self._names.get(id(u.params[0]), "?").rsplit(".", 1)[0]
+
+    def _span(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return self.tracer.span(name, "comm") if self.tracer is not None else contextlib.nullcontext()
 
     def _release(self, u: _Unit) -> None:
         if self.stage == 3 and u.gathered:
@@ -261,6 +268,8 @@ class ZeroSync(ParamSync, Checkpointing):
             self._grad_alloc(u)
         u.grad.div_(self.world)
         u.works = [reduce_scatter_into(self._scratch(u), u.grad, async_op=True)]
+        if self.tracer is not None:
+            self.tracer.work(f"reduce_scatter {self._label(u)}", u.works[0], bytes=u.grad.numel() * u.grad.element_size())
         if self.stage == 3:
             self._release(u)  # its values are not needed again until the next forward
         u.pending = -1  # launched
@@ -311,7 +320,7 @@ class ZeroSync(ParamSync, Checkpointing):
 
     def _share_chunks(self) -> None:
         """Every unit's full values from the ranks' updated chunks (stage 1/2; stage 3 gathers just in time)."""
-        with torch.no_grad():
+        with torch.no_grad(), self._span("all_gather updated chunks"):
             for u in self.units:
                 if u.gathered:
                     all_gather_into(u.full, self.shard.data[u.offset : u.offset + u.chunk])
