@@ -12,7 +12,7 @@ from bench_run import run_quick
 KEYS = [
     "sparse_bytes_per_row_ratio", "sparse_bytes_per_row", "raw_bytes_per_row_ratio", "sparse_vs_raw_ratio",
     "bf16_rowwise_bytes_per_row_ratio", "fp32_peak_over_final", "bf16_peak_over_final", "populate_rows_per_s",
-    "populate_rows_per_s_median", "populate_uniform_rows_per_s", "raw_fill_rows_per_s", "populate_vs_raw_fill",
+    "populate_rows_per_s_median", "populate_rows_per_cpu_s", "populate_uniform_rows_per_s", "raw_fill_rows_per_s", "populate_vs_raw_fill",
     "tier_resident_pull_ratio", "tier_resident_pull_ratio_median", "tier_ram_pull_rows_per_s",
     "tier_resident_pull_rows_per_s", "tier_cold_pull_rows_per_s", "held_bytes_per_row", "index_bytes_per_row",
 ]
