@@ -219,7 +219,7 @@ def format_stats(stats: list[ShardStats], addresses: list[str], show_all: bool =
     the NOT_FOUND answers that describe lookups explain (workers polling for a table worker 0
     has not created yet), so a healthy run shows no errors."""
     lines = []
-    for addr, s in zip(addresses, stats):
+    for addr, s in zip(addresses, stats, strict=True):
         reqs = ", ".join(f"{k}={v}" for k, v in sorted(s.requests.items())) or "-"
         errors = dict(s.errors)
         if not show_all and 0 < errors.get("NOT_FOUND", 0) <= s.requests.get("DescribeTable", 0):

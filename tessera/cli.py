@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-__all__ = ["main", "build_parser", "HelpFormatter", "Parser", "UsageError", "explain_error"]
+__all__ = ["main", "build_parser", "HelpFormatter", "Parser", "UsageError", "explain_error"]  # noqa: F822 (UsageError: lazy, see __getattr__)
 
 
 def __getattr__(name: str) -> Any:

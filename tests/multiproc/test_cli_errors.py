@@ -62,7 +62,7 @@ def test_bad_flags_and_bad_settings_are_one_line(tmp_path) -> None:
     ]
     with ThreadPoolExecutor(4) as pool:  # independent commands: run them side by side
         results = list(pool.map(lambda c: _tessera(*c[0]), cases))
-    for (_, needles), r in zip(cases, results):
+    for (_, needles), r in zip(cases, results, strict=True):
         _one_line_error(r, 2, *needles)
 
 
