@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -205,6 +206,37 @@ def main(checks: list[str]) -> None:
             loss, params = got[-1]
             print(f"CKPT {kind} {mode} " + json.dumps({"loss": loss, "params": params.tolist()}), flush=True)
             print(f"OK {check}", flush=True)
+        elif check in ("debug-mismatch", "debug-stall"):
+            # faults injected by subclassing (rank 1 only): an extra collective the others do not issue,
+            # or a stall longer than the checker's 2 s; with --debug-collectives on, the ranks must name
+            # rank and op (the test reads the CollectiveMismatchError on stderr)
+            from worker.peer import AllReduceDP, debug
+
+            class ExtraCollective(AllReduceDP):
+                def push(self, step: int, grads: Any) -> Any:
+                    if step == 1:
+                        t = torch.ones(1)
+                        debug.fingerprint("all_reduce", t)
+                        dist.all_reduce(t)
+                    return super().push(step, grads)
+
+            class Stall(AllReduceDP):
+                calls = 0
+
+                def zero_grad(self) -> None:
+                    super().zero_grad()
+                    self.calls += 1
+                    if self.calls == 2:
+                        time.sleep(6)
+
+            debug.enable(rank, world, timeout_s=2)
+            task = tiny_task()
+            cls = AllReduceDP if rank == 0 else (ExtraCollective if check == "debug-mismatch" else Stall)
+            sync = cls(task.model, task.dense_optimizer, bucket_mb=1e-6)
+            cfg = TrainConfig(mode="dp", steps=STEPS, batch_size=B, worker_index=rank, num_workers=world, progress=False,
+                              evaluate=False, name=f"rank{rank}")
+            Trainer(task, sync, cfg).run()
+            raise SystemExit(f"{check}: the fault went unnoticed")
         else:
             raise SystemExit(f"unknown check {check!r}")
     dist.destroy_process_group()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -117,3 +118,20 @@ def test_max_restarts_resumes_from_the_last_checkpoint_and_finishes(tmp_path) ->
     assert len(starts) == 2 and starts[0] == 0 and starts[1] >= 5 and starts[1] % 5 == 0, starts  # resumed, not restarted
     summary = records[-1]
     assert summary["kind"] == "summary" and summary["final_clock"] == 40, summary
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", ["debug-mismatch", "debug-stall"])
+def test_debug_collectives_names_the_rank_and_the_op(fault: str) -> None:
+    """Rank 1 issues an extra collective, or stalls 6 s (the checker waits 2 s): rank 0 stops with
+    the collective's number and each rank's op, or naming rank 1 and the last collective it reached."""
+    from test_peer_equivalence import run_ranks  # type: ignore[import-not-found]
+
+    (rc0, _, err0), _ = run_ranks(2, [fault], timeout=100)
+    assert rc0 != 0
+    if fault == "debug-mismatch":
+        assert re.search(r"CollectiveMismatchError: collective #\d+ differs between ranks: rank 0: all_reduce float32\[\d+\]; "
+                         r"rank 1: all_reduce float32\[1\]", err0), err0[-3000:]
+    else:
+        assert re.search(r"CollectiveMismatchError: collective #\d+ \(all_reduce float32\[\d+\]\): rank 1 did not reach it "
+                         r"within 2 s; last collective reached: rank 1: #\d+ all_reduce", err0), err0[-3000:]

@@ -52,6 +52,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=float, default=0.0, help="peak of one device for MFU (0: a table for known GPUs; CPU: measured matmul)")
     p.add_argument("--checkpoint-dir", default=None, help="sharded checkpoints here (a directory every rank can read); a run resumes from the newest")
     p.add_argument("--checkpoint-every", type=int, default=0, help="save every N steps (0: never)")
+    p.add_argument("--debug-collectives", action="store_true",
+                   help="fingerprint every collective (op, dtype, shape, sequence number); name the rank and op on a mismatch or stall")
     p.add_argument("--trace", default=None, metavar="DIR", help="write a Chrome trace per rank: DIR/trace-rank<r>.json")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--metrics-port", type=int, default=0,
@@ -104,7 +106,7 @@ def run_rank(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from worker.peer import PeerConfigError, init_mesh, make_sync
+    from worker.peer import PeerConfigError, PeerError, init_mesh, make_sync
     from worker.peer.mesh import Liveness
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
@@ -168,6 +170,10 @@ def run_rank(args: argparse.Namespace) -> int:
             max_seconds=args.max_seconds, seed=args.seed, progress=rank == 0 and not args.no_progress,
             metrics_out=metrics_out, name=f"rank{rank}", evaluate=not args.no_eval,
         )
+        if args.debug_collectives:
+            from worker.peer import debug
+
+            debug.enable(rank, world, timeout_s=min(30.0, args.timeout))
         liveness = Liveness(rank, world)
         trainer = Trainer(task, sync, cfg)
         if args.trace:
@@ -179,6 +185,9 @@ def run_rank(args: argparse.Namespace) -> int:
         except (RuntimeError, dist.DistError) as e:
             if isinstance(e, PeerConfigError):
                 raise
+            if isinstance(e, PeerError):  # named already (e.g. --debug-collectives)
+                print(f"tessera peer: rank {rank}: {e}", file=sys.stderr, flush=True)
+                return 1
             # a collective failed or timed out: name the rank that is gone (one line, exit 1)
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             print(f"tessera peer: rank {rank}: a collective failed: {liveness.dead()} ({type(e).__name__}: {first[:200]})",

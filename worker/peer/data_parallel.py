@@ -33,6 +33,7 @@ from worker.peer.checkpoint import (
     optimizer_pieces,
     state_keys,
 )
+from worker.peer.debug import fingerprint
 from worker.peer.mesh import (
     PeerConfigError,
     all_gather_into,
@@ -138,6 +139,7 @@ class AllReduceDP(ParamSync, Checkpointing):
             "mode": self.name, "numel": self.flat.numel, "params": len(self.flat.params),
             "bucket_bytes": self.bucket_bytes, "compress": self.compress_name, **self.settings,
         }, self._agree_device())
+        fingerprint("broadcast", self.flat.data)
         dist.broadcast(self.flat.data, 0)
         start = self._resume()  # the newest checkpoint, if checkpointing is on and there is one
         for p in self.flat.params:
@@ -208,6 +210,7 @@ class AllReduceDP(ParamSync, Checkpointing):
         b.launched = True
         self.bytes_reduced += g.numel() * g.element_size()
         if self.compress is None:
+            fingerprint("all_reduce", g)
             b.works = [dist.all_reduce(g, async_op=True)]
             if self.tracer is not None:
                 self.tracer.work(f"all_reduce bucket {b.index}", b.works[0], bytes=g.numel() * g.element_size())
@@ -217,6 +220,7 @@ class AllReduceDP(ParamSync, Checkpointing):
         send = torch.zeros(n, dtype=self.compress, device=g.device)
         send[: b.numel].copy_(g)
         recv = torch.empty_like(send)
+        fingerprint("all_to_all", send)
         b.works = [dist.all_to_all_single(recv, send, async_op=True)]
         if self.tracer is not None:
             self.tracer.work(f"all_to_all bucket {b.index}", b.works[0], bytes=send.numel() * send.element_size())
@@ -231,6 +235,7 @@ class AllReduceDP(ParamSync, Checkpointing):
         chunk = send.numel() // self.world
         summed = recv.view(self.world, chunk).to(torch.float32).sum(0)  # fp32 accumulation
         out = torch.empty_like(send)
+        fingerprint("all_gather", out)
         all_gather_into(out, summed.to(self.compress))  # phase 2: everyone's summed chunk
         self.flat.grad[b.start : b.stop].copy_(out[: b.numel])
 

@@ -40,6 +40,7 @@ from worker.peer.checkpoint import (
     state_keys,
 )
 from worker.peer.data_parallel import optimizer_state_bytes
+from worker.peer.debug import fingerprint
 from worker.peer.mesh import (
     PeerConfigError,
     all_gather_into,
@@ -144,6 +145,7 @@ class ZeroSync(ParamSync, Checkpointing):
         }, self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
         with torch.no_grad():
             for u in self.units:
+                fingerprint("broadcast", u.full)
                 dist.broadcast(u.full, 0)  # rank 0's initial values everywhere
                 self._my_chunk_of(u.full, u, into_shard=True)
         start = self._resume()  # the newest checkpoint, if checkpointing is on and there is one
@@ -183,6 +185,7 @@ class ZeroSync(ParamSync, Checkpointing):
         if u.gathered:
             return
         _alloc(u.full)
+        fingerprint("all_gather", u.full)
         with torch.no_grad(), self._span(f"all_gather {self._label(u)}"):
             all_gather_into(u.full, self.shard.data[u.offset : u.offset + u.chunk])
         u.gathered = True
@@ -267,6 +270,7 @@ class ZeroSync(ParamSync, Checkpointing):
         if not u.grad_alive:  # no gradient reached it this step (stage 2/3): zeros, still exchanged
             self._grad_alloc(u)
         u.grad.div_(self.world)
+        fingerprint("reduce_scatter", u.grad)
         u.works = [reduce_scatter_into(self._scratch(u), u.grad, async_op=True)]
         if self.tracer is not None:
             self.tracer.work(f"reduce_scatter {self._label(u)}", u.works[0], bytes=u.grad.numel() * u.grad.element_size())
@@ -323,6 +327,7 @@ class ZeroSync(ParamSync, Checkpointing):
         with torch.no_grad(), self._span("all_gather updated chunks"):
             for u in self.units:
                 if u.gathered:
+                    fingerprint("all_gather", u.full)
                     all_gather_into(u.full, self.shard.data[u.offset : u.offset + u.chunk])
 
     # ------------------------------------------------------------------ checkpoints
