@@ -57,7 +57,9 @@ def add_health_command(sub: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m tessera.health HOST:PORT [...]``: the same check without loading the whole command
     (no torch import: a probe every few seconds stays cheap)."""
-    from tessera.cli import Parser  # argparse only; tessera.cli imports the parts lazily
+    from tessera.cli import (
+        Parser,  # argparse only; tessera.cli imports the parts lazily
+    )
 
     p = Parser(prog="python -m tessera.health", description=(__doc__ or "").split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)

@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -117,14 +118,14 @@ class ComposeRun:
         self.compose = compose
         self.model = load(compose, profiles, overrides)
         self.services = {n: Service(n, s) for n, s in self.model["services"].items()}
-        self.workdir = Path(workdir or ROOT / ".compose-run")
+        self.workdir = Path(workdir or tempfile.mkdtemp(prefix="compose-run-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.fabric = Fabric(list(self.services))
         self._made: list[Path] = []  # mount points this run created (removed at the end)
         self._hosts: list[Path] = []
 
     # ---------------------------------------------------------------- set-up and tear-down
-    def __enter__(self) -> "ComposeRun":
+    def __enter__(self) -> ComposeRun:  # noqa: PYI034 - Python 3.10 has no typing.Self
         self.fabric.__enter__()
         hosts = "127.0.0.1 localhost\n" + "".join(
             f"{self.fabric.address(n)} {n} {s.spec.get('hostname', n)}\n" for n, s in self.services.items()
@@ -136,7 +137,7 @@ class ComposeRun:
             self._hosts.append(d)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         for s in self.services.values():
             self._stop(s, signal.SIGTERM)
         deadline = time.monotonic() + 10
@@ -259,7 +260,7 @@ class ComposeRun:
         if argv and argv[0] == "tessera":
             argv = [*ENTRYPOINT, *argv[1:]]
         try:
-            r = subprocess.run(self._argv(s, argv), capture_output=True, text=True, env=self._env(s),
+            r = subprocess.run(self._argv(s, argv), check=False, capture_output=True, text=True, env=self._env(s),
                                timeout=_seconds(hc.get("timeout"), 30))
             s.health_checks.append((r.stdout + r.stderr).strip())
             return r.returncode == 0

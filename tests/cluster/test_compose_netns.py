@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from compose_netns import ROOT, ComposeRun, make_secrets
+
 from tessera.metrics import FED_METRICS, RPC_METRICS, SHARD_METRICS, TRAINER_METRICS
 from worker.netns import namespaces_available
 
@@ -40,7 +40,7 @@ def secrets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _values(text: str, name: str) -> list[float]:
     """Values of the samples of ``name`` (a histogram: its _count) in a Prometheus text page."""
-    pat = re.compile(rf"^{re.escape(name)}(?:_count)?(?:\{{[^}}]*\}})? (\S+)$", re.M)
+    pat = re.compile(rf"^{re.escape(name)}(?:_count)?(?:\{{[^}}]*\}})? (\S+)$", re.MULTILINE)
     return [float(v) for v in pat.findall(text)]
 
 
