@@ -149,6 +149,10 @@ def test_peer_profile_loss_goes_down(secrets: Path, tmp_path: Path) -> None:
     env = _env(secrets, PEER_STEPS="30", PEER_GLOBAL_BATCH="16", PEER_LOG_EVERY="5")
     with ComposeRun(COMPOSE, ("peer",), env, tmp_path) as run:
         run.up(timeout=60, only=("peer0", "peer1"))
+        for p in ("peer0", "peer1"):  # each rank's endpoint while it trains
+            page = _scrape_until(run, p, "tessera_train_steps", 5, 200)
+            _assert_metrics(page, TRAINER_METRICS, p, ("tessera_train_steps", "tessera_train_examples_per_second",
+                                                       "tessera_train_loss"))
         for p in ("peer0", "peer1"):
             assert run.wait_exit(p, 240) == 0, run.tail(p)
         recs = [json.loads(x) for x in (tmp_path / "volumes" / "peer-metrics" / "rank0.jsonl").read_text().splitlines()]
