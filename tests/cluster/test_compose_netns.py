@@ -5,7 +5,8 @@ and depends_on. Short runs: the variables of .env are overridden with few steps 
 
 * default profile: 2 shards each with a backup, 2 ctr workers, the report one-shot: the workers
   finish, every shard (and backup) answered SERVING, each metrics endpoint shows the documented
-  names with non-zero values, the report prints both shards' stats;
+  names with non-zero values, the report prints both shards' stats; stopped and started again with
+  more steps, the shards restore their checkpoints and training goes on from the restored tables;
 * the same with shard0's primary killed mid-run (namespace's processes SIGKILLed, link down): the
   workers finish through the backup (``shard0-backup`` is primary afterwards);
 * ``federated``: the server finishes its rounds with all 3 clients;
@@ -108,8 +109,18 @@ def _run_default(secrets: Path, tmp_path: Path, steps: int, kill_primary: bool) 
 
 
 @pytest.mark.timeout(300)
-def test_default_profile_trains_with_health_metrics_and_report(secrets: Path, tmp_path: Path) -> None:
+def test_default_profile_trains_with_health_metrics_and_report_then_restores(secrets: Path, tmp_path: Path) -> None:
     _run_default(secrets, tmp_path, steps=40, kill_primary=False)
+    # `docker compose down` (SIGTERM: final checkpoints into the volumes), then `up` again: the
+    # primaries restore their tables (40 steps x 2 workers = 80 dense updates) and training goes on them
+    with ComposeRun(COMPOSE, (), _env(secrets, STEPS="20"), tmp_path) as run:
+        run.up(timeout=150, only=(*SHARDS, "worker0", "worker1"))
+        for w in ("worker0", "worker1"):
+            assert run.wait_exit(w, 200) == 0, run.tail(w)
+        page = run.scrape("shard0")
+        dense = re.search(r'^tessera_ps_table_version\{[^}]*table="ctr/dense"[^}]*\} (\S+)$', page, re.MULTILINE)
+        assert dense and float(dense.group(1)) == 80 + 2 * 20, page[-3000:]  # not 40: the tables were restored
+        assert "restored" in run.tail("shard0", 50), run.tail("shard0")
 
 
 @pytest.mark.timeout(300)
