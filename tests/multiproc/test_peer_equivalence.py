@@ -30,9 +30,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, args: list[str] | list[list[str]], module: bool = False, timeout: float = 150.0) -> list[tuple[int, str, str]]:
+def run_ranks(
+    world: int, args: list[str] | list[list[str]], module: bool = False, timeout: float = 150.0, only_rank0: bool = False,
+) -> list[tuple[int, str, str]]:
     """Start ``world`` rank processes; returns [(returncode, stdout, stderr)] per rank. Every rank is
-    killed at the deadline. ``args``: one command line for all ranks, or one per rank."""
+    killed at the deadline (``only_rank0``: as soon as rank 0 has exited). ``args``: one command line
+    for all ranks, or one per rank."""
     port = _free_port()
     procs = []
     for r in range(world):
@@ -46,7 +49,9 @@ def run_ranks(world: int, args: list[str] | list[list[str]], module: bool = Fals
     deadline = time.monotonic() + timeout
     out = []
     try:
-        for p in procs:
+        for i, p in enumerate(procs):
+            if only_rank0 and i > 0 and p.poll() is None:
+                p.kill()
             so, se = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
             out.append((p.returncode, so, se))
     finally:

@@ -127,7 +127,7 @@ def test_debug_collectives_names_the_rank_and_the_op(fault: str) -> None:
     the collective's number and each rank's op, or naming rank 1 and the last collective it reached."""
     from test_peer_equivalence import run_ranks  # type: ignore[import-not-found]
 
-    (rc0, _, err0), _ = run_ranks(2, [fault], timeout=100)
+    (rc0, _, err0), _ = run_ranks(2, [fault], timeout=100, only_rank0=True)
     assert rc0 != 0
     if fault == "debug-mismatch":
         assert re.search(r"CollectiveMismatchError: collective #\d+ differs between ranks: rank 0: all_reduce float32\[\d+\]; "

@@ -69,14 +69,14 @@ def test_ranks_that_disagree_stop_at_start_naming_the_setting_and_values() -> No
 
 
 @pytest.mark.timeout(120)
-def test_a_world_size_other_than_asked_for_and_a_ps_model_are_refused_on_every_rank() -> None:
+def test_a_world_size_other_than_asked_for_and_a_ps_model_are_refused_at_start() -> None:
     base = [*GPT, "--steps", "2", "--backend", "gloo", "--device", "cpu", "--global-batch", "8"]
-    for extra, msg in [
-        (["--world-size", "3"], "world size is 2 but --world-size 3 was asked for"),
+    for extra, msg in [  # one rank is enough: these checks need no collective (so every rank makes them alike)
+        (["--world-size", "3"], "world size is 1 but --world-size 3 was asked for"),
         (["--task", "ctr", "--task-opt", "vocab=1000"], "the model has PSEmbedding layers"),
     ]:
-        for r, (rc, _, err) in enumerate(run_ranks(2, [*base, *extra], module=True, timeout=100)):
-            assert rc == 2 and msg in err, (r, rc, err[-3000:])
+        [(rc, _, err)] = run_ranks(1, [*base, *extra], module=True, timeout=100)
+        assert rc == 2 and msg in err, (rc, err[-3000:])
 
 
 @pytest.mark.timeout(60)

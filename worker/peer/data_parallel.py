@@ -64,9 +64,13 @@ class Bucket:
         return self.stop - self.start
 
 
-def make_buckets(flat: FlatParams, bucket_bytes: int) -> list[Bucket]:
+FIRST_BUCKET_BYTES = 2**20  # as DDP: a small first bucket, so communication starts early in backward
+
+
+def make_buckets(flat: FlatParams, bucket_bytes: int, first_bytes: int = FIRST_BUCKET_BYTES) -> list[Bucket]:
     """Contiguous ranges of whole parameters, from the last parameter backwards, each closed once it
-    holds ``bucket_bytes`` (a parameter larger than that is a bucket of its own)."""
+    holds ``bucket_bytes`` (the first one once it holds ``min(first_bytes, bucket_bytes)``, as
+    DDP does; a parameter larger than that is a bucket of its own)."""
     out: list[Bucket] = []
     cur: list[int] = []
     size = 0
@@ -74,7 +78,7 @@ def make_buckets(flat: FlatParams, bucket_bytes: int) -> list[Bucket]:
     for seg in reversed(flat.segments):
         cur.append(seg.index)
         size += seg.numel * elem
-        if size >= bucket_bytes:
+        if size >= (min(first_bytes, bucket_bytes) if not out else bucket_bytes):
             out.append(_bucket(flat, len(out), cur))
             cur, size = [], 0
     if cur:
