@@ -3,8 +3,8 @@
 Dense calls fan out one stream per shard, concurrently, and reassemble the
 slices; sparse calls deduplicate ids, group them by owning shard and send one
 request per shard (split further when large), concurrently, returning rows in
-the caller's order. Every call has a deadline; UNAVAILABLE is retried with
-backoff. Arrays may be numpy arrays or torch tensors (CPU or CUDA): results
+the caller's order. Every call has a deadline; UNAVAILABLE (and CANCELLED, which only a
+server's shutdown or abort causes) is retried with backoff (ps.stub.ShardStub). Arrays may be numpy arrays or torch tensors (CPU or CUDA): results
 come back as the same kind, on the same device.
 
 Thread-safety: a PSClient may be shared by threads.

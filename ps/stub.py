@@ -2,7 +2,8 @@
 
 A shard is a primary and its backups (``"HOST:PORT|HOST:PORT"``). The stub holds a channel and the
 method stubs (raw bytes in and out; the framing is ``ps.wire``'s) per replica, sends every call to
-the current primary with a deadline, retries UNAVAILABLE with jittered backoff (failing over to
+the current primary with a deadline, retries UNAVAILABLE (and a CANCELLED that the server's
+shutdown caused) with jittered backoff (failing over to
 whichever replica says it is primary with the highest epoch), and turns any other gRPC error into
 the PS's typed error (``ps.errors``, through the two-way table ``ps.wire.ERRORS``) naming the shard.
 
@@ -31,6 +32,12 @@ __all__ = ["ShardStub", "CallPolicy", "typed_error", "SERVICE"]
 T = TypeVar("T")
 
 SERVICE = "/tessera.v1.ParameterServer/"
+
+# retried with backoff (and failover): UNAVAILABLE, and CANCELLED, which a PSClient call only ever
+# gets from the other side (it never cancels its own calls): a server shutting down cancels the calls
+# in flight (a primary killed mid-call), as does a shard aborting a stalled push stream. Retrying is
+# safe: pushes carry (client, seq) and are applied at most once; a retried BSP push is "late".
+_RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 _UNARY = ("CreateTable", "DescribeTable", "Stats", "PullSparse", "PushSparse", "Join", "Heartbeat", "Checkpoint", "Role", "Step")
 
@@ -104,7 +111,7 @@ class ShardStub:
         return self.replicas[self.cur].pull_dense(request, timeout=self.policy.timeout)
 
     def retry(self, attempt: Callable[[], T], table: str | None = None) -> T:
-        """``attempt()`` until it does not fail UNAVAILABLE, for at most ``policy.retry_timeout`` seconds
+        """``attempt()`` until it does not fail UNAVAILABLE (or CANCELLED by the server), for at most ``policy.retry_timeout`` seconds
         (and ``policy.retries`` retries): jittered exponential backoff, and a failover check between
         attempts where the shard has replicas. Any gRPC error left is raised as the PS's typed error."""
         try:
@@ -120,7 +127,7 @@ class ShardStub:
                 return attempt()
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
-                if code != grpc.StatusCode.UNAVAILABLE or (self.policy.retries is not None and n >= self.policy.retries):
+                if code not in _RETRIED or (self.policy.retries is not None and n >= self.policy.retries):
                     raise
                 cap = 2.0
                 if len(self.replicas) > 1:
