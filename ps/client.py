@@ -1,11 +1,13 @@
 """PSClient: the Python API workers use to talk to a set of shards.
 
-Dense calls fan out one stream per shard, concurrently, and reassemble the
-slices; sparse calls deduplicate ids, group them by owning shard and send one
-request per shard (split further when large), concurrently, returning rows in
-the caller's order. Every call has a deadline; UNAVAILABLE (and CANCELLED, which only a
-server's shutdown or abort causes) is retried with backoff (ps.stub.ShardStub). Arrays may be numpy arrays or torch tensors (CPU or CUDA): results
-come back as the same kind, on the same device.
+One idea: partition, fan out, reassemble. Dense tables are cut at the shards' ranges and sent as
+one chunked stream per shard; sparse ids are deduplicated, grouped by owning shard and sent as one
+request per shard (split further when large); ``step`` sends one training step (push t, pull t+1)
+as one Step call per shard. Calls run concurrently and results come back in the caller's shape and
+order. Talking to one shard (replicas, deadlines, retries of UNAVAILABLE and of a CANCELLED that a
+server's shutdown caused, typed errors) is ``ps.stub.ShardStub``'s; the framing is ``ps.wire``'s.
+Arrays may be numpy arrays or torch tensors (CPU or CUDA): results come back as the same kind, on
+the same device.
 
 Thread-safety: a PSClient may be shared by threads.
 """
