@@ -139,3 +139,23 @@ def test_blocked_init_rows_give_the_plain_formulas_bits(init: InitializerSpec) -
         want = _values(init, c)
         got = init_rows(init, key, ids, dim)
         assert got.dtype == np.float32 and np.array_equal(got.view(np.uint32), want.view(np.uint32)), dim
+
+
+def test_memory_stats_add_up_and_evicted_rows_are_reused() -> None:
+    """memory_stats(): the parts (values, state, metadata, index, other) add up to held_bytes; a row
+    of dim 4 with Adagrad is 32 payload bytes; churn through LRU eviction reuses rows (no chunk is
+    added once the table is at its max_rows)."""
+    t = _sparse(eviction=EvictionSpec(max_rows=3000))
+    t.pull(np.arange(3000, dtype=np.int64))
+    m = t.memory_stats()
+    assert m.rows == m.resident_rows == 3000 and m.cold_rows == 0 and m.row_dtype == "float32"
+    assert m.payload_bytes_per_row == 4 * 4 * 2
+    assert m.values_bytes + m.state_bytes + m.metadata_bytes + m.index_bytes + m.other_bytes == m.held_bytes
+    assert m.metadata_bytes <= (8 + 8 + 8 + 2) * (3000 + m.free_rows) + 4 * 64  # version, touch, id, admits
+    assert m.bytes_per_row == m.held_bytes / 3000
+    chunks = m.chunks
+    for a in range(3000, 30000, 1000):
+        t.pull(np.arange(a, a + 1000, dtype=np.int64))
+    m2 = t.memory_stats()
+    assert m2.rows == 3000 and t.evicted == 27000
+    assert m2.chunks == chunks and m2.values_bytes == m.values_bytes  # evicted rows were reused
