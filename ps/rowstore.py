@@ -380,7 +380,7 @@ class RowStore:
         stops = np.concatenate([cut, [len(rows)]])
         offs = rows[order] & self.mask
         order_t, offs_t = torch.from_numpy(order), torch.from_numpy(offs)
-        for a, b in zip(starts.tolist(), stops.tolist()):
+        for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
             yield self._chunks[int(cs[a])], order_t[a:b], offs_t[a:b]
 
     def gather(self, rows: np.ndarray, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
@@ -437,7 +437,7 @@ class RowStore:
         if len(views) != len(self._chunks):
             raise ValueError("the backing does not hold this store's chunks")
         twin = RowStore(list(self.columns.values()), self.chunk_rows, self.first_rows, backing=backing)
-        twin._chunks = [twin._carve(v, ch.rows) for v, ch in zip(views, self._chunks)]
+        twin._chunks = [twin._carve(v, ch.rows) for v, ch in zip(views, self._chunks, strict=True)]
         twin.n_alloc = self.n_alloc
         return twin
 

@@ -1109,4 +1109,4 @@ class SparseTable:
         """(id, location) pairs of live rows (a snapshot; location >= 0: a resident row, <= -2: cold)."""
         with self.lock:
             ids, loc = self._index.items()
-            return zip(ids.tolist(), loc.tolist())
+            return zip(ids.tolist(), loc.tolist(), strict=True)

@@ -287,7 +287,7 @@ def test_bf16_rows_checkpoint_and_reshard_bit_exactly(inproc_cluster, tmp_path) 
     want = c.pull_sparse("emb16", ids)
     assert not (np.ascontiguousarray(want, np.float32).view(np.uint32) & 0xFFFF).any()  # bf16 values, widened exactly
     src = [str(tmp_path / f"old{i}") for i in range(2)]
-    for d, sh in zip(src, cluster.shards):
+    for d, sh in zip(src, cluster.shards, strict=True):
         path = write_checkpoint(d, sh.snapshot())
         t = [t for t in read_checkpoint(path).tables if t["spec"]["name"] == "emb16"][0]
         assert t["values"].dtype == np.uint16 and t["state"]["sum"].shape == (len(t["ids"]),)

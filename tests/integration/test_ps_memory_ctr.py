@@ -91,5 +91,5 @@ def test_disk_tier_trains_ctr_to_identical_parameters(tmp_path) -> None:
     for k in ("ids", "values", "versions"):
         np.testing.assert_array_equal(a[k], b[k])
     np.testing.assert_array_equal(a["state"]["sum"], b["state"]["sum"])
-    for p, q in zip(ram_mlp.parameters(), tier_mlp.parameters()):
+    for p, q in zip(ram_mlp.parameters(), tier_mlp.parameters(), strict=True):
         assert torch.equal(p, q)
