@@ -202,9 +202,9 @@ def test_bsp_step_replies_carry_the_round_and_match_a_single_process_reference(i
     clock t+1; the reply must hold exactly the values after the round of step t. Reference: one process,
     torch.optim.Adam on the dense parameter and SGD on the embedding rows, fed the mean of both workers'
     gradients; checked after every step, for both workers."""
-    cluster = inproc_cluster(2)
+    cluster = inproc_cluster(2, lease_s=60.0)  # no lease may run out on a loaded machine: the live set stays both
     lr = 0.05
-    clients = [cluster.client(worker=f"w{k}") for k in range(2)]
+    clients = [cluster.client(worker=f"w{k}", timeout=60.0) for k in range(2)]
     clients[0].create_dense("w", SHAPE, "adam", lr=lr)
     clients[0].create_sparse("emb", DIM, "sgd", lr=0.5)
     clients[0].pull_sparse("emb", np.arange(20))  # the rows exist (zeros): pushes to absent rows are dropped
