@@ -121,6 +121,7 @@ def test_default_profile_trains_with_health_metrics_and_report_then_restores(sec
         dense = re.search(r'^tessera_ps_table_version\{[^}]*table="ctr/dense"[^}]*\} (\S+)$', page, re.MULTILINE)
         assert dense and float(dense.group(1)) == 80 + 2 * 20, page[-3000:]  # not 40: the tables were restored
         assert "restored" in run.tail("shard0", 50), run.tail("shard0")
+        assert _values(page, "tessera_ps_has_backup") == [1.0]  # shard0-backup re-attached
 
 
 @pytest.mark.timeout(300)
