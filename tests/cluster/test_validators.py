@@ -84,3 +84,15 @@ def test_compose_topology() -> None:
     assert {n for n, s in svc.items() if "peer" in s.get("profiles", [])} == {"peer0", "peer1"}
     assert {n for n, s in svc.items() if "federated" in s.get("profiles", [])} == {"fed-server", *(f"fed-client{i}" for i in range(3))}
     assert all(s["file"].startswith("${SECRETS_DIR") for s in model["secrets"].values())
+
+
+def test_grafana_dashboard_uses_only_documented_metrics() -> None:
+    import json
+
+    from tessera.metrics import FED_METRICS, RPC_METRICS, SHARD_METRICS, TRAINER_METRICS
+
+    documented = set(RPC_METRICS + SHARD_METRICS + TRAINER_METRICS + FED_METRICS)
+    dash = json.loads((ROOT / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = {n.removesuffix("_bucket") for e in exprs for n in re.findall(r"tessera_[a-z_]+", e)}
+    assert used and used <= documented, sorted(used - documented)
