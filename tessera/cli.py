@@ -1,4 +1,4 @@
-"""The tessera command: one entry point, a subcommand per part (ps, worker, demo, experiment, fed, cert, tokens).
+"""The tessera command: one entry point, a subcommand per part (ps, worker, demo, experiment, fed, cert, tokens, health).
 
 Errors a user can cause are one line on stderr saying what to do next, not a traceback:
 exit 2 when the command line or the setup is wrong (fix it and run again), 1 when something
