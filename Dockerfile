@@ -31,11 +31,11 @@ ENV PATH=/opt/tessera/bin:$PATH PYTHONUNBUFFERED=1 \
     TESSERA_HEALTH_ADDR=127.0.0.1:7000 TESSERA_HEALTH_ARGS=""
 RUN groupadd --system --gid 10001 tessera \
     && useradd --system --uid 10001 --gid tessera --home-dir /data --create-home --shell /usr/sbin/nologin tessera \
-    && mkdir -p /data/checkpoints \
+    && mkdir -p /data/checkpoints /data/metrics \
     && chown -R tessera:tessera /data
 USER 10001:10001
 WORKDIR /data
-VOLUME ["/data/checkpoints"]
+VOLUME ["/data/checkpoints", "/data/metrics"]
 EXPOSE 7000 7100 9100 29400
 # the standard gRPC health service of the server in this container (SERVING: healthy), asked by
 # `python -m tessera.health` (`tessera health` without loading torch: cheap every few seconds); a TLS server
