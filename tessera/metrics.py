@@ -73,7 +73,7 @@ TRAINER_METRICS = (
     "tessera_train_push_wait_seconds_total", "tessera_train_eval", "tessera_train_done",
 )
 FED_METRICS = (
-    "tessera_fed_clients_connected", "tessera_fed_rounds_total", "tessera_fed_round_seconds",
+    "tessera_fed_clients_connected", "tessera_fed_rounds_total", "tessera_fed_last_round_seconds",
     "tessera_fed_round_seconds_total", "tessera_fed_wait_seconds_total", "tessera_fed_clients_answered",
     "tessera_fed_bytes_up_total", "tessera_fed_bytes_down_total", "tessera_fed_central_loss",
 )
@@ -327,7 +327,7 @@ class FedCollector(Collector):
         yield g
         yield CounterMetricFamily("tessera_fed_rounds", "rounds completed", value=len(history))
         last = history[-1] if history else {}
-        yield GaugeMetricFamily("tessera_fed_round_seconds", "the last round's time (waiting included)", value=float(last.get("round_s", 0.0)))
+        yield GaugeMetricFamily("tessera_fed_last_round_seconds", "the last round's time (waiting included)", value=float(last.get("round_s", 0.0)))
         yield CounterMetricFamily("tessera_fed_round_seconds", "time of every round", value=sum(float(r.get("round_s", 0.0)) for r in history))
         yield CounterMetricFamily("tessera_fed_wait_seconds", "time rounds waited for clients", value=sum(float(r.get("wait_s", 0.0)) for r in history))
         yield GaugeMetricFamily("tessera_fed_clients_answered", "clients that answered the last round", value=float(last.get("answered", 0) or 0))

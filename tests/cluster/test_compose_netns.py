@@ -46,6 +46,8 @@ def _values(text: str, name: str) -> list[float]:
 
 
 def _assert_metrics(text: str, names: tuple[str, ...], who: str, nonzero: tuple[str, ...]) -> None:
+    helps = [line.split()[2] for line in text.splitlines() if line.startswith("# HELP ")]
+    assert len(helps) == len(set(helps)), f"{who}: a metric family twice (Prometheus refuses the page)"
     for n in names:
         assert f"# HELP {n.removesuffix('_total')}" in text or f"# HELP {n}" in text, f"{who}: {n} missing"
     for n in nonzero:
@@ -146,7 +148,7 @@ def test_federated_profile_finishes_its_rounds(secrets: Path, tmp_path: Path) ->
                 break
             time.sleep(0.5)
         _assert_metrics(page, RPC_METRICS + FED_METRICS, "fed-server",
-                        ("tessera_fed_rounds_total", "tessera_fed_round_seconds", "tessera_fed_bytes_up_total",
+                        ("tessera_fed_rounds_total", "tessera_fed_last_round_seconds", "tessera_fed_bytes_up_total",
                          "tessera_rpc_requests_total"))
         assert run.wait_exit("fed-server", 180) == 0, run.tail("fed-server")
         for c in fed[1:]:

@@ -54,6 +54,8 @@ def test_shard_rpc_metrics_shard_figures_and_health() -> None:
         own = CollectorRegistry()
         own.register(ShardCollector(shard))
         figures = generate_latest(own).decode()
+        helps = [line.split()[2] for line in figures.splitlines() if line.startswith("# HELP ")]
+        assert len(helps) == len(set(helps))
         for n in SHARD_METRICS:
             assert f"# HELP {n.removesuffix('_total')}" in figures, n
         assert _sample(figures, "tessera_ps_table_version", table="w") == 3
