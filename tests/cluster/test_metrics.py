@@ -14,6 +14,7 @@ from ps.client import PSClient
 from ps.config import ShardConfig
 from ps.errors import TableNotFoundError
 from ps.server import build_server
+from tessera.cli import main as cli_main
 from tessera.health import check
 from tessera.metrics import SHARD_METRICS, ShardCollector, serve_metrics
 
@@ -43,6 +44,8 @@ def test_shard_rpc_metrics_shard_figures_and_health() -> None:
             with pytest.raises(TableNotFoundError):  # the client describes the table first: NOT_FOUND there
                 client.pull_dense("no-such-table")
         assert check(address) == "SERVING"
+        assert cli_main(["health", address]) == 0  # `tessera health HOST:PORT`, as the README says
+        assert cli_main(["health", address, "--service", "no.such.Service"]) == 1
         text = generate_latest(REGISTRY).decode()
         assert _sample(text, "tessera_rpc_requests_total", server=name, method="PullDense", code="OK") - ok0 == 3
         assert _sample(text, "tessera_rpc_requests_total", server=name, method="DescribeTable", code="NOT_FOUND") - nf0 == 1
