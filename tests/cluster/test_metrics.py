@@ -73,3 +73,27 @@ def test_shard_rpc_metrics_shard_figures_and_health() -> None:
         server.stop(0).wait()
         shard.close()
     assert check(address, timeout=1.0).startswith("UNREACHABLE")
+
+
+@pytest.mark.timeout(30)
+def test_serving_when_gates_the_health_answer() -> None:
+    import threading
+    import time
+
+    from tessera.health import serving_when
+    from tessera.service import ServerSecurity
+    from tessera.service import build_server as kernel_build_server
+
+    server, port, health = kernel_build_server((), "127.0.0.1", 0, ServerSecurity(), service_names=("x.Y",))
+    try:
+        ready = threading.Event()
+        serving_when(health, ready.is_set, ("x.Y",), period=0.05)
+        address = f"127.0.0.1:{port}"
+        assert check(address) == "NOT_SERVING" and check(address, "x.Y") == "NOT_SERVING"
+        ready.set()
+        deadline = time.monotonic() + 5
+        while check(address) != "SERVING" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert check(address) == "SERVING" and check(address, "x.Y") == "SERVING"
+    finally:
+        server.stop(0).wait()
