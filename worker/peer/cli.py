@@ -269,6 +269,8 @@ def launcher_argv(args: argparse.Namespace) -> list[str]:
         argv += ["--nnodes", str(args.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint]
         if args.rdzv_id:
             argv += ["--rdzv-id", args.rdzv_id]
+        if args.rdzv_conf:
+            argv += ["--rdzv-conf", args.rdzv_conf]
     else:
         if str(args.nnodes) not in ("1", "1:1"):
             raise SystemExit("tessera peer: --nnodes > 1 needs --rdzv-endpoint HOST:PORT")
@@ -285,6 +287,7 @@ def add_peer_commands(sub: Any) -> None:
     p.add_argument("--nnodes", default="1", help="nodes, or MIN:MAX for an elastic run (default 1)")
     p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of the c10d rendezvous (several nodes); none: standalone")
     p.add_argument("--rdzv-id", default="", help="job id shared by the nodes of one run")
+    p.add_argument("--rdzv-conf", default="", help="torchrun's rendezvous settings, e.g. last_call_timeout=5,keep_alive_interval=2")
     p.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts the ranks this many times after a failure")
     add_train_args(p)
     p.set_defaults(func=_peer)
