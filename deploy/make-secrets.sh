@@ -7,8 +7,10 @@ set -eu
 out="${1:-./secrets}"
 mkdir -p "$out"
 chmod 700 "$out"
-tessera cert --out-dir "$out" --clients client \
-    --hosts shard0,shard0-backup,shard1,shard1-backup,fed-server,localhost,127.0.0.1
+# TESSERA_HOSTS: the server names to certify (default: the compose file's services; Kubernetes: see
+# deploy/k8s/tessera.yaml)
+hosts="${TESSERA_HOSTS:-shard0,shard0-backup,shard1,shard1-backup,fed-server,localhost,127.0.0.1}"
+tessera cert --out-dir "$out" --clients client --hosts "$hosts"
 # PS identities: w0 creates the tables (admin), the replicas reach each other as `replica`,
 # the report only reads
 tessera tokens --out "$out/ps.tokens" w0:admin,worker w1:worker replica:replica report:reader

@@ -96,3 +96,12 @@ def test_grafana_dashboard_uses_only_documented_metrics() -> None:
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     used = {n.removesuffix("_bucket") for e in exprs for n in re.findall(r"tessera_[a-z_]+", e)}
     assert used and used <= documented, sorted(used - documented)
+
+
+@pytest.mark.timeout(60)
+def test_kubernetes_manifests_match_the_kubernetes_schemas() -> None:
+    r = subprocess.run([_tool("kubernetes-validate"), "--strict", str(ROOT / "deploy" / "k8s" / "tessera.yaml")],
+                       check=False, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all((ROOT / "deploy" / "k8s" / "tessera.yaml").read_text())]
+    assert kinds.count("StatefulSet") == 2 and "Job" in kinds and kinds.count("Service") == 2
