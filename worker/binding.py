@@ -129,5 +129,6 @@ class PSEmbedding(nn.Module):
         return SparseGrad(self.table, ids, grads, versions)
 
     def discard(self) -> None:
+        """Drop the prefetched rows and the pending row gradients (a step that will not be pushed)."""
         self._pending.clear()
         self._prefetched = None

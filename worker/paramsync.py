@@ -215,12 +215,15 @@ class PSSync(ParamSync):
     # ------------------------------------------------------------------ policies
     @property
     def dense_sync(self) -> bool:
+        """True if the dense table is BSP (modes ``sync`` and ``dense-sync``)."""
         return self.mode in _SYNC_DENSE
 
     def dense_policy(self, step: int) -> SyncPolicy:
+        """The consistency rule of the dense table's pull and push for ``step``."""
         return self._policy(step, sync=self.dense_sync)
 
     def sparse_policy(self, step: int) -> SyncPolicy:
+        """The consistency rule of the sparse tables' pulls and pushes for ``step``."""
         return self._policy(step, sync=self.mode == "sync")  # dense-sync: sparse tables are async
 
     def _policy(self, step: int, sync: bool) -> SyncPolicy:
@@ -231,6 +234,7 @@ class PSSync(ParamSync):
     # ------------------------------------------------------------------ tables and membership
     @property
     def ready_table(self) -> str:
+        """The marker table worker 0 creates once every other table holds its initial values."""
         return f"{self.prefix}/ready"
 
     def create_tables(self, creator: bool, timeout: float = 120.0) -> None:

@@ -118,11 +118,15 @@ class TrainConfig:
 
     @property
     def worker_name(self) -> str:
+        """The worker's name on the shards and in metrics: ``name``, or ``w<index>``."""
         return self.name or f"w{self.worker_index}"
 
 
 @dataclass
 class Summary:
+    """What one worker's run did: steps and clocks, throughput, the split of its time into compute
+    and waiting, the staleness of its updates, and the final test metrics (worker 0)."""
+
     worker: str
     mode: str
     steps: int  # steps this worker trained
@@ -144,6 +148,7 @@ class Summary:
 
     @property
     def wait_fraction(self) -> float:
+        """The share of step time spent waiting on fetches and pushes."""
         total = self.compute_s + self.pull_wait_s + self.push_wait_s
         return (self.pull_wait_s + self.push_wait_s) / total if total else 0.0
 
@@ -227,6 +232,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ run
     def run(self) -> Summary:
+        """Join, train to ``steps`` (or until ``stop`` / ``max_seconds``), leave; blocking. Returns the summary."""
         cfg = self.cfg
         if cfg.metrics_out:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.metrics_out)), exist_ok=True)
