@@ -278,6 +278,7 @@ class AllReduceDP(ParamSync, Checkpointing):
         return pieces, scalars
 
     def load_checkpoint(self, reader: CheckpointReader) -> None:
+        """Every parameter and (if saved) its optimizer state from ``reader``, whole."""
         state: dict[int, dict[str, torch.Tensor]] = {}
         with torch.no_grad():
             for i, (p, n) in enumerate(zip(self.flat.params, self.names)):

@@ -55,6 +55,7 @@ class HybridSync(ParamSync):
 
     @property
     def tracer(self) -> Any:
+        """The dense part's timeline tracer (``worker.peer.trace.Tracer`` or None)."""
         return self.dense.tracer
 
     @tracer.setter

@@ -357,6 +357,7 @@ class ZeroSync(ParamSync, Checkpointing):
         return pieces, scalars
 
     def load_checkpoint(self, reader: CheckpointReader) -> None:
+        """This rank's chunks of every parameter and (if saved) of its optimizer state from ``reader``."""
         owned = self._owned()
         keys = state_keys(reader, owned[0][0]) if owned else []
         with torch.no_grad():
