@@ -376,11 +376,21 @@ def start_from_args(args: Any, collectors: Iterable[Collector] = (), what: str =
 
 
 def metrics_file(args: Any, prefix: str = "tessera-metrics-") -> str:
-    """The trainer's metrics records file: ``args.metrics_out`` or a fresh temporary file."""
+    """The trainer's metrics records file: ``args.metrics_out``, or a fresh temporary file removed
+    when the process exits."""
     if getattr(args, "metrics_out", None):
         return str(args.metrics_out)
     import tempfile
 
+    import atexit
+    import contextlib
+
     fd, path = tempfile.mkstemp(prefix=prefix, suffix=".jsonl")
     os.close(fd)
+
+    def remove() -> None:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+    atexit.register(remove)  # ours, not the user's: gone when the process ends
     return path
