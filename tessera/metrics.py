@@ -380,10 +380,9 @@ def metrics_file(args: Any, prefix: str = "tessera-metrics-") -> str:
     when the process exits."""
     if getattr(args, "metrics_out", None):
         return str(args.metrics_out)
-    import tempfile
-
     import atexit
     import contextlib
+    import tempfile
 
     fd, path = tempfile.mkstemp(prefix=prefix, suffix=".jsonl")
     os.close(fd)
