@@ -28,7 +28,7 @@ the ranks exit with ``os._exit`` after reporting.
 
 Run::
 
-    python bench/peer.py                 # about 1-2 minutes on 2 CPU cores
+    python bench/peer.py                 # under a minute on 2 idle CPU cores (more under load)
     python bench/peer.py --quick         # smoke run
     python bench/peer.py --world 4 --device cuda --backend nccl
 """
@@ -201,8 +201,8 @@ def rank_main(args: argparse.Namespace) -> None:
         torch.set_num_threads(1)
     quick = args.quick
     sizes = [4, 16] if quick else [16, 64]
-    repeats = 3 if quick else 7
-    rounds, steps, warmup = (2, 3, 1) if quick else (3, 8, 2)
+    repeats = 3 if quick else 15
+    rounds, steps, warmup = (2, 3, 1) if quick else (4, 10, 2)
     batch = 8
     total = len(sizes) * repeats + 2 * rounds + 4
     bar = tqdm(total=total, desc="bench/peer", disable=mesh.rank != 0 or args.no_progress, file=sys.stderr, mininterval=0.5)
