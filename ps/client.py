@@ -176,6 +176,7 @@ class PSClient:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        """Close every shard channel (idempotent); the client is unusable afterwards."""
         self._pool.shutdown(wait=False)
         for s in self._shards:
             s.close()
@@ -288,6 +289,10 @@ class PSClient:
         allow_nonfinite: bool = False,
         **hparams: float,
     ) -> bool:
+        """Create the sparse table ``name`` on every shard: rows of ``dim`` float32 values, created on
+        first touch by ``init`` (deterministic per (table, id, ``seed``)) and updated by ``optimizer``
+        (hyperparameters as keyword arguments, see the API reference). Returns True if any shard created
+        it, False if an identical table existed (a different one raises TableExistsError)."""
         try:
             spec = TableSpec(
                 name, SPARSE, dim=dim, optimizer=_opt(optimizer, hparams), initializer=_init(init), seed=seed,
@@ -299,6 +304,7 @@ class PSClient:
         return self.create_table(spec)
 
     def describe(self, name: str) -> list[TableInfo]:
+        """Each shard's view of table ``name`` (kind, shape, optimizer, clock); TableNotFoundError if absent."""
         req = pb.DescribeTableRequest(table=name).SerializeToString()
         raws = self._fan_out([lambda i=i: self._call(i, "DescribeTable", req, name) for i in range(self.num_shards)])
         infos = [info_from_proto(unframe(pb.TableInfo, r)[0]) for r in raws]
@@ -898,6 +904,7 @@ class PSClient:
         return [membership_from_proto(unframe(pb.MembershipReply, r)[0]) for r in raws]
 
     def leave(self) -> None:
+        """Leave every shard's live set now (BSP rounds stop waiting for this worker)."""
         self.heartbeat(leave=True)
 
     def _need_worker(self, what: str) -> None:
@@ -925,6 +932,7 @@ class PSClient:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> list[ShardStats]:
+        """Counters of every shard (tables, requests, errors, staleness, replication), one per shard."""
         req = pb.StatsRequest().SerializeToString()
         raws = self._fan_out([lambda i=i: self._call(i, "Stats", req) for i in range(self.num_shards)])
         return [stats_from_proto(unframe(pb.StatsReply, r)[0]) for r in raws]

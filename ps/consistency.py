@@ -70,6 +70,7 @@ class SyncPolicy:
 
     @property
     def ssp(self) -> bool:
+        """Whether this request follows the bounded-staleness rule (async with a staleness bound)."""
         return not self.sync and self.staleness >= 0 and self.clock >= 0
 
 
