@@ -12,11 +12,11 @@ from ps.checkpoint import load_latest
 from ps.config import ShardConfig
 from ps.replication import BackupFollower
 from ps.servicer import METHOD_ROLES, ROLES, SERVICE_NAME, PSServicer
-from ps.shard import Shard
+from ps.shard import PRIMARY, Shard
 from tessera import service
-from tessera.service import Access, ClientSecurity, ServerSecurity
+from tessera.service import Access, ClientSecurity, ServerSecurity, serving_when
 
-__all__ = ["build_server", "serve", "restore_latest"]
+__all__ = ["build_server", "restore_latest", "serve"]
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def build_server(
         restore_latest(shard)
     servicer = PSServicer(shard, Access(security, METHOD_ROLES, ROLES), peer)
     try:
-        server, port, _ = service.build_server(
+        server, port, health = service.build_server(
             (servicer.handlers(),), config.host, config.port, security, max_workers=config.workers,
             max_message_bytes=config.max_message_bytes, service_names=(SERVICE_NAME,), name=f"ps{config.shard_index}",
         )
@@ -50,6 +50,9 @@ def build_server(
     if config.backup_of:
         follower = BackupFollower(shard, config.advertise or f"{config.host}:{port}", security=peer).start()
         shard.on_close.append(follower.stop)
+        # health says SERVING only once the primary has installed its state here (or this backup took
+        # over): a compose `service_healthy` dependency on a backup waits for a usable replica
+        serving_when(health, lambda: shard.installed.is_set() or shard.role == PRIMARY, (SERVICE_NAME,))
     return server, port, shard
 
 

@@ -6,33 +6,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
-import time
 from typing import Any
 
+from tessera.service import serving_when  # the runtime owns it; re-exported here
+
 __all__ = ["add_health_command", "check", "serving_when"]
-
-
-def serving_when(health: Any, ready: Any, service_names: Any = (), period: float = 0.2) -> threading.Thread:
-    """Report NOT_SERVING on ``health`` (the servicer :func:`tessera.service.build_server` returns)
-    for ``""`` and ``service_names`` until ``ready()`` is true, then SERVING (checked every
-    ``period`` seconds by a daemon thread, which it returns). E.g. a backup shard: ready once it is
-    attached to its primary, so that a compose ``service_healthy`` dependency waits for that."""
-    from grpc_health.v1 import health_pb2
-
-    names = ("", *service_names)
-    for n in names:
-        health.set(n, health_pb2.HealthCheckResponse.NOT_SERVING)
-
-    def wait() -> None:
-        while not ready():
-            time.sleep(period)
-        for n in names:
-            health.set(n, health_pb2.HealthCheckResponse.SERVING)
-
-    t = threading.Thread(target=wait, name="health-gate", daemon=True)
-    t.start()
-    return t
 
 
 def check(address: str, service: str = "", timeout: float = 3.0, tls_ca: str | None = None,

@@ -55,7 +55,7 @@ __all__ = [
     "Access", "build_server", "client_channel", "make_ca", "issue_cert", "is_loopback", "ANONYMOUS",
     "add_server_security_args", "add_client_security_args", "server_security_from", "client_security_from",
     "TransportSecurityError", "ServerUnreachableError", "Diagnosis", "diagnose", "wait_for_server", "BindError",
-    "UsageError",
+    "UsageError", "serving_when",
 ]
 
 ANONYMOUS = ""
@@ -918,3 +918,25 @@ def server_security_from(args: Any, default_roles: Sequence[str] = ()) -> Server
 
 def client_security_from(args: Any) -> ClientSecurity:
     return ClientSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.token_file, args.identity)
+
+
+def serving_when(health: Any, ready: Any, service_names: Any = (), period: float = 0.2) -> threading.Thread:
+    """Report NOT_SERVING on ``health`` (the servicer :func:`tessera.service.build_server` returns)
+    for ``""`` and ``service_names`` until ``ready()`` is true, then SERVING (checked every
+    ``period`` seconds by a daemon thread, which it returns). E.g. a backup shard: ready once it is
+    attached to its primary, so that a compose ``service_healthy`` dependency waits for that."""
+    from grpc_health.v1 import health_pb2
+
+    names = ("", *service_names)
+    for n in names:
+        health.set(n, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def wait() -> None:
+        while not ready():
+            time.sleep(period)
+        for n in names:
+            health.set(n, health_pb2.HealthCheckResponse.SERVING)
+
+    t = threading.Thread(target=wait, name="health-gate", daemon=True)
+    t.start()
+    return t

@@ -218,3 +218,22 @@ def test_concurrent_pushes_during_attach_are_all_on_the_backup(group) -> None:
             t.join(30)
     assert not errors, errors[0]
     _same_state(g.pshard, shard)
+
+
+def test_backup_health_serving_only_once_attached(group) -> None:
+    """README (cluster): a backup's gRPC health answers SERVING only once its primary has installed its
+    state there, so compose's `service_healthy` on a backup waits for a usable replica. A backup whose
+    primary is not there stays NOT_SERVING."""
+    from tessera.health import check
+
+    orphan, oport, oshard = build_server(ShardConfig(backup_of="127.0.0.1:1", failover_s=60.0))
+    try:
+        time.sleep(1.0)
+        assert check(f"127.0.0.1:{oport}") == "NOT_SERVING"
+        assert check(f"127.0.0.1:{oport}", "tessera.v1.ParameterServer") == "NOT_SERVING"
+    finally:
+        orphan.stop(0)
+        oshard.close()
+    g = group()  # waits until the backup is attached and installed
+    wait_for(lambda: check(g.baddr) == "SERVING", "attached backup SERVING")
+    assert check(g.paddr) == "SERVING"
