@@ -54,6 +54,12 @@ def add_ps_commands(sub: Any) -> None:
         "--max-bytes", type=int, default=d.max_bytes,
         help=f"bound on what the tables hold: params, optimizer state, indexes (default {d.max_bytes >> 30} GiB; 0: none)",
     )
+    s.add_argument(
+        "--max-resident-bytes", type=int, default=0, metavar="BYTES",
+        help="RAM the sparse tables' rows may take on this shard; the least recently used rows beyond it "
+             "live in memory-mapped files under --spill-dir (0: every row in RAM)",
+    )
+    s.add_argument("--spill-dir", default="", help="directory for the disk tier's files (default: the system temp dir)")
     s.add_argument("--max-tables", type=int, default=d.max_tables, help=f"tables per shard (default {d.max_tables})")
     s.add_argument("--max-workers", type=int, default=d.max_workers, help=f"members a shard remembers (default {d.max_workers})")
     s.add_argument("--max-lease", type=float, default=d.max_lease_s, metavar="SECONDS", help=f"longest lease a worker may ask for (default {d.max_lease_s:g})")
@@ -172,6 +178,7 @@ def _serve(args: argparse.Namespace) -> int:
         push_idle_timeout_s=args.push_idle_timeout, backup_of=args.backup_of, advertise=args.advertise,
         max_tables=args.max_tables, max_workers=args.max_workers, max_lease_s=args.max_lease, forget_after_s=args.forget_after,
         failover_s=args.failover, solo_after_s=args.solo_after,
+        max_resident_bytes=args.max_resident_bytes, spill_dir=args.spill_dir,
     )
     security = server_security_from(args, default_roles=("worker",))
     peer = ClientSecurity(

@@ -32,6 +32,7 @@ from ps.errors import (
 from ps.optim import make_optimizer
 from ps.dedup import Dedup
 from ps.gate import Gate
+from ps.tier import ResidentBudget
 from ps.table import GRADIENT, DenseTable, DenseUpdate, PushResult, RowDelta, SparsePush, SparseTable
 
 log = logging.getLogger(__name__)
@@ -200,6 +201,8 @@ class Shard:
         # replication (primary-backup): every mutation passes the gate shared and is forwarded to the
         # backup before it becomes visible here; attaching a backup takes the gate exclusive
         self.role = PRIMARY if not config.backup_of else BACKUP
+        # the RAM the sparse tables' rows may take together; rows beyond it go to the disk tier
+        self.resident_budget = ResidentBudget(config.max_resident_bytes) if config.max_resident_bytes else None
         self.epoch = 0
         self.gate = Gate()
         self.backup = ""  # address of the attached backup ("" : none)
@@ -220,6 +223,13 @@ class Shard:
         self._closed.set()
         for fn in self.on_close:
             fn()
+        self._close_tables()
+
+    def _close_tables(self) -> None:
+        """Give back the sparse tables' disk-tier files and resident-budget shares."""
+        for t in list(self.tables.values()):
+            if isinstance(t, SparseTable):
+                t.close()
 
     def _maintain(self) -> None:
         """Expire leases and abort idle push streams, forever. A failure is logged and counted and
@@ -330,6 +340,7 @@ class Shard:
                     self.config.shard_index,
                     self.config.num_shards,
                     max_bytes_fn=functools.partial(self._reserve, name=spec.name),
+                    resident_budget=self.resident_budget, spill_dir=self.config.spill_dir or None,
                 )
             with self.gate.shared():
                 self._replicate({"k": "create", "spec": spec_to_dict(spec)})
@@ -684,6 +695,7 @@ class Shard:
         forwarded under an earlier attach are refused from now on (apply_entry)."""
         with self.gate.exclusive():
             with self._lock:
+                self._close_tables()
                 self.tables.clear()
                 self.rounds.clear()
             self.dedup = Dedup()
