@@ -41,6 +41,8 @@ __all__ = ["PS_MODES", "Fetched", "Grads", "PSSync", "ParamSync", "PushResult", 
 
 log = logging.getLogger(__name__)
 
+WAIT_NOTE_S = 5.0  # seconds between 'still waiting' messages at the start of a run
+
 PS_MODES = ("sync", "async", "ssp", "dense-sync")
 _SYNC_DENSE = ("sync", "dense-sync")
 
@@ -248,14 +250,20 @@ class PSSync(ParamSync):
                 self.client.create_sparse(m.table, m.dim, optimizer=m.optimizer, init=m.init, seed=m.seed)
             self.client.create_dense(self.ready_table, 1)
             return
-        deadline = time.monotonic() + timeout
+        t0 = time.monotonic()
+        deadline, noted = t0 + timeout, t0
         while True:
             try:
                 self.client.describe(self.ready_table)
                 break
             except TableNotFoundError:
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise TimeoutError(f"tables of {self.prefix!r} not ready after {timeout:.0f} s: is worker 0 running?") from None
+                if now - noted >= WAIT_NOTE_S:
+                    noted = now
+                    log.warning("%s: waiting %.0f s for worker 0 to create the tables of %r (gives up after %.0f s)",
+                                self.client.worker, now - t0, self.prefix, timeout)
                 time.sleep(0.2)
         if self.flat.numel:
             self.client.describe(self.dense_table)
@@ -269,9 +277,17 @@ class PSSync(ParamSync):
         # at the start of a run, wait for all num_workers (so step 0 is everyone's); a worker that joins
         # a run already under way starts at once from the current clock
         joining_late = self._under_way(views)
-        deadline = time.monotonic() + self.start_timeout_s
+        t0 = time.monotonic()
+        deadline, noted = t0 + self.start_timeout_s, t0
         while not self._under_way(views) and min(len(v.live) for v in views) < self.num_workers:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now - noted >= WAIT_NOTE_S:  # never a silent wait: say who is missing, every few seconds
+                noted = now
+                live = sorted(set().union(*(v.live for v in views)))
+                log.warning("%s: waiting %.0f s for workers: %d of %d joined (%s); gives up after %.0f s",
+                            self.client.worker, now - t0, min(len(v.live) for v in views), self.num_workers,
+                            ", ".join(live) or "none", self.start_timeout_s)
+            if now > deadline:
                 raise TimeoutError(
                     f"{self.client.worker}: only {min(len(v.live) for v in views)} of {self.num_workers} workers "
                     f"joined within {self.start_timeout_s:.0f} s"
