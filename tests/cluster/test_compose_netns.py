@@ -134,7 +134,7 @@ def test_default_profile_survives_a_killed_primary_shard(secrets: Path, tmp_path
 @pytest.mark.timeout(300)
 def test_federated_profile_finishes_its_rounds(secrets: Path, tmp_path: Path) -> None:
     fed = ("fed-server", "fed-client0", "fed-client1", "fed-client2")
-    with ComposeRun(COMPOSE, ("federated",), _env(secrets, FED_ROUNDS="3", FED_WAIT_TIMEOUT="120"), tmp_path) as run:
+    with ComposeRun(COMPOSE, ("federated",), _env(secrets, FED_ROUNDS="12", FED_WAIT_TIMEOUT="120"), tmp_path) as run:
         run.up(timeout=120, only=fed)
         assert any("SERVING" in h for h in run.services["fed-server"].health_checks)
         deadline = time.monotonic() + 120
@@ -146,7 +146,7 @@ def test_federated_profile_finishes_its_rounds(secrets: Path, tmp_path: Path) ->
                 break
             if any(v >= 1 for v in _values(page, "tessera_fed_rounds_total")):
                 break
-            time.sleep(0.5)
+            time.sleep(0.1)
         _assert_metrics(page, RPC_METRICS + FED_METRICS, "fed-server",
                         ("tessera_fed_rounds_total", "tessera_fed_last_round_seconds", "tessera_fed_bytes_up_total",
                          "tessera_rpc_requests_total"))
@@ -154,7 +154,7 @@ def test_federated_profile_finishes_its_rounds(secrets: Path, tmp_path: Path) ->
         for c in fed[1:]:
             assert run.wait_exit(c, 60) == 0, run.tail(c)
         results = json.loads((tmp_path / "volumes" / "fed-data" / "results.json").read_text())
-        assert len(results["history"]) == 3 and results["failed"] is None
+        assert len(results["history"]) == 12 and results["failed"] is None
         assert all(r["answered"] == 3 for r in results["history"]), results["history"]
 
 
