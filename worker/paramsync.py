@@ -278,7 +278,7 @@ class PSSync(ParamSync):
         # a run already under way starts at once from the current clock
         joining_late = self._under_way(views)
         t0 = time.monotonic()
-        deadline, noted = t0 + self.start_timeout_s, t0
+        deadline, noted, checked = t0 + self.start_timeout_s, t0, t0
         while not self._under_way(views) and min(len(v.live) for v in views) < self.num_workers:
             now = time.monotonic()
             if now - noted >= WAIT_NOTE_S:  # never a silent wait: say who is missing, every few seconds
@@ -287,6 +287,13 @@ class PSSync(ParamSync):
                 log.warning("%s: waiting %.0f s for workers: %d of %d joined (%s); gives up after %.0f s",
                             self.client.worker, now - t0, min(len(v.live) for v in views), self.num_workers,
                             ", ".join(live) or "none", self.start_timeout_s)
+            if self.flat.numel and now - checked >= 0.5:
+                # the others may have trained and left between two polls (a short async run): updates
+                # already applied to the dense table mean the run is under way, not waiting for them
+                checked = now
+                if any(i.version > 0 for i in self.client.describe(self.dense_table)):
+                    joining_late = True
+                    break
             if now > deadline:
                 raise TimeoutError(
                     f"{self.client.worker}: only {min(len(v.live) for v in views)} of {self.num_workers} workers "
