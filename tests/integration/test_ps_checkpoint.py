@@ -5,6 +5,7 @@ Reference for "exactly": the live shard's own tables (values, optimizer state, v
 before the checkpoint, and pulls over the wire from the original cluster."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -24,6 +25,30 @@ from ps.server import build_server
 from ps.shard import Shard
 
 pytestmark = pytest.mark.timeout(90)
+
+
+@contextlib.contextmanager
+def _resharded(src: list[str], dirs: list[str]):
+    """``tessera ps reshard --from src --to dirs`` (the real command), then one shard server per new
+    directory restored from it; yields (addresses, [(server, shard)]) and stops them after."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "ps", "reshard", "--from", ",".join(src), "--to", ",".join(dirs)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    servers, addresses = [], []
+    try:
+        for i, d in enumerate(dirs):
+            server, port, shard = build_server(
+                ShardConfig(shard_index=i, num_shards=len(dirs), checkpoint_dir=d), restore=True
+            )
+            servers.append((server, shard))
+            addresses.append(f"127.0.0.1:{port}")
+        yield addresses, servers
+    finally:
+        for server, shard in servers:
+            server.stop(0)
+            shard.close()
 
 
 def _train(c: PSClient, steps: int = 3) -> None:
@@ -156,28 +181,13 @@ def test_reshard_two_shards_into_three_keeps_every_value(inproc_cluster, tmp_pat
     for d, sh in zip(src, cluster.shards):
         write_checkpoint(d, sh.snapshot())
     dirs = [str(tmp_path / f"new{i}") for i in range(3)]
-    out = subprocess.run(
-        [sys.executable, "-m", "tessera.cli", "ps", "reshard", "--from", ",".join(src), "--to", ",".join(dirs)],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    assert [len(list_checkpoints(d)) for d in dirs] == [1, 1, 1]
-    servers = []
-    try:
-        addresses = []
-        for i, d in enumerate(dirs):
-            server, port, shard = build_server(ShardConfig(shard_index=i, num_shards=3, checkpoint_dir=d), restore=True)
-            servers.append((server, shard))
-            addresses.append(f"127.0.0.1:{port}")
+    with _resharded(src, dirs) as (addresses, servers):
+        assert [len(list_checkpoints(d)) for d in dirs] == [1, 1, 1]
         with PSClient(addresses, timeout=10) as c3:
             np.testing.assert_array_equal(c3.pull_dense("w"), want_dense)
             np.testing.assert_array_equal(c3.pull_sparse("emb", ids), want_rows)
             rows = sum(sh.sparse("emb").rows for _, sh in servers)
             assert rows == sum(sh.sparse("emb").rows for sh in cluster.shards)
-    finally:
-        for server, shard in servers:
-            server.stop(0)
-            shard.close()
 
 
 def test_cluster_checkpoint_is_one_cut_at_one_clock(inproc_cluster, tmp_path) -> None:
@@ -292,25 +302,10 @@ def test_bf16_rows_checkpoint_and_reshard_bit_exactly(inproc_cluster, tmp_path) 
         t = [t for t in read_checkpoint(path).tables if t["spec"]["name"] == "emb16"][0]
         assert t["values"].dtype == np.uint16 and t["state"]["sum"].shape == (len(t["ids"]),)
     dirs = [str(tmp_path / f"new{i}") for i in range(3)]
-    out = subprocess.run(
-        [sys.executable, "-m", "tessera.cli", "ps", "reshard", "--from", ",".join(src), "--to", ",".join(dirs)],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert out.returncode == 0, out.stderr
-    servers = []
-    try:
-        addresses = []
-        for i, d in enumerate(dirs):
-            server, port, shard = build_server(ShardConfig(shard_index=i, num_shards=3, checkpoint_dir=d), restore=True)
-            servers.append((server, shard))
-            addresses.append(f"127.0.0.1:{port}")
+    with _resharded(src, dirs) as (addresses, servers):
         with PSClient(addresses, timeout=10) as c3:
             np.testing.assert_array_equal(c3.pull_sparse("emb16", ids), want)
         assert all(sh.sparse("emb16").spec.dtype == "bfloat16" for _, sh in servers)
-    finally:
-        for server, shard in servers:
-            server.stop(0)
-            shard.close()
 
 
 def test_a_checkpoint_holds_both_tiers_of_a_table(tmp_path) -> None:
