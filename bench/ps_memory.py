@@ -196,7 +196,8 @@ def _child_main(arg: str) -> int:
     import torch
 
     torch.set_num_threads(int(kw.pop("threads")))
-    fn: Callable[..., dict[str, Any]] = {"rows": child_rows, "raw": child_raw, "tier": child_tier}[kind]
+    children: dict[str, Callable[..., dict[str, Any]]] = {"rows": child_rows, "raw": child_raw, "tier": child_tier}
+    fn = children[kind]
     print(json.dumps(fn(**kw)))
     return 0
 
