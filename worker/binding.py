@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ps import InitializerSpec, OptimizerSpec, PSClient, SyncPolicy
+from ps.rowdtype import ROW_DTYPES
 
 __all__ = ["PSEmbedding", "SparseGrad"]
 
@@ -53,6 +54,8 @@ class PSEmbedding(nn.Module):
     ``mode="sum"|"mean"`` the last ids dimension is reduced (an embedding bag):
     ``(B, L) -> (B, dim)``. Rows are created on the shards on first touch with
     ``init`` (deterministic per id), and updated there by ``optimizer``.
+    ``row_dtype`` (float32, float16, bfloat16): how the shards store (and send)
+    the rows; the forward computes in float32, gradients are pushed as float32.
 
     Not thread-safe: one forward/backward at a time (as for any module).
     """
@@ -65,22 +68,26 @@ class PSEmbedding(nn.Module):
         optimizer: str | OptimizerSpec = "adagrad",
         init: str | InitializerSpec = InitializerSpec("normal", {"std": 0.01}),
         seed: int = 0,
+        row_dtype: str = "float32",
         **hparams: float,
     ) -> None:
         super().__init__()
         if mode not in (None, "sum", "mean"):
             raise ValueError(f"PSEmbedding mode must be None, 'sum' or 'mean', got {mode!r}")
+        if row_dtype not in ROW_DTYPES:
+            raise ValueError(f"PSEmbedding {table!r}: row_dtype must be one of {sorted(ROW_DTYPES)}, got {row_dtype!r}")
         self.table, self.dim, self.mode = table, dim, mode
         self.optimizer = optimizer if isinstance(optimizer, OptimizerSpec) else OptimizerSpec(optimizer, hparams)
         self.init = init if isinstance(init, InitializerSpec) else InitializerSpec(init)
         self.seed = seed
+        self.row_dtype = row_dtype  # how the shards store the rows; pulled rows arrive widened to float32
         self.client: PSClient | None = None
         self.policy: SyncPolicy | None = None  # the trainer sets the policy of the current step
         self._prefetched: _Rows | None = None
         self._pending: list[tuple[_Rows, torch.Tensor]] = []
 
     def extra_repr(self) -> str:
-        return f"table={self.table!r}, dim={self.dim}, mode={self.mode}, optimizer={self.optimizer.name}"
+        return f"table={self.table!r}, dim={self.dim}, mode={self.mode}, optimizer={self.optimizer.name}, row_dtype={self.row_dtype}"
 
     # ------------------------------------------------------------------ rows
     def fetch(self, ids: torch.Tensor, policy: SyncPolicy | None = None) -> _Rows:

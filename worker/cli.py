@@ -71,6 +71,11 @@ def add_worker_commands(sub: Any) -> None:
         "--wire-dtype", default=None, choices=["float32", "float16", "bfloat16"],
         help="precision of pushes and pulls on the wire (tables stay float32; default float32)",
     )
+    w.add_argument(
+        "--row-dtype", default=None, choices=["float32", "float16", "bfloat16"],
+        help="how the shards store the rows of the task's PSEmbedding tables (default: as the task says, float32); "
+        "rows are pulled as stored, computed in float32",
+    )
     w.add_argument("--metrics-out", default=None, help="append JSON lines (steps, evals, summary) here")
     from tessera.metrics import add_metrics_args
 
@@ -188,6 +193,12 @@ def _worker(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     task = load_task(args.task, seed=args.seed, **_kv(args.task_opt))
+    if args.row_dtype is not None:
+        from worker.binding import PSEmbedding
+
+        for m in task.model.modules():
+            if isinstance(m, PSEmbedding):
+                m.row_dtype = args.row_dtype
     if args.eval_every > 0 and task.evaluate is None:
         print(
             f"tessera worker: warning: --eval-every {args.eval_every}: task {task.name!r} has no evaluation "
