@@ -216,8 +216,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=10, help="steps before timing (the cache fills)")
     ap.add_argument("--e2e-steps", type=int, default=0, help="also run tessera worker end to end for this many steps")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 20k rows, 64 examples, 2 blocks of 3 steps")
+    ap.add_argument("--json-out", default=None, help="also write the JSON result to this path")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: cpu 1, as a loaded 2-core box needs; cuda: torch's)")
     args = ap.parse_args()
+    if args.quick:
+        args.rows, args.batch, args.steps, args.repeats, args.warmup = args.rows or "20000", args.batch or 64, 3, 2, 3
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     rows = [int(float(r)) for r in (args.rows or ("1e6,1e7" if cuda else "1e5")).split(",")]
@@ -288,13 +292,18 @@ def main() -> None:
         "gpu_ratio": round(summary[f"ps+cache_eps_{R0}"] / c0, 4),
         "gpu_ratio_nocache": round(summary[f"ps_eps_{R0}"] / c0, 4),
         "cache_hit_rate": summary[f"cache_hit_rate_{R0}"],
-        "e2e_eps": e2e_eps, "seconds": round(time.time() - t_start, 1),
+        "e2e_eps": e2e_eps, "seconds": round(time.time() - t_start, 1), "quick": args.quick,
         "load": list(os.getloadavg()), **summary,
     }
     if e2e_eps:
         print(f"\ntessera worker end to end ({R0:,} rows, 2 shard processes): {e2e_eps['off']:,.0f} examples/s cache off, "
               f"{e2e_eps['on']:,.0f} cache on")
-    print(json.dumps(out, sort_keys=True), flush=True)
+    line = json.dumps(out, sort_keys=True)
+    if args.json_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)
+        with open(args.json_out, "w") as f:
+            f.write(line + "\n")
+    print(line, flush=True)
 
 
 if __name__ == "__main__":

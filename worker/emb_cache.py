@@ -22,10 +22,13 @@ Refresh, by consistency mode (``staleness`` = K):
 - ``sync``: a cached row is never older than the current clock. Every step's pull names every id
   of the batch (the PS must say which rows the last round changed) and returns rows with their
   versions; rows whose version equals the cached one are served from the device table, so only
-  changed and missed rows are gathered on the host and copied to the device. The wire has no
-  conditional pull yet (a ``PullSparseRequest`` carrying the cached versions, answered with only
-  the rows that changed): with it the PS transfer of unchanged rows goes too, with no change here
-  but ``_pull``. Results are exactly those without the cache (same values, same versions).
+  changed and missed rows are gathered on the host and copied to the device. Results are exactly
+  those without the cache (same values, same versions). But the PS applies the optimizer, and a
+  worker's own push of step t changes every row it used in step t: the value it cached is never
+  current again, so in sync mode the cache serves only rows nobody pushed since this worker last
+  pulled them, which is none it trained on (measured: 0 hits). A sync-mode saving needs the
+  updated rows from the PS after the round (a push reply carrying them, or the next pull asking
+  only for rows whose version moved past the cached one; neither is on the wire yet).
 - ``ssp``: a row pulled at step c is served without asking the PS for steps c..c+K (never more
   than K clocks old), then pulled again.
 - ``async``: refreshed every K steps (served for steps c..c+K-1; K >= 1).
@@ -41,6 +44,7 @@ serialised by a lock and must come in step order (one fetch thread per table doe
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +55,8 @@ import torch
 from ps import PSClient, SyncPolicy
 
 __all__ = ["CACHE_MODES", "CacheStats", "CachedRows", "EmbCache", "attach_caches", "cache_mode"]
+
+log = logging.getLogger(__name__)
 
 CACHE_MODES = ("sync", "ssp", "async")
 _EMPTY = torch.iinfo(torch.int64).max  # the sorted map's key of a free slot
@@ -155,6 +161,7 @@ class EmbCache:
         self.stats = CacheStats()
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(device=dev) if self.cuda else None
+        self._grad_stream = torch.cuda.Stream(device=dev) if self.cuda else None  # D2H of gradients (main thread)
         # pinned staging (CUDA): by step parity, so step t+1's rows are staged while step t's copy may
         # still read the other; each buffer's last copy is marked by an event waited on before reuse
         self._pinned: list[torch.Tensor] = []
@@ -218,17 +225,17 @@ class EmbCache:
         waiting on the copy's own event, not on the device."""
         if not self.cuda:
             return grad.detach().cpu().numpy()
-        assert self._stream is not None
+        assert self._grad_stream is not None
         nbytes = grad.numel() * 4
         if self._grad_pinned is None or self._grad_pinned.numel() < nbytes:
             self._grad_pinned = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8).pin_memory()
         computed = torch.cuda.Event()
         computed.record()  # on the compute stream: the backward that wrote grad
-        with torch.cuda.stream(self._stream):
-            self._stream.wait_event(computed)
+        with torch.cuda.stream(self._grad_stream):
+            self._grad_stream.wait_event(computed)
             host = self._grad_pinned[:nbytes].view(torch.float32).view(grad.shape)
             host.copy_(grad.detach(), non_blocking=True)
-            grad.record_stream(self._stream)
+            grad.record_stream(self._grad_stream)
             copied = torch.cuda.Event()
             copied.record()
         copied.synchronize()
@@ -390,6 +397,9 @@ def attach_caches(
     if rows < 0:
         raise ValueError(f"emb cache rows must be >= 0 (0: no cache), got {rows}")
     made: dict[str, EmbCache] = {}
+    if rows > 0 and cache_mode(ps_mode) == "sync":
+        log.warning("emb cache in sync mode: exact, but a worker's own push changes every row it used, so it serves "
+                    "few rows; it saves transfers in ssp and async modes")
     for name, m in model.named_modules():
         if isinstance(m, PSEmbedding):
             m.cache = EmbCache(rows, m.dim, cache_mode(ps_mode), staleness, device, **kw) if rows > 0 else None
