@@ -190,6 +190,8 @@ def e2e(args: argparse.Namespace, R: int, cache_rows: int) -> float:
                "--task-opt", f"vocab={R}", "--task-opt", f"dim={args.dim}", "--mode", args.mode,
                "--staleness", str(args.staleness), "--steps", str(args.e2e_steps), "--batch-size", str(args.batch),
                "--device", args.device, "--no-progress", "--eval-every", "0"]
+        if args.threads:  # as in-process: 2 intra-op threads on a loaded 2-core box run 5-10x slower
+            cmd += ["--torch-threads", str(args.threads)]
         if cache_rows:
             cmd += ["--emb-cache-rows", str(cache_rows), "--emb-cache-staleness", str(args.staleness)]
         p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": os.getcwd()})
@@ -227,9 +229,9 @@ def main() -> None:
     rows = [int(float(r)) for r in (args.rows or ("1e6,1e7" if cuda else "1e5")).split(",")]
     args.batch = args.batch or (4096 if cuda else 256)
     args.dim = args.dim or (64 if cuda else 16)
-    threads = args.threads if args.threads is not None else (0 if cuda else 1)
-    if threads:
-        torch.set_num_threads(threads)
+    args.threads = args.threads if args.threads is not None else (0 if cuda else 1)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     servers = []
     addresses = []
     for i in range(2):
