@@ -168,6 +168,8 @@ class EmbCache:
         self._pinned_done: list[Any] = [None, None]
         self._grad_pinned: torch.Tensor | None = None
         self._parity = 0
+        if self._stream is not None:  # the tables were written on this thread's current stream: order the side stream after
+            self._stream.wait_stream(torch.cuda.current_stream(dev))
 
     # ------------------------------------------------------------------ sketch (device)
     def _cols(self, u: torch.Tensor) -> torch.Tensor:
@@ -373,6 +375,8 @@ class EmbCache:
     def resident(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids, versions, pulled_at) of the resident rows, sorted by id (host copies; for tests and stats)."""
         with self._lock:
+            if self._stream is not None:  # the side stream writes the tables: read after it
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)
             v = self.valid.cpu().numpy()
             ids, ver, at = self.ids.cpu().numpy()[v], self.versions.cpu().numpy()[v], self.pulled_at.cpu().numpy()[v]
         o = np.argsort(ids)
