@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -252,8 +253,6 @@ class EmbCache:
         mode's rule allows, the rest pulled from the PS (``policy`` for the pull). Then refreshes the
         rows it pulled and admits frequent ones. ``counts``: how many times each id is in the batch
         (for the per-lookup hit rate; None: once each). Blocking; see the class doc for threads."""
-        import time
-
         with self._lock, (torch.cuda.stream(self._stream) if self._stream is not None else _null()):
             t0 = time.perf_counter()
             n = len(uniq)

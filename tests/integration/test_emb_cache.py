@@ -68,21 +68,24 @@ def _zipf_ids(rng: np.random.Generator, perm: np.ndarray, p: np.ndarray, n: int)
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["ssp", "async"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_ssp_never_serves_a_row_older_than_k_clocks(inproc_cluster, device: str) -> None:
-    """One SSP worker (a real PSEmbedding with the cache, Adagrad rows on 2 real shards), driven step by
+def test_cached_rows_are_never_older_than_the_mode_allows(inproc_cluster, device: str, mode: str) -> None:
+    """One worker (a real PSEmbedding with the cache, Adagrad rows on 2 real shards), driven step by
     step: after each step's push the test reads every row from the PS (its history per clock). Per
     lookup: a row served at step t with age a was pulled at step t-a, so it must be, value and version,
     the PS's row after clock t-a-1, with a <= K; a cached row the PS changed since is served at most K
-    steps. Reference: the PS's own rows, read by a second client."""
+    steps. Async: the same with a <= K-1 (refreshed every K steps). Reference: the PS's own rows, read
+    by a second client."""
     K, V, steps = 3, 400, 14
+    bound = K if mode == "ssp" else K - 1
     cluster = inproc_cluster(2)
     client, truth_client = cluster.client(), cluster.client()
     client.worker = "w0"
     emb = PSEmbedding("ssp/emb", 8, optimizer="adagrad", lr=0.1)
     emb.client = client
     client.create_sparse(emb.table, emb.dim, optimizer=emb.optimizer, init=emb.init, seed=emb.seed)
-    emb.cache = EmbCache(V // 10, emb.dim, "ssp", K, device, admit=1)
+    emb.cache = EmbCache(V // 10, emb.dim, mode, K, device, admit=1)
     client.join(30)
     rng = np.random.default_rng(0)
     p = 1.0 / np.arange(1, V + 1) ** 1.1
@@ -94,7 +97,7 @@ def test_ssp_never_serves_a_row_older_than_k_clocks(inproc_cluster, device: str)
     checked = aged = 0
     for t in range(steps):
         ids = torch.from_numpy(_zipf_ids(rng, perm, p, 256)).to(device)
-        emb.policy = SyncPolicy(clock=t, staleness=K)
+        emb.policy = SyncPolicy(clock=t, staleness=K if mode == "ssp" else -1)
         r = emb.fetch(ids, emb.policy)
         emb.prefetched(r)
         out = emb(ids)
@@ -102,16 +105,16 @@ def test_ssp_never_serves_a_row_older_than_k_clocks(inproc_cluster, device: str)
         leaf = r.cached.leaf.detach().cpu().numpy()
         for j, rid in enumerate(r.uniq):
             a = int(r.cached.ages[j])
-            assert 0 <= a <= K, f"step {t}: row {rid} served {a} clocks old (K={K})"
+            assert 0 <= a <= bound, f"step {t}: row {rid} served {a} clocks old ({mode}, K={K})"
             rows, vers = history[t - a]  # the PS after clock t-a-1: what the pull at step t-a saw
             assert r.versions[j] == vers[rid], f"step {t}: row {rid} version {r.versions[j]}, the PS had {vers[rid]} at clock {t - a - 1}"
             np.testing.assert_array_equal(leaf[j], rows[rid], err_msg=f"step {t}: row {rid}")
             # never older than K clocks: every update the PS applied up to clock t-K-1 is in it
-            assert r.versions[j] >= history[max(0, t - K)][1][rid]
+            assert r.versions[j] >= history[max(0, t - bound)][1][rid]
             checked += 1
             aged += a > 0
         g = emb.gradients()
-        client.push_sparse(g.table, g.ids, g.grads, g.base_versions, policy=SyncPolicy(clock=t, staleness=K))
+        client.push_sparse(g.table, g.ids, g.grads, g.base_versions, policy=emb.policy)
         client.heartbeat(t + 1)
         history.append(truth_client.pull_sparse(emb.table, all_ids, return_versions=True))
     assert aged > checked // 10, f"only {aged} of {checked} lookups were served from the cache"
