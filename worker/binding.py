@@ -59,6 +59,9 @@ class PSEmbedding(nn.Module):
     ``(B, L) -> (B, dim)``. Rows are created on the shards on first touch with
     ``init`` (deterministic per id), and updated there by ``optimizer``.
 
+    ``cache``: an optional ``worker.emb_cache.EmbCache`` (``attach_caches``): training fetches then
+    take hot rows from the worker's device and pull only the others (see that module for the rules).
+
     Not thread-safe: one forward/backward at a time (as for any module).
     """
 

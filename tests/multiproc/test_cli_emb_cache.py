@@ -30,10 +30,10 @@ def test_worker_with_emb_cache_trains_and_reports_its_hit_rate(proc_cluster) -> 
 
 
 @pytest.mark.timeout(60)
-def test_async_emb_cache_needs_a_refresh_period(proc_cluster) -> None:
-    (address,) = proc_cluster(1)
+def test_async_emb_cache_needs_a_refresh_period() -> None:
+    # refused before the worker dials a shard: no shard is needed (nothing listens on port 1)
     p = subprocess.run(
-        [EXE, "worker", "--ps", address, "--task", "ctr", "--mode", "async", "--steps", "5", "--no-progress",
+        [EXE, "worker", "--ps", "127.0.0.1:1", "--task", "ctr", "--task-opt", "test_size=10", "--mode", "async", "--steps", "5", "--no-progress",
          "--emb-cache-rows", "100", "--emb-cache-staleness", "0"],
         capture_output=True, text=True, timeout=50, check=False,
     )
