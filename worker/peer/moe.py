@@ -461,7 +461,8 @@ class MoESync(ParamSync, Checkpointing):
             flat = torch.cat([p.detach().reshape(-1) for _, m in local for p in m.parameters()])
             if self.groups.size > 1:
                 allv = flat.new_empty(self.groups.size * flat.numel())
-                dist.all_gather_into_tensor(allv, flat, group=self.groups.group)
+                gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+                gather(allv, flat, group=self.groups.group)
             else:
                 allv = flat
             per_expert = allv.numel() // layer.num_experts
