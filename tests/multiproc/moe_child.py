@@ -27,7 +27,7 @@ from worker.tasks import Task, load_task
 from worker.trainer import TrainConfig, Trainer
 
 B, STEPS, LR = 2, 3, 0.5  # per-rank sequences, steps, SGD learning rate
-GPT = dict(vocab=32, seq=8, dim=16, layers=2, heads=2, test_size=4, moe_experts=4)
+GPT = {"vocab": 32, "seq": 8, "dim": 16, "layers": 2, "heads": 2, "test_size": 4, "moe_experts": 4}
 
 
 def make(top_k: int = 2, capacity: float = 2.0, **kw: Any) -> Task:
@@ -76,7 +76,7 @@ def compare(name: str, got, want, rank: int, rtol: float = 1e-5, atol: float = 1
     assert len(got) == len(want), (name, len(got), len(want))
     dropped = 0
     for t, ((gl, gp, gd), (wl, wp, wd)) in enumerate(zip(got, want)):
-        torch.testing.assert_close(gp, wp, rtol=rtol, atol=atol, msg=lambda m: f"{name} step {t} params: {m}")
+        torch.testing.assert_close(gp, wp, rtol=rtol, atol=atol, msg=lambda m, t=t: f"{name} step {t} params: {m}")
         assert abs(gl - wl) <= atol + rtol * abs(wl), f"{name} step {t} loss {gl} != reference {wl}"
         for i, (g, w) in enumerate(zip(gd, wd)):
             mine = w[rank * B : (rank + 1) * B]

@@ -30,3 +30,32 @@ CHECKS = ["ep1", "ep2", "ep4", "drop-2-2", "drop-2-4", "drop-1-4", "metrics", "c
 def test_moe_expert_parallel_equals_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tpe, "CHILD", CHILD)  # the rank launcher of the peer tests, with this file's child
     tpe._check(tpe.run_ranks(4, CHECKS, timeout=280), CHECKS)
+
+
+@pytest.mark.timeout(200)
+def test_moe_flags_metrics_and_start_checks(tmp_path) -> None:
+    """``python -m worker.peer --moe-experts 4 --ep 2`` (2 ranks): trains, and the metrics file's step
+    records carry tokens per expert, the dropped share, the balance loss and all-to-all time and
+    bytes; ``--ep 3`` on 2 ranks stops every rank at start with one message (exit 2)."""
+    import json
+
+    flags = ["--task", "gpt", "--task-opt", "dim=16", "--task-opt", "seq=16", "--task-opt", "vocab=32", "--moe-experts", "4",
+             "--global-batch", "4", "--steps", "4", "--log-every", "2", "--no-progress", "--no-eval"]
+    res = tpe.run_ranks(2, [*flags, "--ep", "2", "--metrics-out", str(tmp_path)], module=True, timeout=120)
+    for r, (rc, _, se) in enumerate(res):
+        assert rc == 0, f"rank {r}: {se[-3000:]}"
+    summary = json.loads(res[0][1].strip().splitlines()[-1])
+    assert summary["steps"] == 4 and summary["mfu"] > 0, summary
+    recs = [json.loads(line) for line in (tmp_path / "rank1.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if r["kind"] == "step"]
+    assert len(steps) == 2, steps
+    for rec in steps:
+        tpe_ = rec["moe_tokens_per_expert"]
+        assert len(tpe_) == 2 and all(len(c) == 4 for c in tpe_), rec  # 2 MoE layers x 4 experts
+        # 2 sequences x 16 tokens x top-2 assignments per layer and step on this rank
+        assert all(abs(sum(c) - 2 * 16 * 2) < 1e-6 for c in tpe_), rec
+        assert 0 <= rec["moe_dropped"] < 1 and rec["moe_balance_loss"] > 0 and rec["a2a_ms"] > 0 and rec["a2a_mb"] > 0, rec
+    assert next(r for r in recs if r["kind"] == "summary")["ep"] == 2
+    bad = tpe.run_ranks(2, [*flags, "--ep", "3"], module=True, timeout=120)
+    for r, (rc, _, se) in enumerate(bad):
+        assert rc == 2 and "--ep 3 does not divide the 2 data-parallel ranks" in se, (r, rc, se[-2000:])

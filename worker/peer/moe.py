@@ -40,15 +40,21 @@ from torch import nn
 
 from worker.flat import FlatParams
 from worker.paramsync import Fetched, Grads, ParamSync, PushResult
-from worker.peer.checkpoint import Checkpointing, CheckpointReader, Piece, optimizer_pieces, state_keys
+from worker.peer.checkpoint import (
+    Checkpointing,
+    CheckpointReader,
+    Piece,
+    optimizer_pieces,
+    state_keys,
+)
 from worker.peer.mesh import PeerConfigError, torch_optimizer
 
 __all__ = [
+    "Expert",
+    "ExpertGroups",
     "MoE",
     "MoEConfig",
     "MoESync",
-    "Expert",
-    "ExpertGroups",
     "aux_loss",
     "expert_groups",
     "moe_layers",
@@ -117,22 +123,32 @@ class _Meter:
 
 class _AllToAll(torch.autograd.Function):
     """Rows of ``x`` to the group's ranks (``in_splits`` rows to each), rows from them
-    (``out_splits``); backward sends the gradients back the same way reversed."""
+    (``out_splits``); backward sends the gradients back the same way reversed. The forward's
+    output lands in ``buffers[slot]`` (kept and reused: its consumers copy it at once, and a fresh
+    16 MiB CPU tensor costs its page faults on every call)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any, meter: _Meter) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any, meter: _Meter,
+        buffers: dict[str, torch.Tensor], slot: str,
+    ) -> torch.Tensor:
         ctx.args = (out_splits, in_splits, group, meter)
-        return _exchange(x, out_splits, in_splits, group, meter)
+        shape = (sum(out_splits), *x.shape[1:])
+        n = math.prod(shape)
+        buf = buffers.get(slot)
+        if buf is None or buf.numel() < n or buf.dtype != x.dtype or buf.device != x.device:
+            buf = buffers[slot] = x.new_empty(max(n, 1))
+        return _exchange(x, buf[:n].view(shape), out_splits, in_splits, group, meter)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
         out_splits, in_splits, group, meter = ctx.args
-        return _exchange(g, in_splits, out_splits, group, meter), None, None, None, None
+        out = g.new_empty((sum(in_splits), *g.shape[1:]))
+        return _exchange(g, out, in_splits, out_splits, group, meter), None, None, None, None, None, None
 
 
-def _exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any, meter: _Meter) -> torch.Tensor:
+def _exchange(x: torch.Tensor, out: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any, meter: _Meter) -> torch.Tensor:
     x = x.contiguous()
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
     t0 = time.perf_counter()
     dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
     if x.device.type == "cuda":
@@ -162,6 +178,7 @@ class MoE(nn.Module):
         self.ep_size, self.ep_rank = 1, 0
         self.aux: torch.Tensor | None = None
         self.meter = _Meter()
+        self._a2a_out: dict[str, torch.Tensor] = {}  # the all-to-alls' forward outputs, reused
         self.last_dropped: torch.Tensor | None = None  # (B, T, k) bool: assignments dropped in the last forward
 
     # ------------------------------------------------------------------ expert parallelism
@@ -225,18 +242,27 @@ class MoE(nn.Module):
         """Expert outputs for ``rows`` (grouped by expert, ``counts`` per expert), wherever the experts live."""
         if self.ep_size == 1:
             return self._run(rows, counts.tolist())
-        p, per = self.ep_size, self.num_experts // self.ep_size
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.group)  # (source rank, local expert)
-        recv_counts = recv_counts.view(p, per)
-        in_splits = counts.view(p, per).sum(1).tolist()
-        out_splits = recv_counts.sum(1).tolist()
-        recv = _AllToAll.apply(rows, out_splits, in_splits, self.group, self.meter)
+        recv, recv_counts, in_splits, out_splits = self.dispatch(rows, counts)
+        p, per = recv_counts.shape
         row_expert = torch.repeat_interleave(torch.arange(per, device=rows.device).repeat(p), recv_counts.reshape(-1))
         perm = torch.argsort(row_expert, stable=True)
         y = self._run(recv[perm], recv_counts.sum(0).tolist())
         back = torch.zeros_like(y).index_copy(0, perm, y)
-        return _AllToAll.apply(back, in_splits, out_splits, self.group, self.meter)  # type: ignore[no-any-return]
+        return _AllToAll.apply(back, in_splits, out_splits, self.group, self.meter, self._a2a_out, "combine")  # type: ignore[no-any-return]
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """Send ``rows`` (grouped by expert, ``counts`` (E,) per expert) to the ranks holding their
+        experts: the counts first (an all-to-all of E integers), then the rows (variable splits).
+        Returns the rows received (by source rank, then local expert), the received counts
+        (source rank x local expert), and the send and receive splits (rows per rank)."""
+        p, per = self.ep_size, self.num_experts // self.ep_size
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        recv_counts = recv_counts.view(p, per)
+        in_splits = counts.view(p, per).sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        recv = _AllToAll.apply(rows, out_splits, in_splits, self.group, self.meter, self._a2a_out, "dispatch")
+        return recv, recv_counts, in_splits, out_splits
 
     def _run(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """``rows`` grouped by local expert (``counts`` rows each) through their experts."""
@@ -276,7 +302,7 @@ def window_metrics(layers: list[MoE]) -> dict[str, Any]:
     if not ms:
         return {}
     per_layer = [(m.counts / m.forwards).tolist() if m.counts is not None else [] for m in ms]
-    cvs = [float(torch.tensor(c).std(unbiased=False) / max(torch.tensor(c).mean(), 1e-12)) for c in per_layer]
+    cvs = [float(torch.tensor(c).std(unbiased=False) / torch.tensor(c).mean().clamp_min(1e-12)) for c in per_layer]
     steps = ms[0].forwards
     return {
         "moe_tokens_per_expert": [[round(v, 2) for v in c] for c in per_layer],
@@ -337,7 +363,8 @@ class _Subset(nn.Module):
 
     def __init__(self, model: nn.Module, names: set[str]) -> None:
         super().__init__()
-        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_model", model)  # not a submodule: its other parameters stay out
+        self._model: nn.Module
         self._names = names
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
@@ -456,7 +483,7 @@ class MoESync(ParamSync, Checkpointing):
         """Every expert parameter of every layer by global name (a collective over the EP group)."""
         out: dict[str, torch.Tensor] = {}
         for name, layer in self.layers:
-            local = [(f"{name}.experts.{e}", layer.experts[str(e)]) for e in layer.local_experts]
+            local: list[tuple[str, nn.Module]] = [(f"{name}.experts.{e}", layer.experts[str(e)]) for e in layer.local_experts]
             subs = [n for n, _ in local[0][1].named_parameters()]
             flat = torch.cat([p.detach().reshape(-1) for _, m in local for p in m.parameters()])
             if self.groups.size > 1:

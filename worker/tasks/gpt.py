@@ -153,7 +153,7 @@ def make_task(
     n_params = sum(p.numel() for p in model.parameters())
     non_embedding = n_params - model.tok.weight.numel() - model.pos.weight.numel()
     if moe is not None:  # a token runs top_k of the experts: count the active expert parameters only
-        expert_params = sum(p.numel() for b in model.blocks if b.mlp is not None for p in b.mlp.experts.parameters())
+        expert_params = sum(p.numel() for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters())
         non_embedding -= expert_params - expert_params * moe.top_k // moe.experts
     flops_per_token = 6 * non_embedding + 12 * layers * dim * seq
     return Task(
