@@ -27,7 +27,7 @@ def _layer(top_k: int, capacity: float, experts: int = 4, dim: int = 8) -> MoE:
 
 def _by_hand(layer: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(output, dropped (B, T, k)) from a loop over sequences, choices and tokens."""
-    b, t, d = x.shape
+    b, t, _ = x.shape
     k, e_n = layer.cfg.top_k, layer.num_experts
     cap = layer.capacity(t)
     out = torch.zeros_like(x)
@@ -85,7 +85,7 @@ def test_balance_and_z_losses_follow_their_formulas() -> None:
         zs.append(torch.logsumexp(logits, -1).pow(2))
     want_z = float(torch.cat(zs).mean())
     assert layer.aux is not None
-    assert math.isclose(float(layer.aux), 0.5 * want_balance + 0.25 * want_z, rel_tol=1e-5)
+    assert math.isclose(float(layer.aux.detach()), 0.5 * want_balance + 0.25 * want_z, rel_tol=1e-5)
     w = window_metrics([layer])
     assert math.isclose(w["moe_balance_loss"], want_balance, rel_tol=1e-5)
     assert sum(w["moe_tokens_per_expert"][0]) == 2 * 6 * 2 and w["moe_dropped"] >= 0
