@@ -93,17 +93,24 @@ def test_balance_and_z_losses_follow_their_formulas() -> None:
 
 
 def test_gpt_loss_adds_the_aux_losses_and_the_test_loss_does_not() -> None:
+    from worker.tasks.gpt import MarkovCorpus
+
     task = load_task("gpt", vocab=32, seq=8, dim=16, layers=2, heads=2, test_size=4, moe_experts=4, moe_every=2)
     assert [type(b.mlp).__name__ if b.mlp is not None else None for b in task.model.blocks] == [None, "MoE"]
     batch = next(task.batches(0, 1, 4, 0))
-    loss = task.loss(task.model, batch)
-    extra = aux_loss(task.model)
-    assert isinstance(extra, torch.Tensor) and float(extra) > 0
-    assert task.evaluate is not None
+    test = MarkovCorpus(32, 8, 0).block(0, 4, stream=1)
+
+    def ce(b: torch.Tensor) -> float:
+        logits = task.model(b[:, :-1])
+        return float(F.cross_entropy(logits.reshape(-1, 32), b[:, 1:].reshape(-1)))
+
     with torch.no_grad():
-        logits = task.model(batch[:, :-1])
-        ce = F.cross_entropy(logits.reshape(-1, 32), batch[:, 1:].reshape(-1))
-    assert math.isclose(float(loss), float(ce) + float(extra), rel_tol=1e-5)
+        loss = float(task.loss(task.model, batch))
+        extra = aux_loss(task.model)
+        assert isinstance(extra, torch.Tensor) and float(extra) > 0
+        assert math.isclose(loss, ce(batch) + float(extra), rel_tol=1e-5)
+        assert task.evaluate is not None
+        assert math.isclose(task.evaluate(task.model)["test_loss"], ce(test), rel_tol=1e-6)
 
 
 @pytest.mark.parametrize("kw,needle", [
