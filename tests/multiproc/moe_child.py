@@ -52,9 +52,9 @@ def reference(task: Task, world: int, steps: int) -> list[tuple[float, torch.Ten
     return out
 
 
-def train(task: Task, ep: int, world: int, rank: int, steps: int, ckpt: tuple[str, int] | None = None):
-    """The same list from this rank's peer run with ``MoESync(ep)`` (drops: this rank's sequences)."""
-    sync = MoESync(task.model, task.dense_optimizer, ep=ep)
+def train(task: Task, ep: int, world: int, rank: int, steps: int, ckpt: tuple[str, int] | None = None, mode: str = "dp"):
+    """The same list from this rank's peer run with ``MoESync(ep, mode)`` (drops: this rank's sequences)."""
+    sync = MoESync(task.model, task.dense_optimizer, ep=ep, mode=mode)
     if ckpt:
         sync.set_checkpointing(*ckpt)
     seen: list[tuple[float, torch.Tensor, list[torch.Tensor]]] = []
@@ -122,6 +122,13 @@ def main(checks: list[str]) -> None:
             st = sync.stats()
             assert st["ep"] == ep, st
             print(f"OK {check} {st}", flush=True)
+        elif check.startswith("zero"):  # ZeRO on the non-expert parameters, experts split by EP: zero<stage>-ep<P>
+            stage, ep = check[4], int(check.split("-ep")[1])
+            task = make(capacity=0.5)
+            want = reference(task, world, STEPS)
+            got, sync = train(task, ep, world, rank, STEPS, mode=f"zero{stage}")
+            compare(check, got, want, rank)
+            print(f"OK {check} {sync.memory()}", flush=True)
         elif check.startswith("drop-"):  # tight capacity: the same assignments dropped as the reference's
             top_k, ep = (int(c) for c in check.split("-")[1:])
             task = make(top_k=top_k, capacity=0.5)

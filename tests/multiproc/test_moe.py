@@ -8,6 +8,7 @@ parameters (experts gathered from their ranks), and the token assignments the ca
 - EP=1, 2, 4, top-2, capacity factor 2 (no drops): the same losses and parameters.
 - Capacity factor 0.5 (top-2 at EP=2 and 4, top-1 at EP=4): drops happen, and they are the
   reference's drops, rank by rank.
+- ZeRO-2 (EP=2) and ZeRO-3 (EP=4) on the non-expert parameters: the same (capacity 0.5).
 - Metrics: all-to-all bytes over the ranks equal 4 exchanges of every routed token's row per layer.
 - A checkpoint saved at EP=4 after 3 steps resumes at EP=2 with the same step 3.
 - Load balance: routers start skewed to expert 0 (top-1, 40 Adam steps): the metrics report the
@@ -23,7 +24,7 @@ import test_peer_equivalence as tpe  # type: ignore[import-not-found]
 
 CHILD = os.path.join(tpe.ROOT, "tests", "multiproc", "moe_child.py")
 
-CHECKS = ["ep1", "ep2", "ep4", "drop-2-2", "drop-2-4", "drop-1-4", "metrics", "ckpt", "balance"]
+CHECKS = ["ep1", "ep2", "ep4", "drop-2-2", "drop-2-4", "drop-1-4", "zero2-ep2", "zero3-ep4", "metrics", "ckpt", "balance"]
 
 
 @pytest.mark.timeout(300)

@@ -161,10 +161,8 @@ def run_rank(args: argparse.Namespace) -> int:
         elif moe_layers(task.model) or args.moe_experts or args.ep > 1:
             if not moe_layers(task.model):
                 raise PeerConfigError(f"--moe-experts/--ep: task {args.task!r} built no MoE layers (gpt has them)")
-            if args.mode != "dp":
-                raise PeerConfigError(f"MoE models train with --mode dp (expert parallelism with {args.mode} is not built)")
-            sync = MoESync(task.model, task.dense_optimizer, ep=args.ep, device=mesh.device, bucket_mb=args.bucket_mb,
-                           compress=compress, settings=settings)
+            sync = MoESync(task.model, task.dense_optimizer, ep=args.ep, mode=args.mode, device=mesh.device,
+                           bucket_mb=args.bucket_mb, compress=compress, settings=settings)
         else:
             sync = make_sync(
                 args.mode, task.model, task.dense_optimizer, device=mesh.device, bucket_mb=args.bucket_mb,

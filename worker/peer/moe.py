@@ -55,6 +55,7 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "MoESync",
+    "Router",
     "aux_loss",
     "expert_groups",
     "moe_layers",
@@ -92,6 +93,17 @@ class MoEConfig:
     def is_moe(self, layer: int) -> bool:
         """Whether block ``layer`` (0-based) has an MoE MLP."""
         return layer % self.every == self.every - 1
+
+
+class Router(nn.Linear):
+    """The router: ``dim -> experts`` logits, computed in fp32 whatever the model's dtype (a
+    module of its own, so ZeRO's per-module hooks see it)."""
+
+    def __init__(self, dim: int, experts: int) -> None:
+        super().__init__(dim, experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
 
 
 class Expert(nn.Module):
@@ -171,7 +183,7 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.num_experts = cfg.experts
-        self.router = nn.Linear(dim, cfg.experts, bias=False)
+        self.router = Router(dim, cfg.experts)
         hidden = cfg.hidden or 4 * dim
         self.experts = nn.ModuleDict({str(e): Expert(dim, hidden) for e in range(cfg.experts)})
         self.group: Any = None  # the expert-parallel group (None: every expert is here)
@@ -205,7 +217,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         e_n, k = self.num_experts, self.cfg.top_k
-        logits = F.linear(x.float(), self.router.weight.float())  # (B, T, E), router in fp32
+        logits = self.router(x)  # (B, T, E), fp32
         probs = logits.softmax(-1)
         top_p, top_i = probs.topk(k, dim=-1)  # (B, T, k)
         gates = top_p if k == 1 else top_p / top_p.sum(-1, keepdim=True)
@@ -376,6 +388,13 @@ class _Subset(nn.Module):
         for _, p in self.named_parameters():
             yield p
 
+    def modules(self, remove_duplicate: bool = True) -> Iterator[nn.Module]:
+        """The model's modules outside the experts (ZeRO's units)."""
+        experts = {id(m) for layer in self._model.modules() if isinstance(layer, MoE) for m in layer.experts.modules()}
+        for m in self._model.modules():
+            if id(m) not in experts:
+                yield m
+
     def to(self, *args: Any, **kwargs: Any) -> _Subset:  # type: ignore[override]
         self._model.to(*args, **kwargs)
         return self
@@ -383,7 +402,9 @@ class _Subset(nn.Module):
 
 class MoESync(ParamSync, Checkpointing):
     """Peer-mode sync of a model with MoE layers: the experts split over ``ep`` ranks (expert
-    parallelism; 1: every rank holds every expert), the other parameters through ``AllReduceDP``.
+    parallelism; 1: every rank holds every expert), the other parameters through the sync of
+    peer ``mode`` over all ranks: ``dp`` (``AllReduceDP``) or ``zero1``/``zero2``/``zero3``
+    (``ZeroSync``; the experts are never sharded by ZeRO, they are already split by EP).
 
     ``model``'s MoE layers are sharded here (every rank builds the same full model first, so the
     experts a rank keeps start from the same values as the single-process model's).
@@ -393,10 +414,16 @@ class MoESync(ParamSync, Checkpointing):
     pipelined = False
 
     def __init__(
-        self, model: nn.Module, optimizer: Any, *, ep: int = 1, device: torch.device | str = "cpu", bucket_mb: float = 25.0,
-        compress: str | None = None, settings: dict[str, Any] | None = None,
+        self, model: nn.Module, optimizer: Any, *, ep: int = 1, mode: str = "dp", device: torch.device | str = "cpu",
+        bucket_mb: float = 25.0, compress: str | None = None, settings: dict[str, Any] | None = None,
     ) -> None:
         from worker.peer.data_parallel import AllReduceDP
+        from worker.peer.zero import ZeroSync
+
+        if mode not in ("dp", "zero1", "zero2", "zero3"):
+            raise PeerConfigError(f"MoE models train in peer mode dp, zero1, zero2 or zero3, not {mode!r}")
+        if mode != "dp" and compress not in (None, "none"):
+            raise PeerConfigError("gradient compression is implemented for dp only, not ZeRO")
 
         self.name = "moe"
         self.layers = moe_layers(model)
@@ -409,10 +436,18 @@ class MoESync(ParamSync, Checkpointing):
             layer.shard(self.groups.group, ep, self.groups.rank)
         expert_ids = {id(p) for _, m in self.layers for p in m.experts.parameters()}
         dense_names = {n for n, p in model.named_parameters() if id(p) not in expert_ids}
-        self.dense = AllReduceDP(
-            _Subset(model, dense_names), optimizer, device=device, bucket_mb=bucket_mb, compress=compress,
-            settings={**(settings or {}), "ep": ep, "experts": experts}, name="moe",
-        )
+        agree = {**(settings or {}), "ep": ep, "experts": experts}
+        self.dense: Any
+        if mode == "dp":
+            self.dense = AllReduceDP(
+                _Subset(model, dense_names), optimizer, device=device, bucket_mb=bucket_mb, compress=compress,
+                settings=agree, name="moe",
+            )
+            self.dense_order = list(self.dense.names)
+        else:
+            self.dense = ZeroSync(_Subset(model, dense_names), optimizer, stage=int(mode[-1]), device=device, settings=agree)
+            self.dense_order = [self.dense._names[id(p)] for p in self.dense.params]
+        self.mode = mode
         self.model = model
         self.device = self.dense.device
         self.flat = self.dense.flat
@@ -448,6 +483,9 @@ class MoESync(ParamSync, Checkpointing):
         self.dense.zero_grad()
         self.experts.zero_grad()
 
+    def evaluate(self, step: int, final: bool, fn: Any) -> tuple[dict[str, float], dict[str, Any]]:
+        return self.dense.evaluate(step, final, fn)  # type: ignore[no-any-return]
+
     def no_sync(self) -> Any:
         return self.dense.no_sync()
 
@@ -459,11 +497,10 @@ class MoESync(ParamSync, Checkpointing):
         part's all-reduce, both optimizers."""
         g = self.experts.grad
         work = dist.all_reduce(g, group=self.groups.replicas, async_op=True) if self.groups.replicas is not None else None
-        self.dense.allreduce_gradients()
+        self.dense.push(step, grads)  # its reduction and optimizer step (it saves no checkpoint of its own)
         if work is not None:
             work.wait()
         g.div_(self.world)
-        self.dense.optimizer.step()
         self.expert_optimizer.step()
         self._maybe_save(step + 1)
         return PushResult()
@@ -505,8 +542,14 @@ class MoESync(ParamSync, Checkpointing):
     def parameters(self) -> torch.Tensor:
         """The whole model's parameters, flat, in the unsharded model's order (every rank calls it)."""
         experts = self._gathered_experts()
-        own = dict(self.model.named_parameters())
-        return torch.cat([(experts[n] if n in experts else own[n].detach()).reshape(-1) for n in self.global_names])
+        dense = self.dense.parameters()  # a collective under ZeRO (its order: dense_order)
+        shapes = dict(self.model.named_parameters())
+        own, off = {}, 0
+        for n in self.dense_order:
+            k = shapes[n].numel()
+            own[n] = dense[off : off + k]
+            off += k
+        return torch.cat([(experts[n] if n in experts else own[n]).reshape(-1) for n in self.global_names])
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_pieces(self) -> tuple[list[Piece], dict[str, float]]:
@@ -540,7 +583,7 @@ class MoESync(ParamSync, Checkpointing):
     def memory(self) -> dict[str, int]:
         m = self.dense.memory()
         return {
-            "param_bytes": m["param_bytes"] + self.experts.nbytes(), "grad_bytes": m["grad_bytes"] + self.experts.nbytes(),
+            **m, "param_bytes": m["param_bytes"] + self.experts.nbytes(), "grad_bytes": m["grad_bytes"] + self.experts.nbytes(),
             "state_bytes": m["state_bytes"] + sum(
                 v.numel() * v.element_size() for s in self.expert_optimizer.state.values() for v in s.values()
                 if isinstance(v, torch.Tensor)
