@@ -35,14 +35,14 @@ def test_moe_expert_parallel_equals_one_process(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.timeout(200)
 def test_moe_flags_metrics_and_start_checks(tmp_path) -> None:
-    """``python -m worker.peer --moe-experts 4 --ep 2`` (2 ranks): trains, and the metrics file's step
-    records carry tokens per expert, the dropped share, the balance loss and all-to-all time and
-    bytes; ``--ep 3`` on 2 ranks stops every rank at start with one message (exit 2)."""
+    """``python -m worker.peer --moe-experts 4 --ep 2 --accumulate 2`` (2 ranks): trains, and the
+    metrics file's step records carry tokens per expert (per step, not per micro-batch), the dropped
+    share, the balance loss and all-to-all time and bytes; ``--ep 3`` on 2 ranks stops every rank at start with one message (exit 2)."""
     import json
 
     flags = ["--task", "gpt", "--task-opt", "dim=16", "--task-opt", "seq=16", "--task-opt", "vocab=32", "--moe-experts", "4",
              "--global-batch", "4", "--steps", "4", "--log-every", "2", "--no-progress", "--no-eval"]
-    res = tpe.run_ranks(2, [*flags, "--ep", "2", "--metrics-out", str(tmp_path)], module=True, timeout=120)
+    res = tpe.run_ranks(2, [*flags, "--ep", "2", "--accumulate", "2", "--metrics-out", str(tmp_path)], module=True, timeout=120)
     for r, (rc, _, se) in enumerate(res):
         assert rc == 0, f"rank {r}: {se[-3000:]}"
     summary = json.loads(res[0][1].strip().splitlines()[-1])
@@ -53,7 +53,7 @@ def test_moe_flags_metrics_and_start_checks(tmp_path) -> None:
     for rec in steps:
         tpe_ = rec["moe_tokens_per_expert"]
         assert len(tpe_) == 2 and all(len(c) == 4 for c in tpe_), rec  # 2 MoE layers x 4 experts
-        # 2 sequences x 16 tokens x top-2 assignments per layer and step on this rank
+        # 2 sequences x 16 tokens x top-2 assignments per layer and step on this rank (2 micro-batches of 1)
         assert all(abs(sum(c) - 2 * 16 * 2) < 1e-6 for c in tpe_), rec
         assert 0 <= rec["moe_dropped"] < 1 and rec["moe_balance_loss"] > 0 and rec["a2a_ms"] > 0 and rec["a2a_mb"] > 0, rec
     assert next(r for r in recs if r["kind"] == "summary")["ep"] == 2

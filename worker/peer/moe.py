@@ -304,18 +304,19 @@ def aux_loss(model: nn.Module) -> torch.Tensor | float:
     return total
 
 
-def window_metrics(layers: list[MoE]) -> dict[str, Any]:
-    """The layers' meters since the last call as metrics: per step (mean over the window's training
-    forwards) tokens per expert (a list per layer), the coefficient of variation of those counts
-    (mean over layers; 0 is perfect balance), the dropped share of assignments, the balance loss
-    and z-loss (sum over layers, unweighted), all-to-all seconds and bytes (this rank)."""
+def window_metrics(layers: list[MoE], steps: int = 0) -> dict[str, Any]:
+    """The layers' meters since the last call as metrics, per step (``steps`` in the window; 0:
+    one step per training forward): tokens per expert (a list per layer), the coefficient of
+    variation of those counts (mean over layers; 0 is perfect balance), the dropped share of
+    assignments, the balance loss and z-loss (mean per forward, summed over layers, unweighted),
+    all-to-all milliseconds and MiB (this rank, forward and backward)."""
     ms = [m.take() for m in layers]
     ms = [m for m in ms if m.forwards]
     if not ms:
         return {}
-    per_layer = [(m.counts / m.forwards).tolist() if m.counts is not None else [] for m in ms]
+    steps = steps or ms[0].forwards
+    per_layer = [(m.counts / steps).tolist() if m.counts is not None else [] for m in ms]
     cvs = [float(torch.tensor(c).std(unbiased=False) / torch.tensor(c).mean().clamp_min(1e-12)) for c in per_layer]
-    steps = ms[0].forwards
     return {
         "moe_tokens_per_expert": [[round(v, 2) for v in c] for c in per_layer],
         "moe_cv": sum(cvs) / len(cvs),
@@ -455,6 +456,7 @@ class MoESync(ParamSync, Checkpointing):
         self.expert_names = [n for n, _ in named]
         self.experts = FlatParams([p for _, p in named], self.device)
         self.expert_optimizer = torch_optimizer(optimizer)(self.experts.params)
+        self._window_steps = 0  # steps since the last window_metrics
         self.world = 1
 
     @property
@@ -502,6 +504,7 @@ class MoESync(ParamSync, Checkpointing):
             work.wait()
         g.div_(self.world)
         self.expert_optimizer.step()
+        self._window_steps += 1
         self._maybe_save(step + 1)
         return PushResult()
 
@@ -509,8 +512,9 @@ class MoESync(ParamSync, Checkpointing):
         self.dense.leave()
 
     def window_metrics(self) -> dict[str, Any]:
-        """MoE metrics since the last call (see ``window_metrics``)."""
-        return window_metrics([m for _, m in self.layers])
+        """MoE metrics since the last call, per step (see ``window_metrics``)."""
+        steps, self._window_steps = self._window_steps, 0
+        return window_metrics([m for _, m in self.layers], steps)
 
     def stats(self) -> dict[str, Any]:
         return {**self.dense.stats(), "ep": self.groups.size, "expert_params": self.experts.numel}
