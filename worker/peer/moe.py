@@ -22,8 +22,8 @@ A layer sends each kept assignment to the rank holding its expert with
 of the per-expert counts), the experts run on what they received, and a second all-to-all brings
 the outputs back (backward: the same two exchanges reversed). Expert gradients are summed over
 the ranks holding the same experts (one rank per EP group) and divided by the world size; the
-other parameters (embeddings, attention, router, norms) go through ``AllReduceDP`` over all
-ranks as in plain data parallelism.
+other parameters (embeddings, attention, router, norms) go through ``AllReduceDP`` (or
+``ZeroSync``, stage 1-3) over all ranks as in plain data parallelism.
 """
 from __future__ import annotations
 
@@ -348,7 +348,9 @@ def expert_groups(ep: int, world: int | None = None, rank: int | None = None, dp
     world = dist.get_world_size() if world is None else world
     rank = dist.get_rank() if rank is None else rank
     ranks = list(range(world)) if dp_ranks is None else list(dp_ranks)
-    if ep < 1 or len(ranks) % ep:
+    if ep < 1:
+        raise PeerConfigError(f"--ep must be >= 1, got {ep}")
+    if len(ranks) % ep:
         raise PeerConfigError(f"--ep {ep} does not divide the {len(ranks)} data-parallel ranks")
     pos = ranks.index(rank)
     groups = len(ranks) // ep
@@ -362,7 +364,7 @@ def expert_groups(ep: int, world: int | None = None, rank: int | None = None, dp
     if groups > 1:
         for j in range(ep):
             members = [ranks[g * ep + j] for g in range(groups)]
-            if len(members) == len(ranks):
+            if len(members) == world:
                 pg = None  # the whole world: the default group
             else:
                 pg = dist.new_group(members)
@@ -372,7 +374,8 @@ def expert_groups(ep: int, world: int | None = None, rank: int | None = None, dp
 
 
 class _Subset(nn.Module):
-    """The model seen through some of its parameters (what ``AllReduceDP`` syncs): named as in the model."""
+    """The model seen through some of its parameters (what ``AllReduceDP`` / ``ZeroSync`` sync): named
+    as in the model; ``modules()`` leaves out the experts' modules."""
 
     def __init__(self, model: nn.Module, names: set[str]) -> None:
         super().__init__()
