@@ -60,3 +60,7 @@ def test_moe_flags_metrics_and_start_checks(tmp_path) -> None:
     bad = tpe.run_ranks(2, [*flags, "--ep", "3"], module=True, timeout=120)
     for r, (rc, _, se) in enumerate(bad):
         assert rc == 2 and "--ep 3 does not divide the 2 data-parallel ranks" in se, (r, rc, se[-2000:])
+    i = flags.index("--moe-experts")
+    no_moe = flags[:i] + flags[i + 2 :]
+    (rc, _, se), = tpe.run_ranks(1, [*no_moe, "--ep", "2", "--global-batch", "2"], module=True, timeout=60)
+    assert rc == 2 and "--ep 2 needs a model with MoE layers: add --moe-experts E" in se, se[-2000:]

@@ -160,7 +160,10 @@ def run_rank(args: argparse.Namespace) -> int:
             )
         elif moe_layers(task.model) or args.moe_experts or args.ep > 1:
             if not moe_layers(task.model):
-                raise PeerConfigError(f"--moe-experts/--ep: task {args.task!r} built no MoE layers (gpt has them)")
+                raise PeerConfigError(
+                    f"--moe-experts: task {args.task!r} has no MoE layers (the gpt task builds them)" if args.moe_experts
+                    else f"--ep {args.ep} needs a model with MoE layers: add --moe-experts E (gpt)"
+                )
             sync = MoESync(task.model, task.dense_optimizer, ep=args.ep, mode=args.mode, device=mesh.device,
                            bucket_mb=args.bucket_mb, compress=compress, settings=settings)
         else:
