@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import socket
@@ -252,6 +253,10 @@ def bench_alltoall(mesh: Any, mib: int, repeats: int, bar: Any) -> dict[str, Any
     }
 
 
+def _stamp(stamps: list[float], step: int, trainer: Any) -> None:
+    stamps.append(time.perf_counter())
+
+
 def bench_moe_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch: int, bar: Any) -> dict[str, Any]:
     """A training step of an E=4 top-2 MoE ``gpt`` (expert hidden 2 x dim, experts split over the
     ranks: ``--ep world``) against the dense ``gpt`` (MLP hidden 4 x dim: the same active
@@ -282,7 +287,7 @@ def bench_moe_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int,
             )
             dist.barrier()
             t0 = time.perf_counter()
-            Trainer(task, sync, cfg, on_step=lambda s, tr, stamps=stamps: stamps.append(time.perf_counter())).run()
+            Trainer(task, sync, cfg, on_step=functools.partial(_stamp, stamps)).run()
             stamps.insert(0, t0)
             times[kind] += [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])]
             bar.update(1)
