@@ -12,6 +12,7 @@ from bench_run import run_quick
 KEYS = [
     "allreduce_ratio", "dp_step_ratio", "zero1_state_ratio", "zero2_grad_ratio", "zero3_param_ratio",
     "ours_step_ms", "ddp_step_ms", "ours_tokens_per_s", "raw_4mib_busbw_gbps", "ours_16mib_busbw_gbps",
+    "alltoall_ratio", "moe_step_ratio", "raw_alltoall_busbw_gbps", "moe_step_ms", "dense_step_ms",
 ]
 
 
@@ -27,4 +28,4 @@ def test_peer_bench_quick(tmp_path) -> None:
     assert last["zero2_grad_ratio"] <= 0.55, last
     assert last["zero3_param_ratio"] <= 0.6, last
     assert last["zero2_peak_grad_ratio"] < 1.0, last  # full gradients are freed as they are reduce-scattered
-    assert "ours / DDP step time" in stdout and "all-reduce" in stdout
+    assert "ours / DDP step time" in stdout and "all-reduce" in stdout and "MoE / dense step time" in stdout
