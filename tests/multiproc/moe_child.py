@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ps import OptimizerSpec
-from worker.peer import init_mesh
+from worker.peer import init_mesh, shutdown_group
 from worker.peer.moe import MoESync, moe_layers
 from worker.tasks import Task, load_task
 from worker.trainer import TrainConfig, Trainer
@@ -190,7 +190,7 @@ def main(checks: list[str]) -> None:
             print(f"OK balance cv_on={[round(c, 3) for c in cv_on]} cv_off={[round(c, 3) for c in cv_off]}", flush=True)
         else:
             raise SystemExit(f"unknown check {check!r}")
-    dist.destroy_process_group()
+    shutdown_group()
 
 
 if __name__ == "__main__":
