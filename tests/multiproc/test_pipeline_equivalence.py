@@ -19,17 +19,16 @@ import pytest
 from tests.multiproc.test_peer_equivalence import _check, _free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHILD = os.path.join(ROOT, "tests", "multiproc", "pipeline_child.py")
 
 
-def run_ranks(world: int, args: list[str], timeout: float) -> list[tuple[int, str, str]]:
-    """``world`` processes of pipeline_child.py with torchrun's environment; [(rc, stdout, stderr)]."""
+def run_ranks(world: int, args: list[str], timeout: float, child: str = "pipeline_child.py") -> list[tuple[int, str, str]]:
+    """``world`` processes of ``child`` (in tests/multiproc) with torchrun's environment; [(rc, stdout, stderr)]."""
     port = _free_port()
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen([sys.executable, CHILD, *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "multiproc", child), *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout
     out = []

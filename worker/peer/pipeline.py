@@ -46,7 +46,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -296,24 +296,26 @@ def simulate(sched: list[list[Action]], m: int, V: int = 1, t_fwd: float = 1.0, 
 
 
 class _Embed(nn.Module):
-    def __init__(self, gpt: nn.Module) -> None:
+    def __init__(self, gpt: Any) -> None:
         super().__init__()
-        self.tok, self.pos = gpt.tok, gpt.pos
+        self.tok: nn.Embedding = gpt.tok
+        self.pos: nn.Embedding = gpt.pos
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
 
 
 class _Head(nn.Module):
-    def __init__(self, gpt: nn.Module) -> None:
+    def __init__(self, gpt: Any) -> None:
         super().__init__()
-        self.ln, self.head = gpt.ln, gpt.head
+        self.ln: nn.LayerNorm = gpt.ln
+        self.head: nn.Linear = gpt.head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln(x))
 
 
-def gpt_layers(model: nn.Module) -> list[nn.Module]:
+def gpt_layers(model: Any) -> list[nn.Module]:
     """The ``gpt`` task's model as a layer list (embeddings, each block, final norm + head) whose
     modules share the model's parameters: running them in order is ``model.forward``."""
     return [_Embed(model), *model.blocks, _Head(model)]
@@ -344,18 +346,26 @@ class _Stage(nn.Module):
 # ---------------------------------------------------------------- the executor
 
 
-def allreduce_grads(params: Sequence[nn.Parameter], group: Any, size: int) -> None:
-    """Mean of the parameters' gradients over ``group`` (``size`` ranks), one flat all-reduce."""
+def allreduce_grads(params: Sequence[nn.Parameter], group: Any, size: int, bucket_bytes: int = 25 * 2**20) -> None:
+    """Mean of the parameters' gradients over ``group`` (``size`` ranks): flat all-reduces of
+    buckets of about ``bucket_bytes`` (the only extra memory: one bucket)."""
     grads = [p.grad for p in params if p.grad is not None]
     if size <= 1 or not grads:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat.div_(size)
-    off = 0
-    for g in grads:
-        g.copy_(flat[off : off + g.numel()].view_as(g))
-        off += g.numel()
+    bucket: list[torch.Tensor] = []
+    nbytes = 0
+    for i, g in enumerate(grads):
+        bucket.append(g)
+        nbytes += g.numel() * g.element_size()
+        if nbytes >= bucket_bytes or i == len(grads) - 1:
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.all_reduce(flat, group=group)
+            flat.div_(size)
+            off = 0
+            for t in bucket:
+                t.copy_(flat[off : off + t.numel()].view_as(t))
+                off += t.numel()
+            bucket, nbytes = [], 0
 
 
 class PipelineEngine:
@@ -443,7 +453,9 @@ class PipelineEngine:
             if a.op == "RECV_ACT" or a.op == "RECV_GRAD":
                 buf = torch.empty(tuple(act_shape), dtype=act_dtype, device=self.device)
                 kind = 0 if a.op == "RECV_ACT" else 1
-                dist.irecv(buf, src=self.pp_ranks[a.peer], tag=self._tag(kind, a.mb, a.stage)).wait()
+                work = dist.irecv(buf, src=self.pp_ranks[a.peer], tag=self._tag(kind, a.mb, a.stage))
+                assert work is not None
+                work.wait()
                 (acts if kind == 0 else grads)[key] = buf
             elif a.op == "SEND_ACT" or a.op == "SEND_GRAD":
                 kind = 0 if a.op == "SEND_ACT" else 1
@@ -585,7 +597,7 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
         dp_idx = (mesh.rank % (D * T)) // T
         per_rank = args.global_batch // D
         batches = task.batches(dp_idx, D, per_rank, 0)
-        dim = task.model.tok.weight.shape[1]
+        dim = int(cast(Any, task.model).tok.embedding_dim)
         t0, loss = time.perf_counter(), float("nan")
         for step in range(args.steps):
             batch = next(batches)
