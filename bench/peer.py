@@ -17,10 +17,15 @@ torch thread on CPU) in one process group:
     two Adam steps: optimizer state, gradients, parameters (``memory()`` of each sync), and each
     stage's peak gradient bytes during backward.
 
+(d) The pipeline bubble with P = world stages and m = 8 micro-batches, GPipe and 1F1B (gpt,
+    4 blocks per stage, dim 128, stages balanced by compute): per step, the mean over ranks of
+    1 - compute time / step time, against (P-1)/(m+P-1); min and median over 8 steps each.
+
 Output: a table, then a final line of JSON (also written to ``--json-out``) with
 ``allreduce_ratio`` (ours / raw bus bandwidth, the smaller of the two sizes' median ratios),
 ``dp_step_ratio`` (ours / DDP median step time), ``zero1_state_ratio``, ``zero2_grad_ratio``,
-``zero3_param_ratio`` (each against plain DP per rank), and the figures behind them. The machine
+``zero3_param_ratio`` (each against plain DP per rank), ``bubble_measured`` (1F1B, median) and
+``bubble_theory``, and the figures behind them. The machine
 may be shared and noisy: compare ratios from the same run.
 
 DDP's process group is not torn down (torch 2.13 can deadlock freeing a DDP ``ProcessGroupGloo``);
@@ -190,6 +195,56 @@ def bench_zero_memory(mesh: Any, quick: bool, batch: int, bar: Any) -> dict[str,
     return out
 
 
+def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dict[str, Any]:
+    """Pipeline bubble with P = world stages (D = 1) and m = 8 micro-batches, GPipe and 1F1B: per
+    step and rank, 1 - (time in forward/backward compute) / (step time); the step's figure is the
+    mean over ranks. Stages balanced by compute (``gpt_layer_costs``). Repeats alternate schedules."""
+    import torch
+    import torch.distributed as dist
+
+    from worker.peer.pipeline import PipelineEngine, bubble_theory, gpt_layer_costs, gpt_layers
+    from worker.tasks import load_task
+
+    P, m, mb = mesh.world, 8, 2 if quick else 4
+    opts = dict(vocab=256, seq=64, dim=64 if quick else 128, layers=2 * P if quick else 4 * P, heads=4, test_size=8)
+
+    class _Busy:
+        def __init__(self) -> None:
+            self.busy = 0.0
+
+        def complete(self, name: str, cat: str, start: float, end: float) -> None:
+            if name[0] in "FB":
+                self.busy += end - start
+
+    out: dict[str, Any] = {"P": P, "m": m, "theory": bubble_theory(P, m), "micro_batch": mb, "layers": opts["layers"]}
+    engines = {}
+    for kind in ("gpipe", "1f1b"):
+        task = load_task("gpt", **opts)
+        engines[kind] = (task, PipelineEngine(
+            gpt_layers(task.model), pp_ranks=list(range(P)), kind=kind, micro_batches=m,
+            costs=gpt_layer_costs(task.model), device=mesh.device,
+        ))
+    seen: dict[str, list[float]] = {k: [] for k in engines}
+    for rep in range(repeats + 1):  # the first round warms up
+        for kind, (task, eng) in engines.items():
+            data = next(task.batches(0, 1, m * mb, rep))
+            mbs = list(data.to(mesh.device).chunk(m))
+            eng.zero_grad()
+            busy = _Busy()
+            dist.barrier()
+            t0 = time.perf_counter()
+            eng.step([x[:, :-1] for x in mbs], [x[:, 1:] for x in mbs], (mb, opts["seq"], opts["dim"]), tracer=busy)
+            _sync(mesh.device)
+            frac = torch.tensor([1.0 - busy.busy / (time.perf_counter() - t0)], dtype=torch.float64)
+            dist.all_reduce(frac)
+            if rep:
+                seen[kind].append(float(frac) / P)
+            bar.update(1)
+    for kind, v in seen.items():
+        out[kind] = {"bubble_min": min(v), "bubble_med": statistics.median(v), "steps": len(v)}
+    return out
+
+
 def rank_main(args: argparse.Namespace) -> None:
     import torch
     from tqdm import tqdm
@@ -204,17 +259,19 @@ def rank_main(args: argparse.Namespace) -> None:
     repeats = 3 if quick else 15
     rounds, steps, warmup = (2, 3, 1) if quick else (4, 10, 2)
     batch = 8
-    total = len(sizes) * repeats + 2 * rounds + 4
+    pipe_repeats = 3 if quick else 8
+    total = len(sizes) * repeats + 2 * rounds + 4 + 2 * (pipe_repeats + 1)
     bar = tqdm(total=total, desc="bench/peer", disable=mesh.rank != 0 or args.no_progress, file=sys.stderr, mininterval=0.5)
     t0 = time.time()
     ar = bench_allreduce(mesh, sizes, repeats, bar)
     dp = bench_dp_step(mesh, quick, rounds, steps, warmup, batch, bar)
     zm = bench_zero_memory(mesh, quick, batch, bar)
+    pb = bench_pipeline_bubble(mesh, quick, pipe_repeats, bar)
     bar.close()
     if mesh.rank == 0:
         result = {
             "world": mesh.world, "backend": mesh.backend, "device": str(mesh.device), "quick": quick,
-            "allreduce": ar, "dp_step": dp, "zero_memory": zm, "seconds": time.time() - t0,
+            "allreduce": ar, "dp_step": dp, "zero_memory": zm, "pipeline": pb, "seconds": time.time() - t0,
         }
         with open(args.result, "w") as f:
             json.dump(result, f)
@@ -242,6 +299,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         "zero2_peak_grad_ratio": zm["zero2"]["peak_grad_bytes"] / base["grad_bytes"],
         "zero3_state_ratio": zm["zero3"]["state_bytes"] / base["state_bytes"],
     }
+    figures.update(pipeline_figures(res["pipeline"]))
     for s in sizes:
         figures[f"allreduce_{s}mib_ratio"] = ar[s]["ratio"]
         figures[f"raw_{s}mib_busbw_gbps"] = ar[s]["raw_gbps_med"]
@@ -253,6 +311,25 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         "seconds": round(res["seconds"], 1), "loadavg": list(os.getloadavg()),
     })
     return figures
+
+
+def pipeline_figures(pb: dict[str, Any]) -> dict[str, Any]:
+    """``bubble_measured`` (1F1B's median), ``bubble_theory`` (P-1)/(m+P-1), and per schedule."""
+    return {
+        "bubble_measured": pb["1f1b"]["bubble_med"], "bubble_theory": pb["theory"],
+        "bubble_1f1b": pb["1f1b"]["bubble_med"], "bubble_gpipe": pb["gpipe"]["bubble_med"],
+        "bubble_1f1b_min": pb["1f1b"]["bubble_min"], "bubble_gpipe_min": pb["gpipe"]["bubble_min"],
+        "bubble_ratio": pb["1f1b"]["bubble_med"] / pb["theory"],
+    }
+
+
+def print_pipeline(pb: dict[str, Any]) -> None:
+    print(f"\npipeline bubble, P={pb['P']} m={pb['m']} ({pb['layers']} blocks, {pb['micro_batch']} sequences per micro-batch): "
+          f"theory (P-1)/(m+P-1) = {pb['theory']:.3f}")
+    print(f"{'schedule':<10}{'bubble min':>12}{'median':>10}{'/ theory':>10}")
+    for kind in ("gpipe", "1f1b"):
+        b = pb[kind]
+        print(f"{kind:<10}{b['bubble_min']:>12.3f}{b['bubble_med']:>10.3f}{b['bubble_med'] / pb['theory']:>10.2f}")
 
 
 def print_table(res: dict[str, Any]) -> None:
@@ -274,6 +351,7 @@ def print_table(res: dict[str, Any]) -> None:
     print(f"{'stage':<8}{'params':>12}{'grads':>12}{'opt state':>12}{'peak grads':>12}")
     for mode, m in zm.items():
         print(f"{mode:<8}{m['param_bytes']:>12,}{m['grad_bytes']:>12,}{m['state_bytes']:>12,}{m['peak_grad_bytes']:>12,}")
+    print_pipeline(res["pipeline"])
 
 
 def main(argv: list[str] | None = None) -> int:

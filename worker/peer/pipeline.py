@@ -61,6 +61,7 @@ __all__ = [
     "add_pipeline_args",
     "allreduce_grads",
     "bubble_theory",
+    "gpt_layer_costs",
     "gpt_layers",
     "layout_groups",
     "partition",
@@ -319,6 +320,13 @@ def gpt_layers(model: Any) -> list[nn.Module]:
     """The ``gpt`` task's model as a layer list (embeddings, each block, final norm + head) whose
     modules share the model's parameters: running them in order is ``model.forward``."""
     return [_Embed(model), *model.blocks, _Head(model)]
+
+
+def gpt_layer_costs(model: Any) -> list[float]:
+    """Forward FLOPs per token of each of ``gpt_layers(model)``: a split balanced by compute time
+    (the embeddings cost next to nothing; a block 24 H^2 + 4 S H; the head 2 H V)."""
+    H, S, V = model.tok.embedding_dim, model.pos.num_embeddings, model.tok.num_embeddings
+    return [0.0] + [float(24 * H * H + 4 * S * H)] * len(model.blocks) + [float(2 * H * V)]
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

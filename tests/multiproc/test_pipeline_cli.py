@@ -1,0 +1,58 @@
+"""`tessera peer --pp P --schedule ... --micro-batches m [--recompute]`.
+
+The peer run's reported loss (last step) equals one process training the same gpt model with
+torch Adam on the global batch (rtol 1e-5); a schedule that does not fit stops every rank with
+one message and exit 2.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_peer_equivalence import ROOT, run_ranks  # type: ignore[import-not-found]
+
+ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+OPTS = {"vocab": 32, "seq": 8, "dim": 16, "layers": 3, "heads": 2}
+GPT = ["--task", "gpt", *[a for k, v in OPTS.items() for a in ("--task-opt", f"{k}={v}")], "--no-progress", "--torch-threads", "1"]
+
+
+def _reference_loss(steps: int, batch: int) -> float:
+    from worker.tasks import load_task
+
+    task = load_task("gpt", seed=0, **OPTS)
+    opt = torch.optim.Adam(task.model.parameters(), lr=task.dense_optimizer.hparams["lr"])
+    data = task.batches(0, 1, batch, 0)
+    loss = torch.zeros(())
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = task.loss(task.model, next(data))
+        loss.backward()
+        opt.step()
+    return float(loss.detach())
+
+
+@pytest.mark.timeout(150)
+def test_tessera_peer_pp2_1f1b_recompute_equals_one_process() -> None:
+    cmd = [sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", "2", *GPT, "--pp", "2", "--schedule", "1f1b",
+           "--micro-batches", "4", "--recompute", "--steps", "4", "--global-batch", "8"]
+    p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=140)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])
+    assert report["pp"] == 2 and report["dp"] == 1 and report["schedule"] == "1f1b" and report["recompute"] is True, report
+    assert report["stages"] == [[0, 2], [2, 5]]  # by parameters: embeddings + block 0 | blocks 1-2 + head
+    assert report["bubble_theory"] == pytest.approx(1 / 5), report
+    want = _reference_loss(4, 8)
+    assert abs(report["loss"] - want) <= 1e-5 * want, (report["loss"], want)
+
+
+@pytest.mark.timeout(120)
+def test_a_schedule_that_does_not_fit_stops_every_rank() -> None:
+    res = run_ranks(2, [*GPT, "--pp", "2", "--schedule", "interleaved", "--micro-batches", "3", "--global-batch", "6",
+                        "--steps", "1"], module=True, timeout=100)
+    for r, (rc, _, se) in enumerate(res):
+        assert rc == 2, (r, se[-2000:])
+        assert f"rank {r}: the interleaved schedule needs micro-batches divisible by pipeline ranks: m=3, P=2" in se, se[-2000:]
