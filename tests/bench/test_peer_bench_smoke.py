@@ -12,6 +12,7 @@ from bench_run import run_quick
 KEYS = [
     "allreduce_ratio", "dp_step_ratio", "zero1_state_ratio", "zero2_grad_ratio", "zero3_param_ratio",
     "ours_step_ms", "ddp_step_ms", "ours_tokens_per_s", "raw_4mib_busbw_gbps", "ours_16mib_busbw_gbps",
+    "bubble_measured", "bubble_theory",
 ]
 
 

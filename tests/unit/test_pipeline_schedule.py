@@ -83,3 +83,30 @@ def test_partition() -> None:
     assert partition([3], 1) == [(0, 1)]
     with pytest.raises(ScheduleError, match="cannot split"):
         partition([1, 1], 3)
+
+
+def test_pipeline_config_start_checks() -> None:
+    """The checks every rank of `tessera peer --pp` makes before any collective (one message each)."""
+    import argparse
+
+    from worker.peer.cli import add_train_args
+    from worker.peer.mesh import PeerConfigError
+    from worker.peer.pipeline import pipeline_config
+
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+
+    def cfg(*argv: str, world: int = 4) -> tuple[int, int, int, int]:
+        return pipeline_config(p.parse_args(["--pp", "2", *argv]), world)
+
+    assert cfg("--global-batch", "16") == (2, 2, 4, 1)  # m defaults to 2 x P
+    assert cfg("--schedule", "interleaved", "--micro-batches", "4", "--global-batch", "8") == (2, 2, 4, 2)
+    for argv, world, msg in [
+        (["--mode", "zero1"], 4, "--pp runs with --mode dp"),
+        (["--task", "digits"], 4, "--pp splits the gpt task's layers"),
+        ([], 3, "world size 3 is not divisible by --pp 2"),
+        (["--global-batch", "12"], 4, "global batch 12 is not divisible by D 2 x micro-batches 4"),
+        (["--schedule", "interleaved", "--micro-batches", "3", "--global-batch", "6"], 2, "micro-batches divisible by pipeline ranks"),
+    ]:
+        with pytest.raises(PeerConfigError, match=msg):
+            cfg(*argv, world=world)

@@ -65,6 +65,7 @@ __all__ = [
     "gpt_layers",
     "layout_groups",
     "partition",
+    "pipeline_config",
     "run_pipeline_rank",
     "schedule",
     "simulate",
@@ -558,6 +559,32 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--recompute", action="store_true", help="activation checkpointing per layer (recompute in backward)")
 
 
+def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int, int]:
+    """(P, D, m, V) of a ``--pp`` run, or ``PeerConfigError`` naming what does not fit (every rank
+    checks the same, before any collective)."""
+    from worker.peer.mesh import PeerConfigError
+
+    P = int(args.pp)
+    m = int(args.micro_batches) or 2 * P
+    V = int(args.virtual_stages) if args.schedule == "interleaved" else 1
+    if int(getattr(args, "tp", 1) or 1) != 1:
+        raise PeerConfigError("--pp with --tp > 1 is not wired yet (the pipeline takes any group; the mesh glue is pending)")
+    if args.task != "gpt":
+        raise PeerConfigError(f"--pp splits the gpt task's layers; task {args.task!r} has no layer list")
+    if args.mode != "dp":
+        raise PeerConfigError(f"--pp runs with --mode dp (data parallel over pipelines); ZeRO with --pp is not built yet, got {args.mode}")
+    if P < 1 or world % P:
+        raise PeerConfigError(f"world size {world} is not divisible by --pp {P}")
+    D = world // P
+    if args.global_batch % (D * m):
+        raise PeerConfigError(f"global batch {args.global_batch} is not divisible by D {D} x micro-batches {m}")
+    try:
+        schedule(args.schedule, P, m, V)
+    except ScheduleError as e:
+        raise PeerConfigError(str(e)) from None
+    return P, D, m, V
+
+
 def run_pipeline_rank(args: argparse.Namespace) -> int:
     """One rank of ``tessera peer --pp P``: D = world / P data-parallel pipelines of the gpt task,
     Adam on each rank's stages; rank 0 prints a JSON report (loss, tokens/s, bubble theory)."""
@@ -568,25 +595,8 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
 
     mesh = init_mesh(args.backend, args.device, args.timeout)
     try:
-        P, world = int(args.pp), mesh.world
-        m = int(args.micro_batches) or 2 * P
-        V = int(args.virtual_stages) if args.schedule == "interleaved" else 1
-        T = int(getattr(args, "tp", 1) or 1)
-        if T != 1:
-            raise PeerConfigError("--pp with --tp > 1 is not wired yet (the pipeline takes any group; the mesh glue is pending)")
-        if args.task != "gpt":
-            raise PeerConfigError(f"--pp splits the gpt task's layers; task {args.task!r} has no layer list")
-        if args.mode != "dp":
-            raise PeerConfigError(f"--pp runs with --mode dp (data parallel over pipelines); ZeRO with --pp is not built yet, got {args.mode}")
-        if world % P:
-            raise PeerConfigError(f"world size {world} is not divisible by --pp {P}")
-        D = world // P
-        if args.global_batch % (D * m):
-            raise PeerConfigError(f"global batch {args.global_batch} is not divisible by D {D} x micro-batches {m}")
-        try:
-            schedule(args.schedule, P, m, V)
-        except ScheduleError as e:
-            raise PeerConfigError(str(e)) from None
+        P, D, m, V = pipeline_config(args, mesh.world)
+        world, T = mesh.world, 1
         opts = _kv(args.task_opt)
         task = load_task("gpt", seed=args.seed, **opts)
         layers = gpt_layers(task.model)
