@@ -202,11 +202,16 @@ def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dic
     import torch
     import torch.distributed as dist
 
-    from worker.peer.pipeline import PipelineEngine, bubble_theory, gpt_layer_costs, gpt_layers
+    from worker.peer.pipeline import (
+        PipelineEngine,
+        bubble_theory,
+        gpt_layer_costs,
+        gpt_layers,
+    )
     from worker.tasks import load_task
 
     P, m, mb = mesh.world, 8, 2 if quick else 4
-    opts = dict(vocab=256, seq=64, dim=64 if quick else 128, layers=2 * P if quick else 4 * P, heads=4, test_size=8)
+    opts = {"vocab": 256, "seq": 64, "dim": 64 if quick else 128, "layers": 2 * P if quick else 4 * P, "heads": 4, "test_size": 8}
 
     class _Busy:
         def __init__(self) -> None:

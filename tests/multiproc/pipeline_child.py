@@ -23,7 +23,7 @@ from worker.peer.pipeline import PipelineEngine, gpt_layers, layout_groups
 from worker.tasks import load_task
 
 P, M, STEPS, G = 2, 4, 3, 8  # pipeline ranks, micro-batches, steps, global batch
-OPTS = dict(vocab=32, seq=8, dim=16, layers=4, heads=2, lr=3e-3)
+OPTS = {"vocab": 32, "seq": 8, "dim": 16, "layers": 4, "heads": 2, "lr": 3e-3}
 
 
 def run(check: str, dp_idx: int, D: int, groups) -> torch.Tensor:  # type: ignore[no-untyped-def]

@@ -23,7 +23,7 @@ from worker.peer.pipeline import PipelineEngine, gpt_layers, layout_groups
 from worker.peer.planner import Layout, ModelSpec, rank_memory
 from worker.tasks import load_task
 
-OPTS = dict(vocab=256, seq=64, dim=64, layers=4, heads=4)
+OPTS = {"vocab": 256, "seq": 64, "dim": 64, "layers": 4, "heads": 4}
 BATCH = 16
 
 

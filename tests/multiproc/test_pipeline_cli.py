@@ -39,7 +39,7 @@ def _reference_loss(steps: int, batch: int) -> float:
 def test_tessera_peer_pp2_1f1b_recompute_equals_one_process() -> None:
     cmd = [sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", "2", *GPT, "--pp", "2", "--schedule", "1f1b",
            "--micro-batches", "4", "--recompute", "--steps", "4", "--global-batch", "8"]
-    p = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=140)
+    p = subprocess.run(cmd, check=False, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=140)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])
     assert report["pp"] == 2 and report["dp"] == 1 and report["schedule"] == "1f1b" and report["recompute"] is True, report

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from worker.peer.pipeline import Action, ScheduleError, bubble_theory, partition, schedule, simulate
+from worker.peer.pipeline import (
+    Action,
+    ScheduleError,
+    bubble_theory,
+    partition,
+    schedule,
+    simulate,
+)
 
 
 @pytest.mark.parametrize("P,m", [(1, 1), (1, 4), (2, 1), (2, 8), (3, 5), (4, 4), (4, 16)])

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from worker.peer.planner import GiB, Hardware, Layout, ModelSpec, candidates, estimate, layer_params, rank_memory
+from worker.peer.planner import (
+    GiB,
+    Hardware,
+    Layout,
+    ModelSpec,
+    candidates,
+    estimate,
+    layer_params,
+    rank_memory,
+)
 
 SPEC = ModelSpec(layers=8, hidden=1024, heads=16, seq=1024, batch=64, vocab=32000)
 

@@ -154,7 +154,7 @@ def _in_flight(lay: Layout) -> list[int]:
     return list(_peak_in_flight(lay.schedule, lay.P, lay.m, lay.V))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _peak_in_flight(kind: str, P: int, m: int, V: int) -> tuple[int, ...]:
     from worker.peer.pipeline import schedule, simulate
 
@@ -276,8 +276,8 @@ def _fmt_bytes(b: float) -> str:
 def plan_table(plans: list[Plan], hw: Hardware, top: int = 12) -> str:
     """The candidates as a table (GiB per GPU, ms per step) and a few lines on the choice."""
     lines = [
-        f"{'':2}{'layout':<12}{'zero':>5}{'m':>4}{'recomp':>7}{'weights':>9}{'grads':>8}{'optim':>8}{'activ':>8}"
-        f"{'transient':>10}{'total':>8}{'bubble':>8}{'comm ms':>9}{'step ms':>9}  fits",
+        (f"{'':2}{'layout':<12}{'zero':>5}{'m':>4}{'recomp':>7}{'weights':>9}{'grads':>8}{'optim':>8}{'activ':>8}"
+         f"{'transient':>10}{'total':>8}{'bubble':>8}{'comm ms':>9}{'step ms':>9}  fits"),
     ]
     for i, p in enumerate(plans[:top]):
         lay, mm = p.layout, p.memory
