@@ -2,7 +2,8 @@
 
 The peer run's reported loss (last step) equals one process training the same gpt model with
 torch Adam on the global batch (rtol 1e-5); a schedule that does not fit stops every rank with
-one message and exit 2.
+one message and exit 2; `tessera plan --measure` runs its best candidates here and picks the
+fastest measured.
 """
 from __future__ import annotations
 
@@ -56,3 +57,17 @@ def test_a_schedule_that_does_not_fit_stops_every_rank() -> None:
     for r, (rc, _, se) in enumerate(res):
         assert rc == 2, (r, se[-2000:])
         assert f"rank {r}: the interleaved schedule needs micro-batches divisible by pipeline ranks: m=3, P=2" in se, se[-2000:]
+
+
+@pytest.mark.timeout(200)
+def test_tessera_plan_measure_runs_the_top_candidates() -> None:
+    cmd = [sys.executable, "-m", "tessera.cli", "plan", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq", "16",
+           "--batch", "8", "--vocab", "64", "--gpus", "2", "--gpu-mem", "1", "--precision", "fp32", "--measure",
+           "--measure-top", "2", "--measure-steps", "3", "--measure-device", "cpu"]
+    p = subprocess.run(cmd, check=False, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=190)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = p.stdout.split("measured on this machine (2 ranks, 3 steps each)")
+    assert len(out) == 2, p.stdout
+    rows = [line for line in out[1].splitlines() if line[:2] in ("* ", "  ") and " T1 " in line]
+    assert len(rows) == 2 and sum(r.startswith("*") for r in rows) == 1, out[1]
+    assert "measured pick: D" in out[1], out[1]

@@ -109,8 +109,8 @@ def test_pipeline_config_start_checks() -> None:
     assert cfg("--global-batch", "16") == (2, 2, 4, 1)  # m defaults to 2 x P
     assert cfg("--schedule", "interleaved", "--micro-batches", "4", "--global-batch", "8") == (2, 2, 4, 2)
     for argv, world, msg in [
-        (["--mode", "zero1"], 4, "--pp runs with --mode dp"),
-        (["--task", "digits"], 4, "--pp splits the gpt task's layers"),
+        (["--mode", "zero1"], 4, "--pp and --recompute run with --mode dp"),
+        (["--task", "digits"], 4, "--pp and --recompute use the gpt task's layers"),
         ([], 3, "world size 3 is not divisible by --pp 2"),
         (["--global-batch", "12"], 4, "global batch 12 is not divisible by D 2 x micro-batches 4"),
         (["--schedule", "interleaved", "--micro-batches", "3", "--global-batch", "6"], 2, "micro-batches divisible by pipeline ranks"),

@@ -114,7 +114,7 @@ def run_rank(args: argparse.Namespace) -> int:
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
 
-    if getattr(args, "pp", 1) > 1:  # pipeline parallelism: its own step loop (worker.peer.pipeline)
+    if getattr(args, "pp", 1) > 1 or getattr(args, "recompute", False):  # pipeline / recompute: worker.peer.pipeline
         from worker.peer.pipeline import run_pipeline_rank
 
         return run_pipeline_rank(args)

@@ -570,9 +570,11 @@ def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int
     if int(getattr(args, "tp", 1) or 1) != 1:
         raise PeerConfigError("--pp with --tp > 1 is not wired yet (the pipeline takes any group; the mesh glue is pending)")
     if args.task != "gpt":
-        raise PeerConfigError(f"--pp splits the gpt task's layers; task {args.task!r} has no layer list")
+        raise PeerConfigError(f"--pp and --recompute use the gpt task's layers; task {args.task!r} has no layer list")
     if args.mode != "dp":
-        raise PeerConfigError(f"--pp runs with --mode dp (data parallel over pipelines); ZeRO with --pp is not built yet, got {args.mode}")
+        raise PeerConfigError(
+            f"--pp and --recompute run with --mode dp (data parallel over pipelines); ZeRO with them is not built yet, got {args.mode}"
+        )
     if P < 1 or world % P:
         raise PeerConfigError(f"world size {world} is not divisible by --pp {P}")
     D = world // P
@@ -586,7 +588,7 @@ def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int
 
 
 def run_pipeline_rank(args: argparse.Namespace) -> int:
-    """One rank of ``tessera peer --pp P``: D = world / P data-parallel pipelines of the gpt task,
+    """One rank of ``tessera peer --pp P`` (or ``--recompute``, at any P): D = world / P data-parallel pipelines of the gpt task,
     Adam on each rank's stages; rank 0 prints a JSON report (loss, tokens/s, bubble theory)."""
     from worker.peer import PeerConfigError, init_mesh
     from worker.peer.cli import _kv

@@ -45,7 +45,10 @@ node of ``--gpus-per-node``), the network link otherwise; communication is not a
 overlap compute (an upper bound).
 
 Choice: among the layouts that fit ``--gpu-mem`` (with 10% headroom for the allocator and
-workspace), the smallest estimated step time; ties go to less memory.
+workspace), the smallest estimated step time; ties go to less memory. ``--measure`` then runs the
+best ``--measure-top`` candidates that ``tessera peer`` can run (no tensor parallelism yet; ZeRO
+without pipelines or recompute) with ``--gpus`` ranks on this machine for ``--measure-steps``
+steps each, and picks the fastest measured.
 """
 from __future__ import annotations
 
@@ -269,6 +272,11 @@ def candidates(spec: ModelSpec, hw: Hardware) -> list[Plan]:
     return sorted(plans, key=lambda p: (not p.fits, p.step_s if p.fits else p.total_bytes, p.total_bytes))
 
 
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.1f}" if ms >= 1 else f"{ms:.3g}"
+
+
 def _fmt_bytes(b: float) -> str:
     return f"{b / GiB:.2f}" if b >= 0.01 * GiB else f"{b / 2**20:.1f}M"
 
@@ -284,8 +292,8 @@ def plan_table(plans: list[Plan], hw: Hardware, top: int = 12) -> str:
         lines.append(
             f"{'*' if i == 0 and p.fits else ' ':2}{lay.name():<12}{lay.zero:>5}{lay.m:>4}{'yes' if lay.recompute else 'no':>7}"
             f"{_fmt_bytes(mm['weights']):>9}{_fmt_bytes(mm['grads']):>8}{_fmt_bytes(mm['optimizer']):>8}{_fmt_bytes(mm['activations']):>8}"
-            f"{_fmt_bytes(mm['transient']):>10}{_fmt_bytes(p.total_bytes):>8}{p.bubble:>8.3f}{sum(p.comm_s.values()) * 1e3:>9.1f}"
-            f"{p.step_s * 1e3:>9.1f}  {'yes' if p.fits else 'NO'}"
+            f"{_fmt_bytes(mm['transient']):>10}{_fmt_bytes(p.total_bytes):>8}{p.bubble:>8.3f}{_ms(sum(p.comm_s.values())):>9}"
+            f"{_ms(p.step_s):>9}  {'yes' if p.fits else 'NO'}"
         )
     lines.append("(GiB per GPU, the heaviest rank; M: MiB)")
     lines += explain(plans, hw)
@@ -304,9 +312,9 @@ def explain(plans: list[Plan], hw: Hardware) -> list[str]:
     lay = best.layout
     why = [
         f"pick: {lay.name()}, ZeRO-{lay.zero}, {lay.m} micro-batches, recompute {'on' if lay.recompute else 'off'}",
-        f"  fits: {best.total_bytes / GiB:.2f} of {cap:.1f} GiB usable per GPU; estimated step {best.step_s * 1e3:.1f} ms "
-        f"(compute {best.compute_s * 1e3:.1f} ms, bubble {best.bubble:.1%}, communication "
-        + (", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in best.comm_s.items()) or "none") + ")",
+        f"  fits: {_fmt_bytes(best.total_bytes)} of {cap:.1f} GiB usable per GPU; estimated step {_ms(best.step_s)} ms "
+        f"(compute {_ms(best.compute_s)} ms, bubble {best.bubble:.1%}, communication "
+        + (", ".join(f"{k} {_ms(v)} ms" for k, v in best.comm_s.items()) or "none") + ")",
     ]
     no_fit = [p for p in plans if not p.fits]
     if no_fit:
@@ -340,6 +348,11 @@ def add_plan_command(sub: Any) -> None:
     p.add_argument("--tflops", type=float, default=400.0, help="achievable TFLOP/s per GPU")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp32"], help="bf16: mixed precision, fp32 master weights")
     p.add_argument("--top", type=int, default=12, help="rows of the table")
+    p.add_argument("--measure", action="store_true",
+                   help="run the best candidates that run here (no TP) for a few steps on this machine and pick the fastest")
+    p.add_argument("--measure-top", type=int, default=3, help="--measure: how many candidates to run")
+    p.add_argument("--measure-steps", type=int, default=5, help="--measure: steps per candidate (the first is not timed)")
+    p.add_argument("--measure-device", default="auto", help="--measure: auto, cpu or cuda (--gpus ranks on this machine)")
     p.set_defaults(func=_plan)
 
 
@@ -360,6 +373,67 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"gpt: {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, vocab {args.vocab}: "
           f"{params / 1e6:,.1f}M parameters; batch {args.batch}; {args.gpus} GPUs of {args.gpu_mem:g} GiB, {args.precision}")
     print(plan_table(plans, hw, args.top))
+    if args.measure:
+        measure(spec, plans, args.gpus, args.measure_top, args.measure_steps, args.measure_device)
     return 0
+
+
+def runnable(lay: Layout) -> bool:
+    """Whether ``tessera peer`` runs this layout today: no TP; ZeRO without pipelines or recompute."""
+    return lay.T == 1 and not lay.sequence_parallel and (lay.zero == 0 or (lay.P == 1 and not lay.recompute))
+
+
+def peer_argv(spec: ModelSpec, lay: Layout, steps: int) -> list[str]:
+    """The rank flags of ``python -m worker.peer`` (``tessera peer``) for ``lay`` on the gpt task."""
+    opts = {"vocab": spec.vocab, "seq": spec.seq, "dim": spec.hidden, "layers": spec.layers, "heads": spec.heads}
+    argv = ["--task", "gpt", *[a for k, v in opts.items() for a in ("--task-opt", f"{k}={v}")], "--steps", str(steps),
+            "--global-batch", str(spec.batch), "--no-eval", "--no-progress", "--log-every", "0"]
+    if lay.P > 1 or lay.recompute:
+        argv += ["--pp", str(lay.P), "--schedule", lay.schedule, "--micro-batches", str(lay.m)]
+        argv += ["--recompute"] if lay.recompute else []
+    else:
+        argv += ["--mode", "dp" if lay.zero == 0 else f"zero{lay.zero}", "--accumulate", str(lay.m)]
+    return argv
+
+
+def measure(spec: ModelSpec, plans: list[Plan], gpus: int, top: int, steps: int, device: str = "auto") -> Plan | None:
+    """Run the ``top`` best fitting candidates that run here, ``gpus`` ranks each under torchrun on
+    this machine, ``steps`` steps; print estimated against measured step times and pick the fastest
+    (the step time is the run's, over its steps: the same warm-up for every candidate)."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    chosen = [p for p in plans if p.fits and runnable(p.layout)][:top]
+    if not chosen:
+        print("--measure: no fitting candidate runs here (tensor parallelism is not wired to tessera peer yet)")
+        return None
+    rows = []
+    for p in chosen:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(gpus), "-m", "worker.peer",
+               *peer_argv(spec, p.layout, steps), "--device", device]
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        lines = [x for x in r.stdout.splitlines() if x.startswith("{")]
+        if r.returncode != 0 or not lines:
+            err = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+            print(f"--measure: {p.layout.name()} ZeRO-{p.layout.zero} m {p.layout.m} failed: {err[:200]}")
+            continue
+        rep = json.loads(lines[-1])
+        rows.append((p, 1e3 * rep["seconds"] / max(1, rep["steps"]), time.perf_counter() - t0))
+    if not rows:
+        return None
+    print(f"\nmeasured on this machine ({gpus} ranks, {steps} steps each)")
+    print(f"{'':2}{'layout':<12}{'zero':>5}{'m':>4}{'recomp':>7}{'estimate ms':>13}{'measured ms':>13}")
+    best = min(rows, key=lambda t: t[1])
+    for p, ms, _ in rows:
+        lay = p.layout
+        print(f"{'*' if p is best[0] else ' ':2}{lay.name():<12}{lay.zero:>5}{lay.m:>4}{'yes' if lay.recompute else 'no':>7}"
+              f"{_ms(p.step_s):>13}{ms:>13.1f}")
+    lay = best[0].layout
+    print(f"measured pick: {lay.name()}, ZeRO-{lay.zero}, {lay.m} micro-batches, recompute {'on' if lay.recompute else 'off'} "
+          f"({best[1]:.1f} ms per step)")
+    return best[0]
 
 
