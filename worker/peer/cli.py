@@ -109,7 +109,7 @@ def run_rank(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from worker.peer import PeerConfigError, PeerError, init_mesh, make_sync
+    from worker.peer import PeerConfigError, PeerError, init_mesh, make_sync, shutdown_group
     from worker.peer.mesh import Liveness
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
@@ -121,6 +121,7 @@ def run_rank(args: argparse.Namespace) -> int:
     mesh = init_mesh(args.backend, args.device, args.timeout)
     rank, world = mesh.rank, mesh.world
     client: Any = None
+    ok = False
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         threads = args.torch_threads or max(1, (os.cpu_count() or 1) // local)
@@ -221,6 +222,7 @@ def run_rank(args: argparse.Namespace) -> int:
                 report["peak_tflops"], report["peak_source"] = peak, source
         if rank == 0:
             print(json.dumps(report), flush=True)
+        ok = True
         return 0
     except PeerConfigError as e:
         print(f"tessera peer: rank {rank}: {e}", file=sys.stderr, flush=True)
@@ -228,8 +230,7 @@ def run_rank(args: argparse.Namespace) -> int:
     finally:
         if client is not None:
             client.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_group(barrier=ok)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
