@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from worker.peer import init_mesh
+from worker.peer.mesh import shutdown_group
 from worker.peer.pipeline import PipelineEngine, gpt_layers, layout_groups
 from worker.tasks import load_task
 
@@ -98,8 +99,7 @@ def main() -> None:
             print(f"OK same {[k for k, _ in items]}", flush=True)
             continue
         finals[check] = run(check, dp_idx, D, groups)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_group()
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ import sys
 import tempfile
 
 import torch
-import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from worker.peer import init_mesh
+from worker.peer.mesh import shutdown_group
 from worker.peer.pipeline import PipelineEngine, gpt_layers, layout_groups
 from worker.peer.planner import Layout, ModelSpec, rank_memory
 from worker.tasks import load_task
@@ -61,8 +61,7 @@ def main() -> None:
     out = {"rank": mesh.rank, "pp_rank": pp_rank, "measured": param_bytes + peak, "param_bytes": param_bytes,
            "estimate": sum(est.values()), "parts": est}
     print("MEM " + json.dumps(out), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown_group()
 
 
 if __name__ == "__main__":

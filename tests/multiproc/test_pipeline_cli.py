@@ -37,9 +37,9 @@ def _reference_loss(steps: int, batch: int) -> float:
 
 
 @pytest.mark.timeout(150)
-def test_tessera_peer_pp2_1f1b_recompute_equals_one_process() -> None:
+def test_tessera_peer_pp2_1f1b_recompute_equals_one_process(tmp_path) -> None:  # type: ignore[no-untyped-def]
     cmd = [sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", "2", *GPT, "--pp", "2", "--schedule", "1f1b",
-           "--micro-batches", "4", "--recompute", "--steps", "4", "--global-batch", "8"]
+           "--micro-batches", "4", "--recompute", "--steps", "4", "--global-batch", "8", "--trace", str(tmp_path)]
     p = subprocess.run(cmd, check=False, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=140)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])
@@ -48,6 +48,12 @@ def test_tessera_peer_pp2_1f1b_recompute_equals_one_process() -> None:
     assert report["bubble_theory"] == pytest.approx(1 / 5), report
     want = _reference_loss(4, 8)
     assert abs(report["loss"] - want) <= 1e-5 * want, (report["loss"], want)
+    # --trace: every forward and backward of every micro-batch, and the sends between the stages
+    for r in range(2):
+        names = [e["name"] for e in json.loads((tmp_path / f"trace-rank{r}.json").read_text())["traceEvents"] if e["ph"] == "X"]
+        for op in ("F", "B"):
+            assert sorted(n for n in names if n.startswith(op + " ")) == sorted([f"{op} mb{i} s{r}" for i in range(4)] * 4), names
+        assert sum(n.startswith("SEND_ACT" if r == 0 else "SEND_GRAD") for n in names) == 16, names
 
 
 @pytest.mark.timeout(120)

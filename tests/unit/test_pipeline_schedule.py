@@ -114,6 +114,8 @@ def test_pipeline_config_start_checks() -> None:
         ([], 3, "world size 3 is not divisible by --pp 2"),
         (["--global-batch", "12"], 4, "global batch 12 is not divisible by D 2 x micro-batches 4"),
         (["--schedule", "interleaved", "--micro-batches", "3", "--global-batch", "6"], 2, "micro-batches divisible by pipeline ranks"),
+        (["--global-batch", "16", "--accumulate", "2", "--checkpoint-dir", "x"], 4,
+         "not supported with --pp/--recompute yet: --accumulate, --checkpoint-dir"),
     ]:
         with pytest.raises(PeerConfigError, match=msg):
             cfg(*argv, world=world)

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -584,18 +585,27 @@ def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int
         schedule(args.schedule, P, m, V)
     except ScheduleError as e:
         raise PeerConfigError(str(e)) from None
+    unsupported = [flag for flag, v, default in [
+        ("--accumulate", args.accumulate, 1), ("--compress", args.compress, "none"), ("--checkpoint-dir", args.checkpoint_dir, None),
+        ("--metrics-out", args.metrics_out, None), ("--metrics-port", args.metrics_port, 0), ("--eval-every", args.eval_every, 0),
+        ("--max-seconds", args.max_seconds, 0.0), ("--debug-collectives", args.debug_collectives, False),
+    ] if v != default]
+    if unsupported:
+        raise PeerConfigError(f"not supported with --pp/--recompute yet: {', '.join(unsupported)} (--micro-batches replaces --accumulate)")
     return P, D, m, V
 
 
 def run_pipeline_rank(args: argparse.Namespace) -> int:
     """One rank of ``tessera peer --pp P`` (or ``--recompute``, at any P): D = world / P data-parallel pipelines of the gpt task,
-    Adam on each rank's stages; rank 0 prints a JSON report (loss, tokens/s, bubble theory)."""
+    Adam on each rank's stages; rank 0 prints a JSON report (loss, tokens/s, bubble theory).
+    ``--trace DIR``: each forward, backward, send and receive as a span per rank."""
     from worker.peer import PeerConfigError, init_mesh
     from worker.peer.cli import _kv
-    from worker.peer.mesh import check_agreement, torch_optimizer
+    from worker.peer.mesh import check_agreement, shutdown_group, torch_optimizer
     from worker.tasks import load_task
 
     mesh = init_mesh(args.backend, args.device, args.timeout)
+    ok = False
     try:
         P, D, m, V = pipeline_config(args, mesh.world)
         world, T = mesh.world, 1
@@ -619,15 +629,23 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
         batches = task.batches(dp_idx, D, per_rank, 0)
         dim = int(cast(Any, task.model).tok.embedding_dim)
         t0, loss = time.perf_counter(), float("nan")
+        tracer = None
+        if args.trace:
+            from worker.peer.trace import Tracer
+
+            tracer = Tracer(mesh.rank)
         for step in range(args.steps):
             batch = next(batches)
             mbs = list(batch.chunk(m))
             eng.zero_grad()
-            loss = eng.step([b[:, :-1] for b in mbs], [b[:, 1:] for b in mbs], (per_rank // m, batch.shape[1] - 1, dim))
+            loss = eng.step([b[:, :-1] for b in mbs], [b[:, 1:] for b in mbs], (per_rank // m, batch.shape[1] - 1, dim),
+                            tracer=tracer)
             opt.step()
             if mesh.rank == 0 and args.log_every and (step + 1) % args.log_every == 0 and not args.no_progress:
                 print(f"step {step + 1} loss {loss:.4f}", file=sys.stderr, flush=True)
         seconds = time.perf_counter() - t0
+        if tracer is not None:
+            tracer.save(os.path.join(args.trace, f"trace-rank{mesh.rank}.json"))
         tokens = args.steps * args.global_batch * task.info["tokens_per_example"]
         if mesh.rank == 0:
             print(json.dumps({
@@ -636,10 +654,10 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
                 "loss": loss, "tokens_per_s": tokens / seconds if seconds else 0.0, "bubble_theory": bubble_theory(P, m, V),
                 "stages": [list(b) for b in eng.bounds],
             }), flush=True)
+        ok = True
         return 0
     except PeerConfigError as e:
         print(f"tessera peer: rank {mesh.rank}: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_group(barrier=ok)
