@@ -1,6 +1,6 @@
 """One rank of the planner's memory test (started by test_planner_memory.py with torchrun's
 environment): trains the gpt task with ``PipelineEngine`` in the layout given on the command line
-(``P SCHEDULE M [recompute]``; D = world / P) and prints ``MEM {json}`` with this rank's measured
+(``P SCHEDULE M [recompute]``; D = world / P; interleaved: V = 2) and prints ``MEM {json}`` with this rank's measured
 peak bytes and the planner's estimate (``worker.peer.planner.rank_memory``, fp32).
 
 Measured: the bytes of this rank's parameters (allocated before the measurement) plus the peak
@@ -30,13 +30,14 @@ BATCH = 16
 def main() -> None:
     P, kind, m = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     recompute = "recompute" in sys.argv[4:]
+    V = 2 if kind == "interleaved" else 1
     mesh = init_mesh("gloo", "cpu", timeout_s=120)
     torch.set_num_threads(1)
     D = mesh.world // P
     pp_ranks, pp_group, _, dp_group = layout_groups(P, D)
     pp_rank, dp_idx = mesh.rank // D, mesh.rank % D
     task = load_task("gpt", seed=0, **OPTS)
-    eng = PipelineEngine(gpt_layers(task.model), pp_ranks=pp_ranks, kind=kind, micro_batches=m, pp_group=pp_group,
+    eng = PipelineEngine(gpt_layers(task.model), pp_ranks=pp_ranks, kind=kind, micro_batches=m, virtual=V, pp_group=pp_group,
                          dp_group=dp_group, dp_size=D, recompute=recompute)
     param_bytes = sum(p.numel() * p.element_size() for p in eng.parameters())
     per_rank = BATCH // D
@@ -57,7 +58,7 @@ def main() -> None:
     base = events[0]["args"]["Total Allocated"] - events[0]["args"]["Bytes"]
     peak = max(e["args"]["Total Allocated"] for e in events) - base
     spec = ModelSpec(OPTS["layers"], OPTS["dim"], OPTS["heads"], OPTS["seq"], BATCH, OPTS["vocab"])
-    est = rank_memory(spec, Layout(D=D, P=P, m=m, recompute=recompute, schedule=kind), pp_rank, precision="fp32")
+    est = rank_memory(spec, Layout(D=D, P=P, m=m, recompute=recompute, schedule=kind, V=V), pp_rank, precision="fp32")
     out = {"rank": mesh.rank, "pp_rank": pp_rank, "measured": param_bytes + peak, "param_bytes": param_bytes,
            "estimate": sum(est.values()), "parts": est}
     print("MEM " + json.dumps(out), flush=True)

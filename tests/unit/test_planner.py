@@ -45,6 +45,11 @@ def test_activations_follow_the_schedule() -> None:
     assert g[0] == pytest.approx(f[0] * 8 / 2)  # rank 0: m in flight against P - 0 = 2
     rec = rank_memory(SPEC, Layout(P=2, m=8, recompute=True), 0)["activations"]
     assert rec < f[0] / 5
+    # interleaved (V=2): rank 0 holds 2 (P - 1) + (V - 1) P + 1 = 5 chunk-micro-batches of half a stage each
+    i0 = rank_memory(SPEC, Layout(P=2, m=8, schedule="interleaved", V=2), 0)["activations"]
+    hw = Hardware(gpus=2, gpu_mem_gib=80)
+    assert estimate(SPEC, Layout(P=2, m=8, schedule="interleaved", V=2), hw).bubble == pytest.approx(1 / 17)
+    assert i0 > f[0]
 
 
 def test_plan_picks_the_fastest_layout_that_fits() -> None:

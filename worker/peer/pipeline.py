@@ -16,11 +16,11 @@ Three parts, usable alone:
   available where it is used, no deadlock; it reports the peak in-flight activations per rank and
   the makespan under given forward/backward costs (hence the bubble).
 - ``PipelineEngine``: runs this rank's part of a schedule with ``torch.distributed`` point-to-point
-  (``isend`` for sends, kept until the end of the step; ``irecv`` + wait for receives, right before
-  the compute that needs them), given the pipeline's process group as a list of global ranks in
-  stage order, so it works inside any mesh (the layout rank = pp*(D*T) + dp*T + tp puts a
-  pipeline's ranks D*T apart). Messages carry a tag naming (kind, micro-batch, stage), so they
-  match by tag on Gloo. Activation checkpointing per layer (``recompute``) re-runs a layer's
+  (``isend`` for sends, each tensor kept until its receiver has it; ``irecv`` + wait for receives,
+  right before the compute that needs them), given the pipeline's process group as a list of
+  global ranks in stage order, so it works inside any mesh (the layout rank = pp*(D*T) + dp*T + tp
+  puts a pipeline's ranks D*T apart). Messages carry a tag naming (kind, micro-batch, stage), so
+  they match by tag on Gloo. Activation checkpointing per layer (``recompute``) re-runs a layer's
   forward in its backward (``torch.utils.checkpoint``, non-reentrant).
 
 Loss scaling over micro-batches (explicit): the last stage computes each micro-batch's loss as
@@ -505,6 +505,8 @@ class PipelineEngine:
                         outbox[key] = g.contiguous()
             if tracer is not None:
                 tracer.complete(f"{a.op} mb{a.mb} s{a.stage}", "pipeline", t0, time.perf_counter())
+            if sends:  # a sent tensor is freed once its receiver has it
+                sends = [(w, t) for w, t in sends if not w.is_completed()]
         for w, _ in sends:
             w.wait()
         # the loss lives on the last stage's rank: broadcast it over the pipeline, average over DP

@@ -119,7 +119,7 @@ class Layout:
     sequence_parallel: bool = False
 
     def name(self) -> str:
-        return f"D{self.D} T{self.T} P{self.P}"
+        return f"D{self.D} T{self.T} P{self.P}" + (f" V{self.V}" if self.V > 1 else "")
 
 
 @dataclass
@@ -264,6 +264,8 @@ def layouts(spec: ModelSpec, hw: Hardware) -> Iterator[Layout]:
                         continue  # ZeRO-2/3 shard gradients per micro-batch: not with pipelines (as DeepSpeed)
                     for recompute in (False, True):
                         yield Layout(D=D, T=T, P=P, zero=zero, m=m, recompute=recompute)
+                        if P > 1 and m % P == 0 and spec.layers + 2 >= 2 * P:  # interleaved, 2 chunks per rank
+                            yield Layout(D=D, T=T, P=P, zero=zero, m=m, recompute=recompute, schedule="interleaved", V=2)
 
 
 def candidates(spec: ModelSpec, hw: Hardware) -> list[Plan]:
@@ -311,7 +313,8 @@ def explain(plans: list[Plan], hw: Hardware) -> list[str]:
     best = fit[0]
     lay = best.layout
     why = [
-        f"pick: {lay.name()}, ZeRO-{lay.zero}, {lay.m} micro-batches, recompute {'on' if lay.recompute else 'off'}",
+        f"pick: {lay.name()}, ZeRO-{lay.zero}, {lay.m} micro-batches, recompute {'on' if lay.recompute else 'off'}"
+        + (f", schedule {lay.schedule}" if lay.P > 1 else ""),
         f"  fits: {_fmt_bytes(best.total_bytes)} of {cap:.1f} GiB usable per GPU; estimated step {_ms(best.step_s)} ms "
         f"(compute {_ms(best.compute_s)} ms, bubble {best.bubble:.1%}, communication "
         + (", ".join(f"{k} {_ms(v)} ms" for k, v in best.comm_s.items()) or "none") + ")",
@@ -389,7 +392,7 @@ def peer_argv(spec: ModelSpec, lay: Layout, steps: int) -> list[str]:
     argv = ["--task", "gpt", *[a for k, v in opts.items() for a in ("--task-opt", f"{k}={v}")], "--steps", str(steps),
             "--global-batch", str(spec.batch), "--no-eval", "--no-progress", "--log-every", "0"]
     if lay.P > 1 or lay.recompute:
-        argv += ["--pp", str(lay.P), "--schedule", lay.schedule, "--micro-batches", str(lay.m)]
+        argv += ["--pp", str(lay.P), "--schedule", lay.schedule, "--micro-batches", str(lay.m), "--virtual-stages", str(lay.V)]
         argv += ["--recompute"] if lay.recompute else []
     else:
         argv += ["--mode", "dp" if lay.zero == 0 else f"zero{lay.zero}", "--accumulate", str(lay.m)]
