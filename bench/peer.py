@@ -19,13 +19,15 @@ torch thread on CPU) in one process group:
 
 (d) The pipeline bubble with P = world stages and m = 8 micro-batches, GPipe and 1F1B (gpt,
     4 blocks per stage, dim 128, stages balanced by compute): per step, the mean over ranks of
-    1 - compute time / step time, against (P-1)/(m+P-1); min and median over 8 steps each.
+    the fraction of the step blocked in receives (waiting on the other stages), against
+    (P-1)/(m+P-1); also the fraction in sends and the fraction not in forward/backward compute
+    at all (bubble + communication + bookkeeping); min and median over 8 steps each.
 
 Output: a table, then a final line of JSON (also written to ``--json-out``) with
 ``allreduce_ratio`` (ours / raw bus bandwidth, the smaller of the two sizes' median ratios),
 ``dp_step_ratio`` (ours / DDP median step time), ``zero1_state_ratio``, ``zero2_grad_ratio``,
-``zero3_param_ratio`` (each against plain DP per rank), ``bubble_measured`` (1F1B, median) and
-``bubble_theory``, and the figures behind them. The machine
+``zero3_param_ratio`` (each against plain DP per rank), ``bubble_measured`` (1F1B, median of the
+blocked-in-receives fraction) and ``bubble_theory``, and the figures behind them. The machine
 may be shared and noisy: compare ratios from the same run.
 
 DDP's process group is not torn down (torch 2.13 can deadlock freeing a DDP ``ProcessGroupGloo``);
@@ -196,9 +198,12 @@ def bench_zero_memory(mesh: Any, quick: bool, batch: int, bar: Any) -> dict[str,
 
 
 def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dict[str, Any]:
-    """Pipeline bubble with P = world stages (D = 1) and m = 8 micro-batches, GPipe and 1F1B: per
-    step and rank, 1 - (time in forward/backward compute) / (step time); the step's figure is the
-    mean over ranks. Stages balanced by compute (``gpt_layer_costs``). Repeats alternate schedules."""
+    """Pipeline bubble with P = world stages (D = 1) and m = 8 micro-batches, GPipe and 1F1B. Per
+    step and rank, as fractions of the step time: time blocked in receives (waiting on the other
+    stages: the bubble), time in sends (Gloo's isend, on the compute thread), and everything but
+    forward/backward compute (the bubble plus all communication and bookkeeping); each step's
+    figures are means over ranks. Stages balanced by compute (``gpt_layer_costs``). Repeats
+    alternate schedules."""
     import torch
     import torch.distributed as dist
 
@@ -213,13 +218,17 @@ def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dic
     P, m, mb = mesh.world, 8, 2 if quick else 4
     opts = {"vocab": 256, "seq": 64, "dim": 64 if quick else 128, "layers": 2 * P if quick else 4 * P, "heads": 4, "test_size": 8}
 
-    class _Busy:
+    class _Spans:
         def __init__(self) -> None:
-            self.busy = 0.0
+            self.busy = self.wait = self.send = 0.0
 
         def complete(self, name: str, cat: str, start: float, end: float) -> None:
             if name[0] in "FB":
                 self.busy += end - start
+            elif name.startswith("RECV"):
+                self.wait += end - start
+            else:
+                self.send += end - start
 
     out: dict[str, Any] = {"P": P, "m": m, "theory": bubble_theory(P, m), "micro_batch": mb, "layers": opts["layers"]}
     engines = {}
@@ -229,24 +238,29 @@ def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dic
             gpt_layers(task.model), pp_ranks=list(range(P)), kind=kind, micro_batches=m,
             costs=gpt_layer_costs(task.model), device=mesh.device,
         ))
-    seen: dict[str, list[float]] = {k: [] for k in engines}
+    seen: dict[str, list[list[float]]] = {k: [] for k in engines}
     for rep in range(repeats + 1):  # the first round warms up
         for kind, (task, eng) in engines.items():
             data = next(task.batches(0, 1, m * mb, rep))
             mbs = list(data.to(mesh.device).chunk(m))
             eng.zero_grad()
-            busy = _Busy()
+            spans = _Spans()
             dist.barrier()
             t0 = time.perf_counter()
-            eng.step([x[:, :-1] for x in mbs], [x[:, 1:] for x in mbs], (mb, opts["seq"], opts["dim"]), tracer=busy)
+            eng.step([x[:, :-1] for x in mbs], [x[:, 1:] for x in mbs], (mb, opts["seq"], opts["dim"]), tracer=spans)
             _sync(mesh.device)
-            frac = torch.tensor([1.0 - busy.busy / (time.perf_counter() - t0)], dtype=torch.float64)
+            wall = time.perf_counter() - t0
+            frac = torch.tensor([spans.wait / wall, spans.send / wall, 1.0 - spans.busy / wall], dtype=torch.float64)
             dist.all_reduce(frac)
             if rep:
-                seen[kind].append(float(frac) / P)
+                seen[kind].append((frac / P).tolist())
             bar.update(1)
     for kind, v in seen.items():
-        out[kind] = {"bubble_min": min(v), "bubble_med": statistics.median(v), "steps": len(v)}
+        wait, send, idle = ([x[i] for x in v] for i in range(3))
+        out[kind] = {
+            "bubble_min": min(wait), "bubble_med": statistics.median(wait), "send_med": statistics.median(send),
+            "noncompute_min": min(idle), "noncompute_med": statistics.median(idle), "steps": len(v),
+        }
     return out
 
 
@@ -319,22 +333,26 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
 
 
 def pipeline_figures(pb: dict[str, Any]) -> dict[str, Any]:
-    """``bubble_measured`` (1F1B's median), ``bubble_theory`` (P-1)/(m+P-1), and per schedule."""
-    return {
-        "bubble_measured": pb["1f1b"]["bubble_med"], "bubble_theory": pb["theory"],
-        "bubble_1f1b": pb["1f1b"]["bubble_med"], "bubble_gpipe": pb["gpipe"]["bubble_med"],
-        "bubble_1f1b_min": pb["1f1b"]["bubble_min"], "bubble_gpipe_min": pb["gpipe"]["bubble_min"],
-        "bubble_ratio": pb["1f1b"]["bubble_med"] / pb["theory"],
-    }
+    """``bubble_measured`` (1F1B: median fraction of the step blocked in receives), ``bubble_theory``
+    (P-1)/(m+P-1), per schedule, and the fraction not spent in compute at all."""
+    out = {"bubble_measured": pb["1f1b"]["bubble_med"], "bubble_theory": pb["theory"],
+           "bubble_ratio": pb["1f1b"]["bubble_med"] / pb["theory"]}
+    for kind in ("gpipe", "1f1b"):
+        b = pb[kind]
+        out.update({f"bubble_{kind}": b["bubble_med"], f"bubble_{kind}_min": b["bubble_min"], f"send_{kind}": b["send_med"],
+                    f"noncompute_{kind}": b["noncompute_med"], f"noncompute_{kind}_min": b["noncompute_min"]})
+    return out
 
 
 def print_pipeline(pb: dict[str, Any]) -> None:
     print(f"\npipeline bubble, P={pb['P']} m={pb['m']} ({pb['layers']} blocks, {pb['micro_batch']} sequences per micro-batch): "
           f"theory (P-1)/(m+P-1) = {pb['theory']:.3f}")
-    print(f"{'schedule':<10}{'bubble min':>12}{'median':>10}{'/ theory':>10}")
+    print("fractions of the step time, mean over ranks; bubble = blocked in receives; not compute = all but forward/backward")
+    print(f"{'schedule':<10}{'bubble min':>12}{'median':>9}{'/ theory':>10}{'sends':>8}{'not compute min':>17}{'median':>9}")
     for kind in ("gpipe", "1f1b"):
         b = pb[kind]
-        print(f"{kind:<10}{b['bubble_min']:>12.3f}{b['bubble_med']:>10.3f}{b['bubble_med'] / pb['theory']:>10.2f}")
+        print(f"{kind:<10}{b['bubble_min']:>12.3f}{b['bubble_med']:>9.3f}{b['bubble_med'] / pb['theory']:>10.2f}"
+              f"{b['send_med']:>8.3f}{b['noncompute_min']:>17.3f}{b['noncompute_med']:>9.3f}")
 
 
 def print_table(res: dict[str, Any]) -> None:
