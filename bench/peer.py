@@ -21,7 +21,7 @@ torch thread on CPU) in one process group:
     4 blocks per stage, dim 128, stages balanced by compute): per step, the mean over ranks of
     the fraction of the step blocked in receives (waiting on the other stages), against
     (P-1)/(m+P-1); also the fraction in sends and the fraction not in forward/backward compute
-    at all (bubble + communication + bookkeeping); min and median over 8 steps each.
+    at all (bubble + communication + bookkeeping); min and median over 16 steps each.
 
 Output: a table, then a final line of JSON (also written to ``--json-out``) with
 ``allreduce_ratio`` (ours / raw bus bandwidth, the smaller of the two sizes' median ratios),
@@ -278,7 +278,7 @@ def rank_main(args: argparse.Namespace) -> None:
     repeats = 3 if quick else 15
     rounds, steps, warmup = (2, 3, 1) if quick else (4, 10, 2)
     batch = 8
-    pipe_repeats = 3 if quick else 8
+    pipe_repeats = 3 if quick else 16
     total = len(sizes) * repeats + 2 * rounds + 4 + 2 * (pipe_repeats + 1)
     bar = tqdm(total=total, desc="bench/peer", disable=mesh.rank != 0 or args.no_progress, file=sys.stderr, mininterval=0.5)
     t0 = time.time()
