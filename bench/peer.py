@@ -22,12 +22,19 @@ torch thread on CPU) in one process group:
     16) routed unevenly to 2 x D experts; repeats alternate; bus bandwidth = (D-1)/D x bytes / time.
 (e) A training step of an E=4 top-2 MoE ``gpt`` (experts of hidden 2 x dim, ``--ep D``) against
     the dense ``gpt`` (hidden 4 x dim: the same active parameters per token), rounds alternating.
+(f) The pipeline bubble with P = world stages and m = 8 micro-batches, GPipe and 1F1B (gpt,
+    4 blocks per stage, dim 128, stages balanced by compute): per step, the mean over ranks of
+    the fraction of the step blocked in receives (waiting on the other stages), against
+    (P-1)/(m+P-1); also the fraction in sends and the fraction not in forward/backward compute
+    at all (bubble + communication + bookkeeping); min and median over 16 steps each.
 
 Output: a table, then a final line of JSON (also written to ``--json-out``) with
 ``allreduce_ratio`` (ours / raw bus bandwidth, the smaller of the two sizes' median ratios),
 ``dp_step_ratio`` (ours / DDP median step time), ``zero1_state_ratio``, ``zero2_grad_ratio``,
 ``zero3_param_ratio`` (each against plain DP per rank), ``alltoall_ratio`` (ours / raw all-to-all
-bus bandwidth, medians), ``moe_step_ratio`` (MoE / dense median step time), and the figures behind them. The machine
+bus bandwidth, medians), ``moe_step_ratio`` (MoE / dense median step time), ``bubble_measured``
+(1F1B, median of the blocked-in-receives fraction) and ``bubble_theory``, and the figures behind
+them. The machine
 may be shared and noisy: compare ratios from the same run.
 
 DDP's process group is not torn down (torch 2.13 can deadlock freeing a DDP ``ProcessGroupGloo``);
@@ -296,6 +303,71 @@ def bench_moe_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int,
         "moe_ms_min": 1e3 * min(times["moe"]), "moe_ms_med": 1e3 * statistics.median(times["moe"]),
         "ratio": statistics.median(times["moe"]) / statistics.median(times["dense"]),
     }
+def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dict[str, Any]:
+    """Pipeline bubble with P = world stages (D = 1) and m = 8 micro-batches, GPipe and 1F1B. Per
+    step and rank, as fractions of the step time: time blocked in receives (waiting on the other
+    stages: the bubble), time in sends (Gloo's isend, on the compute thread), and everything but
+    forward/backward compute (the bubble plus all communication and bookkeeping); each step's
+    figures are means over ranks. Stages balanced by compute (``gpt_layer_costs``). Repeats
+    alternate schedules."""
+    import torch
+    import torch.distributed as dist
+
+    from worker.peer.pipeline import (
+        PipelineEngine,
+        bubble_theory,
+        gpt_layer_costs,
+        gpt_layers,
+    )
+    from worker.tasks import load_task
+
+    P, m, mb = mesh.world, 8, 2 if quick else 4
+    opts = {"vocab": 256, "seq": 64, "dim": 64 if quick else 128, "layers": 2 * P if quick else 4 * P, "heads": 4, "test_size": 8}
+
+    class _Spans:
+        def __init__(self) -> None:
+            self.busy = self.wait = self.send = 0.0
+
+        def complete(self, name: str, cat: str, start: float, end: float) -> None:
+            if name[0] in "FB":
+                self.busy += end - start
+            elif name.startswith("RECV"):
+                self.wait += end - start
+            else:
+                self.send += end - start
+
+    out: dict[str, Any] = {"P": P, "m": m, "theory": bubble_theory(P, m), "micro_batch": mb, "layers": opts["layers"]}
+    engines = {}
+    for kind in ("gpipe", "1f1b"):
+        task = load_task("gpt", **opts)
+        engines[kind] = (task, PipelineEngine(
+            gpt_layers(task.model), pp_ranks=list(range(P)), kind=kind, micro_batches=m,
+            costs=gpt_layer_costs(task.model), device=mesh.device,
+        ))
+    seen: dict[str, list[list[float]]] = {k: [] for k in engines}
+    for rep in range(repeats + 1):  # the first round warms up
+        for kind, (task, eng) in engines.items():
+            data = next(task.batches(0, 1, m * mb, rep))
+            mbs = list(data.to(mesh.device).chunk(m))
+            eng.zero_grad()
+            spans = _Spans()
+            dist.barrier()
+            t0 = time.perf_counter()
+            eng.step([x[:, :-1] for x in mbs], [x[:, 1:] for x in mbs], (mb, opts["seq"], opts["dim"]), tracer=spans)
+            _sync(mesh.device)
+            wall = time.perf_counter() - t0
+            frac = torch.tensor([spans.wait / wall, spans.send / wall, 1.0 - spans.busy / wall], dtype=torch.float64)
+            dist.all_reduce(frac)
+            if rep:
+                seen[kind].append((frac / P).tolist())
+            bar.update(1)
+    for kind, v in seen.items():
+        wait, send, idle = ([x[i] for x in v] for i in range(3))
+        out[kind] = {
+            "bubble_min": min(wait), "bubble_med": statistics.median(wait), "send_med": statistics.median(send),
+            "noncompute_min": min(idle), "noncompute_med": statistics.median(idle), "steps": len(v),
+        }
+    return out
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -312,7 +384,8 @@ def rank_main(args: argparse.Namespace) -> None:
     repeats = 3 if quick else 15
     rounds, steps, warmup = (2, 3, 1) if quick else (4, 10, 2)
     batch = 8
-    total = len(sizes) * repeats + 2 * rounds + 4 + repeats + 2 * rounds
+    pipe_repeats = 3 if quick else 16
+    total = len(sizes) * repeats + 2 * rounds + 4 + repeats + 2 * rounds + 2 * (pipe_repeats + 1)
     bar = tqdm(total=total, desc="bench/peer", disable=mesh.rank != 0 or args.no_progress, file=sys.stderr, mininterval=0.5)
     t0 = time.time()
     ar = bench_allreduce(mesh, sizes, repeats, bar)
@@ -320,11 +393,12 @@ def rank_main(args: argparse.Namespace) -> None:
     zm = bench_zero_memory(mesh, quick, batch, bar)
     a2a = bench_alltoall(mesh, sizes[-1], repeats, bar)
     moe = bench_moe_step(mesh, quick, rounds, steps, warmup, batch, bar)
+    pb = bench_pipeline_bubble(mesh, quick, pipe_repeats, bar)
     bar.close()
     if mesh.rank == 0:
         result = {
             "world": mesh.world, "backend": mesh.backend, "device": str(mesh.device), "quick": quick,
-            "allreduce": ar, "dp_step": dp, "zero_memory": zm, "alltoall": a2a, "moe_step": moe,
+            "allreduce": ar, "dp_step": dp, "zero_memory": zm, "alltoall": a2a, "moe_step": moe, "pipeline": pb,
             "seconds": time.time() - t0,
         }
         with open(args.result, "w") as f:
@@ -353,6 +427,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         "zero2_peak_grad_ratio": zm["zero2"]["peak_grad_bytes"] / base["grad_bytes"],
         "zero3_state_ratio": zm["zero3"]["state_bytes"] / base["state_bytes"],
     }
+    figures.update(pipeline_figures(res["pipeline"]))
     for s in sizes:
         figures[f"allreduce_{s}mib_ratio"] = ar[s]["ratio"]
         figures[f"raw_{s}mib_busbw_gbps"] = ar[s]["raw_gbps_med"]
@@ -390,6 +465,29 @@ def print_moe_table(res: dict[str, Any]) -> None:
     print(f"MoE / dense step time: {m['ratio']:.3f}")
 
 
+def pipeline_figures(pb: dict[str, Any]) -> dict[str, Any]:
+    """``bubble_measured`` (1F1B: median fraction of the step blocked in receives), ``bubble_theory``
+    (P-1)/(m+P-1), per schedule, and the fraction not spent in compute at all."""
+    out = {"bubble_measured": pb["1f1b"]["bubble_med"], "bubble_theory": pb["theory"],
+           "bubble_ratio": pb["1f1b"]["bubble_med"] / pb["theory"]}
+    for kind in ("gpipe", "1f1b"):
+        b = pb[kind]
+        out.update({f"bubble_{kind}": b["bubble_med"], f"bubble_{kind}_min": b["bubble_min"], f"send_{kind}": b["send_med"],
+                    f"noncompute_{kind}": b["noncompute_med"], f"noncompute_{kind}_min": b["noncompute_min"]})
+    return out
+
+
+def print_pipeline(pb: dict[str, Any]) -> None:
+    print(f"\npipeline bubble, P={pb['P']} m={pb['m']} ({pb['layers']} blocks, {pb['micro_batch']} sequences per micro-batch): "
+          f"theory (P-1)/(m+P-1) = {pb['theory']:.3f}")
+    print("fractions of the step time, mean over ranks; bubble = blocked in receives; not compute = all but forward/backward")
+    print(f"{'schedule':<10}{'bubble min':>12}{'median':>9}{'/ theory':>10}{'sends':>8}{'not compute min':>17}{'median':>9}")
+    for kind in ("gpipe", "1f1b"):
+        b = pb[kind]
+        print(f"{kind:<10}{b['bubble_min']:>12.3f}{b['bubble_med']:>9.3f}{b['bubble_med'] / pb['theory']:>10.2f}"
+              f"{b['send_med']:>8.3f}{b['noncompute_min']:>17.3f}{b['noncompute_med']:>9.3f}")
+
+
 def print_table(res: dict[str, Any]) -> None:
     ar, dp, zm = res["allreduce"], res["dp_step"], res["zero_memory"]
     print(f"peer mode, world {res['world']}, {res['backend']} on {res['device']}")
@@ -409,6 +507,7 @@ def print_table(res: dict[str, Any]) -> None:
     print(f"{'stage':<8}{'params':>12}{'grads':>12}{'opt state':>12}{'peak grads':>12}")
     for mode, m in zm.items():
         print(f"{mode:<8}{m['param_bytes']:>12,}{m['grad_bytes']:>12,}{m['state_bytes']:>12,}{m['peak_grad_bytes']:>12,}")
+    print_pipeline(res["pipeline"])
 
 
 def main(argv: list[str] | None = None) -> int:

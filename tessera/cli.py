@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ps.cli import add_ps_commands
     from worker.cli import add_worker_commands
     from worker.peer.cli import add_peer_commands
+    from worker.peer.planner import add_plan_command
 
     from ps.cli import explain_error as explain_ps
     from worker.cli import explain_error as explain_worker
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ps_commands(sub)
     add_worker_commands(sub)
     add_peer_commands(sub)
+    add_plan_command(sub)
     add_fed_commands(sub)
     c = sub.add_parser("cert", help="make a development CA and certificates for named hosts and clients")
     c.add_argument("--out-dir", required=True, help="directory for ca.crt, ca.key, server.crt/key and CLIENT.crt/key")

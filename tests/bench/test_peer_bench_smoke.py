@@ -13,6 +13,7 @@ KEYS = [
     "allreduce_ratio", "dp_step_ratio", "zero1_state_ratio", "zero2_grad_ratio", "zero3_param_ratio",
     "ours_step_ms", "ddp_step_ms", "ours_tokens_per_s", "raw_4mib_busbw_gbps", "ours_16mib_busbw_gbps",
     "alltoall_ratio", "moe_step_ratio", "raw_alltoall_busbw_gbps", "moe_step_ms", "dense_step_ms",
+    "bubble_measured", "bubble_theory",
 ]
 
 

@@ -35,6 +35,10 @@ SKIP = {
     "# 2 ranks on this machine":
         "peer mode: 200 gpt steps on 2 ranks take minutes on 2 CPU cores (and torchrun); the peer-mode tests run "
         "`tessera peer` and the rank program",
+    "# pipeline parallelism: the gpt task's layers in 2 stages":
+        "200 gpt steps under torchrun take minutes on 2 CPU cores; tests/multiproc/test_pipeline_cli.py runs "
+        "`tessera peer --pp 2 --schedule 1f1b --recompute` (and the start check), tests/unit/test_planner.py this "
+        "`tessera plan` line",
     "tessera experiment consistency":
         "takes minutes even with --quick; the command runs in tests/multiproc/test_experiment.py",
     "# checkpoints: on request":

@@ -66,6 +66,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics on this port + LOCAL_RANK (GET /metrics; 0: no endpoint)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
+    from worker.peer.pipeline import add_pipeline_args  # --pp, --schedule, --micro-batches, --recompute
+
+    add_pipeline_args(p)
 
 
 def _kv(items: list[str]) -> dict[str, Any]:
@@ -119,6 +122,10 @@ def run_rank(args: argparse.Namespace) -> int:
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
 
+    if getattr(args, "pp", 1) > 1 or getattr(args, "recompute", False):  # pipeline / recompute: worker.peer.pipeline
+        from worker.peer.pipeline import run_pipeline_rank
+
+        return run_pipeline_rank(args)
     mesh = init_mesh(args.backend, args.device, args.timeout)
     rank, world = mesh.rank, mesh.world
     client: Any = None

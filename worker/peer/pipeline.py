@@ -1,0 +1,665 @@
+"""Pipeline parallelism: a model's layers split into P stages, micro-batches, and schedules as data.
+
+Three parts, usable alone:
+
+- ``partition(costs, parts)``: contiguous split of a layer list into ``parts`` stages minimising
+  the largest stage cost (cost = parameter count by default, or any cost given per layer).
+- ``schedule(kind, P, m, V=1)``: the schedule as DATA, one list of ``Action``s per pipeline rank:
+  ``F``/``B`` (forward / backward of micro-batch ``mb`` on virtual stage ``stage``) and the
+  point-to-point ``SEND_ACT``/``RECV_ACT``/``SEND_GRAD``/``RECV_GRAD`` around them. Kinds:
+  ``gpipe`` (all forwards, then all backwards: m activations in flight per rank), ``1f1b``
+  (PipeDream-Flush / Megatron: P - r warm-up forwards on rank r, then one forward one backward:
+  at most P in flight) and ``interleaved`` (Megatron's interleaved 1F1B: V virtual stages per rank,
+  virtual stage s lives on rank s % P; m must be a multiple of P). ``simulate`` executes a schedule
+  without communication (sends never block, receives block until the matching send ran) and
+  checks it: every forward before its backward, every send matched by one receive, data
+  available where it is used, no deadlock; it reports the peak in-flight activations per rank and
+  the makespan under given forward/backward costs (hence the bubble).
+- ``PipelineEngine``: runs this rank's part of a schedule with ``torch.distributed`` point-to-point
+  (``isend`` for sends, each tensor kept until its receiver has it; ``irecv`` + wait for receives,
+  right before the compute that needs them), given the pipeline's process group as a list of
+  global ranks in stage order, so it works inside any mesh (the layout rank = pp*(D*T) + dp*T + tp
+  puts a pipeline's ranks D*T apart). Messages carry a tag naming (kind, micro-batch, stage), so
+  they match by tag on Gloo. Activation checkpointing per layer (``recompute``) re-runs a layer's
+  forward in its backward (``torch.utils.checkpoint``, non-reentrant).
+
+Loss scaling over micro-batches (explicit): the last stage computes each micro-batch's loss as
+the task's mean over that micro-batch and back-propagates ``loss / m``; parameter gradients
+accumulate over the m micro-batches, so they are the gradient of the mean loss over the
+pipeline's whole batch (micro-batches are equal in size). Data parallelism on top (``dp_group``)
+all-reduces the summed gradients and divides by D: the gradient of the global batch's mean loss,
+what one process computes on the global batch. ``step`` returns that global mean loss on every
+rank.
+
+Why not ``torch.distributed.pipelining``: its schedules are classes that run themselves, not data
+a test can check without communication; its stage split traces the model (``pipeline()`` needs
+torch.export on the whole model) or needs hand-built stage modules anyway; and its executor owns
+the loss scaling and the data-parallel step, which here must compose with our own DP all-reduce
+and ZeRO. What we own is the split, the schedules and a ~100-line executor; the transport is
+``torch.distributed``'s isend/irecv.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "KINDS",
+    "Action",
+    "PipelineEngine",
+    "ScheduleError",
+    "add_pipeline_args",
+    "allreduce_grads",
+    "bubble_theory",
+    "gpt_layer_costs",
+    "gpt_layers",
+    "layout_groups",
+    "partition",
+    "pipeline_config",
+    "run_pipeline_rank",
+    "schedule",
+    "simulate",
+]
+
+KINDS = ("gpipe", "1f1b", "interleaved")
+_OPS = ("F", "B", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD")
+
+
+class ScheduleError(ValueError):
+    """A schedule (or its parameters) is invalid: names the rank and action."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One step of a rank's schedule: ``op`` on micro-batch ``mb`` at virtual stage ``stage`` (the
+    stage this rank computes); for sends and receives, ``peer`` is the other pipeline rank."""
+
+    op: str
+    mb: int
+    stage: int
+    peer: int = -1
+
+    def __str__(self) -> str:
+        return f"{self.op}(mb={self.mb}, stage={self.stage}{'' if self.peer < 0 else f', peer={self.peer}'})"
+
+
+def bubble_theory(P: int, m: int, V: int = 1) -> float:
+    """The pipeline bubble fraction (P-1)/(m+P-1) of GPipe and 1F1B; interleaved: (P-1)/(V m + P-1)."""
+    return (P - 1) / (V * m + P - 1)
+
+
+# ---------------------------------------------------------------- partition
+
+
+def partition(costs: Sequence[float], parts: int) -> list[tuple[int, int]]:
+    """Contiguous ``[lo, hi)`` ranges of ``costs`` (one per layer) into ``parts`` non-empty stages,
+    minimising the largest stage's total cost (dynamic programming, exact)."""
+    n = len(costs)
+    if parts < 1 or parts > n:
+        raise ScheduleError(f"cannot split {n} layers into {parts} stages (need 1 <= stages <= layers)")
+    prefix = [0.0]
+    for c in costs:
+        if c < 0:
+            raise ScheduleError(f"layer costs must be >= 0, got {c}")
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[k][i]: the smallest max-cost splitting the first i layers into k stages; cut[k][i]: last cut
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            for j in range(k - 1, i):
+                v = max(best[k - 1][j], prefix[i] - prefix[j])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, j
+    out, i = [], n
+    for k in range(parts, 0, -1):
+        j = cut[k][i]
+        out.append((j, i))
+        i = j
+    return out[::-1]
+
+
+# ---------------------------------------------------------------- schedules
+
+
+def _compute_order(kind: str, P: int, m: int, V: int, r: int) -> list[tuple[str, int, int]]:
+    """Rank ``r``'s forwards and backwards in order: (op, micro-batch, virtual stage)."""
+    if kind == "gpipe":
+        return [("F", i, r) for i in range(m)] + [("B", i, r) for i in range(m)]
+    if kind == "1f1b" or (kind == "interleaved" and V == 1):
+        warm = min(P - r - 1, m)
+        out = [("F", i, r) for i in range(warm)]
+        for i in range(m - warm):
+            out += [("F", warm + i, r), ("B", i, r)]
+        return out + [("B", i, r) for i in range(m - warm, m)]
+    # interleaved (Megatron): forward k runs chunk (k // P) % V of micro-batch (k // (P V)) P + k % P
+    total = m * V
+
+    def fwd(k: int) -> tuple[str, int, int]:
+        g, w = divmod(k, P * V)
+        return ("F", g * P + w % P, (w // P) * P + r)
+
+    def bwd(k: int) -> tuple[str, int, int]:
+        g, w = divmod(k, P * V)
+        return ("B", g * P + w % P, (V - 1 - w // P) * P + r)
+
+    warm = min((P - r - 1) * 2 + (V - 1) * P, total)
+    out = [fwd(k) for k in range(warm)]
+    for i in range(total - warm):
+        out += [fwd(warm + i), bwd(i)]
+    return out + [bwd(k) for k in range(total - warm, total)]
+
+
+def schedule(kind: str, P: int, m: int, V: int = 1) -> list[list[Action]]:
+    """The schedule ``kind`` (gpipe, 1f1b, interleaved) for ``P`` pipeline ranks, ``m``
+    micro-batches and ``V`` virtual stages per rank (interleaved only; 1 otherwise): one list of
+    actions per rank. Virtual stage s (of P V) lives on rank s % P."""
+    if kind not in KINDS:
+        raise ScheduleError(f"schedule must be one of {', '.join(KINDS)}, got {kind!r}")
+    if P < 1 or m < 1 or V < 1:
+        raise ScheduleError(f"pipeline ranks, micro-batches and virtual stages must be >= 1, got P={P}, m={m}, V={V}")
+    if V > 1 and kind != "interleaved":
+        raise ScheduleError(f"virtual stages (V={V}) need the interleaved schedule, not {kind}")
+    if kind == "interleaved" and V > 1 and m % P:
+        raise ScheduleError(f"the interleaved schedule needs micro-batches divisible by pipeline ranks: m={m}, P={P}")
+    S = P * V
+    out: list[list[Action]] = []
+    for r in range(P):
+        acts: list[Action] = []
+        for op, mb, s in _compute_order(kind, P, m, V, r):
+            if op == "F":
+                if s > 0 and (s - 1) % P != r:
+                    acts.append(Action("RECV_ACT", mb, s, (s - 1) % P))
+                acts.append(Action("F", mb, s))
+                if s < S - 1 and (s + 1) % P != r:
+                    acts.append(Action("SEND_ACT", mb, s, (s + 1) % P))
+            else:
+                if s < S - 1 and (s + 1) % P != r:
+                    acts.append(Action("RECV_GRAD", mb, s, (s + 1) % P))
+                acts.append(Action("B", mb, s))
+                if s > 0 and (s - 1) % P != r:
+                    acts.append(Action("SEND_GRAD", mb, s, (s - 1) % P))
+        out.append(acts)
+    return out
+
+
+def _message(a: Action) -> tuple[str, int, int]:
+    """The message a send produces or a receive consumes: (kind, micro-batch, receiving stage)."""
+    if a.op == "SEND_ACT":
+        return ("act", a.mb, a.stage + 1)
+    if a.op == "RECV_ACT":
+        return ("act", a.mb, a.stage)
+    if a.op == "SEND_GRAD":
+        return ("grad", a.mb, a.stage - 1)
+    return ("grad", a.mb, a.stage)
+
+
+def simulate(sched: list[list[Action]], m: int, V: int = 1, t_fwd: float = 1.0, t_bwd: float = 2.0) -> dict[str, Any]:
+    """Run ``sched`` without communication and check it; raises ``ScheduleError`` naming the rank
+    and action otherwise. Sends never block; a receive blocks until its send ran. Checks: each
+    (micro-batch, stage) forward and backward exactly once, forward before backward, the stage on
+    the rank that holds it, a forward's input (and a backward's output gradient) available when it
+    runs, every send received once by the right peer, no deadlock. Returns ``peak_in_flight`` (per
+    rank: the most forwards whose backward has not run), ``makespan`` and ``busy`` per rank under
+    costs ``t_fwd``/``t_bwd`` (communication free), and ``bubble`` (1 - busy / makespan, worst rank)."""
+    P = len(sched)
+    S = P * V
+    pos = [0] * P
+    clock = [0.0] * P
+    busy = [0.0] * P
+    sent: dict[tuple[str, int, int], tuple[int, int, float]] = {}  # message -> (from, to, time)
+    received: set[tuple[str, int, int]] = set()
+    avail: list[dict[tuple[str, int, int], float]] = [{} for _ in range(P)]  # (act|grad, mb, stage) usable here
+    done_f: set[tuple[int, int]] = set()
+    done_b: set[tuple[int, int]] = set()
+    in_flight = [0] * P
+    peak = [0] * P
+    while any(pos[r] < len(sched[r]) for r in range(P)):
+        progressed = False
+        for r in range(P):
+            while pos[r] < len(sched[r]):
+                a = sched[r][pos[r]]
+                where = f"rank {r}, action {pos[r]} {a}"
+                if a.op not in _OPS:
+                    raise ScheduleError(f"{where}: unknown op")
+                if not (0 <= a.mb < m and 0 <= a.stage < S) or a.stage % P != r:
+                    raise ScheduleError(f"{where}: micro-batch or stage out of range, or the stage is not on this rank")
+                key = (a.mb, a.stage)
+                if a.op in ("RECV_ACT", "RECV_GRAD"):
+                    msg = _message(a)
+                    if msg not in sent:
+                        break  # blocks
+                    src, dst, t = sent[msg]
+                    if msg in received or dst != r or src != a.peer:
+                        raise ScheduleError(f"{where}: receives a message sent by rank {src} to rank {dst}, or twice")
+                    received.add(msg)
+                    clock[r] = max(clock[r], t)
+                    avail[r][msg] = t
+                elif a.op in ("SEND_ACT", "SEND_GRAD"):
+                    msg = _message(a)
+                    have = key in done_f if a.op == "SEND_ACT" else key in done_b
+                    if not have or msg in sent or not (0 <= msg[2] < S) or msg[2] % P != a.peer:
+                        raise ScheduleError(f"{where}: sends what it has not computed, twice, or to the wrong rank")
+                    sent[msg] = (r, a.peer, clock[r])
+                elif a.op == "F":
+                    if key in done_f:
+                        raise ScheduleError(f"{where}: forward twice")
+                    if a.stage > 0 and ("act", a.mb, a.stage) not in avail[r]:
+                        raise ScheduleError(f"{where}: forward before its input activation arrived")
+                    done_f.add(key)
+                    clock[r] += t_fwd
+                    busy[r] += t_fwd
+                    if a.stage < S - 1 and (a.stage + 1) % P == r:  # next stage on this rank: no message
+                        avail[r][("act", a.mb, a.stage + 1)] = clock[r]
+                    in_flight[r] += 1
+                    peak[r] = max(peak[r], in_flight[r])
+                else:  # B
+                    if key not in done_f or key in done_b:
+                        raise ScheduleError(f"{where}: backward before its forward, or twice")
+                    if a.stage < S - 1 and ("grad", a.mb, a.stage) not in avail[r]:
+                        raise ScheduleError(f"{where}: backward before its output gradient arrived")
+                    done_b.add(key)
+                    clock[r] += t_bwd
+                    busy[r] += t_bwd
+                    if a.stage > 0 and (a.stage - 1) % P == r:
+                        avail[r][("grad", a.mb, a.stage - 1)] = clock[r]
+                    in_flight[r] -= 1
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = "; ".join(f"rank {r} at {sched[r][pos[r]]}" for r in range(P) if pos[r] < len(sched[r]))
+            raise ScheduleError(f"deadlock: {stuck}")
+    missing = [(mb, s) for mb in range(m) for s in range(S) if (mb, s) not in done_b]
+    if missing:
+        raise ScheduleError(f"micro-batch/stage pairs never computed: {missing[:5]}")
+    unreceived = sorted(set(sent) - received)
+    if unreceived:
+        raise ScheduleError(f"messages sent but never received: {unreceived[:5]}")
+    makespan = max(clock)
+    return {
+        "peak_in_flight": peak, "makespan": makespan, "busy": busy,
+        "bubble": max(1.0 - b / makespan for b in busy) if makespan else 0.0,
+    }
+
+
+# ---------------------------------------------------------------- layers of the gpt task
+
+
+class _Embed(nn.Module):
+    def __init__(self, gpt: Any) -> None:
+        super().__init__()
+        self.tok: nn.Embedding = gpt.tok
+        self.pos: nn.Embedding = gpt.pos
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+
+
+class _Head(nn.Module):
+    def __init__(self, gpt: Any) -> None:
+        super().__init__()
+        self.ln: nn.LayerNorm = gpt.ln
+        self.head: nn.Linear = gpt.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(x))
+
+
+def gpt_layers(model: Any) -> list[nn.Module]:
+    """The ``gpt`` task's model as a layer list (embeddings, each block, final norm + head) whose
+    modules share the model's parameters: running them in order is ``model.forward``."""
+    return [_Embed(model), *model.blocks, _Head(model)]
+
+
+def gpt_layer_costs(model: Any) -> list[float]:
+    """Forward FLOPs per token of each of ``gpt_layers(model)``: a split balanced by compute time
+    (the embeddings cost next to nothing; a block 24 H^2 + 4 S H; the head 2 H V)."""
+    H, S, V = model.tok.embedding_dim, model.pos.num_embeddings, model.tok.num_embeddings
+    return [0.0] + [float(24 * H * H + 4 * S * H)] * len(model.blocks) + [float(2 * H * V)]
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The gpt task's loss: mean token cross-entropy (fp32)."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+class _Stage(nn.Module):
+    """Consecutive layers; with ``recompute``, each layer's activations are recomputed in backward."""
+
+    def __init__(self, layers: Sequence[nn.Module], recompute: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.recompute = recompute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.recompute and torch.is_grad_enabled() and x.is_floating_point():
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
+        return x
+
+
+# ---------------------------------------------------------------- the executor
+
+
+def allreduce_grads(params: Sequence[nn.Parameter], group: Any, size: int, bucket_bytes: int = 25 * 2**20) -> None:
+    """Mean of the parameters' gradients over ``group`` (``size`` ranks): flat all-reduces of
+    buckets of about ``bucket_bytes`` (the only extra memory: one bucket)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if size <= 1 or not grads:
+        return
+    bucket: list[torch.Tensor] = []
+    nbytes = 0
+    for i, g in enumerate(grads):
+        bucket.append(g)
+        nbytes += g.numel() * g.element_size()
+        if nbytes >= bucket_bytes or i == len(grads) - 1:
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            dist.all_reduce(flat, group=group)
+            flat.div_(size)
+            off = 0
+            for t in bucket:
+                t.copy_(flat[off : off + t.numel()].view_as(t))
+                off += t.numel()
+            bucket, nbytes = [], 0
+
+
+class PipelineEngine:
+    """This rank's stages of a pipeline and the executor of its schedule.
+
+    ``layers``: the whole model as a layer list (every rank passes the same list; this rank keeps
+    the stages it owns). ``pp_ranks``: the global ranks of this pipeline in stage order (this
+    process is one of them); ``pp_group``: their process group (for the loss broadcast).
+    ``dp_group``/``dp_size``: the data-parallel group this rank's gradients are averaged over
+    (None/1: none). ``costs``: per-layer cost for the split (default: parameter count).
+    ``loss_fn(output, target)``: the mean loss of one micro-batch (default: the gpt task's).
+    """
+
+    def __init__(
+        self, layers: Sequence[nn.Module], *, pp_ranks: Sequence[int], kind: str = "1f1b", micro_batches: int = 1,
+        virtual: int = 1, pp_group: Any = None, dp_group: Any = None, dp_size: int = 1,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss, costs: Sequence[float] | None = None,
+        recompute: bool = False, device: torch.device | str = "cpu",
+    ) -> None:
+        self.P, self.m, self.V = len(pp_ranks), micro_batches, virtual
+        me = dist.get_rank() if dist.is_initialized() else 0
+        if me not in pp_ranks:
+            raise ScheduleError(f"rank {me} is not in the pipeline ranks {list(pp_ranks)}")
+        self.pp_ranks, self.r = list(pp_ranks), list(pp_ranks).index(me)
+        self.kind, self.pp_group, self.dp_group, self.dp_size = kind, pp_group, dp_group, dp_size
+        self.actions = schedule(kind, self.P, micro_batches, virtual)[self.r]
+        S = self.P * virtual
+        if len(layers) < S:
+            raise ScheduleError(f"{len(layers)} layers cannot fill {S} pipeline stages (P={self.P} x V={virtual})")
+        costs = list(costs) if costs is not None else [float(sum(p.numel() for p in m.parameters())) for m in layers]
+        if len(costs) != len(layers):
+            raise ScheduleError(f"{len(costs)} layer costs given for {len(layers)} layers")
+        self.bounds = partition(costs, S)
+        self.S, self.device, self.loss_fn = S, torch.device(device), loss_fn
+        self.stages = {
+            s: _Stage([layers[i] for i in range(*self.bounds[s])], recompute).to(self.device)
+            for s in range(self.r, S, self.P)
+        }
+        seen: set[int] = set()
+        self.params: list[nn.Parameter] = []
+        for st in self.stages.values():
+            for p in st.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    self.params.append(p)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters of this rank's stages."""
+        return list(self.params)
+
+    def zero_grad(self) -> None:
+        """Gradients to zero in place (allocated once: a steady memory footprint)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            else:
+                p.grad.zero_()
+
+    def _tag(self, kind: int, mb: int, stage: int) -> int:
+        return (kind * self.S + stage) * self.m + mb
+
+    def step(
+        self, inputs: Sequence[torch.Tensor] | None, targets: Sequence[torch.Tensor] | None, act_shape: Sequence[int],
+        act_dtype: torch.dtype = torch.float32, tracer: Any = None,
+    ) -> float:
+        """Forward and backward of the ``m`` micro-batches by this rank's schedule; gradients are
+        accumulated into the parameters' ``.grad`` (zero them first) and averaged over the DP group.
+        ``inputs`` (needed on the rank of stage 0) and ``targets`` (on the rank of the last stage):
+        one tensor per micro-batch. ``act_shape``: the shape of the activation between stages.
+        Returns the mean loss over the micro-batches (and DP ranks), on every rank."""
+        if self.r == 0 and (inputs is None or len(inputs) != self.m):
+            raise ScheduleError(f"the first stage needs {self.m} input micro-batches")
+        if (self.S - 1) in self.stages and (targets is None or len(targets) != self.m):
+            raise ScheduleError(f"the last stage needs {self.m} target micro-batches")
+        scale = 1.0 / self.m
+        acts: dict[tuple[int, int], torch.Tensor] = {}  # (mb, stage) -> input activation
+        grads: dict[tuple[int, int], torch.Tensor] = {}  # (mb, stage) -> gradient of the stage's output
+        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        outbox: dict[tuple[int, int], torch.Tensor] = {}
+        sends: list[tuple[Any, torch.Tensor]] = []
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for a in self.actions:
+            key = (a.mb, a.stage)
+            t0 = time.perf_counter()
+            if a.op == "RECV_ACT" or a.op == "RECV_GRAD":
+                buf = torch.empty(tuple(act_shape), dtype=act_dtype, device=self.device)
+                kind = 0 if a.op == "RECV_ACT" else 1
+                work = dist.irecv(buf, src=self.pp_ranks[a.peer], tag=self._tag(kind, a.mb, a.stage))
+                assert work is not None
+                work.wait()
+                (acts if kind == 0 else grads)[key] = buf
+            elif a.op == "SEND_ACT" or a.op == "SEND_GRAD":
+                kind = 0 if a.op == "SEND_ACT" else 1
+                t = outbox.pop(key)
+                to = a.stage + 1 if kind == 0 else a.stage - 1
+                sends.append((dist.isend(t, dst=self.pp_ranks[a.peer], tag=self._tag(kind, a.mb, to)), t))
+            elif a.op == "F":
+                if a.stage == 0:
+                    assert inputs is not None
+                    x = inputs[a.mb].to(self.device)
+                else:
+                    x = acts.pop(key).requires_grad_()
+                out = self.stages[a.stage](x)
+                if a.stage == self.S - 1:
+                    assert targets is not None
+                    loss = self.loss_fn(out, targets[a.mb].to(self.device)) * scale
+                    total += loss.detach().float()
+                    saved[key] = (x, loss)
+                else:
+                    saved[key] = (x, out)
+                    if (a.stage + 1) % self.P == self.r:
+                        acts[(a.mb, a.stage + 1)] = out.detach()
+                    else:
+                        outbox[key] = out.detach().contiguous()
+            else:  # B
+                x, out = saved.pop(key)
+                if a.stage == self.S - 1:
+                    out.backward()
+                else:
+                    out.backward(grads.pop(key))
+                if a.stage > 0:
+                    g = x.grad
+                    assert g is not None
+                    if (a.stage - 1) % self.P == self.r:
+                        grads[(a.mb, a.stage - 1)] = g
+                    else:
+                        outbox[key] = g.contiguous()
+            if tracer is not None:
+                tracer.complete(f"{a.op} mb{a.mb} s{a.stage}", "pipeline", t0, time.perf_counter())
+            if sends:  # a sent tensor is freed once its receiver has it
+                sends = [(w, t) for w, t in sends if not w.is_completed()]
+        for w, _ in sends:
+            w.wait()
+        # the loss lives on the last stage's rank: broadcast it over the pipeline, average over DP
+        if self.P > 1:
+            dist.broadcast(total, src=self.pp_ranks[(self.S - 1) % self.P], group=self.pp_group)
+        allreduce_grads(self.params, self.dp_group, self.dp_size)
+        if self.dp_size > 1:
+            dist.all_reduce(total, group=self.dp_group)
+            total /= self.dp_size
+        return float(total)
+
+
+def layout_groups(P: int, D: int = 1, T: int = 1) -> tuple[list[int], Any, list[int], Any]:
+    """(pipeline ranks, pipeline group, data-parallel ranks, data-parallel group) of this rank in
+    the layout rank = pp*(D*T) + dp*T + tp. Collective: every rank creates every group, in order."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != P * D * T:
+        raise ScheduleError(f"world size {world} is not P x D x T = {P} x {D} x {T}")
+    pp_mine = dp_mine = None
+    pp_ranks: list[int] = []
+    dp_ranks: list[int] = []
+    for d in range(D):
+        for t in range(T):
+            ranks = [p * D * T + d * T + t for p in range(P)]
+            g = dist.new_group(ranks) if P > 1 else None
+            if rank in ranks:
+                pp_ranks, pp_mine = ranks, g
+    for p in range(P):
+        for t in range(T):
+            ranks = [p * D * T + d * T + t for d in range(D)]
+            g = dist.new_group(ranks) if D > 1 else None
+            if rank in ranks:
+                dp_ranks, dp_mine = ranks, g
+    return pp_ranks, pp_mine, dp_ranks, dp_mine
+
+
+# ---------------------------------------------------------------- command line glue
+
+
+def add_pipeline_args(p: argparse.ArgumentParser) -> None:
+    """``--pp``, ``--schedule``, ``--micro-batches``, ``--virtual-stages``, ``--recompute`` (those
+    not defined already by the mesh's flags)."""
+    have = set(p._option_string_actions)
+    if "--pp" not in have:
+        p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (stages); world = D x P")
+    if "--schedule" not in have:
+        p.add_argument("--schedule", default="1f1b", choices=list(KINDS), help="pipeline schedule")
+    if "--micro-batches" not in have:
+        p.add_argument("--micro-batches", type=int, default=0, help="micro-batches per step in the pipeline (0: 2 x pp)")
+    if "--virtual-stages" not in have:
+        p.add_argument("--virtual-stages", type=int, default=2, help="interleaved: model chunks per pipeline rank")
+    if "--recompute" not in have:
+        p.add_argument("--recompute", action="store_true", help="activation checkpointing per layer (recompute in backward)")
+
+
+def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int, int]:
+    """(P, D, m, V) of a ``--pp`` run, or ``PeerConfigError`` naming what does not fit (every rank
+    checks the same, before any collective)."""
+    from worker.peer.mesh import PeerConfigError
+
+    P = int(args.pp)
+    m = int(args.micro_batches) or 2 * P
+    V = int(args.virtual_stages) if args.schedule == "interleaved" else 1
+    if int(getattr(args, "tp", 1) or 1) != 1:
+        raise PeerConfigError("--pp with --tp > 1 is not wired yet (the pipeline takes any group; the mesh glue is pending)")
+    if args.task != "gpt":
+        raise PeerConfigError(f"--pp and --recompute use the gpt task's layers; task {args.task!r} has no layer list")
+    if args.mode != "dp":
+        raise PeerConfigError(
+            f"--pp and --recompute run with --mode dp (data parallel over pipelines); ZeRO with them is not built yet, got {args.mode}"
+        )
+    if P < 1 or world % P:
+        raise PeerConfigError(f"world size {world} is not divisible by --pp {P}")
+    D = world // P
+    if args.global_batch % (D * m):
+        raise PeerConfigError(f"global batch {args.global_batch} is not divisible by D {D} x micro-batches {m}")
+    try:
+        schedule(args.schedule, P, m, V)
+    except ScheduleError as e:
+        raise PeerConfigError(str(e)) from None
+    unsupported = [flag for flag, v, default in [
+        ("--accumulate", args.accumulate, 1), ("--compress", args.compress, "none"), ("--checkpoint-dir", args.checkpoint_dir, None),
+        ("--metrics-out", args.metrics_out, None), ("--metrics-port", args.metrics_port, 0), ("--eval-every", args.eval_every, 0),
+        ("--max-seconds", args.max_seconds, 0.0), ("--debug-collectives", args.debug_collectives, False),
+    ] if v != default]
+    if unsupported:
+        raise PeerConfigError(f"not supported with --pp/--recompute yet: {', '.join(unsupported)} (--micro-batches replaces --accumulate)")
+    return P, D, m, V
+
+
+def run_pipeline_rank(args: argparse.Namespace) -> int:
+    """One rank of ``tessera peer --pp P`` (or ``--recompute``, at any P): D = world / P data-parallel pipelines of the gpt task,
+    Adam on each rank's stages; rank 0 prints a JSON report (loss, tokens/s, bubble theory).
+    ``--trace DIR``: each forward, backward, send and receive as a span per rank."""
+    from worker.peer import PeerConfigError, init_mesh
+    from worker.peer.cli import _kv
+    from worker.peer.mesh import check_agreement, shutdown_group, torch_optimizer
+    from worker.tasks import load_task
+
+    mesh = init_mesh(args.backend, args.device, args.timeout)
+    ok = False
+    try:
+        P, D, m, V = pipeline_config(args, mesh.world)
+        world, T = mesh.world, 1
+        opts = _kv(args.task_opt)
+        task = load_task("gpt", seed=args.seed, **opts)
+        layers = gpt_layers(task.model)
+        if len(layers) < P * V:
+            raise PeerConfigError(f"the model has {len(layers)} layers (embeddings, {len(layers) - 2} blocks, head): too few for {P * V} stages")
+        check_agreement({"task_opts": json.dumps(opts, sort_keys=True), "pp": P, "schedule": args.schedule, "m": m, "V": V,
+                         "global_batch": args.global_batch, "steps": args.steps, "seed": args.seed})
+        if mesh.device.type == "cpu" and args.torch_threads:
+            torch.set_num_threads(args.torch_threads)
+        pp_ranks, pp_group, _dp_ranks, dp_group = layout_groups(P, D)
+        eng = PipelineEngine(
+            layers, pp_ranks=pp_ranks, kind=args.schedule, micro_batches=m, virtual=V, pp_group=pp_group,
+            dp_group=dp_group, dp_size=D, recompute=args.recompute, device=mesh.device,
+        )
+        opt = torch_optimizer(task.dense_optimizer)(eng.parameters())
+        dp_idx = (mesh.rank % (D * T)) // T
+        per_rank = args.global_batch // D
+        batches = task.batches(dp_idx, D, per_rank, 0)
+        dim = int(cast(Any, task.model).tok.embedding_dim)
+        t0, loss = time.perf_counter(), float("nan")
+        tracer = None
+        if args.trace:
+            from worker.peer.trace import Tracer
+
+            tracer = Tracer(mesh.rank)
+        for step in range(args.steps):
+            batch = next(batches)
+            mbs = list(batch.chunk(m))
+            eng.zero_grad()
+            loss = eng.step([b[:, :-1] for b in mbs], [b[:, 1:] for b in mbs], (per_rank // m, batch.shape[1] - 1, dim),
+                            tracer=tracer)
+            opt.step()
+            if mesh.rank == 0 and args.log_every and (step + 1) % args.log_every == 0 and not args.no_progress:
+                print(f"step {step + 1} loss {loss:.4f}", file=sys.stderr, flush=True)
+        seconds = time.perf_counter() - t0
+        if tracer is not None:
+            tracer.save(os.path.join(args.trace, f"trace-rank{mesh.rank}.json"))
+        tokens = args.steps * args.global_batch * task.info["tokens_per_example"]
+        if mesh.rank == 0:
+            print(json.dumps({
+                "rank": 0, "world": world, "mode": "dp", "pp": P, "dp": D, "schedule": args.schedule, "micro_batches": m,
+                "virtual_stages": V, "recompute": bool(args.recompute), "steps": args.steps, "seconds": round(seconds, 3),
+                "loss": loss, "tokens_per_s": tokens / seconds if seconds else 0.0, "bubble_theory": bubble_theory(P, m, V),
+                "stages": [list(b) for b in eng.bounds],
+            }), flush=True)
+        ok = True
+        return 0
+    except PeerConfigError as e:
+        print(f"tessera peer: rank {mesh.rank}: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        shutdown_group(barrier=ok)
