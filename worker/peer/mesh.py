@@ -93,10 +93,10 @@ def init_mesh(backend: str = "auto", device: str = "auto", timeout_s: float = 30
                 os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
-            kw = dict(
-                store=dist.PrefixStore(f"tessera/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", base),
-                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-            )
+            kw = {
+                "store": dist.PrefixStore(f"tessera/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", base),
+                "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"]),
+            }
         dist.init_process_group(
             backend, timeout=datetime.timedelta(seconds=timeout_s),
             device_id=dev if backend == "nccl" else None, **kw,
