@@ -16,11 +16,20 @@ torch thread on CPU) in one process group:
 (c) Per-rank bytes kept between steps for ZeRO 0 (plain DP), 1, 2, 3 on the same gpt model after
     two Adam steps: optimizer state, gradients, parameters (``memory()`` of each sync), and each
     stage's peak gradient bytes during backward.
+(d) The same gpt step with tensor parallelism T=2 (``TensorParallelSync``; D = world/2), with and
+    without sequence parallelism, against DP over all ranks (``AllReduceDP``), same global batch;
+    rounds alternate the three; min and median step time.
+(e) Activation bytes per rank that autograd keeps for backward in the transformer layers (one
+    batch of 8 sequences): one process (T=1), TP=2, TP=2 + SP. Megatron's per-layer formula
+    (Korthikanti et al. 2022, without the attention-score term) predicts SP/TP = 34/t / (10 + 24/t)
+    = 0.77 at t=2 and SP/(T=1) = 1/t.
 
 Output: a table, then a final line of JSON (also written to ``--json-out``) with
 ``allreduce_ratio`` (ours / raw bus bandwidth, the smaller of the two sizes' median ratios),
 ``dp_step_ratio`` (ours / DDP median step time), ``zero1_state_ratio``, ``zero2_grad_ratio``,
-``zero3_param_ratio`` (each against plain DP per rank), and the figures behind them. The machine
+``zero3_param_ratio`` (each against plain DP per rank), ``tp_vs_dp_step_ratio`` (TP=2 / DP median
+step time), ``sp_activation_ratio`` (activation bytes with SP / without, both at T=2),
+``sp_activation_ratio_vs_t1`` (with SP at T=2 / one process), and the figures behind them. The machine
 may be shared and noisy: compare ratios from the same run.
 
 DDP's process group is not torn down (torch 2.13 can deadlock freeing a DDP ``ProcessGroupGloo``);
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import socket
@@ -109,7 +119,12 @@ def bench_allreduce(mesh: Any, sizes_mib: list[int], repeats: int, bar: Any) -> 
 
 
 def _gpt_opts(quick: bool) -> dict[str, Any]:
-    return dict(vocab=256, seq=64, dim=64 if quick else 128, layers=2 if quick else 4, heads=4, test_size=8)
+    return {"vocab": 256, "seq": 64, "dim": 64 if quick else 128, "layers": 2 if quick else 4, "heads": 4, "test_size": 8}
+
+
+def _stamp(stamps: list[float], step: int, trainer: Any) -> None:
+    """A trainer's on_step: the time each step ended."""
+    stamps.append(time.perf_counter())
 
 
 def bench_dp_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch: int, bar: Any) -> dict[str, Any]:
@@ -138,7 +153,7 @@ def bench_dp_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, 
         )
         dist.barrier()
         t0 = time.perf_counter()
-        Trainer(task, sync, cfg, on_step=lambda s, tr: stamps.append(time.perf_counter())).run()
+        Trainer(task, sync, cfg, on_step=functools.partial(_stamp, stamps)).run()
         stamps.insert(0, t0)
         t_ours += [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])]
         bar.update(1)
@@ -190,6 +205,76 @@ def bench_zero_memory(mesh: Any, quick: bool, batch: int, bar: Any) -> dict[str,
     return out
 
 
+def bench_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch: int, bar: Any) -> dict[str, Any]:
+    """(d) TP=2 (and TP=2 with sequence parallelism) against DP on the same gpt model and global
+    batch, through the trainer; (e) activation bytes per rank in the transformer layers."""
+    import torch.distributed as dist
+
+    from worker.peer import AllReduceDP
+    from worker.peer.mesh import ParallelMesh
+    from worker.peer.tensor_parallel import (
+        TensorParallelGPT,
+        TensorParallelSync,
+        activation_bytes,
+        tensor_parallel_task,
+    )
+    from worker.tasks import load_task
+    from worker.trainer import TrainConfig, Trainer
+
+    tp = 2
+    pm = ParallelMesh.build(mesh.world // tp, tp, 1, device=mesh.device, seed=0)
+    gb = batch * mesh.world
+    times: dict[str, list[float]] = {"dp": [], "tp": [], "tp_sp": []}
+    for _ in range(rounds):
+        for kind in ("dp", "tp", "tp_sp"):
+            task = load_task("gpt", **_gpt_opts(quick))
+            if kind == "dp":
+                sync: Any = AllReduceDP(task.model, task.dense_optimizer, device=mesh.device, bucket_mb=25.0)
+                index, workers = mesh.rank, mesh.world
+            else:
+                task = tensor_parallel_task(task, pm, sequence_parallel=kind == "tp_sp")
+                sync = TensorParallelSync(task.model, task.dense_optimizer, pm)
+                index, workers = pm.dp_idx, pm.dp
+            stamps: list[float] = []
+            cfg = TrainConfig(
+                mode="dp", steps=warmup + steps, batch_size=gb // workers, worker_index=index, num_workers=workers,
+                device=str(mesh.device), progress=False, evaluate=False, name=f"rank{mesh.rank}",
+            )
+            dist.barrier()
+            t0 = time.perf_counter()
+            Trainer(task, sync, cfg, on_step=functools.partial(_stamp, stamps)).run()
+            stamps.insert(0, t0)
+            times[kind] += [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])]
+            bar.update(1)
+    out: dict[str, Any] = {"tp": tp, "dp_world": mesh.world, "global_batch": gb}
+    for kind, ts in times.items():
+        out[f"{kind}_ms_min"], out[f"{kind}_ms_med"] = 1e3 * min(ts), 1e3 * statistics.median(ts)
+    # activations: bytes autograd keeps for backward in the transformer layers, per rank, one batch
+    task = load_task("gpt", **_gpt_opts(quick))
+    ids = next(task.batches(0, 1, batch, 0))[:, :-1].to(mesh.device)
+    acts: dict[str, int] = {}
+    plain: Any = task.model
+    x = plain.embed(ids).detach().requires_grad_(True)
+    with activation_bytes(plain) as ab:
+        y = x
+        for blk in plain.blocks:
+            y = blk(y)
+    y.sum().backward()
+    acts["t1"] = ab["bytes"]
+    for sp in (False, True):
+        m = TensorParallelGPT(task.model, pm.tp_group, sp, pm.rng).to(mesh.device)
+        x = m.tok(ids.t()).detach().requires_grad_(True)  # under SP already this rank's S/T positions
+        with activation_bytes(m) as ab:
+            y = x
+            for blk in m.blocks:
+                y = blk(y)
+        y.sum().backward()
+        acts["tp_sp" if sp else "tp"] = ab["bytes"]
+    out["activation_bytes"] = acts
+    bar.update(1)
+    return out
+
+
 def rank_main(args: argparse.Namespace) -> None:
     import torch
     from tqdm import tqdm
@@ -204,17 +289,18 @@ def rank_main(args: argparse.Namespace) -> None:
     repeats = 3 if quick else 15
     rounds, steps, warmup = (2, 3, 1) if quick else (4, 10, 2)
     batch = 8
-    total = len(sizes) * repeats + 2 * rounds + 4
+    total = len(sizes) * repeats + 2 * rounds + 4 + 3 * rounds + 1
     bar = tqdm(total=total, desc="bench/peer", disable=mesh.rank != 0 or args.no_progress, file=sys.stderr, mininterval=0.5)
     t0 = time.time()
     ar = bench_allreduce(mesh, sizes, repeats, bar)
     dp = bench_dp_step(mesh, quick, rounds, steps, warmup, batch, bar)
     zm = bench_zero_memory(mesh, quick, batch, bar)
+    tpr = bench_tp(mesh, quick, rounds, steps, warmup, batch, bar)
     bar.close()
     if mesh.rank == 0:
         result = {
             "world": mesh.world, "backend": mesh.backend, "device": str(mesh.device), "quick": quick,
-            "allreduce": ar, "dp_step": dp, "zero_memory": zm, "seconds": time.time() - t0,
+            "allreduce": ar, "dp_step": dp, "zero_memory": zm, "tp": tpr, "seconds": time.time() - t0,
         }
         with open(args.result, "w") as f:
             json.dump(result, f)
@@ -242,6 +328,16 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         "zero2_peak_grad_ratio": zm["zero2"]["peak_grad_bytes"] / base["grad_bytes"],
         "zero3_state_ratio": zm["zero3"]["state_bytes"] / base["state_bytes"],
     }
+    tp = res["tp"]
+    acts = tp["activation_bytes"]
+    figures.update({
+        "tp_step_ms": tp["tp_ms_med"], "tp_sp_step_ms": tp["tp_sp_ms_med"], "tp_dp_step_ms": tp["dp_ms_med"],
+        "tp_step_ms_min": tp["tp_ms_min"], "tp_dp_step_ms_min": tp["dp_ms_min"],
+        "tp_vs_dp_step_ratio": tp["tp_ms_med"] / tp["dp_ms_med"],
+        "sp_activation_ratio": acts["tp_sp"] / acts["tp"],
+        "sp_activation_ratio_vs_t1": acts["tp_sp"] / acts["t1"],
+        "tp_activation_ratio_vs_t1": acts["tp"] / acts["t1"],
+    })
     for s in sizes:
         figures[f"allreduce_{s}mib_ratio"] = ar[s]["ratio"]
         figures[f"raw_{s}mib_busbw_gbps"] = ar[s]["raw_gbps_med"]
@@ -274,6 +370,16 @@ def print_table(res: dict[str, Any]) -> None:
     print(f"{'stage':<8}{'params':>12}{'grads':>12}{'opt state':>12}{'peak grads':>12}")
     for mode, m in zm.items():
         print(f"{mode:<8}{m['param_bytes']:>12,}{m['grad_bytes']:>12,}{m['state_bytes']:>12,}{m['peak_grad_bytes']:>12,}")
+    tp = res["tp"]
+    print(f"\ngpt step, global batch {tp['global_batch']}: TP={tp['tp']} against DP={tp['dp_world']} (same model)")
+    print(f"{'':<14}{'ms min':>10}{'ms median':>12}")
+    for kind, label in (("dp", f"DP={tp['dp_world']}"), ("tp", f"TP={tp['tp']}"), ("tp_sp", f"TP={tp['tp']} + SP")):
+        print(f"{label:<14}{tp[kind + '_ms_min']:>10.1f}{tp[kind + '_ms_med']:>12.1f}")
+    a = tp["activation_bytes"]
+    print("\nactivation bytes per rank kept for backward (transformer layers, one batch)")
+    print(f"{'T=1 (no TP)':<14}{a['t1']:>12,}")
+    print(f"{'TP=2':<14}{a['tp']:>12,}{a['tp'] / a['t1']:>8.3f} of T=1")
+    print(f"{'TP=2 + SP':<14}{a['tp_sp']:>12,}{a['tp_sp'] / a['t1']:>8.3f} of T=1, {a['tp_sp'] / a['tp']:.3f} of TP=2")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,3 +95,32 @@ def test_divisibility_one_message_naming_every_misfit() -> None:
     check_divisibility(2, 2, 2, heads=4, dim=64, layers=4, global_batch=8, vocab=64, seq=32, sequence_parallel=True)
     with pytest.raises(PeerConfigError, match="tp must be >= 1"):
         check_divisibility(1, 0, 1)
+
+
+GPT_CLI = ["--task", "gpt", "--task-opt", "dim=32", "--task-opt", "seq=16", "--task-opt", "layers=1", "--no-progress",
+           "--torch-threads", "1", "--backend", "gloo", "--device", "cpu"]
+
+
+@pytest.mark.timeout(200)
+def test_peer_rank_program_trains_gpt_with_tp2_and_sequence_parallel_and_refuses_misfits() -> None:
+    """`python -m worker.peer --tp 2 --sequence-parallel` (2 ranks: D=1, T=2) learns the chain and
+    reports its layout; a model whose heads T does not divide stops every rank at start (exit 2)
+    with one message; a world size T x P does not divide is refused too."""
+    import json
+    import math
+
+    from test_peer_equivalence import run_ranks  # type: ignore[import-not-found]
+
+    ok = run_ranks(2, [*GPT_CLI, "--tp", "2", "--sequence-parallel", "--steps", "30", "--global-batch", "16"],
+                   module=True, timeout=150)
+    for r, (rc, _, err) in enumerate(ok):
+        assert rc == 0, (r, err[-3000:])
+    report = json.loads([line for line in ok[0][1].splitlines() if line.startswith("{")][-1])
+    assert (report["dp"], report["tp"], report["pp"], report["sequence_parallel"]) == (1, 2, 1, True), report
+    assert report["steps"] == 30 and report["loss"] < math.log(256) - 1.0, report
+    bad = run_ranks(2, [*GPT_CLI, "--tp", "2", "--task-opt", "dim=48", "--task-opt", "heads=3", "--steps", "2",
+                        "--global-batch", "8"], module=True, timeout=100)
+    for r, (rc, _, err) in enumerate(bad):
+        assert rc == 2 and "heads 3 not divisible by tp 2" in err, (r, rc, err[-3000:])
+    [(rc, _, err)] = run_ranks(1, [*GPT_CLI, "--tp", "2", "--steps", "2", "--global-batch", "8"], module=True, timeout=100)
+    assert rc == 2 and "world size 1 is not divisible by tp 2 x pp 1" in err, (rc, err[-3000:])
