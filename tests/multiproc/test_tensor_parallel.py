@@ -9,12 +9,16 @@ reference, so SP == plain TP == one process. Two launches in all: (1,2,1) and (2
 """
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
+import torch
 from test_peer_equivalence import ROOT, _free_port  # type: ignore[import-not-found]
 
 from worker.peer.mesh import ParallelMesh, PeerConfigError, check_divisibility
@@ -23,52 +27,108 @@ CHILD = os.path.join(ROOT, "tests", "multiproc", "tp_child.py")
 
 
 def run_mesh(dp: int, tp: int, pp: int, checks: list[str], timeout: float = 240.0) -> list[tuple[int, str, str]]:
-    """Start the D*T*P ranks of tp_child.py; [(returncode, stdout, stderr)] per rank."""
+    """Start the D*T*P ranks of tp_child.py; [(returncode, stdout, stderr)] per rank. Output goes to
+    files, not pipes: a rank printing more than a pipe holds (the parameters) while another rank's
+    pipe is being read would block in print and hang its peers in their next collective."""
     world, port = dp * tp * pp, _free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT,
-                   PYTHONWARNINGS="ignore::FutureWarning")
-        procs.append(subprocess.Popen([sys.executable, CHILD, str(dp), str(tp), str(pp), *checks], env=env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + timeout
-    out = []
-    try:
-        for p in procs:
-            so, se = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            out.append((p.returncode, so, se))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    procs: list[subprocess.Popen[str]] = []
+    files = []
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        try:
+            for r in range(world):
+                env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT,
+                           PYTHONWARNINGS="ignore::FutureWarning")
+                out = stack.enter_context(open(os.path.join(tmp, f"{r}.out"), "w+"))
+                err = stack.enter_context(open(os.path.join(tmp, f"{r}.err"), "w+"))
+                files.append((out, err))
+                procs.append(subprocess.Popen([sys.executable, CHILD, str(dp), str(tp), str(pp), *checks], env=env,
+                                              cwd=ROOT, stdout=out, stderr=err, text=True))
+            deadline = time.monotonic() + timeout
+            results = []
+            for p, (out, err) in zip(procs, files):
+                try:
+                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+                out.seek(0)
+                err.seek(0)
+                results.append((p.returncode, out.read(), err.read()))
+            return results
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
 
 
 def _check(results: list[tuple[int, str, str]], checks: list[str]) -> None:
+    failed = [(r, rc, so, se) for r, (rc, so, se) in enumerate(results) if rc != 0]
+    assert not failed, "\n".join(f"rank {r} failed (rc {rc}):\n{so[-1500:]}\n{se[-3000:]}" for r, rc, so, se in failed)
     for r, (rc, so, se) in enumerate(results):
-        assert rc == 0, f"rank {r} failed (rc {rc}):\n{se[-4000:]}"
         for c in checks:
             assert f"OK {c}" in so, f"rank {r}: check {c} did not report OK:\n{so}\n{se[-2000:]}"
 
 
+def _ckpt(out: str, kind: str, mode: str) -> tuple[float, list[float]]:
+    line = next(line for line in out.splitlines() if line.startswith(f"CKPT {kind} {mode} "))
+    rec = json.loads(line.split(" ", 3)[3])
+    return rec["loss"], rec["params"]
+
+
+@pytest.fixture(scope="module")
+def d2t2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[tuple[int, str, str]]]:
+    """One (D,T,P) = (2,2,1) launch: its checks, then 4 TP steps with a checkpoint after step 3."""
+    d = str(tmp_path_factory.mktemp("tp") / "ckpt")
+    return d, run_mesh(2, 2, 1, [*D2T2_CHECKS, f"ckpt-save:{d}:tp"])
+
+
+D2T2_CHECKS = ["mesh", "tp", "tp-sp"]
+
+
 @pytest.mark.timeout(300)
-def test_t2_tp_sp_fp64_accumulation_vocab_ce_activations_dropout() -> None:
+def test_d2_t2_tp_and_sp_match_one_process(d2t2) -> None:
+    """(D,T,P) = (2,2,1): 4 ranks, the DP all-reduce over dp_group composed with TP (and SP, whose
+    replicated gradients are also summed over tp_group) == one process with the global batch."""
+    d, results = d2t2
+    _check(results, [*D2T2_CHECKS, f"ckpt-save:{d}:tp"])
+    assert sorted(os.listdir(d)) == ["step-3"]
+
+
+@pytest.mark.timeout(300)
+def test_t2_tp_sp_fp64_accumulation_vocab_ce_activations_dropout_and_resharded_checkpoints(d2t2, tmp_path) -> None:
     """(D,T,P) = (1,2,1): the mesh's groups and RNG streams; vocab-parallel cross-entropy and its
     gradient == F.cross_entropy on the full logits (fp64, 1e-12); TP, SP, TP fp64 SGD lr=1 and TP with
     2 accumulation micro-batches == one process; SP keeps no full-sequence activation outside the TP
-    regions and fewer bytes per rank; replicated dropout masks agree across TP ranks."""
-    checks = ["mesh", "vocab-ce", "tp", "tp-sp", "tp64", "tp-accum", "sp-activations", "dropout"]
-    _check(run_mesh(1, 2, 1, checks), checks)
+    regions and fewer bytes per rank; replicated dropout masks agree across TP ranks.
+    Checkpoints (momentum SGD, so the optimizer state matters): the (2,2,1) TP checkpoint resumed at
+    (1,2,1) and in plain DP over 2 ranks, and a DP checkpoint of 2 ranks resumed at (1,2,1); reference
+    for each resumed step: the run that saved it, which went on past its checkpoint (step 3's global
+    loss and the parameters after it, rtol 1e-5)."""
+    d, saved = d2t2
+    d_dp = str(tmp_path / "dp")
+    checks = ["mesh", "vocab-ce", "tp", "tp-sp", "tp64", "tp-accum", "sp-activations", "dropout",
+              f"ckpt-load:{d}:tp", f"ckpt-load:{d}:dp", f"ckpt-save:{d_dp}:dp", f"ckpt-load:{d_dp}:tp"]
+    results = run_mesh(1, 2, 1, checks)
+    _check(results, checks)
+    want = _ckpt(saved[0][1], "ckpt-save", "tp")
+    want_dp = _ckpt(results[0][1], "ckpt-save", "dp")
+    for r in range(2):
+        for (loss, params), (wl, wp), what in [
+            (_ckpt(results[r][1], "ckpt-load", "tp"), want, "TP (2,2,1) -> TP (1,2,1)"),
+            (_ckpt(results[r][1], "ckpt-load", "dp"), want, "TP (2,2,1) -> DP 2 ranks"),
+            (_last_load(results[r][1]), want_dp, "DP 2 ranks -> TP (1,2,1)"),
+        ]:
+            assert loss == pytest.approx(wl, rel=1e-5), what
+            torch.testing.assert_close(torch.tensor(params), torch.tensor(wp), rtol=1e-5, atol=1e-6, msg=what)
 
 
-@pytest.mark.timeout(300)
-def test_d2_t2_tp_and_sp_match_one_process() -> None:
-    """(D,T,P) = (2,2,1): 4 ranks, the DP all-reduce over dp_group composed with TP (and SP, whose
-    replicated gradients are also summed over tp_group) == one process with the global batch."""
-    checks = ["mesh", "tp", "tp-sp"]
-    _check(run_mesh(2, 2, 1, checks), checks)
+def _last_load(out: str) -> tuple[float, list[float]]:
+    """The last ``CKPT ckpt-load tp`` line (the second TP resume of the launch)."""
+    line = [line for line in out.splitlines() if line.startswith("CKPT ckpt-load tp ")][-1]
+    rec = json.loads(line.split(" ", 3)[3])
+    return rec["loss"], rec["params"]
 
 
 def test_rank_layout_is_tp_innermost_pp_outermost() -> None:
@@ -106,7 +166,6 @@ def test_peer_rank_program_trains_gpt_with_tp2_and_sequence_parallel_and_refuses
     """`python -m worker.peer --tp 2 --sequence-parallel` (2 ranks: D=1, T=2) learns the chain and
     reports its layout; a model whose heads T does not divide stops every rank at start (exit 2)
     with one message; a world size T x P does not divide is refused too."""
-    import json
     import math
 
     from test_peer_equivalence import run_ranks  # type: ignore[import-not-found]

@@ -10,6 +10,7 @@ of the same plain ``GPT`` with ``torch.optim`` on the *global* batch, compared a
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from typing import Any
 
@@ -48,9 +49,8 @@ def reference(task: Task, opt: Any, global_batch: int, steps: int) -> list[tuple
     return out
 
 
-def train(task: Task, mesh: ParallelMesh, sp: bool, global_batch: int, steps: int, accumulate: int = 1):
-    tt = tensor_parallel_task(task, mesh, sequence_parallel=sp)
-    sync = TensorParallelSync(tt.model, tt.dense_optimizer, mesh)
+def run(task: Task, sync: Any, mesh: ParallelMesh, index: int, workers: int, batch: int, steps: int, accumulate: int = 1):
+    """[(global loss, all parameters in plain order after the step)] of the trainer's run."""
     seen: list[tuple[float, torch.Tensor]] = []
 
     def on_step(step: int, tr: Trainer) -> None:
@@ -58,10 +58,18 @@ def train(task: Task, mesh: ParallelMesh, sp: bool, global_batch: int, steps: in
         dist.all_reduce(loss)  # every TP rank of a replica has its replica's loss: mean over the world
         seen.append((float(loss) / mesh.world, tr.flat))
 
-    cfg = TrainConfig(mode="dp", steps=steps, batch_size=global_batch // mesh.dp, worker_index=mesh.dp_idx,
-                      num_workers=mesh.dp, progress=False, evaluate=False, accumulate=accumulate, name=f"rank{mesh.rank}")
-    Trainer(tt, sync, cfg, on_step=on_step).run()
-    return seen, sync
+    cfg = TrainConfig(mode="dp", steps=steps, batch_size=batch, worker_index=index, num_workers=workers, progress=False,
+                      evaluate=False, accumulate=accumulate, name=f"rank{mesh.rank}")
+    Trainer(task, sync, cfg, on_step=on_step).run()
+    return seen
+
+
+def train(task: Task, mesh: ParallelMesh, sp: bool, global_batch: int, steps: int, accumulate: int = 1, checkpoint=None):
+    tt = tensor_parallel_task(task, mesh, sequence_parallel=sp)
+    sync: Any = TensorParallelSync(tt.model, tt.dense_optimizer, mesh)
+    if checkpoint:
+        sync.set_checkpointing(*checkpoint)
+    return run(tt, sync, mesh, mesh.dp_idx, mesh.dp, global_batch // mesh.dp, steps, accumulate), sync
 
 
 def compare(name: str, got, want, rtol: float, atol: float) -> None:
@@ -74,7 +82,7 @@ def compare(name: str, got, want, rtol: float, atol: float) -> None:
 
 def main(dp: int, tp: int, pp: int, checks: list[str]) -> None:
     torch.set_num_threads(1)
-    init_mesh("gloo", "cpu", timeout_s=60)
+    init_mesh("gloo", "cpu", timeout_s=180)  # the shared test machine can stall a rank for long
     mesh = ParallelMesh.build(dp, tp, pp, seed=0)
     for check in checks:
         if check == "mesh":  # coordinates, group membership (by a gather in each group), RNG streams
@@ -152,6 +160,28 @@ def main(dp: int, tp: int, pp: int, checks: list[str]) -> None:
             ratio = out[True] / out[False]
             assert ratio <= 0.85, out
             print(f"OK sp-activations ratio={ratio:.3f} plain={out[False]} sp={out[True]}", flush=True)
+        elif check.startswith(("ckpt-save:", "ckpt-load:")):
+            # save: train 4 steps (momentum SGD: optimizer state that matters), checkpoint after 3; load:
+            # resume from it in this layout (tp) or in plain DP over the whole world (dp), train step 3
+            # only. Both print step 3's global loss and the parameters after it (plain order).
+            kind, directory, mode = check.split(":")
+            task = load_task("gpt", **GPT)
+            task.dense_optimizer = OptimizerSpec("momentum", {"lr": 0.3, "momentum": 0.9})
+            gb = 8
+            if mode == "tp":
+                got, sync = train(task, mesh, False, gb, 4, checkpoint=(directory, 3))
+            else:
+                from worker.peer import AllReduceDP
+
+                dsync = AllReduceDP(task.model, task.dense_optimizer)
+                dsync.set_checkpointing(directory, 3)
+                got, sync = run(task, dsync, mesh, mesh.rank, mesh.world, gb // mesh.world, 4), dsync
+            if kind == "ckpt-load":
+                assert sync.resumed_from and sync.resumed_from.endswith("step-3"), sync.resumed_from
+                assert len(got) == 1, len(got)
+            loss, params = got[-1]
+            print(f"CKPT {kind} {mode} " + json.dumps({"loss": loss, "params": params.tolist()}), flush=True)
+            print(f"OK {check}", flush=True)
         elif check == "dropout":  # replicated dropout masks agree across TP ranks (the replicas stay equal)
             task = load_task("gpt", dropout=0.5, **GPT)
             batch = next(task.batches(0, 1, 2, 0))

@@ -172,8 +172,6 @@ def run_rank(args: argparse.Namespace) -> int:
                 compress=compress, settings=settings,
             )
         if args.checkpoint_dir:
-            if meshed:
-                raise PeerConfigError("--checkpoint-dir with --tp/--pp/--dp is not supported yet (resharding checkpoints are not built)")
             if args.mode == "hybrid":
                 raise PeerConfigError("--checkpoint-dir: hybrid mode's rows live on the PS (use its checkpoints); not supported here")
             sync.set_checkpointing(args.checkpoint_dir, args.checkpoint_every)

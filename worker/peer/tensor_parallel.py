@@ -45,6 +45,7 @@ rank slices the same full model, so the single-process reference is that very mo
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -56,6 +57,13 @@ from torch import nn
 
 from worker.flat import FlatParams
 from worker.paramsync import Fetched, Grads, ParamSync, PushResult
+from worker.peer.checkpoint import (
+    Checkpointing,
+    CheckpointReader,
+    Piece,
+    optimizer_pieces,
+    state_keys,
+)
 from worker.peer.mesh import (
     ParallelMesh,
     PeerConfigError,
@@ -455,11 +463,17 @@ class TensorParallelGPT(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- training
-class TensorParallelSync(ParamSync):
+class TensorParallelSync(ParamSync, Checkpointing):
     """The ``ParamSync`` of a TP (x DP) run: after backward, the replicated parameters' gradients are
     summed over the TP group (sequence parallelism only: each rank saw S/T positions), every gradient
     is averaged over the DP group (one all-reduce of the flat gradient), and ``optimizer`` steps
-    this rank's shards. ``parameters()`` gathers the full model (plain order) for comparisons."""
+    this rank's shards. ``parameters()`` gathers the full model (plain order) for comparisons.
+
+    Checkpoints (``set_checkpointing``): the plain model's tensors, whole, under their plain names
+    (``param/<name>``, ``state/<key>/<name>``), gathered over the TP group and written by the first
+    rank of the first replica: the format DP and ZeRO write, so a checkpoint of any (D, T) layout
+    loads into any other, or into DP / ZeRO at any world size, and back (each rank reads the whole
+    tensors and keeps its shard)."""
 
     pipelined = False
 
@@ -470,6 +484,7 @@ class TensorParallelSync(ParamSync):
         self.optimizer = torch_optimizer(optimizer)(self.flat.params)
         self.settings = dict(settings or {})
         self._repl = model.replicated_parameters() if model.sequence_parallel else []
+        self._index = {id(p): i for i, p in enumerate(self.flat.params)}
         self.bytes_reduced = 0
 
     def join(self) -> int:
@@ -478,7 +493,7 @@ class TensorParallelSync(ParamSync):
                         self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
         if self.mesh.dp > 1:  # the replicas of one shard start equal
             dist.broadcast(self.flat.data, self.mesh.dp_ranks[0], group=self.mesh.dp_group)
-        return 0
+        return self._resume()
 
     def leave(self) -> None:
         pass
@@ -508,7 +523,54 @@ class TensorParallelSync(ParamSync):
     def push(self, step: int, grads: Grads) -> PushResult:
         self.reduce_gradients()
         self.optimizer.step()
+        self._maybe_save(step + 1)
         return PushResult()
+
+    # ------------------------------------------------------------------ checkpoints
+    def _gather(self, spec: ShardSpec, local: torch.Tensor) -> torch.Tensor:
+        if spec.dim is None or self.model.tp == 1:
+            return spec.unshard([local.detach()])
+        shards = [torch.empty_like(local) for _ in range(self.model.tp)]
+        dist.all_gather(shards, local.detach().contiguous(), group=self.model.group)
+        return spec.unshard(shards)
+
+    def checkpoint_pieces(self) -> tuple[list[Piece], dict[str, float]]:
+        """Every plain tensor whole (a gather over the TP group); the first rank of the first
+        replica keeps them, the others return nothing."""
+        writer = self.mesh.dp_idx == 0 and self.mesh.tp_idx == 0
+        pieces: list[Piece] = []
+        scalars: dict[str, float] = {}
+        for spec, p in self.model.specs:
+            full = self._gather(spec, p)
+            state = self.optimizer.state.get(p, {})
+            whole = {k: self._gather(spec, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in sorted(state.items())}
+            if writer:
+                pieces.append(Piece(f"param/{spec.name}", 0, full.reshape(-1)))
+                ps, sc = optimizer_pieces(whole, spec.name, full.numel(), 0, full.numel(), 0)
+                pieces += ps
+                scalars.update(sc)
+        return pieces, scalars
+
+    def load_checkpoint(self, reader: CheckpointReader) -> None:
+        """This rank's shards of every parameter and (if saved) of its optimizer state."""
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        with torch.no_grad():
+            for spec, p in self.model.specs:
+                n = math.prod(spec.full_shape)
+                full = reader.read(f"param/{spec.name}", 0, n).view(spec.full_shape)
+                p.copy_(spec.shard(full, self.model.tp_rank, self.model.tp).to(p))
+                keys = state_keys(reader, spec.name)
+                if keys:
+                    i = self._index[id(p)]
+                    state[i] = {
+                        k: spec.shard(reader.read(f"state/{k}/{spec.name}", 0, n).view(spec.full_shape), self.model.tp_rank,
+                                      self.model.tp).to(p)
+                        for k in keys
+                    }
+                    state[i].update({k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()})
+        if state:
+            sd = self.optimizer.state_dict()
+            self.optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
 
     def parameters(self) -> torch.Tensor:
         return torch.cat([p.reshape(-1) for p in self.model.full_parameters()])
