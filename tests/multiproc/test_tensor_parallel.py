@@ -81,19 +81,23 @@ def _ckpt(out: str, kind: str, mode: str) -> tuple[float, list[float]]:
 def d2t2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[tuple[int, str, str]]]:
     """One (D,T,P) = (2,2,1) launch: its checks, then 4 TP steps with a checkpoint after step 3."""
     d = str(tmp_path_factory.mktemp("tp") / "ckpt")
-    return d, run_mesh(2, 2, 1, [*D2T2_CHECKS, f"ckpt-save:{d}:tp"])
+    return d, run_mesh(2, 2, 1, [*D2T2_CHECKS, f"ckpt-save:{d}:tp", f"ckpt-save:{d}-zero1:tpzero1"])
 
 
-D2T2_CHECKS = ["mesh", "tp", "tp-sp"]
+D2T2_CHECKS = ["mesh", "tp", "tp-sp", "tp-zero1"]
 
 
 @pytest.mark.timeout(300)
-def test_d2_t2_tp_and_sp_match_one_process(d2t2) -> None:
+def test_d2_t2_tp_sp_and_zero1_match_one_process(d2t2) -> None:
     """(D,T,P) = (2,2,1): 4 ranks, the DP all-reduce over dp_group composed with TP (and SP, whose
-    replicated gradients are also summed over tp_group) == one process with the global batch."""
+    replicated gradients are also summed over tp_group) == one process with the global batch; so
+    does ZeRO-1 on the DP dimension with SP (momentum SGD, each rank holding half the momentum)."""
     d, results = d2t2
-    _check(results, [*D2T2_CHECKS, f"ckpt-save:{d}:tp"])
+    _check(results, [*D2T2_CHECKS, f"ckpt-save:{d}:tp", f"ckpt-save:{d}-zero1:tpzero1"])
     assert sorted(os.listdir(d)) == ["step-3"]
+    # the ZeRO-1 run (optimizer state split over the DP group) saved the same step as plain TP
+    torch.testing.assert_close(torch.tensor(_ckpt(results[0][1], "ckpt-save", "tpzero1")[1]),
+                               torch.tensor(_ckpt(results[0][1], "ckpt-save", "tp")[1]), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.timeout(300)
@@ -103,22 +107,26 @@ def test_t2_tp_sp_fp64_accumulation_vocab_ce_activations_dropout_and_resharded_c
     2 accumulation micro-batches == one process; SP keeps no full-sequence activation outside the TP
     regions and fewer bytes per rank; replicated dropout masks agree across TP ranks.
     Checkpoints (momentum SGD, so the optimizer state matters): the (2,2,1) TP checkpoint resumed at
-    (1,2,1) and in plain DP over 2 ranks, and a DP checkpoint of 2 ranks resumed at (1,2,1); reference
+    (1,2,1) and in plain DP over 2 ranks, a DP checkpoint of 2 ranks resumed at (1,2,1), a TP + ZeRO-1
+    checkpoint of (2,2,1) (momentum gathered over the DP group) resumed at (1,2,1) with ZeRO-1; reference
     for each resumed step: the run that saved it, which went on past its checkpoint (step 3's global
     loss and the parameters after it, rtol 1e-5)."""
     d, saved = d2t2
     d_dp = str(tmp_path / "dp")
     checks = ["mesh", "vocab-ce", "tp", "tp-sp", "tp64", "tp-accum", "sp-activations", "dropout",
-              f"ckpt-load:{d}:tp", f"ckpt-load:{d}:dp", f"ckpt-save:{d_dp}:dp", f"ckpt-load:{d_dp}:tp"]
+              f"ckpt-load:{d}:tp", f"ckpt-load:{d}:dp", f"ckpt-save:{d_dp}:dp", f"ckpt-load:{d_dp}:tp",
+              f"ckpt-load:{d}-zero1:tpzero1"]
     results = run_mesh(1, 2, 1, checks)
     _check(results, checks)
     want = _ckpt(saved[0][1], "ckpt-save", "tp")
     want_dp = _ckpt(results[0][1], "ckpt-save", "dp")
+    want_zero1 = _ckpt(saved[0][1], "ckpt-save", "tpzero1")
     for r in range(2):
         for (loss, params), (wl, wp), what in [
             (_ckpt(results[r][1], "ckpt-load", "tp"), want, "TP (2,2,1) -> TP (1,2,1)"),
             (_ckpt(results[r][1], "ckpt-load", "dp"), want, "TP (2,2,1) -> DP 2 ranks"),
             (_last_load(results[r][1]), want_dp, "DP 2 ranks -> TP (1,2,1)"),
+            (_ckpt(results[r][1], "ckpt-load", "tpzero1"), want_zero1, "TP+ZeRO-1 (2,2,1) -> TP+ZeRO-1 (1,2,1)"),
         ]:
             assert loss == pytest.approx(wl, rel=1e-5), what
             torch.testing.assert_close(torch.tensor(params), torch.tensor(wp), rtol=1e-5, atol=1e-6, msg=what)
@@ -163,19 +171,19 @@ GPT_CLI = ["--task", "gpt", "--task-opt", "dim=32", "--task-opt", "seq=16", "--t
 
 @pytest.mark.timeout(200)
 def test_peer_rank_program_trains_gpt_with_tp2_and_sequence_parallel_and_refuses_misfits() -> None:
-    """`python -m worker.peer --tp 2 --sequence-parallel` (2 ranks: D=1, T=2) learns the chain and
+    """`python -m worker.peer --tp 2 --sequence-parallel --mode zero1` (2 ranks: D=1, T=2) learns the chain and
     reports its layout; a model whose heads T does not divide stops every rank at start (exit 2)
     with one message; a world size T x P does not divide is refused too."""
     import math
 
     from test_peer_equivalence import run_ranks  # type: ignore[import-not-found]
 
-    ok = run_ranks(2, [*GPT_CLI, "--tp", "2", "--sequence-parallel", "--steps", "30", "--global-batch", "16"],
+    ok = run_ranks(2, [*GPT_CLI, "--tp", "2", "--sequence-parallel", "--mode", "zero1", "--steps", "30", "--global-batch", "16"],
                    module=True, timeout=150)
     for r, (rc, _, err) in enumerate(ok):
         assert rc == 0, (r, err[-3000:])
     report = json.loads([line for line in ok[0][1].splitlines() if line.startswith("{")][-1])
-    assert (report["dp"], report["tp"], report["pp"], report["sequence_parallel"]) == (1, 2, 1, True), report
+    assert (report["dp"], report["tp"], report["pp"], report["sequence_parallel"], report["mode"]) == (1, 2, 1, True, "zero1"), report
     assert report["steps"] == 30 and report["loss"] < math.log(256) - 1.0, report
     bad = run_ranks(2, [*GPT_CLI, "--tp", "2", "--task-opt", "dim=48", "--task-opt", "heads=3", "--steps", "2",
                         "--global-batch", "8"], module=True, timeout=100)

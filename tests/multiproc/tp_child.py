@@ -64,9 +64,10 @@ def run(task: Task, sync: Any, mesh: ParallelMesh, index: int, workers: int, bat
     return seen
 
 
-def train(task: Task, mesh: ParallelMesh, sp: bool, global_batch: int, steps: int, accumulate: int = 1, checkpoint=None):
+def train(task: Task, mesh: ParallelMesh, sp: bool, global_batch: int, steps: int, accumulate: int = 1, checkpoint=None,
+          zero: int = 0):
     tt = tensor_parallel_task(task, mesh, sequence_parallel=sp)
-    sync: Any = TensorParallelSync(tt.model, tt.dense_optimizer, mesh)
+    sync: Any = TensorParallelSync(tt.model, tt.dense_optimizer, mesh, zero=zero)
     if checkpoint:
         sync.set_checkpointing(*checkpoint)
     return run(tt, sync, mesh, mesh.dp_idx, mesh.dp, global_batch // mesh.dp, steps, accumulate), sync
@@ -138,6 +139,17 @@ def main(dp: int, tp: int, pp: int, checks: list[str]) -> None:
             tol = (1e-12, 1e-12) if check == "tp64" else (1e-5, 1e-6)
             compare(check, got, want, *tol)
             print(f"OK {check} {sync.stats()}", flush=True)
+        elif check == "tp-zero1":  # ZeRO-1 over the DP group (momentum SGD: per-element optimizer state)
+            task = load_task("gpt", **GPT)
+            task.dense_optimizer = OptimizerSpec("momentum", {"lr": 0.3, "momentum": 0.9})
+            gb = 4 * dp
+            want = reference(task, lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9), gb, STEPS)
+            got, sync = train(task, mesh, True, gb, STEPS, zero=1)
+            compare(check, got, want, 1e-5, 1e-6)
+            mem = sync.memory()
+            full = sync.flat.nbytes()
+            assert mem["state_bytes"] == -(-sync.flat.numel // dp) * 4, (mem, full)  # one momentum buffer, 1/D of it
+            print(f"OK tp-zero1 {mem}", flush=True)
         elif check == "sp-activations":
             # bytes autograd keeps for backward per rank, in the transformer layers (as Megatron counts
             # them), with and without SP. Megatron's formula per layer (no attention-score term):
@@ -168,8 +180,8 @@ def main(dp: int, tp: int, pp: int, checks: list[str]) -> None:
             task = load_task("gpt", **GPT)
             task.dense_optimizer = OptimizerSpec("momentum", {"lr": 0.3, "momentum": 0.9})
             gb = 8
-            if mode == "tp":
-                got, sync = train(task, mesh, False, gb, 4, checkpoint=(directory, 3))
+            if mode in ("tp", "tpzero1"):
+                got, sync = train(task, mesh, False, gb, 4, checkpoint=(directory, 3), zero=int(mode == "tpzero1"))
             else:
                 from worker.peer import AllReduceDP
 

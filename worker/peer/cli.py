@@ -5,8 +5,9 @@
   no endpoint is given), which starts N ranks of ``python -m worker.peer ...`` on this node.
 - ``torchrun --nproc-per-node N -m worker.peer --task gpt ...`` is the same rank program under a
   torchrun you start yourself.
-- ``--dp D --tp T [--sequence-parallel]`` (world = D x T x P): the gpt model split over T ranks
-  (Megatron tensor parallelism, ``worker.peer.tensor_parallel``), D replicas averaged by all-reduce.
+- ``--dp D --tp T [--sequence-parallel] [--mode zero1]`` (world = D x T x P): the gpt model split over
+  T ranks (Megatron tensor parallelism, ``worker.peer.tensor_parallel``), D replicas averaged by
+  all-reduce (``zero1``: reduce-scatter, optimizer state split over the D replicas).
 
 Each rank joins the group, checks that every rank agrees on the run (one clear message on every
 rank otherwise), and trains with the trainer's step pipeline and the mode's ``ParamSync``.
@@ -254,8 +255,8 @@ def _mesh_sync(args: argparse.Namespace, task: Any, dp: int, device: Any, settin
 
     if args.pp > 1:
         raise PeerConfigError("--pp > 1: pipeline parallelism is not wired into tessera peer in this build")
-    if args.mode != "dp":
-        raise PeerConfigError(f"--mode {args.mode} with --tp/--dp: only dp composes with tensor parallelism here")
+    if args.mode not in ("dp", "zero1"):
+        raise PeerConfigError(f"--mode {args.mode} with --tp/--dp: dp and zero1 (ZeRO-1 over the DP dimension) compose with tensor parallelism")
     if args.compress != "none":
         raise PeerConfigError("--compress with --tp/--dp is not supported (dp mode without a mesh only)")
     m = task.model
@@ -266,7 +267,8 @@ def _mesh_sync(args: argparse.Namespace, task: Any, dp: int, device: Any, settin
              "sequence_parallel": args.sequence_parallel}
     mesh = ParallelMesh.build(dp, args.tp, args.pp, device=device, seed=args.seed, check=check)
     task = tensor_parallel_task(task, mesh, sequence_parallel=args.sequence_parallel)
-    return TensorParallelSync(task.model, task.dense_optimizer, mesh, settings=settings), task, mesh.dp_idx
+    sync = TensorParallelSync(task.model, task.dense_optimizer, mesh, settings=settings, zero=int(args.mode == "zero1"))
+    return sync, task, mesh.dp_idx
 
 
 def main(argv: Sequence[str] | None = None) -> int:
