@@ -208,6 +208,7 @@ def bench_zero_memory(mesh: Any, quick: bool, batch: int, bar: Any) -> dict[str,
 def bench_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch: int, bar: Any) -> dict[str, Any]:
     """(d) TP=2 (and TP=2 with sequence parallelism) against DP on the same gpt model and global
     batch, through the trainer; (e) activation bytes per rank in the transformer layers."""
+    import torch
     import torch.distributed as dist
 
     from worker.peer import AllReduceDP
@@ -254,7 +255,7 @@ def bench_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch
     ids = next(task.batches(0, 1, batch, 0))[:, :-1].to(mesh.device)
     acts: dict[str, int] = {}
     plain: Any = task.model
-    x = plain.embed(ids).detach().requires_grad_(True)
+    x = (plain.tok(ids) + plain.pos(torch.arange(ids.shape[1], device=ids.device))).detach().requires_grad_(True)
     with activation_bytes(plain) as ab:
         y = x
         for blk in plain.blocks:

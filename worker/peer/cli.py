@@ -260,9 +260,10 @@ def _mesh_sync(args: argparse.Namespace, task: Any, dp: int, device: Any, settin
     if args.compress != "none":
         raise PeerConfigError("--compress with --tp/--dp is not supported (dp mode without a mesh only)")
     m = task.model
-    if not all(hasattr(m, a) for a in ("vocab", "seq", "dim", "heads", "blocks")):
+    if not all(hasattr(m, a) for a in ("tok", "pos", "blocks", "ln", "head")) or not len(m.blocks):
         raise PeerConfigError(f"--tp/--sequence-parallel split the gpt task's model; task {args.task!r} is not one")
-    check = {"heads": m.heads, "dim": m.dim, "layers": len(m.blocks), "vocab": m.vocab, "seq": m.seq,
+    check = {"heads": m.blocks[0].heads, "dim": m.tok.embedding_dim, "layers": len(m.blocks), "vocab": m.tok.num_embeddings,
+             "seq": m.pos.num_embeddings,
              "global_batch": args.global_batch, "micro_batches": args.accumulate,
              "sequence_parallel": args.sequence_parallel}
     mesh = ParallelMesh.build(dp, args.tp, args.pp, device=device, seed=args.seed, check=check)

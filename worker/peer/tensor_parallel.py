@@ -305,40 +305,29 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, sta
 
 
 # --------------------------------------------------------------------------------------------------- the model
-class _TPAttention(nn.Module):
-    def __init__(self, qkv: ColumnParallelLinear, proj: RowParallelLinear, local_heads: int) -> None:
-        super().__init__()
-        self.qkv, self.proj, self.local_heads = qkv, proj, local_heads
+class _TPBlock(nn.Module):
+    """The ``gpt`` block split over the TP group, with the plain block's parameter names: attention
+    by heads (``qkv`` column-, ``proj`` row-parallel), the MLP by hidden (``fc`` column, ``out`` row)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.qkv(x)  # (S, B, 3 * heads/T * head_dim): full sequence
+    def __init__(self, ln1: nn.LayerNorm, qkv: ColumnParallelLinear, proj: RowParallelLinear, ln2: nn.LayerNorm,
+                 fc: ColumnParallelLinear, out: RowParallelLinear, local_heads: int, owner: Any) -> None:
+        super().__init__()
+        self.ln1, self.qkv, self.proj, self.ln2, self.fc, self.out = ln1, qkv, proj, ln2, fc, out
+        self.local_heads = local_heads
+        self._owner = [owner]  # not a submodule
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.qkv(x)  # (S, B, 3 * heads/T * head_dim): the full sequence
         s, b, n = y.shape
         hd = n // (3 * self.local_heads)
         q, k, v = y.view(s, b, 3, self.local_heads, hd).permute(2, 1, 3, 0, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads/T, S, hd)
-        return self.proj(a.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * hd))
-
-
-class _TPMLP(nn.Module):
-    def __init__(self, fc: ColumnParallelLinear, out: RowParallelLinear) -> None:
-        super().__init__()
-        self.fc, self.out = fc, out
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(F.gelu(self.fc(x)))
-
-
-class _TPBlock(nn.Module):
-    def __init__(self, ln1: nn.LayerNorm, attn: _TPAttention, ln2: nn.LayerNorm, mlp: _TPMLP, dropout: float, owner: Any) -> None:
-        super().__init__()
-        self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
-        self.dropout = dropout
-        self._owner = [owner]  # not a submodule
+        return self.proj(a.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * hd))  # type: ignore[no-any-return]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         drop = self._owner[0].drop
-        x = x + drop(self.attn(self.ln1(x)))
-        return x + drop(self.mlp(self.ln2(x)))
+        x = x + drop(self.attention(self.ln1(x)))
+        return x + drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
 
 class TensorParallelGPT(nn.Module):
@@ -348,14 +337,17 @@ class TensorParallelGPT(nn.Module):
     cross-entropy (vocab-parallel, the same value on every TP rank).
 
     ``sequence_parallel``: split the residual stream, LayerNorms and dropout along the sequence
-    (S divisible by T). ``rng``: the mesh's ``RNGStreams``; dropout on split activations (sequence-
-    parallel regions) draws from its ``tp`` stream, on replicated ones from the default stream.
+    (S divisible by T). ``dropout``: residual dropout (after the embedding, attention and MLP; the
+    plain model has none, so the equivalence checks run without). ``rng``: the mesh's
+    ``RNGStreams``; dropout on split activations (sequence-parallel regions) draws from its ``tp``
+    stream, on replicated ones from the default stream (so the TP ranks' replicas stay equal).
     """
 
-    def __init__(self, gpt: Any, group: Any, sequence_parallel: bool = False, rng: Any = None) -> None:
+    def __init__(self, gpt: Any, group: Any, sequence_parallel: bool = False, rng: Any = None, dropout: float = 0.0) -> None:
         super().__init__()
         t, r = _world(group), dist.get_rank(group)
-        vocab, seq, dim, heads = int(gpt.vocab), int(gpt.seq), int(gpt.dim), int(gpt.heads)
+        vocab, dim = int(gpt.tok.num_embeddings), int(gpt.tok.embedding_dim)
+        seq, heads = int(gpt.pos.num_embeddings), int(gpt.blocks[0].heads) if len(gpt.blocks) else 1
         check_divisibility(1, t, 1, heads=heads, dim=dim, vocab=vocab, seq=seq, sequence_parallel=sequence_parallel)
         self.group, self.tp, self.tp_rank, self.sequence_parallel, self.rng = group, t, r, sequence_parallel, rng
         self.vocab, self.seq, self.dim, self.heads = vocab, seq, dim, heads
@@ -375,23 +367,23 @@ class TensorParallelGPT(nn.Module):
         blocks = []
         for i, blk in enumerate(gpt.blocks):
             pre = f"blocks.{i}."
-            if not isinstance(getattr(blk, "mlp", None), nn.Module) or not hasattr(blk.mlp, "fc"):
-                raise PeerConfigError(f"tensor parallelism: block {i}'s MLP is not the plain fc/out MLP")
+            if getattr(blk, "mlp", None) is not None or not hasattr(blk, "fc"):
+                raise PeerConfigError(f"tensor parallelism: block {i}'s MLP is not the plain fc/out MLP (a mixture of experts?)")
             ln1 = nn.LayerNorm(dim, eps=blk.ln1.eps).to(full[pre + "ln1.weight"].dtype)
             ln1.weight.data, ln1.bias.data = spec(pre + "ln1.weight"), spec(pre + "ln1.bias")
-            qkv = ColumnParallelLinear(spec(pre + "attn.qkv.weight", (3, heads, hd, dim), 1),
-                                       spec(pre + "attn.qkv.bias", (3, heads, hd), 1), group, sp)
-            proj = RowParallelLinear(spec(pre + "attn.proj.weight", None, 1), spec(pre + "attn.proj.bias"), group, sp)
+            qkv = ColumnParallelLinear(spec(pre + "qkv.weight", (3, heads, hd, dim), 1),
+                                       spec(pre + "qkv.bias", (3, heads, hd), 1), group, sp)
+            proj = RowParallelLinear(spec(pre + "proj.weight", None, 1), spec(pre + "proj.bias"), group, sp)
             ln2 = nn.LayerNorm(dim, eps=blk.ln2.eps).to(full[pre + "ln2.weight"].dtype)
             ln2.weight.data, ln2.bias.data = spec(pre + "ln2.weight"), spec(pre + "ln2.bias")
-            fc = ColumnParallelLinear(spec(pre + "mlp.fc.weight", None, 0), spec(pre + "mlp.fc.bias", None, 0), group, sp)
-            out = RowParallelLinear(spec(pre + "mlp.out.weight", None, 1), spec(pre + "mlp.out.bias"), group, sp)
-            blocks.append(_TPBlock(ln1, _TPAttention(qkv, proj, heads // t), ln2, _TPMLP(fc, out), gpt.dropout, self))
+            fc = ColumnParallelLinear(spec(pre + "fc.weight", None, 0), spec(pre + "fc.bias", None, 0), group, sp)
+            out = RowParallelLinear(spec(pre + "out.weight", None, 1), spec(pre + "out.bias"), group, sp)
+            blocks.append(_TPBlock(ln1, qkv, proj, ln2, fc, out, heads // t, self))
         self.blocks = nn.ModuleList(blocks)
         self.ln = nn.LayerNorm(dim, eps=gpt.ln.eps).to(full["ln.weight"].dtype)
         self.ln.weight.data, self.ln.bias.data = spec("ln.weight"), spec("ln.bias")
         self.head = ColumnParallelLinear(spec("head.weight", None, 0), None, group, sp)
-        self.dropout = float(gpt.dropout)
+        self.dropout = float(dropout)
         missing = set(full) - set(specs)
         if missing:
             raise PeerConfigError(f"tensor parallelism: parameters with no shard rule: {sorted(missing)}")
@@ -670,12 +662,12 @@ class TensorParallelSync(ParamSync, Checkpointing):
         self.optimizer.load_state_dict({"state": {0: {**chunk, **scalars}}, "param_groups": sd["param_groups"]})
 
 
-def tensor_parallel_task(task: Any, mesh: ParallelMesh, sequence_parallel: bool = False) -> Any:
+def tensor_parallel_task(task: Any, mesh: ParallelMesh, sequence_parallel: bool = False, dropout: float = 0.0) -> Any:
     """The ``gpt`` task with its model replaced by this rank's ``TensorParallelGPT`` (built from the
     task's model); the task's loss and evaluation call the split model's own (vocab-parallel) loss.
     Batches: the trainer asks for worker ``mesh.dp_idx`` of ``mesh.dp``; every TP rank of a replica
     reads the same batch."""
-    model = TensorParallelGPT(task.model, mesh.tp_group, sequence_parallel, mesh.rng).to(mesh.device)
+    model = TensorParallelGPT(task.model, mesh.tp_group, sequence_parallel, mesh.rng, dropout).to(mesh.device)
     return replace(task, model=model)
 
 

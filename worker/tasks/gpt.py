@@ -3,7 +3,7 @@
 Model: token + learned position embeddings, ``layers`` pre-norm blocks (causal self-attention
 through ``torch.nn.functional.scaled_dot_product_attention``, a 4x GELU MLP), a final LayerNorm
 and an untied output head. Sizes come from the task options (``vocab``, ``seq``, ``dim``,
-``layers``, ``heads``, ``dropout``: residual and embedding dropout, 0 by default).
+``layers``, ``heads``).
 
 Corpus: an endless stream of sequences from a fixed random Markov chain over ``vocab`` tokens in
 which every token has 4 possible successors with probabilities 0.55/0.25/0.12/0.08, so the best
@@ -28,7 +28,7 @@ from torch import nn
 from ps import OptimizerSpec
 from worker.tasks import Task
 
-__all__ = ["GPT", "MLP", "Attention", "Block", "MarkovCorpus", "make_task"]
+__all__ = ["GPT", "MarkovCorpus", "make_task"]
 
 _PROBS = np.array([0.55, 0.25, 0.12, 0.08])
 
@@ -63,94 +63,56 @@ class MarkovCorpus:
         return out
 
 
-class Attention(nn.Module):
-    """Causal multi-head self-attention: ``qkv`` (rows: q, k, v, each heads x head_dim) and ``proj``."""
-
+class Block(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(a.transpose(1, 2).reshape(b, t, d))
-
-
-class MLP(nn.Module):
-    """``out(gelu(fc(x)))`` with a 4x hidden layer."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.fc = nn.Linear(dim, hidden)
-        self.out = nn.Linear(hidden, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(F.gelu(self.fc(x)))
-
-
-class Block(nn.Module):
-    """Pre-norm block: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``. ``mlp`` is a plain
-    submodule (any ``(B, T, dim) -> (B, T, dim)`` module may replace it, e.g. a mixture of experts)."""
-
-    def __init__(self, dim: int, heads: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(dim)
-        self.attn = Attention(dim, heads)
-        self.ln2 = nn.LayerNorm(dim)
-        self.mlp: nn.Module = MLP(dim, 4 * dim)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln1(x)))
-        return x + self.drop(self.mlp(self.ln2(x)))
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer: ``(B, T) int64 -> (B, T, vocab)`` logits; ``T <= seq``.
+    """Decoder-only transformer: ``(B, T) int64 -> (B, T, vocab)`` logits; ``T <= seq``."""
 
-    ``embed`` (ids -> residual stream), ``blocks`` and ``logits`` (final LayerNorm and head) are the
-    pieces a pipeline stage or a tensor-parallel copy (``worker.peer.tensor_parallel``) is built from."""
-
-    def __init__(self, vocab: int, seq: int, dim: int, layers: int, heads: int, dropout: float = 0.0) -> None:
+    def __init__(self, vocab: int, seq: int, dim: int, layers: int, heads: int) -> None:
         super().__init__()
         if dim % heads:
             raise ValueError(f"gpt: dim {dim} is not divisible by heads {heads}")
-        self.vocab, self.seq, self.dim, self.heads, self.dropout = vocab, seq, dim, heads, dropout
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
-        self.drop = nn.Dropout(dropout)
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, std=0.02)
                 if isinstance(m, nn.Linear) and m.bias is not None:
                     nn.init.zeros_(m.bias)
 
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device)))
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln(x))
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
         for blk in self.blocks:
             x = blk(x)
-        return self.logits(x)
+        return self.head(self.ln(x))
 
 
 def make_task(
     seed: int = 0, vocab: int = 256, seq: int = 64, dim: int = 64, layers: int = 2, heads: int = 4,
-    lr: float = 3e-3, test_size: int = 64, dtype: str = "float32", dropout: float = 0.0, **_: object,
+    lr: float = 3e-3, test_size: int = 64, dtype: str = "float32", **_: object,
 ) -> Task:
     torch.manual_seed(seed)
-    model = GPT(vocab, seq, dim, layers, heads, dropout)
+    model = GPT(vocab, seq, dim, layers, heads)
     if dtype != "float32":
         model = model.to(getattr(torch, dtype))
     corpus = MarkovCorpus(vocab, seq, seed)
@@ -167,18 +129,14 @@ def make_task(
         if callable(own):  # a split model (worker.peer.tensor_parallel) computes its own, vocab-parallel
             return own(batch)  # type: ignore[no-any-return]
         logits = m(batch[:, :-1])
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # 16-bit logits: the loss in fp32
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 
     test = corpus.block(0, test_size, stream=1)
 
     def evaluate(m: nn.Module) -> dict[str, float]:
         dev = next(m.parameters()).device if any(True for _ in m.parameters()) else torch.device("cpu")
-        was = m.training
-        m.eval()
         with torch.no_grad():
             test_loss = float(loss(m, test.to(dev)))
-        m.train(was)
         return {"test_loss": test_loss, "perplexity": math.exp(min(test_loss, 50.0))}
 
     n_params = sum(p.numel() for p in model.parameters())
