@@ -16,10 +16,16 @@ torch thread on CPU) in one process group:
 (c) Per-rank bytes kept between steps for ZeRO 0 (plain DP), 1, 2, 3 on the same gpt model after
     two Adam steps: optimizer state, gradients, parameters (``memory()`` of each sync), and each
     stage's peak gradient bytes during backward.
-(d) The same gpt step with tensor parallelism T=2 (``TensorParallelSync``; D = world/2), with and
+
+(d) MoE dispatch: ``MoE.dispatch`` (the per-expert counts exchanged, then the rows with variable
+    splits) against raw ``all_to_all_single`` with the same splits, 64 MiB per rank (``--quick``:
+    16) routed unevenly to 2 x D experts; repeats alternate; bus bandwidth = (D-1)/D x bytes / time.
+(e) A training step of an E=4 top-2 MoE ``gpt`` (experts of hidden 2 x dim, ``--ep D``) against
+    the dense ``gpt`` (hidden 4 x dim: the same active parameters per token), rounds alternating.
+(f) The same gpt step with tensor parallelism T=2 (``TensorParallelSync``; D = world/2), with and
     without sequence parallelism, against DP over all ranks (``AllReduceDP``), same global batch;
     rounds alternate the three; min and median step time.
-(e) Activation bytes per rank that autograd keeps for backward in the transformer layers (one
+(g) Activation bytes per rank that autograd keeps for backward in the transformer layers (one
     batch of 8 sequences): one process (T=1), TP=2, TP=2 + SP. Megatron's per-layer formula
     (Korthikanti et al. 2022, without the attention-score term) predicts SP/TP = 34/t / (10 + 24/t)
     = 0.77 at t=2 and SP/(T=1) = 1/t.
@@ -27,9 +33,10 @@ torch thread on CPU) in one process group:
 Output: a table, then a final line of JSON (also written to ``--json-out``) with
 ``allreduce_ratio`` (ours / raw bus bandwidth, the smaller of the two sizes' median ratios),
 ``dp_step_ratio`` (ours / DDP median step time), ``zero1_state_ratio``, ``zero2_grad_ratio``,
-``zero3_param_ratio`` (each against plain DP per rank), ``tp_vs_dp_step_ratio`` (TP=2 / DP median
-step time), ``sp_activation_ratio`` (activation bytes with SP / without, both at T=2),
-``sp_activation_ratio_vs_t1`` (with SP at T=2 / one process), and the figures behind them. The machine
+``zero3_param_ratio`` (each against plain DP per rank), ``alltoall_ratio`` (ours / raw all-to-all
+bus bandwidth, medians), ``moe_step_ratio`` (MoE / dense median step time), ``tp_vs_dp_step_ratio``
+(TP=2 / DP median step time), ``sp_activation_ratio`` (activation bytes with SP / without, both at
+T=2), ``sp_activation_ratio_vs_t1`` (with SP at T=2 / one process), and the figures behind them. The machine
 may be shared and noisy: compare ratios from the same run.
 
 DDP's process group is not torn down (torch 2.13 can deadlock freeing a DDP ``ProcessGroupGloo``);
@@ -122,11 +129,6 @@ def _gpt_opts(quick: bool) -> dict[str, Any]:
     return {"vocab": 256, "seq": 64, "dim": 64 if quick else 128, "layers": 2 if quick else 4, "heads": 4, "test_size": 8}
 
 
-def _stamp(stamps: list[float], step: int, trainer: Any) -> None:
-    """A trainer's on_step: the time each step ended."""
-    stamps.append(time.perf_counter())
-
-
 def bench_dp_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch: int, bar: Any) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -203,6 +205,106 @@ def bench_zero_memory(mesh: Any, quick: bool, batch: int, bar: Any) -> dict[str,
         out[mode] = mem
         bar.update(1)
     return out
+
+
+def bench_alltoall(mesh: Any, mib: int, repeats: int, bar: Any) -> dict[str, Any]:
+    """MoE dispatch (``MoE.dispatch``: the per-expert counts exchanged, then the rows with variable
+    splits) against raw ``all_to_all_single`` with the same splits on the same bytes. Rows go to
+    E=2 x world experts by a fixed uneven routing (expert e gets weight 1 + e)."""
+    import torch
+    import torch.distributed as dist
+
+    from worker.peer.moe import MoE, MoEConfig, expert_groups
+
+    dim = 256
+    experts = 2 * mesh.world
+    rows = mib * MiB // (dim * 4)
+    w = torch.arange(1, experts + 1, dtype=torch.float64)
+    counts = (w / w.sum() * rows).floor().to(torch.int64)
+    counts[-1] += rows - int(counts.sum())
+    layer = MoE(8, MoEConfig(experts=experts, top_k=1, hidden=8)).to(mesh.device)
+    groups = expert_groups(mesh.world)
+    layer.shard(groups.group, mesh.world, groups.rank)
+    x = torch.randn(rows, dim, device=mesh.device)
+    counts = counts.to(mesh.device)
+    in_splits = counts.view(mesh.world, -1).sum(1).tolist()
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts)
+    out_splits = recv_counts.view(mesh.world, -1).sum(1).tolist()
+    raw_out = x.new_empty(sum(out_splits), dim)
+    t_raw, t_ours = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        _sync(mesh.device)
+        t0 = time.perf_counter()
+        dist.all_to_all_single(raw_out, x, out_splits, in_splits)
+        _sync(mesh.device)
+        t_raw.append(time.perf_counter() - t0)
+        dist.barrier()
+        _sync(mesh.device)
+        t0 = time.perf_counter()
+        recv, _, _, _ = layer.dispatch(x, counts)
+        _sync(mesh.device)
+        t_ours.append(time.perf_counter() - t0)
+        bar.update(1)
+    assert torch.equal(recv, raw_out)
+    # bus bandwidth of an all-to-all: the bytes that leave the rank / time
+    nbytes = x.numel() * 4 * (mesh.world - 1) / mesh.world
+
+    def gbps(t: float) -> float:
+        return nbytes / t / 1e9
+
+    return {
+        "mib": mib, "experts": experts, "raw_gbps_med": gbps(statistics.median(t_raw)), "ours_gbps_med": gbps(statistics.median(t_ours)),
+        "raw_ms_min": 1e3 * min(t_raw), "raw_ms_med": 1e3 * statistics.median(t_raw),
+        "ours_ms_min": 1e3 * min(t_ours), "ours_ms_med": 1e3 * statistics.median(t_ours),
+        "ratio": statistics.median(t_raw) / statistics.median(t_ours), "ratio_min": min(t_raw) / min(t_ours),
+    }
+
+
+def _stamp(stamps: list[float], step: int, trainer: Any) -> None:
+    stamps.append(time.perf_counter())
+
+
+def bench_moe_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch: int, bar: Any) -> dict[str, Any]:
+    """A training step of an E=4 top-2 MoE ``gpt`` (expert hidden 2 x dim, experts split over the
+    ranks: ``--ep world``) against the dense ``gpt`` (MLP hidden 4 x dim: the same active
+    parameters per token), both through the trainer; rounds alternate; step time after warm-up."""
+    import torch.distributed as dist
+
+    from worker.peer import AllReduceDP
+    from worker.peer.moe import MoESync
+    from worker.tasks import load_task
+    from worker.trainer import TrainConfig, Trainer
+
+    times: dict[str, list[float]] = {"dense": [], "moe": []}
+    info: dict[str, Any] = {}
+    for _ in range(rounds):
+        for kind in ("dense", "moe"):
+            moe = {"moe_experts": 4, "moe_top_k": 2, "moe_hidden": 2 * _gpt_opts(quick)["dim"]} if kind == "moe" else {}
+            task = load_task("gpt", **_gpt_opts(quick), **moe)
+            if kind == "moe":
+                sync: Any = MoESync(task.model, task.dense_optimizer, ep=mesh.world, device=mesh.device)
+            else:
+                sync = AllReduceDP(task.model, task.dense_optimizer, device=mesh.device)
+            info[f"{kind}_params"] = int(task.info["params"])
+            info[f"{kind}_flops_per_token"] = task.info["flops_per_token"]
+            stamps: list[float] = []
+            cfg = TrainConfig(
+                mode="dp", steps=warmup + steps, batch_size=batch, worker_index=mesh.rank, num_workers=mesh.world,
+                device=str(mesh.device), progress=False, evaluate=False, name=f"rank{mesh.rank}",
+            )
+            dist.barrier()
+            t0 = time.perf_counter()
+            Trainer(task, sync, cfg, on_step=functools.partial(_stamp, stamps)).run()
+            stamps.insert(0, t0)
+            times[kind] += [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])]
+            bar.update(1)
+    return {
+        **info, "dense_ms_min": 1e3 * min(times["dense"]), "dense_ms_med": 1e3 * statistics.median(times["dense"]),
+        "moe_ms_min": 1e3 * min(times["moe"]), "moe_ms_med": 1e3 * statistics.median(times["moe"]),
+        "ratio": statistics.median(times["moe"]) / statistics.median(times["dense"]),
+    }
 
 
 def bench_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch: int, bar: Any) -> dict[str, Any]:
@@ -290,18 +392,21 @@ def rank_main(args: argparse.Namespace) -> None:
     repeats = 3 if quick else 15
     rounds, steps, warmup = (2, 3, 1) if quick else (4, 10, 2)
     batch = 8
-    total = len(sizes) * repeats + 2 * rounds + 4 + 3 * rounds + 1
+    total = len(sizes) * repeats + 2 * rounds + 4 + repeats + 2 * rounds + 3 * rounds + 1
     bar = tqdm(total=total, desc="bench/peer", disable=mesh.rank != 0 or args.no_progress, file=sys.stderr, mininterval=0.5)
     t0 = time.time()
     ar = bench_allreduce(mesh, sizes, repeats, bar)
     dp = bench_dp_step(mesh, quick, rounds, steps, warmup, batch, bar)
     zm = bench_zero_memory(mesh, quick, batch, bar)
+    a2a = bench_alltoall(mesh, sizes[-1], repeats, bar)
+    moe = bench_moe_step(mesh, quick, rounds, steps, warmup, batch, bar)
     tpr = bench_tp(mesh, quick, rounds, steps, warmup, batch, bar)
     bar.close()
     if mesh.rank == 0:
         result = {
             "world": mesh.world, "backend": mesh.backend, "device": str(mesh.device), "quick": quick,
-            "allreduce": ar, "dp_step": dp, "zero_memory": zm, "tp": tpr, "seconds": time.time() - t0,
+            "allreduce": ar, "dp_step": dp, "zero_memory": zm, "alltoall": a2a, "moe_step": moe, "tp": tpr,
+            "seconds": time.time() - t0,
         }
         with open(args.result, "w") as f:
             json.dump(result, f)
@@ -329,20 +434,12 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         "zero2_peak_grad_ratio": zm["zero2"]["peak_grad_bytes"] / base["grad_bytes"],
         "zero3_state_ratio": zm["zero3"]["state_bytes"] / base["state_bytes"],
     }
-    tp = res["tp"]
-    acts = tp["activation_bytes"]
-    figures.update({
-        "tp_step_ms": tp["tp_ms_med"], "tp_sp_step_ms": tp["tp_sp_ms_med"], "tp_dp_step_ms": tp["dp_ms_med"],
-        "tp_step_ms_min": tp["tp_ms_min"], "tp_dp_step_ms_min": tp["dp_ms_min"],
-        "tp_vs_dp_step_ratio": tp["tp_ms_med"] / tp["dp_ms_med"],
-        "sp_activation_ratio": acts["tp_sp"] / acts["tp"],
-        "sp_activation_ratio_vs_t1": acts["tp_sp"] / acts["t1"],
-        "tp_activation_ratio_vs_t1": acts["tp"] / acts["t1"],
-    })
     for s in sizes:
         figures[f"allreduce_{s}mib_ratio"] = ar[s]["ratio"]
         figures[f"raw_{s}mib_busbw_gbps"] = ar[s]["raw_gbps_med"]
         figures[f"ours_{s}mib_busbw_gbps"] = ar[s]["ours_gbps_med"]
+    figures.update(moe_figures(res))
+    figures.update(tp_figures(res))
     figures.update({
         "ours_step_ms": dp["ours_ms_med"], "ddp_step_ms": dp["ddp_ms_med"], "ours_step_ms_min": dp["ours_ms_min"],
         "ddp_step_ms_min": dp["ddp_ms_min"], "ours_tokens_per_s": dp["ours_tokens_per_s"], "gpt_params": dp["params"],
@@ -350,6 +447,55 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         "seconds": round(res["seconds"], 1), "loadavg": list(os.getloadavg()),
     })
     return figures
+
+
+def moe_figures(res: dict[str, Any]) -> dict[str, Any]:
+    a, m = res["alltoall"], res["moe_step"]
+    return {
+        "alltoall_ratio": a["ratio"], "alltoall_ratio_min": a["ratio_min"], "raw_alltoall_busbw_gbps": a["raw_gbps_med"], "ours_alltoall_busbw_gbps": a["ours_gbps_med"],
+        "moe_step_ratio": m["ratio"], "moe_step_ratio_min": m["moe_ms_min"] / m["dense_ms_min"], "moe_step_ms": m["moe_ms_med"], "dense_step_ms": m["dense_ms_med"],
+    }
+
+
+def tp_figures(res: dict[str, Any]) -> dict[str, Any]:
+    tp = res["tp"]
+    acts = tp["activation_bytes"]
+    return {
+        "tp_step_ms": tp["tp_ms_med"], "tp_sp_step_ms": tp["tp_sp_ms_med"], "tp_dp_step_ms": tp["dp_ms_med"],
+        "tp_step_ms_min": tp["tp_ms_min"], "tp_dp_step_ms_min": tp["dp_ms_min"],
+        "tp_vs_dp_step_ratio": tp["tp_ms_med"] / tp["dp_ms_med"],
+        "sp_activation_ratio": acts["tp_sp"] / acts["tp"],
+        "sp_activation_ratio_vs_t1": acts["tp_sp"] / acts["t1"],
+        "tp_activation_ratio_vs_t1": acts["tp"] / acts["t1"],
+    }
+
+
+def print_tp_table(res: dict[str, Any]) -> None:
+    tp = res["tp"]
+    print(f"\ngpt step, global batch {tp['global_batch']}: TP={tp['tp']} against DP={tp['dp_world']} (same model)")
+    print(f"{'':<14}{'ms min':>10}{'ms median':>12}")
+    for kind, label in (("dp", f"DP={tp['dp_world']}"), ("tp", f"TP={tp['tp']}"), ("tp_sp", f"TP={tp['tp']} + SP")):
+        print(f"{label:<14}{tp[kind + '_ms_min']:>10.1f}{tp[kind + '_ms_med']:>12.1f}")
+    a = tp["activation_bytes"]
+    print("\nactivation bytes per rank kept for backward (transformer layers, one batch)")
+    print(f"{'T=1 (no TP)':<14}{a['t1']:>12,}")
+    print(f"{'TP=2':<14}{a['tp']:>12,}{a['tp'] / a['t1']:>8.3f} of T=1")
+    print(f"{'TP=2 + SP':<14}{a['tp_sp']:>12,}{a['tp_sp'] / a['t1']:>8.3f} of T=1, {a['tp_sp'] / a['tp']:.3f} of TP=2")
+
+
+def print_moe_table(res: dict[str, Any]) -> None:
+    a, m = res["alltoall"], res["moe_step"]
+    print(f"\nMoE dispatch all-to-all, {a['mib']} MiB per rank to {a['experts']} experts (uneven splits)")
+    print(f"{'':<8}{'GB/s med':>10}{'ms min':>10}{'ms median':>12}")
+    print(f"{'raw':<8}{a['raw_gbps_med']:>10.3f}{a['raw_ms_min']:>10.1f}{a['raw_ms_med']:>12.1f}")
+    print(f"{'ours':<8}{a['ours_gbps_med']:>10.3f}{a['ours_ms_min']:>10.1f}{a['ours_ms_med']:>12.1f}")
+    print(f"ours / raw bus bandwidth: {a['ratio']:.3f} (medians), {a['ratio_min']:.3f} (best times)")
+    print(f"\ngpt step: E=4 top-2 MoE ({m['moe_params']:,} params, EP = world) vs dense ({m['dense_params']:,} params), "
+          f"same active parameters per token")
+    print(f"{'':<8}{'ms min':>10}{'ms median':>12}")
+    print(f"{'dense':<8}{m['dense_ms_min']:>10.1f}{m['dense_ms_med']:>12.1f}")
+    print(f"{'moe':<8}{m['moe_ms_min']:>10.1f}{m['moe_ms_med']:>12.1f}")
+    print(f"MoE / dense step time: {m['ratio']:.3f}")
 
 
 def print_table(res: dict[str, Any]) -> None:
@@ -371,16 +517,6 @@ def print_table(res: dict[str, Any]) -> None:
     print(f"{'stage':<8}{'params':>12}{'grads':>12}{'opt state':>12}{'peak grads':>12}")
     for mode, m in zm.items():
         print(f"{mode:<8}{m['param_bytes']:>12,}{m['grad_bytes']:>12,}{m['state_bytes']:>12,}{m['peak_grad_bytes']:>12,}")
-    tp = res["tp"]
-    print(f"\ngpt step, global batch {tp['global_batch']}: TP={tp['tp']} against DP={tp['dp_world']} (same model)")
-    print(f"{'':<14}{'ms min':>10}{'ms median':>12}")
-    for kind, label in (("dp", f"DP={tp['dp_world']}"), ("tp", f"TP={tp['tp']}"), ("tp_sp", f"TP={tp['tp']} + SP")):
-        print(f"{label:<14}{tp[kind + '_ms_min']:>10.1f}{tp[kind + '_ms_med']:>12.1f}")
-    a = tp["activation_bytes"]
-    print("\nactivation bytes per rank kept for backward (transformer layers, one batch)")
-    print(f"{'T=1 (no TP)':<14}{a['t1']:>12,}")
-    print(f"{'TP=2':<14}{a['tp']:>12,}{a['tp'] / a['t1']:>8.3f} of T=1")
-    print(f"{'TP=2 + SP':<14}{a['tp_sp']:>12,}{a['tp_sp'] / a['t1']:>8.3f} of T=1, {a['tp_sp'] / a['tp']:.3f} of TP=2")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -433,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(result) as f:
             res = json.load(f)
     print_table(res)
+    print_moe_table(res)
+    print_tp_table(res)
     figures = summarize(res)
     if args.json_out:
         os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)

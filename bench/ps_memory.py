@@ -196,9 +196,38 @@ def _child_main(arg: str) -> int:
     import torch
 
     torch.set_num_threads(int(kw.pop("threads")))
-    fn: Callable[..., dict[str, Any]] = {"rows": child_rows, "raw": child_raw, "tier": child_tier}[kind]
+    children: dict[str, Callable[..., dict[str, Any]]] = {"rows": child_rows, "raw": child_raw, "tier": child_tier}
+    fn = children[kind]
     print(json.dumps(fn(**kw)))
     return 0
+
+
+# ======================================================================== shared with ps_throughput
+def memory_figures(rows: int, repeats: int, threads: int | None = None) -> dict[str, Any]:
+    """The two issue-18 figures bench/ps_throughput.py reports, each with its baseline, from fresh
+    child processes: ``sparse_bytes_per_row_ratio`` (RSS growth of ``rows`` fp32 Adagrad rows of
+    dim 64 over their payload; baseline ``raw_bytes_per_row_ratio``: the payload as two numpy
+    arrays) and ``populate_rows_per_s`` (rows created per second by pulls of fresh ids, min(rows,
+    500k) rows, best and median of ``repeats``; baseline ``raw_fill_rows_per_s``, interleaved)."""
+    global THREADS
+    if threads is not None:
+        THREADS = threads
+    payload = rows * DIM * 4 * 2
+    raw = _run_child("raw", rows=rows)
+    fp32 = _run_child("rows", rows=rows, dtype="float32", optimizer="adagrad", init="zeros")
+    n = min(rows, 500_000)
+    pops, fills = [], []
+    for _ in range(repeats):
+        fills.append(_run_child("raw", rows=n)["seconds"])
+        pops.append(_run_child("rows", rows=n, dtype="float32", optimizer="adagrad", init="zeros")["seconds"])
+    return {
+        "sparse_bytes_per_row_ratio": round(fp32["growth"] / payload, 4),
+        "raw_bytes_per_row_ratio": round(raw["growth"] / payload, 4),
+        "sparse_bytes_per_row_rows": rows,
+        "populate_rows_per_s": round(n / min(pops)),
+        "populate_rows_per_s_median": round(n / statistics.median(pops)),
+        "raw_fill_rows_per_s": round(n / min(fills)),
+    }
 
 
 # ======================================================================== main

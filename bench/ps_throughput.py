@@ -45,6 +45,11 @@ raw_grpc_gbps, raw_tcp_gbps, dense_pushpull_gbps, dense_ratio, dense_sgd_ratio,
 adam_limit_ratio (with raw_grpc_roundtrip_ms, torch_fused_adam_ms,
 dense_adam_ms behind it), sparse_rows_per_s, sparse_gbps, sparse_ratio,
 sparse_vs_raw_same_size, dense_vs_tcp, per-variant figures, ...). Every child process is stopped on exit, also on Ctrl-C.
+
+(e) issue 18, from bench/ps_memory.py's fresh child processes: ``sparse_bytes_per_row_ratio``
+    (RSS growth of 2M fp32 Adagrad rows of dim 64 over their payload; baseline
+    ``raw_bytes_per_row_ratio``) and ``populate_rows_per_s`` (rows created per second, best and
+    median; baseline ``raw_fill_rows_per_s``).
 """
 from __future__ import annotations
 
@@ -499,6 +504,12 @@ def main(argv: list[str] | None = None) -> int:
             res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup)
             results += res
             extra["sparse_populate_s"] = round(populate_s, 3)
+        # (e) issue 18: bytes per sparse row and row creation rate (bench/ps_memory.py's children)
+        import ps_memory
+
+        mem_rows = 100_000 if quick else 2_000_000
+        log(f"PS memory: RSS of {mem_rows:,} fp32 Adagrad rows, populate rate (fresh processes)")
+        extra.update(ps_memory.memory_figures(mem_rows, 2 if quick else 3, threads=1))
     except BaseException as e:
         if not interrupted and not isinstance(e, KeyboardInterrupt):
             raise
@@ -550,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
         f"(goal >= 0.85: (raw round trip {raw_best.best * 1e3:.1f} ms + fused Adam {adam_math.best * 1e3:.1f} ms) / PS Adam "
         f"{dense_best.best * 1e3:.1f} ms); sparse {sparse.gbps:.3f} GB/s = {sparse.gbps / raw_grpc:.2f} x raw_grpc_gbps (goal >= 0.5; "
         f"{sparse.name}), {sparse.gbps / raw_small.gbps:.2f} x raw gRPC at the sparse size\n"
+        f"sparse_bytes_per_row_ratio {extra['sparse_bytes_per_row_ratio']:.3f} (goal <= 1.25; raw numpy arrays "
+        f"{extra['raw_bytes_per_row_ratio']:.3f}); populate_rows_per_s {extra['populate_rows_per_s']:,} best, "
+        f"{extra['populate_rows_per_s_median']:,} median (goal >= 1M; raw fill {extra['raw_fill_rows_per_s']:,})\n"
     )
 
     # ------------------------------------------------------------------ JSON

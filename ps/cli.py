@@ -247,7 +247,14 @@ def format_stats(stats: list[ShardStats], addresses: list[str], show_all: bool =
             lines.append(
                 f"  {t.name:<20} {t.kind:<7} {t.rows:>10} {t.elements:>12} {t.param_bytes / 1e6:>9.2f} {t.state_bytes / 1e6:>9.2f} {t.version:>8} {t.evicted:>8}"
             )
+            if t.kind == "sparse" and t.row_dtype:
+                lines.append(
+                    f"    memory: {t.row_dtype} rows, {t.bytes_per_row:.1f} B/row held (payload {t.payload_bytes_per_row}), "
+                    f"index {t.index_bytes / 1e6:.2f} MB, metadata {t.metadata_bytes / 1e6:.2f} MB, held {t.held_bytes / 1e6:.2f} MB; "
+                    f"resident {t.resident_rows} rows, cold {t.cold_rows} rows, disk {t.disk_bytes / 1e6:.2f} MB"
+                )
     lines.append("version: updates applied to the table (staleness counts these versions, not steps)")
+    lines.append("memory: B/row held = RAM the table holds per live row, every overhead included; payload = values + optimizer state")
     return "\n".join(lines)
 
 

@@ -287,17 +287,20 @@ class PSClient:
         eviction: EvictionSpec | None = None,
         num_slots: int = 4096,
         allow_nonfinite: bool = False,
+        row_dtype: str = "float32",
         **hparams: float,
     ) -> bool:
-        """Create the sparse table ``name`` on every shard: rows of ``dim`` float32 values, created on
+        """Create the sparse table ``name`` on every shard: rows of ``dim`` values, created on
         first touch by ``init`` (deterministic per (table, id, ``seed``)) and updated by ``optimizer``
-        (hyperparameters as keyword arguments, see the API reference). Returns True if any shard created
-        it, False if an identical table existed (a different one raises TableExistsError)."""
+        (hyperparameters as keyword arguments, see the API reference). ``row_dtype``: how the shards
+        store the rows, float32, float16 or bfloat16 (optimizer maths in float32; a low-precision
+        table's rows are pulled as stored and widened to float32 here). Returns True if any shard
+        created it, False if an identical table existed (a different one raises TableExistsError)."""
         try:
             spec = TableSpec(
-                name, SPARSE, dim=dim, optimizer=_opt(optimizer, hparams), initializer=_init(init), seed=seed,
-                admission=admission or AdmissionSpec(), eviction=eviction or EvictionSpec(), num_slots=num_slots,
-                allow_nonfinite=allow_nonfinite,
+                name, SPARSE, dim=dim, dtype=row_dtype, optimizer=_opt(optimizer, hparams), initializer=_init(init),
+                seed=seed, admission=admission or AdmissionSpec(), eviction=eviction or EvictionSpec(),
+                num_slots=num_slots, allow_nonfinite=allow_nonfinite,
             )
         except InvalidArgumentError as e:
             raise with_table(name, e) from None
@@ -777,7 +780,7 @@ class PSClient:
                     spec = sparse_plan[name][0]
                     idx = sparse_idx[name][i]
                     rows, vers = sparse_rows[name]
-                    rows[idx] = _reply_span(data, r.data_at, wire, (len(idx), spec.dim), name)
+                    rows[idx] = _reply_span(data, r.data_at, r.dtype or wire, (len(idx), spec.dim), name)
                     vers[idx] = _reply_span(data, r.versions_at, "int64", (len(idx),), name)
                     clocks.setdefault(name, []).append(r.clock)
                 else:

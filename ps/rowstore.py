@@ -226,6 +226,7 @@ class RowStore:
         self.backing = backing or RamBacking()
         self._chunks: list[_Chunk] = []
         self.n_alloc = 0  # rows [0, n_alloc) were handed out at least once
+        self.reuse = True  # alloc hands out released rows again (False: only fresh ones)
         self._free = np.zeros(0, np.int64)  # a stack of released rows
         self._n_free = 0
 
@@ -301,7 +302,7 @@ class RowStore:
 
     def alloc_bytes(self, n: int) -> int:
         """Bytes ``alloc(n)`` would allocate."""
-        return self.grow_bytes(max(0, n - self._n_free))
+        return self.grow_bytes(max(0, n - (self._n_free if self.reuse else 0)))
 
     def _ensure(self, need: int) -> None:
         if need <= self.capacity:
@@ -328,8 +329,9 @@ class RowStore:
     # ------------------------------------------------------------------ rows
     def alloc(self, n: int) -> np.ndarray:
         """``n`` row numbers: released ones first (most recently released first), then fresh ones.
-        Their contents are undefined until written."""
-        take = min(n, self._n_free)
+        Their contents are undefined until written. With ``reuse`` False: fresh ones only (released
+        rows stay untouched; a snapshot is reading them, see ps.tier.ColdTier.hold)."""
+        take = min(n, self._n_free) if self.reuse else 0
         reused = self._free[self._n_free - take : self._n_free][::-1].copy()
         fresh = n - take
         self._ensure(self.n_alloc + fresh)

@@ -429,7 +429,10 @@ class PSServicer:
                     at += piece.nbytes
             elif o.rows is not None and o.versions is not None:
                 r.count, r.dim = o.rows.shape[0], o.rows.shape[1]
-                piece = to_wire(o.rows, dtype)[1]
+                rdtype = self.shard.sparse_reply_dtype(o.table, dtype)  # low-precision rows travel as stored
+                if rdtype != dtype:
+                    r.dtype = rdtype
+                piece = to_wire(o.rows, rdtype)[1]
                 r.data_at, at = at, at + piece.nbytes
                 r.versions_at, at = at, at + o.versions.nbytes
                 pieces += [piece, byte_view(o.versions)]
@@ -446,7 +449,8 @@ class PSServicer:
             self._own(caller, req.worker)
             self.shard.membership.touch(req.worker)
         clock = self.shard.wait(req.table, policy, _time_left(context))
-        values, versions = self.shard.pull_sparse(req.table, ids)
+        dtype = self.shard.sparse_reply_dtype(req.table, dtype)  # low-precision rows travel as stored
+        values, versions = self.shard.pull_sparse(req.table, ids, dtype)
         head = pb.PullSparseReply(dtype=dtype, dim=table.dim, clock=clock)
         return self._out(frame(head, versions=byte_view(versions), data=to_wire(values, dtype)[1]))
 

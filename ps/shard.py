@@ -74,6 +74,16 @@ class TableStats:
     rejected: int = 0
     mean_staleness: float = -1.0
     max_staleness: int = 0
+    # sparse tables: where the bytes are (ps.table.TableMemory; "" / 0 for dense tables)
+    row_dtype: str = ""
+    bytes_per_row: float = 0.0
+    payload_bytes_per_row: int = 0
+    index_bytes: int = 0
+    metadata_bytes: int = 0
+    resident_rows: int = 0
+    cold_rows: int = 0
+    disk_bytes: int = 0
+    held_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,7 @@ class StepOutcome:
     version: int = 0
     clock: int = 0
     blocks: list | None = None
-    rows: np.ndarray | None = None
+    rows: Any = None  # sparse pull: (n, dim) tensor in the table's row dtype
     versions: np.ndarray | None = None
 
 
@@ -485,18 +495,28 @@ class Shard:
                 f"table {name!r}: {n} ids in one request exceeds the shard's limit of {self.config.max_ids_per_request}; split the request"
             )
 
-    def pull_sparse(self, name: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Rows and versions of ``ids``. The reply's size (float32 rows + int64 versions) is checked
-        against the message limit before anything is allocated (ResourceExhaustedError)."""
+    def sparse_reply_dtype(self, name: str, wire_dtype: str = "float32") -> str:
+        """The dtype a sparse pull of ``name`` answers in: ``wire_dtype`` (the caller's) for a float32
+        table; a low-precision table's rows travel as stored (its row dtype: exact, never rounded twice,
+        and no more bytes than any wire dtype asked for)."""
+        row_dtype = self.sparse(name).spec.dtype
+        return wire_dtype if row_dtype == "float32" else row_dtype
+
+    def pull_sparse(self, name: str, ids: np.ndarray, wire_dtype: str = "float32") -> tuple[Any, np.ndarray]:
+        """Rows and versions of ``ids``: rows as stored ((n, dim) tensor in the table's row dtype),
+        int64 versions. The reply's size (rows in ``sparse_reply_dtype(name, wire_dtype)`` + int64
+        versions) is checked against the message limit before anything is allocated
+        (ResourceExhaustedError)."""
         t = self.sparse(name)
         self.check_ids_request(name, len(ids))
-        reply = len(ids) * (t.dim * 4 + 8) + 4096
+        item = 2 if self.sparse_reply_dtype(name, wire_dtype) in ("float16", "bfloat16") else 4
+        reply = len(ids) * (t.dim * item + 8) + 4096
         if reply > self.config.max_message_bytes:
             raise ResourceExhaustedError(
                 f"table {name!r}: a pull of {len(ids)} ids of dim {t.dim} needs a {reply}-byte reply, over the "
                 f"shard's {self.config.max_message_bytes}-byte message limit; split the request"
             )
-        return t.pull(ids)
+        return t.pull_rows(ids)
 
     def push_sparse(
         self, name: str, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None,
@@ -924,11 +944,15 @@ class Shard:
                     )
                 )
             else:
+                m = t.memory_stats()
                 tables.append(
                     TableStats(
-                        name, "sparse", t.rows, t.rows * t.dim, t.param_bytes(), t.state_bytes(), t.updates,
+                        name, "sparse", m.rows, m.rows * t.dim, t.param_bytes(), t.state_bytes(), t.updates,
                         evicted=t.evicted, dropped=t.dropped, rejected=t.rejected,
                         mean_staleness=t.staleness.mean, max_staleness=t.staleness.max,
+                        row_dtype=m.row_dtype, bytes_per_row=m.bytes_per_row, payload_bytes_per_row=m.payload_bytes_per_row,
+                        index_bytes=m.index_bytes, metadata_bytes=m.metadata_bytes, resident_rows=m.resident_rows,
+                        cold_rows=m.cold_rows, disk_bytes=m.disk_bytes, held_bytes=m.held_bytes,
                     )
                 )
         # bounded: max_workers members with names of <= 256 characters; beyond _STATS_WORKERS, the

@@ -33,7 +33,7 @@ from ps.partition import SlotMap, dense_range, slot_of
 from ps.rowdtype import ROW_DTYPES, from_storage_array, round_rows, row_keys, to_storage_array
 from ps.rowstore import Column, RowStore, chunk_rows_for, limit_heap_retention
 from ps.sketch import CountMinSketch
-from ps.tier import ColdTier, ResidentBudget
+from ps.tier import ColdTier, Hold, ResidentBudget
 
 __all__ = ["DenseTable", "DenseUpdate", "SparseTable", "SparsePush", "TableMemory", "TieredRows", "RowDelta", "PushResult", "StalenessStats", "GRADIENT", "ASSIGN"]
 
@@ -381,17 +381,20 @@ def _filled(shape: tuple[int, int], value: float, dtype: torch.dtype) -> torch.T
 class TieredRows:
     """One column of a tiered table's export, read block by block (checkpoints stream it to disk:
     a table larger than RAM is never materialized). Rows at ``resident`` positions come from a
-    copy taken at export time (at most the resident budget); the others from a frozen clone of
-    the disk tier (``twin``, taken at the same moment). ``np.asarray`` materializes it.
+    copy taken at export time (at most the resident budget); the others straight from the disk
+    tier's file, at the slots they had at that moment, which a :class:`~ps.tier.Hold` keeps from
+    being overwritten until every column of the export is gone (no copy of the file, and the
+    table is not locked while the rows are read). ``np.asarray`` materializes it.
 
     ``dtype``/``shape``: of the storage array (float32, float16, or uint16 bit patterns of bf16)."""
 
     BLOCK_ROWS = 1 << 15
 
     def __init__(self, name: str, width: int, torch_dtype: torch.dtype, resident: np.ndarray, hot: torch.Tensor,
-                 cold_slots: np.ndarray, twin: RowStore) -> None:
+                 cold_slots: np.ndarray, hold: Hold) -> None:
         self.name, self._width, self._tdtype = name, width, torch_dtype
-        self._resident, self._hot, self._cold_slots, self._twin = resident, hot, cold_slots, twin
+        self._resident, self._hot, self._cold_slots = resident, hot, cold_slots
+        self._hold, self._twin = hold, hold.payload  # the hold lives as long as any column of the export
         self._hot_idx = np.cumsum(resident) - 1
         self._cold_idx = np.cumsum(~resident) - 1
         n = len(resident)
@@ -515,7 +518,8 @@ class SparseTable:
             if self._budget is not None:
                 self._budget.unregister(self._budget_handle)
             if self._cold is not None:
-                self._cold.close()
+                if not self._cold.held:  # else the snapshot reading it keeps the file until it is collected
+                    self._cold.close()
                 self._cold = None
 
     # ------------------------------------------------------------------ compatibility views
@@ -829,7 +833,10 @@ class SparseTable:
         Missing rows are created with the initializer (unless admission says not yet: then the
         initial values are returned but nothing is stored); cold rows are brought back."""
         self.check_ids(ids)
-        uniq, inverse = np.unique(ids, return_inverse=True)
+        if ids.ndim == 1 and ids.size and bool(np.all(ids[1:] > ids[:-1])):
+            uniq, inverse = ids, None  # unique and ascending already (PSClient sends each shard's ids so): no sort
+        else:
+            uniq, inverse = np.unique(ids, return_inverse=True)
         cap = self.spec.eviction.max_rows
         if cap and len(uniq) > cap:
             raise ResourceExhaustedError(
@@ -872,6 +879,8 @@ class SparseTable:
                 if have.size:
                     self._store.scatter(loc[have], {"touch": self.step})
             self._trim()
+        if inverse is None:
+            return out_vals, out_vers
         inv = torch.from_numpy(inverse.reshape(-1).astype(np.int64))
         return out_vals.index_select(0, inv), out_vers[inverse.reshape(-1)]
 
@@ -1011,7 +1020,8 @@ class SparseTable:
 
     def _export_tiered(self, ids: np.ndarray, loc: np.ndarray, extra: Any) -> dict[str, Any]:
         """export_state of a table with cold rows (caller holds the lock): resident rows copied,
-        the disk tier cloned on disk, values and state as TieredRows (streamed by checkpoints)."""
+        the disk tier's rows held in place (``ColdTier.hold``: read later, without the lock),
+        values and state as TieredRows (streamed by checkpoints)."""
         assert self._cold is not None
         res = loc >= 0
         names = ["values", *self._state_names]
@@ -1020,9 +1030,9 @@ class SparseTable:
         versions = np.empty(len(ids), np.int64)
         versions[res] = hot["version"].numpy()
         versions[~res] = self._cold.meta.gather(slots, ["version"])["version"].numpy()
-        twin = self._cold.payload.twin_on(self._cold.backing.clone())
+        hold = self._cold.hold()
         cols = {c.name: c for c in self._payload}
-        lazy = {k: TieredRows(k, cols[k].width, cols[k].dtype, res, hot[k], slots, twin) for k in names}
+        lazy = {k: TieredRows(k, cols[k].width, cols[k].dtype, res, hot[k], slots, hold) for k in names}
         return {
             "step": self.step, "updates": self.updates, "ids": ids, "values": lazy["values"], "versions": versions,
             "state": {k: lazy[k] for k in self._state_names}, "along": extra,
@@ -1044,7 +1054,10 @@ class SparseTable:
             self._index = IdIndex(max(self.INITIAL_INDEX, 2 * len(ids)))
             self._store.clear()
             if self._cold is not None:
-                self._cold.clear()
+                if self._cold.held:  # a snapshot still reads its file: leave it that file, start a new one
+                    self._cold = None
+                else:
+                    self._cold.clear()
             self.step = int(snap["step"])
             self.updates = int(snap.get("updates", 0))
             if len(ids):
@@ -1067,18 +1080,25 @@ class SparseTable:
             rows = self._store.alloc(hot)
             loc[new[:hot]] = rows
             if cold_n:
-                cold = self._cold_tier()
-                slots = cold.payload.alloc(cold_n)
-                same = cold.meta.alloc(cold_n)
-                assert np.array_equal(slots, same)
+                slots = self._cold_tier().alloc(cold_n)
                 loc[new[hot:]] = -slots - 2
             self._index.insert(ids[new], loc[new])
         data: dict[str, Any] = {"values": values, "version": np.asarray(versions, np.int64), "id": ids}
         for k in self._state_names:
             data[k] = torch.from_numpy(np.ascontiguousarray(state[k], np.float32))
         res = loc >= 0
+        if not res.all() and self._cold is not None and self._cold.held:
+            # a snapshot is reading the disk tier: never overwrite a cold row in place, bring it back
+            cold = np.flatnonzero(~res)
+            loc[cold] = self._promote(ids[cold], -loc[cold] - 2)
+            res = loc >= 0
+            demote_after = True
+        else:
+            demote_after = False
         if res.all():
             self._store.scatter(loc, {**data, "touch": self.step, "admits": 0} if new.size else {**data, "touch": self.step})
+            if demote_after:
+                self._trim()
             return
         for part, sel in ((res, loc[res]), (~res, -loc[~res] - 2)):
             if not part.any():

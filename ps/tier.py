@@ -12,11 +12,22 @@ file under ``directory``); their metadata (id, version, last touch) stays in RAM
 eviction and checkpoints need no disk read to choose rows. What a cold row costs in RAM: its
 metadata (26 bytes) and its id-index entry.
 
-Not thread-safe: the owning table's lock guards a tier; the budget's own lock guards its members.
+Snapshots without copying the file: :meth:`ColdTier.hold` (under the table's lock) freezes the
+payload of every cold row there is: while a hold is active, released slots are not handed out
+again (rows demoted meanwhile go to fresh slots) and the owning table never overwrites a cold
+row in place (it brings the row back first); ``clear``/``close`` leave the held file to the
+holder. So a checkpoint reads the cold rows it listed straight from the file, outside the lock,
+while the table goes on serving. A hold ends when its :class:`Hold` is released or garbage
+collected (from any thread, without the table's lock: applied at the tier's next use).
+
+Not thread-safe: the owning table's lock guards a tier (except ``Hold.release``); the budget's own
+lock guards its members.
 """
 from __future__ import annotations
 
+import collections
 import threading
+import weakref
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -24,7 +35,7 @@ import torch
 
 from ps.rowstore import Column, FileBacking, RowStore
 
-__all__ = ["ResidentBudget", "ColdTier"]
+__all__ = ["ResidentBudget", "ColdTier", "Hold"]
 
 
 class ResidentBudget:
@@ -62,6 +73,18 @@ class ResidentBudget:
         return max(0, (self.limit - self.others(handle)) // max(1, row_nbytes))
 
 
+class Hold:
+    """A snapshot's claim on a :class:`ColdTier`'s file (see ``ColdTier.hold``): the payload store
+    to read held slots from (``payload``). Ends at ``release()`` or when collected."""
+
+    def __init__(self, tier: "ColdTier", token: int) -> None:
+        self.payload = tier.payload
+        self._end = weakref.finalize(self, tier._done.append, token)  # deque.append: no lock, any thread
+
+    def release(self) -> None:
+        self._end()
+
+
 class ColdTier:
     """Cold rows: ``payload`` columns in a file, ``meta`` columns in RAM, numbered alike (slots)."""
 
@@ -71,6 +94,36 @@ class ColdTier:
         self.meta = RowStore(meta, chunk_rows, first_rows=chunk_rows)
         self.payload_names = [c.name for c in payload]
         self.meta_names = [c.name for c in meta]
+        self._holds: set[int] = set()
+        self._done: collections.deque[int] = collections.deque()
+        self._tokens = 0
+
+    def hold(self) -> Hold:
+        """Freeze the payload of the rows cold now until the returned Hold ends (see the module doc)."""
+        self._tokens += 1
+        self._holds.add(self._tokens)
+        self._sync()
+        return Hold(self, self._tokens)
+
+    @property
+    def held(self) -> bool:
+        """Is a snapshot reading the file? (Then: no slot reuse, no in-place payload writes.)"""
+        self._sync()
+        return bool(self._holds)
+
+    def _sync(self) -> None:
+        while self._done:
+            self._holds.discard(self._done.popleft())
+        reuse = not self._holds
+        self.payload.reuse = self.meta.reuse = reuse
+
+    def alloc(self, n: int) -> np.ndarray:
+        """``n`` slots (payload and metadata numbered alike; fresh ones only while held)."""
+        self._sync()
+        slots = self.payload.alloc(n)
+        same = self.meta.alloc(n)
+        assert np.array_equal(slots, same), "cold tier stores out of step"
+        return slots
 
     @property
     def live(self) -> int:
@@ -89,9 +142,7 @@ class ColdTier:
     def put(self, data: Mapping[str, torch.Tensor | np.ndarray]) -> np.ndarray:
         """Store rows (every payload and meta column given); returns their slots."""
         n = len(next(iter(data.values())))
-        slots = self.payload.alloc(n)
-        same = self.meta.alloc(n)
-        assert np.array_equal(slots, same), "cold tier stores out of step"
+        slots = self.alloc(n)
         self.payload.scatter(slots, {k: data[k] for k in self.payload_names})
         self.meta.scatter(slots, {k: data[k] for k in self.meta_names})
         self.backing.drop_pages()
@@ -111,9 +162,11 @@ class ColdTier:
         return out
 
     def update(self, slots: np.ndarray, data: Mapping[str, torch.Tensor | np.ndarray | float | int]) -> None:
-        """Overwrite columns of the rows at ``slots`` in place."""
+        """Overwrite columns of the rows at ``slots`` in place (payload columns: not while held)."""
         p = {k: v for k, v in data.items() if k in self.payload_names}
         if p:
+            if self.held:
+                raise RuntimeError("a held cold tier's payload is not overwritten in place (bring the rows back first)")
             self.payload.scatter(slots, p)
             self.backing.drop_pages()
         m = {k: v for k, v in data.items() if k in self.meta_names}

@@ -173,7 +173,10 @@ def stats_to_proto(s: ShardStats) -> pb.StatsReply:
                 name=t.name, kind=_KIND_TO_PB[t.kind], rows=t.rows, elements=t.elements,
                 param_bytes=t.param_bytes, state_bytes=t.state_bytes, version=t.version, offset=t.offset,
                 length=t.length, evicted=t.evicted, dropped=t.dropped, rejected=t.rejected,
-                mean_staleness=t.mean_staleness, max_staleness=t.max_staleness,
+                mean_staleness=t.mean_staleness, max_staleness=t.max_staleness, row_dtype=t.row_dtype,
+                bytes_per_row=t.bytes_per_row, payload_bytes_per_row=t.payload_bytes_per_row, index_bytes=t.index_bytes,
+                metadata_bytes=t.metadata_bytes, resident_rows=t.resident_rows, cold_rows=t.cold_rows,
+                disk_bytes=t.disk_bytes, held_bytes=t.held_bytes,
             )
             for t in s.tables
         ],
@@ -205,6 +208,8 @@ def stats_from_proto(msg: pb.StatsReply) -> ShardStats:
             TableStats(
                 t.name, _KIND_FROM_PB.get(t.kind, "?"), t.rows, t.elements, t.param_bytes, t.state_bytes, t.version,
                 t.offset, t.length, t.evicted, t.dropped, t.rejected, t.mean_staleness, t.max_staleness,
+                t.row_dtype, t.bytes_per_row, t.payload_bytes_per_row, t.index_bytes, t.metadata_bytes,
+                t.resident_rows, t.cold_rows, t.disk_bytes, t.held_bytes,
             )
             for t in msg.tables
         ],

@@ -72,6 +72,17 @@ def proc_cluster() -> Iterator[Callable[..., list[str]]]:
 
 
 @pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen]]:
+    """A list to append started processes to; those still running at the end are killed."""
+    made: list[subprocess.Popen] = []
+    yield made
+    for p in made:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture
 def train_workers() -> Callable[..., dict[int, Any]]:
     """train_workers(n, make_trainer) -> {i: Summary}: ``make_trainer(i).run()`` for i < n, each in its
     own thread (workers with their own PSClient); re-raises the first worker error."""

@@ -15,6 +15,7 @@ of a model and binds them to its ``PSClient``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,6 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ps import InitializerSpec, OptimizerSpec, PSClient, SyncPolicy
+from ps.rowdtype import ROW_DTYPES
+
+if TYPE_CHECKING:
+    from worker.emb_cache import EmbCache
 
 __all__ = ["PSEmbedding", "SparseGrad"]
 
@@ -36,6 +41,7 @@ class _Rows:
     rows: np.ndarray  # float32 (len(uniq), dim)
     versions: np.ndarray  # int64 row versions (for staleness)
     clock: int = 0  # the table's BSP clock at the pull
+    cached: Any = None  # a worker.emb_cache.CachedRows (rows already on the device) when a cache served them
 
 
 @dataclass
@@ -53,6 +59,11 @@ class PSEmbedding(nn.Module):
     ``mode="sum"|"mean"`` the last ids dimension is reduced (an embedding bag):
     ``(B, L) -> (B, dim)``. Rows are created on the shards on first touch with
     ``init`` (deterministic per id), and updated there by ``optimizer``.
+    ``row_dtype`` (float32, float16, bfloat16): how the shards store (and send)
+    the rows; the forward computes in float32, gradients are pushed as float32.
+
+    ``cache``: an optional ``worker.emb_cache.EmbCache`` (``attach_caches``): training fetches then
+    take hot rows from the worker's device and pull only the others (see that module for the rules).
 
     Not thread-safe: one forward/backward at a time (as for any module).
     """
@@ -65,22 +76,27 @@ class PSEmbedding(nn.Module):
         optimizer: str | OptimizerSpec = "adagrad",
         init: str | InitializerSpec = InitializerSpec("normal", {"std": 0.01}),
         seed: int = 0,
+        row_dtype: str = "float32",
         **hparams: float,
     ) -> None:
         super().__init__()
         if mode not in (None, "sum", "mean"):
             raise ValueError(f"PSEmbedding mode must be None, 'sum' or 'mean', got {mode!r}")
+        if row_dtype not in ROW_DTYPES:
+            raise ValueError(f"PSEmbedding {table!r}: row_dtype must be one of {sorted(ROW_DTYPES)}, got {row_dtype!r}")
         self.table, self.dim, self.mode = table, dim, mode
         self.optimizer = optimizer if isinstance(optimizer, OptimizerSpec) else OptimizerSpec(optimizer, hparams)
         self.init = init if isinstance(init, InitializerSpec) else InitializerSpec(init)
         self.seed = seed
+        self.row_dtype = row_dtype  # how the shards store the rows; pulled rows arrive widened to float32
         self.client: PSClient | None = None
         self.policy: SyncPolicy | None = None  # the trainer sets the policy of the current step
         self._prefetched: _Rows | None = None
         self._pending: list[tuple[_Rows, torch.Tensor]] = []
+        self.cache: EmbCache | None = None  # hot rows on the device (worker.emb_cache.attach_caches)
 
     def extra_repr(self) -> str:
-        return f"table={self.table!r}, dim={self.dim}, mode={self.mode}, optimizer={self.optimizer.name}"
+        return f"table={self.table!r}, dim={self.dim}, mode={self.mode}, optimizer={self.optimizer.name}, row_dtype={self.row_dtype}"
 
     # ------------------------------------------------------------------ rows
     def fetch(self, ids: torch.Tensor, policy: SyncPolicy | None = None) -> _Rows:
@@ -89,6 +105,11 @@ class PSEmbedding(nn.Module):
             raise RuntimeError(f"PSEmbedding {self.table!r} is not bound to a PSClient (train it with PSSync)")
         flat = ids.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
         uniq, inverse = np.unique(flat, return_inverse=True)
+        if self.cache is not None and policy is not None and self.training:  # a training step's rows
+            counts = np.bincount(inverse, minlength=len(uniq))
+            c = self.cache.fetch(self.client, self.table, uniq, counts, policy.clock, policy)
+            empty = np.zeros((0, self.dim), np.float32)
+            return _Rows(ids, uniq, inverse.reshape(tuple(ids.shape)), empty, c.versions, c.clock, c)
         rows, versions, clock = self.client.pull_sparse(self.table, uniq, return_versions=True, policy=policy, return_clock=True)
         return _Rows(ids, uniq, inverse.reshape(tuple(ids.shape)), rows, versions, clock)
 
@@ -106,7 +127,10 @@ class PSEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         r = self._rows_for(ids)
-        leaf = torch.from_numpy(r.rows).to(ids.device, non_blocking=True)
+        if r.cached is not None and self.cache is not None:
+            leaf = self.cache.ready(r.cached).to(ids.device)
+        else:
+            leaf = torch.from_numpy(r.rows).to(ids.device, non_blocking=True)
         if self.training and torch.is_grad_enabled():
             leaf.requires_grad_(True)
             self._pending.append((r, leaf))
@@ -124,7 +148,10 @@ class PSEmbedding(nn.Module):
         if not parts:
             return None
         ids = np.concatenate([r.uniq for r, _ in parts])
-        grads = np.concatenate([g.detach().cpu().numpy() for _, g in parts])
+        cache = self.cache
+        grads = np.concatenate([
+            cache.grads_to_host(g) if cache is not None and r.cached is not None else g.detach().cpu().numpy() for r, g in parts
+        ])
         versions = np.concatenate([r.versions for r, _ in parts])
         return SparseGrad(self.table, ids, grads, versions)
 

@@ -63,6 +63,8 @@ def add_worker_commands(sub: Any) -> None:
     w.add_argument("--num-workers", type=int, default=1, help="workers in the run (each takes its slice of every step's data)")
     w.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     w.add_argument("--lease", type=float, default=10.0, help="lease in seconds; heartbeats every lease/4")
+    w.add_argument("--emb-cache-rows", type=int, default=0, metavar="N", help="keep the N most used rows of each PS embedding on the worker's device (0: no cache)")
+    w.add_argument("--emb-cache-staleness", type=int, default=4, metavar="K", help="emb cache: ssp serves a cached row at most K steps after its pull, async refreshes it every K steps (sync: never stale)")
     w.add_argument("--no-overlap", action="store_true", help="no prefetch, no background pushes (for comparison)")
     w.add_argument("--eval-every", type=int, default=0, help="worker 0 evaluates every N steps (0: at the end)")
     w.add_argument("--max-seconds", type=float, default=0.0, help="stop after this many seconds (0: no limit)")
@@ -70,6 +72,11 @@ def add_worker_commands(sub: Any) -> None:
     w.add_argument(
         "--wire-dtype", default=None, choices=["float32", "float16", "bfloat16"],
         help="precision of pushes and pulls on the wire (tables stay float32; default float32)",
+    )
+    w.add_argument(
+        "--row-dtype", default=None, choices=["float32", "float16", "bfloat16"],
+        help="how the shards store the rows of the task's PSEmbedding tables (default: as the task says, float32); "
+        "rows are pulled as stored, computed in float32",
     )
     w.add_argument("--metrics-out", default=None, help="append JSON lines (steps, evals, summary) here")
     from tessera.metrics import add_metrics_args
@@ -188,6 +195,21 @@ def _worker(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     task = load_task(args.task, seed=args.seed, **_kv(args.task_opt))
+    if args.row_dtype is not None:
+        from worker.binding import PSEmbedding
+
+        for m in task.model.modules():
+            if isinstance(m, PSEmbedding):
+                m.row_dtype = args.row_dtype
+    caches: dict[str, Any] = {}
+    if args.emb_cache_rows:
+        from worker.emb_cache import attach_caches
+        from worker.trainer import resolve_device
+
+        try:
+            caches = attach_caches(task.model, args.emb_cache_rows, args.emb_cache_staleness, args.mode, resolve_device(args.device))
+        except ValueError as e:
+            raise UsageError(f"--emb-cache-rows/--emb-cache-staleness: {e}") from None
     if args.eval_every > 0 and task.evaluate is None:
         print(
             f"tessera worker: warning: --eval-every {args.eval_every}: task {task.name!r} has no evaluation "
@@ -214,6 +236,9 @@ def _worker(args: argparse.Namespace) -> int:
         f"max {summary.max_staleness}{' (stopped early)' if summary.stopped_early else ''} {metrics}",
         file=sys.stderr,
     )
+    for name, c in caches.items():
+        print(f"{summary.worker} emb cache {name}: hit rate {c.stats.hit_rate:.3f} of lookups, {c.stats.row_hit_rate:.3f} of rows; "
+              f"{c.stats.pulled} rows pulled, {c.stats.copied} copied to the device", file=sys.stderr)
     return 0
 
 

@@ -247,7 +247,7 @@ class PSSync(ParamSync):
             if self.flat.numel:
                 self.client.create_dense(self.dense_table, self.flat.numel, optimizer=self.dense_optimizer, init=self.flat.data.cpu().numpy())
             for m in self.embeddings.values():
-                self.client.create_sparse(m.table, m.dim, optimizer=m.optimizer, init=m.init, seed=m.seed)
+                self.client.create_sparse(m.table, m.dim, optimizer=m.optimizer, init=m.init, seed=m.seed, row_dtype=m.row_dtype)
             self.client.create_dense(self.ready_table, 1)
             return
         t0 = time.monotonic()

@@ -351,11 +351,14 @@ class Trainer:
                 eps = window["n"] * cfg.batch_size / max(now - window["t"], 1e-9)
                 mean_loss = float(np.mean(losses[-int(window["n"]) :]))
                 st = float(np.mean(stale_all[-50:])) if stale_all else 0.0
+                # a sync's own per-window metrics (MoE: tokens per expert, drops, all-to-all time and bytes)
+                extra = s.window_metrics() if hasattr(s, "window_metrics") else {}
                 if bar is not None:
-                    bar.set_postfix(loss=f"{mean_loss:.4f}", eps=f"{eps:,.0f}", stale=f"{st:.1f}")
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", eps=f"{eps:,.0f}", stale=f"{st:.1f}",
+                                    **{key: f"{v:.3g}" for key, v in extra.items() if isinstance(v, float)})
                 self._record(
                     kind="step", step=step, loss=mean_loss, examples_per_s=eps, staleness=st,
-                    compute_s=window["compute"], pull_wait_s=window["pull"], push_wait_s=window["push"],
+                    compute_s=window["compute"], pull_wait_s=window["pull"], push_wait_s=window["push"], **extra,
                 )
                 window = dict(t=now, n=0, compute=0.0, pull=0.0, push=0.0)
             if cfg.eval_every and evaluates and step % cfg.eval_every == 0 and fut is not None:

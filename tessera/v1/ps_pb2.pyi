@@ -331,7 +331,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "kind", "rows", "elements", "param_bytes", "state_bytes", "version", "offset", "length", "evicted", "dropped", "rejected", "mean_staleness", "max_staleness")
+    __slots__ = ("name", "kind", "rows", "elements", "param_bytes", "state_bytes", "version", "offset", "length", "evicted", "dropped", "rejected", "mean_staleness", "max_staleness", "row_dtype", "bytes_per_row", "payload_bytes_per_row", "index_bytes", "metadata_bytes", "resident_rows", "cold_rows", "disk_bytes", "held_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -346,6 +346,15 @@ class TableStats(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    ROW_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_BYTES_PER_ROW_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    METADATA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    COLD_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: TableKind
     rows: int
@@ -360,7 +369,16 @@ class TableStats(_message.Message):
     rejected: int
     mean_staleness: float
     max_staleness: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., rows: _Optional[int] = ..., elements: _Optional[int] = ..., param_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ...) -> None: ...
+    row_dtype: str
+    bytes_per_row: float
+    payload_bytes_per_row: int
+    index_bytes: int
+    metadata_bytes: int
+    resident_rows: int
+    cold_rows: int
+    disk_bytes: int
+    held_bytes: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., rows: _Optional[int] = ..., elements: _Optional[int] = ..., param_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., row_dtype: _Optional[str] = ..., bytes_per_row: _Optional[float] = ..., payload_bytes_per_row: _Optional[int] = ..., index_bytes: _Optional[int] = ..., metadata_bytes: _Optional[int] = ..., resident_rows: _Optional[int] = ..., cold_rows: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("shard_index", "num_shards", "tables", "requests", "errors", "bytes_in", "bytes_out", "uptime_s", "workers", "leases_expired", "pushes_aborted_idle", "duplicates", "maintenance_errors", "sync_clock", "checkpoints", "last_checkpoint", "role", "backup", "replicated", "backups_lost")
@@ -543,7 +561,7 @@ class StepRequest(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., client: _Optional[str] = ..., dtype: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[StepPart, _Mapping]]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StepPartReply(_message.Message):
-    __slots__ = ("table", "op", "version", "staleness", "clock", "late", "duplicate", "applied", "dropped", "mean_staleness", "max_staleness", "count", "dim", "data_at", "versions_at")
+    __slots__ = ("table", "op", "version", "staleness", "clock", "late", "duplicate", "applied", "dropped", "mean_staleness", "max_staleness", "count", "dim", "data_at", "versions_at", "dtype")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -559,6 +577,7 @@ class StepPartReply(_message.Message):
     DIM_FIELD_NUMBER: _ClassVar[int]
     DATA_AT_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_AT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     table: str
     op: StepOp
     version: int
@@ -574,7 +593,8 @@ class StepPartReply(_message.Message):
     dim: int
     data_at: int
     versions_at: int
-    def __init__(self, table: _Optional[str] = ..., op: _Optional[_Union[StepOp, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., clock: _Optional[int] = ..., late: bool = ..., duplicate: bool = ..., applied: _Optional[int] = ..., dropped: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., count: _Optional[int] = ..., dim: _Optional[int] = ..., data_at: _Optional[int] = ..., versions_at: _Optional[int] = ...) -> None: ...
+    dtype: str
+    def __init__(self, table: _Optional[str] = ..., op: _Optional[_Union[StepOp, str]] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., clock: _Optional[int] = ..., late: bool = ..., duplicate: bool = ..., applied: _Optional[int] = ..., dropped: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., count: _Optional[int] = ..., dim: _Optional[int] = ..., data_at: _Optional[int] = ..., versions_at: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class StepReply(_message.Message):
     __slots__ = ("parts", "data")

@@ -16,6 +16,7 @@ KEYS = [
     "raw_grpc_gbps", "raw_tcp_gbps", "dense_pushpull_gbps", "dense_ratio", "sparse_rows_per_s", "sparse_gbps",
     "dense_sgd_gbps", "dense_sgd_ratio", "adam_limit_ratio", "raw_grpc_roundtrip_ms", "torch_fused_adam_ms", "dense_adam_ms",
     "sparse_ratio", "sparse_pullpush_gbps", "sparse_step_gbps", "raw_grpc_sparse_size_gbps", "sparse_vs_raw_same_size",
+    "sparse_bytes_per_row_ratio", "raw_bytes_per_row_ratio", "populate_rows_per_s", "populate_rows_per_s_median", "raw_fill_rows_per_s",
 ]
 
 

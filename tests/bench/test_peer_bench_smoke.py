@@ -13,6 +13,7 @@ from bench_run import run_quick
 KEYS = [
     "allreduce_ratio", "dp_step_ratio", "zero1_state_ratio", "zero2_grad_ratio", "zero3_param_ratio",
     "ours_step_ms", "ddp_step_ms", "ours_tokens_per_s", "raw_4mib_busbw_gbps", "ours_16mib_busbw_gbps",
+    "alltoall_ratio", "moe_step_ratio", "raw_alltoall_busbw_gbps", "moe_step_ms", "dense_step_ms",
     "tp_step_ms", "tp_sp_step_ms", "tp_dp_step_ms", "tp_vs_dp_step_ratio", "sp_activation_ratio", "sp_activation_ratio_vs_t1",
 ]
 
@@ -32,4 +33,5 @@ def test_peer_bench_quick(tmp_path) -> None:
     # sequence parallelism at T=2: fewer activation bytes than plain TP, half of one process's
     assert last["sp_activation_ratio"] < 0.9, last
     assert last["sp_activation_ratio_vs_t1"] <= 0.55, last
-    assert "ours / DDP step time" in stdout and "all-reduce" in stdout and "TP=2 + SP" in stdout
+    assert "ours / DDP step time" in stdout and "all-reduce" in stdout and "MoE / dense step time" in stdout
+    assert "TP=2 + SP" in stdout

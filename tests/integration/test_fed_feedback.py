@@ -13,16 +13,21 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 from typing import Any
 
 import numpy as np
 import pytest
+from fed_harness import Harness
 
 from federated.client import ClientNode, check_outcome
 from federated.config import NodeConfig, ServerConfig
-from federated.errors import ClientFailedError, ConfigError, ServerUnavailableError, TrainingFailedError
+from federated.errors import (
+    ClientFailedError,
+    ConfigError,
+    ServerUnavailableError,
+    TrainingFailedError,
+)
 from federated.orchestrator import RoundFailedError
 from federated.runtime import Client, ClientRuntime
 from federated.server import FedServer
@@ -45,64 +50,19 @@ class WrongModel(Client):
         raise ValueError(f"size mismatch: my model has 7 parameters, got {sum(w.size for w in weights)}")
 
 
-class Live:
-    """A started FedServer (run in a thread) and client nodes in threads; closed by the fixture."""
+class Live(Harness):
+    """fed_harness's server and nodes with this file's defaults: 10 rounds, no wait timeout, and
+    each node's outcome checked as ``start_client`` does after ``run()``."""
 
     def __init__(self, **cfg: Any) -> None:
-        self.status: list[tuple[float, str]] = []
+        cfg.setdefault("rounds", 10)
         cfg.setdefault("round_timeout", 10)
-        cfg.setdefault("eval_every", 0)
-        self.server = FedServer(ServerConfig(**cfg), make_strategy("fedavg"), W0,
-                                on_status=lambda line: self.status.append((time.monotonic(), line)))
-        self.address = f"127.0.0.1:{self.server.start()}"
-        self.nodes: list[ClientNode] = []
-        self.threads: list[threading.Thread] = []
-        self.outcome: dict[int, BaseException | None] = {}
-        self.run_error: BaseException | None = None
-        self.run_thread: threading.Thread | None = None
+        cfg.setdefault("wait_timeout", None)
+        super().__init__(W0, **cfg)
 
-    def run_in_thread(self) -> None:
-        def go() -> None:
-            try:
-                self.server.run()
-            except BaseException as e:  # noqa: BLE001 - the test looks at it
-                self.run_error = e
-
-        self.run_thread = threading.Thread(target=go, daemon=True)
-        self.run_thread.start()
-
-    def client(self, client: Client, cid: str) -> ClientNode:
-        node = ClientNode(NodeConfig(address=self.address, reconnect_timeout=20), ClientRuntime(lambda _c: client),
-                          [cid])
-        k = len(self.nodes)
-
-        def go() -> None:
-            try:
-                node.run()
-                check_outcome(node)  # what start_client does after run()
-                self.outcome[k] = None
-            except BaseException as e:  # noqa: BLE001
-                self.outcome[k] = e
-
-        t = threading.Thread(target=go, daemon=True)
-        t.start()
-        self.nodes.append(node)
-        self.threads.append(t)
-        return node
-
-    def join(self, timeout: float = 30) -> None:
-        end = time.monotonic() + timeout
-        for t in [self.run_thread, *self.threads]:
-            if t is not None:
-                t.join(max(0.1, end - time.monotonic()))
-                assert not t.is_alive(), "a thread did not finish"
-
-    def close(self) -> None:
-        self.server.stop(grace=0.5)
-        for n in self.nodes:
-            n.stop()
-        for t in self.threads:
-            t.join(10)
+    def client(self, client: Client, cid: str | None, **kw: Any) -> ClientNode:
+        kw.setdefault("reconnect_timeout", 20)
+        return super().client(client, cid, check=True, **kw)
 
 
 @pytest.fixture
@@ -134,7 +94,7 @@ def test_failing_round_backs_off_reports_and_stops_cleanly(live) -> None:
     assert retries[1][0] - retries[0][0] >= 0.4 - 0.05  # it really waited
     assert took >= 0.4 + 0.8 - 0.05
     s.threads[0].join(20)
-    err = s.outcome[0]
+    err = s.results[0]
     # the client never contributed: it says so, with its own error and the server's reason
     assert isinstance(err, ClientFailedError), err
     assert "never contributed" in str(err) and "size mismatch" in str(err) and "training failed" in str(err)
@@ -152,8 +112,8 @@ def test_contributing_client_finishes_while_a_mismatched_one_fails(live) -> None
     # reference: FedAvg of the one good client, twice, from zeros, computed here
     for got, w0 in zip(s.server.weights, W0):
         np.testing.assert_array_equal(got, w0 + 2)
-    assert s.outcome[0] is None and s.nodes[0].stats.contributed == 2
-    assert isinstance(s.outcome[1], ClientFailedError) and "never contributed: 2" in str(s.outcome[1])
+    assert s.results[0] is None and s.nodes[0].stats.contributed == 2
+    assert isinstance(s.results[1], ClientFailedError) and "never contributed: 2" in str(s.results[1])
 
 
 @pytest.mark.timeout(60)
@@ -172,7 +132,7 @@ def test_server_says_it_is_waiting_for_clients(live) -> None:
     s.join()
     assert s.run_error is None and len(s.server.history) == 1
     assert [line for _, line in s.status] == ["waiting for clients (0/2 connected)", "waiting for clients (1/2 connected)"]
-    assert all(x is None for x in s.outcome.values())
+    assert all(x is None for x in s.results.values())
 
 
 @pytest.mark.timeout(30)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from worker.peer import init_mesh, make_sync
+from worker.peer import init_mesh, make_sync, shutdown_group
 from worker.tasks import Task, load_task
 from worker.trainer import TrainConfig, Trainer
 
@@ -239,7 +239,7 @@ def main(checks: list[str]) -> None:
             raise SystemExit(f"{check}: the fault went unnoticed")
         else:
             raise SystemExit(f"unknown check {check!r}")
-    dist.destroy_process_group()
+    shutdown_group()
 
 
 if __name__ == "__main__":

@@ -22,16 +22,6 @@ def tessera(*args: str, **kw) -> subprocess.Popen:
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, **kw)
 
 
-@pytest.fixture
-def procs():
-    made: list[subprocess.Popen] = []
-    yield made
-    for p in made:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-
-
 def test_server_and_clients_over_tls_with_tokens(procs, tmp_path) -> None:
     from tessera.cli import main
 

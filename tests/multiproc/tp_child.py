@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ps import OptimizerSpec
+from worker.peer import shutdown_group
 from worker.peer.mesh import ParallelMesh, PeerConfigError, init_mesh
 from worker.peer.tensor_parallel import (
     TensorParallelGPT,
@@ -213,7 +214,7 @@ def main(dp: int, tp: int, pp: int, checks: list[str]) -> None:
             print("OK dropout", flush=True)
         else:
             raise SystemExit(f"unknown check {check!r}")
-    dist.destroy_process_group()
+    shutdown_group()
 
 
 if __name__ == "__main__":

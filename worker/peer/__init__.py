@@ -9,6 +9,7 @@ from worker.peer.mesh import (
     PeerError,
     check_agreement,
     init_mesh,
+    shutdown_group,
     torch_optimizer,
 )
 from worker.peer.zero import ZeroSync
@@ -24,6 +25,7 @@ __all__ = [
     "init_mesh",
     "make_buckets",
     "make_sync",
+    "shutdown_group",
     "torch_optimizer",
 ]
 

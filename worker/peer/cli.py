@@ -41,6 +41,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="with --tp: LayerNorm/dropout regions split along the sequence (all-gather/reduce-scatter)")
     p.add_argument("--ps", default="", help="hybrid: HOST:PORT,... of every PS shard, in shard order")
     p.add_argument("--sparse-mode", default="async", choices=["async", "ssp", "sync"], help="hybrid: the rows' consistency on the PS")
+    p.add_argument("--moe-experts", type=int, default=0, help="gpt: experts per MoE layer (0: dense MLPs)")
+    p.add_argument("--moe-top-k", type=int, default=2, choices=[1, 2], help="experts per token")
+    p.add_argument("--moe-every", type=int, default=1, help="an MoE MLP in every N-th block")
+    p.add_argument("--moe-capacity", type=float, default=1.25, help="capacity factor: assignments past it are dropped")
+    p.add_argument("--moe-aux", type=float, default=0.01, help="load-balancing loss coefficient")
+    p.add_argument("--moe-z", type=float, default=0.001, help="router z-loss coefficient")
+    p.add_argument("--ep", type=int, default=1, help="expert parallelism: experts split over groups of EP data-parallel ranks")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--global-batch", type=int, default=64, help="examples per step over all ranks (divisible by world size x accumulate)")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (no all-reduce on accumulation micro-batches)")
@@ -114,14 +121,22 @@ def run_rank(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from worker.peer import PeerConfigError, PeerError, init_mesh, make_sync
+    from worker.peer import (
+        PeerConfigError,
+        PeerError,
+        init_mesh,
+        make_sync,
+        shutdown_group,
+    )
     from worker.peer.mesh import Liveness
+    from worker.peer.moe import MoESync, moe_layers
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
 
     mesh = init_mesh(args.backend, args.device, args.timeout)
     rank, world = mesh.rank, mesh.world
     client: Any = None
+    ok = False
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         threads = args.torch_threads or max(1, (os.cpu_count() or 1) // local)
@@ -144,6 +159,9 @@ def run_rank(args: argparse.Namespace) -> int:
             )
         per_rank = args.global_batch // dp
         opts = _kv(args.task_opt)
+        if args.moe_experts:
+            opts.update(moe_experts=args.moe_experts, moe_top_k=args.moe_top_k, moe_every=args.moe_every,
+                        moe_capacity=args.moe_capacity, moe_aux=args.moe_aux, moe_z=args.moe_z)
         task = load_task(args.task, seed=args.seed, **opts)
         settings = {
             "task": args.task, "task_opts": json.dumps(opts, sort_keys=True), "global_batch": args.global_batch,
@@ -167,6 +185,14 @@ def run_rank(args: argparse.Namespace) -> int:
                 bucket_mb=args.bucket_mb, compress=compress, sparse_mode=args.sparse_mode, sparse_ids=task.sparse_ids,
                 settings=settings,
             )
+        elif moe_layers(task.model) or args.moe_experts or args.ep > 1:
+            if not moe_layers(task.model):
+                raise PeerConfigError(
+                    f"--moe-experts: task {args.task!r} has no MoE layers (the gpt task builds them)" if args.moe_experts
+                    else f"--ep {args.ep} needs a model with MoE layers: add --moe-experts E (gpt)"
+                )
+            sync = MoESync(task.model, task.dense_optimizer, ep=args.ep, mode=args.mode, device=mesh.device,
+                           bucket_mb=args.bucket_mb, compress=compress, settings=settings)
         else:
             sync = make_sync(
                 args.mode, task.model, task.dense_optimizer, device=mesh.device, bucket_mb=args.bucket_mb,
@@ -236,6 +262,7 @@ def run_rank(args: argparse.Namespace) -> int:
                 report["peak_tflops"], report["peak_source"] = peak, source
         if rank == 0:
             print(json.dumps(report), flush=True)
+        ok = True
         return 0
     except PeerConfigError as e:
         print(f"tessera peer: rank {rank}: {e}", file=sys.stderr, flush=True)
@@ -243,8 +270,7 @@ def run_rank(args: argparse.Namespace) -> int:
     finally:
         if client is not None:
             client.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_group(barrier=ok)
 
 
 def _mesh_sync(args: argparse.Namespace, task: Any, dp: int, device: Any, settings: dict[str, Any]) -> tuple[Any, Any, int]:
@@ -259,6 +285,8 @@ def _mesh_sync(args: argparse.Namespace, task: Any, dp: int, device: Any, settin
         raise PeerConfigError(f"--mode {args.mode} with --tp/--dp: dp and zero1 (ZeRO-1 over the DP dimension) compose with tensor parallelism")
     if args.compress != "none":
         raise PeerConfigError("--compress with --tp/--dp is not supported (dp mode without a mesh only)")
+    if getattr(args, "ep", 1) > 1 or getattr(args, "moe_experts", 0):
+        raise PeerConfigError("--ep/--moe-experts with --tp/--dp: mixture-of-experts layers are not split by tensor parallelism here")
     m = task.model
     if not all(hasattr(m, a) for a in ("tok", "pos", "blocks", "ln", "head")) or not len(m.blocks):
         raise PeerConfigError(f"--tp/--sequence-parallel split the gpt task's model; task {args.task!r} is not one")

@@ -233,6 +233,7 @@ class AllReduceDP(ParamSync, Checkpointing):
     def _finish(self, b: Bucket) -> None:
         for w in b.works:
             w.wait()
+        b.works = []
         if self.compress is None:
             return
         send, recv = b.staged

@@ -249,6 +249,25 @@ class Liveness:
         self._stop.set()
 
 
+def shutdown_group(barrier: bool = True) -> None:
+    """Leave the process group cleanly: every rank reaches this point (``barrier``: after a run
+    that succeeded, so rank 0, which may host the store, is not gone while another rank still
+    tears down), collectives' work handles are freed (``gc.collect``: a Gloo work object that
+    outlives the group is destroyed during interpreter finalisation and aborts the process, as
+    "terminate called without an active exception"), then the group is destroyed."""
+    import gc
+
+    if not dist.is_initialized():
+        return
+    try:
+        if barrier:
+            dist.barrier()
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+        gc.collect()
+
+
 # ---------------------------------------------------------------------------------------------------- 3D mesh
 def check_divisibility(
     dp: int, tp: int, pp: int, *, heads: int | None = None, dim: int | None = None, layers: int | None = None,

@@ -14,8 +14,8 @@ probabilities on the test set (``info["best_auc"]``) is the ceiling.
 Data is a pure function of (seed, step): worker i's batch at step t is slice i
 of the step's global batch, so sync mode can be checked against one process.
 
-Model: one PSEmbedding table for all fields (dim 16) + an MLP on the
-concatenated embeddings and dense features.
+Model: one PSEmbedding table for all fields (dim 16; rows stored in ``row_dtype``)
++ an MLP on the concatenated embeddings and dense features.
 """
 from __future__ import annotations
 
@@ -91,9 +91,12 @@ class CTRData:
 
 
 class CTRModel(nn.Module):
-    def __init__(self, dim: int = 16, hidden: tuple[int, ...] = (128, 64), table: str = "ctr/emb", emb_lr: float = 0.05) -> None:
+    def __init__(
+        self, dim: int = 16, hidden: tuple[int, ...] = (128, 64), table: str = "ctr/emb", emb_lr: float = 0.05,
+        row_dtype: str = "float32",
+    ) -> None:
         super().__init__()
-        self.emb = PSEmbedding(table, dim, optimizer="adagrad", lr=emb_lr, initial_accumulator=0.1)
+        self.emb = PSEmbedding(table, dim, optimizer="adagrad", lr=emb_lr, initial_accumulator=0.1, row_dtype=row_dtype)
         layers: list[nn.Module] = []
         width = FIELDS * dim + DENSE
         for h in hidden:
@@ -130,11 +133,13 @@ def auc(score: np.ndarray, label: np.ndarray) -> float:
 
 def make_task(
     seed: int = 0, vocab: int = 1_000_000, test_size: int = 20_000, dim: int = 16, lr: float = 1e-3,
-    emb_lr: float = 0.05, hidden: tuple[int, ...] = (128, 64), **_: object,
+    emb_lr: float = 0.05, hidden: tuple[int, ...] = (128, 64), row_dtype: str = "float32", **_: object,
 ) -> Task:
+    """Options (``--task-opt KEY=VALUE``): seed, vocab, test_size, dim, lr (dense Adam), emb_lr (row
+    Adagrad), hidden, row_dtype (how the shards store the embedding rows: float32, float16, bfloat16)."""
     data = CTRData(vocab, seed)
     torch.manual_seed(seed)
-    model = CTRModel(dim, hidden, emb_lr=emb_lr)
+    model = CTRModel(dim, hidden, emb_lr=emb_lr, row_dtype=row_dtype)
     test = data.test_set(test_size)
     best = auc(test.prob.numpy(), test.label.numpy())
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ps import OptimizerSpec
+from worker.peer.moe import MoE, MoEConfig, aux_loss
 from worker.tasks import Task
 
 __all__ = ["GPT", "MarkovCorpus", "make_task"]
@@ -64,34 +65,40 @@ class MarkovCorpus:
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
+    def __init__(self, dim: int, heads: int, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
         self.ln2 = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, 4 * dim)
-        self.out = nn.Linear(4 * dim, dim)
+        self.mlp = mlp  # another MLP (an MoE layer) in place of fc/out
+        if mlp is None:
+            self.fc = nn.Linear(dim, 4 * dim)
+            self.out = nn.Linear(4 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        if self.mlp is not None:
+            return x + self.mlp(self.ln2(x))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class GPT(nn.Module):
     """Decoder-only transformer: ``(B, T) int64 -> (B, T, vocab)`` logits; ``T <= seq``."""
 
-    def __init__(self, vocab: int, seq: int, dim: int, layers: int, heads: int) -> None:
+    def __init__(self, vocab: int, seq: int, dim: int, layers: int, heads: int, moe: MoEConfig | None = None) -> None:
         super().__init__()
         if dim % heads:
             raise ValueError(f"gpt: dim {dim} is not divisible by heads {heads}")
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            Block(dim, heads, MoE(dim, moe) if moe is not None and moe.is_moe(i) else None) for i in range(layers)
+        )
         self.ln = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         for m in self.modules():
@@ -109,10 +116,13 @@ class GPT(nn.Module):
 
 def make_task(
     seed: int = 0, vocab: int = 256, seq: int = 64, dim: int = 64, layers: int = 2, heads: int = 4,
-    lr: float = 3e-3, test_size: int = 64, dtype: str = "float32", **_: object,
+    lr: float = 3e-3, test_size: int = 64, dtype: str = "float32", moe_experts: int = 0, moe_top_k: int = 2,
+    moe_every: int = 1, moe_hidden: int = 0, moe_capacity: float = 1.25, moe_aux: float = 0.01, moe_z: float = 0.001,
+    **_: object,
 ) -> Task:
     torch.manual_seed(seed)
-    model = GPT(vocab, seq, dim, layers, heads)
+    moe = MoEConfig(moe_experts, moe_top_k, moe_every, moe_hidden, moe_capacity, moe_aux, moe_z) if moe_experts else None
+    model = GPT(vocab, seq, dim, layers, heads, moe)
     if dtype != "float32":
         model = model.to(getattr(torch, dtype))
     corpus = MarkovCorpus(vocab, seq, seed)
@@ -124,23 +134,30 @@ def make_task(
             yield corpus.block(step * g + worker_index * batch_size, batch_size)
             step += 1
 
-    def loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    def cross_entropy(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         own = getattr(m, "loss", None)
         if callable(own):  # a split model (worker.peer.tensor_parallel) computes its own, vocab-parallel
             return own(batch)  # type: ignore[no-any-return]
         logits = m(batch[:, :-1])
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 
+    def loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        ce = cross_entropy(m, batch)
+        return ce + aux_loss(m) if moe is not None else ce  # MoE: + the layers' balance and z-losses
+
     test = corpus.block(0, test_size, stream=1)
 
     def evaluate(m: nn.Module) -> dict[str, float]:
         dev = next(m.parameters()).device if any(True for _ in m.parameters()) else torch.device("cpu")
         with torch.no_grad():
-            test_loss = float(loss(m, test.to(dev)))
+            test_loss = float(cross_entropy(m, test.to(dev)))
         return {"test_loss": test_loss, "perplexity": math.exp(min(test_loss, 50.0))}
 
     n_params = sum(p.numel() for p in model.parameters())
     non_embedding = n_params - model.tok.weight.numel() - model.pos.weight.numel()
+    if moe is not None:  # a token runs top_k of the experts: count the active expert parameters only
+        expert_params = sum(p.numel() for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters())
+        non_embedding -= expert_params - expert_params * moe.top_k // moe.experts
     flops_per_token = 6 * non_embedding + 12 * layers * dim * seq
     return Task(
         "gpt", model, batches, loss, evaluate, metric="test_loss", higher_is_better=False,

@@ -1,0 +1,171 @@
+"""The hot-row embedding cache (worker/emb_cache.py) against real gRPC shards.
+
+- sync: training with the cache on gives exactly the parameters of training with it off (which
+  tests/integration/test_worker_sync_exact.py checks against a single-process torch reference);
+- ssp: every row a lookup is served is checked against the PS's own history of that row: it is the
+  row as the PS held it at most K clocks before (value and version), never older;
+- hit rate on Zipf(1.1) ids with a cache of 1% of the rows, reported and above 50%.
+
+Each test runs on the CPU device (CI) and again on CUDA where one is present (skipped otherwise).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ps import SyncPolicy
+from worker import TrainConfig, Trainer, load_task
+from worker.binding import PSEmbedding
+from worker.emb_cache import EmbCache, attach_caches
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the cache's pinned/side-stream path)")
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=CUDA)]
+W, B, STEPS = 2, 16, 6
+VOCAB = 100  # ranks per field: rows come back often, some after steps nobody touched them
+
+
+def _sync_run(train_workers, cluster, cache_rows: int, device: str):
+    """W sync workers on the ctr task (small id space); returns (per worker {step: flat params}, final rows, caches)."""
+    kw = {"vocab": VOCAB, "test_size": 100}
+    tasks = [load_task("ctr", **kw) for _ in range(W)]
+    caches = [attach_caches(t.model, cache_rows, 2, "sync", device, admit=1) for t in tasks]
+    seen: list[dict[int, torch.Tensor]] = [{} for _ in range(W)]
+
+    def make(i: int) -> Trainer:
+        cfg = TrainConfig(mode="sync", steps=STEPS, batch_size=B, worker_index=i, num_workers=W, progress=False,
+                          evaluate=False, lease_s=30, device=device)
+        return Trainer(tasks[i], cluster.client(timeout=60), cfg,
+                       on_step=lambda step, tr: seen[i].__setitem__(step, tr.flat.detach().cpu().clone()))
+
+    train_workers(W, make, timeout=120)
+    emb = tasks[0].model.emb
+    ids = (np.arange(26, dtype=np.int64)[:, None] << 40 | np.arange(VOCAB)).reshape(-1)  # every (field, rank) row
+    return seen, cluster.client().pull_sparse(emb.table, ids, return_versions=True), caches
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("device", DEVICES)
+def test_sync_with_cache_gives_exactly_the_parameters_without(inproc_cluster, train_workers, device: str) -> None:
+    """Reference: the same sync run (2 workers, 2 real shards) with the cache off; dense parameters at
+    every step and every row with its version after the run are bitwise equal."""
+    off_seen, (off_rows, off_ver), _ = _sync_run(train_workers, inproc_cluster(2), 0, device)
+    on_seen, (on_rows, on_ver), caches = _sync_run(train_workers, inproc_cluster(2), 1024, device)
+    for i in range(W):
+        for t in range(STEPS):
+            assert torch.equal(on_seen[i][t], off_seen[i][t]), f"worker {i} step {t}: dense parameters differ"
+    np.testing.assert_array_equal(on_ver, off_ver)
+    np.testing.assert_array_equal(on_rows, off_rows)
+    assert off_ver.max() > 0, "rows never moved"
+    # the cache held rows of later batches, and refused every one: each had changed on the PS (in
+    # sync mode a worker's own push changes every row it used, so nothing it cached stays current)
+    refreshed = sum(c["emb"].stats.refreshed for c in caches)
+    assert refreshed > 0, "the cache never held a row a later batch asked for: the test compared nothing"
+
+
+def _zipf_ids(rng: np.random.Generator, perm: np.ndarray, p: np.ndarray, n: int) -> np.ndarray:
+    return perm[rng.choice(len(p), n, p=p)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["ssp", "async"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_cached_rows_are_never_older_than_the_mode_allows(inproc_cluster, device: str, mode: str) -> None:
+    """One worker (a real PSEmbedding with the cache, Adagrad rows on 2 real shards), driven step by
+    step: after each step's push the test reads every row from the PS (its history per clock). Per
+    lookup: a row served at step t with age a was pulled at step t-a, so it must be, value and version,
+    the PS's row after clock t-a-1, with a <= K; a cached row the PS changed since is served at most K
+    steps. Async: the same with a <= K-1 (refreshed every K steps). Reference: the PS's own rows, read
+    by a second client."""
+    K, V, steps = 3, 400, 14
+    bound = K if mode == "ssp" else K - 1
+    cluster = inproc_cluster(2)
+    client, truth_client = cluster.client(), cluster.client()
+    client.worker = "w0"
+    emb = PSEmbedding("ssp/emb", 8, optimizer="adagrad", lr=0.1)
+    emb.client = client
+    client.create_sparse(emb.table, emb.dim, optimizer=emb.optimizer, init=emb.init, seed=emb.seed)
+    emb.cache = EmbCache(V // 10, emb.dim, mode, K, device, admit=1)
+    client.join(30)
+    rng = np.random.default_rng(0)
+    p = 1.0 / np.arange(1, V + 1) ** 1.1
+    p /= p.sum()
+    perm = rng.permutation(V)
+    all_ids = np.arange(V, dtype=np.int64)
+    history = [truth_client.pull_sparse(emb.table, all_ids, return_versions=True)]  # history[c + 1]: after clock c
+    w = torch.randn(emb.dim, device=device)
+    checked = aged = 0
+    for t in range(steps):
+        ids = torch.from_numpy(_zipf_ids(rng, perm, p, 256)).to(device)
+        emb.policy = SyncPolicy(clock=t, staleness=K if mode == "ssp" else -1)
+        r = emb.fetch(ids, emb.policy)
+        emb.prefetched(r)
+        out = emb(ids)
+        (out @ w).sum().backward()
+        leaf = r.cached.leaf.detach().cpu().numpy()
+        for j, rid in enumerate(r.uniq):
+            a = int(r.cached.ages[j])
+            assert 0 <= a <= bound, f"step {t}: row {rid} served {a} clocks old ({mode}, K={K})"
+            rows, vers = history[t - a]  # the PS after clock t-a-1: what the pull at step t-a saw
+            assert r.versions[j] == vers[rid], f"step {t}: row {rid} version {r.versions[j]}, the PS had {vers[rid]} at clock {t - a - 1}"
+            np.testing.assert_array_equal(leaf[j], rows[rid], err_msg=f"step {t}: row {rid}")
+            # never older than K clocks: every update the PS applied up to clock t-K-1 is in it
+            assert r.versions[j] >= history[max(0, t - bound)][1][rid]
+            checked += 1
+            aged += a > 0
+        g = emb.gradients()
+        client.push_sparse(g.table, g.ids, g.grads, g.base_versions, policy=emb.policy)
+        client.heartbeat(t + 1)
+        history.append(truth_client.pull_sparse(emb.table, all_ids, return_versions=True))
+    assert aged > checked // 10, f"only {aged} of {checked} lookups were served from the cache"
+    assert history[-1][1].max() >= K + 2, "rows did not change often enough to be stale"
+    client.leave()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("device", DEVICES)
+def test_hit_rate_on_zipf_ids_with_a_one_percent_cache(inproc_cluster, device: str) -> None:
+    """Zipf(1.1) ids over 100k rows, 4096 ids a step, a cache of 1000 rows (1%), SSP K=8, rows trained
+    on a real shard. Reports the per-lookup hit rate (after 5 warm-up steps) and requires > 50%."""
+    R, K = 100_000, 8
+    cluster = inproc_cluster(1)
+    client = cluster.client()
+    emb = PSEmbedding("zipf/emb", 16, optimizer="adagrad", lr=0.05)
+    emb.client = client
+    client.create_sparse(emb.table, emb.dim, optimizer=emb.optimizer, init=emb.init)
+    emb.cache = cache = EmbCache(R // 100, emb.dim, "ssp", K, device)
+    rng = np.random.default_rng(1)
+    p = 1.0 / np.arange(1, R + 1) ** 1.1
+    p /= p.sum()
+    perm = rng.permutation(R)
+    before = None
+    for t in range(30):
+        if t == 5:
+            before = (cache.stats.lookups, cache.stats.hits, cache.stats.rows, cache.stats.row_hits)
+        ids = torch.from_numpy(_zipf_ids(rng, perm, p, 4096)).to(device)
+        r = emb.fetch(ids, SyncPolicy(clock=t))
+        emb.prefetched(r)
+        out = emb(ids)
+        out.sum().backward()
+        g = emb.gradients()
+        client.push_sparse(g.table, g.ids, g.grads, g.base_versions)
+    assert before is not None
+    s = cache.stats
+    hit_rate = (s.hits - before[1]) / (s.lookups - before[0])
+    row_hit_rate = (s.row_hits - before[3]) / (s.rows - before[2])
+    print(f"\nZipf(1.1), 100k rows, cache 1%: hit rate {hit_rate:.3f} of lookups, {row_hit_rate:.3f} of unique rows per step")
+    assert hit_rate > 0.5, f"hit rate {hit_rate:.3f}"
+
+
+def test_bad_cache_settings_name_what_was_wrong() -> None:
+    """Clear errors for sizes and rules that cannot work; nothing is attached."""
+    with pytest.raises(ValueError, match="rows must be >= 1"):
+        EmbCache(0, 8)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        EmbCache(8, 8, mode="bsp")
+    with pytest.raises(ValueError, match="async: rows are refreshed every K steps"):
+        EmbCache(8, 8, mode="async", staleness=0)
+    task = load_task("ctr", vocab=100, test_size=10)
+    with pytest.raises(ValueError, match="rows must be >= 0"):
+        attach_caches(task.model, -1, 2, "sync", "cpu")
+    assert task.model.emb.cache is None

@@ -1,0 +1,66 @@
+"""Mixture-of-experts and expert parallelism on CPU with Gloo, against one process.
+
+One process group of 4 ranks (tests/multiproc/moe_child.py) runs every check. Reference: one
+process training a deep copy of the same initial MoE ``gpt`` (E=4 experts in each of its 2 blocks)
+with SGD on the global batch, compared at every step (fp32, rtol 1e-5): the global loss, all the
+parameters (experts gathered from their ranks), and the token assignments the capacity dropped.
+
+- EP=1, 2, 4, top-2, capacity factor 2 (no drops): the same losses and parameters.
+- Capacity factor 0.5 (top-2 at EP=2 and 4, top-1 at EP=4): drops happen, and they are the
+  reference's drops, rank by rank.
+- ZeRO-2 (EP=2) and ZeRO-3 (EP=4) on the non-expert parameters: the same (capacity 0.5).
+- Metrics: all-to-all bytes over the ranks equal 4 exchanges of every routed token's row per layer.
+- A checkpoint saved at EP=4 after 3 steps resumes at EP=2 with the same step 3.
+- Load balance: routers start skewed to expert 0 (top-1, 40 Adam steps): the metrics report the
+  skew (CV of tokens per expert > 1, expert 0 holding most tokens); with the balance loss on (0.1)
+  the CV falls below a quarter of its start and below the run without it.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import test_peer_equivalence as tpe  # type: ignore[import-not-found]
+
+CHILD = os.path.join(tpe.ROOT, "tests", "multiproc", "moe_child.py")
+
+CHECKS = ["ep1", "ep2", "ep4", "drop-2-2", "drop-2-4", "drop-1-4", "zero2-ep2", "zero3-ep4", "metrics", "ckpt", "balance"]
+
+
+@pytest.mark.timeout(300)
+def test_moe_expert_parallel_equals_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tpe, "CHILD", CHILD)  # the rank launcher of the peer tests, with this file's child
+    tpe._check(tpe.run_ranks(4, CHECKS, timeout=280), CHECKS)
+
+
+@pytest.mark.timeout(200)
+def test_moe_flags_metrics_and_start_checks(tmp_path) -> None:
+    """``python -m worker.peer --moe-experts 4 --ep 2 --accumulate 2`` (2 ranks): trains, and the
+    metrics file's step records carry tokens per expert (per step, not per micro-batch), the dropped
+    share, the balance loss and all-to-all time and bytes; ``--ep 3`` on 2 ranks stops every rank at start with one message (exit 2)."""
+    import json
+
+    flags = ["--task", "gpt", "--task-opt", "dim=16", "--task-opt", "seq=16", "--task-opt", "vocab=32", "--moe-experts", "4",
+             "--global-batch", "4", "--steps", "4", "--log-every", "2", "--no-progress", "--no-eval"]
+    res = tpe.run_ranks(2, [*flags, "--ep", "2", "--accumulate", "2", "--metrics-out", str(tmp_path)], module=True, timeout=120)
+    for r, (rc, _, se) in enumerate(res):
+        assert rc == 0, f"rank {r}: {se[-3000:]}"
+    summary = json.loads(res[0][1].strip().splitlines()[-1])
+    assert summary["steps"] == 4 and summary["mfu"] > 0, summary
+    recs = [json.loads(line) for line in (tmp_path / "rank1.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if r["kind"] == "step"]
+    assert len(steps) == 2, steps
+    for rec in steps:
+        tpe_ = rec["moe_tokens_per_expert"]
+        assert len(tpe_) == 2 and all(len(c) == 4 for c in tpe_), rec  # 2 MoE layers x 4 experts
+        # 2 sequences x 16 tokens x top-2 assignments per layer and step on this rank (2 micro-batches of 1)
+        assert all(abs(sum(c) - 2 * 16 * 2) < 1e-6 for c in tpe_), rec
+        assert 0 <= rec["moe_dropped"] < 1 and rec["moe_balance_loss"] > 0 and rec["a2a_ms"] > 0 and rec["a2a_mb"] > 0, rec
+    assert next(r for r in recs if r["kind"] == "summary")["ep"] == 2
+    bad = tpe.run_ranks(2, [*flags, "--ep", "3"], module=True, timeout=120)
+    for r, (rc, _, se) in enumerate(bad):
+        assert rc == 2 and "--ep 3 does not divide the 2 data-parallel ranks" in se, (r, rc, se[-2000:])
+    i = flags.index("--moe-experts")
+    no_moe = flags[:i] + flags[i + 2 :]
+    (rc, _, se), = tpe.run_ranks(1, [*no_moe, "--ep", "2", "--global-batch", "2"], module=True, timeout=60)
+    assert rc == 2 and "--ep 2 needs a model with MoE layers: add --moe-experts E" in se, se[-2000:]

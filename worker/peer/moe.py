@@ -1,0 +1,598 @@
+"""Mixture-of-experts layers and expert parallelism.
+
+``MoE`` replaces a transformer block's MLP: a learned router (fp32 logits, softmax) picks the
+top-1 or top-2 of ``experts`` MLPs for every token; the token's output is the gate-weighted sum of
+its experts' outputs (top-2: the two gates renormalised to sum to 1, as in GShard; top-1: the
+router probability, as in the Switch Transformer).
+
+Routing groups are sequences (GShard's "groups"): each expert takes at most
+``capacity = ceil(capacity_factor * top_k * seq / experts)`` tokens of one sequence, first
+choices before second choices, in token order; an assignment past capacity is dropped (the token
+gets nothing from that expert, so a token dropped by all its experts passes through the block's
+residual unchanged). The Switch Transformer's load-balancing loss ``E * sum_e f_e * P_e`` (f_e:
+share of the group's tokens whose first choice is e, P_e: mean router probability of e) is taken
+per sequence and averaged, and the router z-loss is the mean squared log-sum-exp of the logits.
+Because everything is per sequence, the result does not depend on how a batch is split over
+ranks: a distributed run drops exactly the tokens a single process with the global batch drops.
+
+Expert parallelism (``MoESync``, ``--ep P``): the data-parallel ranks are cut into expert-parallel
+groups of P consecutive ranks; rank j of a group keeps experts ``[j*E/P, (j+1)*E/P)`` only.
+A layer sends each kept assignment to the rank holding its expert with
+``torch.distributed.all_to_all_single`` (variable split sizes, exchanged first by an all-to-all
+of the per-expert counts), the experts run on what they received, and a second all-to-all brings
+the outputs back (backward: the same two exchanges reversed). Expert gradients are summed over
+the ranks holding the same experts (one rank per EP group) and divided by the world size; the
+other parameters (embeddings, attention, router, norms) go through ``AllReduceDP`` (or
+``ZeroSync``, stage 1-3) over all ranks as in plain data parallelism.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from worker.flat import FlatParams
+from worker.paramsync import Fetched, Grads, ParamSync, PushResult
+from worker.peer.checkpoint import (
+    Checkpointing,
+    CheckpointReader,
+    Piece,
+    optimizer_pieces,
+    state_keys,
+)
+from worker.peer.mesh import PeerConfigError, torch_optimizer
+
+__all__ = [
+    "Expert",
+    "ExpertGroups",
+    "MoE",
+    "MoEConfig",
+    "MoESync",
+    "Router",
+    "aux_loss",
+    "expert_groups",
+    "moe_layers",
+]
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """``experts`` per MoE layer, ``top_k`` (1 or 2) experts per token, an MoE MLP in every
+    ``every``-th block (the last of each ``every``), expert ``hidden`` size (0: 4 x dim),
+    ``capacity_factor`` (> 0), and the coefficients of the balance loss and of the z-loss."""
+
+    experts: int = 4
+    top_k: int = 2
+    every: int = 1
+    hidden: int = 0
+    capacity_factor: float = 1.25
+    aux_coef: float = 0.01
+    z_coef: float = 0.001
+
+    def __post_init__(self) -> None:
+        if self.experts < 1:
+            raise PeerConfigError(f"moe experts must be >= 1, got {self.experts}")
+        if self.top_k not in (1, 2) or self.top_k > self.experts:
+            raise PeerConfigError(f"moe top-k must be 1 or 2 (and <= experts {self.experts}), got {self.top_k}")
+        if self.every < 1:
+            raise PeerConfigError(f"moe every must be >= 1, got {self.every}")
+        if self.hidden < 0:
+            raise PeerConfigError(f"moe hidden must be >= 0, got {self.hidden}")
+        if not self.capacity_factor > 0:
+            raise PeerConfigError(f"moe capacity factor must be > 0, got {self.capacity_factor}")
+        if self.aux_coef < 0 or self.z_coef < 0:
+            raise PeerConfigError(f"moe loss coefficients must be >= 0, got aux {self.aux_coef}, z {self.z_coef}")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) has an MoE MLP."""
+        return layer % self.every == self.every - 1
+
+
+class Router(nn.Linear):
+    """The router: ``dim -> experts`` logits, computed in fp32 whatever the model's dtype (a
+    module of its own, so ZeRO's per-module hooks see it)."""
+
+    def __init__(self, dim: int, experts: int) -> None:
+        super().__init__(dim, experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class Expert(nn.Module):
+    """One expert: the dense block's MLP (``fc``, GELU, ``out``)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, hidden)
+        self.out = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.fc(x)))
+
+
+@dataclass
+class _Meter:
+    """What the layer did since the last ``take``: training forwards only."""
+
+    forwards: int = 0
+    counts: torch.Tensor | None = None  # (E,) assignments per expert (before dropping), float64
+    assignments: float = 0.0
+    dropped: float = 0.0
+    balance: float = 0.0
+    z: float = 0.0
+    a2a_s: float = 0.0
+    a2a_bytes: int = 0
+    a2a_calls: int = 0
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` to the group's ranks (``in_splits`` rows to each), rows from them
+    (``out_splits``); backward sends the gradients back the same way reversed. The forward's
+    output lands in ``buffers[slot]`` (kept and reused: its consumers copy it at once, and a fresh
+    16 MiB CPU tensor costs its page faults on every call)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any, meter: _Meter,
+        buffers: dict[str, torch.Tensor], slot: str,
+    ) -> torch.Tensor:
+        ctx.args = (out_splits, in_splits, group, meter)
+        shape = (sum(out_splits), *x.shape[1:])
+        n = math.prod(shape)
+        buf = buffers.get(slot)
+        if buf is None or buf.numel() < n or buf.dtype != x.dtype or buf.device != x.device:
+            buf = buffers[slot] = x.new_empty(max(n, 1))
+        return _exchange(x, buf[:n].view(shape), out_splits, in_splits, group, meter)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        out_splits, in_splits, group, meter = ctx.args
+        out = g.new_empty((sum(in_splits), *g.shape[1:]))
+        return _exchange(g, out, in_splits, out_splits, group, meter), None, None, None, None, None, None
+
+
+def _exchange(x: torch.Tensor, out: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any, meter: _Meter) -> torch.Tensor:
+    x = x.contiguous()
+    t0 = time.perf_counter()
+    dist.all_to_all_single(out, x, out_splits, in_splits, group=group)
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
+    meter.a2a_s += time.perf_counter() - t0
+    meter.a2a_bytes += x.numel() * x.element_size()
+    meter.a2a_calls += 1
+    return out
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP: ``(B, T, dim) -> (B, T, dim)``; after a training forward, ``aux``
+    holds the layer's weighted auxiliary loss (balance + z) to add to the task loss.
+
+    ``experts`` is a ``ModuleDict`` keyed by the global expert index; under expert parallelism
+    (``shard``) it holds this rank's experts only, so parameter names stay global.
+    """
+
+    def __init__(self, dim: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.num_experts = cfg.experts
+        self.router = Router(dim, cfg.experts)
+        hidden = cfg.hidden or 4 * dim
+        self.experts = nn.ModuleDict({str(e): Expert(dim, hidden) for e in range(cfg.experts)})
+        self.group: Any = None  # the expert-parallel group (None: every expert is here)
+        self.ep_size, self.ep_rank = 1, 0
+        self.aux: torch.Tensor | None = None
+        self.meter = _Meter()
+        self._a2a_out: dict[str, torch.Tensor] = {}  # the all-to-alls' forward outputs, reused
+        self.last_dropped: torch.Tensor | None = None  # (B, T, k) bool: assignments dropped in the last forward
+
+    # ------------------------------------------------------------------ expert parallelism
+    @property
+    def local_experts(self) -> range:
+        per = self.num_experts // self.ep_size
+        return range(self.ep_rank * per, (self.ep_rank + 1) * per)
+
+    def shard(self, group: Any, ep_size: int, ep_rank: int) -> None:
+        """Keep only the experts of EP rank ``ep_rank`` of ``ep_size``; exchange tokens over ``group``."""
+        if self.num_experts % ep_size:
+            raise PeerConfigError(f"--ep {ep_size} does not divide the {self.num_experts} experts of an MoE layer")
+        self.group, self.ep_size, self.ep_rank = group, ep_size, ep_rank
+        keep = {str(e) for e in self.local_experts}
+        for k in list(self.experts.keys()):
+            if k not in keep:
+                del self.experts[k]
+
+    # ------------------------------------------------------------------ forward
+    def capacity(self, seq: int) -> int:
+        """Assignments one expert takes from one sequence of ``seq`` tokens."""
+        return max(1, math.ceil(self.cfg.capacity_factor * self.cfg.top_k * seq / self.num_experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        e_n, k = self.num_experts, self.cfg.top_k
+        logits = self.router(x)  # (B, T, E), fp32
+        probs = logits.softmax(-1)
+        top_p, top_i = probs.topk(k, dim=-1)  # (B, T, k)
+        gates = top_p if k == 1 else top_p / top_p.sum(-1, keepdim=True)
+        # slots: per sequence, first choices (in token order) before second choices
+        chosen = F.one_hot(top_i.transpose(1, 2).reshape(b, k * t), e_n)  # (B, k*T, E): assignment a = j*T + t
+        slot = ((chosen.cumsum(1) - 1) * chosen).sum(-1)  # (B, k*T)
+        keep = (slot < self.capacity(t)).reshape(-1)
+        expert = top_i.transpose(1, 2).reshape(-1)  # (B*k*T,) assignment order (b, j, t)
+        token = (torch.arange(b, device=x.device)[:, None, None] * t + torch.arange(t, device=x.device)).expand(b, k, t).reshape(-1)
+        kept = keep.nonzero().squeeze(1)
+        order = kept[torch.argsort(expert[kept], stable=True)]  # kept assignments grouped by expert
+        counts = torch.bincount(expert[kept], minlength=e_n)
+        y_sorted = self._experts(x.reshape(b * t, d)[token[order]], counts)
+        y = x.new_zeros(b * k * t, d).index_copy(0, order, y_sorted).view(b, k, t, d)
+        out = (y.float() * gates.transpose(1, 2).unsqueeze(-1)).sum(1).to(x.dtype)
+        # auxiliary losses, per sequence (so linear in the batch)
+        first = F.one_hot(top_i[..., 0], e_n).float().mean(1)  # (B, E): f_e
+        balance = (e_n * (first * probs.mean(1)).sum(-1)).mean()
+        z = torch.logsumexp(logits, -1).pow(2).mean()
+        self.aux = self.cfg.aux_coef * balance + self.cfg.z_coef * z
+        self.last_dropped = (~keep).view(b, k, t).transpose(1, 2)
+        if self.training:
+            m = self.meter
+            c = torch.bincount(expert, minlength=e_n).double().cpu()
+            m.counts = c if m.counts is None else m.counts + c
+            m.forwards += 1
+            m.assignments += expert.numel()
+            m.dropped += float(expert.numel() - kept.numel())
+            m.balance += float(balance.detach())
+            m.z += float(z.detach())
+        return out
+
+    def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert outputs for ``rows`` (grouped by expert, ``counts`` per expert), wherever the experts live."""
+        if self.ep_size == 1:
+            return self._run(rows, counts.tolist())
+        recv, recv_counts, in_splits, out_splits = self.dispatch(rows, counts)
+        p, per = recv_counts.shape
+        row_expert = torch.repeat_interleave(torch.arange(per, device=rows.device).repeat(p), recv_counts.reshape(-1))
+        perm = torch.argsort(row_expert, stable=True)
+        y = self._run(recv[perm], recv_counts.sum(0).tolist())
+        back = torch.zeros_like(y).index_copy(0, perm, y)
+        return _AllToAll.apply(back, in_splits, out_splits, self.group, self.meter, self._a2a_out, "combine")  # type: ignore[no-any-return]
+
+    def dispatch(self, rows: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """Send ``rows`` (grouped by expert, ``counts`` (E,) per expert) to the ranks holding their
+        experts: the counts first (an all-to-all of E integers), then the rows (variable splits).
+        Returns the rows received (by source rank, then local expert), the received counts
+        (source rank x local expert), and the send and receive splits (rows per rank)."""
+        p, per = self.ep_size, self.num_experts // self.ep_size
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=self.group)
+        recv_counts = recv_counts.view(p, per)
+        in_splits = counts.view(p, per).sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        recv = _AllToAll.apply(rows, out_splits, in_splits, self.group, self.meter, self._a2a_out, "dispatch")
+        return recv, recv_counts, in_splits, out_splits
+
+    def _run(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``rows`` grouped by local expert (``counts`` rows each) through their experts."""
+        outs, start = [], 0
+        for e, n in zip(self.local_experts, counts):
+            outs.append(self.experts[str(e)](rows[start : start + n]))
+            start += n
+        return torch.cat(outs) if outs else rows[:0]
+
+    def take(self) -> _Meter:
+        """The meter since the last call (and a fresh one)."""
+        m, self.meter = self.meter, _Meter()
+        return m
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    """``(name, layer)`` of the model's MoE layers, in module order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | float:
+    """The sum of the MoE layers' auxiliary losses from the last forward (0.0 without MoE layers)."""
+    total: torch.Tensor | float = 0.0
+    for m in model.modules():
+        if isinstance(m, MoE) and m.aux is not None:
+            total = total + m.aux
+    return total
+
+
+def window_metrics(layers: list[MoE], steps: int = 0) -> dict[str, Any]:
+    """The layers' meters since the last call as metrics, per step (``steps`` in the window; 0:
+    one step per training forward): tokens per expert (a list per layer), the coefficient of
+    variation of those counts (mean over layers; 0 is perfect balance), the dropped share of
+    assignments, the balance loss and z-loss (mean per forward, summed over layers, unweighted),
+    all-to-all milliseconds and MiB (this rank, forward and backward)."""
+    ms = [m.take() for m in layers]
+    ms = [m for m in ms if m.forwards]
+    if not ms:
+        return {}
+    steps = steps or ms[0].forwards
+    per_layer = [(m.counts / steps).tolist() if m.counts is not None else [] for m in ms]
+    cvs = [float(torch.tensor(c).std(unbiased=False) / torch.tensor(c).mean().clamp_min(1e-12)) for c in per_layer]
+    return {
+        "moe_tokens_per_expert": [[round(v, 2) for v in c] for c in per_layer],
+        "moe_cv": sum(cvs) / len(cvs),
+        "moe_dropped": sum(m.dropped for m in ms) / max(sum(m.assignments for m in ms), 1.0),
+        "moe_balance_loss": sum(m.balance / m.forwards for m in ms),
+        "moe_z_loss": sum(m.z / m.forwards for m in ms),
+        "a2a_ms": 1e3 * sum(m.a2a_s for m in ms) / steps,
+        "a2a_mb": sum(m.a2a_bytes for m in ms) / steps / 2**20,
+    }
+
+
+# ---------------------------------------------------------------------- expert parallelism
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's expert-parallel ``group`` (``size`` ranks, it is ``rank`` in it) and the
+    ``replicas`` group of the ranks that hold the same experts (None when it is this rank alone)."""
+
+    size: int
+    rank: int
+    group: Any
+    replicas: Any
+    replica_count: int
+
+
+def expert_groups(ep: int, world: int | None = None, rank: int | None = None, dp_ranks: list[int] | None = None) -> ExpertGroups:
+    """Cut the data-parallel ranks ``dp_ranks`` (default: all ranks) into EP groups of ``ep``
+    consecutive ranks. Every rank calls this with the same arguments (the groups are created in the
+    same order everywhere)."""
+    world = dist.get_world_size() if world is None else world
+    rank = dist.get_rank() if rank is None else rank
+    ranks = list(range(world)) if dp_ranks is None else list(dp_ranks)
+    if ep < 1:
+        raise PeerConfigError(f"--ep must be >= 1, got {ep}")
+    if len(ranks) % ep:
+        raise PeerConfigError(f"--ep {ep} does not divide the {len(ranks)} data-parallel ranks")
+    pos = ranks.index(rank)
+    groups = len(ranks) // ep
+    mine: Any = None
+    replicas: Any = None
+    if ep > 1:
+        for g in range(groups):
+            pg = dist.new_group(ranks[g * ep : (g + 1) * ep])
+            if g == pos // ep:
+                mine = pg
+    if groups > 1:
+        for j in range(ep):
+            members = [ranks[g * ep + j] for g in range(groups)]
+            if len(members) == world:
+                pg = None  # the whole world: the default group
+            else:
+                pg = dist.new_group(members)
+            if j == pos % ep:
+                replicas = pg if pg is not None else dist.group.WORLD
+    return ExpertGroups(ep, pos % ep, mine, replicas, groups)
+
+
+class _Subset(nn.Module):
+    """The model seen through some of its parameters (what ``AllReduceDP`` / ``ZeroSync`` sync): named
+    as in the model; ``modules()`` leaves out the experts' modules."""
+
+    def __init__(self, model: nn.Module, names: set[str]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_model", model)  # not a submodule: its other parameters stay out
+        self._model: nn.Module
+        self._names = names
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
+        for n, p in self._model.named_parameters():
+            if n in self._names:
+                yield n, p
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def modules(self, remove_duplicate: bool = True) -> Iterator[nn.Module]:
+        """The model's modules outside the experts (ZeRO's units)."""
+        experts = {id(m) for layer in self._model.modules() if isinstance(layer, MoE) for m in layer.experts.modules()}
+        for m in self._model.modules():
+            if id(m) not in experts:
+                yield m
+
+    def to(self, *args: Any, **kwargs: Any) -> _Subset:  # type: ignore[override]
+        self._model.to(*args, **kwargs)
+        return self
+
+
+class MoESync(ParamSync, Checkpointing):
+    """Peer-mode sync of a model with MoE layers: the experts split over ``ep`` ranks (expert
+    parallelism; 1: every rank holds every expert), the other parameters through the sync of
+    peer ``mode`` over all ranks: ``dp`` (``AllReduceDP``) or ``zero1``/``zero2``/``zero3``
+    (``ZeroSync``; the experts are never sharded by ZeRO, they are already split by EP).
+
+    ``model``'s MoE layers are sharded here (every rank builds the same full model first, so the
+    experts a rank keeps start from the same values as the single-process model's).
+    ``parameters()`` is the whole model, experts gathered, in the unsharded model's order.
+    """
+
+    pipelined = False
+
+    def __init__(
+        self, model: nn.Module, optimizer: Any, *, ep: int = 1, mode: str = "dp", device: torch.device | str = "cpu",
+        bucket_mb: float = 25.0, compress: str | None = None, settings: dict[str, Any] | None = None,
+    ) -> None:
+        from worker.peer.data_parallel import AllReduceDP
+        from worker.peer.zero import ZeroSync
+
+        if mode not in ("dp", "zero1", "zero2", "zero3"):
+            raise PeerConfigError(f"MoE models train in peer mode dp, zero1, zero2 or zero3, not {mode!r}")
+        if mode != "dp" and compress not in (None, "none"):
+            raise PeerConfigError("gradient compression is implemented for dp only, not ZeRO")
+
+        self.name = "moe"
+        self.layers = moe_layers(model)
+        if not self.layers:
+            raise PeerConfigError("the model has no MoE layers (use --moe-experts E with the gpt task)")
+        experts = self.layers[0][1].num_experts
+        self.global_names = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.groups = expert_groups(ep)
+        for _, layer in self.layers:
+            layer.shard(self.groups.group, ep, self.groups.rank)
+        expert_ids = {id(p) for _, m in self.layers for p in m.experts.parameters()}
+        dense_names = {n for n, p in model.named_parameters() if id(p) not in expert_ids}
+        agree = {**(settings or {}), "ep": ep, "experts": experts}
+        self.dense: Any
+        if mode == "dp":
+            self.dense = AllReduceDP(
+                _Subset(model, dense_names), optimizer, device=device, bucket_mb=bucket_mb, compress=compress,
+                settings=agree, name="moe",
+            )
+            self.dense_order = list(self.dense.names)
+        else:
+            self.dense = ZeroSync(_Subset(model, dense_names), optimizer, stage=int(mode[-1]), device=device, settings=agree)
+            self.dense_order = [self.dense._names[id(p)] for p in self.dense.params]
+        self.mode = mode
+        self.model = model
+        self.device = self.dense.device
+        self.flat = self.dense.flat
+        named = [(n, p) for n, p in model.named_parameters() if id(p) in expert_ids]
+        self.expert_names = [n for n, _ in named]
+        self.experts = FlatParams([p for _, p in named], self.device)
+        self.expert_optimizer = torch_optimizer(optimizer)(self.experts.params)
+        self._window_steps = 0  # steps since the last window_metrics
+        self.world = 1
+
+    @property
+    def tracer(self) -> Any:
+        return self.dense.tracer
+
+    @tracer.setter
+    def tracer(self, value: Any) -> None:
+        self.dense.tracer = value
+
+    def join(self) -> int:
+        """The dense part's join (agreement, rank 0's values), then the experts: each replica group
+        takes its first member's values."""
+        self.world = dist.get_world_size()
+        start = self.dense.join()
+        if self.groups.replicas is not None:
+            src = dist.get_global_rank(self.groups.replicas, 0) if self.groups.replicas is not dist.group.WORLD else 0
+            dist.broadcast(self.experts.data, src, group=self.groups.replicas)
+        resumed = self._resume()
+        return max(start, resumed)
+
+    def fetch(self, step: int, batch: Any) -> Fetched:
+        return Fetched(step, batch, step)
+
+    def zero_grad(self) -> None:
+        self.dense.zero_grad()
+        self.experts.zero_grad()
+
+    def evaluate(self, step: int, final: bool, fn: Any) -> tuple[dict[str, float], dict[str, Any]]:
+        return self.dense.evaluate(step, final, fn)  # type: ignore[no-any-return]
+
+    def no_sync(self) -> Any:
+        return self.dense.no_sync()
+
+    def gradients(self, step: int) -> Grads:
+        return Grads(None)
+
+    def push(self, step: int, grads: Grads) -> PushResult:
+        """Expert gradients summed over the replica group (divided by the world size), the dense
+        part's all-reduce, both optimizers."""
+        g = self.experts.grad
+        work = dist.all_reduce(g, group=self.groups.replicas, async_op=True) if self.groups.replicas is not None else None
+        self.dense.push(step, grads)  # its reduction and optimizer step (it saves no checkpoint of its own)
+        if work is not None:
+            work.wait()
+        g.div_(self.world)
+        self.expert_optimizer.step()
+        self._window_steps += 1
+        self._maybe_save(step + 1)
+        return PushResult()
+
+    def leave(self) -> None:
+        self.dense.leave()
+
+    def window_metrics(self) -> dict[str, Any]:
+        """MoE metrics since the last call, per step (see ``window_metrics``)."""
+        steps, self._window_steps = self._window_steps, 0
+        return window_metrics([m for _, m in self.layers], steps)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.dense.stats(), "ep": self.groups.size, "expert_params": self.experts.numel}
+
+    # ------------------------------------------------------------------ whole-model views
+    def _gathered_experts(self) -> dict[str, torch.Tensor]:
+        """Every expert parameter of every layer by global name (a collective over the EP group)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, layer in self.layers:
+            local: list[tuple[str, nn.Module]] = [(f"{name}.experts.{e}", layer.experts[str(e)]) for e in layer.local_experts]
+            subs = [n for n, _ in local[0][1].named_parameters()]
+            flat = torch.cat([p.detach().reshape(-1) for _, m in local for p in m.parameters()])
+            if self.groups.size > 1:
+                allv = flat.new_empty(self.groups.size * flat.numel())
+                gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+                gather(allv, flat, group=self.groups.group)
+            else:
+                allv = flat
+            per_expert = allv.numel() // layer.num_experts
+            shapes = [p.shape for p in local[0][1].parameters()]
+            for e in range(layer.num_experts):
+                chunk, off = allv[e * per_expert : (e + 1) * per_expert], 0
+                for sub, shape in zip(subs, shapes):
+                    n = math.prod(shape)
+                    out[f"{name}.experts.{e}.{sub}"] = chunk[off : off + n].view(shape)
+                    off += n
+        return out
+
+    def parameters(self) -> torch.Tensor:
+        """The whole model's parameters, flat, in the unsharded model's order (every rank calls it)."""
+        experts = self._gathered_experts()
+        dense = self.dense.parameters()  # a collective under ZeRO (its order: dense_order)
+        shapes = dict(self.model.named_parameters())
+        own, off = {}, 0
+        for n in self.dense_order:
+            k = shapes[n].numel()
+            own[n] = dense[off : off + k]
+            off += k
+        return torch.cat([(experts[n] if n in experts else own[n]).reshape(-1) for n in self.global_names])
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_pieces(self) -> tuple[list[Piece], dict[str, float]]:
+        """Dense pieces from rank 0 (``AllReduceDP``), expert pieces (by global name, with their
+        optimizer state) from the ranks of the first EP group: any EP size can read them back."""
+        pieces, scalars = self.dense.checkpoint_pieces()
+        if dist.get_rank() < self.groups.size:
+            for p, n in zip(self.experts.params, self.expert_names):
+                pieces.append(Piece(f"param/{n}", 0, p.detach().reshape(-1)))
+                ps, sc = optimizer_pieces(self.expert_optimizer.state.get(p, {}), n, p.numel(), 0, p.numel(), 0)
+                pieces += ps
+                scalars.update(sc)
+        return pieces, scalars
+
+    def load_checkpoint(self, reader: CheckpointReader) -> None:
+        self.dense.load_checkpoint(reader)
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        with torch.no_grad():
+            for i, (p, n) in enumerate(zip(self.experts.params, self.expert_names)):
+                if not reader.has(f"param/{n}"):
+                    raise PeerConfigError(f"checkpoint {reader.path} has no {n!r}: saved from another model (experts?)")
+                p.data.view(-1).copy_(reader.read(f"param/{n}", 0, p.numel()))
+                keys = state_keys(reader, n)
+                if keys:
+                    state[i] = {k: reader.read(f"state/{k}/{n}", 0, p.numel()).view_as(p).to(p) for k in keys}
+                    state[i].update({k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()})
+        if state:
+            sd = self.expert_optimizer.state_dict()
+            self.expert_optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+
+    def memory(self) -> dict[str, int]:
+        m = self.dense.memory()
+        return {
+            **m, "param_bytes": m["param_bytes"] + self.experts.nbytes(), "grad_bytes": m["grad_bytes"] + self.experts.nbytes(),
+            "state_bytes": m["state_bytes"] + sum(
+                v.numel() * v.element_size() for s in self.expert_optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor)
+            ),
+        }
