@@ -36,7 +36,6 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="data parallel, a ZeRO stage, or hybrid (PSEmbedding rows on the PS given by --ps, dense all-reduced)")
     p.add_argument("--dp", type=int, default=0, help="data-parallel replicas (0: world size / (tp x pp))")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica (gpt task; ranks r..r+T-1 share a layer)")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages (world = dp x tp x pp)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: LayerNorm/dropout regions split along the sequence (all-gather/reduce-scatter)")
     p.add_argument("--ps", default="", help="hybrid: HOST:PORT,... of every PS shard, in shard order")
@@ -145,11 +144,12 @@ def run_rank(args: argparse.Namespace) -> int:
         # checks every rank makes alike, before any collective of training: one message everywhere
         if args.world_size and args.world_size != world:
             raise PeerConfigError(f"world size is {world} but --world-size {args.world_size} was asked for")
-        split = args.tp * args.pp
-        if args.tp < 1 or args.pp < 1 or args.dp < 0:
-            raise PeerConfigError(f"--dp must be >= 0, --tp and --pp >= 1 (got dp={args.dp} tp={args.tp} pp={args.pp})")
+        pp = getattr(args, "pp", 1)  # --pp is worker.peer.pipeline's flag (its runs take their own path)
+        split = args.tp * pp
+        if args.tp < 1 or pp < 1 or args.dp < 0:
+            raise PeerConfigError(f"--dp must be >= 0, --tp and --pp >= 1 (got dp={args.dp} tp={args.tp} pp={pp})")
         if world % split:
-            raise PeerConfigError(f"world size {world} is not divisible by tp {args.tp} x pp {args.pp}")
+            raise PeerConfigError(f"world size {world} is not divisible by tp {args.tp} x pp {pp}")
         dp = args.dp or world // split
         meshed = split > 1 or args.sequence_parallel or dp != world
         if args.global_batch % (dp * args.accumulate):
@@ -250,7 +250,7 @@ def run_rank(args: argparse.Namespace) -> int:
             "examples_per_s": summary.examples_per_s * dp,
         }
         if meshed:
-            report.update(dp=dp, tp=args.tp, pp=args.pp, sequence_parallel=args.sequence_parallel)
+            report.update(dp=dp, tp=args.tp, pp=pp, sequence_parallel=args.sequence_parallel)
         if tokens:
             tps = summary.examples_per_s * dp * tokens
             report["tokens_per_s"] = tps
@@ -279,8 +279,9 @@ def _mesh_sync(args: argparse.Namespace, task: Any, dp: int, device: Any, settin
     from worker.peer.mesh import ParallelMesh
     from worker.peer.tensor_parallel import TensorParallelSync, tensor_parallel_task
 
-    if args.pp > 1:
-        raise PeerConfigError("--pp > 1: pipeline parallelism is not wired into tessera peer in this build")
+    pp = getattr(args, "pp", 1)
+    if pp > 1:
+        raise PeerConfigError("--pp > 1 with --tp: pipeline and tensor parallelism do not compose here yet")
     if args.mode not in ("dp", "zero1"):
         raise PeerConfigError(f"--mode {args.mode} with --tp/--dp: dp and zero1 (ZeRO-1 over the DP dimension) compose with tensor parallelism")
     if args.compress != "none":
@@ -294,7 +295,7 @@ def _mesh_sync(args: argparse.Namespace, task: Any, dp: int, device: Any, settin
              "seq": m.pos.num_embeddings,
              "global_batch": args.global_batch, "micro_batches": args.accumulate,
              "sequence_parallel": args.sequence_parallel}
-    mesh = ParallelMesh.build(dp, args.tp, args.pp, device=device, seed=args.seed, check=check)
+    mesh = ParallelMesh.build(dp, args.tp, pp, device=device, seed=args.seed, check=check)
     task = tensor_parallel_task(task, mesh, sequence_parallel=args.sequence_parallel)
     sync = TensorParallelSync(task.model, task.dense_optimizer, mesh, settings=settings, zero=int(args.mode == "zero1"))
     return sync, task, mesh.dp_idx
