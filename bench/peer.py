@@ -27,14 +27,22 @@ torch thread on CPU) in one process group:
     the fraction of the step blocked in receives (waiting on the other stages), against
     (P-1)/(m+P-1); also the fraction in sends and the fraction not in forward/backward compute
     at all (bubble + communication + bookkeeping); min and median over 16 steps each.
+(g) The same gpt step with tensor parallelism T=2 (``TensorParallelSync``; D = world/2), with and
+    without sequence parallelism, against DP over all ranks (``AllReduceDP``), same global batch;
+    rounds alternate the three; min and median step time.
+(h) Activation bytes per rank that autograd keeps for backward in the transformer layers (one
+    batch of 8 sequences): one process (T=1), TP=2, TP=2 + SP. Megatron's per-layer formula
+    (Korthikanti et al. 2022, without the attention-score term) predicts SP/TP = 34/t / (10 + 24/t)
+    = 0.77 at t=2 and SP/(T=1) = 1/t.
 
 Output: a table, then a final line of JSON (also written to ``--json-out``) with
 ``allreduce_ratio`` (ours / raw bus bandwidth, the smaller of the two sizes' median ratios),
 ``dp_step_ratio`` (ours / DDP median step time), ``zero1_state_ratio``, ``zero2_grad_ratio``,
 ``zero3_param_ratio`` (each against plain DP per rank), ``alltoall_ratio`` (ours / raw all-to-all
 bus bandwidth, medians), ``moe_step_ratio`` (MoE / dense median step time), ``bubble_measured``
-(1F1B, median of the blocked-in-receives fraction) and ``bubble_theory``, and the figures behind
-them. The machine
+(1F1B, median of the blocked-in-receives fraction) and ``bubble_theory``, ``tp_vs_dp_step_ratio``
+(TP=2 / DP median step time), ``sp_activation_ratio`` (activation bytes with SP / without, both at
+T=2), ``sp_activation_ratio_vs_t1`` (with SP at T=2 / one process), and the figures behind them. The machine
 may be shared and noisy: compare ratios from the same run.
 
 DDP's process group is not torn down (torch 2.13 can deadlock freeing a DDP ``ProcessGroupGloo``);
@@ -124,7 +132,7 @@ def bench_allreduce(mesh: Any, sizes_mib: list[int], repeats: int, bar: Any) -> 
 
 
 def _gpt_opts(quick: bool) -> dict[str, Any]:
-    return dict(vocab=256, seq=64, dim=64 if quick else 128, layers=2 if quick else 4, heads=4, test_size=8)
+    return {"vocab": 256, "seq": 64, "dim": 64 if quick else 128, "layers": 2 if quick else 4, "heads": 4, "test_size": 8}
 
 
 def bench_dp_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch: int, bar: Any) -> dict[str, Any]:
@@ -153,7 +161,7 @@ def bench_dp_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, 
         )
         dist.barrier()
         t0 = time.perf_counter()
-        Trainer(task, sync, cfg, on_step=lambda s, tr: stamps.append(time.perf_counter())).run()
+        Trainer(task, sync, cfg, on_step=functools.partial(_stamp, stamps)).run()
         stamps.insert(0, t0)
         t_ours += [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])]
         bar.update(1)
@@ -303,6 +311,8 @@ def bench_moe_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int,
         "moe_ms_min": 1e3 * min(times["moe"]), "moe_ms_med": 1e3 * statistics.median(times["moe"]),
         "ratio": statistics.median(times["moe"]) / statistics.median(times["dense"]),
     }
+
+
 def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dict[str, Any]:
     """Pipeline bubble with P = world stages (D = 1) and m = 8 micro-batches, GPipe and 1F1B. Per
     step and rank, as fractions of the step time: time blocked in receives (waiting on the other
@@ -370,6 +380,77 @@ def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dic
     return out
 
 
+def bench_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch: int, bar: Any) -> dict[str, Any]:
+    """(g) TP=2 (and TP=2 with sequence parallelism) against DP on the same gpt model and global
+    batch, through the trainer; (h) activation bytes per rank in the transformer layers."""
+    import torch
+    import torch.distributed as dist
+
+    from worker.peer import AllReduceDP
+    from worker.peer.mesh import ParallelMesh
+    from worker.peer.tensor_parallel import (
+        TensorParallelGPT,
+        TensorParallelSync,
+        activation_bytes,
+        tensor_parallel_task,
+    )
+    from worker.tasks import load_task
+    from worker.trainer import TrainConfig, Trainer
+
+    tp = 2
+    pm = ParallelMesh.build(mesh.world // tp, tp, 1, device=mesh.device, seed=0)
+    gb = batch * mesh.world
+    times: dict[str, list[float]] = {"dp": [], "tp": [], "tp_sp": []}
+    for _ in range(rounds):
+        for kind in ("dp", "tp", "tp_sp"):
+            task = load_task("gpt", **_gpt_opts(quick))
+            if kind == "dp":
+                sync: Any = AllReduceDP(task.model, task.dense_optimizer, device=mesh.device, bucket_mb=25.0)
+                index, workers = mesh.rank, mesh.world
+            else:
+                task = tensor_parallel_task(task, pm, sequence_parallel=kind == "tp_sp")
+                sync = TensorParallelSync(task.model, task.dense_optimizer, pm)
+                index, workers = pm.dp_idx, pm.dp
+            stamps: list[float] = []
+            cfg = TrainConfig(
+                mode="dp", steps=warmup + steps, batch_size=gb // workers, worker_index=index, num_workers=workers,
+                device=str(mesh.device), progress=False, evaluate=False, name=f"rank{mesh.rank}",
+            )
+            dist.barrier()
+            t0 = time.perf_counter()
+            Trainer(task, sync, cfg, on_step=functools.partial(_stamp, stamps)).run()
+            stamps.insert(0, t0)
+            times[kind] += [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])]
+            bar.update(1)
+    out: dict[str, Any] = {"tp": tp, "dp_world": mesh.world, "global_batch": gb}
+    for kind, ts in times.items():
+        out[f"{kind}_ms_min"], out[f"{kind}_ms_med"] = 1e3 * min(ts), 1e3 * statistics.median(ts)
+    # activations: bytes autograd keeps for backward in the transformer layers, per rank, one batch
+    task = load_task("gpt", **_gpt_opts(quick))
+    ids = next(task.batches(0, 1, batch, 0))[:, :-1].to(mesh.device)
+    acts: dict[str, int] = {}
+    plain: Any = task.model
+    x = (plain.tok(ids) + plain.pos(torch.arange(ids.shape[1], device=ids.device))).detach().requires_grad_(True)
+    with activation_bytes(plain) as ab:
+        y = x
+        for blk in plain.blocks:
+            y = blk(y)
+    y.sum().backward()
+    acts["t1"] = ab["bytes"]
+    for sp in (False, True):
+        m = TensorParallelGPT(task.model, pm.tp_group, sp, pm.rng).to(mesh.device)
+        x = m.tok(ids.t()).detach().requires_grad_(True)  # under SP already this rank's S/T positions
+        with activation_bytes(m) as ab:
+            y = x
+            for blk in m.blocks:
+                y = blk(y)
+        y.sum().backward()
+        acts["tp_sp" if sp else "tp"] = ab["bytes"]
+    out["activation_bytes"] = acts
+    bar.update(1)
+    return out
+
+
 def rank_main(args: argparse.Namespace) -> None:
     import torch
     from tqdm import tqdm
@@ -385,7 +466,7 @@ def rank_main(args: argparse.Namespace) -> None:
     rounds, steps, warmup = (2, 3, 1) if quick else (4, 10, 2)
     batch = 8
     pipe_repeats = 3 if quick else 16
-    total = len(sizes) * repeats + 2 * rounds + 4 + repeats + 2 * rounds + 2 * (pipe_repeats + 1)
+    total = len(sizes) * repeats + 2 * rounds + 4 + repeats + 2 * rounds + 2 * (pipe_repeats + 1) + 3 * rounds + 1
     bar = tqdm(total=total, desc="bench/peer", disable=mesh.rank != 0 or args.no_progress, file=sys.stderr, mininterval=0.5)
     t0 = time.time()
     ar = bench_allreduce(mesh, sizes, repeats, bar)
@@ -394,11 +475,13 @@ def rank_main(args: argparse.Namespace) -> None:
     a2a = bench_alltoall(mesh, sizes[-1], repeats, bar)
     moe = bench_moe_step(mesh, quick, rounds, steps, warmup, batch, bar)
     pb = bench_pipeline_bubble(mesh, quick, pipe_repeats, bar)
+    tpr = bench_tp(mesh, quick, rounds, steps, warmup, batch, bar)
     bar.close()
     if mesh.rank == 0:
         result = {
             "world": mesh.world, "backend": mesh.backend, "device": str(mesh.device), "quick": quick,
             "allreduce": ar, "dp_step": dp, "zero_memory": zm, "alltoall": a2a, "moe_step": moe, "pipeline": pb,
+            "tp": tpr,
             "seconds": time.time() - t0,
         }
         with open(args.result, "w") as f:
@@ -433,6 +516,7 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         figures[f"raw_{s}mib_busbw_gbps"] = ar[s]["raw_gbps_med"]
         figures[f"ours_{s}mib_busbw_gbps"] = ar[s]["ours_gbps_med"]
     figures.update(moe_figures(res))
+    figures.update(tp_figures(res))
     figures.update({
         "ours_step_ms": dp["ours_ms_med"], "ddp_step_ms": dp["ddp_ms_med"], "ours_step_ms_min": dp["ours_ms_min"],
         "ddp_step_ms_min": dp["ddp_ms_min"], "ours_tokens_per_s": dp["ours_tokens_per_s"], "gpt_params": dp["params"],
@@ -448,6 +532,32 @@ def moe_figures(res: dict[str, Any]) -> dict[str, Any]:
         "alltoall_ratio": a["ratio"], "alltoall_ratio_min": a["ratio_min"], "raw_alltoall_busbw_gbps": a["raw_gbps_med"], "ours_alltoall_busbw_gbps": a["ours_gbps_med"],
         "moe_step_ratio": m["ratio"], "moe_step_ratio_min": m["moe_ms_min"] / m["dense_ms_min"], "moe_step_ms": m["moe_ms_med"], "dense_step_ms": m["dense_ms_med"],
     }
+
+
+def tp_figures(res: dict[str, Any]) -> dict[str, Any]:
+    tp = res["tp"]
+    acts = tp["activation_bytes"]
+    return {
+        "tp_step_ms": tp["tp_ms_med"], "tp_sp_step_ms": tp["tp_sp_ms_med"], "tp_dp_step_ms": tp["dp_ms_med"],
+        "tp_step_ms_min": tp["tp_ms_min"], "tp_dp_step_ms_min": tp["dp_ms_min"],
+        "tp_vs_dp_step_ratio": tp["tp_ms_med"] / tp["dp_ms_med"],
+        "sp_activation_ratio": acts["tp_sp"] / acts["tp"],
+        "sp_activation_ratio_vs_t1": acts["tp_sp"] / acts["t1"],
+        "tp_activation_ratio_vs_t1": acts["tp"] / acts["t1"],
+    }
+
+
+def print_tp_table(res: dict[str, Any]) -> None:
+    tp = res["tp"]
+    print(f"\ngpt step, global batch {tp['global_batch']}: TP={tp['tp']} against DP={tp['dp_world']} (same model)")
+    print(f"{'':<14}{'ms min':>10}{'ms median':>12}")
+    for kind, label in (("dp", f"DP={tp['dp_world']}"), ("tp", f"TP={tp['tp']}"), ("tp_sp", f"TP={tp['tp']} + SP")):
+        print(f"{label:<14}{tp[kind + '_ms_min']:>10.1f}{tp[kind + '_ms_med']:>12.1f}")
+    a = tp["activation_bytes"]
+    print("\nactivation bytes per rank kept for backward (transformer layers, one batch)")
+    print(f"{'T=1 (no TP)':<14}{a['t1']:>12,}")
+    print(f"{'TP=2':<14}{a['tp']:>12,}{a['tp'] / a['t1']:>8.3f} of T=1")
+    print(f"{'TP=2 + SP':<14}{a['tp_sp']:>12,}{a['tp_sp'] / a['t1']:>8.3f} of T=1, {a['tp_sp'] / a['tp']:.3f} of TP=2")
 
 
 def print_moe_table(res: dict[str, Any]) -> None:
@@ -561,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
             res = json.load(f)
     print_table(res)
     print_moe_table(res)
+    print_tp_table(res)
     figures = summarize(res)
     if args.json_out:
         os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)

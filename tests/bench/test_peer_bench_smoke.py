@@ -3,7 +3,8 @@
 Speed is not asserted (benchmarks measure, tests check; the machine is shared): only that the run
 succeeds, that the last stdout line is the JSON also written to --json-out, that every figure is
 there and positive, that the memory relations ZeRO promises hold at D=2 (optimizer state,
-gradients, parameters per rank about half of plain DP's), and that no process is left behind.
+gradients, parameters per rank about half of plain DP's), that sequence parallelism at T=2 keeps
+fewer activation bytes per rank than plain TP, and that no process is left behind.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ KEYS = [
     "ours_step_ms", "ddp_step_ms", "ours_tokens_per_s", "raw_4mib_busbw_gbps", "ours_16mib_busbw_gbps",
     "alltoall_ratio", "moe_step_ratio", "raw_alltoall_busbw_gbps", "moe_step_ms", "dense_step_ms",
     "bubble_measured", "bubble_theory",
+    "tp_step_ms", "tp_sp_step_ms", "tp_dp_step_ms", "tp_vs_dp_step_ratio", "sp_activation_ratio", "sp_activation_ratio_vs_t1",
 ]
 
 
@@ -29,4 +31,8 @@ def test_peer_bench_quick(tmp_path) -> None:
     assert last["zero2_grad_ratio"] <= 0.55, last
     assert last["zero3_param_ratio"] <= 0.6, last
     assert last["zero2_peak_grad_ratio"] < 1.0, last  # full gradients are freed as they are reduce-scattered
+    # sequence parallelism at T=2: fewer activation bytes than plain TP, half of one process's
+    assert last["sp_activation_ratio"] < 0.9, last
+    assert last["sp_activation_ratio_vs_t1"] <= 0.55, last
     assert "ours / DDP step time" in stdout and "all-reduce" in stdout and "MoE / dense step time" in stdout
+    assert "TP=2 + SP" in stdout

@@ -5,6 +5,9 @@
   no endpoint is given), which starts N ranks of ``python -m worker.peer ...`` on this node.
 - ``torchrun --nproc-per-node N -m worker.peer --task gpt ...`` is the same rank program under a
   torchrun you start yourself.
+- ``--dp D --tp T [--sequence-parallel] [--mode zero1]`` (world = D x T x P): the gpt model split over
+  T ranks (Megatron tensor parallelism, ``worker.peer.tensor_parallel``), D replicas averaged by
+  all-reduce (``zero1``: reduce-scatter, optimizer state split over the D replicas).
 
 Each rank joins the group, checks that every rank agrees on the run (one clear message on every
 rank otherwise), and trains with the trainer's step pipeline and the mode's ``ParamSync``.
@@ -31,6 +34,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE", help="option for the task (repeatable)")
     p.add_argument("--mode", default="dp", choices=["dp", "zero1", "zero2", "zero3", "hybrid"],
                    help="data parallel, a ZeRO stage, or hybrid (PSEmbedding rows on the PS given by --ps, dense all-reduced)")
+    p.add_argument("--dp", type=int, default=0, help="data-parallel replicas (0: world size / (tp x pp))")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica (gpt task; ranks r..r+T-1 share a layer)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tp: LayerNorm/dropout regions split along the sequence (all-gather/reduce-scatter)")
     p.add_argument("--ps", default="", help="hybrid: HOST:PORT,... of every PS shard, in shard order")
     p.add_argument("--sparse-mode", default="async", choices=["async", "ssp", "sync"], help="hybrid: the rows' consistency on the PS")
     p.add_argument("--moe-experts", type=int, default=0, help="gpt: experts per MoE layer (0: dense MLPs)")
@@ -116,7 +123,13 @@ def run_rank(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from worker.peer import PeerConfigError, PeerError, init_mesh, make_sync, shutdown_group
+    from worker.peer import (
+        PeerConfigError,
+        PeerError,
+        init_mesh,
+        make_sync,
+        shutdown_group,
+    )
     from worker.peer.mesh import Liveness
     from worker.peer.moe import MoESync, moe_layers
     from worker.tasks import load_task
@@ -138,11 +151,20 @@ def run_rank(args: argparse.Namespace) -> int:
         # checks every rank makes alike, before any collective of training: one message everywhere
         if args.world_size and args.world_size != world:
             raise PeerConfigError(f"world size is {world} but --world-size {args.world_size} was asked for")
-        if args.global_batch % (world * args.accumulate):
+        pp = getattr(args, "pp", 1)  # --pp is worker.peer.pipeline's flag (its runs take their own path)
+        split = args.tp * pp
+        if args.tp < 1 or pp < 1 or args.dp < 0:
+            raise PeerConfigError(f"--dp must be >= 0, --tp and --pp >= 1 (got dp={args.dp} tp={args.tp} pp={pp})")
+        if world % split:
+            raise PeerConfigError(f"world size {world} is not divisible by tp {args.tp} x pp {pp}")
+        dp = args.dp or world // split
+        meshed = split > 1 or args.sequence_parallel or dp != world
+        if args.global_batch % (dp * args.accumulate):
             raise PeerConfigError(
-                f"global batch {args.global_batch} is not divisible by world size {world} x accumulate {args.accumulate}"
+                f"global batch {args.global_batch} is not divisible by {'dp' if meshed else 'world size'} {dp} x "
+                f"accumulate {args.accumulate}"
             )
-        per_rank = args.global_batch // world
+        per_rank = args.global_batch // dp
         opts = _kv(args.task_opt)
         if args.moe_experts:
             opts.update(moe_experts=args.moe_experts, moe_top_k=args.moe_top_k, moe_every=args.moe_every,
@@ -153,7 +175,11 @@ def run_rank(args: argparse.Namespace) -> int:
             "accumulate": args.accumulate, "steps": args.steps, "seed": args.seed,
         }
         compress = None if args.compress == "none" else args.compress
-        if args.mode == "hybrid":
+        worker_index = rank
+        sync: Any
+        if meshed:
+            sync, task, worker_index = _mesh_sync(args, task, dp, mesh.device, settings)
+        elif args.mode == "hybrid":
             from ps import PSClient
             from worker.peer.hybrid import HybridSync
 
@@ -161,7 +187,7 @@ def run_rank(args: argparse.Namespace) -> int:
                 raise PeerConfigError("--mode hybrid needs --ps HOST:PORT,... (the shards holding the embeddings)")
             client = PSClient(args.ps.split(","), timeout=max(60.0, args.timeout))
             client.wait_ready(timeout=60)
-            sync: Any = HybridSync(
+            sync = HybridSync(
                 task.model, client, task.name, task.dense_optimizer, rank=rank, world=world, device=mesh.device,
                 bucket_mb=args.bucket_mb, compress=compress, sparse_mode=args.sparse_mode, sparse_ids=task.sparse_ids,
                 settings=settings,
@@ -192,7 +218,7 @@ def run_rank(args: argparse.Namespace) -> int:
                                  [TrainerCollector(metrics_out)])
             print(f"tessera peer: rank {rank} metrics on {args.metrics_host}:{port}", file=sys.stderr, flush=True)
         cfg = TrainConfig(
-            mode=args.mode, steps=args.steps, batch_size=per_rank, worker_index=rank, num_workers=world,
+            mode=args.mode, steps=args.steps, batch_size=per_rank, worker_index=worker_index, num_workers=dp,
             device=str(mesh.device), accumulate=args.accumulate, eval_every=args.eval_every, log_every=args.log_every,
             max_seconds=args.max_seconds, seed=args.seed, progress=rank == 0 and not args.no_progress,
             metrics_out=metrics_out, name=f"rank{rank}", evaluate=not args.no_eval,
@@ -228,10 +254,12 @@ def run_rank(args: argparse.Namespace) -> int:
         report: dict[str, Any] = {
             "rank": rank, "world": world, "mode": args.mode, "steps": summary.steps, "seconds": round(summary.seconds, 3),
             "loss": summary.loss, **summary.metrics,
-            "examples_per_s": summary.examples_per_s * world,
+            "examples_per_s": summary.examples_per_s * dp,
         }
+        if meshed:
+            report.update(dp=dp, tp=args.tp, pp=pp, sequence_parallel=args.sequence_parallel)
         if tokens:
-            tps = summary.examples_per_s * world * tokens
+            tps = summary.examples_per_s * dp * tokens
             report["tokens_per_s"] = tps
             flops = task.info.get("flops_per_token", 0.0)
             if flops:
@@ -250,6 +278,34 @@ def run_rank(args: argparse.Namespace) -> int:
         if client is not None:
             client.close()
         shutdown_group(barrier=ok)
+
+
+def _mesh_sync(args: argparse.Namespace, task: Any, dp: int, device: Any, settings: dict[str, Any]) -> tuple[Any, Any, int]:
+    """The (D, T, P) mesh of this run, checked on every rank, and its sync: (sync, task, worker index)."""
+    from worker.peer import PeerConfigError
+    from worker.peer.mesh import ParallelMesh
+    from worker.peer.tensor_parallel import TensorParallelSync, tensor_parallel_task
+
+    pp = getattr(args, "pp", 1)
+    if pp > 1:
+        raise PeerConfigError("--pp > 1 with --tp: pipeline and tensor parallelism do not compose here yet")
+    if args.mode not in ("dp", "zero1"):
+        raise PeerConfigError(f"--mode {args.mode} with --tp/--dp: dp and zero1 (ZeRO-1 over the DP dimension) compose with tensor parallelism")
+    if args.compress != "none":
+        raise PeerConfigError("--compress with --tp/--dp is not supported (dp mode without a mesh only)")
+    if getattr(args, "ep", 1) > 1 or getattr(args, "moe_experts", 0):
+        raise PeerConfigError("--ep/--moe-experts with --tp/--dp: mixture-of-experts layers are not split by tensor parallelism here")
+    m = task.model
+    if not all(hasattr(m, a) for a in ("tok", "pos", "blocks", "ln", "head")) or not len(m.blocks):
+        raise PeerConfigError(f"--tp/--sequence-parallel split the gpt task's model; task {args.task!r} is not one")
+    check = {"heads": m.blocks[0].heads, "dim": m.tok.embedding_dim, "layers": len(m.blocks), "vocab": m.tok.num_embeddings,
+             "seq": m.pos.num_embeddings,
+             "global_batch": args.global_batch, "micro_batches": args.accumulate,
+             "sequence_parallel": args.sequence_parallel}
+    mesh = ParallelMesh.build(dp, args.tp, pp, device=device, seed=args.seed, check=check)
+    task = tensor_parallel_task(task, mesh, sequence_parallel=args.sequence_parallel)
+    sync = TensorParallelSync(task.model, task.dense_optimizer, mesh, settings=settings, zero=int(args.mode == "zero1"))
+    return sync, task, mesh.dp_idx
 
 
 def main(argv: Sequence[str] | None = None) -> int:

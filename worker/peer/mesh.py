@@ -7,12 +7,13 @@ message naming the field and each rank's value, never a hang in a mismatched col
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +23,13 @@ from torch import nn
 
 __all__ = [
     "Mesh",
+    "ParallelMesh",
     "PeerConfigError",
     "PeerError",
+    "RNGStreams",
     "all_gather_into",
     "check_agreement",
+    "check_divisibility",
     "init_mesh",
     "reduce_scatter_into",
     "torch_optimizer",
@@ -89,10 +93,10 @@ def init_mesh(backend: str = "auto", device: str = "auto", timeout_s: float = 30
                 os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
-            kw = dict(
-                store=dist.PrefixStore(f"tessera/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", base),
-                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]),
-            )
+            kw = {
+                "store": dist.PrefixStore(f"tessera/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/", base),
+                "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"]),
+            }
         dist.init_process_group(
             backend, timeout=datetime.timedelta(seconds=timeout_s),
             device_id=dev if backend == "nccl" else None, **kw,
@@ -262,3 +266,176 @@ def shutdown_group(barrier: bool = True) -> None:
         gc.collect()
         dist.destroy_process_group()
         gc.collect()
+
+
+# ---------------------------------------------------------------------------------------------------- 3D mesh
+def check_divisibility(
+    dp: int, tp: int, pp: int, *, heads: int | None = None, dim: int | None = None, layers: int | None = None,
+    global_batch: int | None = None, vocab: int | None = None, seq: int | None = None,
+    sequence_parallel: bool = False, micro_batches: int = 1,
+) -> None:
+    """Raise one ``PeerConfigError`` listing every size that the layout (``dp``, ``tp``, ``pp``) does
+    not divide: heads and hidden size and vocabulary by T (attention split by heads, MLP by hidden,
+    embedding by vocabulary), the sequence by T under sequence parallelism, layers by P, the global
+    batch by D x micro-batches. Pure arithmetic: every rank reaches the same verdict without a collective."""
+    bad: list[str] = []
+    for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("micro_batches", micro_batches)):
+        if v < 1:
+            bad.append(f"{name} must be >= 1, got {v}")
+    if bad:
+        raise PeerConfigError("parallel layout: " + "; ".join(bad))
+    if heads is not None and heads % tp:
+        bad.append(f"heads {heads} not divisible by tp {tp}")
+    if dim is not None and dim % tp:
+        bad.append(f"hidden size {dim} not divisible by tp {tp}")
+    if vocab is not None and vocab % tp:
+        bad.append(f"vocab {vocab} not divisible by tp {tp}")
+    if sequence_parallel and seq is not None and seq % tp:
+        bad.append(f"sequence length {seq} not divisible by tp {tp} (--sequence-parallel splits it)")
+    if layers is not None and layers % pp:
+        bad.append(f"layers {layers} not divisible by pp {pp}")
+    if global_batch is not None and global_batch % (dp * micro_batches):
+        bad.append(f"global batch {global_batch} not divisible by dp {dp} x micro-batches {micro_batches}")
+    if bad:
+        raise PeerConfigError(f"parallel layout dp={dp} tp={tp} pp={pp} does not fit the model: " + "; ".join(bad))
+
+
+class RNGStreams:
+    """Per-group random streams, as Megatron's RNG tracker keeps them.
+
+    ``replicated``: the default stream, seeded ``seed + 100 * pp_idx``: equal on every TP rank (and DP
+    rank) of a stage, so dropout on replicated activations (the residual stream without sequence
+    parallelism) agrees across TP ranks. ``tp``: seeded ``seed + 2718 + 100 * pp_idx + tp_idx``: differs
+    across the TP ranks of a stage, for dropout on TP-split activations (attention heads, MLP hidden,
+    sequence-parallel chunks). ``with streams.fork("tp"):`` swaps the global CPU (and current CUDA) RNG
+    state to that stream and back, as ``CudaRNGStatesTracker.fork`` does.
+    """
+
+    def __init__(self, seed: int, tp_idx: int, pp_idx: int, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.seeds = {"replicated": seed + 100 * pp_idx, "tp": seed + 2718 + 100 * pp_idx + tp_idx}
+        self.states: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for name, s in self.seeds.items():
+            with self._saved():
+                torch.manual_seed(s)
+                self.states[name] = self._get()
+        # the default stream starts as the replicated one
+        self._set(self.states["replicated"])
+
+    def _get(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def _set(self, st: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+        torch.set_rng_state(st[0])
+        if st[1] is not None:
+            torch.cuda.set_rng_state(st[1], self.device)
+
+    @contextlib.contextmanager
+    def _saved(self) -> Iterator[None]:
+        st = self._get()
+        try:
+            yield
+        finally:
+            self._set(st)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "tp") -> Iterator[None]:
+        """Draw from stream ``name`` (``tp`` or ``replicated``) inside the block; the stream advances."""
+        if name not in self.states:
+            raise PeerConfigError(f"no random stream {name!r}: use one of {sorted(self.states)}")
+        outer = self._get()
+        self._set(self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = self._get()
+            self._set(outer)
+
+
+@dataclass
+class ParallelMesh:
+    """This rank's place in a D x T x P mesh (data, tensor, pipeline parallel) and its process groups.
+
+    Rank layout (fixed; TP innermost, PP outermost, as Megatron orders it, so a TP group stays
+    inside a node): ``rank = pp_idx * (D * T) + dp_idx * T + tp_idx``. ``tp_group``: the T ranks
+    holding the shards of one layer; ``dp_group``: the D replicas of one (tp, pp) shard; ``pp_group``:
+    the P stages of one (dp, tp) slice. With a size of 1 the group is still a real group (of one
+    rank), so code can call collectives on it unconditionally.
+    """
+
+    dp: int
+    tp: int
+    pp: int
+    rank: int
+    world: int
+    dp_idx: int
+    tp_idx: int
+    pp_idx: int
+    tp_group: Any
+    dp_group: Any
+    pp_group: Any
+    tp_ranks: list[int]
+    dp_ranks: list[int]
+    pp_ranks: list[int]
+    device: torch.device
+    rng: RNGStreams | None = None
+
+    @staticmethod
+    def coords(rank: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
+        """(dp_idx, tp_idx, pp_idx) of ``rank``."""
+        return (rank // tp) % dp, rank % tp, rank // (dp * tp)
+
+    @staticmethod
+    def rank_of(dp_idx: int, tp_idx: int, pp_idx: int, dp: int, tp: int) -> int:
+        return pp_idx * dp * tp + dp_idx * tp + tp_idx
+
+    @classmethod
+    def build(
+        cls, dp: int, tp: int, pp: int, *, device: torch.device | str = "cpu", seed: int | None = None,
+        check: dict[str, Any] | None = None,
+    ) -> ParallelMesh:
+        """The mesh over the initialised default group (``init_mesh`` first). Raises
+        ``PeerConfigError`` on every rank if D*T*P is not the world size or ``check``'s sizes
+        (keyword arguments of ``check_divisibility``) do not fit, or if the ranks were given
+        different layouts. Every rank creates every group, in the same order (``dist.new_group``
+        is collective). ``seed``: set up ``rng`` (``RNGStreams``)."""
+        if not dist.is_initialized():
+            raise PeerConfigError("ParallelMesh needs an initialised process group (worker.peer.init_mesh)")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        check_divisibility(dp, tp, pp, **(check or {}))
+        if dp * tp * pp != world:
+            raise PeerConfigError(f"parallel layout dp={dp} x tp={tp} x pp={pp} = {dp * tp * pp} ranks, but the world size is {world}")
+        dev = torch.device(device)
+        check_agreement({"mesh_dp": dp, "mesh_tp": tp, "mesh_pp": pp},
+                        dev if dist.get_backend() == "nccl" else torch.device("cpu"))
+        d_i, t_i, p_i = cls.coords(rank, dp, tp, pp)
+        groups: dict[str, tuple[Any, list[int]]] = {}
+        # creation order: every TP group, then every DP group, then every PP group (same on all ranks)
+        for p in range(pp):
+            for d in range(dp):
+                ranks = [cls.rank_of(d, t, p, dp, tp) for t in range(tp)]
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    groups["tp"] = (g, ranks)
+        for p in range(pp):
+            for t in range(tp):
+                ranks = [cls.rank_of(d, t, p, dp, tp) for d in range(dp)]
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    groups["dp"] = (g, ranks)
+        for d in range(dp):
+            for t in range(tp):
+                ranks = [cls.rank_of(d, t, p, dp, tp) for p in range(pp)]
+                g = dist.new_group(ranks)
+                if rank in ranks:
+                    groups["pp"] = (g, ranks)
+        rng = RNGStreams(seed, t_i, p_i, dev) if seed is not None else None
+        return cls(
+            dp, tp, pp, rank, world, d_i, t_i, p_i, groups["tp"][0], groups["dp"][0], groups["pp"][0],
+            groups["tp"][1], groups["dp"][1], groups["pp"][1], dev, rng,
+        )
+
+    def __str__(self) -> str:
+        return (f"rank {self.rank}/{self.world}: dp {self.dp_idx}/{self.dp} tp {self.tp_idx}/{self.tp} "
+                f"pp {self.pp_idx}/{self.pp}")

@@ -135,6 +135,9 @@ def make_task(
             step += 1
 
     def cross_entropy(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        own = getattr(m, "loss", None)
+        if callable(own):  # a split model (worker.peer.tensor_parallel) computes its own, vocab-parallel
+            return own(batch)  # type: ignore[no-any-return]
         logits = m(batch[:, :-1])
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
 

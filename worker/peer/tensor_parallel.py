@@ -1,0 +1,694 @@
+"""Tensor parallelism (Megatron-LM) and sequence parallelism for peer mode.
+
+Layers, over the ``tp_group`` of a ``ParallelMesh`` (T ranks):
+
+- ``ColumnParallelLinear``: the weight's output rows split over T; the input is replicated (``f``:
+  identity forward, all-reduce of the gradient backward), the output stays split.
+- ``RowParallelLinear``: the weight's input columns split; each rank's partial product is summed
+  (``g``: all-reduce forward, identity backward); the bias is replicated and added after the sum.
+- Attention split by heads (q, k, v of heads ``[r*A/T, (r+1)*A/T)`` on rank r: a column-parallel
+  ``qkv`` and a row-parallel ``proj``), the MLP by its hidden dimension (column ``fc``, row ``out``).
+- ``VocabParallelEmbedding``: rank r holds vocabulary rows ``[r*V/T, (r+1)*V/T)``; ids outside it
+  look up zeros and the partial embeddings are summed. The LM head is column-parallel over the
+  vocabulary and ``vocab_parallel_cross_entropy`` computes the loss from the split logits (max,
+  sum of exponentials and target logit each all-reduced: never the full ``(tokens, vocab)`` logits
+  on one rank).
+
+Sequence parallelism (``sequence_parallel=True``, Korthikanti et al. 2022): the residual stream,
+LayerNorms and dropout between the TP regions are split along the sequence (each TP rank holds
+``S/T`` positions); ``f`` becomes an all-gather along the sequence (its backward a reduce-scatter)
+and ``g`` a reduce-scatter (its backward an all-gather): the same bytes as the all-reduces, and the
+activations outside the TP regions are 1/T per rank. The column-parallel linear under SP keeps only
+its local sequence chunk for backward and gathers it again there (as Megatron does), so the
+gathered input is not an activation held between forward and backward. Gradients of the replicated
+parameters (LayerNorms, row-parallel biases, position embedding) are partial under SP (each rank
+saw S/T positions) and are all-reduced over the TP group before the optimizer step.
+
+Activations are kept sequence-first ``(S, B, H)`` inside the model, as Megatron keeps them, so a
+split along the sequence is a contiguous chunk for the collectives.
+
+Why hand-written rather than ``torch.distributed.tensor`` (DTensor) with its ``parallelize_module``
+plans: (1) our ZeRO (worker/peer/zero.py) and the ``ParamSync`` seam work on plain tensors in a
+``FlatParams`` buffer; DTensor parameters would need every one of them to learn DTensor's
+placements, and mixing a flat-buffer view with a DTensor is not supported; (2) the vocab-parallel
+cross-entropy and the sequence-parallel linear that re-gathers its input in backward are not
+DTensor plans (``loss_parallel`` materialises a DTensor of the logits, and its SP plans keep the
+gathered input); (3) every collective here is an explicit ``torch.distributed`` call on a group
+we created, which the peer debug fingerprints and traces already understand, and the whole
+forward/backward is ~15 collectives per layer anyone can read. The cost is that each layer type
+must be written by hand (four linears, an embedding, a loss).
+
+A TP model is built from a plain ``worker.tasks.gpt.GPT``'s weights (``TensorParallelGPT``): every
+rank slices the same full model, so the single-process reference is that very model, and
+``full_parameters()`` gathers the shards back in the plain model's parameter order.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from worker.flat import FlatParams
+from worker.paramsync import Fetched, Grads, ParamSync, PushResult
+from worker.peer.checkpoint import (
+    Checkpointing,
+    CheckpointReader,
+    Piece,
+    optimizer_pieces,
+    state_keys,
+)
+from worker.peer.mesh import (
+    ParallelMesh,
+    PeerConfigError,
+    check_agreement,
+    check_divisibility,
+    torch_optimizer,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "ShardSpec",
+    "TensorParallelGPT",
+    "TensorParallelSync",
+    "VocabParallelEmbedding",
+    "activation_bytes",
+    "tensor_parallel_task",
+    "vocab_parallel_cross_entropy",
+]
+
+
+# ---------------------------------------------------------------------------------------------- conjugate ops
+def _world(group: Any) -> int:
+    return dist.get_world_size(group)
+
+
+def _gather_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """All-gather along dim 0 (the sequence), in group-rank order."""
+    t = _world(group)
+    if t == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """Sum over the group, this rank keeps its chunk of dim 0 (the sequence)."""
+    t = _world(group)
+    if t == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+def _all_reduce(x: torch.Tensor, group: Any) -> torch.Tensor:
+    if _world(group) == 1:
+        return x
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class _CopyToTP(torch.autograd.Function):
+    """``f``: identity forward; all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _all_reduce(g, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """``g``: all-reduce forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return g, None
+
+
+class _GatherFromSeq(torch.autograd.Function):
+    """SP ``f`` (outside a linear): all-gather along the sequence; reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _reduce_scatter_seq(g, ctx.group), None
+
+
+class _ReduceScatterToSeq(torch.autograd.Function):
+    """SP ``g``: reduce-scatter along the sequence; all-gather backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return _gather_seq(g, ctx.group), None
+
+
+class _ColumnLinearSP(torch.autograd.Function):
+    """``linear(all_gather_seq(x), w, b)`` keeping only the local ``x`` for backward (gathered again
+    there), so the full-sequence input is not held between forward and backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.has_bias = group, b is not None
+        ctx.save_for_backward(x, w)
+        return F.linear(_gather_seq(x, group), w, b)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        full = _gather_seq(x, ctx.group)
+        g = g.contiguous()
+        gx = _reduce_scatter_seq(g @ w, ctx.group)
+        gw = g.reshape(-1, g.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
+        gb = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None
+        return gx, gw, gb, None
+
+
+# -------------------------------------------------------------------------------------------------- layers
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a plain parameter maps to this rank's shard: the full tensor viewed as ``view`` (None:
+    its own shape) is split into T equal chunks along ``dim`` (None: replicated, not split)."""
+
+    name: str  # the plain model's parameter name
+    full_shape: tuple[int, ...]
+    view: tuple[int, ...] | None
+    dim: int | None
+
+    def shard(self, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        if self.dim is None:
+            return full.detach().clone()
+        if self.view is None:
+            return full.detach().chunk(world, self.dim)[rank].contiguous()
+        chunk = full.detach().reshape(self.view).chunk(world, self.dim)[rank]
+        return chunk.reshape(-1, *self.full_shape[1:]).contiguous()  # the split runs inside dim 0
+
+    def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        if self.dim is None:
+            return shards[0].reshape(self.full_shape)
+        if self.view is None:
+            return torch.cat(shards, self.dim)
+        part = list(self.view)
+        part[self.dim] //= len(shards)
+        return torch.cat([s.reshape(part) for s in shards], self.dim).reshape(self.full_shape)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split over the TP group: ``(S, B, in) -> (S, B, out/T)``; input replicated
+    (or, under sequence parallelism, split along the sequence and gathered here)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return _ColumnLinearSP.apply(x, self.weight, self.bias, self.group)  # type: ignore[no-any-return]
+        return F.linear(_CopyToTP.apply(x, self.group), self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split over the TP group: ``(S, B, in/T) -> (S, B, out)`` summed over the group
+    (under sequence parallelism: reduce-scattered to ``(S/T, B, out)``); the bias is replicated."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = (_ReduceScatterToSeq if self.sequence_parallel else _ReduceFromTP).apply(y, self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows ``[start, start + V/T)`` of the embedding; ``(S, B)`` ids -> ``(S, B, dim)`` summed over the
+    group (under sequence parallelism reduce-scattered to ``(S/T, B, dim)``)."""
+
+    def __init__(self, weight: torch.Tensor, start: int, group: Any, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.start, self.stop = start, start + weight.shape[0]
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.stop)
+        local = (ids - self.start).masked_fill(outside, 0)
+        e = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return (_ReduceScatterToSeq if self.sequence_parallel else _ReduceFromTP).apply(e, self.group)  # type: ignore[no-any-return]
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, start: int, group: Any) -> torch.Tensor:  # type: ignore[override]
+        m = logits.detach().max(-1).values
+        if _world(group) > 1:
+            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        z = logits - m.unsqueeze(-1)
+        outside = (target < start) | (target >= start + logits.shape[-1])
+        local = (target - start).masked_fill(outside, 0)
+        picked = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        e = z.exp()
+        total = e.sum(-1)
+        both = torch.stack([picked, total])
+        if _world(group) > 1:
+            dist.all_reduce(both, group=group)
+        picked, total = both[0], both[1]
+        ctx.save_for_backward(e.div_(total.unsqueeze(-1)), local, outside)
+        return total.log() - picked
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        softmax, local, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        grad.scatter_add_(-1, local.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
+        return grad * g.unsqueeze(-1), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, start: int, group: Any) -> torch.Tensor:
+    """Per-token cross-entropy from logits split over the vocabulary: ``logits`` ``(..., V/T)`` holds
+    columns ``[start, start + V/T)`` of this rank, ``target`` ``(...)`` the full-vocabulary ids. The
+    same on every rank of ``group``; never gathers the logits (three all-reduces of ``(...)``)."""
+    return _VocabParallelCE.apply(logits, target, start, group)  # type: ignore[no-any-return]
+
+
+# --------------------------------------------------------------------------------------------------- the model
+class _TPBlock(nn.Module):
+    """The ``gpt`` block split over the TP group, with the plain block's parameter names: attention
+    by heads (``qkv`` column-, ``proj`` row-parallel), the MLP by hidden (``fc`` column, ``out`` row)."""
+
+    def __init__(self, ln1: nn.LayerNorm, qkv: ColumnParallelLinear, proj: RowParallelLinear, ln2: nn.LayerNorm,
+                 fc: ColumnParallelLinear, out: RowParallelLinear, local_heads: int, owner: Any) -> None:
+        super().__init__()
+        self.ln1, self.qkv, self.proj, self.ln2, self.fc, self.out = ln1, qkv, proj, ln2, fc, out
+        self.local_heads = local_heads
+        self._owner = [owner]  # not a submodule
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.qkv(x)  # (S, B, 3 * heads/T * head_dim): the full sequence
+        s, b, n = y.shape
+        hd = n // (3 * self.local_heads)
+        q, k, v = y.view(s, b, 3, self.local_heads, hd).permute(2, 1, 3, 0, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads/T, S, hd)
+        return self.proj(a.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * hd))  # type: ignore[no-any-return]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        drop = self._owner[0].drop
+        x = x + drop(self.attention(self.ln1(x)))
+        return x + drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class TensorParallelGPT(nn.Module):
+    """The ``gpt`` task's model split over a TP group, built from a plain ``GPT``'s weights (every TP
+    rank passes the same full model and keeps its shards). ``forward(ids (B, S))`` returns this rank's
+    vocabulary slice of the logits ``(B, S, V/T)``; ``loss(batch (B, S+1))`` the mean next-token
+    cross-entropy (vocab-parallel, the same value on every TP rank).
+
+    ``sequence_parallel``: split the residual stream, LayerNorms and dropout along the sequence
+    (S divisible by T). ``dropout``: residual dropout (after the embedding, attention and MLP; the
+    plain model has none, so the equivalence checks run without). ``rng``: the mesh's
+    ``RNGStreams``; dropout on split activations (sequence-parallel regions) draws from its ``tp``
+    stream, on replicated ones from the default stream (so the TP ranks' replicas stay equal).
+    """
+
+    def __init__(self, gpt: Any, group: Any, sequence_parallel: bool = False, rng: Any = None, dropout: float = 0.0) -> None:
+        super().__init__()
+        t, r = _world(group), dist.get_rank(group)
+        vocab, dim = int(gpt.tok.num_embeddings), int(gpt.tok.embedding_dim)
+        seq, heads = int(gpt.pos.num_embeddings), int(gpt.blocks[0].heads) if len(gpt.blocks) else 1
+        check_divisibility(1, t, 1, heads=heads, dim=dim, vocab=vocab, seq=seq, sequence_parallel=sequence_parallel)
+        self.group, self.tp, self.tp_rank, self.sequence_parallel, self.rng = group, t, r, sequence_parallel, rng
+        self.vocab, self.seq, self.dim, self.heads = vocab, seq, dim, heads
+        self.vocab_start: int = r * (vocab // t)
+        hd = dim // heads
+        full = dict(gpt.named_parameters())
+        specs: dict[str, ShardSpec] = {}
+
+        def spec(name: str, view: tuple[int, ...] | None = None, d: int | None = None) -> torch.Tensor:
+            p = full[name]
+            specs[name] = ShardSpec(name, tuple(p.shape), view, d)
+            return specs[name].shard(p, r, t)
+
+        sp = sequence_parallel
+        self.tok = VocabParallelEmbedding(spec("tok.weight", None, 0), self.vocab_start, group, sp)
+        self.pos = nn.Parameter(spec("pos.weight"))
+        blocks = []
+        for i, blk in enumerate(gpt.blocks):
+            pre = f"blocks.{i}."
+            if getattr(blk, "mlp", None) is not None or not hasattr(blk, "fc"):
+                raise PeerConfigError(f"tensor parallelism: block {i}'s MLP is not the plain fc/out MLP (a mixture of experts?)")
+            ln1 = nn.LayerNorm(dim, eps=blk.ln1.eps).to(full[pre + "ln1.weight"].dtype)
+            ln1.weight.data, ln1.bias.data = spec(pre + "ln1.weight"), spec(pre + "ln1.bias")
+            qkv = ColumnParallelLinear(spec(pre + "qkv.weight", (3, heads, hd, dim), 1),
+                                       spec(pre + "qkv.bias", (3, heads, hd), 1), group, sp)
+            proj = RowParallelLinear(spec(pre + "proj.weight", None, 1), spec(pre + "proj.bias"), group, sp)
+            ln2 = nn.LayerNorm(dim, eps=blk.ln2.eps).to(full[pre + "ln2.weight"].dtype)
+            ln2.weight.data, ln2.bias.data = spec(pre + "ln2.weight"), spec(pre + "ln2.bias")
+            fc = ColumnParallelLinear(spec(pre + "fc.weight", None, 0), spec(pre + "fc.bias", None, 0), group, sp)
+            out = RowParallelLinear(spec(pre + "out.weight", None, 1), spec(pre + "out.bias"), group, sp)
+            blocks.append(_TPBlock(ln1, qkv, proj, ln2, fc, out, heads // t, self))
+        self.blocks = nn.ModuleList(blocks)
+        self.ln = nn.LayerNorm(dim, eps=gpt.ln.eps).to(full["ln.weight"].dtype)
+        self.ln.weight.data, self.ln.bias.data = spec("ln.weight"), spec("ln.bias")
+        self.head = ColumnParallelLinear(spec("head.weight", None, 0), None, group, sp)
+        self.dropout = float(dropout)
+        missing = set(full) - set(specs)
+        if missing:
+            raise PeerConfigError(f"tensor parallelism: parameters with no shard rule: {sorted(missing)}")
+        # the plain model's order, and which local parameter holds each
+        local = dict(self.named_parameters())
+        self.specs: list[tuple[ShardSpec, nn.Parameter]] = [
+            (specs[name], local["pos" if name == "pos.weight" else name]) for name in full
+        ]
+        self._replicated = [p for s, p in self.specs if s.dim is None]
+
+    # --------------------------------------------------------------------------------- forward pieces
+    def drop(self, x: torch.Tensor) -> torch.Tensor:
+        """Dropout on the residual stream: split along the sequence under SP (the ``tp`` stream: each
+        rank masks different positions), replicated otherwise (the default stream: masks agree)."""
+        if not self.training or self.dropout == 0.0:
+            return x
+        ctx = self.rng.fork("tp") if (self.sequence_parallel and self.rng is not None) else contextlib.nullcontext()
+        with ctx:
+            return F.dropout(x, self.dropout, True)
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        """``(B, S)`` ids -> the final LayerNorm's output ``(S, B, dim)`` (``(S/T, B, dim)`` under SP)."""
+        s = ids.shape[1]
+        x = self.tok(ids.t())
+        if self.sequence_parallel:
+            n = s // self.tp
+            pos = self.pos[self.tp_rank * n : (self.tp_rank + 1) * n]
+        else:
+            pos = self.pos[:s]
+        x = self.drop(x + pos.unsqueeze(1))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.ln(x)  # type: ignore[no-any-return]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(ids)).transpose(0, 1)  # type: ignore[no-any-return]
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of ``batch`` ``(B, S+1)``, as the ``gpt`` task's loss."""
+        ids, target = batch[:, :-1], batch[:, 1:]
+        if self.sequence_parallel and ids.shape[1] % self.tp:
+            raise PeerConfigError(f"sequence parallel: sequence length {ids.shape[1]} not divisible by tp {self.tp}")
+        logits = self.head(self.hidden(ids))  # (S, B, V/T)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return vocab_parallel_cross_entropy(logits, target.t(), self.vocab_start, self.group).mean()
+
+    # --------------------------------------------------------------------------------- shards
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """The parameters every TP rank holds whole (LayerNorms, row-parallel biases, position embedding)."""
+        return list(self._replicated)
+
+    def full_parameters(self) -> list[torch.Tensor]:
+        """The plain model's parameters, gathered from the TP group, in its order (a collective)."""
+        out = []
+        for s, p in self.specs:
+            if s.dim is None or self.tp == 1:
+                out.append(s.unshard([p.detach()]))
+                continue
+            shards = [torch.empty_like(p) for _ in range(self.tp)]
+            dist.all_gather(shards, p.detach().contiguous(), group=self.group)
+            out.append(s.unshard(shards))
+        return out
+
+    def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set this rank's shards from the plain model's named parameters."""
+        with torch.no_grad():
+            for s, p in self.specs:
+                p.copy_(s.shard(tensors[s.name].to(p), self.tp_rank, self.tp))
+
+
+# ---------------------------------------------------------------------------------------------- training
+class TensorParallelSync(ParamSync, Checkpointing):
+    """The ``ParamSync`` of a TP (x DP) run: after backward, the replicated parameters' gradients are
+    summed over the TP group (sequence parallelism only: each rank saw S/T positions), every gradient
+    is averaged over the DP group (one all-reduce of the flat gradient), and ``optimizer`` steps
+    this rank's shards. ``parameters()`` gathers the full model (plain order) for comparisons.
+
+    ``zero=1``: ZeRO-1 on the DP dimension. The flat buffer of this rank's TP shards is cut into D
+    equal chunks (the last padded); the gradient is reduce-scattered over the DP group, the
+    optimizer keeps state for and steps this replica's chunk only, and the updated chunks are
+    all-gathered over the DP group: optimizer state per rank / D.
+
+    Checkpoints (``set_checkpointing``): the plain model's tensors, whole, under their plain names
+    (``param/<name>``, ``state/<key>/<name>``), gathered over the TP group (and under ZeRO-1 over the
+    DP group) and written by the first rank of the first replica: the format DP and ZeRO write, so
+    a checkpoint of any (D, T) layout loads into any other, with or without ZeRO-1, or into DP /
+    ZeRO at any world size, and back (each rank reads the whole tensors and keeps its shard)."""
+
+    pipelined = False
+
+    def __init__(
+        self, model: TensorParallelGPT, optimizer: Any, mesh: ParallelMesh, settings: dict[str, Any] | None = None,
+        zero: int = 0,
+    ) -> None:
+        if zero not in (0, 1):
+            raise PeerConfigError(f"tensor parallelism composes with ZeRO stage 1 only (or 0), got {zero}")
+        self.model, self.mesh, self.zero = model, mesh, zero
+        self.device = mesh.device
+        self.flat = FlatParams.of(model, self.device)
+        self.settings = dict(settings or {})
+        self._repl = model.replicated_parameters() if model.sequence_parallel else []
+        self._index = {id(p): i for i, p in enumerate(self.flat.params)}
+        self.bytes_reduced = 0
+        n, d = self.flat.numel, mesh.dp
+        self._chunk = -(-n // d) if n else 0
+        self._lo = min(mesh.dp_idx * self._chunk, n)
+        self._hi = min(self._lo + self._chunk, n)
+        if zero:
+            self.shard = nn.Parameter(torch.zeros(self._chunk, dtype=self.flat.dtype, device=self.device))
+            self.shard.grad = torch.zeros_like(self.shard)
+            self._buf = torch.zeros(self._chunk * d, dtype=self.flat.dtype, device=self.device)
+            self._pull_shard()
+            self.optimizer = torch_optimizer(optimizer)([self.shard])
+        else:
+            self.optimizer = torch_optimizer(optimizer)(self.flat.params)
+
+    def _pull_shard(self) -> None:
+        """The ZeRO-1 shard <- this replica's chunk of the flat parameters."""
+        with torch.no_grad():
+            self.shard.data.zero_()
+            self.shard.data[: self._hi - self._lo].copy_(self.flat.data[self._lo : self._hi])
+
+    def join(self) -> int:
+        check_agreement({"mode": "tp", "dp": self.mesh.dp, "tp": self.mesh.tp, "pp": self.mesh.pp, "zero": self.zero,
+                         "sequence_parallel": self.model.sequence_parallel, "numel": self.flat.numel, **self.settings},
+                        self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
+        if self.mesh.dp > 1:  # the replicas of one shard start equal
+            dist.broadcast(self.flat.data, self.mesh.dp_ranks[0], group=self.mesh.dp_group)
+        if self.zero:
+            self._pull_shard()
+        return self._resume()
+
+    def leave(self) -> None:
+        pass
+
+    def fetch(self, step: int, batch: Any) -> Fetched:
+        return Fetched(step, batch, step)
+
+    def gradients(self, step: int) -> Grads:
+        return Grads(None)
+
+    def reduce_gradients(self) -> None:
+        """Sum the replicated parameters' gradients over TP (under SP); average all over DP (ZeRO-1:
+        reduce-scatter, this replica's chunk into ``shard.grad``)."""
+        if self._repl and self.mesh.tp > 1:
+            buf = torch.cat([p.grad.reshape(-1) for p in self._repl])  # type: ignore[union-attr]
+            dist.all_reduce(buf, group=self.mesh.tp_group)
+            self.bytes_reduced += buf.numel() * buf.element_size()
+            off = 0
+            for p in self._repl:
+                n = p.numel()
+                p.grad.copy_(buf[off : off + n].view_as(p))  # type: ignore[union-attr]
+                off += n
+        if self.zero:
+            self._buf.zero_()
+            self._buf[: self.flat.numel].copy_(self.flat.grad).div_(self.mesh.dp)
+            assert self.shard.grad is not None
+            if self.mesh.dp > 1:
+                dist.reduce_scatter_tensor(self.shard.grad, self._buf, group=self.mesh.dp_group)
+                self.bytes_reduced += self._buf.numel() * self._buf.element_size()
+            else:
+                self.shard.grad.copy_(self._buf)
+        elif self.mesh.dp > 1:
+            self.flat.grad.div_(self.mesh.dp)
+            dist.all_reduce(self.flat.grad, group=self.mesh.dp_group)
+            self.bytes_reduced += self.flat.grad.numel() * self.flat.grad.element_size()
+
+    def push(self, step: int, grads: Grads) -> PushResult:
+        self.reduce_gradients()
+        self.optimizer.step()
+        if self.zero:
+            with torch.no_grad():
+                if self.mesh.dp > 1:
+                    dist.all_gather_into_tensor(self._buf, self.shard.data, group=self.mesh.dp_group)
+                else:
+                    self._buf.copy_(self.shard.data)
+                self.flat.data.copy_(self._buf[: self.flat.numel])
+        self._maybe_save(step + 1)
+        return PushResult()
+
+    def parameters(self) -> torch.Tensor:
+        return torch.cat([p.reshape(-1) for p in self.model.full_parameters()])
+
+    def stats(self) -> dict[str, Any]:
+        return {"bytes_reduced": self.bytes_reduced, "tp": self.mesh.tp, "dp": self.mesh.dp, "zero": self.zero,
+                "sequence_parallel": self.model.sequence_parallel}
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank keeps between steps: parameters, gradients (its TP shards), optimizer state."""
+        nb = self.flat.nbytes()
+        state = sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor))
+        return {"param_bytes": nb, "grad_bytes": nb, "state_bytes": state}
+
+    # ------------------------------------------------------------------ checkpoints
+    def _gather(self, spec: ShardSpec, local: torch.Tensor) -> torch.Tensor:
+        if spec.dim is None or self.model.tp == 1:
+            return spec.unshard([local.detach()])
+        shards = [torch.empty_like(local) for _ in range(self.model.tp)]
+        dist.all_gather(shards, local.detach().contiguous(), group=self.model.group)
+        return spec.unshard(shards)
+
+    def _local_states(self) -> dict[int, dict[str, Any]]:
+        """Optimizer state per local parameter (by id), whole on this rank (ZeRO-1: gathered over DP)."""
+        if not self.zero:
+            return {id(p): dict(self.optimizer.state.get(p, {})) for p in self.flat.params}
+        st = self.optimizer.state.get(self.shard, {})
+        flat: dict[str, Any] = {}
+        for k, v in sorted(st.items()):
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                full = torch.empty(self._chunk * self.mesh.dp, dtype=v.dtype, device=v.device)
+                if self.mesh.dp > 1:
+                    dist.all_gather_into_tensor(full, v.contiguous(), group=self.mesh.dp_group)
+                else:
+                    full.copy_(v)
+                flat[k] = full[: self.flat.numel]
+            else:
+                flat[k] = v
+        out = {}
+        for p, seg in zip(self.flat.params, self.flat.segments):
+            out[id(p)] = {k: (v[seg.offset : seg.offset + seg.numel].view(seg.shape) if isinstance(v, torch.Tensor) and v.dim() > 0
+                              else v) for k, v in flat.items()}
+        return out
+
+    def checkpoint_pieces(self) -> tuple[list[Piece], dict[str, float]]:
+        """Every plain tensor whole (a gather over the TP group); the first rank of the first
+        replica keeps them, the others return nothing."""
+        writer = self.mesh.dp_idx == 0 and self.mesh.tp_idx == 0
+        pieces: list[Piece] = []
+        scalars: dict[str, float] = {}
+        states = self._local_states()
+        for spec, p in self.model.specs:
+            full = self._gather(spec, p)
+            whole = {k: self._gather(spec, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                     for k, v in sorted(states[id(p)].items())}
+            if writer:
+                pieces.append(Piece(f"param/{spec.name}", 0, full.reshape(-1)))
+                ps, sc = optimizer_pieces(whole, spec.name, full.numel(), 0, full.numel(), 0)
+                pieces += ps
+                scalars.update(sc)
+        return pieces, scalars
+
+    def load_checkpoint(self, reader: CheckpointReader) -> None:
+        """This rank's shards of every parameter and (if saved) of its optimizer state."""
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        tp, r = self.model.tp, self.model.tp_rank
+        with torch.no_grad():
+            for spec, p in self.model.specs:
+                n = math.prod(spec.full_shape)
+                full = reader.read(f"param/{spec.name}", 0, n).view(spec.full_shape)
+                p.copy_(spec.shard(full, r, tp).to(p))
+                keys = state_keys(reader, spec.name)
+                if keys:
+                    state[id(p)] = {
+                        k: spec.shard(reader.read(f"state/{k}/{spec.name}", 0, n).view(spec.full_shape), r, tp).to(p) for k in keys
+                    }
+        scalars = {k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()}
+        sd = self.optimizer.state_dict()
+        if not self.zero:
+            if state:
+                self.optimizer.load_state_dict({
+                    "state": {self._index[i]: {**st, **scalars} for i, st in state.items()}, "param_groups": sd["param_groups"],
+                })
+            return
+        self._pull_shard()
+        if not state:
+            return
+        keys = sorted({k for st in state.values() for k in st})
+        chunk: dict[str, torch.Tensor] = {}
+        for k in keys:
+            flat = torch.zeros(self._chunk * self.mesh.dp, dtype=self.flat.dtype, device=self.device)
+            for p, seg in zip(self.flat.params, self.flat.segments):
+                if k in state.get(id(p), {}):
+                    flat[seg.offset : seg.offset + seg.numel].copy_(state[id(p)][k].reshape(-1))
+            chunk[k] = flat[self.mesh.dp_idx * self._chunk : (self.mesh.dp_idx + 1) * self._chunk].clone()
+        self.optimizer.load_state_dict({"state": {0: {**chunk, **scalars}}, "param_groups": sd["param_groups"]})
+
+
+def tensor_parallel_task(task: Any, mesh: ParallelMesh, sequence_parallel: bool = False, dropout: float = 0.0) -> Any:
+    """The ``gpt`` task with its model replaced by this rank's ``TensorParallelGPT`` (built from the
+    task's model); the task's loss and evaluation call the split model's own (vocab-parallel) loss.
+    Batches: the trainer asks for worker ``mesh.dp_idx`` of ``mesh.dp``; every TP rank of a replica
+    reads the same batch."""
+    model = TensorParallelGPT(task.model, mesh.tp_group, sequence_parallel, mesh.rng, dropout).to(mesh.device)
+    return replace(task, model=model)
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+@contextlib.contextmanager
+def activation_bytes(model: nn.Module) -> Iterator[dict[str, Any]]:
+    """Count what autograd saves for backward inside the block (distinct storages, parameters
+    excluded): the activation memory of a forward. Yields a dict filled at exit: ``bytes`` (total)
+    and ``shapes`` (the shape of the first tensor seen on each storage)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, tuple[int, tuple[int, ...]]] = {}
+    out: dict[str, Any] = {"bytes": 0, "shapes": []}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen[ptr] = (st.nbytes(), tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield out
+    out["bytes"] = sum(n for n, _ in seen.values())
+    out["shapes"] = [s for _, s in seen.values()]
