@@ -6,7 +6,8 @@ Reference for the equivalence checks: one process (this one, outside the group) 
 copy of the same initial MoE ``gpt`` (all experts, before sharding) with ``torch.optim.SGD`` on
 the *global* batch (the ranks' batches concatenated), compared after every step: the global loss
 (cross-entropy + balance + z-losses), every parameter (experts gathered), and which token
-assignments the capacity dropped.
+assignments the capacity dropped. The EP x TP checks (``eptp-*``) compare the same way, the
+parameters gathered over TP and EP back into the plain model's order.
 """
 from __future__ import annotations
 
@@ -22,7 +23,9 @@ import torch.distributed as dist
 
 from ps import OptimizerSpec
 from worker.peer import init_mesh, shutdown_group
-from worker.peer.moe import MoESync, moe_layers
+from worker.peer.mesh import ParallelMesh
+from worker.peer.moe import MoESync, MoETensorParallelSync, moe_layers
+from worker.peer.tensor_parallel import tensor_parallel_task
 from worker.tasks import Task, load_task
 from worker.trainer import TrainConfig, Trainer
 
@@ -71,15 +74,39 @@ def train(task: Task, ep: int, world: int, rank: int, steps: int, ckpt: tuple[st
     return seen, sync
 
 
-def compare(name: str, got, want, rank: int, rtol: float = 1e-5, atol: float = 1e-6) -> int:
-    """Loss and parameters at every step; this rank's drop masks equal the reference's rows. Returns drops seen."""
+def train_tp(task: Task, ep: int, tp: int, rank: int, steps: int, ckpt: tuple[str, int] | None = None):
+    """The same list from this rank's EP x TP run: a (world/tp, tp, 1) mesh, the gpt model split by
+    ``tensor_parallel_task`` (experts by hidden), ``MoETensorParallelSync(ep)``; each replica reads
+    ``B * tp`` sequences, so the global batch is the other checks' (drops: this replica's sequences)."""
+    world = dist.get_world_size()
+    mesh = ParallelMesh.build(world // tp, tp, 1, seed=0)
+    tt = tensor_parallel_task(task, mesh)
+    sync = MoETensorParallelSync(tt.model, tt.dense_optimizer, mesh, ep=ep)
+    if ckpt:
+        sync.set_checkpointing(*ckpt)
+    seen: list[tuple[float, torch.Tensor, list[torch.Tensor]]] = []
+
+    def on_step(step: int, tr: Trainer) -> None:
+        loss = torch.tensor([tr.last_loss], dtype=torch.float64)
+        dist.all_reduce(loss)  # every TP rank holds its replica's loss: the mean over the world is the global one
+        seen.append((float(loss) / world, tr.flat, [m.last_dropped.clone() for _, m in sync.layers]))
+
+    cfg = TrainConfig(mode="dp", steps=steps, batch_size=B * tp, worker_index=mesh.dp_idx, num_workers=mesh.dp,
+                      progress=False, evaluate=False, name=f"rank{rank}")
+    Trainer(tt, sync, cfg, on_step=on_step).run()
+    return seen, sync, mesh
+
+
+def compare(name: str, got, want, rank: int, rtol: float = 1e-5, atol: float = 1e-6, per: int = B) -> int:
+    """Loss and parameters at every step; this rank's drop masks equal the reference's rows (``rank``:
+    this rank's share of ``per`` sequences of the global batch). Returns drops seen."""
     assert len(got) == len(want), (name, len(got), len(want))
     dropped = 0
     for t, ((gl, gp, gd), (wl, wp, wd)) in enumerate(zip(got, want)):
         torch.testing.assert_close(gp, wp, rtol=rtol, atol=atol, msg=lambda m, t=t: f"{name} step {t} params: {m}")
         assert abs(gl - wl) <= atol + rtol * abs(wl), f"{name} step {t} loss {gl} != reference {wl}"
         for i, (g, w) in enumerate(zip(gd, wd)):
-            mine = w[rank * B : (rank + 1) * B]
+            mine = w[rank * per : (rank + 1) * per]
             assert torch.equal(g, mine), f"{name} step {t} layer {i}: dropped {g.nonzero().tolist()} != reference {mine.nonzero().tolist()}"
             dropped += int(g.sum())
     assert not torch.equal(want[-1][1], want[0][1]), f"{name}: parameters never moved"
@@ -113,7 +140,7 @@ def main(checks: list[str]) -> None:
     mesh = init_mesh("gloo", "cpu", timeout_s=60)
     rank, world = mesh.rank, mesh.world
     for check in checks:
-        if check.startswith("ep"):  # E=4 top-2, capacity for every token: no drops
+        if check.startswith("ep") and check[2:].isdigit():  # E=4 top-2, capacity for every token: no drops
             ep = int(check[2:])
             task = make()
             want = reference(task, world, STEPS)
@@ -139,6 +166,34 @@ def main(checks: list[str]) -> None:
             dist.all_reduce(total)
             assert int(total) > 0, f"{check}: capacity 0.5 dropped nothing"
             print(f"OK {check} dropped={int(total)}", flush=True)
+        elif check.startswith("eptp-") and check != "eptp-ckpt":  # EP x TP: eptp-<ep>-<tp>-<capacity factor>; a tight capacity drops
+            ep, tp, cap = int(check.split("-")[1]), int(check.split("-")[2]), float(check.split("-")[3])
+            task = make(capacity=cap)
+            want = reference(task, world, STEPS)
+            got, sync, mesh = train_tp(task, ep, tp, rank, STEPS)
+            dropped = compare(check, got, want, mesh.dp_idx, per=B * tp)
+            total = torch.tensor([dropped])
+            dist.all_reduce(total)
+            assert (int(total) > 0) == (cap < 1), f"{check}: {int(total)} assignments dropped"
+            assert sync.stats()["ep"] == ep and sync.experts.numel > 0, sync.stats()
+            print(f"OK {check} dropped={int(total) // tp} {sync.stats()}", flush=True)
+        elif check == "eptp-ckpt":  # saved at EP=2 x TP=2 after 3 steps, resumed at EP=1 / TP=1 (4 DP ranks): the same step 3
+            d = tempfile.mkdtemp(prefix="moe-tp-ckpt-") if rank == 0 else ""
+            box = [d]
+            dist.broadcast_object_list(box, 0)
+            d = box[0]
+            task = make(capacity=0.5)
+            task.dense_optimizer = OptimizerSpec("momentum", {"lr": LR, "momentum": 0.9})  # state to carry over too
+            full, _, _ = train_tp(task, 2, 2, rank, 4, ckpt=(d, 3))
+            task = make(capacity=0.5)
+            task.dense_optimizer = OptimizerSpec("momentum", {"lr": LR, "momentum": 0.9})
+            resumed, sync = train(task, 1, world, rank, 4, ckpt=(d, 0))
+            assert sync.resumed_from and sync.resumed_from.endswith("step-3"), sync.resumed_from
+            assert len(resumed) == 1, len(resumed)
+            (gl, gp, gd), (wl, wp, wd) = resumed[0], full[-1]
+            torch.testing.assert_close(gp, wp, rtol=1e-5, atol=1e-6)
+            assert abs(gl - wl) <= 1e-6 + 1e-5 * abs(wl), (gl, wl)
+            print("OK eptp-ckpt", flush=True)
         elif check == "metrics":  # all-to-all time and bytes show up under EP (and not without it)
             task = make()
             sync = MoESync(task.model, task.dense_optimizer, ep=world)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -55,9 +55,11 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "MoESync",
+    "MoETensorParallelSync",
     "Router",
     "aux_loss",
     "expert_groups",
+    "mesh_expert_groups",
     "moe_layers",
 ]
 
@@ -188,6 +190,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleDict({str(e): Expert(dim, hidden) for e in range(cfg.experts)})
         self.group: Any = None  # the expert-parallel group (None: every expert is here)
         self.ep_size, self.ep_rank = 1, 0
+        self.tp_group: Any = None  # tensor parallelism: each expert's MLP split by hidden over this group
         self.aux: torch.Tensor | None = None
         self.meter = _Meter()
         self._a2a_out: dict[str, torch.Tensor] = {}  # the all-to-alls' forward outputs, reused
@@ -208,6 +211,34 @@ class MoE(nn.Module):
         for k in list(self.experts.keys()):
             if k not in keep:
                 del self.experts[k]
+
+    def tensor_parallel(self, group: Any, shard: Any) -> MoE:
+        """This layer split over the TP ``group`` (``T`` ranks): the router replicated, every
+        expert's MLP by its hidden dimension (``fc`` column-parallel: rows of its weight and bias;
+        ``out`` row-parallel: columns of its weight, the bias replicated). ``shard(name, dim)`` gives
+        this rank's chunk of the parameter ``name`` (relative to the layer) split along ``dim``
+        (None: replicated). Parameter names stay the plain layer's."""
+        t = dist.get_world_size(group)
+        hidden = self.cfg.hidden or 4 * self.router.in_features
+        if hidden % t:
+            raise PeerConfigError(f"tensor parallelism: the experts' hidden size {hidden} is not divisible by tp {t}")
+        if self.ep_size > 1:
+            raise PeerConfigError("MoE.tensor_parallel: split by TP before sharding the experts by EP")
+        dim = self.router.in_features
+        with torch.random.fork_rng(devices=[]):  # its initial values are overwritten: leave the RNG alone
+            layer = MoE(dim, replace(self.cfg, hidden=hidden // t))
+        with torch.no_grad():
+            layer.router.weight.copy_(shard("router.weight"))
+            for e in range(self.num_experts):
+                ex: Any = layer.experts[str(e)]
+                pre = f"experts.{e}."
+                ex.fc.weight.copy_(shard(pre + "fc.weight", 0))
+                ex.fc.bias.copy_(shard(pre + "fc.bias", 0))
+                ex.out.weight.copy_(shard(pre + "out.weight", 1))
+                ex.out.bias.copy_(shard(pre + "out.bias"))
+        layer.to(self.router.weight.dtype)
+        layer.tp_group = group
+        return layer
 
     # ------------------------------------------------------------------ forward
     def capacity(self, seq: int) -> int:
@@ -277,7 +308,20 @@ class MoE(nn.Module):
         return recv, recv_counts, in_splits, out_splits
 
     def _run(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """``rows`` grouped by local expert (``counts`` rows each) through their experts."""
+        """``rows`` grouped by local expert (``counts`` rows each) through their experts. Under TP
+        every expert's partial output (its hidden slice) is summed over the TP group in one all-reduce
+        for all local experts (the TP ranks of a replica hold the same rows: same tokens, same router)."""
+        if self.tp_group is not None and rows.shape[0]:
+            from worker.peer.tensor_parallel import _CopyToTP, _ReduceFromTP
+
+            rows = _CopyToTP.apply(rows, self.tp_group)
+            parts, bias, start = [], [], 0
+            for e, n in zip(self.local_experts, counts):
+                ex: Any = self.experts[str(e)]
+                parts.append(F.linear(F.gelu(ex.fc(rows[start : start + n])), ex.out.weight))
+                bias.append(ex.out.bias.expand(n, -1))
+                start += n
+            return _ReduceFromTP.apply(torch.cat(parts), self.tp_group) + torch.cat(bias)  # type: ignore[no-any-return]
         outs, start = [], 0
         for e, n in zip(self.local_experts, counts):
             outs.append(self.experts[str(e)](rows[start : start + n]))
@@ -596,3 +640,207 @@ class MoESync(ParamSync, Checkpointing):
                 if isinstance(v, torch.Tensor)
             ),
         }
+
+
+# ---------------------------------------------------------------------- expert x tensor parallelism
+def mesh_expert_groups(mesh: Any, ep: int) -> ExpertGroups:
+    """EP groups carved from the DP dimension of a ``ParallelMesh`` (P = 1): for each TP index, its D
+    replicas cut into groups of ``ep`` consecutive ones; ``replicas``: the ranks with this rank's TP
+    index and EP index (the same expert shards). Every rank creates every group, in the same order."""
+    if mesh.pp != 1:
+        raise PeerConfigError("expert parallelism with pipeline parallelism: not supported")
+    if ep < 1:
+        raise PeerConfigError(f"--ep must be >= 1, got {ep}")
+    if mesh.dp % ep:
+        raise PeerConfigError(f"--ep {ep} does not divide the {mesh.dp} data-parallel replicas (dp)")
+    groups = mesh.dp // ep
+    mine: Any = None
+    replicas: Any = None
+    dp_of = [[mesh.rank_of(d, t, 0, mesh.dp, mesh.tp) for d in range(mesh.dp)] for t in range(mesh.tp)]
+    if ep > 1:
+        for t in range(mesh.tp):
+            for g in range(groups):
+                pg = dist.new_group(dp_of[t][g * ep : (g + 1) * ep])
+                if t == mesh.tp_idx and g == mesh.dp_idx // ep:
+                    mine = pg
+    if groups > 1:
+        for t in range(mesh.tp):
+            for j in range(ep):
+                pg = dist.new_group([dp_of[t][g * ep + j] for g in range(groups)])
+                if t == mesh.tp_idx and j == mesh.dp_idx % ep:
+                    replicas = pg
+    return ExpertGroups(ep, mesh.dp_idx % ep, mine, replicas, groups)
+
+
+class MoETensorParallelSync(ParamSync, Checkpointing):
+    """The ``ParamSync`` of an MoE ``gpt`` under tensor x expert parallelism (``--tp T --ep P``, dp
+    mode, no sequence parallelism): ``model`` is a ``TensorParallelGPT`` whose MoE layers' experts
+    are split by hidden over the TP group; here they are also split over ``ep`` DP replicas
+    (``mesh_expert_groups``). After backward: the non-expert parameters (TP shards and replicated
+    ones: router, norms) are averaged over the DP group, as ``TensorParallelSync`` does without
+    sequence parallelism (the replicated gradients are equal on every TP rank); the expert shards
+    are summed over their replicas (same experts, same TP index) and divided by D. Two optimizers.
+
+    ``parameters()`` and checkpoints give the plain model's tensors whole, in its order and under
+    its names (gathered over TP, and experts over EP): the format of ``MoESync``/``TensorParallelSync``,
+    so an EP x TP checkpoint loads at EP=1 / TP=1 (or any layout) and back."""
+
+    pipelined = False
+
+    def __init__(self, model: Any, optimizer: Any, mesh: Any, *, ep: int = 1, settings: dict[str, Any] | None = None) -> None:
+        if model.sequence_parallel:
+            raise PeerConfigError("sequence parallelism with MoE layers: not supported")
+        self.model, self.mesh, self.device = model, mesh, mesh.device
+        self.layers = moe_layers(model)
+        if not self.layers:
+            raise PeerConfigError("the model has no MoE layers (use --moe-experts E with the gpt task)")
+        self.settings = dict(settings or {})
+        self.groups = mesh_expert_groups(mesh, ep)
+        for _, layer in self.layers:
+            layer.shard(self.groups.group, ep, self.groups.rank)
+        local = {id(p) for _, p in model.named_parameters()}
+        self.specs = [(s, p) for s, p in model.specs if id(p) in local]  # this rank's (experts: local ones only)
+        expert_ids = {id(p) for _, m in self.layers for p in m.experts.parameters()}
+        self._is_expert = {s.name: id(p) in expert_ids for s, p in self.specs}
+        model.to(self.device)
+        self.flat = FlatParams([p for p in model.parameters() if id(p) not in expert_ids], self.device)
+        self.experts = FlatParams([p for p in model.parameters() if id(p) in expert_ids], self.device)
+        self.optimizer = torch_optimizer(optimizer)(self.flat.params)
+        self.expert_optimizer = torch_optimizer(optimizer)(self.experts.params)
+        self._window_steps = 0
+        self.bytes_reduced = 0
+
+    def join(self) -> int:
+        from worker.peer.mesh import check_agreement
+
+        check_agreement({"mode": "tp-moe", "dp": self.mesh.dp, "tp": self.mesh.tp, "ep": self.groups.size,
+                         "numel": self.flat.numel, "expert_numel": self.experts.numel, **self.settings},
+                        self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
+        if self.mesh.dp > 1:  # the replicas of one shard start equal
+            dist.broadcast(self.flat.data, self.mesh.dp_ranks[0], group=self.mesh.dp_group)
+        if self.groups.replicas is not None:
+            dist.broadcast(self.experts.data, dist.get_global_rank(self.groups.replicas, 0), group=self.groups.replicas)
+        return self._resume()
+
+    def leave(self) -> None:
+        pass
+
+    def fetch(self, step: int, batch: Any) -> Fetched:
+        return Fetched(step, batch, step)
+
+    def gradients(self, step: int) -> Grads:
+        return Grads(None)
+
+    def zero_grad(self) -> None:
+        self.flat.zero_grad()
+        self.experts.zero_grad()
+
+    def push(self, step: int, grads: Grads) -> PushResult:
+        """Expert shards' gradients summed over their replicas, the rest over the DP group; both / D."""
+        g = self.experts.grad
+        work = dist.all_reduce(g, group=self.groups.replicas, async_op=True) if self.groups.replicas is not None else None
+        if self.mesh.dp > 1:
+            dist.all_reduce(self.flat.grad, group=self.mesh.dp_group)
+            self.bytes_reduced += self.flat.grad.numel() * self.flat.grad.element_size()
+        if work is not None:
+            work.wait()
+            self.bytes_reduced += g.numel() * g.element_size()
+        self.flat.grad.div_(self.mesh.dp)
+        g.div_(self.mesh.dp)
+        self.optimizer.step()
+        self.expert_optimizer.step()
+        self._window_steps += 1
+        self._maybe_save(step + 1)
+        return PushResult()
+
+    def window_metrics(self) -> dict[str, Any]:
+        steps, self._window_steps = self._window_steps, 0
+        return window_metrics([m for _, m in self.layers], steps)
+
+    def stats(self) -> dict[str, Any]:
+        return {"bytes_reduced": self.bytes_reduced, "tp": self.mesh.tp, "dp": self.mesh.dp, "ep": self.groups.size,
+                "expert_params": self.experts.numel}
+
+    def memory(self) -> dict[str, int]:
+        nb = self.flat.nbytes() + self.experts.nbytes()
+        state = sum(v.numel() * v.element_size() for o in (self.optimizer, self.expert_optimizer) for st in o.state.values()
+                    for v in st.values() if isinstance(v, torch.Tensor))
+        return {"param_bytes": nb, "grad_bytes": nb, "state_bytes": state}
+
+    # ------------------------------------------------------------------ whole tensors
+    def _tp_gather(self, spec: Any, local: torch.Tensor) -> torch.Tensor:
+        if spec.dim is None or self.mesh.tp == 1:
+            return spec.unshard([local.detach()])  # type: ignore[no-any-return]
+        shards = [torch.empty_like(local) for _ in range(self.mesh.tp)]
+        dist.all_gather(shards, local.detach().contiguous(), group=self.mesh.tp_group)
+        return spec.unshard(shards)  # type: ignore[no-any-return]
+
+    def _whole(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` (this rank's whole-over-TP tensors by plain name, experts: the local ones) with
+        every layer's other experts gathered over the EP group (a collective on every rank)."""
+        out = dict(tensors)
+        if self.groups.size == 1:
+            return out
+        for name, layer in self.layers:
+            local = list(layer.local_experts)
+            subs = [n for n, _ in layer.experts[str(local[0])].named_parameters()]
+            flat = torch.cat([tensors[f"{name}.experts.{e}.{sub}"].reshape(-1) for e in local for sub in subs])
+            allv = flat.new_empty(self.groups.size * flat.numel())
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(allv, flat, group=self.groups.group)
+            off = 0
+            for j in range(self.groups.size):  # EP rank j's experts, in its order
+                for i in range(len(local)):
+                    for sub in subs:
+                        like = tensors[f"{name}.experts.{local[0]}.{sub}"]
+                        out[f"{name}.experts.{j * len(local) + i}.{sub}"] = allv[off : off + like.numel()].view(like.shape)
+                        off += like.numel()
+        return out
+
+    def parameters(self) -> torch.Tensor:
+        """The plain model's parameters, whole, in its order (a collective)."""
+        whole = self._whole({s.name: self._tp_gather(s, p) for s, p in self.specs})
+        return torch.cat([whole[s.name].reshape(-1) for s, _ in self.model.specs])
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_pieces(self) -> tuple[list[Piece], dict[str, float]]:
+        """Every plain tensor whole (gathered over TP) with its optimizer state: the dense ones from
+        the first rank of the first replica, the experts from the TP-first ranks of the first EP group."""
+        pieces: list[Piece] = []
+        scalars: dict[str, float] = {}
+        first_tp = self.mesh.tp_idx == 0
+        for spec, p in self.specs:
+            expert = self._is_expert[spec.name]
+            opt = self.expert_optimizer if expert else self.optimizer
+            full = self._tp_gather(spec, p)
+            whole = {k: self._tp_gather(spec, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                     for k, v in sorted(opt.state.get(p, {}).items())}
+            if first_tp and (self.mesh.dp_idx < self.groups.size if expert else self.mesh.dp_idx == 0):
+                pieces.append(Piece(f"param/{spec.name}", 0, full.reshape(-1)))
+                ps, sc = optimizer_pieces(whole, spec.name, full.numel(), 0, full.numel(), 0)
+                pieces += ps
+                scalars.update(sc)
+        return pieces, scalars
+
+    def load_checkpoint(self, reader: CheckpointReader) -> None:
+        """This rank's shards (and optimizer state) from whole tensors of any layout."""
+        states: dict[bool, dict[int, dict[str, torch.Tensor]]] = {False: {}, True: {}}
+        index = {**{id(p): i for i, p in enumerate(self.flat.params)}, **{id(p): i for i, p in enumerate(self.experts.params)}}
+        tp, r = self.mesh.tp, self.mesh.tp_idx
+        with torch.no_grad():
+            for spec, p in self.specs:
+                if not reader.has(f"param/{spec.name}"):
+                    raise PeerConfigError(f"checkpoint {reader.path} has no {spec.name!r}: saved from another model (experts?)")
+                n = math.prod(spec.full_shape)
+                p.copy_(spec.shard(reader.read(f"param/{spec.name}", 0, n).view(spec.full_shape), r, tp).to(p))
+                keys = state_keys(reader, spec.name)
+                if keys:
+                    states[self._is_expert[spec.name]][index[id(p)]] = {
+                        k: spec.shard(reader.read(f"state/{k}/{spec.name}", 0, n).view(spec.full_shape), r, tp).to(p) for k in keys
+                    }
+        scalars = {k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()}
+        for expert, opt in ((False, self.optimizer), (True, self.expert_optimizer)):
+            if states[expert]:
+                sd = opt.state_dict()
+                opt.load_state_dict({"state": {i: {**st, **scalars} for i, st in states[expert].items()},
+                                     "param_groups": sd["param_groups"]})

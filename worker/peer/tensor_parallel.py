@@ -310,9 +310,14 @@ class _TPBlock(nn.Module):
     by heads (``qkv`` column-, ``proj`` row-parallel), the MLP by hidden (``fc`` column, ``out`` row)."""
 
     def __init__(self, ln1: nn.LayerNorm, qkv: ColumnParallelLinear, proj: RowParallelLinear, ln2: nn.LayerNorm,
-                 fc: ColumnParallelLinear, out: RowParallelLinear, local_heads: int, owner: Any) -> None:
+                 fc: ColumnParallelLinear | None, out: RowParallelLinear | None, local_heads: int, owner: Any,
+                 mlp: nn.Module | None = None) -> None:
         super().__init__()
-        self.ln1, self.qkv, self.proj, self.ln2, self.fc, self.out = ln1, qkv, proj, ln2, fc, out
+        self.ln1, self.qkv, self.proj, self.ln2 = ln1, qkv, proj, ln2
+        if mlp is None:
+            self.fc: Any = fc
+            self.out: Any = out
+        self.mlp: Any = mlp  # an MoE layer (worker.peer.moe.MoE.tensor_parallel) in place of fc/out
         self.local_heads = local_heads
         self._owner = [owner]  # not a submodule
 
@@ -327,6 +332,8 @@ class _TPBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         drop = self._owner[0].drop
         x = x + drop(self.attention(self.ln1(x)))
+        if self.mlp is not None:  # MoE: routing groups are sequences, so batch-first inside the layer
+            return x + drop(self.mlp(self.ln2(x).transpose(0, 1)).transpose(0, 1))
         return x + drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
 
@@ -367,8 +374,13 @@ class TensorParallelGPT(nn.Module):
         blocks = []
         for i, blk in enumerate(gpt.blocks):
             pre = f"blocks.{i}."
-            if getattr(blk, "mlp", None) is not None or not hasattr(blk, "fc"):
-                raise PeerConfigError(f"tensor parallelism: block {i}'s MLP is not the plain fc/out MLP (a mixture of experts?)")
+            from worker.peer.moe import MoE  # (moe imports this module's collectives)
+
+            moe = getattr(blk, "mlp", None)
+            if moe is not None and not isinstance(moe, MoE) or moe is None and not hasattr(blk, "fc"):
+                raise PeerConfigError(f"tensor parallelism: block {i}'s MLP is neither the plain fc/out MLP nor an MoE layer")
+            if moe is not None and sp:
+                raise PeerConfigError("sequence parallelism with MoE layers: not supported (an MoE layer routes whole sequences)")
             ln1 = nn.LayerNorm(dim, eps=blk.ln1.eps).to(full[pre + "ln1.weight"].dtype)
             ln1.weight.data, ln1.bias.data = spec(pre + "ln1.weight"), spec(pre + "ln1.bias")
             qkv = ColumnParallelLinear(spec(pre + "qkv.weight", (3, heads, hd, dim), 1),
@@ -376,6 +388,10 @@ class TensorParallelGPT(nn.Module):
             proj = RowParallelLinear(spec(pre + "proj.weight", None, 1), spec(pre + "proj.bias"), group, sp)
             ln2 = nn.LayerNorm(dim, eps=blk.ln2.eps).to(full[pre + "ln2.weight"].dtype)
             ln2.weight.data, ln2.bias.data = spec(pre + "ln2.weight"), spec(pre + "ln2.bias")
+            if moe is not None:
+                blocks.append(_TPBlock(ln1, qkv, proj, ln2, None, None, heads // t, self,
+                                       mlp=moe.tensor_parallel(group, lambda n, d=None, pre=pre: spec(pre + "mlp." + n, None, d))))
+                continue
             fc = ColumnParallelLinear(spec(pre + "fc.weight", None, 0), spec(pre + "fc.bias", None, 0), group, sp)
             out = RowParallelLinear(spec(pre + "out.weight", None, 1), spec(pre + "out.bias"), group, sp)
             blocks.append(_TPBlock(ln1, qkv, proj, ln2, fc, out, heads // t, self))
