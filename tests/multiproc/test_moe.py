@@ -68,3 +68,32 @@ def test_moe_flags_metrics_and_start_checks(tmp_path) -> None:
     no_moe = flags[:i] + flags[i + 2 :]
     (rc, _, se), = tpe.run_ranks(1, [*no_moe, "--ep", "2", "--global-batch", "2"], module=True, timeout=60)
     assert rc == 2 and "--ep 2 needs a model with MoE layers: add --moe-experts E" in se, se[-2000:]
+
+
+@pytest.mark.timeout(200)
+def test_moe_tensor_parallel_flags(tmp_path) -> None:
+    """``python -m worker.peer --moe-experts 4 --tp 2 --ep 2`` on 4 ranks (D=2 x T=2): trains, reports
+    the layout, and its metrics file's step records carry the MoE fields (all-to-all bytes > 0: EP
+    is on); ``--tp 2 --ep 2`` on 2 ranks (D=1) and ``--mode zero1`` with MoE layers under ``--tp``
+    stop every rank at start with one message (exit 2)."""
+    import json
+
+    flags = ["--task", "gpt", "--task-opt", "dim=16", "--task-opt", "seq=16", "--task-opt", "vocab=32", "--task-opt", "heads=2",
+             "--moe-experts", "4", "--global-batch", "4", "--steps", "2", "--log-every", "1", "--no-progress", "--no-eval",
+             "--tp", "2"]
+    res = tpe.run_ranks(4, [*flags, "--ep", "2", "--metrics-out", str(tmp_path)], module=True, timeout=150)
+    for r, (rc, _, se) in enumerate(res):
+        assert rc == 0, f"rank {r}: {se[-3000:]}"
+    summary = json.loads(res[0][1].strip().splitlines()[-1])
+    assert summary["steps"] == 2 and summary["tp"] == 2 and summary["dp"] == 2, summary
+    recs = [json.loads(line) for line in (tmp_path / "rank3.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if r["kind"] == "step"]
+    assert len(steps) == 2, steps
+    for rec in steps:  # 2 sequences of 16 tokens, top-2, per layer and step on this replica
+        assert all(abs(sum(c) - 2 * 16 * 2) < 1e-6 for c in rec["moe_tokens_per_expert"]), rec
+        assert rec["a2a_mb"] > 0, rec
+    assert next(r for r in recs if r["kind"] == "summary")["ep"] == 2
+    for extra, msg in ((["--ep", "2"], "--ep 2 does not divide the 1 data-parallel replicas"),
+                       (["--mode", "zero1"], "MoE layers with --tp/--dp: dp mode without --sequence-parallel only")):
+        for r, (rc, _, se) in enumerate(tpe.run_ranks(2, [*flags, *extra], module=True, timeout=90)):
+            assert rc == 2 and msg in se, (r, extra, rc, se[-2000:])

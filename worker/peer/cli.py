@@ -293,8 +293,13 @@ def _mesh_sync(args: argparse.Namespace, task: Any, dp: int, device: Any, settin
         raise PeerConfigError(f"--mode {args.mode} with --tp/--dp: dp and zero1 (ZeRO-1 over the DP dimension) compose with tensor parallelism")
     if args.compress != "none":
         raise PeerConfigError("--compress with --tp/--dp is not supported (dp mode without a mesh only)")
-    if getattr(args, "ep", 1) > 1 or getattr(args, "moe_experts", 0):
-        raise PeerConfigError("--ep/--moe-experts with --tp/--dp: mixture-of-experts layers are not split by tensor parallelism here")
+    from worker.peer.moe import MoETensorParallelSync, moe_layers
+
+    moe = bool(moe_layers(task.model))
+    if getattr(args, "ep", 1) > 1 and not moe:
+        raise PeerConfigError(f"--ep {args.ep} needs a model with MoE layers: add --moe-experts E (gpt)")
+    if moe and (args.mode != "dp" or args.sequence_parallel):
+        raise PeerConfigError("MoE layers with --tp/--dp: dp mode without --sequence-parallel only (no ZeRO-1 over DP, no SP)")
     m = task.model
     if not all(hasattr(m, a) for a in ("tok", "pos", "blocks", "ln", "head")) or not len(m.blocks):
         raise PeerConfigError(f"--tp/--sequence-parallel split the gpt task's model; task {args.task!r} is not one")
@@ -304,6 +309,8 @@ def _mesh_sync(args: argparse.Namespace, task: Any, dp: int, device: Any, settin
              "sequence_parallel": args.sequence_parallel}
     mesh = ParallelMesh.build(dp, args.tp, pp, device=device, seed=args.seed, check=check)
     task = tensor_parallel_task(task, mesh, sequence_parallel=args.sequence_parallel)
+    if moe:  # experts split by hidden over TP, and over --ep DP replicas
+        return MoETensorParallelSync(task.model, task.dense_optimizer, mesh, ep=args.ep, settings=settings), task, mesh.dp_idx
     sync = TensorParallelSync(task.model, task.dense_optimizer, mesh, settings=settings, zero=int(args.mode == "zero1"))
     return sync, task, mesh.dp_idx
 
