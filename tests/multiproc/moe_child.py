@@ -175,7 +175,11 @@ def main(checks: list[str]) -> None:
             total = torch.tensor([dropped])
             dist.all_reduce(total)
             assert (int(total) > 0) == (cap < 1), f"{check}: {int(total)} assignments dropped"
-            assert sync.stats()["ep"] == ep and sync.experts.numel > 0, sync.stats()
+            # this rank holds E/ep experts per layer, each MLP 1/tp of its hidden (out's bias whole)
+            d, h = GPT["dim"], 4 * GPT["dim"]
+            per_expert = (d * h + h + h * d) // tp + d
+            assert sync.experts.numel == GPT["layers"] * GPT["moe_experts"] // ep * per_expert, sync.experts.numel
+            assert sync.stats()["ep"] == ep, sync.stats()
             print(f"OK {check} dropped={int(total) // tp} {sync.stats()}", flush=True)
         elif check == "eptp-ckpt":  # saved at EP=2 x TP=2 after 3 steps, resumed at EP=1 / TP=1 (4 DP ranks): the same step 3
             d = tempfile.mkdtemp(prefix="moe-tp-ckpt-") if rank == 0 else ""

@@ -11,7 +11,8 @@ parameters (experts gathered from their ranks), and the token assignments the ca
 - ZeRO-2 (EP=2) and ZeRO-3 (EP=4) on the non-expert parameters: the same (capacity 0.5).
 - EP=2 x TP=2 (a (2, 2, 1) mesh: attention split by heads, every expert's MLP by hidden, the
   router replicated, EP groups carved from the DP dimension): the same losses and parameters at
-  capacity factor 2 (no drops), and at 0.5 the reference's drops; a checkpoint of it (momentum SGD)
+  capacity factor 2 (no drops), and at 0.5 the reference's drops; EP=1 x TP=2 too (each expert
+  shard on 2 replicas: its gradient summed over them); a checkpoint of it (momentum SGD)
   saved after 3 steps resumes at EP=1 / TP=1 (4 data-parallel ranks) with the same step 3.
 - Metrics: all-to-all bytes over the ranks equal 4 exchanges of every routed token's row per layer.
 - A checkpoint saved at EP=4 after 3 steps resumes at EP=2 with the same step 3.
@@ -28,7 +29,7 @@ import test_peer_equivalence as tpe  # type: ignore[import-not-found]
 
 CHILD = os.path.join(tpe.ROOT, "tests", "multiproc", "moe_child.py")
 
-CHECKS = ["ep1", "ep2", "ep4", "drop-2-2", "drop-2-4", "drop-1-4", "zero2-ep2", "zero3-ep4", "eptp-2-2-2.0", "eptp-2-2-0.5", "eptp-ckpt", "metrics", "ckpt", "balance"]
+CHECKS = ["ep1", "ep2", "ep4", "drop-2-2", "drop-2-4", "drop-1-4", "zero2-ep2", "zero3-ep4", "eptp-2-2-2.0", "eptp-2-2-0.5", "eptp-1-2-2.0", "eptp-ckpt", "metrics", "ckpt", "balance"]
 
 
 @pytest.mark.timeout(300)
