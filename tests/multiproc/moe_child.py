@@ -181,7 +181,7 @@ def main(checks: list[str]) -> None:
             assert sync.experts.numel == GPT["layers"] * GPT["moe_experts"] // ep * per_expert, sync.experts.numel
             assert sync.stats()["ep"] == ep, sync.stats()
             print(f"OK {check} dropped={int(total) // tp} {sync.stats()}", flush=True)
-        elif check == "eptp-ckpt":  # saved at EP=2 x TP=2 after 3 steps, resumed at EP=1 / TP=1 (4 DP ranks): the same step 3
+        elif check == "eptp-ckpt":  # saved at EP=2 x TP=2 after 3 steps, resumed at EP=1 / TP=1 (4 DP ranks): the same step 3; and back
             d = tempfile.mkdtemp(prefix="moe-tp-ckpt-") if rank == 0 else ""
             box = [d]
             dist.broadcast_object_list(box, 0)
@@ -197,6 +197,18 @@ def main(checks: list[str]) -> None:
             (gl, gp, gd), (wl, wp, wd) = resumed[0], full[-1]
             torch.testing.assert_close(gp, wp, rtol=1e-5, atol=1e-6)
             assert abs(gl - wl) <= 1e-6 + 1e-5 * abs(wl), (gl, wl)
+            # and back: saved at EP=2 (4 DP ranks, no TP), resumed at EP=2 x TP=2
+            box = [tempfile.mkdtemp(prefix="moe-tp-ckpt-") if rank == 0 else ""]
+            dist.broadcast_object_list(box, 0)
+            task = make(capacity=0.5)
+            task.dense_optimizer = OptimizerSpec("momentum", {"lr": LR, "momentum": 0.9})
+            full, _ = train(task, 2, world, rank, 4, ckpt=(box[0], 3))
+            task = make(capacity=0.5)
+            task.dense_optimizer = OptimizerSpec("momentum", {"lr": LR, "momentum": 0.9})
+            resumed, tsync, _ = train_tp(task, 2, 2, rank, 4, ckpt=(box[0], 0))
+            assert tsync.resumed_from and tsync.resumed_from.endswith("step-3") and len(resumed) == 1, tsync.resumed_from
+            torch.testing.assert_close(resumed[0][1], full[-1][1], rtol=1e-5, atol=1e-6)
+            assert abs(resumed[0][0] - full[-1][0]) <= 1e-6 + 1e-5 * abs(full[-1][0]), (resumed[0][0], full[-1][0])
             print("OK eptp-ckpt", flush=True)
         elif check == "metrics":  # all-to-all time and bytes show up under EP (and not without it)
             task = make()

@@ -13,7 +13,8 @@ parameters (experts gathered from their ranks), and the token assignments the ca
   router replicated, EP groups carved from the DP dimension): the same losses and parameters at
   capacity factor 2 (no drops), and at 0.5 the reference's drops; EP=1 x TP=2 too (each expert
   shard on 2 replicas: its gradient summed over them); a checkpoint of it (momentum SGD)
-  saved after 3 steps resumes at EP=1 / TP=1 (4 data-parallel ranks) with the same step 3.
+  saved after 3 steps resumes at EP=1 / TP=1 (4 data-parallel ranks) with the same step 3, and
+  one saved at EP=2 without TP resumes at EP=2 x TP=2 with the same step 3.
 - Metrics: all-to-all bytes over the ranks equal 4 exchanges of every routed token's row per layer.
 - A checkpoint saved at EP=4 after 3 steps resumes at EP=2 with the same step 3.
 - Load balance: routers start skewed to expert 0 (top-1, 40 Adam steps): the metrics report the
