@@ -132,12 +132,11 @@ def run_rank(args: argparse.Namespace) -> int:
     )
     from worker.peer.mesh import Liveness
     from worker.peer.moe import MoESync, moe_layers
+    from worker.peer.pipeline import run_pipeline_rank, takes_pipeline_path
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
 
-    if getattr(args, "pp", 1) > 1 or getattr(args, "recompute", False):  # pipeline / recompute: worker.peer.pipeline
-        from worker.peer.pipeline import run_pipeline_rank
-
+    if takes_pipeline_path(args):  # --pp > 1, --recompute, --precision bf16 (with any --tp/--dp): worker.peer.pipeline
         return run_pipeline_rank(args)
     mesh = init_mesh(args.backend, args.device, args.timeout)
     rank, world = mesh.rank, mesh.world
