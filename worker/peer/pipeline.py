@@ -49,14 +49,20 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from worker.peer.checkpoint import Checkpointing, CheckpointReader, Piece, optimizer_pieces, state_keys
+from worker.peer.checkpoint import (
+    Checkpointing,
+    CheckpointReader,
+    Piece,
+    optimizer_pieces,
+    state_keys,
+)
 
 __all__ = [
     "KINDS",
@@ -894,7 +900,7 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
         P, D, T, m, V = pipeline_config(args, mesh0.world)
         opts = _kv(args.task_opt)
         task = load_task("gpt", seed=args.seed, **opts)
-        plain = task.model
+        plain: Any = task.model
         layers = gpt_layers(plain)
         if len(layers) < P * V:
             raise PeerConfigError(f"the model has {len(layers)} layers (embeddings, {len(layers) - 2} blocks, head): too few for {P * V} stages")
@@ -909,7 +915,7 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
         costs = [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
         dim = int(plain.tok.embedding_dim)
         model: Any = plain
-        loss_fn = gpt_loss
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss
         if T > 1:
             from worker.peer.tensor_parallel import TensorParallelGPT
 
