@@ -11,6 +11,7 @@ dimension equals it with 1/D of the momentum state per rank; bf16 compute stays 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -73,3 +74,67 @@ def test_tp2_pp2_equals_one_process() -> None:
 def test_dp2_pp2_zero1_equals_one_process() -> None:
     """(D, T, P) = (2, 1, 2): ZeRO-1 over the DP pairs of each stage, with and without recompute."""
     _check(run_mesh(2, 1, 2, CHECKS_DP2_PP2), CHECKS_DP2_PP2)
+
+
+CHECKS_DP2_TP2_PP2 = ["1f1b", "interleaved-v2", "1f1b-recompute-zero1", "same", "1f1b-bf16"]
+
+
+@pytest.mark.timeout(400)
+def test_dp2_tp2_pp2_equals_one_process() -> None:
+    """(D, T, P) = (2, 2, 2): 8 processes (about 25 s on 2 busy cores); ZeRO-1 over DP with TP stages."""
+    _check(run_mesh(2, 2, 2, CHECKS_DP2_TP2_PP2, timeout=360), CHECKS_DP2_TP2_PP2)
+
+
+# ------------------------------------------------------------------ tessera peer --tp T --pp P [--recompute] [--precision bf16]
+ENV = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::FutureWarning")
+OPTS = {"vocab": 32, "seq": 8, "dim": 16, "layers": 3, "heads": 2}
+GPT = ["--task", "gpt", *[a for k, v in OPTS.items() for a in ("--task-opt", f"{k}={v}")], "--no-progress", "--torch-threads", "1",
+       "--steps", "4", "--global-batch", "8"]
+
+
+def _peer(nproc: int, args: list[str]) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", str(nproc), *GPT, *args]
+    return subprocess.run(cmd, check=False, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=170)
+
+
+def _report(p: subprocess.CompletedProcess[str]) -> dict:  # type: ignore[type-arg]
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])  # type: ignore[no-any-return]
+
+
+def _reference_losses(steps: int = 4) -> list[float]:
+    """One process, torch Adam on the global batch: the loss of every step."""
+    import torch
+
+    from worker.tasks import load_task
+
+    task = load_task("gpt", seed=0, **OPTS)
+    opt = torch.optim.Adam(task.model.parameters(), lr=task.dense_optimizer.hparams["lr"])
+    data, out = task.batches(0, 1, 8, 0), []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = task.loss(task.model, next(data))
+        loss.backward()
+        opt.step()
+        out.append(float(loss.detach()))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_tessera_peer_tp_pp_recompute_and_bf16() -> None:
+    """`tessera peer --tp 2 --pp 2` and `--tp 2 --recompute` equal one process (Adam, every step's loss,
+    rtol 1e-5); `--tp 2 --precision bf16` is within 2e-3 of it and reports bf16; --sequence-parallel
+    with --pp stops every rank with one message (exit 2)."""
+    ref = _reference_losses()
+    r = _report(_peer(4, ["--tp", "2", "--pp", "2", "--micro-batches", "4"]))
+    assert (r["dp"], r["tp"], r["pp"], r["precision"]) == (1, 2, 2, "fp32"), r
+    assert r["losses"] == pytest.approx(ref, rel=1e-5), (r["losses"], ref)
+    r = _report(_peer(2, ["--tp", "2", "--recompute", "--micro-batches", "2"]))
+    assert (r["tp"], r["pp"], r["recompute"]) == (2, 1, True), r
+    assert r["losses"] == pytest.approx(ref, rel=1e-5), (r["losses"], ref)
+    r = _report(_peer(2, ["--tp", "2", "--precision", "bf16", "--micro-batches", "2"]))
+    assert r["precision"] == "bf16", r
+    assert r["losses"] == pytest.approx(ref, rel=2e-3) and r["losses"] != pytest.approx(ref, rel=1e-7), (r["losses"], ref)
+    p = _peer(4, ["--tp", "2", "--pp", "2", "--sequence-parallel"])
+    assert p.returncode != 0
+    assert p.stderr.count("--sequence-parallel with --pp") >= 4, p.stderr[-2000:]
