@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -40,6 +42,7 @@ from worker.tasks import load_task
 
 M, STEPS, G = 4, 3, 8  # micro-batches, steps, global batch
 OPTS = {"vocab": 32, "seq": 8, "dim": 16, "layers": 4, "heads": 2, "lr": 3e-3}
+SEQ, DIM = 8, 16
 
 
 def make_opt(params):  # type: ignore[no-untyped-def]
@@ -49,9 +52,9 @@ def make_opt(params):  # type: ignore[no-untyped-def]
 def run(check: str, mesh: ParallelMesh) -> torch.Tensor:
     parts = check.split("-")
     kind, V = parts[0], 1
-    for p in parts[1:]:
-        if p.startswith("v"):
-            V = int(p[1:])
+    for part in parts[1:]:
+        if part.startswith("v"):
+            V = int(part[1:])
     recompute, zero, bf16 = "recompute" in parts, int("zero1" in parts), "bf16" in parts
     D, T = mesh.dp, mesh.tp
     task = load_task("gpt", seed=0, **OPTS)
@@ -59,7 +62,9 @@ def run(check: str, mesh: ParallelMesh) -> torch.Tensor:
     ref_opt = make_opt(ref.parameters())
     plain = task.model
     costs = [float(sum(p.numel() for p in layer.parameters())) for layer in gpt_layers(plain)]
-    model, layers, loss_fn = plain, gpt_layers(plain), gpt_loss
+    model: Any = plain
+    layers = gpt_layers(plain)
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss
     if T > 1:
         model = TensorParallelGPT(plain, mesh.tp_group, False, mesh.rng)
         layers, loss_fn = tp_gpt_layers(model), tp_gpt_loss(model)
@@ -70,8 +75,8 @@ def run(check: str, mesh: ParallelMesh) -> torch.Tensor:
     opt = StageOptimizer(named, make_opt, dp_group=mesh.dp_group, dp_size=D, dp_idx=mesh.dp_idx, tp_group=mesh.tp_group,
                          tp_size=T, tp_rank=mesh.tp_idx, zero=zero)
     per_rank = G // D
-    mine, glob = task.batches(mesh.dp_idx, D, per_rank, 0), task.batches(0, 1, G, 0)
-    act = (OPTS["seq"], per_rank // M, OPTS["dim"]) if T > 1 else (per_rank // M, OPTS["seq"], OPTS["dim"])
+    local, glob = task.batches(mesh.dp_idx, D, per_rank, 0), task.batches(0, 1, G, 0)
+    act = (SEQ, per_rank // M, DIM) if T > 1 else (per_rank // M, SEQ, DIM)
     rtol, ltol = (1e-2, 2e-3) if bf16 else (1e-5, 1e-5)
     before = {s.name: opt._gather_tp(s, p).clone() for s, p in named}
     loss_err = 0.0
@@ -82,7 +87,7 @@ def run(check: str, mesh: ParallelMesh) -> torch.Tensor:
         ref_loss.backward()
         ref_loss = ref_loss.detach()
         ref_opt.step()
-        b = next(mine)
+        b = next(local)
         mbs = list(b.chunk(M))
         eng.zero_grad()
         loss = eng.step([x[:, :-1] for x in mbs], [x[:, 1:] for x in mbs], act)
@@ -95,8 +100,12 @@ def run(check: str, mesh: ParallelMesh) -> torch.Tensor:
     worst = 0.0
     for s, p in named:
         full = opt._gather_tp(s, p)
+
+        def msg(m: str, n: str = s.name) -> str:
+            return f"{check}: {n}: {m}"
+
         torch.testing.assert_close(full, refp[s.name].detach(), rtol=rtol, atol=rtol if bf16 else 1e-6,
-                                   msg=lambda m, n=s.name: f"{check}: {n}: {m}")
+                                   msg=msg)
         assert not torch.equal(full, before[s.name]), f"{check}: {s.name} did not change"
         worst = max(worst, float((full - refp[s.name].detach()).abs().max()))
     detail = ""
