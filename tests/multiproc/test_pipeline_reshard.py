@@ -1,15 +1,16 @@
 """Resharding checkpoints across (D, T, P): `tessera peer --checkpoint-dir` saved by one layout resumes
 in another, with the optimizer state, and the next losses match one process.
 
-One checkpoint directory, three runs of the gpt task (Adam): (2,2,1) (the trainer's tensor-parallel
-path) trains steps 1-2 and saves; (1,1,2) (the pipeline, with ZeRO-1's flag at D=1) resumes from it,
-trains steps 3-4 and saves; (2,2,1) with ZeRO-1 (Adam's state split over the D replicas) resumes
-from that and trains step 5. Every checkpoint holds the plain model's tensors whole under their
+One checkpoint directory, five runs of the gpt task (Adam): (2,2,1) with ZeRO-1 (the trainer's
+tensor-parallel path; Adam's state split over the D replicas) trains steps 1-2 and saves; (1,1,2)
+(the pipeline, with ZeRO-1's flag at D=1) resumes from it, trains steps 3-4 and saves; (2,2,1)
+without ZeRO resumes from that and trains steps 5-6; a (1,2,2) pipeline (tensor-parallel stages) trains steps 7-8 from that,
+and one plain data-parallel process step 9. Every checkpoint holds the plain model's tensors whole under their
 plain names, Adam's moments included. Reference: one process training the same model with torch
-Adam on the global batch for 5 steps without a break: the pipeline's losses (global batch means)
-at steps 3-4 and the (2,2,1) runs' rank-0 losses (replica 0's half of the batch) at steps 2 and 5
-equal it (rtol 1e-5): a resumed run that lost Adam's moments or step count, or read a tensor into
-the wrong shard, would differ.
+Adam on the global batch for 9 steps without a break: the pipeline's losses (global batch means)
+at steps 3-4 and 7-8, the (2,2,1) runs' rank-0 losses (replica 0's half of the batch) at steps 2 and
+6, and the last process's at step 9 equal it (rtol 1e-5): a resumed run that lost Adam's moments or step count, or read a tensor into
+the wrong shard, would differ (so did one that shared Adam's loaded ``step`` tensor between its parameters).
 """
 from __future__ import annotations
 
@@ -56,10 +57,10 @@ def _peer(nproc: int, args: list[str]) -> dict:  # type: ignore[type-arg]
 
 
 @pytest.mark.timeout(400)
-def test_checkpoint_reshards_221_to_112_to_221(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_checkpoint_reshards_221_to_112_to_221_to_122_to_111(tmp_path) -> None:  # type: ignore[no-untyped-def]
     ck = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "2"]
-    ref_g, ref_h = _reference(5)
-    a = _peer(4, ["--dp", "2", "--tp", "2", "--steps", "2", *ck])
+    ref_g, ref_h = _reference(9)
+    a = _peer(4, ["--dp", "2", "--tp", "2", "--mode", "zero1", "--steps", "2", *ck])
     assert a["tp"] == 2 and a["dp"] == 2, a
     assert sorted(os.listdir(tmp_path)) == ["step-2"]
     names = {e["name"] for e in json.loads((tmp_path / "step-2" / "manifest.json").read_text())["pieces"]}
@@ -68,6 +69,14 @@ def test_checkpoint_reshards_221_to_112_to_221(tmp_path) -> None:  # type: ignor
     b = _peer(2, ["--pp", "2", "--micro-batches", "2", "--mode", "zero1", "--steps", "4", *ck])
     assert b["start_step"] == 2 and b["pp"] == 2 and b["tp"] == 1, b
     assert b["losses"] == pytest.approx(ref_g[2:4], rel=1e-5), (b["losses"], ref_g)
-    c = _peer(4, ["--dp", "2", "--tp", "2", "--mode", "zero1", "--steps", "5", *ck])
-    assert c["steps"] == 1, c
-    assert c["loss"] == pytest.approx(ref_h[4], rel=1e-5), (c["loss"], ref_h)
+    c = _peer(4, ["--dp", "2", "--tp", "2", "--steps", "6", *ck])
+    assert c["steps"] == 2, c
+    assert c["loss"] == pytest.approx(ref_h[5], rel=1e-5), (c["loss"], ref_h)
+    # a tensor-parallel pipeline (1,2,2) resumes from it and saves (shards gathered over TP) ...
+    d = _peer(4, ["--tp", "2", "--pp", "2", "--micro-batches", "2", "--steps", "8", *ck])
+    assert d["start_step"] == 6 and d["tp"] == 2 and d["pp"] == 2, d
+    assert d["losses"] == pytest.approx(ref_g[6:8], rel=1e-5), (d["losses"], ref_g)
+    # ... and one plain data-parallel process resumes from that
+    e = _peer(1, ["--steps", "9", *ck])
+    assert e["steps"] == 1, e
+    assert e["loss"] == pytest.approx(ref_g[8], rel=1e-5), (e["loss"], ref_g)

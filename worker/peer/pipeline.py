@@ -82,6 +82,8 @@ __all__ = [
     "run_pipeline_rank",
     "schedule",
     "simulate",
+    "stage_specs",
+    "takes_pipeline_path",
     "tp_gpt_layers",
     "tp_gpt_loss",
 ]
@@ -589,12 +591,15 @@ class StageOptimizer(Checkpointing):
                 if keys:
                     state[id(p)] = {k: spec.shard(reader.read(f"state/{k}/{spec.name}", 0, n).view(spec.full_shape),
                                                   self.tp_rank, self.T).to(p) for k in keys}
+        # one scalar tensor per parameter: Adam increments its ``step`` in place, so a tensor shared by
+        # all parameters would count every parameter's step (loaded ``step`` 2 became 30 after two steps)
         scalars = {k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()}
         sd = self.optimizer.state_dict()
         if not self.zero:
             if state:
                 self.optimizer.load_state_dict({
-                    "state": {self._index[i]: {**st, **scalars} for i, st in state.items()}, "param_groups": sd["param_groups"],
+                    "state": {self._index[i]: {**st, **{k: v.clone() for k, v in scalars.items()}} for i, st in state.items()},
+                    "param_groups": sd["param_groups"],
                 })
             return
         self._pull_shard()
