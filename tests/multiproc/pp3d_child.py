@@ -9,7 +9,8 @@ every step (the loss) and after the last step (this rank's parameters, gathered 
 group, by their plain names). fp32: rtol 1e-5. Pipeline stages are tensor-parallel blocks when T > 1
 (worker.peer.pipeline.tp_gpt_layers), and the optimizer is worker.peer.pipeline.StageOptimizer.
 
-Checks: ``<schedule>[-v<V>][-recompute][-zero1][-bf16]``. ``-zero1``: ZeRO-1 over the DP group, and
+Checks: ``<schedule>[-v<V>][-recompute][-zero1][-bf16][-sp]``. ``-sp``: sequence-parallel stages
+(T > 1; activations between stages are (S/T, B, H) chunks), against the same reference. ``-zero1``: ZeRO-1 over the DP group, and
 the momentum state per rank is ceil(n/D) elements. ``-bf16``: autocast bf16 compute; the master
 weights and their gradients stay fp32, and the loss and parameters are close to the fp32 reference
 (loss rtol 2e-3, parameters rtol/atol 1e-2: bf16 keeps 8 significant bits, a relative rounding of
@@ -55,7 +56,7 @@ def run(check: str, mesh: ParallelMesh) -> torch.Tensor:
     for part in parts[1:]:
         if part.startswith("v"):
             V = int(part[1:])
-    recompute, zero, bf16 = "recompute" in parts, int("zero1" in parts), "bf16" in parts
+    recompute, zero, bf16, sp = "recompute" in parts, int("zero1" in parts), "bf16" in parts, "sp" in parts
     D, T = mesh.dp, mesh.tp
     task = load_task("gpt", seed=0, **OPTS)
     ref = copy.deepcopy(task.model)
@@ -66,17 +67,17 @@ def run(check: str, mesh: ParallelMesh) -> torch.Tensor:
     layers = gpt_layers(plain)
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss
     if T > 1:
-        model = TensorParallelGPT(plain, mesh.tp_group, False, mesh.rng)
+        model = TensorParallelGPT(plain, mesh.tp_group, sp, mesh.rng)
         layers, loss_fn = tp_gpt_layers(model), tp_gpt_loss(model)
     eng = PipelineEngine(layers, pp_ranks=mesh.pp_ranks, kind=kind, micro_batches=M, virtual=V, pp_group=mesh.pp_group,
                          dp_group=mesh.dp_group, dp_size=D, recompute=recompute, loss_fn=loss_fn, costs=costs,
                          reduce_grads=False, precision="bf16" if bf16 else "fp32")
     named = stage_specs(model, eng.parameters())
     opt = StageOptimizer(named, make_opt, dp_group=mesh.dp_group, dp_size=D, dp_idx=mesh.dp_idx, tp_group=mesh.tp_group,
-                         tp_size=T, tp_rank=mesh.tp_idx, zero=zero)
+                         tp_size=T, tp_rank=mesh.tp_idx, zero=zero, sequence_parallel=sp)
     per_rank = G // D
     local, glob = task.batches(mesh.dp_idx, D, per_rank, 0), task.batches(0, 1, G, 0)
-    act = (SEQ, per_rank // M, DIM) if T > 1 else (per_rank // M, SEQ, DIM)
+    act = (SEQ // T if sp else SEQ, per_rank // M, DIM) if T > 1 else (per_rank // M, SEQ, DIM)
     rtol, ltol = (1e-2, 2e-3) if bf16 else (1e-5, 1e-5)
     before = {s.name: opt._gather_tp(s, p).clone() for s, p in named}
     loss_err = 0.0

@@ -4,7 +4,8 @@ Each launch starts D*T*P rank processes of tests/multiproc/pp3d_child.py in one 
 checks train the gpt task (4 blocks, dim 16) 3 steps with 4 micro-batches and compare, at every
 step (loss) and after the last (every parameter, gathered whole from the TP shards), with one
 process training a deep copy of the same model with torch SGD (momentum 0.9) on the global batch:
-fp32 rtol 1e-5. Schedules end bit-identical; recompute equals no recompute; ZeRO-1 on the DP
+fp32 rtol 1e-5. Schedules end bit-identical; recompute equals no recompute; sequence-parallel stages
+equal the same reference; ZeRO-1 on the DP
 dimension equals it with 1/D of the momentum state per rank; bf16 compute stays within 2e-3 (loss) and 1e-2
 (parameters) of the fp32 reference with fp32 master weights and gradients (see the child's docstring for why 2e-2).
 """
@@ -60,13 +61,13 @@ def run_mesh(dp: int, tp: int, pp: int, checks: list[str], timeout: float = 240.
                     p.wait()
 
 
-CHECKS_TP2_PP2 = ["1f1b", "gpipe", "interleaved-v2", "1f1b-recompute", "same", "1f1b-bf16"]
+CHECKS_TP2_PP2 = ["1f1b", "gpipe", "interleaved-v2", "1f1b-recompute", "same", "1f1b-bf16", "1f1b-sp", "interleaved-v2-recompute-sp"]
 CHECKS_DP2_PP2 = ["1f1b-zero1", "gpipe-recompute-zero1", "1f1b", "same"]
 
 
 @pytest.mark.timeout(300)
 def test_tp2_pp2_equals_one_process() -> None:
-    """(D, T, P) = (1, 2, 2): tensor-parallel stages; schedules, recompute, and bf16 compute."""
+    """(D, T, P) = (1, 2, 2): tensor-parallel stages; schedules, recompute, bf16 compute, sequence parallelism."""
     _check(run_mesh(1, 2, 2, CHECKS_TP2_PP2), CHECKS_TP2_PP2)
 
 
@@ -122,12 +123,12 @@ def _reference_losses(steps: int = 4) -> list[float]:
 
 @pytest.mark.timeout(300)
 def test_tessera_peer_tp_pp_recompute_and_bf16() -> None:
-    """`tessera peer --tp 2 --pp 2` and `--tp 2 --recompute` equal one process (Adam, every step's loss,
-    rtol 1e-5); `--tp 2 --precision bf16` is within 2e-3 of it and reports bf16; --sequence-parallel
-    with --pp stops every rank with one message (exit 2)."""
+    """`tessera peer --tp 2 --pp 2 --sequence-parallel` and `--tp 2 --recompute` equal one process (Adam,
+    every step's loss, rtol 1e-5); `--tp 2 --precision bf16` is within 2e-3 of it and reports bf16;
+    `--sequence-parallel` on a sequence T does not divide stops every rank with one message (exit 2)."""
     ref = _reference_losses()
-    r = _report(_peer(4, ["--tp", "2", "--pp", "2", "--micro-batches", "4"]))
-    assert (r["dp"], r["tp"], r["pp"], r["precision"]) == (1, 2, 2, "fp32"), r
+    r = _report(_peer(4, ["--tp", "2", "--pp", "2", "--micro-batches", "4", "--sequence-parallel"]))
+    assert (r["dp"], r["tp"], r["pp"], r["precision"], r["sequence_parallel"]) == (1, 2, 2, "fp32", True), r
     assert r["losses"] == pytest.approx(ref, rel=1e-5), (r["losses"], ref)
     r = _report(_peer(2, ["--tp", "2", "--recompute", "--micro-batches", "2"]))
     assert (r["tp"], r["pp"], r["recompute"]) == (2, 1, True), r
@@ -135,6 +136,6 @@ def test_tessera_peer_tp_pp_recompute_and_bf16() -> None:
     r = _report(_peer(2, ["--tp", "2", "--precision", "bf16", "--micro-batches", "2"]))
     assert r["precision"] == "bf16", r
     assert r["losses"] == pytest.approx(ref, rel=2e-3) and r["losses"] != pytest.approx(ref, rel=1e-7), (r["losses"], ref)
-    p = _peer(4, ["--tp", "2", "--pp", "2", "--sequence-parallel"])
+    p = _peer(4, ["--tp", "2", "--pp", "2", "--sequence-parallel", "--task-opt", "seq=7"])
     assert p.returncode != 0
-    assert p.stderr.count("--sequence-parallel with --pp") >= 4, p.stderr[-2000:]
+    assert p.stderr.count("sequence length 7 not divisible by tp 2") >= 4, p.stderr[-2000:]

@@ -115,7 +115,7 @@ def test_pipeline_config_start_checks() -> None:
         ([], 3, "world size 3 is not divisible by --tp 1 x --pp 2"),
         (["--tp", "2"], 6, "world size 6 is not divisible by --tp 2 x --pp 2"),
         (["--tp", "2", "--dp", "2"], 4, "--dp 2 x --tp 2 x --pp 2 is not the world size 4"),
-        (["--tp", "2", "--sequence-parallel"], 4, "--sequence-parallel with --pp"),
+        (["--sequence-parallel"], 4, "--sequence-parallel needs --tp > 1"),
         (["--global-batch", "12"], 4, "global batch 12 is not divisible by D 2 x micro-batches 4"),
         (["--schedule", "interleaved", "--micro-batches", "3", "--global-batch", "6"], 2, "micro-batches divisible by pipeline ranks"),
         (["--global-batch", "16", "--accumulate", "2", "--eval-every", "3"], 4,

@@ -364,8 +364,14 @@ class _TPEmbed(nn.Module):
         self._owner = [model]  # not a submodule
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.tok(ids.t())
-        return self._owner[0].drop(x + self.pos[: ids.shape[1]].unsqueeze(1))  # type: ignore[no-any-return]
+        model, s = self._owner[0], ids.shape[1]
+        x = self.tok(ids.t())  # under sequence parallelism: this rank's S/T positions, reduce-scattered
+        if model.sequence_parallel:
+            n = s // model.tp
+            pos = self.pos[model.tp_rank * n : (model.tp_rank + 1) * n]
+        else:
+            pos = self.pos[:s]
+        return model.drop(x + pos.unsqueeze(1))  # type: ignore[no-any-return]
 
 
 class _TPHead(nn.Module):
@@ -384,11 +390,10 @@ class _TPHead(nn.Module):
 def tp_gpt_layers(model: Any) -> list[nn.Module]:
     """A ``TensorParallelGPT``'s layers for a pipeline (sharing its parameters): vocab-parallel
     embedding, the tensor-parallel blocks, final norm + vocab-parallel head. The activation between
-    stages is the residual stream ``(S, B, H)``, whole on every TP rank of the stage; each stage
-    rank sends it to the next stage's rank with the same TP index. Sequence parallelism is not
-    wired here (``TensorParallelGPT`` built with ``sequence_parallel=False``)."""
-    if getattr(model, "sequence_parallel", False):
-        raise ScheduleError("tensor-parallel pipeline stages: sequence parallelism is not supported with --pp")
+    stages is the residual stream ``(S, B, H)``, whole on every TP rank of the stage (under sequence
+    parallelism: this rank's ``(S/T, B, H)`` chunk); each stage rank sends it to the next stage's rank
+    with the same TP index. Under sequence parallelism the replicated parameters' gradients are
+    partial per TP rank: ``StageOptimizer(sequence_parallel=True)`` sums them over the TP group."""
     return [_TPEmbed(model), *model.blocks, _TPHead(model)]
 
 
@@ -470,6 +475,7 @@ class StageOptimizer(Checkpointing):
     def __init__(
         self, named: Sequence[tuple[Any, nn.Parameter]], optimizer: Any, *, dp_group: Any = None, dp_size: int = 1,
         dp_idx: int = 0, tp_group: Any = None, tp_size: int = 1, tp_rank: int = 0, zero: int = 0,
+        sequence_parallel: bool = False,
     ) -> None:
         from worker.peer.mesh import PeerConfigError, torch_optimizer
 
@@ -480,6 +486,9 @@ class StageOptimizer(Checkpointing):
         self.dp_group, self.D, self.dp_idx = dp_group, dp_size, dp_idx
         self.tp_group, self.T, self.tp_rank, self.zero = tp_group, tp_size, tp_rank, zero
         self.numel = sum(p.numel() for p in self.params)
+        # under sequence parallelism each TP rank saw S/T positions: the replicated parameters'
+        # gradients are partial sums, added up over the TP group before the DP reduction
+        self._repl = [p for s, p in self.named if s.dim is None] if sequence_parallel and tp_size > 1 else []
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._chunk = -(-self.numel // dp_size) if self.numel else 0
         ref = self.params[0] if self.params else torch.zeros(())
@@ -505,6 +514,15 @@ class StageOptimizer(Checkpointing):
 
     def step(self) -> None:
         """Average the gradients over DP and step (ZeRO-1: reduce-scatter, step the chunk, all-gather)."""
+        if self._repl:
+            grads = [p.grad for p in self._repl if p.grad is not None]
+            if grads:
+                buf = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(buf, group=self.tp_group)
+                off = 0
+                for g in grads:
+                    g.copy_(buf[off : off + g.numel()].view_as(g))
+                    off += g.numel()
         if not self.zero:
             allreduce_grads(self.params, self.dp_group, self.D)
             self.optimizer.step()
@@ -847,8 +865,8 @@ def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int
         raise PeerConfigError(
             f"--pp, --recompute and --precision run with --mode dp or zero1 (ZeRO-1 over the DP dimension), got {args.mode}"
         )
-    if getattr(args, "sequence_parallel", False):
-        raise PeerConfigError("--sequence-parallel with --pp/--recompute/--precision bf16 is not supported (plain --tp is)")
+    if getattr(args, "sequence_parallel", False) and T == 1:
+        raise PeerConfigError("--sequence-parallel needs --tp > 1")
     if getattr(args, "ep", 1) > 1 or getattr(args, "moe_experts", 0):
         raise PeerConfigError("--ep/--moe-experts with --pp/--recompute/--precision: not supported")
     if P < 1 or T < 1 or world % (P * T):
@@ -910,7 +928,8 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
         if len(layers) < P * V:
             raise PeerConfigError(f"the model has {len(layers)} layers (embeddings, {len(layers) - 2} blocks, head): too few for {P * V} stages")
         check = {"heads": plain.blocks[0].heads, "dim": plain.tok.embedding_dim, "vocab": plain.tok.num_embeddings,
-                 "global_batch": args.global_batch, "micro_batches": m}
+                 "global_batch": args.global_batch, "micro_batches": m, "seq": plain.pos.num_embeddings,
+                 "sequence_parallel": bool(args.sequence_parallel)}
         check_agreement({"task_opts": json.dumps(opts, sort_keys=True), "pp": P, "tp": T, "schedule": args.schedule, "m": m,
                          "V": V, "global_batch": args.global_batch, "steps": args.steps, "seed": args.seed, "mode": args.mode,
                          "precision": args.precision})
@@ -924,7 +943,7 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
         if T > 1:
             from worker.peer.tensor_parallel import TensorParallelGPT
 
-            model = TensorParallelGPT(plain, mesh.tp_group, False, mesh.rng).to(mesh.device)
+            model = TensorParallelGPT(plain, mesh.tp_group, bool(args.sequence_parallel), mesh.rng).to(mesh.device)
             layers, loss_fn = tp_gpt_layers(model), tp_gpt_loss(model)
         eng = PipelineEngine(
             layers, pp_ranks=mesh.pp_ranks, kind=args.schedule, micro_batches=m, virtual=V, pp_group=mesh.pp_group,
@@ -934,13 +953,14 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
         opt = StageOptimizer(
             stage_specs(model, eng.parameters()), task.dense_optimizer, dp_group=mesh.dp_group, dp_size=D, dp_idx=mesh.dp_idx,
             tp_group=mesh.tp_group, tp_size=T, tp_rank=mesh.tp_idx, zero=int(args.mode == "zero1"),
+            sequence_parallel=bool(args.sequence_parallel),
         )
         opt.set_checkpointing(args.checkpoint_dir, args.checkpoint_every)
         start = opt.resume()
         per_rank = args.global_batch // D
         batches = task.batches(mesh.dp_idx, D, per_rank, start)
         seq = int(plain.pos.num_embeddings)
-        act_shape = (seq, per_rank // m, dim) if T > 1 else (per_rank // m, seq, dim)
+        act_shape = ((seq // T if args.sequence_parallel else seq), per_rank // m, dim) if T > 1 else (per_rank // m, seq, dim)
         t0, loss = time.perf_counter(), float("nan")
         tracer = None
         if args.trace:
@@ -969,6 +989,7 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
             print(json.dumps({
                 "rank": 0, "world": mesh.world, "mode": args.mode, "pp": P, "dp": D, "tp": T, "schedule": args.schedule,
                 "micro_batches": m, "virtual_stages": V, "recompute": bool(args.recompute), "precision": args.precision,
+                "sequence_parallel": bool(args.sequence_parallel),
                 "steps": steps, "start_step": start, "seconds": round(seconds, 3), "loss": loss, "losses": losses,
                 "tokens_per_s": tokens / seconds if seconds else 0.0, "bubble_theory": bubble_theory(P, m, V),
                 "stages": [list(b) for b in eng.bounds], "optimizer_state_bytes": opt.state_bytes(),
