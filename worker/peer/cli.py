@@ -76,7 +76,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics on this port + LOCAL_RANK (GET /metrics; 0: no endpoint)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
-    from worker.peer.pipeline import add_pipeline_args  # --pp, --schedule, --micro-batches, --recompute
+    from worker.peer.pipeline import (
+        add_pipeline_args,  # --pp, --schedule, --micro-batches, --recompute, --precision
+    )
 
     add_pipeline_args(p)
 
