@@ -77,12 +77,13 @@ def test_dp2_pp2_zero1_equals_one_process() -> None:
     _check(run_mesh(2, 1, 2, CHECKS_DP2_PP2), CHECKS_DP2_PP2)
 
 
-CHECKS_DP2_TP2_PP2 = ["1f1b", "interleaved-v2", "1f1b-recompute-zero1", "same", "1f1b-bf16"]
+CHECKS_DP2_TP2_PP2 = ["1f1b", "interleaved-v2", "1f1b-recompute-zero1", "same", "1f1b-bf16", "gpipe-zero1-fp64"]
 
 
 @pytest.mark.timeout(400)
 def test_dp2_tp2_pp2_equals_one_process() -> None:
-    """(D, T, P) = (2, 2, 2): 8 processes (about 25 s on 2 busy cores); ZeRO-1 over DP with TP stages."""
+    """(D, T, P) = (2, 2, 2): 8 processes (about 25 s on 2 busy cores); ZeRO-1 over DP with TP stages;
+    float64 with SGD lr=1 equal to one process to rtol 1e-12."""
     _check(run_mesh(2, 2, 2, CHECKS_DP2_TP2_PP2, timeout=360), CHECKS_DP2_TP2_PP2)
 
 

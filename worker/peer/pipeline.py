@@ -731,7 +731,7 @@ class PipelineEngine:
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         outbox: dict[tuple[int, int], torch.Tensor] = {}
         sends: list[tuple[Any, torch.Tensor]] = []
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # the reported loss, summed in fp64
         for a in self.actions:
             key = (a.mb, a.stage)
             t0 = time.perf_counter()
@@ -760,7 +760,7 @@ class PipelineEngine:
                     if self.precision == "bf16":
                         out = out.float()
                     loss = self.loss_fn(out, targets[a.mb].to(self.device)) * scale
-                    total += loss.detach().float()
+                    total += loss.detach().double()
                     saved[key] = (x, loss)
                 else:
                     saved[key] = (x, out)
