@@ -349,8 +349,9 @@ def gpt_layer_costs(model: Any) -> list[float]:
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The gpt task's loss: mean token cross-entropy (fp32)."""
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    """The gpt task's loss: mean token cross-entropy (in fp32, or fp64 for a float64 model)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 class _TPEmbed(nn.Module):
@@ -731,7 +732,8 @@ class PipelineEngine:
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         outbox: dict[tuple[int, int], torch.Tensor] = {}
         sends: list[tuple[Any, torch.Tensor]] = []
-        total = torch.zeros((), dtype=torch.float64, device=self.device)  # the reported loss, summed in fp64
+        # the reported loss: fp32, or fp64 for a float64 model (the same dtype on every pipeline rank)
+        total = torch.zeros((), dtype=torch.promote_types(act_dtype, torch.float32), device=self.device)
         for a in self.actions:
             key = (a.mb, a.stage)
             t0 = time.perf_counter()
@@ -760,7 +762,7 @@ class PipelineEngine:
                     if self.precision == "bf16":
                         out = out.float()
                     loss = self.loss_fn(out, targets[a.mb].to(self.device)) * scale
-                    total += loss.detach().double()
+                    total += loss.detach().to(total.dtype)
                     saved[key] = (x, loss)
                 else:
                     saved[key] = (x, out)
