@@ -103,19 +103,23 @@ def test_pipeline_config_start_checks() -> None:
     p = argparse.ArgumentParser()
     add_train_args(p)
 
-    def cfg(*argv: str, world: int = 4) -> tuple[int, int, int, int]:
+    def cfg(*argv: str, world: int = 4) -> tuple[int, int, int, int, int]:
         return pipeline_config(p.parse_args(["--pp", "2", *argv]), world)
 
-    assert cfg("--global-batch", "16") == (2, 2, 4, 1)  # m defaults to 2 x P
-    assert cfg("--schedule", "interleaved", "--micro-batches", "4", "--global-batch", "8") == (2, 2, 4, 2)
+    assert cfg("--global-batch", "16") == (2, 2, 1, 4, 1)  # (P, D, T, m, V); m defaults to 2 x P
+    assert cfg("--schedule", "interleaved", "--micro-batches", "4", "--global-batch", "8") == (2, 2, 1, 4, 2)
+    assert cfg("--tp", "2", "--mode", "zero1", "--global-batch", "8", world=8) == (2, 2, 2, 4, 1)
     for argv, world, msg in [
-        (["--mode", "zero1"], 4, "--pp and --recompute run with --mode dp"),
-        (["--task", "digits"], 4, "--pp and --recompute use the gpt task's layers"),
-        ([], 3, "world size 3 is not divisible by --pp 2"),
+        (["--mode", "zero2"], 4, "run with --mode dp or zero1"),
+        (["--task", "digits"], 4, "use the gpt task's layers"),
+        ([], 3, "world size 3 is not divisible by --tp 1 x --pp 2"),
+        (["--tp", "2"], 6, "world size 6 is not divisible by --tp 2 x --pp 2"),
+        (["--tp", "2", "--dp", "2"], 4, "--dp 2 x --tp 2 x --pp 2 is not the world size 4"),
+        (["--sequence-parallel"], 4, "--sequence-parallel needs --tp > 1"),
         (["--global-batch", "12"], 4, "global batch 12 is not divisible by D 2 x micro-batches 4"),
         (["--schedule", "interleaved", "--micro-batches", "3", "--global-batch", "6"], 2, "micro-batches divisible by pipeline ranks"),
-        (["--global-batch", "16", "--accumulate", "2", "--checkpoint-dir", "x"], 4,
-         "not supported with --pp/--recompute yet: --accumulate, --checkpoint-dir"),
+        (["--global-batch", "16", "--accumulate", "2", "--eval-every", "3"], 4,
+         "not supported with --pp/--recompute/--precision yet: --accumulate, --eval-every"),
     ]:
         with pytest.raises(PeerConfigError, match=msg):
             cfg(*argv, world=world)

@@ -8,6 +8,9 @@
 - ``--dp D --tp T [--sequence-parallel] [--mode zero1]`` (world = D x T x P): the gpt model split over
   T ranks (Megatron tensor parallelism, ``worker.peer.tensor_parallel``), D replicas averaged by
   all-reduce (``zero1``: reduce-scatter, optimizer state split over the D replicas).
+- ``--pp P`` (with any ``--tp``/``--dp``), ``--recompute`` or ``--precision bf16``: the run goes to
+  ``worker.peer.pipeline.run_pipeline_rank`` (P stages of tensor-parallel layers, D pipelines, ZeRO-1
+  over D with ``--mode zero1``, bf16 compute with fp32 master weights, plain-name checkpoints).
 
 Each rank joins the group, checks that every rank agrees on the run (one clear message on every
 rank otherwise), and trains with the trainer's step pipeline and the mode's ``ParamSync``.
@@ -73,7 +76,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics on this port + LOCAL_RANK (GET /metrics; 0: no endpoint)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
-    from worker.peer.pipeline import add_pipeline_args  # --pp, --schedule, --micro-batches, --recompute
+    from worker.peer.pipeline import (
+        add_pipeline_args,  # --pp, --schedule, --micro-batches, --recompute, --precision
+    )
 
     add_pipeline_args(p)
 
@@ -132,12 +137,11 @@ def run_rank(args: argparse.Namespace) -> int:
     )
     from worker.peer.mesh import Liveness
     from worker.peer.moe import MoESync, moe_layers
+    from worker.peer.pipeline import run_pipeline_rank, takes_pipeline_path
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
 
-    if getattr(args, "pp", 1) > 1 or getattr(args, "recompute", False):  # pipeline / recompute: worker.peer.pipeline
-        from worker.peer.pipeline import run_pipeline_rank
-
+    if takes_pipeline_path(args):  # --pp > 1, --recompute, --precision bf16 (with any --tp/--dp): worker.peer.pipeline
         return run_pipeline_rank(args)
     mesh = init_mesh(args.backend, args.device, args.timeout)
     rank, world = mesh.rank, mesh.world
@@ -288,7 +292,7 @@ def _mesh_sync(args: argparse.Namespace, task: Any, dp: int, device: Any, settin
 
     pp = getattr(args, "pp", 1)
     if pp > 1:
-        raise PeerConfigError("--pp > 1 with --tp: pipeline and tensor parallelism do not compose here yet")
+        raise PeerConfigError("--pp > 1 runs through worker.peer.pipeline.run_pipeline_rank, not the trainer's mesh path")
     if args.mode not in ("dp", "zero1"):
         raise PeerConfigError(f"--mode {args.mode} with --tp/--dp: dp and zero1 (ZeRO-1 over the DP dimension) compose with tensor parallelism")
     if args.compress != "none":

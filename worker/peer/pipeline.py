@@ -41,24 +41,36 @@ and ZeRO. What we own is the split, the schedules and a ~100-line executor; the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from worker.peer.checkpoint import (
+    Checkpointing,
+    CheckpointReader,
+    Piece,
+    optimizer_pieces,
+    state_keys,
+)
+
 __all__ = [
     "KINDS",
+    "PRECISIONS",
     "Action",
     "PipelineEngine",
     "ScheduleError",
+    "StageOptimizer",
     "add_pipeline_args",
     "allreduce_grads",
     "bubble_theory",
@@ -70,9 +82,14 @@ __all__ = [
     "run_pipeline_rank",
     "schedule",
     "simulate",
+    "stage_specs",
+    "takes_pipeline_path",
+    "tp_gpt_layers",
+    "tp_gpt_loss",
 ]
 
 KINDS = ("gpipe", "1f1b", "interleaved")
+PRECISIONS = ("fp32", "bf16")
 _OPS = ("F", "B", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD")
 
 
@@ -332,8 +349,67 @@ def gpt_layer_costs(model: Any) -> list[float]:
 
 
 def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The gpt task's loss: mean token cross-entropy (fp32)."""
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    """The gpt task's loss: mean token cross-entropy (in fp32, or fp64 for a float64 model)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class _TPEmbed(nn.Module):
+    """The first layer of a tensor-parallel pipeline: vocab-parallel embedding plus position,
+    ``(B, S)`` ids -> the residual stream ``(S, B, H)`` (sequence-first, as TensorParallelGPT keeps it)."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.tok: nn.Module = model.tok
+        self.pos: nn.Parameter = model.pos
+        self._owner = [model]  # not a submodule
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        model, s = self._owner[0], ids.shape[1]
+        x = self.tok(ids.t())  # under sequence parallelism: this rank's S/T positions, reduce-scattered
+        if model.sequence_parallel:
+            n = s // model.tp
+            pos = self.pos[model.tp_rank * n : (model.tp_rank + 1) * n]
+        else:
+            pos = self.pos[:s]
+        return model.drop(x + pos.unsqueeze(1))  # type: ignore[no-any-return]
+
+
+class _TPHead(nn.Module):
+    """The last layer of a tensor-parallel pipeline: final norm and the vocab-parallel head,
+    ``(S, B, H)`` -> this rank's vocabulary slice of the logits ``(S, B, V/T)``."""
+
+    def __init__(self, model: Any) -> None:
+        super().__init__()
+        self.ln: nn.LayerNorm = model.ln
+        self.head: nn.Module = model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln(x))  # type: ignore[no-any-return]
+
+
+def tp_gpt_layers(model: Any) -> list[nn.Module]:
+    """A ``TensorParallelGPT``'s layers for a pipeline (sharing its parameters): vocab-parallel
+    embedding, the tensor-parallel blocks, final norm + vocab-parallel head. The activation between
+    stages is the residual stream ``(S, B, H)``, whole on every TP rank of the stage (under sequence
+    parallelism: this rank's ``(S/T, B, H)`` chunk); each stage rank sends it to the next stage's rank
+    with the same TP index. Under sequence parallelism the replicated parameters' gradients are
+    partial per TP rank: ``StageOptimizer(sequence_parallel=True)`` sums them over the TP group."""
+    return [_TPEmbed(model), *model.blocks, _TPHead(model)]
+
+
+def tp_gpt_loss(model: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The gpt task's mean token cross-entropy from the last stage's vocab-parallel logits ``(S, B, V/T)``
+    and targets ``(B, S)``: ``vocab_parallel_cross_entropy`` (never the full logits on one rank)."""
+    from worker.peer.tensor_parallel import vocab_parallel_cross_entropy
+
+    start, group = model.vocab_start, model.group
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return vocab_parallel_cross_entropy(logits, targets.t(), start, group).mean()
+
+    return loss
 
 
 class _Stage(nn.Module):
@@ -378,6 +454,195 @@ def allreduce_grads(params: Sequence[nn.Parameter], group: Any, size: int, bucke
             bucket, nbytes = [], 0
 
 
+class StageOptimizer(Checkpointing):
+    """The optimizer of one pipeline rank's stages, in a (D, T, P) mesh, and its checkpoints.
+
+    ``named``: ``(ShardSpec, parameter)`` for every parameter this rank holds (the plain model's
+    name, and how the plain tensor maps to this rank's TP shard; ``dim=None``: held whole).
+    ``step()`` after ``PipelineEngine.step`` (built with ``reduce_grads=False``): the gradients,
+    summed over the micro-batches, are averaged over the DP group and the optimizer steps.
+    ``zero=0``: an all-reduce of the gradients and a whole optimizer on every replica. ``zero=1``
+    (ZeRO-1 on the DP dimension): this rank's parameters, flat, cut into D equal chunks (the last
+    padded); the gradient is reduce-scattered over the DP group, the optimizer keeps state for and
+    steps replica ``dp_idx``'s chunk only (optimizer state 1/D per stage), and the updated chunks
+    are all-gathered back into the parameters.
+
+    Checkpoints: the format of DP, ZeRO and TP runs (worker/peer/checkpoint.py): every plain tensor
+    whole under its plain name (``param/<name>``, ``state/<key>/<name>``), gathered over the TP
+    group (and under ZeRO-1 the state over the DP group) and written by the (dp 0, tp 0) rank of
+    each stage; so a checkpoint of any (D, T, P) loads into any other, or into the DP/ZeRO/TP
+    trainer's runs, and back (each rank reads the whole tensors of its stages and keeps its shard)."""
+
+    def __init__(
+        self, named: Sequence[tuple[Any, nn.Parameter]], optimizer: Any, *, dp_group: Any = None, dp_size: int = 1,
+        dp_idx: int = 0, tp_group: Any = None, tp_size: int = 1, tp_rank: int = 0, zero: int = 0,
+        sequence_parallel: bool = False,
+    ) -> None:
+        from worker.peer.mesh import PeerConfigError, torch_optimizer
+
+        if zero not in (0, 1):
+            raise PeerConfigError(f"pipeline parallelism composes with ZeRO stage 1 only (or 0), got {zero}")
+        self.named = list(named)
+        self.params = [p for _, p in self.named]
+        self.dp_group, self.D, self.dp_idx = dp_group, dp_size, dp_idx
+        self.tp_group, self.T, self.tp_rank, self.zero = tp_group, tp_size, tp_rank, zero
+        self.numel = sum(p.numel() for p in self.params)
+        # under sequence parallelism each TP rank saw S/T positions: the replicated parameters'
+        # gradients are partial sums, added up over the TP group before the DP reduction
+        self._repl = [p for s, p in self.named if s.dim is None] if sequence_parallel and tp_size > 1 else []
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._chunk = -(-self.numel // dp_size) if self.numel else 0
+        ref = self.params[0] if self.params else torch.zeros(())
+        self.dtype, self.device = ref.dtype, ref.device
+        if zero:
+            self._buf = torch.zeros(self._chunk * dp_size, dtype=self.dtype, device=self.device)
+            self.shard = nn.Parameter(torch.zeros(self._chunk, dtype=self.dtype, device=self.device))
+            self.shard.grad = torch.zeros_like(self.shard)
+            self._pull_shard()
+            self.optimizer = torch_optimizer(optimizer)([self.shard])
+        else:
+            self.optimizer = torch_optimizer(optimizer)(self.params)
+
+    def _flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0, dtype=self.dtype)
+
+    def _pull_shard(self) -> None:
+        with torch.no_grad():
+            self._buf.zero_()
+            self._buf[: self.numel].copy_(self._flat([p.detach() for p in self.params]))
+            lo = self.dp_idx * self._chunk
+            self.shard.data.copy_(self._buf[lo : lo + self._chunk])
+
+    def step(self) -> None:
+        """Average the gradients over DP and step (ZeRO-1: reduce-scatter, step the chunk, all-gather)."""
+        if self._repl:
+            grads = [p.grad for p in self._repl if p.grad is not None]
+            if grads:
+                buf = torch.cat([g.reshape(-1) for g in grads])
+                dist.all_reduce(buf, group=self.tp_group)
+                off = 0
+                for g in grads:
+                    g.copy_(buf[off : off + g.numel()].view_as(g))
+                    off += g.numel()
+        if not self.zero:
+            allreduce_grads(self.params, self.dp_group, self.D)
+            self.optimizer.step()
+            return
+        assert self.shard.grad is not None
+        with torch.no_grad():
+            self._buf.zero_()
+            self._buf[: self.numel].copy_(self._flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]))
+            self._buf.div_(self.D)
+            if self.D > 1:
+                dist.reduce_scatter_tensor(self.shard.grad, self._buf, group=self.dp_group)
+            else:
+                self.shard.grad.copy_(self._buf)
+        self.optimizer.step()
+        with torch.no_grad():
+            if self.D > 1:
+                dist.all_gather_into_tensor(self._buf, self.shard.data, group=self.dp_group)
+            else:
+                self._buf.copy_(self.shard.data)
+            off = 0
+            for p in self.params:
+                p.copy_(self._buf[off : off + p.numel()].view_as(p))
+                off += p.numel()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank (ZeRO-1: about 1/D of the stage's)."""
+        return sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
+                   if isinstance(v, torch.Tensor))
+
+    # ------------------------------------------------------------------ checkpoints
+    def _gather_tp(self, spec: Any, local: torch.Tensor) -> torch.Tensor:
+        if spec.dim is None or self.T == 1:
+            return spec.unshard([local.detach()])  # type: ignore[no-any-return]
+        shards = [torch.empty_like(local) for _ in range(self.T)]
+        dist.all_gather(shards, local.detach().contiguous(), group=self.tp_group)
+        return spec.unshard(shards)  # type: ignore[no-any-return]
+
+    def _local_states(self) -> dict[int, dict[str, Any]]:
+        if not self.zero:
+            return {id(p): dict(self.optimizer.state.get(p, {})) for p in self.params}
+        st = self.optimizer.state.get(self.shard, {})
+        flat: dict[str, Any] = {}
+        for k, v in sorted(st.items()):
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                full = torch.empty(self._chunk * self.D, dtype=v.dtype, device=v.device)
+                if self.D > 1:
+                    dist.all_gather_into_tensor(full, v.contiguous(), group=self.dp_group)
+                else:
+                    full.copy_(v)
+                flat[k] = full
+            else:
+                flat[k] = v
+        out, off = {}, 0
+        for p in self.params:
+            out[id(p)] = {k: (v[off : off + p.numel()].view_as(p) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                          for k, v in flat.items()}
+            off += p.numel()
+        return out
+
+    def checkpoint_pieces(self) -> tuple[list[Piece], dict[str, float]]:
+        writer = self.dp_idx == 0 and self.tp_rank == 0
+        pieces: list[Piece] = []
+        scalars: dict[str, float] = {}
+        states = self._local_states()
+        for spec, p in self.named:
+            full = self._gather_tp(spec, p)
+            whole = {k: self._gather_tp(spec, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                     for k, v in sorted(states[id(p)].items())}
+            if writer:
+                pieces.append(Piece(f"param/{spec.name}", 0, full.reshape(-1)))
+                ps, sc = optimizer_pieces(whole, spec.name, full.numel(), 0, full.numel(), 0)
+                pieces += ps
+                scalars.update(sc)
+        return pieces, scalars
+
+    def load_checkpoint(self, reader: CheckpointReader) -> None:
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        with torch.no_grad():
+            for spec, p in self.named:
+                n = math.prod(spec.full_shape)
+                full = reader.read(f"param/{spec.name}", 0, n).view(spec.full_shape)
+                p.copy_(spec.shard(full, self.tp_rank, self.T).to(p))
+                keys = state_keys(reader, spec.name)
+                if keys:
+                    state[id(p)] = {k: spec.shard(reader.read(f"state/{k}/{spec.name}", 0, n).view(spec.full_shape),
+                                                  self.tp_rank, self.T).to(p) for k in keys}
+        # one scalar tensor per parameter: Adam increments its ``step`` in place, so a tensor shared by
+        # all parameters would count every parameter's step (loaded ``step`` 2 became 30 after two steps)
+        scalars = {k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()}
+        sd = self.optimizer.state_dict()
+        if not self.zero:
+            if state:
+                self.optimizer.load_state_dict({
+                    "state": {self._index[i]: {**st, **{k: v.clone() for k, v in scalars.items()}} for i, st in state.items()},
+                    "param_groups": sd["param_groups"],
+                })
+            return
+        self._pull_shard()
+        if not state:
+            return
+        chunk: dict[str, torch.Tensor] = {}
+        for k in sorted({k for st in state.values() for k in st}):
+            flat = torch.zeros(self._chunk * self.D, dtype=self.dtype, device=self.device)
+            off = 0
+            for p in self.params:
+                if k in state.get(id(p), {}):
+                    flat[off : off + p.numel()].copy_(state[id(p)][k].reshape(-1))
+                off += p.numel()
+            chunk[k] = flat[self.dp_idx * self._chunk : (self.dp_idx + 1) * self._chunk].clone()
+        self.optimizer.load_state_dict({"state": {0: {**chunk, **scalars}}, "param_groups": sd["param_groups"]})
+
+    def resume(self) -> int:
+        """Load the newest checkpoint under the checkpoint directory (collective); its step or 0."""
+        return self._resume()
+
+    def maybe_save(self, steps_done: int) -> None:
+        self._maybe_save(steps_done)
+
+
 class PipelineEngine:
     """This rank's stages of a pipeline and the executor of its schedule.
 
@@ -393,8 +658,12 @@ class PipelineEngine:
         self, layers: Sequence[nn.Module], *, pp_ranks: Sequence[int], kind: str = "1f1b", micro_batches: int = 1,
         virtual: int = 1, pp_group: Any = None, dp_group: Any = None, dp_size: int = 1,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss, costs: Sequence[float] | None = None,
-        recompute: bool = False, device: torch.device | str = "cpu",
+        recompute: bool = False, device: torch.device | str = "cpu", reduce_grads: bool = True,
+        precision: str = "fp32",
     ) -> None:
+        if precision not in PRECISIONS:
+            raise ScheduleError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        self.reduce_grads, self.precision = reduce_grads, precision
         self.P, self.m, self.V = len(pp_ranks), micro_batches, virtual
         me = dist.get_rank() if dist.is_initialized() else 0
         if me not in pp_ranks:
@@ -434,6 +703,13 @@ class PipelineEngine:
             else:
                 p.grad.zero_()
 
+    def _autocast(self) -> Any:
+        """bf16 compute (``precision="bf16"``): autocast around each stage's forward; the parameters
+        (the master weights), their gradients and the gradient reduction stay fp32."""
+        if self.precision == "bf16":
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def _tag(self, kind: int, mb: int, stage: int) -> int:
         return (kind * self.S + stage) * self.m + mb
 
@@ -456,7 +732,8 @@ class PipelineEngine:
         saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         outbox: dict[tuple[int, int], torch.Tensor] = {}
         sends: list[tuple[Any, torch.Tensor]] = []
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        # the reported loss: fp32, or fp64 for a float64 model (the same dtype on every pipeline rank)
+        total = torch.zeros((), dtype=torch.promote_types(act_dtype, torch.float32), device=self.device)
         for a in self.actions:
             key = (a.mb, a.stage)
             t0 = time.perf_counter()
@@ -478,11 +755,14 @@ class PipelineEngine:
                     x = inputs[a.mb].to(self.device)
                 else:
                     x = acts.pop(key).requires_grad_()
-                out = self.stages[a.stage](x)
+                with self._autocast():
+                    out = self.stages[a.stage](x)
                 if a.stage == self.S - 1:
                     assert targets is not None
+                    if self.precision == "bf16":
+                        out = out.float()
                     loss = self.loss_fn(out, targets[a.mb].to(self.device)) * scale
-                    total += loss.detach().float()
+                    total += loss.detach().to(total.dtype)
                     saved[key] = (x, loss)
                 else:
                     saved[key] = (x, out)
@@ -512,7 +792,8 @@ class PipelineEngine:
         # the loss lives on the last stage's rank: broadcast it over the pipeline, average over DP
         if self.P > 1:
             dist.broadcast(total, src=self.pp_ranks[(self.S - 1) % self.P], group=self.pp_group)
-        allreduce_grads(self.params, self.dp_group, self.dp_size)
+        if self.reduce_grads:
+            allreduce_grads(self.params, self.dp_group, self.dp_size)
         if self.dp_size > 1:
             dist.all_reduce(total, group=self.dp_group)
             total /= self.dp_size
@@ -547,11 +828,11 @@ def layout_groups(P: int, D: int = 1, T: int = 1) -> tuple[list[int], Any, list[
 
 
 def add_pipeline_args(p: argparse.ArgumentParser) -> None:
-    """``--pp``, ``--schedule``, ``--micro-batches``, ``--virtual-stages``, ``--recompute`` (those
-    not defined already by the mesh's flags)."""
+    """``--pp``, ``--schedule``, ``--micro-batches``, ``--virtual-stages``, ``--recompute``,
+    ``--precision`` (those not defined already by the mesh's flags)."""
     have = set(p._option_string_actions)
     if "--pp" not in have:
-        p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (stages); world = D x P")
+        p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks (stages); world = D x T x P")
     if "--schedule" not in have:
         p.add_argument("--schedule", default="1f1b", choices=list(KINDS), help="pipeline schedule")
     if "--micro-batches" not in have:
@@ -560,27 +841,41 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("--virtual-stages", type=int, default=2, help="interleaved: model chunks per pipeline rank")
     if "--recompute" not in have:
         p.add_argument("--recompute", action="store_true", help="activation checkpointing per layer (recompute in backward)")
+    if "--precision" not in have:
+        p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
+                       help="bf16: bf16 compute (autocast), fp32 master weights and gradient reduction")
 
 
-def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int, int]:
-    """(P, D, m, V) of a ``--pp`` run, or ``PeerConfigError`` naming what does not fit (every rank
+def takes_pipeline_path(args: argparse.Namespace) -> bool:
+    """Whether ``tessera peer`` runs this through ``run_pipeline_rank`` (--pp > 1, --recompute or --precision bf16)."""
+    return (int(getattr(args, "pp", 1) or 1) > 1 or bool(getattr(args, "recompute", False))
+            or getattr(args, "precision", "fp32") != "fp32")
+
+
+def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int, int, int]:
+    """(P, D, T, m, V) of a pipeline-path run, or ``PeerConfigError`` naming what does not fit (every rank
     checks the same, before any collective)."""
     from worker.peer.mesh import PeerConfigError
 
     P = int(args.pp)
+    T = int(getattr(args, "tp", 1) or 1)
     m = int(args.micro_batches) or 2 * P
     V = int(args.virtual_stages) if args.schedule == "interleaved" else 1
-    if int(getattr(args, "tp", 1) or 1) != 1:
-        raise PeerConfigError("--pp with --tp > 1 is not wired yet (the pipeline takes any group; the mesh glue is pending)")
     if args.task != "gpt":
-        raise PeerConfigError(f"--pp and --recompute use the gpt task's layers; task {args.task!r} has no layer list")
-    if args.mode != "dp":
+        raise PeerConfigError(f"--pp, --recompute and --precision use the gpt task's layers; task {args.task!r} has no layer list")
+    if args.mode not in ("dp", "zero1"):
         raise PeerConfigError(
-            f"--pp and --recompute run with --mode dp (data parallel over pipelines); ZeRO with them is not built yet, got {args.mode}"
+            f"--pp, --recompute and --precision run with --mode dp or zero1 (ZeRO-1 over the DP dimension), got {args.mode}"
         )
-    if P < 1 or world % P:
-        raise PeerConfigError(f"world size {world} is not divisible by --pp {P}")
-    D = world // P
+    if getattr(args, "sequence_parallel", False) and T == 1:
+        raise PeerConfigError("--sequence-parallel needs --tp > 1")
+    if getattr(args, "ep", 1) > 1 or getattr(args, "moe_experts", 0):
+        raise PeerConfigError("--ep/--moe-experts with --pp/--recompute/--precision: not supported")
+    if P < 1 or T < 1 or world % (P * T):
+        raise PeerConfigError(f"world size {world} is not divisible by --tp {T} x --pp {P}")
+    D = world // (P * T)
+    if getattr(args, "dp", 0) and args.dp != D:
+        raise PeerConfigError(f"--dp {args.dp} x --tp {T} x --pp {P} is not the world size {world}")
     if args.global_batch % (D * m):
         raise PeerConfigError(f"global batch {args.global_batch} is not divisible by D {D} x micro-batches {m}")
     try:
@@ -588,78 +883,123 @@ def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int
     except ScheduleError as e:
         raise PeerConfigError(str(e)) from None
     unsupported = [flag for flag, v, default in [
-        ("--accumulate", args.accumulate, 1), ("--compress", args.compress, "none"), ("--checkpoint-dir", args.checkpoint_dir, None),
+        ("--accumulate", args.accumulate, 1), ("--compress", args.compress, "none"),
         ("--metrics-out", args.metrics_out, None), ("--metrics-port", args.metrics_port, 0), ("--eval-every", args.eval_every, 0),
         ("--max-seconds", args.max_seconds, 0.0), ("--debug-collectives", args.debug_collectives, False),
     ] if v != default]
     if unsupported:
-        raise PeerConfigError(f"not supported with --pp/--recompute yet: {', '.join(unsupported)} (--micro-batches replaces --accumulate)")
-    return P, D, m, V
+        raise PeerConfigError(
+            f"not supported with --pp/--recompute/--precision yet: {', '.join(unsupported)} (--micro-batches replaces --accumulate)"
+        )
+    return P, D, T, m, V
+
+
+def stage_specs(model: Any, params: Sequence[nn.Parameter]) -> list[tuple[Any, nn.Parameter]]:
+    """``(ShardSpec, parameter)`` of ``params`` in ``model``'s order: a ``TensorParallelGPT``'s own
+    specs, or for a plain model every parameter whole under its name."""
+    from worker.peer.tensor_parallel import ShardSpec
+
+    mine = {id(p) for p in params}
+    if hasattr(model, "specs"):
+        pairs = list(model.specs)
+    else:
+        pairs = [(ShardSpec(n, tuple(p.shape), None, None), p) for n, p in model.named_parameters()]
+    return [(s, p) for s, p in pairs if id(p) in mine]
 
 
 def run_pipeline_rank(args: argparse.Namespace) -> int:
-    """One rank of ``tessera peer --pp P`` (or ``--recompute``, at any P): D = world / P data-parallel pipelines of the gpt task,
-    Adam on each rank's stages; rank 0 prints a JSON report (loss, tokens/s, bubble theory).
-    ``--trace DIR``: each forward, backward, send and receive as a span per rank."""
+    """One rank of ``tessera peer --pp P [--tp T] [--dp D]`` (or ``--recompute`` / ``--precision bf16``, at any
+    P): D data-parallel pipelines of P stages, each stage's layers tensor-parallel over T ranks (the
+    mesh rank = pp*(D*T) + dp*T + tp), the gpt task's optimizer on each rank's stages (``--mode
+    zero1``: its state split over D), checkpoints in the plain-name format; rank 0 prints a JSON
+    report (loss, tokens/s, bubble theory). ``--trace DIR``: each forward, backward, send and
+    receive as a span per rank."""
     from worker.peer import PeerConfigError, init_mesh
     from worker.peer.cli import _kv
-    from worker.peer.mesh import check_agreement, shutdown_group, torch_optimizer
+    from worker.peer.mesh import ParallelMesh, check_agreement, shutdown_group
     from worker.tasks import load_task
 
-    mesh = init_mesh(args.backend, args.device, args.timeout)
+    mesh0 = init_mesh(args.backend, args.device, args.timeout)
     ok = False
     try:
-        P, D, m, V = pipeline_config(args, mesh.world)
-        world, T = mesh.world, 1
+        P, D, T, m, V = pipeline_config(args, mesh0.world)
         opts = _kv(args.task_opt)
         task = load_task("gpt", seed=args.seed, **opts)
-        layers = gpt_layers(task.model)
+        plain: Any = task.model
+        layers = gpt_layers(plain)
         if len(layers) < P * V:
             raise PeerConfigError(f"the model has {len(layers)} layers (embeddings, {len(layers) - 2} blocks, head): too few for {P * V} stages")
-        check_agreement({"task_opts": json.dumps(opts, sort_keys=True), "pp": P, "schedule": args.schedule, "m": m, "V": V,
-                         "global_batch": args.global_batch, "steps": args.steps, "seed": args.seed})
+        check = {"heads": plain.blocks[0].heads, "dim": plain.tok.embedding_dim, "vocab": plain.tok.num_embeddings,
+                 "global_batch": args.global_batch, "micro_batches": m, "seq": plain.pos.num_embeddings,
+                 "sequence_parallel": bool(args.sequence_parallel)}
+        check_agreement({"task_opts": json.dumps(opts, sort_keys=True), "pp": P, "tp": T, "schedule": args.schedule, "m": m,
+                         "V": V, "global_batch": args.global_batch, "steps": args.steps, "seed": args.seed, "mode": args.mode,
+                         "precision": args.precision})
+        mesh = ParallelMesh.build(D, T, P, device=mesh0.device, seed=args.seed, check=check)
         if mesh.device.type == "cpu" and args.torch_threads:
             torch.set_num_threads(args.torch_threads)
-        pp_ranks, pp_group, _dp_ranks, dp_group = layout_groups(P, D)
+        costs = [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
+        dim = int(plain.tok.embedding_dim)
+        model: Any = plain
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss
+        if T > 1:
+            from worker.peer.tensor_parallel import TensorParallelGPT
+
+            model = TensorParallelGPT(plain, mesh.tp_group, bool(args.sequence_parallel), mesh.rng).to(mesh.device)
+            layers, loss_fn = tp_gpt_layers(model), tp_gpt_loss(model)
         eng = PipelineEngine(
-            layers, pp_ranks=pp_ranks, kind=args.schedule, micro_batches=m, virtual=V, pp_group=pp_group,
-            dp_group=dp_group, dp_size=D, recompute=args.recompute, device=mesh.device,
+            layers, pp_ranks=mesh.pp_ranks, kind=args.schedule, micro_batches=m, virtual=V, pp_group=mesh.pp_group,
+            dp_group=mesh.dp_group, dp_size=D, recompute=args.recompute, device=mesh.device, loss_fn=loss_fn, costs=costs,
+            reduce_grads=False, precision=args.precision,
         )
-        opt = torch_optimizer(task.dense_optimizer)(eng.parameters())
-        dp_idx = (mesh.rank % (D * T)) // T
+        opt = StageOptimizer(
+            stage_specs(model, eng.parameters()), task.dense_optimizer, dp_group=mesh.dp_group, dp_size=D, dp_idx=mesh.dp_idx,
+            tp_group=mesh.tp_group, tp_size=T, tp_rank=mesh.tp_idx, zero=int(args.mode == "zero1"),
+            sequence_parallel=bool(args.sequence_parallel),
+        )
+        opt.set_checkpointing(args.checkpoint_dir, args.checkpoint_every)
+        start = opt.resume()
         per_rank = args.global_batch // D
-        batches = task.batches(dp_idx, D, per_rank, 0)
-        dim = int(cast(Any, task.model).tok.embedding_dim)
+        batches = task.batches(mesh.dp_idx, D, per_rank, start)
+        seq = int(plain.pos.num_embeddings)
+        act_shape = ((seq // T if args.sequence_parallel else seq), per_rank // m, dim) if T > 1 else (per_rank // m, seq, dim)
         t0, loss = time.perf_counter(), float("nan")
         tracer = None
         if args.trace:
             from worker.peer.trace import Tracer
 
             tracer = Tracer(mesh.rank)
-        for step in range(args.steps):
+        losses = []
+        for step in range(start, args.steps):
             batch = next(batches)
+            if batch.shape[1] - 1 != seq:
+                raise PeerConfigError(f"batch sequence length {batch.shape[1] - 1} is not the model's {seq}")
             mbs = list(batch.chunk(m))
             eng.zero_grad()
-            loss = eng.step([b[:, :-1] for b in mbs], [b[:, 1:] for b in mbs], (per_rank // m, batch.shape[1] - 1, dim),
-                            tracer=tracer)
+            loss = eng.step([b[:, :-1] for b in mbs], [b[:, 1:] for b in mbs], act_shape, tracer=tracer)
             opt.step()
+            opt.maybe_save(step + 1)
+            losses.append(loss)
             if mesh.rank == 0 and args.log_every and (step + 1) % args.log_every == 0 and not args.no_progress:
                 print(f"step {step + 1} loss {loss:.4f}", file=sys.stderr, flush=True)
         seconds = time.perf_counter() - t0
         if tracer is not None:
             tracer.save(os.path.join(args.trace, f"trace-rank{mesh.rank}.json"))
-        tokens = args.steps * args.global_batch * task.info["tokens_per_example"]
+        steps = args.steps - start
+        tokens = steps * args.global_batch * task.info["tokens_per_example"]
         if mesh.rank == 0:
             print(json.dumps({
-                "rank": 0, "world": world, "mode": "dp", "pp": P, "dp": D, "schedule": args.schedule, "micro_batches": m,
-                "virtual_stages": V, "recompute": bool(args.recompute), "steps": args.steps, "seconds": round(seconds, 3),
-                "loss": loss, "tokens_per_s": tokens / seconds if seconds else 0.0, "bubble_theory": bubble_theory(P, m, V),
-                "stages": [list(b) for b in eng.bounds],
+                "rank": 0, "world": mesh.world, "mode": args.mode, "pp": P, "dp": D, "tp": T, "schedule": args.schedule,
+                "micro_batches": m, "virtual_stages": V, "recompute": bool(args.recompute), "precision": args.precision,
+                "sequence_parallel": bool(args.sequence_parallel),
+                "steps": steps, "start_step": start, "seconds": round(seconds, 3), "loss": loss, "losses": losses,
+                "tokens_per_s": tokens / seconds if seconds else 0.0, "bubble_theory": bubble_theory(P, m, V),
+                "stages": [list(b) for b in eng.bounds], "optimizer_state_bytes": opt.state_bytes(),
             }), flush=True)
         ok = True
         return 0
     except PeerConfigError as e:
-        print(f"tessera peer: rank {mesh.rank}: {e}", file=sys.stderr, flush=True)
+        print(f"tessera peer: rank {mesh0.rank}: {e}", file=sys.stderr, flush=True)
         return 2
     finally:
         shutdown_group(barrier=ok)

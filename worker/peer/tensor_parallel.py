@@ -661,7 +661,8 @@ class TensorParallelSync(ParamSync, Checkpointing):
         if not self.zero:
             if state:
                 self.optimizer.load_state_dict({
-                    "state": {self._index[i]: {**st, **scalars} for i, st in state.items()}, "param_groups": sd["param_groups"],
+                    "state": {self._index[i]: {**st, **{k: v.clone() for k, v in scalars.items()}} for i, st in state.items()},
+                    "param_groups": sd["param_groups"],
                 })
             return
         self._pull_shard()
