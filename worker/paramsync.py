@@ -136,6 +136,16 @@ class ParamSync(ABC):
     def push(self, step: int, grads: Grads) -> PushResult:
         """Send step ``step``'s gradients / apply its update."""
 
+    #: > 0: ``push_fetch`` sends step t's gradients and fetches step ``t + lookahead``'s values in one
+    #: exchange, and the trainer uses it instead of separate ``push`` and ``fetch`` calls (0: it does not)
+    lookahead: int = 0
+
+    def push_fetch(self, step: int, grads: Grads, next_step: int | None, next_batch: Any) -> tuple[PushResult, Fetched | None]:
+        """``push(step, grads)`` then, if ``next_step`` is not None, ``fetch(next_step, next_batch)``;
+        implementations with ``lookahead`` > 0 do both in one exchange."""
+        r = self.push(step, grads)
+        return r, (self.fetch(next_step, next_batch) if next_step is not None else None)
+
     @abstractmethod
     def leave(self) -> None:
         """Stop being a member (idempotent)."""
@@ -162,9 +172,11 @@ class PSSync(ParamSync):
     ``dense-sync`` (dense tables BSP, sparse tables async).
 
     The model's dense parameters are one flat dense table ``{task}/dense``; its ``PSEmbedding``
-    layers are sparse tables. ``fetch`` pulls the dense values and the batch's rows (concurrently,
-    one thread per table), ``push`` sends the dense gradient and the sparse row gradients. Both may
-    run in background threads (``pipelined``). Membership: join every shard, renew the lease with
+    layers are sparse tables. In steady state the trainer calls ``push_fetch``: step t's dense and
+    sparse gradients and step t + ``lookahead``'s dense values and rows in one ``PSClient.step``, so
+    one Step call per shard per step. ``fetch`` (the first steps) pulls the dense values and the
+    batch's rows (concurrently, one thread per table), ``push`` sends the dense gradient and the
+    sparse row gradients. All may run in background threads (``pipelined``). Membership: join every shard, renew the lease with
     heartbeats from a thread, leave at the end.
     """
 
@@ -213,6 +225,8 @@ class PSSync(ParamSync):
         self.committed = 0  # steps whose pushes have completed (what heartbeats report)
         self._versions: tuple[int, ...] = ()  # of the values loaded last
         self._left = False
+        tables = [m.table for m in self.embeddings.values()]
+        self._shared_tables = len(set(tables)) != len(tables)
 
     # ------------------------------------------------------------------ policies
     @property
@@ -392,8 +406,6 @@ class PSSync(ParamSync):
     def push(self, step: int, grads: Grads) -> PushResult:
         """Dense gradient and sparse row gradients, the tables concurrently (blocking; BSP: until the
         shards have it, not until the round completes)."""
-        stale: list[int] = []
-        late = 0
         jobs: list[Callable[[], Any]] = []
         dense, versions = grads.dense, grads.state
         if dense is not None:
@@ -408,6 +420,72 @@ class PSSync(ParamSync):
         results = [jobs[0]()] if jobs else []
         results += [f.result() for f in futs]
         self.committed = max(self.committed, step + 1)
+        return self._push_result(results)
+
+    @property
+    def lookahead(self) -> int:  # type: ignore[override]
+        """How far ahead ``push_fetch`` fetches: BSP (and SSP with a bound under 1) needs step t's round
+        in step t + 1's values, so 1; async and SSP fetch step t + 2 with step t's push, so that step
+        t + 1 computes while the call is in flight (the same overlap as a prefetch). 0 (separate calls)
+        when two embeddings share a table (the Step call keys sparse parts by table)."""
+        if self._shared_tables:
+            return 0
+        if self.mode in ("sync", "dense-sync") or (self.mode == "ssp" and self.staleness < 1):
+            return 1
+        return 2
+
+    def push_fetch(self, step: int, grads: Grads, next_step: int | None, next_batch: Any) -> tuple[PushResult, Fetched | None]:
+        """Step ``step``'s dense and sparse gradients and the values for ``next_step`` (dense slices into
+        a staging buffer, the rows of ``next_batch``'s unique ids) in one ``PSClient.step``: one Step call
+        per shard. The shards apply the pushes before they answer the pulls, and a BSP pull waits for the
+        round the pushes complete, so the values are what separate ``push`` and ``fetch`` calls would give."""
+        if not self.lookahead:
+            return super().push_fetch(step, grads, next_step, next_batch)
+        dense, versions = grads.dense, grads.state
+        push_dense = {self.dense_table: dense} if dense is not None else {}
+        push_sparse = {g.table: (g.ids, g.grads, g.base_versions) for g in grads.sparse}
+        policy: dict[str, SyncPolicy] = {n: self.dense_policy(step) for n in push_dense}
+        policy.update({n: self.sparse_policy(step) for n in push_sparse})
+        pull_dense: dict[str, Any] = {}
+        pull_sparse: dict[str, np.ndarray] = {}
+        pull_policy: dict[str, SyncPolicy] = {}
+        wanted: dict[str, tuple[Any, np.ndarray, np.ndarray]] = {}  # module name -> (ids, uniq, inverse)
+        if next_step is not None:
+            if self.flat.numel:
+                pull_dense[self.dense_table] = self._staging[next_step % 2]
+                pull_policy[self.dense_table] = self.dense_policy(next_step)
+            for name, ids in (self.sparse_ids(next_batch) if self.sparse_ids is not None else {}).items():
+                table = self.embeddings[name].table
+                flat = ids.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
+                uniq, inverse = np.unique(flat, return_inverse=True)
+                wanted[name] = (ids, uniq, inverse.reshape(tuple(ids.shape)))
+                pull_sparse[table] = uniq
+                pull_policy[table] = self.sparse_policy(next_step)
+        res = self.client.step(
+            push_dense=push_dense, push_sparse=push_sparse, pull_dense=pull_dense, pull_sparse=pull_sparse,
+            policy=policy, pull_policy=pull_policy, base_versions={self.dense_table: versions or -1} if push_dense else None,
+        )
+        self.committed = max(self.committed, step + 1)
+        pushed = self._push_result(list(res.pushed.values()))
+        if next_step is None:
+            return pushed, None
+        clock = res.clock.get(self.dense_table, 0) if self.flat.numel else 0
+        rows: dict[str, _Rows] = {}
+        for name, (ids, uniq, inverse) in wanted.items():
+            table = self.embeddings[name].table
+            r, v = res.sparse.get(table, (np.zeros((0, self.embeddings[name].dim), np.float32), np.zeros(0, np.int64)))
+            c = res.clock.get(table, 0)
+            rows[name] = _Rows(ids, uniq, inverse, r, v, c)
+            if pull_policy[table].sync:
+                clock = min(clock, c) if self.flat.numel else c
+        if not self.dense_sync and self.mode != "sync":
+            clock = next_step
+        return pushed, Fetched(next_step, next_batch, clock, (res.dense_versions.get(self.dense_table, ()), rows))
+
+    @staticmethod
+    def _push_result(results: list[Any]) -> PushResult:
+        stale: list[int] = []
+        late = 0
         for r in results:
             late += r.late
             if hasattr(r, "versions"):
