@@ -218,7 +218,7 @@ def _watch_shard_metrics(args: argparse.Namespace) -> None:
 def is_internal_table(name: str) -> bool:
     """Tables the trainer keeps for itself (``PREFIX/ready``: worker 0's mark that the model's
     tables are created and seeded); ``tessera ps stats`` hides them unless ``--all``."""
-    return name.endswith("/ready")
+    return name.endswith(("/ready", "/clock"))
 
 
 def format_stats(stats: list[ShardStats], addresses: list[str], show_all: bool = True) -> str:

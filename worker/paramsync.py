@@ -188,6 +188,7 @@ class PSSync(ParamSync):
         worker_name: str = "", lease_s: float = 10.0, start_timeout_s: float = 300.0,
         dense_optimizer: Any = None, device: torch.device | str = "cpu", stop: threading.Event | None = None,
         sparse_ids: Callable[[Any], dict[str, torch.Tensor]] | None = None, dense: bool = True,
+        steps: int | None = None,
     ) -> None:
         self.mode = check_ps_mode(mode)
         self.name = mode
@@ -199,6 +200,7 @@ class PSSync(ParamSync):
         self.dense_optimizer = dense_optimizer
         self.stop = stop or threading.Event()
         self.sparse_ids = sparse_ids  # batch -> {PSEmbedding module name: ids}, to prefetch rows
+        self.steps = steps  # the clock the run trains to, if known: a restart already there waits for nobody
         client.worker = worker_name or f"w{worker_index}"
         self.device = torch.device(device)
         self.embeddings: dict[str, PSEmbedding] = {n: m for n, m in model.named_modules() if isinstance(m, PSEmbedding)}
@@ -225,6 +227,7 @@ class PSSync(ParamSync):
         self.committed = 0  # steps whose pushes have completed (what heartbeats report)
         self._versions: tuple[int, ...] = ()  # of the values loaded last
         self._left = False
+        self._recorded = -1  # this worker's clock as its row of the clock table holds it (-1: not read)
         tables = [m.table for m in self.embeddings.values()]
         self._shared_tables = len(set(tables)) != len(tables)
 
@@ -287,13 +290,21 @@ class PSSync(ParamSync):
     def join(self) -> int:
         """Create or find the tables, join the shards, start heartbeats; returns the clock this worker starts at."""
         self.create_tables(creator=self.worker_index == 0)
+        # async/SSP: a run restarted on the same shards continues from the clock this worker reached
+        # in it (BSP: from the tables' clock, which the shards keep)
+        resume = 0 if self.dense_sync else self.resume_clock()
         views = self.client.join(self.lease_s)
         # at the start of a run, wait for all num_workers (so step 0 is everyone's); a worker that joins
         # a run already under way starts at once from the current clock
         joining_late = self._under_way(views)
+        if self.steps is not None:
+            # a finished run started again with the same --steps: nothing to train, nobody to wait for
+            done = min(v.sync_clock for v in views) if self.dense_sync else resume
+            joining_late = joining_late or done >= self.steps
+        joined_at = [i.version for i in self.client.describe(self.dense_table)] if self.flat.numel else []
         t0 = time.monotonic()
         deadline, noted, checked = t0 + self.start_timeout_s, t0, t0
-        while not self._under_way(views) and min(len(v.live) for v in views) < self.num_workers:
+        while not joining_late and not self._under_way(views) and min(len(v.live) for v in views) < self.num_workers:
             now = time.monotonic()
             if now - noted >= WAIT_NOTE_S:  # never a silent wait: say who is missing, every few seconds
                 noted = now
@@ -303,9 +314,11 @@ class PSSync(ParamSync):
                             ", ".join(live) or "none", self.start_timeout_s)
             if self.flat.numel and now - checked >= 0.5:
                 # the others may have trained and left between two polls (a short async run): updates
-                # already applied to the dense table mean the run is under way, not waiting for them
+                # applied to the dense table since this worker joined mean the run is under way, not
+                # waiting for them (updates from before, a finished run's, do not)
                 checked = now
-                if any(i.version > 0 for i in self.client.describe(self.dense_table)):
+                versions = [i.version for i in self.client.describe(self.dense_table)]
+                if any(v > b for v, b in zip(versions, joined_at)):
                     joining_late = True
                     break
             if now > deadline:
@@ -320,7 +333,7 @@ class PSSync(ParamSync):
             start = min(v.sync_clock for v in views)
         else:
             others = [v.min_clock for v in views if v.min_clock >= 0]
-            start = min(others) if others and joining_late else 0
+            start = max(min(others) if others and joining_late else 0, resume)
             if start:
                 self.client.heartbeat(start)  # the shards count this worker from its start, for SSP waits
         self.committed = start
@@ -328,15 +341,45 @@ class PSSync(ParamSync):
         self._hb.start()
         return start
 
-    @staticmethod
-    def _under_way(views: list[Any]) -> bool:
-        return any(v.sync_clock > 0 or v.min_clock > 0 for v in views)
+    @property
+    def clock_table(self) -> str:
+        """Async/SSP: the steps each worker of the run has committed, as row ``worker_index`` (dim 1,
+        SGD lr 1 from zeros: a worker pushes minus its clock's increase, so each row is its own
+        worker's clock and concurrent writers never race). A restarted worker continues from its row."""
+        return f"{self.prefix}/clock"
+
+    def resume_clock(self) -> int:
+        """Async/SSP: the clock this worker (by index) reached in an earlier run of these tables on
+        these shards (0 on fresh ones), creating the clock table if it is missing. BSP runs continue
+        from the tables' own clock (the rounds applied) instead."""
+        self.client.create_sparse(self.clock_table, 1, optimizer="sgd", lr=1.0)  # idempotent; any worker may
+        row = self.client.pull_sparse(self.clock_table, np.array([self.worker_index], np.int64))
+        self._recorded = int(round(float(row[0, 0])))
+        return self._recorded
+
+    def _record_clock(self) -> None:
+        """Async/SSP: raise this worker's row of the clock table to ``committed`` (heartbeats and leave)."""
+        if self.dense_sync or self._recorded < 0:
+            return
+        done = self.committed
+        if done > self._recorded:
+            grad = np.array([[-(done - self._recorded)]], np.float32)  # SGD lr 1: the row rises by the increase
+            self.client.push_sparse(self.clock_table, np.array([self.worker_index], np.int64), grad)
+            self._recorded = done
+
+    def _under_way(self, views: list[Any]) -> bool:
+        """Another live worker is past step 0 (``min_clock`` counts live workers only), or the BSP clock
+        is and another worker is live: a run under way, which a worker joins at once. A BSP clock with
+        nobody else live is a finished run being restarted: its workers start together again."""
+        me = self.client.worker
+        return any(v.min_clock > 0 or (v.sync_clock > 0 and any(w != me for w in v.live)) for v in views)
 
     def _heartbeats(self) -> None:
         period = self.lease_s / 4
         while not self._hb_stop.wait(period):
             try:
                 self.client.heartbeat(self.committed)
+                self._record_clock()
             except Exception as e:  # noqa: BLE001 - a missed heartbeat is retried; the lease absorbs it
                 log.warning("heartbeat failed: %s", e)
 
@@ -345,6 +388,12 @@ class PSSync(ParamSync):
             return
         self._left = True
         self._hb_stop.set()
+        if self._hb is not None:
+            self._hb.join()  # its clock record must not race the final one
+        try:
+            self._record_clock()
+        except Exception as e:  # noqa: BLE001 - a restart then repeats the steps since the last record
+            log.warning("recording the clock failed: %s", e)
         try:
             self.client.leave()
         except Exception as e:  # noqa: BLE001 - the lease will expire instead

@@ -213,7 +213,7 @@ class Trainer:
                 backup_workers=config.backup_workers, staleness_aware_lr=config.staleness_aware_lr,
                 worker_index=config.worker_index, num_workers=config.num_workers, worker_name=config.worker_name,
                 lease_s=config.lease_s, start_timeout_s=config.start_timeout_s, dense_optimizer=task.dense_optimizer,
-                device=self.device, stop=self.stop, sparse_ids=task.sparse_ids,
+                device=self.device, stop=self.stop, sparse_ids=task.sparse_ids, steps=config.steps,
             )
         self.sync: ParamSync = sync
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{config.worker_name}-io")  # fetch + push
@@ -245,6 +245,9 @@ class Trainer:
             self.metrics_file = open(cfg.metrics_out, "a")
         try:
             start = self.clock = self.sync.join()
+            if start >= cfg.steps > 0:
+                log.warning("%s: the run is at step %d already, --steps is %d: nothing to train (raise --steps "
+                            "to continue it, or start a fresh run with --reset)", cfg.worker_name, start, cfg.steps)
             return self._loop(start)
         finally:
             self.sync.leave()
