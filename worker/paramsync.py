@@ -265,6 +265,7 @@ class PSSync(ParamSync):
                 self.client.create_dense(self.dense_table, self.flat.numel, optimizer=self.dense_optimizer, init=self.flat.data.cpu().numpy())
             for m in self.embeddings.values():
                 self.client.create_sparse(m.table, m.dim, optimizer=m.optimizer, init=m.init, seed=m.seed)
+            self.client.create_sparse(self.clock_table, 1, optimizer="sgd", lr=1.0)
             self.client.create_dense(self.ready_table, 1)
             return
         t0 = time.monotonic()
@@ -350,10 +351,14 @@ class PSSync(ParamSync):
 
     def resume_clock(self) -> int:
         """Async/SSP: the clock this worker (by index) reached in an earlier run of these tables on
-        these shards (0 on fresh ones), creating the clock table if it is missing. BSP runs continue
-        from the tables' own clock (the rounds applied) instead."""
-        self.client.create_sparse(self.clock_table, 1, optimizer="sgd", lr=1.0)  # idempotent; any worker may
-        row = self.client.pull_sparse(self.clock_table, np.array([self.worker_index], np.int64))
+        these shards (0 on fresh ones). Worker 0 creates the clock table with the others (creating
+        tables takes the admin role); without one (tables of an older version) nothing is recorded.
+        BSP runs continue from the tables' own clock (the rounds applied) instead."""
+        try:
+            row = self.client.pull_sparse(self.clock_table, np.array([self.worker_index], np.int64))
+        except TableNotFoundError:
+            self._recorded = -1
+            return 0
         self._recorded = int(round(float(row[0, 0])))
         return self._recorded
 
