@@ -247,7 +247,7 @@ class Trainer:
             start = self.clock = self.sync.join()
             if start >= cfg.steps > 0:
                 log.warning("%s: the run is at step %d already, --steps is %d: nothing to train (raise --steps "
-                            "to continue it, or start a fresh run with --reset)", cfg.worker_name, start, cfg.steps)
+                            "to continue it; a fresh run needs fresh shards)", cfg.worker_name, start, cfg.steps)
             return self._loop(start)
         finally:
             self.sync.leave()
