@@ -40,6 +40,10 @@ reports the port, rank 1 connects to it.
 
 Figures. The trainer logs a record every ``block`` steps (compute, pull wait,
 push wait and the block's wall time); the first ``warmup`` steps are dropped.
+The trainer sends a step's push and the next fetch as one Step call per shard
+(``PSSync.push_fetch``): waiting for that call counts as push wait where the
+window waits for it (async/ssp, and every mode without overlap) and as pull wait
+where the next step's values are waited for first (sync with overlap).
 For each block, examples/s are summed over the workers: a run's ``*_eps`` is
 the median block, ``*_eps_best`` the best block, ``*_eps_mean`` all steady
 examples over their time. Step times (``*_step_ms``) are the mean step time of

@@ -833,10 +833,9 @@ class SparseTable:
         Missing rows are created with the initializer (unless admission says not yet: then the
         initial values are returned but nothing is stored); cold rows are brought back."""
         self.check_ids(ids)
-        if ids.ndim == 1 and ids.size and bool(np.all(ids[1:] > ids[:-1])):
-            uniq, inverse = ids, None  # unique and ascending already (PSClient sends each shard's ids so): no sort
-        else:
-            uniq, inverse = np.unique(ids, return_inverse=True)
+        # ids sorted and unique already (what PSClient sends): no sort, no gather by inverse at the end
+        unique = _sorted_unique(ids)
+        uniq, inverse = (ids, None) if unique else np.unique(ids, return_inverse=True)
         cap = self.spec.eviction.max_rows
         if cap and len(uniq) > cap:
             raise ResourceExhaustedError(
@@ -880,7 +879,7 @@ class SparseTable:
                     self._store.scatter(loc[have], {"touch": self.step})
             self._trim()
         if inverse is None:
-            return out_vals, out_vers
+            return out_vals, out_vers  # fresh tensors (gathered or built here), one row per id already
         inv = torch.from_numpy(inverse.reshape(-1).astype(np.int64))
         return out_vals.index_select(0, inv), out_vers[inverse.reshape(-1)]
 
@@ -911,6 +910,9 @@ class SparseTable:
             raise ShapeMismatchError(f"table {name!r}: {base_versions.size} base versions for {ids.size} ids")
         self.check_ids(ids)
         _check_finite(self.spec, grads, "gradient")
+        if _sorted_unique(ids):  # nothing to sum (what PSClient sends): one copy, no sort, no scatter-add
+            base = None if base_versions is None else np.array(base_versions, np.int64)
+            return SparsePush(np.array(ids, np.int64), torch.from_numpy(np.array(grads, np.float32)), base)
         uniq, inverse = np.unique(ids, return_inverse=True)
         g = torch.zeros((len(uniq), self.dim))
         g.index_add_(0, torch.from_numpy(inverse.reshape(-1).astype(np.int64)), torch.from_numpy(np.array(grads, np.float32)))
@@ -1130,3 +1132,8 @@ class SparseTable:
         with self.lock:
             ids, loc = self._index.items()
             return zip(ids.tolist(), loc.tolist(), strict=True)
+
+
+def _sorted_unique(ids: np.ndarray) -> bool:
+    """``ids`` (1-D) strictly increasing: sorted with no duplicates (one vectorised pass)."""
+    return ids.ndim == 1 and (ids.size < 2 or bool(np.all(ids[1:] > ids[:-1])))

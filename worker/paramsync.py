@@ -136,6 +136,16 @@ class ParamSync(ABC):
     def push(self, step: int, grads: Grads) -> PushResult:
         """Send step ``step``'s gradients / apply its update."""
 
+    #: > 0: ``push_fetch`` sends step t's gradients and fetches step ``t + lookahead``'s values in one
+    #: exchange, and the trainer uses it instead of separate ``push`` and ``fetch`` calls (0: it does not)
+    lookahead: int = 0
+
+    def push_fetch(self, step: int, grads: Grads, next_step: int | None, next_batch: Any) -> tuple[PushResult, Fetched | None]:
+        """``push(step, grads)`` then, if ``next_step`` is not None, ``fetch(next_step, next_batch)``;
+        implementations with ``lookahead`` > 0 do both in one exchange."""
+        r = self.push(step, grads)
+        return r, (self.fetch(next_step, next_batch) if next_step is not None else None)
+
     @abstractmethod
     def leave(self) -> None:
         """Stop being a member (idempotent)."""
@@ -162,9 +172,11 @@ class PSSync(ParamSync):
     ``dense-sync`` (dense tables BSP, sparse tables async).
 
     The model's dense parameters are one flat dense table ``{task}/dense``; its ``PSEmbedding``
-    layers are sparse tables. ``fetch`` pulls the dense values and the batch's rows (concurrently,
-    one thread per table), ``push`` sends the dense gradient and the sparse row gradients. Both may
-    run in background threads (``pipelined``). Membership: join every shard, renew the lease with
+    layers are sparse tables. In steady state the trainer calls ``push_fetch``: step t's dense and
+    sparse gradients and step t + ``lookahead``'s dense values and rows in one ``PSClient.step``, so
+    one Step call per shard per step. ``fetch`` (the first steps) pulls the dense values and the
+    batch's rows (concurrently, one thread per table), ``push`` sends the dense gradient and the
+    sparse row gradients. All may run in background threads (``pipelined``). Membership: join every shard, renew the lease with
     heartbeats from a thread, leave at the end.
     """
 
@@ -176,6 +188,7 @@ class PSSync(ParamSync):
         worker_name: str = "", lease_s: float = 10.0, start_timeout_s: float = 300.0,
         dense_optimizer: Any = None, device: torch.device | str = "cpu", stop: threading.Event | None = None,
         sparse_ids: Callable[[Any], dict[str, torch.Tensor]] | None = None, dense: bool = True,
+        steps: int | None = None,
     ) -> None:
         self.mode = check_ps_mode(mode)
         self.name = mode
@@ -187,6 +200,7 @@ class PSSync(ParamSync):
         self.dense_optimizer = dense_optimizer
         self.stop = stop or threading.Event()
         self.sparse_ids = sparse_ids  # batch -> {PSEmbedding module name: ids}, to prefetch rows
+        self.steps = steps  # the clock the run trains to, if known: a restart already there waits for nobody
         client.worker = worker_name or f"w{worker_index}"
         self.device = torch.device(device)
         self.embeddings: dict[str, PSEmbedding] = {n: m for n, m in model.named_modules() if isinstance(m, PSEmbedding)}
@@ -213,6 +227,9 @@ class PSSync(ParamSync):
         self.committed = 0  # steps whose pushes have completed (what heartbeats report)
         self._versions: tuple[int, ...] = ()  # of the values loaded last
         self._left = False
+        self._recorded = -1  # this worker's clock as its row of the clock table holds it (-1: not read)
+        tables = [m.table for m in self.embeddings.values()]
+        self._shared_tables = len(set(tables)) != len(tables)
 
     # ------------------------------------------------------------------ policies
     @property
@@ -248,6 +265,7 @@ class PSSync(ParamSync):
                 self.client.create_dense(self.dense_table, self.flat.numel, optimizer=self.dense_optimizer, init=self.flat.data.cpu().numpy())
             for m in self.embeddings.values():
                 self.client.create_sparse(m.table, m.dim, optimizer=m.optimizer, init=m.init, seed=m.seed, row_dtype=m.row_dtype)
+            self.client.create_sparse(self.clock_table, 1, optimizer="sgd", lr=1.0)
             self.client.create_dense(self.ready_table, 1)
             return
         t0 = time.monotonic()
@@ -273,13 +291,21 @@ class PSSync(ParamSync):
     def join(self) -> int:
         """Create or find the tables, join the shards, start heartbeats; returns the clock this worker starts at."""
         self.create_tables(creator=self.worker_index == 0)
+        # async/SSP: a run restarted on the same shards continues from the clock this worker reached
+        # in it (BSP: from the tables' clock, which the shards keep)
+        resume = 0 if self.dense_sync else self.resume_clock()
         views = self.client.join(self.lease_s)
         # at the start of a run, wait for all num_workers (so step 0 is everyone's); a worker that joins
         # a run already under way starts at once from the current clock
         joining_late = self._under_way(views)
+        if self.steps is not None:
+            # a finished run started again with the same --steps: nothing to train, nobody to wait for
+            done = min(v.sync_clock for v in views) if self.dense_sync else resume
+            joining_late = joining_late or done >= self.steps
+        joined_at = [i.version for i in self.client.describe(self.dense_table)] if self.flat.numel else []
         t0 = time.monotonic()
         deadline, noted, checked = t0 + self.start_timeout_s, t0, t0
-        while not self._under_way(views) and min(len(v.live) for v in views) < self.num_workers:
+        while not joining_late and not self._under_way(views) and min(len(v.live) for v in views) < self.num_workers:
             now = time.monotonic()
             if now - noted >= WAIT_NOTE_S:  # never a silent wait: say who is missing, every few seconds
                 noted = now
@@ -289,9 +315,11 @@ class PSSync(ParamSync):
                             ", ".join(live) or "none", self.start_timeout_s)
             if self.flat.numel and now - checked >= 0.5:
                 # the others may have trained and left between two polls (a short async run): updates
-                # already applied to the dense table mean the run is under way, not waiting for them
+                # applied to the dense table since this worker joined mean the run is under way, not
+                # waiting for them (updates from before, a finished run's, do not)
                 checked = now
-                if any(i.version > 0 for i in self.client.describe(self.dense_table)):
+                versions = [i.version for i in self.client.describe(self.dense_table)]
+                if any(v > b for v, b in zip(versions, joined_at)):
                     joining_late = True
                     break
             if now > deadline:
@@ -306,7 +334,7 @@ class PSSync(ParamSync):
             start = min(v.sync_clock for v in views)
         else:
             others = [v.min_clock for v in views if v.min_clock >= 0]
-            start = min(others) if others and joining_late else 0
+            start = max(min(others) if others and joining_late else 0, resume)
             if start:
                 self.client.heartbeat(start)  # the shards count this worker from its start, for SSP waits
         self.committed = start
@@ -314,15 +342,49 @@ class PSSync(ParamSync):
         self._hb.start()
         return start
 
-    @staticmethod
-    def _under_way(views: list[Any]) -> bool:
-        return any(v.sync_clock > 0 or v.min_clock > 0 for v in views)
+    @property
+    def clock_table(self) -> str:
+        """Async/SSP: the steps each worker of the run has committed, as row ``worker_index`` (dim 1,
+        SGD lr 1 from zeros: a worker pushes minus its clock's increase, so each row is its own
+        worker's clock and concurrent writers never race). A restarted worker continues from its row."""
+        return f"{self.prefix}/clock"
+
+    def resume_clock(self) -> int:
+        """Async/SSP: the clock this worker (by index) reached in an earlier run of these tables on
+        these shards (0 on fresh ones). Worker 0 creates the clock table with the others (creating
+        tables takes the admin role); without one (tables of an older version) nothing is recorded.
+        BSP runs continue from the tables' own clock (the rounds applied) instead."""
+        try:
+            row = self.client.pull_sparse(self.clock_table, np.array([self.worker_index], np.int64))
+        except TableNotFoundError:
+            self._recorded = -1
+            return 0
+        self._recorded = int(round(float(row[0, 0])))
+        return self._recorded
+
+    def _record_clock(self) -> None:
+        """Async/SSP: raise this worker's row of the clock table to ``committed`` (heartbeats and leave)."""
+        if self.dense_sync or self._recorded < 0:
+            return
+        done = self.committed
+        if done > self._recorded:
+            grad = np.array([[-(done - self._recorded)]], np.float32)  # SGD lr 1: the row rises by the increase
+            self.client.push_sparse(self.clock_table, np.array([self.worker_index], np.int64), grad)
+            self._recorded = done
+
+    def _under_way(self, views: list[Any]) -> bool:
+        """Another live worker is past step 0 (``min_clock`` counts live workers only), or the BSP clock
+        is and another worker is live: a run under way, which a worker joins at once. A BSP clock with
+        nobody else live is a finished run being restarted: its workers start together again."""
+        me = self.client.worker
+        return any(v.min_clock > 0 or (v.sync_clock > 0 and any(w != me for w in v.live)) for v in views)
 
     def _heartbeats(self) -> None:
         period = self.lease_s / 4
         while not self._hb_stop.wait(period):
             try:
                 self.client.heartbeat(self.committed)
+                self._record_clock()
             except Exception as e:  # noqa: BLE001 - a missed heartbeat is retried; the lease absorbs it
                 log.warning("heartbeat failed: %s", e)
 
@@ -331,6 +393,12 @@ class PSSync(ParamSync):
             return
         self._left = True
         self._hb_stop.set()
+        if self._hb is not None:
+            self._hb.join()  # its clock record must not race the final one
+        try:
+            self._record_clock()
+        except Exception as e:  # noqa: BLE001 - a restart then repeats the steps since the last record
+            log.warning("recording the clock failed: %s", e)
         try:
             self.client.leave()
         except Exception as e:  # noqa: BLE001 - the lease will expire instead
@@ -392,8 +460,6 @@ class PSSync(ParamSync):
     def push(self, step: int, grads: Grads) -> PushResult:
         """Dense gradient and sparse row gradients, the tables concurrently (blocking; BSP: until the
         shards have it, not until the round completes)."""
-        stale: list[int] = []
-        late = 0
         jobs: list[Callable[[], Any]] = []
         dense, versions = grads.dense, grads.state
         if dense is not None:
@@ -408,6 +474,73 @@ class PSSync(ParamSync):
         results = [jobs[0]()] if jobs else []
         results += [f.result() for f in futs]
         self.committed = max(self.committed, step + 1)
+        return self._push_result(results)
+
+    @property
+    def lookahead(self) -> int:  # type: ignore[override]
+        """How far ahead ``push_fetch`` fetches: BSP (and SSP with a bound under 1) needs step t's round
+        in step t + 1's values, so 1; async and SSP fetch step t + 2 with step t's push, so that step
+        t + 1 computes while the call is in flight (the same overlap as a prefetch). 0 (separate calls)
+        when two embeddings share a table (the Step call keys sparse parts by table), or when an
+        embedding has a hot-row cache (``worker.emb_cache``: its rows are fetched through the cache)."""
+        if self._shared_tables or any(getattr(m, "cache", None) is not None for m in self.embeddings.values()):
+            return 0
+        if self.mode in ("sync", "dense-sync") or (self.mode == "ssp" and self.staleness < 1):
+            return 1
+        return 2
+
+    def push_fetch(self, step: int, grads: Grads, next_step: int | None, next_batch: Any) -> tuple[PushResult, Fetched | None]:
+        """Step ``step``'s dense and sparse gradients and the values for ``next_step`` (dense slices into
+        a staging buffer, the rows of ``next_batch``'s unique ids) in one ``PSClient.step``: one Step call
+        per shard. The shards apply the pushes before they answer the pulls, and a BSP pull waits for the
+        round the pushes complete, so the values are what separate ``push`` and ``fetch`` calls would give."""
+        if not self.lookahead:
+            return super().push_fetch(step, grads, next_step, next_batch)
+        dense, versions = grads.dense, grads.state
+        push_dense = {self.dense_table: dense} if dense is not None else {}
+        push_sparse = {g.table: (g.ids, g.grads, g.base_versions) for g in grads.sparse}
+        policy: dict[str, SyncPolicy] = {n: self.dense_policy(step) for n in push_dense}
+        policy.update({n: self.sparse_policy(step) for n in push_sparse})
+        pull_dense: dict[str, Any] = {}
+        pull_sparse: dict[str, np.ndarray] = {}
+        pull_policy: dict[str, SyncPolicy] = {}
+        wanted: dict[str, tuple[Any, np.ndarray, np.ndarray]] = {}  # module name -> (ids, uniq, inverse)
+        if next_step is not None:
+            if self.flat.numel:
+                pull_dense[self.dense_table] = self._staging[next_step % 2]
+                pull_policy[self.dense_table] = self.dense_policy(next_step)
+            for name, ids in (self.sparse_ids(next_batch) if self.sparse_ids is not None else {}).items():
+                table = self.embeddings[name].table
+                flat = ids.detach().reshape(-1).cpu().numpy().astype(np.int64, copy=False)
+                uniq, inverse = np.unique(flat, return_inverse=True)
+                wanted[name] = (ids, uniq, inverse.reshape(tuple(ids.shape)))
+                pull_sparse[table] = uniq
+                pull_policy[table] = self.sparse_policy(next_step)
+        res = self.client.step(
+            push_dense=push_dense, push_sparse=push_sparse, pull_dense=pull_dense, pull_sparse=pull_sparse,
+            policy=policy, pull_policy=pull_policy, base_versions={self.dense_table: versions or -1} if push_dense else None,
+        )
+        self.committed = max(self.committed, step + 1)
+        pushed = self._push_result(list(res.pushed.values()))
+        if next_step is None:
+            return pushed, None
+        clock = res.clock.get(self.dense_table, 0) if self.flat.numel else 0
+        rows: dict[str, _Rows] = {}
+        for name, (ids, uniq, inverse) in wanted.items():
+            table = self.embeddings[name].table
+            r, v = res.sparse.get(table, (np.zeros((0, self.embeddings[name].dim), np.float32), np.zeros(0, np.int64)))
+            c = res.clock.get(table, 0)
+            rows[name] = _Rows(ids, uniq, inverse, r, v, c)
+            if pull_policy[table].sync:
+                clock = min(clock, c) if self.flat.numel else c
+        if not self.dense_sync and self.mode != "sync":
+            clock = next_step
+        return pushed, Fetched(next_step, next_batch, clock, (res.dense_versions.get(self.dense_table, ()), rows))
+
+    @staticmethod
+    def _push_result(results: list[Any]) -> PushResult:
+        stale: list[int] = []
+        late = 0
         for r in results:
             late += r.late
             if hasattr(r, "versions"):

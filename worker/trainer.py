@@ -13,12 +13,18 @@ request follows; in sync mode fetch(t+1) blocks on the shards until every live w
 is in and applied). With overlap off, or for a sync whose fetch and push are collectives (peer
 mode), every fetch and push runs in line on the main thread.
 
+A sync with a ``lookahead`` L (the PS) does the push and a fetch in one exchange, ``push_fetch``:
+step t's push carries the fetch of step t + L (L = 1 for BSP: the values of the round step t's push
+completes; L = 2 for async/SSP: step t + 1 computes while the exchange is in flight). Only the first
+L steps are fetched on their own.
+
 PS modes: ``sync`` (BSP), ``async`` (ASP), ``ssp`` (bounded staleness), ``dense-sync`` (dense
 tables BSP, sparse tables async; formerly called ``hybrid``). Peer modes (``worker.peer``): ``dp``,
 ``zero1``, ``zero2``, ``zero3``, and ``hybrid`` (PS embeddings, all-reduced dense part).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -207,7 +213,7 @@ class Trainer:
                 backup_workers=config.backup_workers, staleness_aware_lr=config.staleness_aware_lr,
                 worker_index=config.worker_index, num_workers=config.num_workers, worker_name=config.worker_name,
                 lease_s=config.lease_s, start_timeout_s=config.start_timeout_s, dense_optimizer=task.dense_optimizer,
-                device=self.device, stop=self.stop, sparse_ids=task.sparse_ids,
+                device=self.device, stop=self.stop, sparse_ids=task.sparse_ids, steps=config.steps,
             )
         self.sync: ParamSync = sync
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{config.worker_name}-io")  # fetch + push
@@ -239,6 +245,9 @@ class Trainer:
             self.metrics_file = open(cfg.metrics_out, "a")
         try:
             start = self.clock = self.sync.join()
+            if start >= cfg.steps > 0:
+                log.warning("%s: the run is at step %d already, --steps is %d: nothing to train (raise --steps "
+                            "to continue it; a fresh run needs fresh shards)", cfg.worker_name, start, cfg.steps)
             return self._loop(start)
         finally:
             self.sync.leave()
@@ -278,11 +287,16 @@ class Trainer:
         evaluates = cfg.evaluate and task.evaluate is not None and (cfg.worker_index == 0 or not s.pipelined)
         k = cfg.accumulate
 
+        # a sync with a lookahead pushes step t and fetches step t + lookahead in one exchange (push_fetch);
+        # ``ahead`` holds the futures of the fetches already under way, in step order
+        lookahead = (s.lookahead if overlap else min(s.lookahead, 1)) if s.pipelined else 0
+        ahead: collections.deque[Future] = collections.deque()
+
         def finish_push(f: Future) -> float:
             """Wait for a push; collect the staleness it measured. Returns the seconds waited."""
             nonlocal push_wait, late
             t1 = time.perf_counter()
-            r: PushResult = f.result()
+            r: PushResult = _pushed(f.result())
             stale_all.extend(r.staleness)
             late += r.late
             waited = time.perf_counter() - t1
@@ -292,9 +306,11 @@ class Trainer:
 
         self._record(kind="start", step=step)
         fut: Future | None = self._submit(s.fetch, step, next(data)) if step < cfg.steps else None
+        if lookahead > 1 and step + 1 < cfg.steps:
+            ahead.append(self._submit(s.fetch, step + 1, next(data)))
         while fut is not None:
             t0 = time.perf_counter()
-            f: Fetched = fut.result()
+            f: Fetched = _fetched(fut.result())
             pull_wait += (w := time.perf_counter() - t0)
             window["pull"] += w
             # the step may be later than planned: a worker dropped and rejoined (BSP) catches up
@@ -310,7 +326,7 @@ class Trainer:
                 s.discard()
                 break
             fut = None
-            if step + 1 < cfg.steps and overlap:
+            if step + 1 < cfg.steps and overlap and not lookahead:
                 fut = self._submit(s.fetch, step + 1, next(data))
 
             t0 = time.perf_counter()
@@ -332,12 +348,20 @@ class Trainer:
             last_loss = self.last_loss = float(loss_sum) if loss_sum is not None else math.nan
             compute += (c := time.perf_counter() - t0)
             window["compute"] += c
-            push_fut = self._submit(s.push, step, grads)
+            if lookahead:
+                nxt = step + lookahead
+                has = nxt < cfg.steps
+                push_fut = self._submit(s.push_fetch, step, grads, nxt if has else None, next(data) if has else None)
+                if has:
+                    ahead.append(push_fut)
+                fut = ahead.popleft() if ahead else None
+            else:
+                push_fut = self._submit(s.push, step, grads)
             losses.append(last_loss)
             if not overlap:
                 finish_push(push_fut)
                 push_fut = None
-                if step + 1 < cfg.steps:
+                if step + 1 < cfg.steps and not lookahead:
                     fut = self._submit(s.fetch, step + 1, next(data))
             if self.on_step is not None:
                 self.on_step(step, self)
@@ -399,6 +423,16 @@ class Trainer:
         rec = {"worker": self.cfg.worker_name, "mode": self.cfg.mode, "time": time.time(), "elapsed": time.monotonic() - self._t0, **rec}
         self.metrics_file.write(json.dumps(rec) + "\n")
         self.metrics_file.flush()
+
+
+def _pushed(r: Any) -> PushResult:
+    """A push future's result: ``push``'s PushResult, or ``push_fetch``'s (PushResult, Fetched)."""
+    return r[0] if isinstance(r, tuple) else r
+
+
+def _fetched(r: Any) -> Fetched:
+    """A fetch future's result: ``fetch``'s Fetched, or ``push_fetch``'s (PushResult, Fetched)."""
+    return r[1] if isinstance(r, tuple) else r
 
 
 def _progress(cfg: TrainConfig, start: int) -> Any:

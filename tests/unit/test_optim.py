@@ -82,3 +82,35 @@ def test_per_row_steps_give_per_row_bias_correction() -> None:
 def test_bad_hyperparameters_are_named(name: str, h: dict, match: str) -> None:
     with pytest.raises(InvalidArgumentError, match=match):
         OptimizerSpec(name, h)
+
+
+@pytest.mark.parametrize("hp", [dict(lr=0.05, initial_accumulator=0.1, eps=1e-10),
+                                dict(lr=0.1, lr_decay=0.01, weight_decay=0.001, eps=1e-8)], ids=["plain", "decay"])
+def test_fused_adagrad_equals_the_unfused_update_and_torch_optim(hp: dict) -> None:
+    """The fused kernel (torch._fused_adagrad_) gives what the single-tensor code gives (and
+    torch.optim.Adagrad, the reference), dense slices with a step count and sparse rows with per-row
+    steps (lr_decay set: the per-row path, not fused), to float32 rounding."""
+    rng = np.random.default_rng(1)
+    fused, plain = _opt("adagrad", **hp), _opt("adagrad", **hp)
+    plain.fused = False
+    w0 = torch.from_numpy(rng.normal(size=(64, 8)).astype(np.float32))
+    wf, wp, wt = w0.clone(), w0.clone(), torch.nn.Parameter(w0.clone())
+    sf, sp = fused.init_state(wf), plain.init_state(wp)
+    ref = torch.optim.Adagrad([wt], lr=hp["lr"], lr_decay=hp.get("lr_decay", 0.0), weight_decay=hp.get("weight_decay", 0.0),
+                              initial_accumulator_value=hp.get("initial_accumulator", 0.0), eps=hp["eps"])
+    for t in range(1, 8):
+        g = torch.from_numpy(rng.normal(size=(64, 8)).astype(np.float32))
+        fused.update(wf, g, sf, t)
+        plain.update(wp, g, sp, t)
+        wt.grad = g.clone()
+        ref.step()
+        torch.testing.assert_close(wf, wp, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(sf["sum"], sp["sum"], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(wf, wt.detach(), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(wf, w0)
+    # sparse rows: per-row steps (an (n, 1) tensor)
+    steps = torch.from_numpy(rng.integers(1, 5, size=(64, 1)).astype(np.float64))
+    g = torch.from_numpy(rng.normal(size=(64, 8)).astype(np.float32))
+    fused.update(wf, g, sf, steps)
+    plain.update(wp, g, sp, steps)
+    torch.testing.assert_close(wf, wp, rtol=1e-6, atol=1e-7)
