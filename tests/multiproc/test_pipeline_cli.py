@@ -77,3 +77,23 @@ def test_tessera_plan_measure_runs_the_top_candidates() -> None:
     rows = [line for line in out[1].splitlines() if line[:2] in ("* ", "  ") and " T1 " in line]
     assert len(rows) == 2 and sum(r.startswith("*") for r in rows) == 1, out[1]
     assert "measured pick: D" in out[1], out[1]
+
+
+@pytest.mark.timeout(240)
+def test_plan_measure_runs_tensor_parallel_layouts(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--measure`` runs every layout ``tessera peer`` runs: here the T=2 candidates (plain, with
+    sequence parallelism, with recompute through the pipeline path, ZeRO-1) on 2 ranks; each one
+    reports a measured step time, and ZeRO-2 with TP is not offered (tessera peer refuses it)."""
+    from worker.peer.planner import Hardware, Layout, ModelSpec, estimate, measure, runnable
+
+    spec = ModelSpec(layers=2, hidden=32, heads=2, seq=16, batch=8, vocab=64)
+    hw = Hardware(gpus=2, gpu_mem_gib=1, precision="fp32")
+    lays = [Layout(T=2, m=1), Layout(T=2, m=1, sequence_parallel=True), Layout(T=2, m=2, recompute=True),
+            Layout(T=2, zero=1, m=1)]
+    assert all(runnable(lay) for lay in lays) and not runnable(Layout(T=2, zero=2))
+    plans = [estimate(spec, lay, hw) for lay in lays]
+    assert measure(spec, plans, gpus=2, top=len(plans), steps=2, device="cpu") is not None
+    out = capsys.readouterr().out
+    assert "failed" not in out, out
+    rows = [line for line in out.split("measured on this machine")[1].splitlines() if line[:2] in ("* ", "  ") and " T2 " in line]
+    assert len(rows) == len(lays) and sum(" T2 P1 SP " in r for r in rows) == 1, out

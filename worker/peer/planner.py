@@ -119,7 +119,7 @@ class Layout:
     sequence_parallel: bool = False
 
     def name(self) -> str:
-        return f"D{self.D} T{self.T} P{self.P}" + (f" V{self.V}" if self.V > 1 else "")
+        return f"D{self.D} T{self.T} P{self.P}" + (f" V{self.V}" if self.V > 1 else "") + (" SP" if self.sequence_parallel else "")
 
 
 @dataclass
@@ -382,8 +382,11 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def runnable(lay: Layout) -> bool:
-    """Whether ``tessera peer`` runs this layout today: no TP; ZeRO without pipelines or recompute."""
-    return lay.T == 1 and not lay.sequence_parallel and (lay.zero == 0 or (lay.P == 1 and not lay.recompute))
+    """Whether ``tessera peer`` runs this layout today: any D x T x P with ZeRO 0/1, sequence
+    parallelism and recompute; ZeRO-2/3 only in plain data parallelism (no TP, pipeline or recompute)."""
+    if lay.sequence_parallel and lay.T == 1:
+        return False
+    return lay.zero <= 1 or (lay.T == 1 and lay.P == 1 and not lay.recompute)
 
 
 def peer_argv(spec: ModelSpec, lay: Layout, steps: int) -> list[str]:
@@ -391,9 +394,12 @@ def peer_argv(spec: ModelSpec, lay: Layout, steps: int) -> list[str]:
     opts = {"vocab": spec.vocab, "seq": spec.seq, "dim": spec.hidden, "layers": spec.layers, "heads": spec.heads}
     argv = ["--task", "gpt", *[a for k, v in opts.items() for a in ("--task-opt", f"{k}={v}")], "--steps", str(steps),
             "--global-batch", str(spec.batch), "--no-eval", "--no-progress", "--log-every", "0"]
+    if lay.T > 1:
+        argv += ["--tp", str(lay.T), "--dp", str(lay.D)] + (["--sequence-parallel"] if lay.sequence_parallel else [])
     if lay.P > 1 or lay.recompute:
         argv += ["--pp", str(lay.P), "--schedule", lay.schedule, "--micro-batches", str(lay.m), "--virtual-stages", str(lay.V)]
         argv += ["--recompute"] if lay.recompute else []
+        argv += ["--mode", "zero1"] if lay.zero == 1 else []
     else:
         argv += ["--mode", "dp" if lay.zero == 0 else f"zero{lay.zero}", "--accumulate", str(lay.m)]
     return argv
@@ -410,7 +416,7 @@ def measure(spec: ModelSpec, plans: list[Plan], gpus: int, top: int, steps: int,
 
     chosen = [p for p in plans if p.fits and runnable(p.layout)][:top]
     if not chosen:
-        print("--measure: no fitting candidate runs here (tensor parallelism is not wired to tessera peer yet)")
+        print("--measure: no fitting candidate runs here (ZeRO-2/3 run only without TP, pipeline or recompute)")
         return None
     rows = []
     for p in chosen:
