@@ -84,7 +84,14 @@ def test_plan_measure_runs_tensor_parallel_layouts(capsys: pytest.CaptureFixture
     """``--measure`` runs every layout ``tessera peer`` runs: here the T=2 candidates (plain, with
     sequence parallelism, with recompute through the pipeline path, ZeRO-1) on 2 ranks; each one
     reports a measured step time, and ZeRO-2 with TP is not offered (tessera peer refuses it)."""
-    from worker.peer.planner import Hardware, Layout, ModelSpec, estimate, measure, runnable
+    from worker.peer.planner import (
+        Hardware,
+        Layout,
+        ModelSpec,
+        estimate,
+        measure,
+        runnable,
+    )
 
     spec = ModelSpec(layers=2, hidden=32, heads=2, seq=16, batch=8, vocab=64)
     hw = Hardware(gpus=2, gpu_mem_gib=1, precision="fp32")
