@@ -372,6 +372,11 @@ class PSSync(ParamSync):
             done = min(v.sync_clock for v in views) if self.dense_sync else resume
             joining_late = joining_late or done >= self.steps
         joined_at = [i.version for i in self.client.describe(self.dense_table)] if self.flat.numel else []
+        if self.reset:
+            # the fresh tables start at version 0, and this worker counted as joined before they were
+            # made (start_fresh): any update since means the run is under way (an async worker 0 may
+            # have trained and left while this one was still waiting for the fresh tables)
+            joined_at = [0] * len(joined_at)
         t0 = time.monotonic()
         deadline, noted, checked = t0 + self.start_timeout_s, t0, t0
         while not joining_late and not self._under_way(views) and min(len(v.live) for v in views) < self.num_workers:
