@@ -162,3 +162,25 @@ def test_a_fresh_join_restarts_the_workers_clock(inproc_cluster) -> None:
     c.leave()
     c.join(fresh=True)
     assert clock() == 0
+
+
+def test_reset_refuses_a_live_worker_still_at_the_old_runs_clock(inproc_cluster) -> None:
+    """worker 0 with --reset (PSSync(reset=True)) will not drop the tables under a worker that joined
+    without --reset (it kept the earlier run's clock): a clear error, nothing dropped."""
+    import torch
+
+    from worker.paramsync import PSSync
+
+    cluster = inproc_cluster(1)
+    old = cluster.client()
+    old.create_dense("t/dense", 3, lr=1.0)
+    w1 = cluster.client(worker="w1")
+    w1.join()
+    w1.heartbeat(3)  # a worker of the earlier run, continuing (no fresh join)
+    sync = PSSync(torch.nn.Linear(2, 1), cluster.client(), "t", num_workers=2, reset=True, start_timeout_s=10)
+    try:
+        with pytest.raises(RuntimeError, match="clock 3 of the earlier run.*--reset"):
+            sync.join()
+    finally:
+        sync.close()
+    assert "t/dense" in cluster.shards[0].tables
