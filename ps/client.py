@@ -41,6 +41,7 @@ from ps.errors import (
     NonFiniteError,
     ResourceExhaustedError,
     ShapeMismatchError,
+    TableNotFoundError,
     with_table,
 )
 from ps.consistency import SyncPolicy
@@ -305,6 +306,37 @@ class PSClient:
         except InvalidArgumentError as e:
             raise with_table(name, e) from None
         return self.create_table(spec)
+
+    def drop_table(self, name: str, missing_ok: bool = False) -> bool:
+        """Drop table ``name`` from every shard (admin only): its values, optimizer state, BSP clock
+        and deduplication records are gone, and a later ``create_*`` of the name starts afresh.
+        Returns True if any shard held it. TableNotFoundError naming it if no shard did (``missing_ok``:
+        False instead). Idempotent per shard, so a call that failed part-way can simply be repeated."""
+        return bool(self.drop_tables([name], missing_ok=missing_ok))
+
+    def drop_tables(self, names: Sequence[str], missing_ok: bool = False) -> list[str]:
+        """Drop ``names`` from every shard in one call per shard (each shard drops them together and,
+        with a checkpoint directory, writes one checkpoint after); returns the names some shard held.
+        ``missing_ok`` False: TableNotFoundError for a name no shard held (the others are dropped).
+        A shard with a backup forwards the drop to it first."""
+        names = list(dict.fromkeys(names))
+        if not names:
+            return []
+        req = pb.DropTableRequest(tables=names, missing_ok=True).SerializeToString()
+        label = names[0] if len(names) == 1 else None
+        raws = self._fan_out([lambda i=i: self._call(i, "DropTable", req, label) for i in range(self.num_shards)])
+        held: set[str] = set()
+        for raw in raws:
+            held.update(unframe(pb.DropTableReply, raw)[0].dropped)
+        with self._meta_lock:
+            for n in names:
+                self._dense.pop(n, None)
+                self._sparse.pop(n, None)
+        gone = [n for n in names if n in held]
+        missing = [n for n in names if n not in held]
+        if missing and not missing_ok:
+            raise TableNotFoundError(f"table {missing[0]!r} not found on any of the {self.num_shards} shards")
+        return gone
 
     def describe(self, name: str) -> list[TableInfo]:
         """Each shard's view of table ``name`` (kind, shape, optimizer, clock); TableNotFoundError if absent."""
@@ -892,10 +924,12 @@ class PSClient:
         return spec, uniq, groups, summed, base
 
     # ------------------------------------------------------------------ membership
-    def join(self, lease_s: float = 0.0) -> list[MembershipView]:
-        """Register this client's ``worker`` name with every shard (lease_s 0: the shard's default)."""
+    def join(self, lease_s: float = 0.0, fresh: bool = False) -> list[MembershipView]:
+        """Register this client's ``worker`` name with every shard (lease_s 0: the shard's default).
+        ``fresh``: this worker starts a fresh run, its clock on the shards restarts at 0 (by default a
+        worker that was there before keeps the clock it had: a restart continues)."""
         self._need_worker("join")
-        req = pb.JoinRequest(worker=self.worker, lease_ms=int(lease_s * 1000)).SerializeToString()
+        req = pb.JoinRequest(worker=self.worker, lease_ms=int(lease_s * 1000), fresh=fresh).SerializeToString()
         raws = self._fan_out([lambda i=i: self._call(i, "Join", req) for i in range(self.num_shards)])
         return [membership_from_proto(unframe(pb.MembershipReply, r)[0]) for r in raws]
 

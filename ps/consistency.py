@@ -45,6 +45,7 @@ from ps.errors import (
     InternalError,
     InvalidArgumentError,
     ResourceExhaustedError,
+    TableNotFoundError,
 )
 
 __all__ = [
@@ -294,7 +295,16 @@ class SyncRound(Generic[C]):
         self._applying = False
         self.backup_workers: int | None = None  # the quorum rule, fixed by the first contribution
         self.hold_at: int | None = None  # a cluster checkpoint: do not apply the round for this clock yet
+        self.dropped: str | None = None  # the table was dropped (why): contributions and waits fail NOT_FOUND
         self.cond = threading.Condition()
+
+    def drop(self, why: str) -> None:
+        """The table is gone: every waiter and every later contribution gets TableNotFoundError(``why``);
+        held contributions are discarded."""
+        with self.cond:
+            self.dropped = why
+            self._pending.clear()
+            self.cond.notify_all()
 
     def contribute(self, worker: str, clock: int, value: C, backup_workers: int = 0) -> str:
         """Offer ``worker``'s gradient for ``clock``. Returns LATE, HELD or APPLIED.
@@ -307,6 +317,8 @@ class SyncRound(Generic[C]):
         if backup_workers < 0:
             raise InvalidArgumentError(f"table {self.name!r}: backup_workers must be >= 0, got {backup_workers}")
         with self.cond:
+            if self.dropped is not None:
+                raise TableNotFoundError(self.dropped)
             if self.backup_workers is not None and backup_workers != self.backup_workers:
                 raise FailedPreconditionError(
                     f"table {self.name!r}: this BSP push asks for backup_workers={backup_workers}, but the table's "
@@ -418,6 +430,8 @@ class SyncRound(Generic[C]):
         t0 = time.monotonic()
         with self.cond:
             while self.clock < clock:
+                if self.dropped is not None:
+                    raise TableNotFoundError(self.dropped)
                 if self.failed is not None and not self._applying:
                     raise InternalError(f"table {self.name!r}: {self.failed}; push the step again")
                 left = timeout - (time.monotonic() - t0)

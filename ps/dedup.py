@@ -72,6 +72,12 @@ class Dedup(Generic[R]):
             while len(rec) > self.window:
                 rec.popitem(last=False)
 
+    def forget(self, table: str) -> None:
+        """Drop every record of ``table`` (the table was dropped)."""
+        with self._lock:
+            for key in [k for k in self._records if k[1] == table]:
+                del self._records[key]
+
     def export(self, table: str | None = None) -> list[tuple[str, str, list[tuple[int, Any]]]]:
         """The records (of ``table``, or all) as (client, table, [(seq, result)]) (checkpoints, a joining backup)."""
         with self._lock:

@@ -58,6 +58,7 @@ STATUS_OF = ERRORS.codes
 ROLES = ("admin", "worker", "reader", "replica")
 METHOD_ROLES: dict[str, frozenset[str]] = {
     "CreateTable": frozenset({"admin"}),
+    "DropTable": frozenset({"admin"}),
     "DescribeTable": frozenset(ROLES),
     "PushDense": frozenset({"admin", "worker"}),  # DENSE_OP_ASSIGN: admin only (checked in the handler)
     "PullDense": frozenset({"admin", "worker", "reader"}),
@@ -189,6 +190,7 @@ class PSServicer:
             {
                 "CreateTable": uu(guard("CreateTable", self.CreateTable)),
                 "DescribeTable": uu(guard("DescribeTable", self.DescribeTable)),
+                "DropTable": uu(guard("DropTable", self.DropTable)),
                 "PushDense": grpc.stream_stream_rpc_method_handler(guard("PushDense", self.PushDense)),
                 "PullDense": grpc.unary_stream_rpc_method_handler(guard("PullDense", self.PullDense)),
                 "PullSparse": uu(guard("PullSparse", self.PullSparse)),
@@ -266,6 +268,16 @@ class PSServicer:
         req, _ = self._decode(pb.DescribeTableRequest, raw)
         return self._out(info_to_proto(self.shard.info(req.table)).SerializeToString())
 
+    def DropTable(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
+        req, _ = self._decode(pb.DropTableRequest, raw)
+        if len(req.tables) > self.shard.config.max_tables:
+            raise InvalidArgumentError(f"DropTable: {len(req.tables)} names, more than the shard's {self.shard.config.max_tables} tables")
+        if any(not n for n in req.tables):
+            raise InvalidArgumentError("DropTable: a table name is empty")
+        dropped, path = self.shard.drop_tables(list(req.tables), req.missing_ok)
+        reply = pb.DropTableReply(shard_index=self.shard.config.shard_index, dropped=dropped, checkpoint=path)
+        return self._out(reply.SerializeToString())
+
     def Stats(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         self._decode(pb.StatsRequest, raw)
         return self._out(stats_to_proto(self.shard.stats()).SerializeToString())
@@ -278,7 +290,7 @@ class PSServicer:
         if not req.worker:
             raise InvalidArgumentError("Join: worker name is empty")
         self._own(caller, req.worker)
-        view = self.shard.join(req.worker, req.lease_ms / 1000.0)
+        view = self.shard.join(req.worker, req.lease_ms / 1000.0, req.fresh)
         return self._out(membership_to_proto(view).SerializeToString())
 
     def Heartbeat(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:

@@ -361,6 +361,71 @@ class Shard:
                 )
         return True, self.info(spec.name)
 
+    def drop_tables(self, names: Sequence[str], missing_ok: bool = False) -> tuple[list[str], str]:
+        """Drop ``names`` from this shard: values, optimizer state, BSP round (its waiters and later
+        pushes get TableNotFoundError) and dedup records. Returns (the names dropped, the path of
+        the checkpoint written after the drop: "" without ``config.checkpoint_dir``).
+
+        Validated first: a name this shard does not hold raises TableNotFoundError naming it and
+        nothing is dropped (``missing_ok``: it is skipped). Forwarded to the backup before it takes
+        effect here (a backup that does not take it: ShardUnavailableError, nothing dropped). With a
+        checkpoint directory a checkpoint is written right after, so the newest checkpoint never holds
+        a dropped table; if that write fails the tables stay dropped and FailedPreconditionError says so."""
+        names = list(dict.fromkeys(names))
+        if not names:
+            raise InvalidArgumentError("DropTable: name at least one table")
+        with self._lock:
+            missing = [n for n in names if n not in self.tables]
+            if missing and not missing_ok:
+                raise TableNotFoundError(
+                    f"table {missing[0]!r} not found on shard {self.config.shard_index}; nothing dropped"
+                )
+            present = [n for n in names if n in self.tables]
+            if not present:
+                return [], ""
+            tables = [self.tables[n] for n in present]
+            # the lock order of create_table (shard lock, then the gate). A commit in flight on a table
+            # being dropped either forwarded its mutation before the drop (the backup applies both in
+            # order) or finds its table gone in its before_swap hook and applies nothing; one that
+            # passed the hook just before lands on the detached table (invisible) and the backup skips it
+            with self.gate.shared():
+                self._replicate({"k": "drop", "tables": present})
+                for n in present:
+                    del self.tables[n]
+                    r = self.rounds.pop(n, None)
+                    if r is not None:
+                        r.drop(f"table {n!r} was dropped from shard {self.config.shard_index}")
+                    self.dedup.forget(n)
+        for t in tables:
+            if isinstance(t, SparseTable):
+                t.close()
+        log.info("shard %d: dropped tables %s", self.config.shard_index, ", ".join(map(repr, present)))
+        path = ""
+        if self.config.checkpoint_dir:
+            try:
+                path = self.save_checkpoint()
+            except Exception as e:  # noqa: BLE001 - reported to the caller: the newest checkpoint still holds them
+                self.maintenance_errors += 1
+                log.exception("shard %d: checkpoint after dropping %s failed", self.config.shard_index, present)
+                if self.role != PRIMARY:
+                    return present, ""  # a backup: the primary's drop stands; its own next checkpoint catches up
+                raise FailedPreconditionError(
+                    f"tables {present} dropped from shard {self.config.shard_index}, but the checkpoint written after "
+                    f"the drop failed ({type(e).__name__}: {e}): until the next checkpoint, a --restore brings them back"
+                ) from None
+        return present, path
+
+    def _live(self, name: str, t: DenseTable | SparseTable) -> None:
+        """Raise TableNotFoundError if ``t`` is no longer the table ``name`` (dropped meanwhile)."""
+        if self.tables.get(name) is not t:
+            raise TableNotFoundError(f"table {name!r} was dropped from shard {self.config.shard_index}; nothing applied")
+
+    def _round(self, name: str) -> SyncRound:
+        r = self.rounds.get(name)
+        if r is None:
+            raise TableNotFoundError(f"table {name!r} not found on shard {self.config.shard_index}")
+        return r
+
     def table(self, name: str) -> DenseTable | SparseTable:
         t = self.tables.get(name)
         if t is None:
@@ -401,11 +466,12 @@ class Shard:
             self.membership.min_clock(exclude=worker), rejoined,
         )
 
-    def join(self, worker: str, lease_s: float = 0.0) -> MembershipView:
+    def join(self, worker: str, lease_s: float = 0.0, fresh: bool = False) -> MembershipView:
         """Add ``worker`` to the live set. The view tells it where to start: BSP at ``sync_clock``,
-        SSP/async at the slowest live worker's clock."""
+        SSP/async at the slowest live worker's clock. ``fresh``: the worker starts a fresh run (its
+        clock restarts at 0 instead of the one it had here)."""
         with self.gate.shared():
-            self.membership.join(worker, lease_s)
+            self.membership.join(worker, lease_s, 0 if fresh else None)
             w = next((w for w in self.membership.workers() if w.name == worker), None)
             self._replicate({"k": "join", "worker": worker, "lease": w.lease_s if w else lease_s, "clock": w.clock if w else 0})
         return self._view(worker)
@@ -426,7 +492,7 @@ class Shard:
     def wait(self, name: str, policy: SyncPolicy, timeout: float) -> int:
         """Block until ``policy`` lets a worker read ``name`` for step ``policy.clock``; returns the table's BSP clock."""
         self.table(name)
-        r = self.rounds[name]
+        r = self._round(name)
         if policy.sync and policy.clock >= 0:
             r.wait_clock(policy.clock, timeout)
         elif policy.ssp:
@@ -449,6 +515,7 @@ class Shard:
         once, dup = self._once(client, name, seq)
 
         def before_swap(res: PushResult, upd: DenseUpdate) -> None:
+            self._live(name, upd.table)
             self._replicate(_dense_entry(upd, client, seq, res, worker, policy.clock))
             self.dedup.record(client, name, seq, res)
 
@@ -456,7 +523,7 @@ class Shard:
             result = update.commit(before_swap, once=once)
         if not dup:
             self.pushed(worker, policy)
-        return SyncPush(result, False, self.rounds[name].clock, bool(dup))
+        return SyncPush(result, False, self._round(name).clock, bool(dup))
 
     def _once(self, client: str, name: str, seq: int) -> tuple[Callable[[], PushResult | None], list[bool]]:
         """A dedup check for a table's commit hook, and a list that says afterwards whether it hit."""
@@ -475,7 +542,7 @@ class Shard:
         # BSP needs no dedup record: a retry of a push the round holds, or of a round applied, is
         # *late* (never applied twice), and one whose round was lost with a checkpoint restore is new
         self.membership.touch(worker)
-        r = self.rounds[name]
+        r = self._round(name)
         outcome = r.contribute(worker, policy.clock, value, policy.backup_workers)
         if outcome != LATE:
             self.membership.advance(worker, policy.clock)
@@ -546,6 +613,7 @@ class Shard:
         once, dup = self._once(client, name, seq)
 
         def before_swap(res: PushResult, delta: RowDelta) -> None:
+            self._live(name, t)
             self._replicate(_sparse_entry(t, delta, res, client, seq, worker, policy.clock))
             self.dedup.record(client, name, seq, res)
 
@@ -553,7 +621,7 @@ class Shard:
             result = t.apply_push(prepared, policy.staleness_aware_lr, once=once, before_swap=before_swap)
         if not dup:
             self.pushed(worker, policy)
-        return SyncPush(result, False, self.rounds[name].clock, bool(dup))
+        return SyncPush(result, False, self._round(name).clock, bool(dup))
 
     # ------------------------------------------------------------------ step
     def step(self, parts: Sequence[StepPart], worker: str = "", client: str = "", timeout: float = 300.0) -> list[StepOutcome]:
@@ -640,13 +708,16 @@ class Shard:
     def _apply_round(self, name: str, values: list) -> PushResult:
         """Apply a completed BSP round (the mean of ``values``), replicated first."""
         t = self.table(name)
-        clock = self.rounds[name].clock  # the round being applied (the clock moves on after)
+        clock = self._round(name).clock  # the round being applied (the clock moves on after)
+
+        def replicate(entry: dict) -> None:
+            self._live(name, t)
+            self._replicate(entry)
+
         with self.gate.shared():
             if isinstance(t, DenseTable):
-                return t.apply_mean(values, lambda res, upd: self._replicate(_dense_entry(upd, "", 0, res, "", -1, clock)))
-            return t.apply_mean(
-                values, lambda res, delta: self._replicate(_sparse_entry(t, delta, res, "", 0, "", -1, clock))
-            )
+                return t.apply_mean(values, lambda res, upd: replicate(_dense_entry(upd, "", 0, res, "", -1, clock)))
+            return t.apply_mean(values, lambda res, delta: replicate(_sparse_entry(t, delta, res, "", 0, "", -1, clock)))
 
     def _replicate_contribution(self, name: str, worker: str, clock: int, value: object, backup_workers: int = 0) -> None:
         entry = _contribution_entry(name, worker, clock, value)
@@ -748,10 +819,17 @@ class Shard:
         k = entry["k"]
         if k == "create":
             self.create_table(spec_from_dict(entry["spec"]))
+        elif k == "drop":
+            self.drop_tables([str(n) for n in entry["tables"]], missing_ok=True)
         elif k == "join":
             self.membership.join(entry["worker"], float(entry["lease"]), int(entry["clock"]))
         elif k == "leave":
             self.membership.leave(entry["worker"])
+        elif k in ("contrib", "dense", "sparse") and entry["t"] not in self.tables:
+            # a mutation that raced a drop of its table on the primary (forwarded just after the drop;
+            # the primary applied it to the detached table, invisible there too)
+            log.warning("shard %d: skipped a forwarded %s of table %r: not held here (dropped)",
+                        self.config.shard_index, k, entry["t"])
         elif k == "contrib":
             self.rounds[entry["t"]].mirror_contribution(
                 entry["worker"], int(entry["clock"]), _contribution_value(self.table(entry["t"]), entry["value"]),

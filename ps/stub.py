@@ -39,7 +39,7 @@ SERVICE = "/tessera.v1.ParameterServer/"
 # safe: pushes carry (client, seq) and are applied at most once; a retried BSP push is "late".
 _RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
-_UNARY = ("CreateTable", "DescribeTable", "Stats", "PullSparse", "PushSparse", "Join", "Heartbeat", "Checkpoint", "Role", "Step")
+_UNARY = ("CreateTable", "DescribeTable", "DropTable", "Stats", "PullSparse", "PushSparse", "Join", "Heartbeat", "Checkpoint", "Role", "Step")
 
 
 @dataclass(frozen=True)

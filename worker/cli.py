@@ -58,6 +58,12 @@ def add_worker_commands(sub: Any) -> None:
     w.add_argument("--backup-workers", type=int, default=0, help="sync: apply the first W-b gradients of each step")
     w.add_argument("--staleness-aware-lr", action="store_true", help="async/ssp: scale each update's lr by 1/staleness (staleness in versions: updates applied since its pull)")
     w.add_argument("--steps", type=int, default=1000, help="train until the cluster's clock reaches this")
+    w.add_argument(
+        "--reset", action="store_true",
+        help="start a fresh run on shards that hold an earlier run of this task: worker 0 drops its tables and "
+        "creates them afresh once all --num-workers joined (needs an admin token where shards check tokens); give "
+        "every worker --reset (without it a restarted run continues from the shards' clock)",
+    )
     w.add_argument("--batch-size", type=int, default=256, help="examples per step on this worker")
     w.add_argument("--worker-index", type=int, default=0, help="this worker's index, 0..num-workers-1 (worker 0 creates the tables)")
     w.add_argument("--num-workers", type=int, default=1, help="workers in the run (each takes its slice of every step's data)")
@@ -188,7 +194,7 @@ def _worker(args: argparse.Namespace) -> int:
         worker_index=args.worker_index, num_workers=args.num_workers, device=args.device, lease_s=args.lease,
         overlap=not args.no_overlap, eval_every=args.eval_every, max_seconds=args.max_seconds, seed=args.seed,
         progress=not args.no_progress, metrics_out=args.metrics_out, name=args.name,
-        slowdown=args.slowdown, jitter_ms=args.jitter_ms,
+        slowdown=args.slowdown, jitter_ms=args.jitter_ms, reset=args.reset,
     )
     stop = threading.Event()
     # SIGTERM/SIGINT: finish the step in flight (its push completes), leave the shards, exit 0

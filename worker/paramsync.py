@@ -188,7 +188,7 @@ class PSSync(ParamSync):
         worker_name: str = "", lease_s: float = 10.0, start_timeout_s: float = 300.0,
         dense_optimizer: Any = None, device: torch.device | str = "cpu", stop: threading.Event | None = None,
         sparse_ids: Callable[[Any], dict[str, torch.Tensor]] | None = None, dense: bool = True,
-        steps: int | None = None,
+        steps: int | None = None, reset: bool = False,
     ) -> None:
         self.mode = check_ps_mode(mode)
         self.name = mode
@@ -201,6 +201,7 @@ class PSSync(ParamSync):
         self.stop = stop or threading.Event()
         self.sparse_ids = sparse_ids  # batch -> {PSEmbedding module name: ids}, to prefetch rows
         self.steps = steps  # the clock the run trains to, if known: a restart already there waits for nobody
+        self.reset = reset  # a fresh run on shards that may hold an earlier one (see start_fresh)
         client.worker = worker_name or f"w{worker_index}"
         self.device = torch.device(device)
         self.embeddings: dict[str, PSEmbedding] = {n: m for n, m in model.named_modules() if isinstance(m, PSEmbedding)}
@@ -256,17 +257,21 @@ class PSSync(ParamSync):
         """The marker table worker 0 creates once every other table holds its initial values."""
         return f"{self.prefix}/ready"
 
-    def create_tables(self, creator: bool, timeout: float = 120.0) -> None:
+    def create_tables(self, creator: bool, timeout: float = 120.0, generation: int | None = None) -> None:
         """``creator`` (worker 0) creates every table, seeds the dense one with the model's own initial
         values, then marks the model ready; the others wait for that mark, so nobody reads a table
-        before its initial values are in."""
+        before its initial values are in. ``generation``: the creator marks the tables as those of
+        this fresh run (``start_fresh``; None: a first run or a continued one keeps the mark it finds)."""
         if creator:
             if self.flat.numel:
                 self.client.create_dense(self.dense_table, self.flat.numel, optimizer=self.dense_optimizer, init=self.flat.data.cpu().numpy())
             for m in self.embeddings.values():
                 self.client.create_sparse(m.table, m.dim, optimizer=m.optimizer, init=m.init, seed=m.seed, row_dtype=m.row_dtype)
             self.client.create_sparse(self.clock_table, 1, optimizer="sgd", lr=1.0)
-            self.client.create_dense(self.ready_table, 1)
+            if generation is not None:
+                self.client.create_dense(self.ready_table, 1, seed=generation)
+            elif self.generation() < 0:
+                self.client.create_dense(self.ready_table, 1)
             return
         t0 = time.monotonic()
         deadline, noted = t0 + timeout, t0
@@ -288,9 +293,73 @@ class PSSync(ParamSync):
         for m in self.embeddings.values():
             self.client.describe(m.table)
 
+    def generation(self) -> int:
+        """The generation of the run whose tables the shards hold: the ready marker's seed (0: a run
+        started on fresh shards, one more per ``reset``); -1: no ready marker (none yet, or dropped)."""
+        try:
+            return int(self.client.describe(self.ready_table)[0].spec.seed)
+        except TableNotFoundError:
+            return -1
+
+    def run_tables(self) -> list[str]:
+        """The tables of this run on the shards: the ready marker, the dense table, the embeddings'
+        tables, the clock table, and any other table named ``PREFIX/...``."""
+        names = [self.ready_table, self.dense_table, *(m.table for m in self.embeddings.values()), self.clock_table]
+        for st in self.client.stats():
+            names += [t.name for t in st.tables if t.name.startswith(f"{self.prefix}/")]
+        return list(dict.fromkeys(names))
+
+    def start_fresh(self) -> None:
+        """``reset``: a fresh run on shards that may hold an earlier run's tables; every worker of the
+        run is started with it. Each joins as fresh (its clock restarts at 0). Worker 0 waits until all
+        ``num_workers`` are live, drops the run's tables (``run_tables``), creates them as a first run
+        does and marks them ready with the next generation. Any other worker reads the generation
+        *before* it joins and waits for a higher one: worker 0 drops only after every worker joined,
+        so the old run's tables are never taken for the fresh ones."""
+        seen = self.generation()  # before joining: worker 0 cannot have reset yet
+        views = self.client.join(self.lease_s, fresh=True)
+        t0 = time.monotonic()
+        deadline, noted = t0 + self.start_timeout_s, t0
+        while True:
+            if self.worker_index == 0:
+                if min(len(v.live) for v in views) >= self.num_workers:
+                    break
+                what = (f"workers to join before it resets the tables of {self.prefix!r}: "
+                        f"{min(len(v.live) for v in views)} of {self.num_workers} joined")
+            else:
+                if self.generation() > seen:
+                    break
+                what = f"worker 0 to reset the tables of {self.prefix!r} (is it running with --reset?)"
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"{self.client.worker}: --reset: still waiting for {what} after {self.start_timeout_s:.0f} s")
+            if now - noted >= WAIT_NOTE_S:
+                noted = now
+                log.warning("%s: waiting %.0f s for %s; gives up after %.0f s", self.client.worker, now - t0, what, self.start_timeout_s)
+            if self.stop.wait(0.2):
+                raise TimeoutError(f"{self.client.worker}: stopped while waiting for {what}")
+            views = self.client.heartbeat(0)
+        if self.worker_index == 0:
+            ahead = [v.min_clock for v in views if v.min_clock > 0]
+            if ahead:
+                raise RuntimeError(
+                    f"{self.client.worker}: --reset: a live worker is at clock {max(ahead)} of the earlier run; "
+                    "start every worker of the run with --reset (or stop the old run's workers first)"
+                )
+            generation = max(seen, self.generation()) + 1
+            dropped = self.client.drop_tables(self.run_tables(), missing_ok=True)
+            log.warning("%s: --reset: dropped %d tables of %r (%s); fresh run, generation %d", self.client.worker,
+                        len(dropped), self.prefix, ", ".join(dropped) or "none there", generation)
+            self.create_tables(creator=True, generation=generation)
+        else:
+            self.create_tables(creator=False)
+
     def join(self) -> int:
         """Create or find the tables, join the shards, start heartbeats; returns the clock this worker starts at."""
-        self.create_tables(creator=self.worker_index == 0)
+        if self.reset:
+            self.start_fresh()
+        else:
+            self.create_tables(creator=self.worker_index == 0)
         # async/SSP: a run restarted on the same shards continues from the clock this worker reached
         # in it (BSP: from the tables' clock, which the shards keep)
         resume = 0 if self.dense_sync else self.resume_clock()
@@ -303,6 +372,11 @@ class PSSync(ParamSync):
             done = min(v.sync_clock for v in views) if self.dense_sync else resume
             joining_late = joining_late or done >= self.steps
         joined_at = [i.version for i in self.client.describe(self.dense_table)] if self.flat.numel else []
+        if self.reset:
+            # the fresh tables start at version 0, and this worker counted as joined before they were
+            # made (start_fresh): any update since means the run is under way (an async worker 0 may
+            # have trained and left while this one was still waiting for the fresh tables)
+            joined_at = [0] * len(joined_at)
         t0 = time.monotonic()
         deadline, noted, checked = t0 + self.start_timeout_s, t0, t0
         while not joining_late and not self._under_way(views) and min(len(v.live) for v in views) < self.num_workers:

@@ -101,6 +101,7 @@ class TrainConfig:
     slowdown: float = 1.0
     jitter_ms: float = 0.0
     accumulate: int = 1  # micro-batches per step (gradient accumulation)
+    reset: bool = False  # PS modes: a fresh run on shards holding an earlier one (PSSync.start_fresh; every worker)
 
     def __post_init__(self) -> None:
         if self.mode not in PEER_MODES:
@@ -213,7 +214,7 @@ class Trainer:
                 backup_workers=config.backup_workers, staleness_aware_lr=config.staleness_aware_lr,
                 worker_index=config.worker_index, num_workers=config.num_workers, worker_name=config.worker_name,
                 lease_s=config.lease_s, start_timeout_s=config.start_timeout_s, dense_optimizer=task.dense_optimizer,
-                device=self.device, stop=self.stop, sparse_ids=task.sparse_ids, steps=config.steps,
+                device=self.device, stop=self.stop, sparse_ids=task.sparse_ids, steps=config.steps, reset=config.reset,
             )
         self.sync: ParamSync = sync
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{config.worker_name}-io")  # fetch + push
@@ -247,7 +248,7 @@ class Trainer:
             start = self.clock = self.sync.join()
             if start >= cfg.steps > 0:
                 log.warning("%s: the run is at step %d already, --steps is %d: nothing to train (raise --steps "
-                            "to continue it; a fresh run needs fresh shards)", cfg.worker_name, start, cfg.steps)
+                            "to continue it; start every worker with --reset for a fresh run)", cfg.worker_name, start, cfg.steps)
             return self._loop(start)
         finally:
             self.sync.leave()

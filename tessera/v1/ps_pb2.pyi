@@ -154,6 +154,24 @@ class DescribeTableRequest(_message.Message):
     table: str
     def __init__(self, table: _Optional[str] = ...) -> None: ...
 
+class DropTableRequest(_message.Message):
+    __slots__ = ("tables", "missing_ok")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    MISSING_OK_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    missing_ok: bool
+    def __init__(self, tables: _Optional[_Iterable[str]] = ..., missing_ok: bool = ...) -> None: ...
+
+class DropTableReply(_message.Message):
+    __slots__ = ("shard_index", "dropped", "checkpoint")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    dropped: _containers.RepeatedScalarFieldContainer[str]
+    checkpoint: str
+    def __init__(self, shard_index: _Optional[int] = ..., dropped: _Optional[_Iterable[str]] = ..., checkpoint: _Optional[str] = ...) -> None: ...
+
 class SyncSpec(_message.Message):
     __slots__ = ("clock", "sync", "staleness", "backup_workers", "staleness_aware_lr")
     CLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -295,12 +313,14 @@ class PushSparseReply(_message.Message):
     def __init__(self, applied: _Optional[int] = ..., dropped: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., late: bool = ..., clock: _Optional[int] = ..., duplicate: bool = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("worker", "lease_ms")
+    __slots__ = ("worker", "lease_ms", "fresh")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    FRESH_FIELD_NUMBER: _ClassVar[int]
     worker: str
     lease_ms: int
-    def __init__(self, worker: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+    fresh: bool
+    def __init__(self, worker: _Optional[str] = ..., lease_ms: _Optional[int] = ..., fresh: bool = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker", "clock", "leave")

@@ -44,6 +44,11 @@ class ParameterServerStub(object):
                 request_serializer=tessera_dot_v1_dot_ps__pb2.DescribeTableRequest.SerializeToString,
                 response_deserializer=tessera_dot_v1_dot_ps__pb2.TableInfo.FromString,
                 _registered_method=True)
+        self.DropTable = channel.unary_unary(
+                '/tessera.v1.ParameterServer/DropTable',
+                request_serializer=tessera_dot_v1_dot_ps__pb2.DropTableRequest.SerializeToString,
+                response_deserializer=tessera_dot_v1_dot_ps__pb2.DropTableReply.FromString,
+                _registered_method=True)
         self.PushDense = channel.stream_stream(
                 '/tessera.v1.ParameterServer/PushDense',
                 request_serializer=tessera_dot_v1_dot_ps__pb2.DenseChunk.SerializeToString,
@@ -116,6 +121,12 @@ class ParameterServerServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def DescribeTable(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DropTable(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -209,6 +220,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.DescribeTable,
                     request_deserializer=tessera_dot_v1_dot_ps__pb2.DescribeTableRequest.FromString,
                     response_serializer=tessera_dot_v1_dot_ps__pb2.TableInfo.SerializeToString,
+            ),
+            'DropTable': grpc.unary_unary_rpc_method_handler(
+                    servicer.DropTable,
+                    request_deserializer=tessera_dot_v1_dot_ps__pb2.DropTableRequest.FromString,
+                    response_serializer=tessera_dot_v1_dot_ps__pb2.DropTableReply.SerializeToString,
             ),
             'PushDense': grpc.stream_stream_rpc_method_handler(
                     servicer.PushDense,
@@ -325,6 +341,33 @@ class ParameterServer(object):
             '/tessera.v1.ParameterServer/DescribeTable',
             tessera_dot_v1_dot_ps__pb2.DescribeTableRequest.SerializeToString,
             tessera_dot_v1_dot_ps__pb2.TableInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DropTable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tessera.v1.ParameterServer/DropTable',
+            tessera_dot_v1_dot_ps__pb2.DropTableRequest.SerializeToString,
+            tessera_dot_v1_dot_ps__pb2.DropTableReply.FromString,
             options,
             channel_credentials,
             insecure,

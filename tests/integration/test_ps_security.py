@@ -89,6 +89,7 @@ def _requests(worker: str) -> dict[str, tuple[str, object]]:
     spec = pb.TableSpec(name="new", kind=pb.TABLE_KIND_DENSE, shape=[4], dtype="float32", optimizer=pb.OptimizerSpec(name="sgd"))
     return {
         "CreateTable": ("uu", pb.CreateTableRequest(spec=spec, num_shards=1).SerializeToString()),
+        "DropTable": ("uu", pb.DropTableRequest(tables=["new"]).SerializeToString()),  # admin: drops what it just created
         "DescribeTable": ("uu", pb.DescribeTableRequest(table="w").SerializeToString()),
         "PushDense": ("ss", lambda: iter([chunk])),
         "PushDenseAssign": ("ss", lambda: iter([assign])),
@@ -153,6 +154,8 @@ def test_auth_matrix_every_rpc_every_credential(shard, pki) -> None:
     # the right role gets real answers (not just "not refused")
     assert seen[("PushDense", "w0")] == grpc.StatusCode.OK and seen[("CreateTable", "admin")] == grpc.StatusCode.OK
     assert seen[("PushDenseAssign", "admin")] == grpc.StatusCode.OK and seen[("PushDenseAssign", "w0")] == P
+    assert seen[("DropTable", "admin")] == grpc.StatusCode.OK and seen[("DropTable", "w0")] == P
+    assert "new" not in sh.tables and {"w", "emb"} <= set(sh.tables)
 
 
 def test_a_worker_name_belongs_to_the_identity_that_used_it_first(shard, pki) -> None:
