@@ -417,6 +417,7 @@ def account(run: Run, cluster: Cluster) -> None:
     import numpy as np
 
     from ps.checkpoint import read_checkpoint
+    from ps.cli import is_internal_table
     from ps.client import PSClient
 
     with PSClient(cluster.spec, timeout=30, retry_timeout=10) as c:
@@ -435,7 +436,8 @@ def account(run: Run, cluster: Cluster) -> None:
                 run.applied[key] += int(np.asarray(t["versions"], np.int64).sum())
 
     def diff(applied: Counter) -> tuple[int, int]:
-        keys = set(run.acked) | set(applied)
+        # the trainer's own bookkeeping tables (each worker's clock record, the ready mark) left out
+        keys = {k for k in set(run.acked) | set(applied) if not is_internal_table(k.rsplit("@", 1)[0])}
         lost = sum(max(0, run.acked[k] - applied[k]) for k in keys)
         double = sum(max(0, applied[k] - run.acked[k]) for k in keys)
         return lost, double

@@ -113,9 +113,10 @@ def _run_default(secrets: Path, tmp_path: Path, steps: int, kill_primary: bool) 
 @pytest.mark.timeout(300)
 def test_default_profile_trains_with_health_metrics_and_report_then_restores(secrets: Path, tmp_path: Path) -> None:
     _run_default(secrets, tmp_path, steps=40, kill_primary=False)
-    # `docker compose down` (SIGTERM: final checkpoints into the volumes), then `up` again: the
-    # primaries restore their tables (40 steps x 2 workers = 80 dense updates) and training goes on them
-    with ComposeRun(COMPOSE, (), _env(secrets, STEPS="20"), tmp_path) as run:
+    # `docker compose down` (SIGTERM: final checkpoints into the volumes), then `up` again with
+    # STEPS=60: the primaries restore their tables (40 steps x 2 workers = 80 dense updates) and the
+    # workers continue the run from the shards' clock (README, Restarting): steps 40-59, 40 updates more
+    with ComposeRun(COMPOSE, (), _env(secrets, STEPS="60"), tmp_path) as run:
         run.up(timeout=150, only=(*SHARDS, "worker0", "worker1"))
         for w in ("worker0", "worker1"):
             assert run.wait_exit(w, 200) == 0, run.tail(w)
