@@ -11,54 +11,22 @@ dimension equals it with 1/D of the momentum state per rank; bf16 compute stays 
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-import tempfile
-import time
 
 import pytest
-from test_peer_equivalence import ROOT, _free_port  # type: ignore[import-not-found]
+from test_peer_equivalence import ROOT  # type: ignore[import-not-found]
 from test_tensor_parallel import _check  # type: ignore[import-not-found]
+from test_tensor_parallel import run_mesh as _run_mesh  # type: ignore[import-not-found]
 
 CHILD = os.path.join(ROOT, "tests", "multiproc", "pp3d_child.py")
 
 
 def run_mesh(dp: int, tp: int, pp: int, checks: list[str], timeout: float = 240.0) -> list[tuple[int, str, str]]:
-    """The D*T*P ranks of pp3d_child.py, output to files (not pipes); [(returncode, stdout, stderr)]."""
-    world, port = dp * tp * pp, _free_port()
-    procs: list[subprocess.Popen[str]] = []
-    files = []
-    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
-        try:
-            for r in range(world):
-                env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT,
-                           PYTHONWARNINGS="ignore::FutureWarning")
-                out = stack.enter_context(open(os.path.join(tmp, f"{r}.out"), "w+"))
-                err = stack.enter_context(open(os.path.join(tmp, f"{r}.err"), "w+"))
-                files.append((out, err))
-                procs.append(subprocess.Popen([sys.executable, CHILD, str(dp), str(tp), str(pp), *checks], env=env,
-                                              cwd=ROOT, stdout=out, stderr=err, text=True))
-            deadline = time.monotonic() + timeout
-            results = []
-            for p, (out, err) in zip(procs, files):
-                try:
-                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-                out.seek(0)
-                err.seek(0)
-                results.append((p.returncode, out.read(), err.read()))
-            return results
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+    """The D*T*P ranks of pp3d_child.py (test_tensor_parallel's launcher: output to files, not pipes)."""
+    return _run_mesh(dp, tp, pp, checks, timeout, child=CHILD)
 
 
 CHECKS_TP2_PP2 = ["1f1b", "gpipe", "interleaved-v2", "1f1b-recompute", "same", "1f1b-bf16", "1f1b-sp", "interleaved-v2-recompute-sp"]

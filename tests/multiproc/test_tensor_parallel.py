@@ -26,8 +26,10 @@ from worker.peer.mesh import ParallelMesh, PeerConfigError, check_divisibility
 CHILD = os.path.join(ROOT, "tests", "multiproc", "tp_child.py")
 
 
-def run_mesh(dp: int, tp: int, pp: int, checks: list[str], timeout: float = 240.0) -> list[tuple[int, str, str]]:
-    """Start the D*T*P ranks of tp_child.py; [(returncode, stdout, stderr)] per rank. Output goes to
+def run_mesh(
+    dp: int, tp: int, pp: int, checks: list[str], timeout: float = 240.0, child: str = CHILD,
+) -> list[tuple[int, str, str]]:
+    """Start the D*T*P ranks of ``child`` (tp_child.py); [(returncode, stdout, stderr)] per rank. Output goes to
     files, not pipes: a rank printing more than a pipe holds (the parameters) while another rank's
     pipe is being read would block in print and hang its peers in their next collective."""
     world, port = dp * tp * pp, _free_port()
@@ -42,7 +44,7 @@ def run_mesh(dp: int, tp: int, pp: int, checks: list[str], timeout: float = 240.
                 out = stack.enter_context(open(os.path.join(tmp, f"{r}.out"), "w+"))
                 err = stack.enter_context(open(os.path.join(tmp, f"{r}.err"), "w+"))
                 files.append((out, err))
-                procs.append(subprocess.Popen([sys.executable, CHILD, str(dp), str(tp), str(pp), *checks], env=env,
+                procs.append(subprocess.Popen([sys.executable, child, str(dp), str(tp), str(pp), *checks], env=env,
                                               cwd=ROOT, stdout=out, stderr=err, text=True))
             deadline = time.monotonic() + timeout
             results = []
