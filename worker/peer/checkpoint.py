@@ -213,6 +213,26 @@ def optimizer_pieces(state: dict[str, Any], name: str, numel: int, lo: int, hi: 
     return pieces, scalars
 
 
+def whole_tensor_pieces(
+    named: Any, states: dict[int, dict[str, Any]], gather: Any, writer: bool,
+) -> tuple[list[Piece], dict[str, float]]:
+    """Every parameter of ``named`` (``(spec, local shard)`` pairs, ``spec.name`` its plain name) and
+    its optimizer state (``states[id(param)]``) gathered whole by ``gather(spec, local)`` (a
+    collective: every rank calls it), saved under the plain names, so the checkpoint loads into any
+    other layout; only the ``writer`` rank returns them."""
+    pieces: list[Piece] = []
+    scalars: dict[str, float] = {}
+    for spec, p in named:
+        full = gather(spec, p)
+        whole = {k: gather(spec, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in sorted(states[id(p)].items())}
+        if writer:
+            pieces.append(Piece(f"param/{spec.name}", 0, full.reshape(-1)))
+            ps, sc = optimizer_pieces(whole, spec.name, full.numel(), 0, full.numel(), 0)
+            pieces += ps
+            scalars.update(sc)
+    return pieces, scalars
+
+
 def state_keys(reader: CheckpointReader, name: str) -> list[str]:
     """The per-element optimizer state keys saved for tensor ``name``."""
     return sorted(n.split("/")[1] for n in reader.by_name if n.startswith("state/") and n.split("/", 2)[2] == name)

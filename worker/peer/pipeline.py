@@ -60,8 +60,8 @@ from worker.peer.checkpoint import (
     Checkpointing,
     CheckpointReader,
     Piece,
-    optimizer_pieces,
     state_keys,
+    whole_tensor_pieces,
 )
 
 __all__ = [
@@ -584,20 +584,7 @@ class StageOptimizer(Checkpointing):
         return out
 
     def checkpoint_pieces(self) -> tuple[list[Piece], dict[str, float]]:
-        writer = self.dp_idx == 0 and self.tp_rank == 0
-        pieces: list[Piece] = []
-        scalars: dict[str, float] = {}
-        states = self._local_states()
-        for spec, p in self.named:
-            full = self._gather_tp(spec, p)
-            whole = {k: self._gather_tp(spec, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                     for k, v in sorted(states[id(p)].items())}
-            if writer:
-                pieces.append(Piece(f"param/{spec.name}", 0, full.reshape(-1)))
-                ps, sc = optimizer_pieces(whole, spec.name, full.numel(), 0, full.numel(), 0)
-                pieces += ps
-                scalars.update(sc)
-        return pieces, scalars
+        return whole_tensor_pieces(self.named, self._local_states(), self._gather_tp, self.dp_idx == 0 and self.tp_rank == 0)
 
     def load_checkpoint(self, reader: CheckpointReader) -> None:
         state: dict[int, dict[str, torch.Tensor]] = {}

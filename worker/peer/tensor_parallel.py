@@ -61,8 +61,8 @@ from worker.peer.checkpoint import (
     Checkpointing,
     CheckpointReader,
     Piece,
-    optimizer_pieces,
     state_keys,
+    whole_tensor_pieces,
 )
 from worker.peer.mesh import (
     ParallelMesh,
@@ -628,19 +628,7 @@ class TensorParallelSync(ParamSync, Checkpointing):
         """Every plain tensor whole (a gather over the TP group); the first rank of the first
         replica keeps them, the others return nothing."""
         writer = self.mesh.dp_idx == 0 and self.mesh.tp_idx == 0
-        pieces: list[Piece] = []
-        scalars: dict[str, float] = {}
-        states = self._local_states()
-        for spec, p in self.model.specs:
-            full = self._gather(spec, p)
-            whole = {k: self._gather(spec, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                     for k, v in sorted(states[id(p)].items())}
-            if writer:
-                pieces.append(Piece(f"param/{spec.name}", 0, full.reshape(-1)))
-                ps, sc = optimizer_pieces(whole, spec.name, full.numel(), 0, full.numel(), 0)
-                pieces += ps
-                scalars.update(sc)
-        return pieces, scalars
+        return whole_tensor_pieces(self.model.specs, self._local_states(), self._gather, writer)
 
     def load_checkpoint(self, reader: CheckpointReader) -> None:
         """This rank's shards of every parameter and (if saved) of its optimizer state."""
