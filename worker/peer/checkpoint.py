@@ -20,6 +20,7 @@ is an even split of each parameter), and its metadata file is a pickle.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -231,6 +232,40 @@ def whole_tensor_pieces(
             pieces += ps
             scalars.update(sc)
     return pieces, scalars
+
+
+def read_whole_tensors(reader: CheckpointReader, named: Any, tp_rank: int, tp: int) -> dict[int, dict[str, torch.Tensor]]:
+    """The reverse of ``whole_tensor_pieces``: copy this rank's TP shard (``spec.shard``) of every
+    parameter of ``named`` from the checkpoint into it; returns the shards of each parameter's saved
+    optimizer state, by ``id(param)``."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    with torch.no_grad():
+        for spec, p in named:
+            n = math.prod(spec.full_shape)
+
+            def part(name: str, spec: Any = spec, p: torch.Tensor = p, n: int = n) -> torch.Tensor:
+                return spec.shard(reader.read(name, 0, n).view(spec.full_shape), tp_rank, tp).to(p)
+
+            p.copy_(part(f"param/{spec.name}"))
+            keys = state_keys(reader, spec.name)
+            if keys:
+                state[id(p)] = {k: part(f"state/{k}/{spec.name}") for k in keys}
+    return state
+
+
+def load_per_param_state(
+    optimizer: torch.optim.Optimizer, index: dict[int, int], state: dict[int, dict[str, torch.Tensor]],
+    scalars: dict[str, torch.Tensor],
+) -> None:
+    """Load ``state`` (by ``id(param)``; ``index`` maps it to the optimizer's parameter index) with the
+    scalars into an optimizer that holds whole parameters (no ZeRO). One scalar tensor per parameter:
+    Adam increments its ``step`` in place, so a tensor shared by all parameters would count every
+    parameter's step (a loaded ``step`` 2 became 30 after two steps)."""
+    if state:
+        optimizer.load_state_dict({
+            "state": {index[i]: {**st, **{k: v.clone() for k, v in scalars.items()}} for i, st in state.items()},
+            "param_groups": optimizer.state_dict()["param_groups"],
+        })
 
 
 def state_keys(reader: CheckpointReader, name: str) -> list[str]:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import sys
 import time
@@ -60,7 +59,8 @@ from worker.peer.checkpoint import (
     Checkpointing,
     CheckpointReader,
     Piece,
-    state_keys,
+    load_per_param_state,
+    read_whole_tensors,
     whole_tensor_pieces,
 )
 
@@ -587,27 +587,12 @@ class StageOptimizer(Checkpointing):
         return whole_tensor_pieces(self.named, self._local_states(), self._gather_tp, self.dp_idx == 0 and self.tp_rank == 0)
 
     def load_checkpoint(self, reader: CheckpointReader) -> None:
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        with torch.no_grad():
-            for spec, p in self.named:
-                n = math.prod(spec.full_shape)
-                full = reader.read(f"param/{spec.name}", 0, n).view(spec.full_shape)
-                p.copy_(spec.shard(full, self.tp_rank, self.T).to(p))
-                keys = state_keys(reader, spec.name)
-                if keys:
-                    state[id(p)] = {k: spec.shard(reader.read(f"state/{k}/{spec.name}", 0, n).view(spec.full_shape),
-                                                  self.tp_rank, self.T).to(p) for k in keys}
-        # one scalar tensor per parameter: Adam increments its ``step`` in place, so a tensor shared by
-        # all parameters would count every parameter's step (loaded ``step`` 2 became 30 after two steps)
+        state = read_whole_tensors(reader, self.named, self.tp_rank, self.T)
         scalars = {k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()}
-        sd = self.optimizer.state_dict()
         if not self.zero:
-            if state:
-                self.optimizer.load_state_dict({
-                    "state": {self._index[i]: {**st, **{k: v.clone() for k, v in scalars.items()}} for i, st in state.items()},
-                    "param_groups": sd["param_groups"],
-                })
+            load_per_param_state(self.optimizer, self._index, state, scalars)
             return
+        sd = self.optimizer.state_dict()
         self._pull_shard()
         if not state:
             return

@@ -45,7 +45,6 @@ rank slices the same full model, so the single-process reference is that very mo
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -61,7 +60,8 @@ from worker.peer.checkpoint import (
     Checkpointing,
     CheckpointReader,
     Piece,
-    state_keys,
+    load_per_param_state,
+    read_whole_tensors,
     whole_tensor_pieces,
 )
 from worker.peer.mesh import (
@@ -632,27 +632,12 @@ class TensorParallelSync(ParamSync, Checkpointing):
 
     def load_checkpoint(self, reader: CheckpointReader) -> None:
         """This rank's shards of every parameter and (if saved) of its optimizer state."""
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        tp, r = self.model.tp, self.model.tp_rank
-        with torch.no_grad():
-            for spec, p in self.model.specs:
-                n = math.prod(spec.full_shape)
-                full = reader.read(f"param/{spec.name}", 0, n).view(spec.full_shape)
-                p.copy_(spec.shard(full, r, tp).to(p))
-                keys = state_keys(reader, spec.name)
-                if keys:
-                    state[id(p)] = {
-                        k: spec.shard(reader.read(f"state/{k}/{spec.name}", 0, n).view(spec.full_shape), r, tp).to(p) for k in keys
-                    }
+        state = read_whole_tensors(reader, self.model.specs, self.model.tp_rank, self.model.tp)
         scalars = {k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()}
-        sd = self.optimizer.state_dict()
         if not self.zero:
-            if state:
-                self.optimizer.load_state_dict({
-                    "state": {self._index[i]: {**st, **{k: v.clone() for k, v in scalars.items()}} for i, st in state.items()},
-                    "param_groups": sd["param_groups"],
-                })
+            load_per_param_state(self.optimizer, self._index, state, scalars)
             return
+        sd = self.optimizer.state_dict()
         self._pull_shard()
         if not state:
             return
