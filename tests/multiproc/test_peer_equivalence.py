@@ -32,8 +32,10 @@ def _free_port() -> int:
 
 def run_ranks(
     world: int, args: list[str] | list[list[str]], module: bool = False, timeout: float = 150.0, only_rank0: bool = False,
+    child: str | None = None,
 ) -> list[tuple[int, str, str]]:
-    """Start ``world`` rank processes; returns [(returncode, stdout, stderr)] per rank. Every rank is
+    """Start ``world`` rank processes of ``child`` (default ``CHILD``, peer_child.py; ``module``:
+    ``python -m worker.peer``); returns [(returncode, stdout, stderr)] per rank. Every rank is
     killed at the deadline (``only_rank0``: as soon as rank 0 has exited). ``args``: one command line
     for all ranks, or one per rank."""
     port = _free_port()
@@ -44,7 +46,7 @@ def run_ranks(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT,
         )
         a = args[r] if args and isinstance(args[0], list) else args
-        cmd = [sys.executable, "-m", "worker.peer", *a] if module else [sys.executable, CHILD, *a]
+        cmd = [sys.executable, "-m", "worker.peer", *a] if module else [sys.executable, child or CHILD, *a]
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout
     out = []

@@ -10,38 +10,19 @@ deep copy of the same model trained by ``torch.optim.SGD`` on the global batch i
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 
 import pytest
 
-from tests.multiproc.test_peer_equivalence import _check, _free_port
+from tests.multiproc.test_peer_equivalence import _check
+from tests.multiproc.test_peer_equivalence import run_ranks as peer_run_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_ranks(world: int, args: list[str], timeout: float, child: str = "pipeline_child.py") -> list[tuple[int, str, str]]:
     """``world`` processes of ``child`` (in tests/multiproc) with torchrun's environment; [(rc, stdout, stderr)]."""
-    port = _free_port()
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-        procs.append(subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "multiproc", child), *args], env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    deadline = time.monotonic() + timeout
-    out = []
-    try:
-        for p in procs:
-            so, se = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            out.append((p.returncode, so, se))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    return peer_run_ranks(world, args, timeout=timeout, child=os.path.join(ROOT, "tests", "multiproc", child))
+
 
 CHECKS_PP2 = ["gpipe", "1f1b", "interleaved-v2", "1f1b-recompute", "interleaved-v2-recompute", "same", "gpipe-fp64"]
 CHECKS_DP2_PP2 = ["gpipe", "1f1b", "interleaved-v2", "same"]

@@ -253,6 +253,21 @@ def read_whole_tensors(reader: CheckpointReader, named: Any, tp_rank: int, tp: i
     return state
 
 
+def load_whole_params(reader: CheckpointReader, params: Any, names: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Every parameter of ``params`` (saved whole under ``names``) and, if saved, its optimizer state
+    into ``optimizer``, which holds exactly these parameters in this order."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    with torch.no_grad():
+        for i, (p, n) in enumerate(zip(params, names)):
+            p.data.view(-1).copy_(reader.read(f"param/{n}", 0, p.numel()))
+            keys = state_keys(reader, n)
+            if keys:
+                state[i] = {k: reader.read(f"state/{k}/{n}", 0, p.numel()).view_as(p).to(p) for k in keys}
+                state[i].update({k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()})
+    if state:
+        optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
+
+
 def load_per_param_state(
     optimizer: torch.optim.Optimizer, index: dict[int, int], state: dict[int, dict[str, torch.Tensor]],
     scalars: dict[str, torch.Tensor],

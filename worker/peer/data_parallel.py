@@ -30,8 +30,8 @@ from worker.peer.checkpoint import (
     Checkpointing,
     CheckpointReader,
     Piece,
+    load_whole_params,
     optimizer_pieces,
-    state_keys,
 )
 from worker.peer.debug import fingerprint
 from worker.peer.mesh import (
@@ -280,17 +280,7 @@ class AllReduceDP(ParamSync, Checkpointing):
 
     def load_checkpoint(self, reader: CheckpointReader) -> None:
         """Every parameter and (if saved) its optimizer state from ``reader``, whole."""
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        with torch.no_grad():
-            for i, (p, n) in enumerate(zip(self.flat.params, self.names)):
-                p.data.view(-1).copy_(reader.read(f"param/{n}", 0, p.numel()))
-                keys = state_keys(reader, n)
-                if keys:
-                    state[i] = {k: reader.read(f"state/{k}/{n}", 0, p.numel()).view_as(p).to(p) for k in keys}
-                    state[i].update({k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()})
-        if state:
-            sd = self.optimizer.state_dict()
-            self.optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+        load_whole_params(reader, self.flat.params, self.names, self.optimizer)
 
     def stats(self) -> dict[str, Any]:
         return {

@@ -44,6 +44,7 @@ from worker.peer.checkpoint import (
     Checkpointing,
     CheckpointReader,
     Piece,
+    load_whole_params,
     optimizer_pieces,
     state_keys,
 )
@@ -617,19 +618,10 @@ class MoESync(ParamSync, Checkpointing):
 
     def load_checkpoint(self, reader: CheckpointReader) -> None:
         self.dense.load_checkpoint(reader)
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        with torch.no_grad():
-            for i, (p, n) in enumerate(zip(self.experts.params, self.expert_names)):
-                if not reader.has(f"param/{n}"):
-                    raise PeerConfigError(f"checkpoint {reader.path} has no {n!r}: saved from another model (experts?)")
-                p.data.view(-1).copy_(reader.read(f"param/{n}", 0, p.numel()))
-                keys = state_keys(reader, n)
-                if keys:
-                    state[i] = {k: reader.read(f"state/{k}/{n}", 0, p.numel()).view_as(p).to(p) for k in keys}
-                    state[i].update({k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()})
-        if state:
-            sd = self.expert_optimizer.state_dict()
-            self.expert_optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+        for n in self.expert_names:
+            if not reader.has(f"param/{n}"):
+                raise PeerConfigError(f"checkpoint {reader.path} has no {n!r}: saved from another model (experts?)")
+        load_whole_params(reader, self.experts.params, self.expert_names, self.expert_optimizer)
 
     def memory(self) -> dict[str, int]:
         m = self.dense.memory()
