@@ -30,17 +30,6 @@ _TOMB = np.int32(np.iinfo(np.int32).min + 1)
 VALUE_MIN, VALUE_MAX = int(_TOMB) + 1, int(np.iinfo(np.int32).max)
 BYTES_PER_SLOT = 8 + 4  # key, value (or marker)
 
-# probe windows: the first round reads 4 slots per id (at most half full, most chains end there), each
-# later round 4x more, up to 256
-_FIRST_WINDOW, _MAX_WINDOW = 4, 256
-_STEPS = np.arange(_MAX_WINDOW, dtype=np.int64)
-_ROWS = np.arange(1 << 16, dtype=np.int64)
-
-
-def _row_index(n: int) -> np.ndarray:
-    """0..n-1 (a view of a shared range for the usual sizes)."""
-    return _ROWS[:n] if n <= len(_ROWS) else np.arange(n, dtype=np.int64)
-
 
 class IdIndex:
     """``key``: the hash key (default: a fresh random one); tests pass one to reproduce a layout.
@@ -91,32 +80,19 @@ class IdIndex:
             h = mix64(mix64(ids.view(np.uint64) ^ self._k0) + self._k1)
         return (h & np.uint64(self.mask)).astype(np.int64)
 
-    def _windows(self, pos: np.ndarray, w: int) -> np.ndarray:
-        """(len(pos), w) slots: ``w`` consecutive probe positions from each of ``pos`` (wrapping)."""
-        return (pos[:, None] + _STEPS[:w]) & self.mask
-
     def _find(self, ids: np.ndarray) -> np.ndarray:
-        """Slot of each id, or -1 where absent.
-
-        Probing goes a window of slots at a time (one vectorised gather of ``w`` slots per id, the
-        window widening round by round), so a batch's rare long probe chains cost a few rounds, not
-        one round of array operations per slot of the longest chain."""
+        """Slot of each id, or -1 where absent."""
         slot = np.full(len(ids), -1, np.int64)
+        h = self._home(ids)
         todo = np.arange(len(ids))
-        pos = self._home(ids)
-        w = _FIRST_WINDOW
         while todo.size:
-            win = self._windows(pos, w)
-            v = self.vals[win]
-            hit = (v > _TOMB) & (self.keys[win] == ids[todo][:, None])
-            stop = hit | (v == _EMPTY)  # the id's slot, or the end of its chain
-            first = stop.argmax(axis=1)
-            ended = stop[_row_index(len(todo)), first]
-            found = ended & hit[_row_index(len(todo)), first]
-            slot[todo[found]] = win[_row_index(len(todo)), first][found]
-            go_on = ~ended  # every slot of the window was a tombstone or another key: the next window
-            todo, pos = todo[go_on], (pos[go_on] + w) & self.mask
-            w = min(w * 4, _MAX_WINDOW)
+            hs = h[todo]
+            v = self.vals[hs]
+            hit = (v > _TOMB) & (self.keys[hs] == ids[todo])
+            slot[todo[hit]] = hs[hit]
+            go_on = ~hit & (v != _EMPTY)  # a tombstone or another key: probe further
+            todo = todo[go_on]
+            h[todo] = (hs[go_on] + 1) & self.mask
         return slot
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
@@ -141,29 +117,24 @@ class IdIndex:
         rows = self._check(rows)
         if self.n + self.tombs + len(ids) > (self.mask + 1) // 2:
             self._rebuild(self.n + len(ids))
+        h = self._home(ids)
         todo = np.arange(len(ids))
-        pos = self._home(ids)
-        w = _FIRST_WINDOW
         while todo.size:
-            win = self._windows(pos, w)
-            free = self.vals[win] <= _TOMB
-            first = free.argmax(axis=1)
-            has = free[_row_index(len(todo)), first]  # a free slot in the window: the first one is the candidate
-            cand = todo[has]
-            cs = win[_row_index(len(todo)), first][has]
-            # ids of this batch that picked the same free slot: each writes its key there, one write
-            # wins (reading the slot back tells which); the rest probe on after it. No sort per round.
+            hs = h[todo]
+            free = self.vals[hs] <= _TOMB
+            # ids of this batch that probe the same free slot: each writes its key there, one write
+            # wins (reading the slot back tells which); the rest probe on. No sort per round.
+            cand = todo[free]
+            cs = hs[free]
             self.keys[cs] = ids[cand]
             won = self.keys[cs] == ids[cand]
             slots, winners = cs[won], cand[won]
             self.tombs -= int(np.count_nonzero(self.vals[slots] == _TOMB))
             self.vals[slots] = rows[winners]
-            nxt = (pos + w) & self.mask  # no free slot in the window: the next window
-            nxt[has] = (cs + 1) & self.mask  # lost its slot: probe on after it
-            left = np.ones(len(todo), bool)
-            left[np.flatnonzero(has)[won]] = False
-            todo, pos = todo[left], nxt[left]
-            w = min(w * 4, _MAX_WINDOW)
+            lost = np.ones(len(todo), bool)
+            lost[np.flatnonzero(free)[won]] = False
+            todo = todo[lost]
+            h[todo] = (hs[lost] + 1) & self.mask
         self.n += len(ids)
 
     def assign(self, ids: np.ndarray, rows: np.ndarray) -> None:

@@ -40,35 +40,3 @@ def test_ids_colliding_in_one_batch_get_their_own_slots() -> None:
     idx.insert(ids, ids * 2)
     np.testing.assert_array_equal(idx.lookup(ids[::-1]), ids[::-1] * 2)
     assert idx.used.sum() == 10_000 and idx.nbytes == (idx.mask + 1) * 12
-
-
-class _OneHome(IdIndex):
-    """Every id hashes to the same home slot (near the end of the table): probe chains as long as the
-    table is full, wrapping around its end, longer than the widest probe window (256 slots)."""
-
-    def _home(self, ids: np.ndarray) -> np.ndarray:
-        return np.full(len(ids), self.mask - 3, np.int64)
-
-
-def test_long_probe_chains_through_windows_wrap_and_tombstones() -> None:
-    """Windowed probing (several slots per id per round) against a dict, with chains of hundreds of
-    slots that wrap around the table's end and pass tombstones; batches whose ids all pick the same
-    first free slot."""
-    rng = np.random.default_rng(1)
-    idx, ref = _OneHome(16), {}
-    nxt = 0
-    for _ in range(12):
-        ids = np.setdiff1d(np.unique(rng.integers(0, 5000, 120)), np.array(list(ref), np.int64))
-        idx.insert(ids, np.arange(nxt, nxt + len(ids)))
-        ref.update(zip(ids.tolist(), range(nxt, nxt + len(ids))))
-        nxt += len(ids)
-        gone = rng.choice(np.array(list(ref), np.int64), 30, replace=False)
-        idx.delete(gone)
-        for g in gone.tolist():
-            del ref[g]
-        probe = np.concatenate([np.array(list(ref), np.int64), rng.integers(5000, 6000, 50), gone])
-        want = np.array([ref.get(i, -1) for i in probe.tolist()], np.int64)
-        np.testing.assert_array_equal(idx.lookup(probe), want)
-    assert len(idx) == len(ref) and idx.mask + 1 >= 1024  # chains of 500+ slots: past the widest window
-    ids, rows = idx.items()
-    assert dict(zip(ids.tolist(), rows.tolist())) == ref
