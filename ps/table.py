@@ -86,6 +86,10 @@ class SparsePush:
     ids: np.ndarray
     grads: torch.Tensor
     base_versions: np.ndarray | None
+    # where a recent pull of exactly these ids found their rows, and the table's row layout then
+    # (``SparseTable._layout``): apply_push reuses the locations if no row moved since
+    loc: np.ndarray | None = None
+    layout: int = -1
 
 
 @dataclass(frozen=True)
@@ -511,6 +515,35 @@ class SparseTable:
         self.promoted = 0  # rows brought back from it
         self.staleness = StalenessStats()
         self.lock = threading.Lock()
+        # Row locations of the last pulls (ids sorted, unique, validated; every row resident), so that
+        # the push of the same ids (a worker pushes the rows it pulled) skips the ownership check and
+        # the index lookup. ``_layout`` counts the changes that move or remove existing rows (drop,
+        # demote, promote, load): a remembered location is used only while it is unchanged.
+        self._layout = 0
+        self._recent: tuple[tuple[np.ndarray, np.ndarray, int], ...] = ()  # replaced whole, never mutated: read without the lock
+
+    RECENT_PULLS = 16  # remembered pulls per table (a few per worker)
+
+    def _moved(self) -> None:
+        """Existing rows moved or went away (caller holds the lock): remembered locations are void."""
+        self._layout += 1
+        self._recent = ()
+
+    def _remember(self, uniq: np.ndarray, loc: np.ndarray) -> None:
+        """A pull found (or made) every row of the sorted unique ``uniq`` at ``loc`` (caller holds the lock)."""
+        if len(uniq) and _sorted_unique(uniq):
+            self._recent = (*self._recent[1 - self.RECENT_PULLS :], (np.array(uniq, np.int64), loc, self._layout))
+
+    def _recall(self, ids: np.ndarray) -> tuple[np.ndarray, int] | None:
+        """(locations, layout) of a remembered pull of exactly ``ids``, or None (no lock needed: the
+        entries are immutable; apply_push checks the layout under the lock)."""
+        n = len(ids)
+        if not n or ids.ndim != 1:
+            return None
+        for u, loc, layout in self._recent:
+            if len(u) == n and u[0] == ids[0] and u[-1] == ids[-1] and np.array_equal(u, ids):
+                return loc, layout
+        return None
 
     def close(self) -> None:
         """Give back the disk tier's file and leave the resident budget (the table is not used afterwards)."""
@@ -738,6 +771,7 @@ class SparseTable:
             live = live[np.argpartition(touch, count - 1)[:count]]
         data = self._store.gather(live)
         slots = self._cold_tier().put(data)
+        self._moved()
         self._index.assign(data["id"].numpy(), -slots - 2)
         self._store.release(live)
         self.demoted += count
@@ -748,6 +782,7 @@ class SparseTable:
         data = self._cold.get(slots)
         rows = self._store.alloc(len(slots))
         self._store.scatter(rows, data)
+        self._moved()
         self._index.assign(ids, rows)
         self._cold.release(slots)
         self.promoted += len(slots)
@@ -791,6 +826,7 @@ class SparseTable:
         """Remove rows (ids at locations ``loc``) from the index and free their storage."""
         if count and self.track_evictions:  # a backup must drop them too (sent with the next replicated push)
             self._evicted_ids.append(ids.copy())
+        self._moved()
         self._index.delete(ids)
         res = loc >= 0
         if res.any():
@@ -826,13 +862,15 @@ class SparseTable:
             return int(np.count_nonzero(old))
 
     # ------------------------------------------------------------------ API
-    def pull_rows(self, ids: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    def pull_rows(self, ids: np.ndarray, checked: bool = False) -> tuple[torch.Tensor, np.ndarray]:
         """Rows for int64 ``ids`` (any order, duplicates allowed) as stored: ((n, dim) tensor in the
         row dtype, int64 versions).
 
         Missing rows are created with the initializer (unless admission says not yet: then the
-        initial values are returned but nothing is stored); cold rows are brought back."""
-        self.check_ids(ids)
+        initial values are returned but nothing is stored); cold rows are brought back.
+        ``checked``: the caller ran ``check_ids(ids)`` already."""
+        if not checked:
+            self.check_ids(ids)
         # ids sorted and unique already (what PSClient sends): no sort, no gather by inverse at the end
         unique = _sorted_unique(ids)
         uniq, inverse = (ids, None) if unique else np.unique(ids, return_inverse=True)
@@ -853,6 +891,7 @@ class SparseTable:
                 self._sighted(uniq[missing], ok, seen)
             if admitted.size == len(uniq):  # all new (a table filling up): the values are the initial ones
                 if isinstance(init, float):  # one value everywhere: no gather by id, calloc'd zeros need no pages yet
+                    self._remember(uniq, loc)
                     self._trim()
                     return _filled((len(ids), self.dim), init, self.row_dtype), np.zeros(len(ids), np.int64)
                 out_vals = self._init_values(uniq, init)
@@ -863,8 +902,17 @@ class SparseTable:
                     found[admitted] = False
                 have = np.flatnonzero(found)
                 if have.size == len(uniq):
-                    d = self._store.gather(loc, ["values", "version"])
-                    out_vals, out_vers = d["values"], d["version"].numpy()
+                    plan = self._store.plan(loc)  # for the gather and the touch below
+                    d = self._store.gather(loc, ["values", "version"], plan)
+                    if plan.order is None:
+                        out_vals, out_vers = d["values"], d["version"].numpy()
+                    else:  # gathered in chunk order: back to the ids' order
+                        back = torch.from_numpy(plan.order)
+                        out_vals = torch.empty_like(d["values"]).index_copy_(0, back, d["values"])
+                        out_vers = np.empty(len(uniq), np.int64)
+                        out_vers[plan.order] = d["version"].numpy()
+                    self._store.scatter(loc, {"touch": self.step}, plan)
+                    have = have[:0]  # touched
                 else:
                     out_vals = torch.empty((len(uniq), self.dim), dtype=self.row_dtype)
                     out_vers = np.zeros(len(uniq), np.int64)
@@ -877,6 +925,8 @@ class SparseTable:
                     out_vals.index_copy_(0, torch.from_numpy(new), self._init_values(uniq[new], init if same else None))
                 if have.size:
                     self._store.scatter(loc[have], {"touch": self.step})
+            if bool((loc >= 0).all()):  # every row resident now (none refused by admission)
+                self._remember(uniq, loc)
             self._trim()
         if inverse is None:
             return out_vals, out_vers  # fresh tensors (gathered or built here), one row per id already
@@ -908,11 +958,14 @@ class SparseTable:
             )
         if base_versions is not None and base_versions.shape != ids.shape:
             raise ShapeMismatchError(f"table {name!r}: {base_versions.size} base versions for {ids.size} ids")
-        self.check_ids(ids)
+        recalled = self._recall(ids)  # the ids a recent pull validated and found (a worker pushes what it pulled)
+        if recalled is None:
+            self.check_ids(ids)
         _check_finite(self.spec, grads, "gradient")
-        if _sorted_unique(ids):  # nothing to sum (what PSClient sends): one copy, no sort, no scatter-add
+        if recalled is not None or _sorted_unique(ids):  # nothing to sum (what PSClient sends): one copy, no sort, no scatter-add
             base = None if base_versions is None else np.array(base_versions, np.int64)
-            return SparsePush(np.array(ids, np.int64), torch.from_numpy(np.array(grads, np.float32)), base)
+            loc, layout = recalled if recalled is not None else (None, -1)
+            return SparsePush(np.array(ids, np.int64), torch.from_numpy(np.array(grads, np.float32)), base, loc, layout)
         uniq, inverse = np.unique(ids, return_inverse=True)
         g = torch.zeros((len(uniq), self.dim))
         g.index_add_(0, torch.from_numpy(inverse.reshape(-1).astype(np.int64)), torch.from_numpy(np.array(grads, np.float32)))
@@ -954,15 +1007,22 @@ class SparseTable:
             prior = once() if once is not None else None
             if prior is not None:
                 return prior
-            loc = self._lookup(uniq)
-            cold = np.flatnonzero(loc < -1)
-            if cold.size:
-                self._make_resident(uniq, loc, cold, np.zeros(0, np.int64))
+            if p.loc is not None and p.layout == self._layout:  # the rows a pull just found: still where they were
+                loc = p.loc
+            else:
+                loc = self._lookup(uniq)
+                cold = np.flatnonzero(loc < -1)
+                if cold.size:
+                    self._make_resident(uniq, loc, cold, np.zeros(0, np.int64))
             have = np.flatnonzero(loc >= 0)
             dropped = len(uniq) - have.size
             stale = np.zeros(0, np.int64)
-            r = loc[have]
-            d = self._store.gather(r, ["values", "version", *self._state_names])
+            # rows in chunk order (one index op per chunk and column, for the gather and the scatter)
+            plan = self._store.plan(loc[have])
+            if plan.order is not None:
+                have = have[plan.order]
+            every = have.size == len(uniq) and plan.order is None  # the push's rows, in the push's order
+            d = self._store.gather(plan.rows, ["values", "version", *self._state_names], plan)
             versions = d["version"].numpy()
             if have.size and base is not None:
                 b = base[have]
@@ -978,7 +1038,7 @@ class SparseTable:
             stored = param
             if have.size:
                 step = torch.from_numpy(new_versions).to(torch.float64)[:, None]
-                opt.update(param, g if have.size == len(uniq) else g.index_select(0, torch.from_numpy(have)), state, step)
+                opt.update(param, g if every else g.index_select(0, torch.from_numpy(have)), state, step)
                 if self.row_dtype != torch.float32:
                     keys = row_keys(self._key, uniq[have], new_versions) if self.row_dtype == torch.bfloat16 else None
                     stored = round_rows(param, self.row_dtype, keys)
@@ -991,7 +1051,7 @@ class SparseTable:
                 values = stored.float().numpy() if stored.dtype != torch.float32 else stored.numpy()
                 before_swap(result, RowDelta(uniq[have], values, {k: v.numpy() for k, v in state.items()}, new_versions))
             if have.size:
-                self._store.scatter(r, {"values": stored, **state, "version": new_versions, "touch": self.step})
+                self._store.scatter(plan.rows, {"values": stored, **state, "version": new_versions, "touch": self.step}, plan)
             self._trim()
             self.step += 1
             self.updates += int(have.size)
@@ -1053,6 +1113,7 @@ class SparseTable:
         values = self._values_tensor(snap["values"], len(ids))
         self.check_ids(ids)
         with self.lock:
+            self._moved()
             self._index = IdIndex(max(self.INITIAL_INDEX, 2 * len(ids)))
             self._store.clear()
             if self._cold is not None:
