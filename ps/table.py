@@ -691,10 +691,12 @@ class SparseTable:
             self._seen.add(ids[~ok], seen[~ok])
 
     def _make_resident(
-        self, uniq: np.ndarray, loc: np.ndarray, cold_pos: np.ndarray, new_pos: np.ndarray, seen: np.ndarray | None = None
+        self, uniq: np.ndarray, loc: np.ndarray, cold_pos: np.ndarray, new_pos: np.ndarray, seen: np.ndarray | None = None,
+        hint: tuple[np.ndarray | None, int] | None = None,
     ) -> "np.ndarray | float | None":
         """Bring the cold rows at positions ``cold_pos`` of ``uniq`` back and create rows for the
-        ids at ``new_pos`` (``seen``: their earlier sightings); ``loc`` is updated in place; returns
+        ids at ``new_pos`` (``seen``: their earlier sightings; ``hint``: the index's insert hint for
+        ``uniq`` and its epoch, see IdIndex.locate); ``loc`` is updated in place; returns
         the new rows' initial values (as ``_create``; None if none were created). The
         byte budget is asked first (nothing changes if it refuses). Rows this request already
         found are pinned: neither LRU eviction nor demotion picks them."""
@@ -723,7 +725,8 @@ class SparseTable:
             loc[cold_pos] = self._promote(uniq[cold_pos], -loc[cold_pos] - 2)
         if not n_new:
             return None
-        loc[new_pos], init = self._create(uniq[new_pos], seen)
+        start = hint[0][new_pos] if hint is not None and hint[0] is not None else None
+        loc[new_pos], init = self._create(uniq[new_pos], seen, start, hint[1] if hint is not None else -1)
         return init
 
     def _trim(self) -> None:
@@ -738,9 +741,12 @@ class SparseTable:
                 return  # over the byte budget: stay resident (the next request tries again)
             self._demote(self._store.live - limit)
 
-    def _create(self, ids: np.ndarray, seen: np.ndarray | None = None) -> tuple[np.ndarray, "np.ndarray | float"]:
+    def _create(
+        self, ids: np.ndarray, seen: np.ndarray | None = None, start: np.ndarray | None = None, epoch: int = -1
+    ) -> tuple[np.ndarray, "np.ndarray | float"]:
         """Allocate and initialize rows for new ``ids`` (room was made); returns their row numbers and
-        initial values (fp32 (n, dim), or one float for every element)."""
+        initial values (fp32 (n, dim), or one float for every element). ``start``, ``epoch``: the
+        index's insert hint (IdIndex.insert)."""
         n = len(ids)
         rows = self._store.alloc(n)
         fill = self.spec.optimizer.hparams.get("initial_accumulator", 0.0)
@@ -755,7 +761,7 @@ class SparseTable:
         for k in self._state_names:
             data[k] = float(fill) if k in ("sum", "n") else 0.0
         self._store.scatter(rows, data)
-        self._index.insert(ids, rows)
+        self._index.insert(ids, rows, start, epoch)
         return rows, data["values"]
 
     def _demote(self, count: int, pinned_rows: np.ndarray | None = None) -> None:
@@ -881,12 +887,13 @@ class SparseTable:
                 f"more than its eviction.max_rows of {cap}; split the request or raise max_rows"
             )
         with self.lock:
-            loc = self._lookup(uniq)
+            loc, ends = self._index.locate(uniq, ends=True)  # ends: where inserting the missing ids starts
+            hint = (ends, self._index.epoch)
             missing = np.flatnonzero(loc == -1)
             cold = np.flatnonzero(loc < -1)
             ok, seen = self._admit(uniq[missing]) if missing.size else (np.zeros(0, bool), None)
             admitted = missing[ok]
-            init = self._make_resident(uniq, loc, cold, admitted, seen[ok] if seen is not None else None)
+            init = self._make_resident(uniq, loc, cold, admitted, seen[ok] if seen is not None else None, hint)
             if missing.size:
                 self._sighted(uniq[missing], ok, seen)
             if admitted.size == len(uniq):  # all new (a table filling up): the values are the initial ones
