@@ -908,30 +908,25 @@ class SparseTable:
                 if admitted.size:
                     found[admitted] = False
                 have = np.flatnonzero(found)
-                if have.size == len(uniq):
-                    plan = self._store.plan(loc)  # for the gather and the touch below
-                    d = self._store.gather(loc, ["values", "version"], plan)
-                    if plan.order is None:
-                        out_vals, out_vers = d["values"], d["version"].numpy()
-                    else:  # gathered in chunk order: back to the ids' order
-                        back = torch.from_numpy(plan.order)
-                        out_vals = torch.empty_like(d["values"]).index_copy_(0, back, d["values"])
-                        out_vers = np.empty(len(uniq), np.int64)
-                        out_vers[plan.order] = d["version"].numpy()
-                    self._store.scatter(loc, {"touch": self.step}, plan)
-                    have = have[:0]  # touched
+                plan = self._store.plan(loc[have])  # the rows found, in chunk order: for the gather and the touch
+                d = self._store.gather(plan.rows, ["values", "version"], plan)
+                if have.size == len(uniq) and plan.order is None:
+                    out_vals, out_vers = d["values"], d["version"].numpy()
                 else:
-                    out_vals = torch.empty((len(uniq), self.dim), dtype=self.row_dtype)
-                    out_vers = np.zeros(len(uniq), np.int64)
-                    if have.size:
-                        d = self._store.gather(loc[have], ["values", "version"])
-                        out_vals.index_copy_(0, torch.from_numpy(have), d["values"])
-                        out_vers[have] = d["version"].numpy()
+                    at = have if plan.order is None else have[plan.order]  # where each gathered row goes
                     new = np.flatnonzero(~found)  # created now, or not admitted: their initial values
                     same = new.size == admitted.size  # every one was created (both ascending)
-                    out_vals.index_copy_(0, torch.from_numpy(new), self._init_values(uniq[new], init if same else None))
+                    if new.size and same and isinstance(init, float):  # one value: fill, then the rows found
+                        out_vals = torch.full((len(uniq), self.dim), init, dtype=self.row_dtype)
+                    else:
+                        out_vals = torch.empty((len(uniq), self.dim), dtype=self.row_dtype)
+                        if new.size:
+                            out_vals.index_copy_(0, torch.from_numpy(new), self._init_values(uniq[new], init if same else None))
+                    out_vals.index_copy_(0, torch.from_numpy(at), d["values"])
+                    out_vers = np.zeros(len(uniq), np.int64)
+                    out_vers[at] = d["version"].numpy()
                 if have.size:
-                    self._store.scatter(loc[have], {"touch": self.step})
+                    self._store.scatter(plan.rows, {"touch": self.step}, plan)
             if bool((loc >= 0).all()):  # every row resident now (none refused by admission)
                 self._remember(uniq, loc)
             self._trim()
