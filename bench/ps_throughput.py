@@ -412,6 +412,47 @@ def bench_sparse(addrs: list[str], table_rows: int, batch: int, dim: int, repeat
     return res, populate_s
 
 
+def sparse_only(
+    args: argparse.Namespace, nbytes: int, batch: int, dim: int, sparse_rows: int, repeats: int, warmup: int,
+    sparse_repeats: int, sparse_warmup: int, procs: list, t_start: float,
+) -> int:
+    """``--sparse-only``: the raw gRPC baselines (the same echo servers) and the sparse rows; a table
+    and one line of JSON with the sparse keys of a full run."""
+    from ps.cli import start_local_shards, stop_processes
+
+    log("starting echo servers")
+    grpc_addrs = [spawn_echo("grpc", procs), spawn_echo("grpc", procs)]
+    raw = bench_grpc(grpc_addrs, nbytes, repeats, warmup + 1, small=batch * dim * 4)
+    stop_processes(procs)
+    procs.clear()
+    shard_procs, addrs = start_local_shards(2)
+    procs += shard_procs
+    log(f"PS sparse: populating {sparse_rows} rows, then {batch} ids x {dim}")
+    res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup)
+    stop_processes(procs)
+    procs.clear()
+    raw_best = max(raw, key=lambda r: r.gbps)
+    raw_small = next(r for r in raw if r.name == "grpc_unary_small")
+    sparse_pp, sparse_step = res
+    sparse = max(res, key=lambda r: r.gbps)
+    for r in raw + res:
+        print(f"{r.name:<26} {r.gbps:>9.3f} {r.gbps_median:>9.3f} {r.gbps / raw_best.gbps:>10.3f} {r.best * 1e3:>9.1f} {r.median * 1e3:>9.1f}  {r.note}")
+    out = {
+        "raw_grpc_gbps": round(raw_best.gbps, 4), "raw_grpc_best": raw_best.name, "raw_grpc_gbps_median": round(raw_best.gbps_median, 4),
+        "raw_grpc_sparse_size_gbps": round(raw_small.gbps, 5), "sparse_best": sparse.name,
+        "sparse_pullpush_gbps": round(sparse_pp.gbps, 5), "sparse_step_gbps": round(sparse_step.gbps, 5),
+        "sparse_gbps": round(sparse.gbps, 5), "sparse_gbps_median": round(sparse.gbps_median, 5),
+        "sparse_ratio": round(sparse.gbps / raw_best.gbps, 5), "sparse_vs_raw_same_size": round(sparse.gbps / raw_small.gbps, 5),
+        "sparse_ms": round(sparse.best * 1e3, 3), "sparse_ms_median": round(sparse.median * 1e3, 3),
+        "sparse_pullpush_ms": round(sparse_pp.best * 1e3, 3), "sparse_step_ms": round(sparse_step.best * 1e3, 3),
+        "sparse_rows_per_s": round(sparse.rows / sparse.best, 1), "sparse_table_rows": sparse_rows,
+        "sparse_populate_s": round(populate_s, 3), "sparse_only": True, "quick": args.quick, "cpus": os.cpu_count(),
+        "wall_s": round(time.perf_counter() - t_start, 1), "loadavg": round(os.getloadavg()[0], 2),
+    }
+    print(json.dumps(out, sort_keys=True), flush=True)
+    return 0
+
+
 # =========================================================================== main
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -424,6 +465,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--shard-omp-threads", type=int, default=None,
         help="set OMP_NUM_THREADS for the shard processes (default: inherit, i.e. the system as shipped)",
+    )
+    ap.add_argument(
+        "--sparse-only", action="store_true",
+        help="only the raw gRPC echo baselines and the sparse rows (no dense PS, TCP, Adam or memory figures): ~1 min",
     )
     ap.add_argument("--serve", choices=("grpc", "tcp"), help=argparse.SUPPRESS)  # internal: run an echo server
     args = ap.parse_args(argv)
@@ -470,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     extra: dict[str, object] = {}
     try:
+        if args.sparse_only:
+            return sparse_only(args, nbytes, batch, dim, sparse_rows, repeats, warmup, sparse_repeats, sparse_warmup, procs, t_start)
         # (a) + (d): bare transports
         log("starting echo servers")
         grpc_addrs = [spawn_echo("grpc", procs), spawn_echo("grpc", procs)]

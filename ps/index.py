@@ -71,6 +71,7 @@ class IdIndex:
         self.vals = np.full(cap, _EMPTY, np.int32)
         self.mask = cap - 1
         self.tombs = 0
+        self.epoch = getattr(self, "epoch", -1) + 1  # slots were laid out afresh: insert hints are void
 
     def __len__(self) -> int:
         return self.n
@@ -80,8 +81,9 @@ class IdIndex:
             h = mix64(mix64(ids.view(np.uint64) ^ self._k0) + self._k1)
         return (h & np.uint64(self.mask)).astype(np.int64)
 
-    def _find(self, ids: np.ndarray) -> np.ndarray:
-        """Slot of each id, or -1 where absent."""
+    def _find(self, ids: np.ndarray, ends: np.ndarray | None = None) -> np.ndarray:
+        """Slot of each id, or -1 where absent. ``ends`` (optional, len(ids)): for each absent id, the
+        empty slot its probe stopped at (where an insert of it may start probing)."""
         slot = np.full(len(ids), -1, np.int64)
         h = self._home(ids)
         todo = np.arange(len(ids))
@@ -91,18 +93,28 @@ class IdIndex:
             hit = (v > _TOMB) & (self.keys[hs] == ids[todo])
             slot[todo[hit]] = hs[hit]
             go_on = ~hit & (v != _EMPTY)  # a tombstone or another key: probe further
+            if ends is not None:
+                gone = v == _EMPTY
+                ends[todo[gone]] = hs[gone]
             todo = todo[go_on]
             h[todo] = (hs[go_on] + 1) & self.mask
         return slot
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Value of each id (int64; any order, duplicates allowed), -1 where absent."""
+        return self.locate(ids)[0]
+
+    def locate(self, ids: np.ndarray, ends: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        """(lookup(ids), start): with ``ends``, ``start`` is an ``insert`` hint for the absent ids: the
+        empty slot each one's probe reached (-1 for the present ones), valid while ``epoch`` is
+        unchanged (until the table is rebuilt); else None."""
         ids = np.ascontiguousarray(ids, np.int64)
-        slot = self._find(ids)
+        start = np.full(len(ids), -1, np.int64) if ends else None
+        slot = self._find(ids, start)
         out = np.full(len(ids), -1, np.int64)
         have = slot >= 0
         out[have] = self.vals[slot[have]]
-        return out
+        return out, start
 
     @staticmethod
     def _check(rows: np.ndarray) -> np.ndarray:
@@ -111,13 +123,20 @@ class IdIndex:
             raise OverflowError(f"index values must lie in [{VALUE_MIN}, {VALUE_MAX}]")
         return rows.astype(np.int32)
 
-    def insert(self, ids: np.ndarray, rows: np.ndarray) -> None:
-        """Add ``ids`` (unique, none present) -> ``rows``."""
+    def insert(self, ids: np.ndarray, rows: np.ndarray, start: np.ndarray | None = None, epoch: int = -1) -> None:
+        """Add ``ids`` (unique, none present) -> ``rows``. ``start``: where each id's probe may start
+        (``locate(..., ends=True)``'s hint for these ids, taken at ``epoch``): the empty slot its lookup
+        reached, past every occupied slot of its chain (deletions since only leave tombstones, which
+        an insert may skip), so most ids land at once instead of walking their chain again. Ignored
+        if the table was rebuilt since (``epoch`` differs) or is rebuilt now."""
         ids = np.ascontiguousarray(ids, np.int64)
         rows = self._check(rows)
         if self.n + self.tombs + len(ids) > (self.mask + 1) // 2:
             self._rebuild(self.n + len(ids))
-        h = self._home(ids)
+        if start is not None and epoch == self.epoch and len(start) == len(ids) and bool((start >= 0).all()):
+            h = np.array(start, np.int64)
+        else:
+            h = self._home(ids)
         todo = np.arange(len(ids))
         while todo.size:
             hs = h[todo]

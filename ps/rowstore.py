@@ -25,12 +25,12 @@ import mmap
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Iterator, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["Column", "RowStore", "ChunkBacking", "RamBacking", "FileBacking", "chunk_rows_for", "limit_heap_retention"]
+__all__ = ["Column", "RowPlan", "RowStore", "ChunkBacking", "RamBacking", "FileBacking", "chunk_rows_for", "limit_heap_retention"]
 
 _ALIGN = 64  # byte alignment of each column inside a chunk buffer
 
@@ -88,7 +88,7 @@ class RamBacking(ChunkBacking):
 _HEAP_TUNED = False
 
 
-def limit_heap_retention(mmap_threshold: int = 4 << 20) -> bool:
+def limit_heap_retention(mmap_threshold: int = 4 << 20, trim_threshold: int = 8 << 20) -> bool:
     """Make glibc malloc hand big freed buffers back to the kernel (process-wide, once).
 
     By default glibc raises its mmap threshold to the size of every mmapped block freed (up to
@@ -96,8 +96,14 @@ def limit_heap_retention(mmap_threshold: int = 4 << 20) -> bool:
     replies, init values, the id index's arrays while it grows) come from the heap and stay
     resident after they are freed. Filling a 2M-row table kept ~870 MiB that way (RSS growth 2.0x
     the rows' bytes instead of 1.14x). A fixed threshold (``M_MMAP_THRESHOLD``) sends every
-    block of ``mmap_threshold`` bytes or more to its own mapping, unmapped on free. Returns
-    whether it was applied (False where the C library is not glibc)."""
+    block of ``mmap_threshold`` bytes or more to its own mapping, unmapped on free.
+
+    Fixing it also fixes glibc's trim threshold at its default of 128 KiB: every request's
+    temporaries under ``mmap_threshold`` (a 4096 x 64 pull's 1 MiB reply, its gathered rows, the
+    gRPC message) were handed back to the kernel when freed and faulted in again, page by page, by
+    the next request (~520 page faults, ~1 ms of CPU per 4096 x 64 sparse step). ``M_TRIM_THRESHOLD``
+    of ``trim_threshold`` keeps at most that much free memory at the top of the heap for the next
+    request (a bounded 8 MiB). Returns whether it was applied (False where the C library is not glibc)."""
     global _HEAP_TUNED
     if _HEAP_TUNED:
         return True
@@ -105,8 +111,9 @@ def limit_heap_retention(mmap_threshold: int = 4 << 20) -> bool:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        m_mmap_threshold = -3
+        m_mmap_threshold, m_trim_threshold = -3, -1
         ok = bool(libc.mallopt(m_mmap_threshold, int(mmap_threshold)))
+        ok = ok and bool(libc.mallopt(m_trim_threshold, int(trim_threshold)))
     except (OSError, AttributeError):
         return False
     _HEAP_TUNED = ok
@@ -197,6 +204,14 @@ class FileBacking(ChunkBacking):
                 pass
         self._maps.clear()
         self._file.close()
+
+
+class RowPlan(NamedTuple):
+    """See :meth:`RowStore.plan`."""
+
+    rows: np.ndarray  # the rows in the plan's order (chunk order)
+    order: np.ndarray | None  # positions in the caller's rows, in the plan's order (None: the same order)
+    groups: list  # (chunk, positions (slice, None: all), offsets in the chunk (slice or tensor)) per chunk
 
 
 class _Chunk:
@@ -385,31 +400,81 @@ class RowStore:
         for a, b in zip(starts.tolist(), stops.tolist(), strict=True):
             yield self._chunks[int(cs[a])], order_t[a:b], offs_t[a:b]
 
-    def gather(self, rows: np.ndarray, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
-        """Copies of ``names`` (default all columns) for ``rows`` (int64, any order): {name: (n, width) or (n,)}."""
+    def plan(self, rows: np.ndarray) -> RowPlan:
+        """How to reach ``rows`` (int64, no duplicates), computed once for a gather and a scatter of the
+        same rows: the rows put in chunk order (``plan.order``: positions in ``rows``, None if they
+        were in chunk order already; ``plan.rows``: the rows in that order), and per chunk touched the
+        contiguous range of positions it serves. Gathering and scattering through a plan reads and
+        writes the data in the plan's order: one index op per chunk and column, no second copy to put
+        rows back in the caller's order."""
         rows = np.ascontiguousarray(rows, np.int64)
-        names = list(self.columns) if names is None else list(names)
+        order = None
         n = len(rows)
+        if n > 1:
+            c = rows >> self.shift
+            if not bool((c[1:] >= c[:-1]).all()):
+                order = np.argsort(c, kind="stable")
+                rows = rows[order]
+        return RowPlan(rows, order, list(self._sorted_groups(rows)))
+
+    def _sorted_groups(self, rows: np.ndarray) -> Iterator[tuple[_Chunk, slice | torch.Tensor | None, slice | torch.Tensor]]:
+        """_groups for ``rows`` in chunk order: positions are always slices (or None: all)."""
+        n = len(rows)
+        if not n:
+            return
+        if int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool((np.diff(rows) == 1).all())):
+            yield from self._groups(rows)  # one run of consecutive rows: plain copies (slices)
+            return
+        c = rows >> self.shift
+        lo, hi = int(c[0]), int(c[-1])
+        if lo == hi:
+            yield self._chunks[lo], None, torch.from_numpy(rows & self.mask)
+            return
+        cut = (np.flatnonzero(c[1:] != c[:-1]) + 1).tolist()
+        offs = torch.from_numpy(rows & self.mask)
+        for a, b in zip([0, *cut], [*cut, n], strict=True):
+            yield self._chunks[int(c[a])], slice(a, b), offs[a:b]
+
+    def gather(
+        self, rows: np.ndarray, names: Sequence[str] | None = None, plan: RowPlan | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Copies of ``names`` (default all columns) for ``rows`` (int64, any order): {name: (n, width) or (n,)}.
+        With ``plan`` (``plan(rows)``): in the plan's order (``plan.rows``); ``rows`` is not read."""
+        groups: Iterable[tuple[_Chunk, slice | torch.Tensor | None, slice | torch.Tensor]]
+        if plan is not None:
+            n, groups = len(plan.rows), plan.groups
+        else:
+            rows = np.ascontiguousarray(rows, np.int64)
+            n, groups = len(rows), self._groups(rows)
+        names = list(self.columns) if names is None else list(names)
         out = {}
         for name in names:
             c = self.columns[name]
             out[name] = torch.empty((n, c.width) if c.width else (n,), dtype=c.dtype)
-        for ch, pos, off in self._groups(rows):
+        for ch, pos, off in groups:
             for name in names:
                 src, dst = ch.cols[name], out[name]
                 if isinstance(off, slice):
                     (dst if pos is None else dst[pos]).copy_(src[off])
                 elif pos is None:
                     torch.index_select(src, 0, off, out=dst)
+                elif isinstance(pos, slice):
+                    torch.index_select(src, 0, off, out=dst[pos])  # a contiguous range of the output
                 else:
-                    assert isinstance(pos, torch.Tensor)
                     dst.index_copy_(0, pos, src.index_select(0, off))  # (index_put_ is ~100x slower)
         return out
 
-    def scatter(self, rows: np.ndarray, data: Mapping[str, torch.Tensor | np.ndarray | float | int]) -> None:
+    def scatter(
+        self, rows: np.ndarray, data: Mapping[str, torch.Tensor | np.ndarray | float | int], plan: RowPlan | None = None
+    ) -> None:
         """Write ``data`` ({name: (n, width) / (n,) values, or one scalar for every row}) into ``rows``
-        (no duplicates). Values are cast to each column's dtype."""
-        rows = np.ascontiguousarray(rows, np.int64)
+        (no duplicates). Values are cast to each column's dtype. With ``plan`` (``plan(rows)``): the
+        values are in the plan's order (``plan.rows``); ``rows`` is not read."""
+        groups: Iterable[tuple[_Chunk, slice | torch.Tensor | None, slice | torch.Tensor]]
+        if plan is not None:
+            groups = plan.groups
+        else:
+            groups = self._groups(np.ascontiguousarray(rows, np.int64))
         tens: dict[str, torch.Tensor | float | int] = {}
         for name, v in data.items():
             c = self.columns[name]
@@ -418,7 +483,7 @@ class RowStore:
             else:
                 t = torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v
                 tens[name] = t.to(c.dtype) if t.dtype != c.dtype else t
-        for ch, pos, off in self._groups(rows):
+        for ch, pos, off in groups:
             for name, v in tens.items():
                 dst = ch.cols[name]
                 if isinstance(v, torch.Tensor):

@@ -569,7 +569,7 @@ class Shard:
         row_dtype = self.sparse(name).spec.dtype
         return wire_dtype if row_dtype == "float32" else row_dtype
 
-    def pull_sparse(self, name: str, ids: np.ndarray, wire_dtype: str = "float32") -> tuple[Any, np.ndarray]:
+    def pull_sparse(self, name: str, ids: np.ndarray, wire_dtype: str = "float32", checked: bool = False) -> tuple[Any, np.ndarray]:
         """Rows and versions of ``ids``: rows as stored ((n, dim) tensor in the table's row dtype),
         int64 versions. The reply's size (rows in ``sparse_reply_dtype(name, wire_dtype)`` + int64
         versions) is checked against the message limit before anything is allocated
@@ -583,7 +583,7 @@ class Shard:
                 f"table {name!r}: a pull of {len(ids)} ids of dim {t.dim} needs a {reply}-byte reply, over the "
                 f"shard's {self.config.max_message_bytes}-byte message limit; split the request"
             )
-        return t.pull_rows(ids)
+        return t.pull_rows(ids, checked=checked)
 
     def push_sparse(
         self, name: str, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None,
@@ -655,7 +655,7 @@ class Shard:
                 elif p.op == PULL_SPARSE:
                     clock = self.wait(p.table, p.policy, timeout)
                     assert p.ids is not None
-                    values, versions = self.pull_sparse(p.table, p.ids)
+                    values, versions = self.pull_sparse(p.table, p.ids, checked=True)  # _stage checked the ids
                     out.append(StepOutcome(p.table, p.op, clock=clock, rows=values, versions=versions))
             return out
         finally:

@@ -86,6 +86,10 @@ class SparsePush:
     ids: np.ndarray
     grads: torch.Tensor
     base_versions: np.ndarray | None
+    # where a recent pull of exactly these ids found their rows, and the table's row layout then
+    # (``SparseTable._layout``): apply_push reuses the locations if no row moved since
+    loc: np.ndarray | None = None
+    layout: int = -1
 
 
 @dataclass(frozen=True)
@@ -511,6 +515,35 @@ class SparseTable:
         self.promoted = 0  # rows brought back from it
         self.staleness = StalenessStats()
         self.lock = threading.Lock()
+        # Row locations of the last pulls (ids sorted, unique, validated; every row resident), so that
+        # the push of the same ids (a worker pushes the rows it pulled) skips the ownership check and
+        # the index lookup. ``_layout`` counts the changes that move or remove existing rows (drop,
+        # demote, promote, load): a remembered location is used only while it is unchanged.
+        self._layout = 0
+        self._recent: tuple[tuple[np.ndarray, np.ndarray, int], ...] = ()  # replaced whole, never mutated: read without the lock
+
+    RECENT_PULLS = 16  # remembered pulls per table (a few per worker)
+
+    def _moved(self) -> None:
+        """Existing rows moved or went away (caller holds the lock): remembered locations are void."""
+        self._layout += 1
+        self._recent = ()
+
+    def _remember(self, uniq: np.ndarray, loc: np.ndarray) -> None:
+        """A pull found (or made) every row of the sorted unique ``uniq`` at ``loc`` (caller holds the lock)."""
+        if len(uniq) and _sorted_unique(uniq):
+            self._recent = (*self._recent[1 - self.RECENT_PULLS :], (np.array(uniq, np.int64), loc, self._layout))
+
+    def _recall(self, ids: np.ndarray) -> tuple[np.ndarray, int] | None:
+        """(locations, layout) of a remembered pull of exactly ``ids``, or None (no lock needed: the
+        entries are immutable; apply_push checks the layout under the lock)."""
+        n = len(ids)
+        if not n or ids.ndim != 1:
+            return None
+        for u, loc, layout in self._recent:
+            if len(u) == n and u[0] == ids[0] and u[-1] == ids[-1] and np.array_equal(u, ids):
+                return loc, layout
+        return None
 
     def close(self) -> None:
         """Give back the disk tier's file and leave the resident budget (the table is not used afterwards)."""
@@ -658,10 +691,12 @@ class SparseTable:
             self._seen.add(ids[~ok], seen[~ok])
 
     def _make_resident(
-        self, uniq: np.ndarray, loc: np.ndarray, cold_pos: np.ndarray, new_pos: np.ndarray, seen: np.ndarray | None = None
+        self, uniq: np.ndarray, loc: np.ndarray, cold_pos: np.ndarray, new_pos: np.ndarray, seen: np.ndarray | None = None,
+        hint: tuple[np.ndarray | None, int] | None = None,
     ) -> "np.ndarray | float | None":
         """Bring the cold rows at positions ``cold_pos`` of ``uniq`` back and create rows for the
-        ids at ``new_pos`` (``seen``: their earlier sightings); ``loc`` is updated in place; returns
+        ids at ``new_pos`` (``seen``: their earlier sightings; ``hint``: the index's insert hint for
+        ``uniq`` and its epoch, see IdIndex.locate); ``loc`` is updated in place; returns
         the new rows' initial values (as ``_create``; None if none were created). The
         byte budget is asked first (nothing changes if it refuses). Rows this request already
         found are pinned: neither LRU eviction nor demotion picks them."""
@@ -690,7 +725,8 @@ class SparseTable:
             loc[cold_pos] = self._promote(uniq[cold_pos], -loc[cold_pos] - 2)
         if not n_new:
             return None
-        loc[new_pos], init = self._create(uniq[new_pos], seen)
+        start = hint[0][new_pos] if hint is not None and hint[0] is not None else None
+        loc[new_pos], init = self._create(uniq[new_pos], seen, start, hint[1] if hint is not None else -1)
         return init
 
     def _trim(self) -> None:
@@ -705,9 +741,12 @@ class SparseTable:
                 return  # over the byte budget: stay resident (the next request tries again)
             self._demote(self._store.live - limit)
 
-    def _create(self, ids: np.ndarray, seen: np.ndarray | None = None) -> tuple[np.ndarray, "np.ndarray | float"]:
+    def _create(
+        self, ids: np.ndarray, seen: np.ndarray | None = None, start: np.ndarray | None = None, epoch: int = -1
+    ) -> tuple[np.ndarray, "np.ndarray | float"]:
         """Allocate and initialize rows for new ``ids`` (room was made); returns their row numbers and
-        initial values (fp32 (n, dim), or one float for every element)."""
+        initial values (fp32 (n, dim), or one float for every element). ``start``, ``epoch``: the
+        index's insert hint (IdIndex.insert)."""
         n = len(ids)
         rows = self._store.alloc(n)
         fill = self.spec.optimizer.hparams.get("initial_accumulator", 0.0)
@@ -722,7 +761,7 @@ class SparseTable:
         for k in self._state_names:
             data[k] = float(fill) if k in ("sum", "n") else 0.0
         self._store.scatter(rows, data)
-        self._index.insert(ids, rows)
+        self._index.insert(ids, rows, start, epoch)
         return rows, data["values"]
 
     def _demote(self, count: int, pinned_rows: np.ndarray | None = None) -> None:
@@ -738,6 +777,7 @@ class SparseTable:
             live = live[np.argpartition(touch, count - 1)[:count]]
         data = self._store.gather(live)
         slots = self._cold_tier().put(data)
+        self._moved()
         self._index.assign(data["id"].numpy(), -slots - 2)
         self._store.release(live)
         self.demoted += count
@@ -748,6 +788,7 @@ class SparseTable:
         data = self._cold.get(slots)
         rows = self._store.alloc(len(slots))
         self._store.scatter(rows, data)
+        self._moved()
         self._index.assign(ids, rows)
         self._cold.release(slots)
         self.promoted += len(slots)
@@ -791,6 +832,7 @@ class SparseTable:
         """Remove rows (ids at locations ``loc``) from the index and free their storage."""
         if count and self.track_evictions:  # a backup must drop them too (sent with the next replicated push)
             self._evicted_ids.append(ids.copy())
+        self._moved()
         self._index.delete(ids)
         res = loc >= 0
         if res.any():
@@ -826,13 +868,15 @@ class SparseTable:
             return int(np.count_nonzero(old))
 
     # ------------------------------------------------------------------ API
-    def pull_rows(self, ids: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
+    def pull_rows(self, ids: np.ndarray, checked: bool = False) -> tuple[torch.Tensor, np.ndarray]:
         """Rows for int64 ``ids`` (any order, duplicates allowed) as stored: ((n, dim) tensor in the
         row dtype, int64 versions).
 
         Missing rows are created with the initializer (unless admission says not yet: then the
-        initial values are returned but nothing is stored); cold rows are brought back."""
-        self.check_ids(ids)
+        initial values are returned but nothing is stored); cold rows are brought back.
+        ``checked``: the caller ran ``check_ids(ids)`` already."""
+        if not checked:
+            self.check_ids(ids)
         # ids sorted and unique already (what PSClient sends): no sort, no gather by inverse at the end
         unique = _sorted_unique(ids)
         uniq, inverse = (ids, None) if unique else np.unique(ids, return_inverse=True)
@@ -843,16 +887,18 @@ class SparseTable:
                 f"more than its eviction.max_rows of {cap}; split the request or raise max_rows"
             )
         with self.lock:
-            loc = self._lookup(uniq)
+            loc, ends = self._index.locate(uniq, ends=True)  # ends: where inserting the missing ids starts
+            hint = (ends, self._index.epoch)
             missing = np.flatnonzero(loc == -1)
             cold = np.flatnonzero(loc < -1)
             ok, seen = self._admit(uniq[missing]) if missing.size else (np.zeros(0, bool), None)
             admitted = missing[ok]
-            init = self._make_resident(uniq, loc, cold, admitted, seen[ok] if seen is not None else None)
+            init = self._make_resident(uniq, loc, cold, admitted, seen[ok] if seen is not None else None, hint)
             if missing.size:
                 self._sighted(uniq[missing], ok, seen)
             if admitted.size == len(uniq):  # all new (a table filling up): the values are the initial ones
                 if isinstance(init, float):  # one value everywhere: no gather by id, calloc'd zeros need no pages yet
+                    self._remember(uniq, loc)
                     self._trim()
                     return _filled((len(ids), self.dim), init, self.row_dtype), np.zeros(len(ids), np.int64)
                 out_vals = self._init_values(uniq, init)
@@ -862,21 +908,27 @@ class SparseTable:
                 if admitted.size:
                     found[admitted] = False
                 have = np.flatnonzero(found)
-                if have.size == len(uniq):
-                    d = self._store.gather(loc, ["values", "version"])
+                plan = self._store.plan(loc[have])  # the rows found, in chunk order: for the gather and the touch
+                d = self._store.gather(plan.rows, ["values", "version"], plan)
+                if have.size == len(uniq) and plan.order is None:
                     out_vals, out_vers = d["values"], d["version"].numpy()
                 else:
-                    out_vals = torch.empty((len(uniq), self.dim), dtype=self.row_dtype)
-                    out_vers = np.zeros(len(uniq), np.int64)
-                    if have.size:
-                        d = self._store.gather(loc[have], ["values", "version"])
-                        out_vals.index_copy_(0, torch.from_numpy(have), d["values"])
-                        out_vers[have] = d["version"].numpy()
+                    at = have if plan.order is None else have[plan.order]  # where each gathered row goes
                     new = np.flatnonzero(~found)  # created now, or not admitted: their initial values
                     same = new.size == admitted.size  # every one was created (both ascending)
-                    out_vals.index_copy_(0, torch.from_numpy(new), self._init_values(uniq[new], init if same else None))
+                    if new.size and same and isinstance(init, float):  # one value: fill, then the rows found
+                        out_vals = torch.full((len(uniq), self.dim), init, dtype=self.row_dtype)
+                    else:
+                        out_vals = torch.empty((len(uniq), self.dim), dtype=self.row_dtype)
+                        if new.size:
+                            out_vals.index_copy_(0, torch.from_numpy(new), self._init_values(uniq[new], init if same else None))
+                    out_vals.index_copy_(0, torch.from_numpy(at), d["values"])
+                    out_vers = np.zeros(len(uniq), np.int64)
+                    out_vers[at] = d["version"].numpy()
                 if have.size:
-                    self._store.scatter(loc[have], {"touch": self.step})
+                    self._store.scatter(plan.rows, {"touch": self.step}, plan)
+            if bool((loc >= 0).all()):  # every row resident now (none refused by admission)
+                self._remember(uniq, loc)
             self._trim()
         if inverse is None:
             return out_vals, out_vers  # fresh tensors (gathered or built here), one row per id already
@@ -908,11 +960,14 @@ class SparseTable:
             )
         if base_versions is not None and base_versions.shape != ids.shape:
             raise ShapeMismatchError(f"table {name!r}: {base_versions.size} base versions for {ids.size} ids")
-        self.check_ids(ids)
+        recalled = self._recall(ids)  # the ids a recent pull validated and found (a worker pushes what it pulled)
+        if recalled is None:
+            self.check_ids(ids)
         _check_finite(self.spec, grads, "gradient")
-        if _sorted_unique(ids):  # nothing to sum (what PSClient sends): one copy, no sort, no scatter-add
+        if recalled is not None or _sorted_unique(ids):  # nothing to sum (what PSClient sends): one copy, no sort, no scatter-add
             base = None if base_versions is None else np.array(base_versions, np.int64)
-            return SparsePush(np.array(ids, np.int64), torch.from_numpy(np.array(grads, np.float32)), base)
+            loc, layout = recalled if recalled is not None else (None, -1)
+            return SparsePush(np.array(ids, np.int64), torch.from_numpy(np.array(grads, np.float32)), base, loc, layout)
         uniq, inverse = np.unique(ids, return_inverse=True)
         g = torch.zeros((len(uniq), self.dim))
         g.index_add_(0, torch.from_numpy(inverse.reshape(-1).astype(np.int64)), torch.from_numpy(np.array(grads, np.float32)))
@@ -954,15 +1009,22 @@ class SparseTable:
             prior = once() if once is not None else None
             if prior is not None:
                 return prior
-            loc = self._lookup(uniq)
-            cold = np.flatnonzero(loc < -1)
-            if cold.size:
-                self._make_resident(uniq, loc, cold, np.zeros(0, np.int64))
+            if p.loc is not None and p.layout == self._layout:  # the rows a pull just found: still where they were
+                loc = p.loc
+            else:
+                loc = self._lookup(uniq)
+                cold = np.flatnonzero(loc < -1)
+                if cold.size:
+                    self._make_resident(uniq, loc, cold, np.zeros(0, np.int64))
             have = np.flatnonzero(loc >= 0)
             dropped = len(uniq) - have.size
             stale = np.zeros(0, np.int64)
-            r = loc[have]
-            d = self._store.gather(r, ["values", "version", *self._state_names])
+            # rows in chunk order (one index op per chunk and column, for the gather and the scatter)
+            plan = self._store.plan(loc[have])
+            if plan.order is not None:
+                have = have[plan.order]
+            every = have.size == len(uniq) and plan.order is None  # the push's rows, in the push's order
+            d = self._store.gather(plan.rows, ["values", "version", *self._state_names], plan)
             versions = d["version"].numpy()
             if have.size and base is not None:
                 b = base[have]
@@ -978,7 +1040,7 @@ class SparseTable:
             stored = param
             if have.size:
                 step = torch.from_numpy(new_versions).to(torch.float64)[:, None]
-                opt.update(param, g if have.size == len(uniq) else g.index_select(0, torch.from_numpy(have)), state, step)
+                opt.update(param, g if every else g.index_select(0, torch.from_numpy(have)), state, step)
                 if self.row_dtype != torch.float32:
                     keys = row_keys(self._key, uniq[have], new_versions) if self.row_dtype == torch.bfloat16 else None
                     stored = round_rows(param, self.row_dtype, keys)
@@ -991,7 +1053,7 @@ class SparseTable:
                 values = stored.float().numpy() if stored.dtype != torch.float32 else stored.numpy()
                 before_swap(result, RowDelta(uniq[have], values, {k: v.numpy() for k, v in state.items()}, new_versions))
             if have.size:
-                self._store.scatter(r, {"values": stored, **state, "version": new_versions, "touch": self.step})
+                self._store.scatter(plan.rows, {"values": stored, **state, "version": new_versions, "touch": self.step}, plan)
             self._trim()
             self.step += 1
             self.updates += int(have.size)
@@ -1053,6 +1115,7 @@ class SparseTable:
         values = self._values_tensor(snap["values"], len(ids))
         self.check_ids(ids)
         with self.lock:
+            self._moved()
             self._index = IdIndex(max(self.INITIAL_INDEX, 2 * len(ids)))
             self._store.clear()
             if self._cold is not None:

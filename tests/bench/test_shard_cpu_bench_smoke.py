@@ -1,0 +1,43 @@
+"""bench/ps_shard_cpu.py and ``bench/ps_throughput.py --sparse-only`` run end to end at tiny sizes
+and report what they promise; each ratio is recomputed from the raw figures the JSON also holds
+(speed is not asserted: benchmarks measure, tests check)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _run(*args: str, timeout: float) -> dict:
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # the last line is the JSON figures
+
+
+def test_ps_shard_cpu_reports_every_workload_and_path() -> None:
+    r = _run(os.path.join("bench", "ps_shard_cpu.py"), "--steps", "8", "--warmup", "2", timeout=150)
+    for w in ("ctr_shard_step", "ctr_servicer_step", "sparse_shard_step", "sparse_servicer_step"):
+        assert 0 < r[f"{w}_ms_min"] <= r[f"{w}_ms_median"], w
+        assert r[f"{w}_ms_min"] <= r[f"{w}_ms_mean"] and r[f"{w}_faults"] >= 0, w
+    # shard 0 of 2 holds about half of a step's ~5,400 unique ids; every pulled id made a row
+    assert 2000 < r["ctr_ids_per_step"] < 3500
+    assert r["ctr_table_rows"] >= r["ctr_ids_per_step"] * 8
+
+
+def test_ps_throughput_sparse_only() -> None:
+    r = _run(os.path.join("bench", "ps_throughput.py"), "--quick", "--repeats", "1", "--sparse-only", timeout=170)
+    assert r["sparse_only"] is True and r["sparse_table_rows"] == 100_000
+    close = lambda a, b: abs(a - b) <= 0.02 * max(abs(a), abs(b)) + 1e-4
+    assert close(r["sparse_gbps"], max(r["sparse_pullpush_gbps"], r["sparse_step_gbps"]))
+    assert close(r["sparse_ratio"], r["sparse_gbps"] / r["raw_grpc_gbps"])
+    assert close(r["sparse_vs_raw_same_size"], r["sparse_gbps"] / r["raw_grpc_sparse_size_gbps"])
+    assert close(r["sparse_ms"], 4096 * 64 * 4 / r["sparse_gbps"] / 1e6)  # the same 1 MiB each way
+    assert close(r["sparse_rows_per_s"], r["sparse_gbps"] * 1e9 / (64 * 4))
