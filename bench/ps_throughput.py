@@ -425,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
         "--shard-omp-threads", type=int, default=None,
         help="set OMP_NUM_THREADS for the shard processes (default: inherit, i.e. the system as shipped)",
     )
+    ap.add_argument(
+        "--only", choices=("dense",), default=None,
+        help="dense: only the raw transports, torch's Adam and the dense push+pull (no sparse, no memory figures; ~1/3 the time)",
+    )
     ap.add_argument("--serve", choices=("grpc", "tcp"), help=argparse.SUPPRESS)  # internal: run an echo server
     args = ap.parse_args(argv)
 
@@ -436,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     quick = args.quick
+    dense_only = args.only == "dense"
     repeats = args.repeats or (3 if quick else 10)
     warmup = 1
     sparse_repeats = repeats * (4 if quick else 6)
@@ -490,26 +495,27 @@ def main(argv: list[str] | None = None) -> int:
             procs += shard_procs
             log(f"PS dense {dense_mib} MiB adam, {s} shard(s)")
             results += bench_dense(addrs, numel, repeats, warmup)
-            if s == 2:
+            if s == 2 and not dense_only:
                 log(f"PS sparse: populating {sparse_rows} rows, then {batch} ids x {dim}")
                 res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup)
                 results += res
                 extra["sparse_populate_s"] = round(populate_s, 3)
             stop_processes(procs)
             procs.clear()
-        if 2 not in shard_counts:
+        if 2 not in shard_counts and not dense_only:
             log("starting 2 shard processes for the sparse benchmark")
             shard_procs, addrs = start_local_shards(2)
             procs += shard_procs
             res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup)
             results += res
             extra["sparse_populate_s"] = round(populate_s, 3)
-        # (e) issue 18: bytes per sparse row and row creation rate (bench/ps_memory.py's children)
-        import ps_memory
+        if not dense_only:
+            # (e) issue 18: bytes per sparse row and row creation rate (bench/ps_memory.py's children)
+            import ps_memory
 
-        mem_rows = 100_000 if quick else 2_000_000
-        log(f"PS memory: RSS of {mem_rows:,} fp32 Adagrad rows, populate rate (fresh processes)")
-        extra.update(ps_memory.memory_figures(mem_rows, 2 if quick else 3, threads=1))
+            mem_rows = 100_000 if quick else 2_000_000
+            log(f"PS memory: RSS of {mem_rows:,} fp32 Adagrad rows, populate rate (fresh processes)")
+            extra.update(ps_memory.memory_figures(mem_rows, 2 if quick else 3, threads=1))
     except BaseException as e:
         if not interrupted and not isinstance(e, KeyboardInterrupt):
             raise
@@ -526,14 +532,15 @@ def main(argv: list[str] | None = None) -> int:
     dense_best = max(dense, key=lambda r: r.gbps)
     sgd_best = max((r for r in results if r.group == "dense-sgd"), key=lambda r: r.gbps)
     adam_math = by["torch_fused_adam"]
-    sparse_pp = next(r for r in results if r.group == "sparse")
-    sparse_step = next(r for r in results if r.group == "sparse-step")
-    sparse = max((sparse_pp, sparse_step), key=lambda r: r.gbps)
     raw_small = by["grpc_unary_small"]
     tcp = by["tcp_echo"]
     # 1.0: the PS's Adam push+pull costs no more than moving its bytes (best raw gRPC round trip of
     # the same bytes) plus torch's fused Adam on the same tensor
     adam_limit = (raw_best.best + adam_math.best) / dense_best.best
+    if not dense_only:
+        sparse_pp = next(r for r in results if r.group == "sparse")
+        sparse_step = next(r for r in results if r.group == "sparse-step")
+        sparse = max((sparse_pp, sparse_step), key=lambda r: r.gbps)
 
     # ------------------------------------------------------------------ table
     hdr = f"{'measurement':<26} {'GB/s best':>9} {'GB/s med':>9} {'x raw gRPC':>10} {'ms min':>9} {'ms med':>9}  notes"
@@ -550,7 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t_start
     print(
         f"\nPS throughput on loopback: payload bytes one way per second of round trip (GB = 1e9 B); "
-        f"dense {dense_mib} MiB, {repeats} repeats after warm-up; sparse {sparse_repeats} repeats; {os.cpu_count()} CPUs\n"
+        f"dense {dense_mib} MiB, {repeats} repeats after warm-up; "
+        f"{'no sparse' if dense_only else f'sparse {sparse_repeats} repeats'}; {os.cpu_count()} CPUs\n"
     )
     print("\n".join(lines))
     print(
@@ -559,12 +567,16 @@ def main(argv: list[str] | None = None) -> int:
         f"wall {wall:.1f} s\n"
         f"dense_sgd_ratio {sgd_best.gbps / raw_grpc:.3f} (goal >= 0.8; {sgd_best.name}); adam_limit_ratio {adam_limit:.3f} "
         f"(goal >= 0.85: (raw round trip {raw_best.best * 1e3:.1f} ms + fused Adam {adam_math.best * 1e3:.1f} ms) / PS Adam "
-        f"{dense_best.best * 1e3:.1f} ms); sparse {sparse.gbps:.3f} GB/s = {sparse.gbps / raw_grpc:.2f} x raw_grpc_gbps (goal >= 0.5; "
-        f"{sparse.name}), {sparse.gbps / raw_small.gbps:.2f} x raw gRPC at the sparse size\n"
-        f"sparse_bytes_per_row_ratio {extra['sparse_bytes_per_row_ratio']:.3f} (goal <= 1.25; raw numpy arrays "
-        f"{extra['raw_bytes_per_row_ratio']:.3f}); populate_rows_per_s {extra['populate_rows_per_s']:,} best, "
-        f"{extra['populate_rows_per_s_median']:,} median (goal >= 1M; raw fill {extra['raw_fill_rows_per_s']:,})\n"
+        f"{dense_best.best * 1e3:.1f} ms)\n"
     )
+    if not dense_only:
+        print(
+            f"sparse {sparse.gbps:.3f} GB/s = {sparse.gbps / raw_grpc:.2f} x raw_grpc_gbps (goal >= 0.5; "
+            f"{sparse.name}), {sparse.gbps / raw_small.gbps:.2f} x raw gRPC at the sparse size\n"
+            f"sparse_bytes_per_row_ratio {extra['sparse_bytes_per_row_ratio']:.3f} (goal <= 1.25; raw numpy arrays "
+            f"{extra['raw_bytes_per_row_ratio']:.3f}); populate_rows_per_s {extra['populate_rows_per_s']:,} best, "
+            f"{extra['populate_rows_per_s_median']:,} median (goal >= 1M; raw fill {extra['raw_fill_rows_per_s']:,})\n"
+        )
 
     # ------------------------------------------------------------------ JSON
     out: dict[str, object] = {
@@ -582,17 +594,6 @@ def main(argv: list[str] | None = None) -> int:
         "raw_grpc_roundtrip_ms": round(raw_best.best * 1e3, 3),
         "torch_fused_adam_ms": round(adam_math.best * 1e3, 3),
         "dense_adam_ms": round(dense_best.best * 1e3, 3),
-        "sparse_best": sparse.name,
-        "sparse_pullpush_gbps": round(sparse_pp.gbps, 5),
-        "sparse_step_gbps": round(sparse_step.gbps, 5),
-        "raw_grpc_sparse_size_gbps": round(raw_small.gbps, 5),
-        "sparse_vs_raw_same_size": round(sparse.gbps / raw_small.gbps, 5),
-        "sparse_rows_per_s": round(sparse.rows / sparse.best, 1),
-        "sparse_rows_per_s_median": round(sparse.rows / sparse.median, 1),
-        "sparse_gbps": round(sparse.gbps, 5),
-        "sparse_gbps_median": round(sparse.gbps_median, 5),
-        "sparse_ratio": round(sparse.gbps / raw_grpc, 5),
-        "sparse_ms_median": round(sparse.median * 1e3, 3),
         "raw_grpc_gbps_median": round(raw_best.gbps_median, 4),
         "raw_tcp_gbps_median": round(tcp.gbps_median, 4),
         "dense_pushpull_gbps_median": round(dense_best.gbps_median, 4),
@@ -603,8 +604,23 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "shard_omp_threads": args.shard_omp_threads,
         "wall_s": round(wall, 1),
+        "only": args.only,
         **extra,
     }
+    if not dense_only:
+        out.update({
+            "sparse_best": sparse.name,
+            "sparse_pullpush_gbps": round(sparse_pp.gbps, 5),
+            "sparse_step_gbps": round(sparse_step.gbps, 5),
+            "raw_grpc_sparse_size_gbps": round(raw_small.gbps, 5),
+            "sparse_vs_raw_same_size": round(sparse.gbps / raw_small.gbps, 5),
+            "sparse_rows_per_s": round(sparse.rows / sparse.best, 1),
+            "sparse_rows_per_s_median": round(sparse.rows / sparse.median, 1),
+            "sparse_gbps": round(sparse.gbps, 5),
+            "sparse_gbps_median": round(sparse.gbps_median, 5),
+            "sparse_ratio": round(sparse.gbps / raw_grpc, 5),
+            "sparse_ms_median": round(sparse.median * 1e3, 3),
+        })
     for r in results:
         if r.group not in ("sparse", "sparse-step"):
             out[f"{r.name}_gbps"] = round(r.gbps, 4)
