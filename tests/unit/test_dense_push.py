@@ -52,8 +52,8 @@ class _OldPath:
                 p = param[a:b].clone()
                 opt.update(p, torch.from_numpy(g[a:b].copy()), st, self.version + 1)
                 param[a:b] = p
-                for k in st:
-                    state[k][a:b] = st[k]
+                for k, v in st.items():
+                    state[k][a:b] = v
         self.param, self.state = param, state
         self.version += 1 if op == GRADIENT else 0
 
