@@ -5,8 +5,11 @@ Measures, on loopback, with every server in its own process:
 (a) raw gRPC echo (python grpc, generic handlers, raw bytes, no protobuf) of
     the dense payload: a bidi stream of 1 MiB chunks (the chunk the PS uses,
     2^18 float32), the same over two echo servers at once (half each, like two
-    shards), and sequential unary calls of 16 MiB. ``raw_grpc_gbps`` is the
-    best of them: the baseline is the best bare gRPC transport.
+    shards), and sequential unary calls of 16 MiB; the 1-server stream is timed
+    again between the PS dense runs of (b) (``grpc_stream_with_Nshard``: the
+    baseline sampled in the same minutes, so load from elsewhere that comes and
+    goes hits both). ``raw_grpc_gbps`` is the best of them: the baseline is the
+    best bare gRPC transport.
 (b) PS dense push + pull of a 64 MiB float32 table (16M elements) on 1 and on 2
     shard processes (``ps.cli.start_local_shards``), with Adam and with SGD on
     the shards, three ways each: "separate" = push_dense(grad) then
@@ -254,6 +257,31 @@ def bench_grpc(addrs: list[str], nbytes: int, repeats: int, warmup: int, small: 
             for k, v in t.items()]
 
 
+class StreamEcho:
+    """The raw gRPC bidi-stream echo round trip of ``nbytes`` in 1 MiB chunks (the ``grpc_stream``
+    figure), as a callable that bench_dense interleaves with the PS runs: the baseline is sampled in
+    the same minutes as what it is compared with, so load that comes and goes hits both alike."""
+
+    def __init__(self, addr: str, nbytes: int) -> None:
+        import grpc
+        import numpy as np
+
+        from tessera.rpc import channel_options
+
+        payload = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+        self.chunks = [payload[i : i + CHUNK_BYTES] for i in range(0, nbytes, CHUNK_BYTES)]
+        self.nbytes = nbytes
+        self.channel = grpc.insecure_channel(addr, options=channel_options())
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+        self.stream = self.channel.stream_stream(ECHO_STREAM)
+
+    def __call__(self) -> None:
+        assert sum(len(r) for r in self.stream(iter(self.chunks), timeout=60)) == self.nbytes
+
+    def close(self) -> None:
+        self.channel.close()
+
+
 # =========================================================================== (d) raw TCP
 def bench_tcp(addr: str, nbytes: int, repeats: int, warmup: int) -> Result:
     host, port = addr.rsplit(":", 1)
@@ -283,10 +311,11 @@ def bench_tcp(addr: str, nbytes: int, repeats: int, warmup: int) -> Result:
 
 
 # =========================================================================== (b) PS dense
-def bench_dense(addrs: list[str], numel: int, repeats: int, warmup: int) -> list[Result]:
+def bench_dense(addrs: list[str], numel: int, repeats: int, warmup: int, echo: StreamEcho | None = None) -> list[Result]:
     """Adam and SGD tables of ``numel`` float32, three ways each: push then pull ("separate"), one
     push that returns the values ("fused"), and ``PSClient.step`` (one Step call per shard when the
-    slice fits a message, else the separate calls)."""
+    slice fits a message, else the separate calls). ``echo``: the raw gRPC stream echo of the same
+    bytes, timed between them (a "raw" result, so the baseline is the best of every sample)."""
     import numpy as np
 
     from ps.client import PSClient
@@ -323,6 +352,8 @@ def bench_dense(addrs: list[str], numel: int, repeats: int, warmup: int) -> list
                 assert r.dense[name].size == numel
 
             fns[f"{opt}_separate"], fns[f"{opt}_fused"], fns[f"{opt}_step"] = separate, fused, step
+        if echo is not None:
+            fns["echo"] = echo
         t = interleaved(fns, repeats, warmup)
         versions = {opt: c.describe(f"bench_{opt}")[0].version for opt in ("adam", "sgd")}
     expect = (warmup + repeats) * 3
@@ -339,6 +370,9 @@ def bench_dense(addrs: list[str], numel: int, repeats: int, warmup: int) -> list
     # halves of "separate" (one-way figures: payload / time of that half), for the analysis
     res.append(Result(f"dense_{s}shard_push_only", nbytes, push_t[warmup:], "dense-part", note="adam: push half of separate (one way)"))
     res.append(Result(f"dense_{s}shard_pull_only", nbytes, pull_t[warmup:], "dense-part", note="adam: pull half of separate (one way)"))
+    if echo is not None:
+        res.append(Result(f"grpc_stream_with_{s}shard", nbytes, t["echo"], "raw",
+                          note=f"grpc_stream again, interleaved with the {s}-shard PS runs above"))
     return res
 
 
@@ -472,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     procs: list[subprocess.Popen] = []
+    echo_procs: list[subprocess.Popen] = []
     results: list[Result] = []
     extra: dict[str, object] = {}
     try:
@@ -483,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         results += bench_grpc(grpc_addrs, nbytes, repeats, warmup + 1, small=batch * dim * 4)
         log(f"raw TCP echo, {dense_mib} MiB")
         results.append(bench_tcp(tcp_addr, nbytes, repeats, warmup + 1))
-        stop_processes(procs)
+        echo = StreamEcho(grpc_addrs[0], nbytes)  # sampled again between the PS dense runs
+        echo_procs = list(procs)
         procs.clear()
         log(f"torch fused Adam on {numel:,} float32 in this process (the arithmetic of a PS Adam push)")
         results.append(bench_adam_math(numel, repeats, warmup + 1))
@@ -494,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
             shard_procs, addrs = start_local_shards(s)
             procs += shard_procs
             log(f"PS dense {dense_mib} MiB adam, {s} shard(s)")
-            results += bench_dense(addrs, numel, repeats, warmup)
+            results += bench_dense(addrs, numel, repeats, warmup, echo)
             if s == 2 and not dense_only:
                 log(f"PS sparse: populating {sparse_rows} rows, then {batch} ids x {dim}")
                 res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup)
@@ -502,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
                 extra["sparse_populate_s"] = round(populate_s, 3)
             stop_processes(procs)
             procs.clear()
+        echo.close()
+        stop_processes(echo_procs)
         if 2 not in shard_counts and not dense_only:
             log("starting 2 shard processes for the sparse benchmark")
             shard_procs, addrs = start_local_shards(2)
@@ -522,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"interrupted ({type(e).__name__}); stopping child processes")
         return 130 if not interrupted or interrupted[0] == signal.SIGINT else 143
     finally:
-        stop_processes(procs)
+        stop_processes(procs + echo_procs)
 
     by = {r.name: r for r in results}
     raw = [r for r in results if r.group == "raw" and r.name.startswith("grpc_")]
