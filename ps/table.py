@@ -15,10 +15,13 @@ Thread-safety: each table has one lock; methods take it themselves.
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import warnings
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, Callable, Container, Iterator, Mapping, Sized
 
@@ -136,6 +139,13 @@ def _unreferenced(holder: list[_Block], i: int) -> bool:
             return False
     # per tensor: its own TensorImpl + the storage object untyped_storage() makes for the call
     return all(_storage_use_count(x.untyped_storage()._cdata) == 2 for x in holder[i].tensors())
+
+
+# the threads that compute an early push's blocks, so that the request thread goes on receiving the
+# next chunk meanwhile (torch's kernels release the GIL); chunks smaller than _HAND_OFF_ELEMS are
+# computed in the request thread (handing them over costs more than it saves)
+_EARLY_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="dense-push")
+_HAND_OFF_ELEMS = 1 << 14
 
 
 def _readonly_tensor(data: np.ndarray) -> torch.Tensor:
@@ -347,9 +357,10 @@ class DenseUpdate:
     blocks in atomically under the table's write lock.
 
     One push at a time per table computes its new blocks as its chunks arrive (each chunk's slice is
-    independent of the others), from the table as it was at its first chunk; if a commit replaced
-    the table's blocks before this push commits, commit() computes them again from the new ones.
-    Other pushes stage their chunks and compute at commit (under the write lock)."""
+    independent of the others; in a worker thread, while the request thread receives the next
+    chunk), from the table as it was at its first chunk; if a commit replaced the table's blocks
+    before this push commits, commit() computes them again from the new ones. Other pushes stage
+    their chunks and compute at commit (under the write lock)."""
 
     def __init__(self, table: DenseTable, op: str, base_version: int, staleness_aware_lr: bool = False) -> None:
         self.table = table
@@ -364,6 +375,7 @@ class DenseUpdate:
         self._version = 0
         self._opt: Optimizer = table.optimizer
         self._early = False
+        self._pending: list[Future[None]] = []  # early blocks being computed in _EARLY_POOL
 
     def _optimizer(self, version: int) -> tuple[Optimizer, int]:
         """The optimizer to apply at table version ``version`` and the staleness it sees."""
@@ -394,8 +406,23 @@ class DenseUpdate:
             base = t._blocks[k]  # held while read: not reused under us
         out = self._out.get(k) or t._spare(k)
         self._out[k] = out
-        t._compute(k, base, data, self.op, self._opt, self._version + 1, out)
         self._computed.add(k)
+        if data.size >= _HAND_OFF_ELEMS:
+            self._pending.append(_EARLY_POOL.submit(t._compute, k, base, data, self.op, self._opt, self._version + 1, out))
+        else:
+            t._compute(k, base, data, self.op, self._opt, self._version + 1, out)
+
+    def _finish_early(self, check: bool = True) -> None:
+        """Wait for the blocks being computed early; ``check``: raise the first error, else cancel
+        what has not started and ignore errors (an aborted push)."""
+        pending, self._pending = self._pending, []
+        if not check:
+            for f in pending:
+                f.cancel()
+        wait_futures(pending)
+        if check:
+            for f in pending:
+                f.result()
 
     def _stop_early(self) -> None:
         t = self.table
@@ -418,6 +445,7 @@ class DenseUpdate:
         t = self.table
         try:
             self._stop_early()
+            self._finish_early()
             t.check_complete(self.staged)
             if not t.write_lock.acquire(timeout=timeout):
                 raise ResourceExhaustedError(f"table {t.spec.name!r}: timed out after {timeout:.0f} s waiting to commit a push")
@@ -456,6 +484,7 @@ class DenseUpdate:
     def abort(self) -> None:
         """Drop the push (a no-op once committed): nothing applied; its computed blocks become spares."""
         self._stop_early()
+        self._finish_early(check=False)
         if not self.done:
             self.done = True
             self.table.rejected += 1

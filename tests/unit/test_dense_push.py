@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import ps.table
 from ps.config import OptimizerSpec, TableSpec
 from ps.errors import InternalError, NonFiniteError, ShapeMismatchError
 from ps.optim import scaled_lr
@@ -23,6 +24,14 @@ from tessera.codec import to_wire
 pytestmark = pytest.mark.timeout(120)
 
 N, CHUNK = 23, 4  # 6 blocks, the last one short
+
+
+@pytest.fixture(autouse=True, params=["inline", "hand-off"])
+def where(request, monkeypatch) -> str:
+    """Each test twice: early blocks computed in the request thread, and handed to the worker threads
+    (what chunks of 16k elements and more get)."""
+    monkeypatch.setattr(ps.table, "_HAND_OFF_ELEMS", 1 if request.param == "hand-off" else 1 << 30)
+    return request.param
 
 
 def _table(opt: str = "adam", n: int = N, chunk: int = CHUNK, **hp: float) -> DenseTable:
