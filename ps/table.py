@@ -144,8 +144,27 @@ def _unreferenced(holder: list[_Block], i: int) -> bool:
 # the threads that compute an early push's blocks, so that the request thread goes on receiving the
 # next chunk meanwhile (torch's kernels release the GIL); chunks smaller than _HAND_OFF_ELEMS are
 # computed in the request thread (handing them over costs more than it saves)
-_EARLY_POOL = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="dense-push")
 _HAND_OFF_ELEMS = 1 << 14
+_early_pool: ThreadPoolExecutor | None = None
+_early_pool_lock = threading.Lock()
+
+
+def _compute_pool() -> ThreadPoolExecutor:
+    global _early_pool
+    with _early_pool_lock:
+        if _early_pool is None:
+            _early_pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="dense-push")
+        return _early_pool
+
+
+def _forget_compute_pool() -> None:
+    """In a forked child the parent's pool threads do not exist: start a new pool when needed."""
+    global _early_pool, _early_pool_lock
+    _early_pool, _early_pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_compute_pool)
 
 
 def _readonly_tensor(data: np.ndarray) -> torch.Tensor:
@@ -375,7 +394,7 @@ class DenseUpdate:
         self._version = 0
         self._opt: Optimizer = table.optimizer
         self._early = False
-        self._pending: list[Future[None]] = []  # early blocks being computed in _EARLY_POOL
+        self._pending: list[Future[None]] = []  # early blocks being computed in the worker threads
 
     def _optimizer(self, version: int) -> tuple[Optimizer, int]:
         """The optimizer to apply at table version ``version`` and the staleness it sees."""
@@ -408,7 +427,7 @@ class DenseUpdate:
         self._out[k] = out
         self._computed.add(k)
         if data.size >= _HAND_OFF_ELEMS:
-            self._pending.append(_EARLY_POOL.submit(t._compute, k, base, data, self.op, self._opt, self._version + 1, out))
+            self._pending.append(_compute_pool().submit(t._compute, k, base, data, self.op, self._opt, self._version + 1, out))
         else:
             t._compute(k, base, data, self.op, self._opt, self._version + 1, out)
 

@@ -262,3 +262,31 @@ def test_the_spare_pool_is_bounded() -> None:
     assert t.blocks_allocated == allocated  # released: recycled, nothing new
     assert t.spare_blocks() == t.num_blocks
     assert t.spare_bytes() == t.spare_blocks() * CHUNK * 4 * 3  # param + exp_avg + exp_avg_sq
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="fork only")
+def test_a_forked_child_computes_early_pushes_in_its_own_threads(where: str) -> None:
+    """After the parent used the worker threads, a forked child's push does not wait on threads that
+    do not exist there (it would hang until the test's timeout)."""
+    import os
+
+    t = _table("adam")
+    _push(t, _grad(0))
+    pid = os.fork()
+    if pid == 0:  # the child: push, and report through the exit code
+        code = 1
+        try:
+            _push(t, _grad(1))
+            code = 0 if t.version == 2 else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's push hung")
