@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
+import ps.table
 from ps.client import PSClient
 from tessera.codec import pack, unpack
 from tessera.v1 import ps_pb2 as pb
@@ -37,8 +38,13 @@ def _chunks(g: np.ndarray, seq: int, last: bool = True, stop_after: int | None =
         yield pack(head, {15: part})
 
 
-@pytest.fixture
-def cluster(inproc_cluster):
+@pytest.fixture(params=["inline", "hand-off"])
+def cluster(request, inproc_cluster, monkeypatch):
+    """One in-process shard; early blocks computed in the request thread, or handed to the worker
+    threads (as pushes of 8 chunks of 16k elements and more are)."""
+    if request.param == "hand-off":
+        monkeypatch.setattr(ps.table, "_HAND_OFF_ELEMS", 1)
+        monkeypatch.setattr(ps.table, "_HAND_OFF_BLOCKS", 1)
     cl = inproc_cluster(1, chunk_elems=CHUNK)
     c = cl.client()
     c.create_dense("w", N, init="zeros", lr=1.0)

@@ -29,8 +29,9 @@ N, CHUNK = 23, 4  # 6 blocks, the last one short
 @pytest.fixture(autouse=True, params=["inline", "hand-off"])
 def where(request, monkeypatch) -> str:
     """Each test twice: early blocks computed in the request thread, and handed to the worker threads
-    (what chunks of 16k elements and more get)."""
+    (what pushes of 8 chunks of 16k elements and more get)."""
     monkeypatch.setattr(ps.table, "_HAND_OFF_ELEMS", 1 if request.param == "hand-off" else 1 << 30)
+    monkeypatch.setattr(ps.table, "_HAND_OFF_BLOCKS", 1)
     return request.param
 
 
