@@ -141,13 +141,14 @@ def _unreferenced(holder: list[_Block], i: int) -> bool:
     return all(_storage_use_count(x.untyped_storage()._cdata) == 2 for x in holder[i].tensors())
 
 
-# the threads that compute an early push's blocks, so that the request thread goes on receiving the
-# next chunk meanwhile (torch's kernels release the GIL). Only for pushes of at least _HAND_OFF_BLOCKS
-# chunks of _HAND_OFF_ELEMS elements or more; smaller ones are computed in the request thread (a
-# hand-off costs a thread wake-up per chunk, and the last chunk's work is never overlapped: measured
-# on 2 loaded cores, 4 chunks of 1 MiB took ~2 ms longer handed off, 64 chunks the same or less)
+# A push computes early only where this shard's range has _EARLY_BLOCKS chunks or more: with few
+# chunks there is little to overlap, and work done between two chunks holds the next one back (the
+# stream's flow-control window opens as the handler reads); measured on 2 loaded cores, 4 chunks of
+# 1 MiB took ~2-3 ms longer computed early. The threads below compute an early push's chunks of
+# _HAND_OFF_ELEMS elements or more, so that the request thread goes on reading the next chunk
+# meanwhile (torch's kernels release the GIL); smaller chunks are computed in the request thread.
+_EARLY_BLOCKS = 8
 _HAND_OFF_ELEMS = 1 << 14
-_HAND_OFF_BLOCKS = 8
 _early_pool: ThreadPoolExecutor | None = None
 _early_pool_lock = threading.Lock()
 
@@ -378,7 +379,7 @@ class DenseUpdate:
     """A push in progress: chunks are validated and staged (no lock held); commit() swaps the new
     blocks in atomically under the table's write lock.
 
-    One push at a time per table computes its new blocks as its chunks arrive (each chunk's slice is
+    One push at a time per table (of 8 chunks or more) computes its new blocks as its chunks arrive (each chunk's slice is
     independent of the others; in a worker thread, while the request thread receives the next
     chunk), from the table as it was at its first chunk; if a commit replaced the table's blocks
     before this push commits, commit() computes them again from the new ones. Other pushes stage
@@ -417,7 +418,7 @@ class DenseUpdate:
         if self.done:
             return
         with t.lock:
-            if not self.staged.keys() - {k} and (t._early is None or t._early() is None):
+            if not self.staged.keys() - {k} and t.num_blocks >= _EARLY_BLOCKS and (t._early is None or t._early() is None):
                 t._early, self._early, self._gen, self._version = weakref.ref(self), True, t.generation, t.version
                 self._opt = self._optimizer(self._version)[0]
             if not self._early:
@@ -429,7 +430,7 @@ class DenseUpdate:
         out = self._out.get(k) or t._spare(k)
         self._out[k] = out
         self._computed.add(k)
-        if data.size >= _HAND_OFF_ELEMS and t.num_blocks >= _HAND_OFF_BLOCKS:
+        if data.size >= _HAND_OFF_ELEMS:
             self._pending.append(_compute_pool().submit(t._compute, k, base, data, self.op, self._opt, self._version + 1, out))
         else:
             t._compute(k, base, data, self.op, self._opt, self._version + 1, out)
