@@ -379,11 +379,12 @@ class DenseUpdate:
     """A push in progress: chunks are validated and staged (no lock held); commit() swaps the new
     blocks in atomically under the table's write lock.
 
-    One push at a time per table (of 8 chunks or more) computes its new blocks as its chunks arrive (each chunk's slice is
-    independent of the others; in a worker thread, while the request thread receives the next
-    chunk), from the table as it was at its first chunk; if a commit replaced the table's blocks
-    before this push commits, commit() computes them again from the new ones. Other pushes stage
-    their chunks and compute at commit (under the write lock)."""
+    Where this shard's range has 8 chunks or more, one push at a time per table computes its new
+    blocks as its chunks arrive (each chunk's slice is independent of the others; big chunks in a
+    worker thread, while the request thread receives the next one), from the table as it was at its
+    first chunk; if a commit replaced the table's blocks before this push commits, commit()
+    computes them again from the new ones. Other pushes stage their chunks and compute at commit
+    (under the write lock)."""
 
     def __init__(self, table: DenseTable, op: str, base_version: int, staleness_aware_lr: bool = False) -> None:
         self.table = table

@@ -291,3 +291,21 @@ def test_a_forked_child_computes_early_pushes_in_its_own_threads(where: str) -> 
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child's push hung")
+
+
+@pytest.mark.parametrize("blocks, early", [(7, False), (8, True)])
+def test_pushes_compute_early_where_the_range_has_8_chunks_or_more(monkeypatch, blocks: int, early: bool) -> None:
+    """The README's "for a big table (8 chunks or more on the shard) it applies the optimizer to each
+    chunk as it arrives": a push whose base another commit replaced midway is computed again only
+    if it had computed early."""
+    monkeypatch.setattr(ps.table, "_EARLY_BLOCKS", 8)
+    n = blocks * CHUNK
+    t = _table("sgd", n=n)
+    g = _grad(1, n)
+    up = t.begin_update(GRADIENT)
+    up.apply(0, g[:CHUNK])
+    _push(t, _grad(2, n))
+    for k in range(1, blocks):
+        up.apply(k * CHUNK, g[k * CHUNK : (k + 1) * CHUNK])
+    up.commit()
+    assert t.recomputed == (1 if early else 0) and t.version == 2
