@@ -5,8 +5,11 @@ Measures, on loopback, with every server in its own process:
 (a) raw gRPC echo (python grpc, generic handlers, raw bytes, no protobuf) of
     the dense payload: a bidi stream of 1 MiB chunks (the chunk the PS uses,
     2^18 float32), the same over two echo servers at once (half each, like two
-    shards), and sequential unary calls of 16 MiB. ``raw_grpc_gbps`` is the
-    best of them: the baseline is the best bare gRPC transport.
+    shards), and sequential unary calls of 16 MiB; the 1-server stream is timed
+    again between the PS dense runs of (b) (``grpc_stream_with_Nshard``: the
+    baseline sampled in the same minutes, so load from elsewhere that comes and
+    goes hits both). ``raw_grpc_gbps`` is the best of them: the baseline is the
+    best bare gRPC transport.
 (b) PS dense push + pull of a 64 MiB float32 table (16M elements) on 1 and on 2
     shard processes (``ps.cli.start_local_shards``), with Adam and with SGD on
     the shards, three ways each: "separate" = push_dense(grad) then
@@ -254,6 +257,31 @@ def bench_grpc(addrs: list[str], nbytes: int, repeats: int, warmup: int, small: 
             for k, v in t.items()]
 
 
+class StreamEcho:
+    """The raw gRPC bidi-stream echo round trip of ``nbytes`` in 1 MiB chunks (the ``grpc_stream``
+    figure), as a callable that bench_dense interleaves with the PS runs: the baseline is sampled in
+    the same minutes as what it is compared with, so load that comes and goes hits both alike."""
+
+    def __init__(self, addr: str, nbytes: int) -> None:
+        import grpc
+        import numpy as np
+
+        from tessera.rpc import channel_options
+
+        payload = np.random.default_rng(1).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+        self.chunks = [payload[i : i + CHUNK_BYTES] for i in range(0, nbytes, CHUNK_BYTES)]
+        self.nbytes = nbytes
+        self.channel = grpc.insecure_channel(addr, options=channel_options())
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+        self.stream = self.channel.stream_stream(ECHO_STREAM)
+
+    def __call__(self) -> None:
+        assert sum(len(r) for r in self.stream(iter(self.chunks), timeout=60)) == self.nbytes
+
+    def close(self) -> None:
+        self.channel.close()
+
+
 # =========================================================================== (d) raw TCP
 def bench_tcp(addr: str, nbytes: int, repeats: int, warmup: int) -> Result:
     host, port = addr.rsplit(":", 1)
@@ -283,10 +311,11 @@ def bench_tcp(addr: str, nbytes: int, repeats: int, warmup: int) -> Result:
 
 
 # =========================================================================== (b) PS dense
-def bench_dense(addrs: list[str], numel: int, repeats: int, warmup: int) -> list[Result]:
+def bench_dense(addrs: list[str], numel: int, repeats: int, warmup: int, echo: StreamEcho | None = None) -> list[Result]:
     """Adam and SGD tables of ``numel`` float32, three ways each: push then pull ("separate"), one
     push that returns the values ("fused"), and ``PSClient.step`` (one Step call per shard when the
-    slice fits a message, else the separate calls)."""
+    slice fits a message, else the separate calls). ``echo``: the raw gRPC stream echo of the same
+    bytes, timed between them (a "raw" result, so the baseline is the best of every sample)."""
     import numpy as np
 
     from ps.client import PSClient
@@ -323,6 +352,8 @@ def bench_dense(addrs: list[str], numel: int, repeats: int, warmup: int) -> list
                 assert r.dense[name].size == numel
 
             fns[f"{opt}_separate"], fns[f"{opt}_fused"], fns[f"{opt}_step"] = separate, fused, step
+        if echo is not None:
+            fns["echo"] = echo
         t = interleaved(fns, repeats, warmup)
         versions = {opt: c.describe(f"bench_{opt}")[0].version for opt in ("adam", "sgd")}
     expect = (warmup + repeats) * 3
@@ -339,6 +370,9 @@ def bench_dense(addrs: list[str], numel: int, repeats: int, warmup: int) -> list
     # halves of "separate" (one-way figures: payload / time of that half), for the analysis
     res.append(Result(f"dense_{s}shard_push_only", nbytes, push_t[warmup:], "dense-part", note="adam: push half of separate (one way)"))
     res.append(Result(f"dense_{s}shard_pull_only", nbytes, pull_t[warmup:], "dense-part", note="adam: pull half of separate (one way)"))
+    if echo is not None:
+        res.append(Result(f"grpc_stream_with_{s}shard", nbytes, t["echo"], "raw",
+                          note=f"grpc_stream again, interleaved with the {s}-shard PS runs above"))
     return res
 
 
@@ -416,7 +450,7 @@ def sparse_only(
     args: argparse.Namespace, nbytes: int, batch: int, dim: int, sparse_rows: int, repeats: int, warmup: int,
     sparse_repeats: int, sparse_warmup: int, procs: list, t_start: float,
 ) -> int:
-    """``--sparse-only``: the raw gRPC baselines (the same echo servers) and the sparse rows; a table
+    """``--only sparse``: the raw gRPC baselines (the same echo servers) and the sparse rows; a table
     and one line of JSON with the sparse keys of a full run."""
     from ps.cli import start_local_shards, stop_processes
 
@@ -467,8 +501,9 @@ def main(argv: list[str] | None = None) -> int:
         help="set OMP_NUM_THREADS for the shard processes (default: inherit, i.e. the system as shipped)",
     )
     ap.add_argument(
-        "--sparse-only", action="store_true",
-        help="only the raw gRPC echo baselines and the sparse rows (no dense PS, TCP, Adam or memory figures): ~1 min",
+        "--only", choices=("dense", "sparse"), default=None,
+        help="dense: only the raw transports, torch's Adam and the dense push+pull (~1/3 the time); "
+        "sparse: only the raw gRPC echo baselines and the sparse rows (~1 min); neither reports memory figures",
     )
     ap.add_argument("--serve", choices=("grpc", "tcp"), help=argparse.SUPPRESS)  # internal: run an echo server
     args = ap.parse_args(argv)
@@ -481,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     quick = args.quick
+    dense_only = args.only == "dense"
     repeats = args.repeats or (3 if quick else 10)
     warmup = 1
     sparse_repeats = repeats * (4 if quick else 6)
@@ -512,10 +548,11 @@ def main(argv: list[str] | None = None) -> int:
 
     t_start = time.perf_counter()
     procs: list[subprocess.Popen] = []
+    echo_procs: list[subprocess.Popen] = []
     results: list[Result] = []
     extra: dict[str, object] = {}
     try:
-        if args.sparse_only:
+        if args.only == "sparse":
             return sparse_only(args, nbytes, batch, dim, sparse_rows, repeats, warmup, sparse_repeats, sparse_warmup, procs, t_start)
         # (a) + (d): bare transports
         log("starting echo servers")
@@ -525,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         results += bench_grpc(grpc_addrs, nbytes, repeats, warmup + 1, small=batch * dim * 4)
         log(f"raw TCP echo, {dense_mib} MiB")
         results.append(bench_tcp(tcp_addr, nbytes, repeats, warmup + 1))
-        stop_processes(procs)
+        echo = StreamEcho(grpc_addrs[0], nbytes)  # sampled again between the PS dense runs
+        echo_procs = list(procs)
         procs.clear()
         log(f"torch fused Adam on {numel:,} float32 in this process (the arithmetic of a PS Adam push)")
         results.append(bench_adam_math(numel, repeats, warmup + 1))
@@ -536,34 +574,37 @@ def main(argv: list[str] | None = None) -> int:
             shard_procs, addrs = start_local_shards(s)
             procs += shard_procs
             log(f"PS dense {dense_mib} MiB adam, {s} shard(s)")
-            results += bench_dense(addrs, numel, repeats, warmup)
-            if s == 2:
+            results += bench_dense(addrs, numel, repeats, warmup, echo)
+            if s == 2 and not dense_only:
                 log(f"PS sparse: populating {sparse_rows} rows, then {batch} ids x {dim}")
                 res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup)
                 results += res
                 extra["sparse_populate_s"] = round(populate_s, 3)
             stop_processes(procs)
             procs.clear()
-        if 2 not in shard_counts:
+        echo.close()
+        stop_processes(echo_procs)
+        if 2 not in shard_counts and not dense_only:
             log("starting 2 shard processes for the sparse benchmark")
             shard_procs, addrs = start_local_shards(2)
             procs += shard_procs
             res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup)
             results += res
             extra["sparse_populate_s"] = round(populate_s, 3)
-        # (e) issue 18: bytes per sparse row and row creation rate (bench/ps_memory.py's children)
-        import ps_memory
+        if not dense_only:
+            # (e) issue 18: bytes per sparse row and row creation rate (bench/ps_memory.py's children)
+            import ps_memory
 
-        mem_rows = 100_000 if quick else 2_000_000
-        log(f"PS memory: RSS of {mem_rows:,} fp32 Adagrad rows, populate rate (fresh processes)")
-        extra.update(ps_memory.memory_figures(mem_rows, 2 if quick else 3, threads=1))
+            mem_rows = 100_000 if quick else 2_000_000
+            log(f"PS memory: RSS of {mem_rows:,} fp32 Adagrad rows, populate rate (fresh processes)")
+            extra.update(ps_memory.memory_figures(mem_rows, 2 if quick else 3, threads=1))
     except BaseException as e:
         if not interrupted and not isinstance(e, KeyboardInterrupt):
             raise
         log(f"interrupted ({type(e).__name__}); stopping child processes")
         return 130 if not interrupted or interrupted[0] == signal.SIGINT else 143
     finally:
-        stop_processes(procs)
+        stop_processes(procs + echo_procs)
 
     by = {r.name: r for r in results}
     raw = [r for r in results if r.group == "raw" and r.name.startswith("grpc_")]
@@ -573,14 +614,15 @@ def main(argv: list[str] | None = None) -> int:
     dense_best = max(dense, key=lambda r: r.gbps)
     sgd_best = max((r for r in results if r.group == "dense-sgd"), key=lambda r: r.gbps)
     adam_math = by["torch_fused_adam"]
-    sparse_pp = next(r for r in results if r.group == "sparse")
-    sparse_step = next(r for r in results if r.group == "sparse-step")
-    sparse = max((sparse_pp, sparse_step), key=lambda r: r.gbps)
     raw_small = by["grpc_unary_small"]
     tcp = by["tcp_echo"]
     # 1.0: the PS's Adam push+pull costs no more than moving its bytes (best raw gRPC round trip of
     # the same bytes) plus torch's fused Adam on the same tensor
     adam_limit = (raw_best.best + adam_math.best) / dense_best.best
+    if not dense_only:
+        sparse_pp = next(r for r in results if r.group == "sparse")
+        sparse_step = next(r for r in results if r.group == "sparse-step")
+        sparse = max((sparse_pp, sparse_step), key=lambda r: r.gbps)
 
     # ------------------------------------------------------------------ table
     hdr = f"{'measurement':<26} {'GB/s best':>9} {'GB/s med':>9} {'x raw gRPC':>10} {'ms min':>9} {'ms med':>9}  notes"
@@ -597,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t_start
     print(
         f"\nPS throughput on loopback: payload bytes one way per second of round trip (GB = 1e9 B); "
-        f"dense {dense_mib} MiB, {repeats} repeats after warm-up; sparse {sparse_repeats} repeats; {os.cpu_count()} CPUs\n"
+        f"dense {dense_mib} MiB, {repeats} repeats after warm-up; "
+        f"{'no sparse' if dense_only else f'sparse {sparse_repeats} repeats'}; {os.cpu_count()} CPUs\n"
     )
     print("\n".join(lines))
     print(
@@ -606,12 +649,16 @@ def main(argv: list[str] | None = None) -> int:
         f"wall {wall:.1f} s\n"
         f"dense_sgd_ratio {sgd_best.gbps / raw_grpc:.3f} (goal >= 0.8; {sgd_best.name}); adam_limit_ratio {adam_limit:.3f} "
         f"(goal >= 0.85: (raw round trip {raw_best.best * 1e3:.1f} ms + fused Adam {adam_math.best * 1e3:.1f} ms) / PS Adam "
-        f"{dense_best.best * 1e3:.1f} ms); sparse {sparse.gbps:.3f} GB/s = {sparse.gbps / raw_grpc:.2f} x raw_grpc_gbps (goal >= 0.5; "
-        f"{sparse.name}), {sparse.gbps / raw_small.gbps:.2f} x raw gRPC at the sparse size\n"
-        f"sparse_bytes_per_row_ratio {extra['sparse_bytes_per_row_ratio']:.3f} (goal <= 1.25; raw numpy arrays "
-        f"{extra['raw_bytes_per_row_ratio']:.3f}); populate_rows_per_s {extra['populate_rows_per_s']:,} best, "
-        f"{extra['populate_rows_per_s_median']:,} median (goal >= 1M; raw fill {extra['raw_fill_rows_per_s']:,})\n"
+        f"{dense_best.best * 1e3:.1f} ms)\n"
     )
+    if not dense_only:
+        print(
+            f"sparse {sparse.gbps:.3f} GB/s = {sparse.gbps / raw_grpc:.2f} x raw_grpc_gbps (goal >= 0.5; "
+            f"{sparse.name}), {sparse.gbps / raw_small.gbps:.2f} x raw gRPC at the sparse size\n"
+            f"sparse_bytes_per_row_ratio {extra['sparse_bytes_per_row_ratio']:.3f} (goal <= 1.25; raw numpy arrays "
+            f"{extra['raw_bytes_per_row_ratio']:.3f}); populate_rows_per_s {extra['populate_rows_per_s']:,} best, "
+            f"{extra['populate_rows_per_s_median']:,} median (goal >= 1M; raw fill {extra['raw_fill_rows_per_s']:,})\n"
+        )
 
     # ------------------------------------------------------------------ JSON
     out: dict[str, object] = {
@@ -629,17 +676,6 @@ def main(argv: list[str] | None = None) -> int:
         "raw_grpc_roundtrip_ms": round(raw_best.best * 1e3, 3),
         "torch_fused_adam_ms": round(adam_math.best * 1e3, 3),
         "dense_adam_ms": round(dense_best.best * 1e3, 3),
-        "sparse_best": sparse.name,
-        "sparse_pullpush_gbps": round(sparse_pp.gbps, 5),
-        "sparse_step_gbps": round(sparse_step.gbps, 5),
-        "raw_grpc_sparse_size_gbps": round(raw_small.gbps, 5),
-        "sparse_vs_raw_same_size": round(sparse.gbps / raw_small.gbps, 5),
-        "sparse_rows_per_s": round(sparse.rows / sparse.best, 1),
-        "sparse_rows_per_s_median": round(sparse.rows / sparse.median, 1),
-        "sparse_gbps": round(sparse.gbps, 5),
-        "sparse_gbps_median": round(sparse.gbps_median, 5),
-        "sparse_ratio": round(sparse.gbps / raw_grpc, 5),
-        "sparse_ms_median": round(sparse.median * 1e3, 3),
         "raw_grpc_gbps_median": round(raw_best.gbps_median, 4),
         "raw_tcp_gbps_median": round(tcp.gbps_median, 4),
         "dense_pushpull_gbps_median": round(dense_best.gbps_median, 4),
@@ -650,8 +686,23 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "shard_omp_threads": args.shard_omp_threads,
         "wall_s": round(wall, 1),
+        "only": args.only,
         **extra,
     }
+    if not dense_only:
+        out.update({
+            "sparse_best": sparse.name,
+            "sparse_pullpush_gbps": round(sparse_pp.gbps, 5),
+            "sparse_step_gbps": round(sparse_step.gbps, 5),
+            "raw_grpc_sparse_size_gbps": round(raw_small.gbps, 5),
+            "sparse_vs_raw_same_size": round(sparse.gbps / raw_small.gbps, 5),
+            "sparse_rows_per_s": round(sparse.rows / sparse.best, 1),
+            "sparse_rows_per_s_median": round(sparse.rows / sparse.median, 1),
+            "sparse_gbps": round(sparse.gbps, 5),
+            "sparse_gbps_median": round(sparse.gbps_median, 5),
+            "sparse_ratio": round(sparse.gbps / raw_grpc, 5),
+            "sparse_ms_median": round(sparse.median * 1e3, 3),
+        })
     for r in results:
         if r.group not in ("sparse", "sparse-step"):
             out[f"{r.name}_gbps"] = round(r.gbps, 4)

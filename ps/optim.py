@@ -42,6 +42,19 @@ class Optimizer:
     def update(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], step: Step) -> None:
         raise NotImplementedError
 
+    def update_into(
+        self, out: torch.Tensor, out_state: dict[str, torch.Tensor], param: torch.Tensor, grad: torch.Tensor,
+        state: dict[str, torch.Tensor], step: Step,
+    ) -> None:
+        """``update`` written into ``out`` and ``out_state`` (same shapes), leaving ``param`` and
+        ``state`` as they are (a dense table computes a push into spare blocks). The values are
+        those ``update`` gives. Here: copy, then update in place; a rule that reads the old values
+        and writes the new ones in one pass overrides it."""
+        out.copy_(param)
+        for k, v in state.items():
+            out_state[k].copy_(v)
+        self.update(out, grad, out_state, step)
+
 
 def _decayed(grad: torch.Tensor, param: torch.Tensor, wd: float) -> torch.Tensor:
     return grad.add(param, alpha=wd) if wd else grad
@@ -56,6 +69,10 @@ class SGD(Optimizer):
 
     def update(self, param, grad, state, step):
         param.add_(_decayed(grad, param, self.h["weight_decay"]), alpha=-self.h["lr"])
+
+    def update_into(self, out, out_state, param, grad, state, step):
+        # one pass (read param and grad, write out) instead of a copy and an in-place add; the same kernel
+        torch.add(param, _decayed(grad, param, self.h["weight_decay"]), alpha=-self.h["lr"], out=out)
 
 
 class Momentum(Optimizer):

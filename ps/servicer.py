@@ -318,48 +318,53 @@ class PSServicer:
         reply_dtype = "float32"
         want = False
         last = False
-        with self.shard.watch_stream(context) as touch:
-            for raw in request_iterator:
-                touch()
-                msg, pl = self._decode(pb.DenseChunk, raw)
-                if update is None:
-                    table = self.shard.dense(msg.table)
-                    reply_dtype = _float_dtype(msg.reply_dtype, table.spec.name, "reply_dtype")
-                    want = msg.return_params
-                    if msg.op not in (pb.DENSE_OP_GRADIENT, pb.DENSE_OP_ASSIGN):
-                        raise InvalidArgumentError(
-                            f"table {table.spec.name!r}: unknown op {msg.op}; use DENSE_OP_GRADIENT (0) or DENSE_OP_ASSIGN (1)"
-                        )
-                    op = ASSIGN if msg.op == pb.DENSE_OP_ASSIGN else GRADIENT
-                    if op == ASSIGN and not caller.has("admin"):
-                        raise PermissionDeniedError(
-                            f"table {table.spec.name!r}: assigning values needs the admin role; "
-                            f"identity {caller.identity!r} has {sorted(caller.roles)}"
-                        )
-                    _check_push_shape(table, msg.shape, msg.flat_view)
-                    policy = policy_from_proto(msg.sync, msg.HasField("sync"))
-                    worker, client, seq = msg.worker, self._client_key(caller, msg.client), msg.seq
-                    self._own(caller, worker)
-                    if policy.sync and op == GRADIENT:
-                        yield from self._push_dense_sync(msg, pl, request_iterator, table, worker, policy, touch, caller)
-                        return
-                    update = table.begin_update(op, msg.base_version, staleness_aware_lr=policy.staleness_aware_lr)
-                update.apply(msg.offset, _chunk_data(msg, pl, table.spec.name))  # type: ignore[union-attr]
-                if msg.last:
-                    last = True
-                    break  # commit now; never depend on how the stream ends
-            if update is None or table is None:
-                raise InvalidArgumentError("PushDense: empty stream (no chunks)")
-            if not last:
-                # gRPC ends the request stream the same way when the client half-closes and when the
-                # call failed (message too large, connection lost): only an explicit last chunk commits
-                have, need = len(update.staged), table.num_blocks
-                update.abort()
-                raise ShapeMismatchError(
-                    f"table {table.spec.name!r}: push stream ended without its last chunk "
-                    f"({have} of {need} chunks, {need - have} missing); nothing applied"
-                )
-        out = self.shard.commit_dense(update, worker, policy, client, seq)
+        try:
+            with self.shard.watch_stream(context) as touch:
+                for raw in request_iterator:
+                    touch()
+                    msg, pl = self._decode(pb.DenseChunk, raw)
+                    if update is None:
+                        table = self.shard.dense(msg.table)
+                        reply_dtype = _float_dtype(msg.reply_dtype, table.spec.name, "reply_dtype")
+                        want = msg.return_params
+                        if msg.op not in (pb.DENSE_OP_GRADIENT, pb.DENSE_OP_ASSIGN):
+                            raise InvalidArgumentError(
+                                f"table {table.spec.name!r}: unknown op {msg.op}; use DENSE_OP_GRADIENT (0) or DENSE_OP_ASSIGN (1)"
+                            )
+                        op = ASSIGN if msg.op == pb.DENSE_OP_ASSIGN else GRADIENT
+                        if op == ASSIGN and not caller.has("admin"):
+                            raise PermissionDeniedError(
+                                f"table {table.spec.name!r}: assigning values needs the admin role; "
+                                f"identity {caller.identity!r} has {sorted(caller.roles)}"
+                            )
+                        _check_push_shape(table, msg.shape, msg.flat_view)
+                        policy = policy_from_proto(msg.sync, msg.HasField("sync"))
+                        worker, client, seq = msg.worker, self._client_key(caller, msg.client), msg.seq
+                        self._own(caller, worker)
+                        if policy.sync and op == GRADIENT:
+                            yield from self._push_dense_sync(msg, pl, request_iterator, table, worker, policy, touch, caller)
+                            return
+                        update = table.begin_update(op, msg.base_version, staleness_aware_lr=policy.staleness_aware_lr)
+                    update.apply(msg.offset, _chunk_data(msg, pl, table.spec.name))  # type: ignore[union-attr]
+                    if msg.last:
+                        last = True
+                        break  # commit now; never depend on how the stream ends
+                if update is None or table is None:
+                    raise InvalidArgumentError("PushDense: empty stream (no chunks)")
+                if not last:
+                    # gRPC ends the request stream the same way when the client half-closes and when the
+                    # call failed (message too large, connection lost): only an explicit last chunk commits
+                    have, need = len(update.staged), table.num_blocks
+                    update.abort()
+                    raise ShapeMismatchError(
+                        f"table {table.spec.name!r}: push stream ended without its last chunk "
+                        f"({have} of {need} chunks, {need - have} missing); nothing applied"
+                    )
+            out = self.shard.commit_dense(update, worker, policy, client, seq)
+        except BaseException:
+            if update is not None:
+                update.abort()  # whatever ended the push (bad chunk, broken stream): its computed blocks go back
+            raise
         result = out.result
         if want:
             _, blocks = table.snapshot()

@@ -1,11 +1,11 @@
 """One shard's part of a table: values, optimizer state and versions.
 
 ``DenseTable`` holds a contiguous range of a dense table, stored as blocks of
-``chunk_elems`` elements (the wire chunk). An update stages new blocks (values
-and state are cloned, then updated) and swaps them in only when the whole
-push arrived and validated, so a rejected or broken push changes nothing, and
-committed blocks are never mutated: a pull streams a consistent snapshot
-without holding the lock.
+``chunk_elems`` elements (the wire chunk). An update computes new blocks (into
+spare blocks, recycled once no reader refers to them) as its chunks arrive, and
+swaps them in only when the whole push arrived and validated, so a rejected or
+broken push changes nothing, and committed blocks are never mutated: a pull
+streams a consistent snapshot without holding the lock.
 
 ``SparseTable`` holds the rows whose ids map to this shard, created lazily on
 first pull with a deterministic initializer, with optional admission and
@@ -15,9 +15,13 @@ Thread-safety: each table has one lock; methods take it themselves.
 """
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import warnings
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, Callable, Container, Iterator, Mapping, Sized
 
@@ -102,6 +106,11 @@ class RowDelta:
     versions: np.ndarray
 
 
+# CPython reference counts and torch's storage use count tell whether anything besides the spare
+# pool still refers to a retired block (below). Without torch's counter no block is ever reused.
+_storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
+
+
 class _Block:
     """Immutable once committed: values and optimizer state of one chunk."""
 
@@ -111,12 +120,77 @@ class _Block:
         self.param = param
         self.state = state
 
-    def clone(self) -> "_Block":
-        return _Block(self.param.clone(), {k: v.clone() for k, v in self.state.items()})
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.param, *self.state.values())
+
+
+def _unreferenced(holder: list[_Block], i: int) -> bool:
+    """Is ``holder[i]`` referred to by ``holder`` alone: no other reference to the block, its state dict,
+    its tensors, or any tensor, view or numpy array sharing their memory?
+
+    This is the reader count of a retired block. A reader gets blocks only from the table's current
+    list (under its lock) and holds a reference for as long as it reads (the value tensors of
+    ``snapshot()``, ``export_state``'s tensors, a push's base block); a view or numpy array made from a
+    tensor holds its storage. Once retired a block is out of that list, so its counts only fall:
+    when they are at their floor here, no reader is left and none can come."""
+    if _storage_use_count is None:
+        return False
+    # the floors: getrefcount's argument + the one holding reference (list slot, block slot, dict value)
+    if sys.getrefcount(holder[i]) != 2 or sys.getrefcount(holder[i].state) != 2 or sys.getrefcount(holder[i].param) != 2:
+        return False
+    for name in holder[i].state:
+        if sys.getrefcount(holder[i].state[name]) != 2:
+            return False
+    # per tensor: its own TensorImpl + the storage object untyped_storage() makes for the call
+    return all(_storage_use_count(x.untyped_storage()._cdata) == 2 for x in holder[i].tensors())
+
+
+# A push computes early only where this shard's range has _EARLY_BLOCKS chunks or more: with few
+# chunks there is little to overlap, and work done between two chunks holds the next one back (the
+# stream's flow-control window opens as the handler reads); measured on 2 loaded cores, 4 chunks of
+# 1 MiB took ~2-3 ms longer computed early. The threads below compute an early push's chunks of
+# _HAND_OFF_ELEMS elements or more, so that the request thread goes on reading the next chunk
+# meanwhile (torch's kernels release the GIL); smaller chunks are computed in the request thread.
+_EARLY_BLOCKS = 8
+_HAND_OFF_ELEMS = 1 << 14
+_early_pool: ThreadPoolExecutor | None = None
+_early_pool_lock = threading.Lock()
+
+
+def _compute_pool() -> ThreadPoolExecutor:
+    global _early_pool
+    with _early_pool_lock:
+        if _early_pool is None:
+            _early_pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="dense-push")
+        return _early_pool
+
+
+def _forget_compute_pool() -> None:
+    """In a forked child the parent's pool threads do not exist: start a new pool when needed."""
+    global _early_pool, _early_pool_lock
+    _early_pool, _early_pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_compute_pool)
+
+
+def _readonly_tensor(data: np.ndarray) -> torch.Tensor:
+    """A float32 torch view of ``data`` (request bytes: read-only, only read here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.asarray(data, dtype=np.float32))
 
 
 class DenseTable:
-    """Shard ``shard_index``'s contiguous range of a dense table and the optimizer state for it."""
+    """Shard ``shard_index``'s contiguous range of a dense table and the optimizer state for it.
+
+    Committed blocks are never written. A push computes each new block into a spare one (a block
+    retired by an earlier push that no reader holds any more, else a fresh allocation) and swaps
+    it in at commit; at most ``spare_generations`` retired blocks are kept per block (the commit's
+    working set: up to that many times the table's values and state, once pushes have run)."""
+
+    spare_generations = 1
 
     def __init__(self, spec: TableSpec, shard_index: int, num_shards: int, chunk_elems: int) -> None:
         self.spec = spec
@@ -130,11 +204,18 @@ class DenseTable:
             n = min(chunk_elems, self.length - off)
             p = torch.from_numpy(init_dense(spec.initializer, key, self.start + off, self.start + off + n))
             self._blocks.append(_Block(p, self.optimizer.init_state(p)))
+        self._state_names = tuple(self.optimizer.init_state(torch.zeros(1)).keys())
         self.version = 0
+        self.generation = 0  # swaps so far (commits of either op, loads): what an early computation checks
         self.staleness = StalenessStats()
         self.rejected = 0
-        self.lock = threading.Lock()  # guards the swap of _blocks/version (held for microseconds)
+        self.lock = threading.Lock()  # guards the swap of _blocks/version and the spares (held for microseconds)
         self.write_lock = threading.Lock()  # serializes commits (held while one push computes)
+        self._spares: list[list[_Block]] = [[] for _ in self._blocks]
+        self._early: weakref.ref[DenseUpdate] | None = None  # the push computing as its chunks arrive
+        self.blocks_allocated = 0  # fresh blocks a commit had to allocate (no spare was free)
+        self.blocks_reused = 0  # spare blocks a commit wrote into
+        self.recomputed = 0  # pushes computed early whose base a commit replaced first: computed again
 
     @property
     def num_blocks(self) -> int:
@@ -150,11 +231,23 @@ class DenseTable:
         return sum(v.numel() * v.element_size() for b in self._blocks for v in b.state.values())
 
     def held_bytes(self) -> int:
-        """Memory this table holds on the shard (params + optimizer state)."""
+        """Memory this table holds on the shard (params + optimizer state; not the spare blocks)."""
         return self.param_bytes() + self.state_bytes()
 
+    def spare_blocks(self) -> int:
+        """Retired blocks kept for reuse (at most ``spare_generations`` per block)."""
+        with self.lock:
+            return sum(len(s) for s in self._spares)
+
+    def spare_bytes(self) -> int:
+        """Memory held by the spare blocks (the commit's working set)."""
+        per = 4 * (1 + len(self._state_names))
+        with self.lock:
+            return sum(per * b.param.numel() for s in self._spares for b in s)
+
     def snapshot(self) -> tuple[int, list[torch.Tensor]]:
-        """(version, value blocks) as of now; the blocks never change afterwards."""
+        """(version, value blocks) as of now; the blocks do not change while the caller holds them
+        (a block is reused only once nothing refers to it)."""
         with self.lock:
             return self.version, [b.param for b in self._blocks]
 
@@ -204,10 +297,8 @@ class DenseTable:
                 g = parts[0]
             else:
                 acc = torch.from_numpy(np.array(parts[0], np.float32, copy=True))
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", UserWarning)  # read-only request bytes, only read here
-                    for p in parts[1:]:
-                        acc.add_(torch.from_numpy(np.asarray(p, np.float32)))
+                for p in parts[1:]:
+                    acc.add_(_readonly_tensor(p))
                 g = acc.div_(n).numpy()
             update.apply(k * self.chunk_elems, g)
         return update.commit(before_swap)
@@ -218,11 +309,13 @@ class DenseTable:
         ``along()`` runs in the same critical section (no commit in between); its result is
         returned as ``"along"`` (the dedup records that match this state)."""
         with self.write_lock, self.lock:
-            blocks, version = list(self._blocks), self.version
+            # the tensors, not the blocks: holding them is what keeps a block from being reused
+            params = [b.param for b in self._blocks]
+            states = {k: [b.state[k] for b in self._blocks] for k in self._state_names}
+            version = self.version
             extra = along() if along is not None else None
-        names = list(self.optimizer.init_state(torch.zeros(1)).keys())
-        state = {k: torch.cat([b.state[k] for b in blocks]).numpy().copy() for k in names} if blocks else {}
-        values = torch.cat([b.param for b in blocks]).numpy().copy() if blocks else np.zeros(0, np.float32)
+        state = {k: torch.cat(v).numpy().copy() for k, v in states.items()} if params else {}
+        values = torch.cat(params).numpy().copy() if params else np.zeros(0, np.float32)
         return {"version": version, "values": values, "state": state, "start": self.start, "stop": self.stop, "along": extra}
 
     def load_state(self, snap: dict[str, Any]) -> None:
@@ -243,11 +336,59 @@ class DenseTable:
         with self.write_lock, self.lock:
             self._blocks = blocks
             self.version = int(snap["version"])
+            self.generation += 1
+
+    # ------------------------------------------------------------------ spare blocks
+    def _spare(self, k: int) -> _Block:
+        """A block to compute block ``k``'s next value in: a retired one nothing refers to, else a new one."""
+        with self.lock:
+            spares = self._spares[k]
+            for i in range(len(spares)):
+                if _unreferenced(spares, i):
+                    self.blocks_reused += 1
+                    return spares.pop(i)
+            self.blocks_allocated += 1
+        n = self.block_len(k)
+        return _Block(torch.empty(n), {name: torch.empty(n) for name in self._state_names})
+
+    def _keep_spare(self, k: int, block: _Block) -> None:
+        """Keep ``block`` (retired from, or never part of, the table) for reuse; call with ``lock`` held.
+        At the bound, first drops a kept one that is still referred to, else the oldest."""
+        spares = self._spares[k]
+        while spares and len(spares) >= self.spare_generations:
+            busy = [i for i in range(len(spares)) if not _unreferenced(spares, i)]
+            spares.pop(busy[0] if busy else 0)
+        if self.spare_generations > 0:
+            spares.append(block)
+
+    def _compute(self, k: int, base: _Block, data: np.ndarray, op: str, opt: Optimizer, step: int, out: _Block) -> None:
+        """Block ``k``'s next value from ``base`` and the pushed chunk ``data``, written into ``out``."""
+        if op == ASSIGN:
+            out.param.copy_(_readonly_tensor(data))
+            for name in self._state_names:
+                out.state[name].copy_(base.state[name])
+        else:
+            opt.update_into(out.param, out.state, base.param, _readonly_tensor(data), base.state, step)
+
+    def _swap(self, new: Mapping[int, _Block], version: int) -> None:
+        with self.lock:
+            for k, b in new.items():
+                self._keep_spare(k, self._blocks[k])
+                self._blocks[k] = b
+            self.version = version
+            self.generation += 1
 
 
 class DenseUpdate:
-    """A push in progress: chunks are validated and staged (no lock held); commit() computes the
-    new blocks under the table's write lock and swaps them in atomically."""
+    """A push in progress: chunks are validated and staged (no lock held); commit() swaps the new
+    blocks in atomically under the table's write lock.
+
+    Where this shard's range has 8 chunks or more, one push at a time per table computes its new
+    blocks as its chunks arrive (each chunk's slice is independent of the others; big chunks in a
+    worker thread, while the request thread receives the next one), from the table as it was at its
+    first chunk; if a commit replaced the table's blocks before this push commits, commit()
+    computes them again from the new ones. Other pushes stage their chunks and compute at commit
+    (under the write lock)."""
 
     def __init__(self, table: DenseTable, op: str, base_version: int, staleness_aware_lr: bool = False) -> None:
         self.table = table
@@ -256,13 +397,68 @@ class DenseUpdate:
         self.staleness_aware_lr = staleness_aware_lr
         self.staged: dict[int, np.ndarray] = {}
         self.done = False
+        self._out: dict[int, _Block] = {}  # new blocks computed so far (not visible to anyone)
+        self._computed: set[int] = set()  # blocks of _out computed from generation _gen
+        self._gen = -1  # the table's generation this push computes from early (-1: computes at commit)
+        self._version = 0
+        self._opt: Optimizer = table.optimizer
+        self._early = False
+        self._pending: list[Future[None]] = []  # early blocks being computed in the worker threads
+
+    def _optimizer(self, version: int) -> tuple[Optimizer, int]:
+        """The optimizer to apply at table version ``version`` and the staleness it sees."""
+        t = self.table
+        staleness = version - self.base_version if self.base_version >= 0 else -1
+        if self.staleness_aware_lr and staleness > 1:
+            return scaled_lr(t.optimizer, 1.0 / staleness), staleness
+        return t.optimizer, staleness
 
     def apply(self, offset: int, data: np.ndarray) -> None:
-        """Validate and stage the chunk at ``offset`` (shard-relative). ``data`` is kept, not copied:
-        it must not change until commit (request bytes never do)."""
+        """Validate and stage the chunk at ``offset`` (shard-relative); the push computing early also
+        computes its new block now. ``data`` is kept, not copied: it must not change until commit
+        (request bytes never do)."""
         t = self.table
         k = t.check_chunk(offset, data, self.staged, "gradient" if self.op == GRADIENT else "assigned values")
         self.staged[k] = data
+        if self.done:
+            return
+        with t.lock:
+            if not self.staged.keys() - {k} and t.num_blocks >= _EARLY_BLOCKS and (t._early is None or t._early() is None):
+                t._early, self._early, self._gen, self._version = weakref.ref(self), True, t.generation, t.version
+                self._opt = self._optimizer(self._version)[0]
+            if not self._early:
+                return
+            if t.generation != self._gen:  # a commit replaced the base: compute at commit instead
+                t._early, self._early = None, False
+                return
+            base = t._blocks[k]  # held while read: not reused under us
+        out = self._out.get(k) or t._spare(k)
+        self._out[k] = out
+        self._computed.add(k)
+        if data.size >= _HAND_OFF_ELEMS:
+            self._pending.append(_compute_pool().submit(t._compute, k, base, data, self.op, self._opt, self._version + 1, out))
+        else:
+            t._compute(k, base, data, self.op, self._opt, self._version + 1, out)
+
+    def _finish_early(self, check: bool = True) -> None:
+        """Wait for the blocks being computed early; ``check``: raise the first error, else cancel
+        what has not started and ignore errors (an aborted push)."""
+        pending, self._pending = self._pending, []
+        if not check:
+            for f in pending:
+                f.cancel()
+        wait_futures(pending)
+        if check:
+            for f in pending:
+                f.result()
+
+    def _stop_early(self) -> None:
+        t = self.table
+        if self._early:
+            with t.lock:
+                if t._early is not None and t._early() is self:
+                    t._early = None
+                self._early = False
 
     def commit(
         self, before_swap: "Callable[[PushResult, DenseUpdate], None] | None" = None, timeout: float = 60.0,
@@ -271,11 +467,13 @@ class DenseUpdate:
         """Apply the staged chunks and swap them in. The push must have covered every chunk of the range.
 
         Under the table's write lock: ``once()`` first (deduplication: a result it returns is
-        returned as is, nothing applied); then the new blocks are computed; then
-        ``before_swap(result, self)`` runs before they become visible (replication, the dedup record);
-        if it raises, nothing is applied."""
+        returned as is, nothing applied); then the new blocks are computed (unless computed early
+        from the blocks still current); then ``before_swap(result, self)`` runs before they become
+        visible (replication, the dedup record); if it raises, nothing is applied."""
         t = self.table
         try:
+            self._stop_early()
+            self._finish_early()
             t.check_complete(self.staged)
             if not t.write_lock.acquire(timeout=timeout):
                 raise ResourceExhaustedError(f"table {t.spec.name!r}: timed out after {timeout:.0f} s waiting to commit a push")
@@ -284,29 +482,24 @@ class DenseUpdate:
                 if prior is not None:
                     self.done = True
                     return prior
-                staleness = t.version - self.base_version if self.base_version >= 0 else -1
-                opt = t.optimizer
-                if self.staleness_aware_lr and staleness > 1:
-                    opt = scaled_lr(t.optimizer, 1.0 / staleness)
-                new: dict[int, _Block] = {}
+                with t.lock:  # (no swap can come between: swaps hold the write lock)
+                    generation, version = t.generation, t.version
+                if self._gen != generation:
+                    if self._computed:
+                        t.recomputed += 1
+                    self._computed.clear()
+                opt, staleness = self._optimizer(version)
                 for k, data in self.staged.items():
-                    block = t._blocks[k].clone()
-                    if self.op == ASSIGN:
-                        block.param = torch.from_numpy(np.array(data, dtype=np.float32, copy=True))
-                    else:
-                        with warnings.catch_warnings():
-                            warnings.simplefilter("ignore", UserWarning)  # read-only request bytes, only read
-                            incoming = torch.from_numpy(np.asarray(data, dtype=np.float32))
-                        opt.update(block.param, incoming, block.state, t.version + 1)
-                    new[k] = block
-                version = t.version + (1 if self.op == GRADIENT else 0)
-                result = PushResult(t.num_blocks, 0, float(staleness), staleness, version)
+                    if k not in self._computed:
+                        out = self._out.get(k) or t._spare(k)
+                        self._out[k] = out
+                        t._compute(k, t._blocks[k], data, self.op, opt, version + 1, out)
+                new_version = version + (1 if self.op == GRADIENT else 0)
+                result = PushResult(t.num_blocks, 0, float(staleness), staleness, new_version)
                 if before_swap is not None:
                     before_swap(result, self)
-                with t.lock:
-                    for k, b in new.items():
-                        t._blocks[k] = b
-                    t.version = version
+                t._swap(self._out, new_version)
+                self._out = {}
                 if self.op == GRADIENT:
                     t.staleness.add(staleness)
                 self.done = True
@@ -317,10 +510,20 @@ class DenseUpdate:
             self.abort()
 
     def abort(self) -> None:
+        """Drop the push (a no-op once committed): nothing applied; its computed blocks become spares."""
+        self._stop_early()
+        self._finish_early(check=False)
         if not self.done:
             self.done = True
             self.table.rejected += 1
         self.staged.clear()
+        if self._out:
+            t = self.table
+            with t.lock:
+                while self._out:
+                    k, b = self._out.popitem()
+                    t._keep_spare(k, b)
+        self._computed.clear()
 
 
 @dataclass(frozen=True)

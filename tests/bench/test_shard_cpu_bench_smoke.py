@@ -1,4 +1,4 @@
-"""bench/ps_shard_cpu.py and ``bench/ps_throughput.py --sparse-only`` run end to end at tiny sizes
+"""bench/ps_shard_cpu.py and ``bench/ps_throughput.py --only sparse`` run end to end at tiny sizes
 and report what they promise; each ratio is recomputed from the raw figures the JSON also holds
 (speed is not asserted: benchmarks measure, tests check)."""
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_ps_shard_cpu_reports_every_workload_and_path() -> None:
 
 
 def test_ps_throughput_sparse_only() -> None:
-    r = _run(os.path.join("bench", "ps_throughput.py"), "--quick", "--repeats", "1", "--sparse-only", timeout=170)
+    r = _run(os.path.join("bench", "ps_throughput.py"), "--quick", "--repeats", "1", "--only", "sparse", timeout=170)
     assert r["sparse_only"] is True and r["sparse_table_rows"] == 100_000
     close = lambda a, b: abs(a - b) <= 0.02 * max(abs(a), abs(b)) + 1e-4
     assert close(r["sparse_gbps"], max(r["sparse_pullpush_gbps"], r["sparse_step_gbps"]))
