@@ -224,16 +224,25 @@ def _message(a: Action) -> tuple[str, int, int]:
     return ("grad", a.mb, a.stage)
 
 
-def simulate(sched: list[list[Action]], m: int, V: int = 1, t_fwd: float = 1.0, t_bwd: float = 2.0) -> dict[str, Any]:
+def simulate(
+    sched: list[list[Action]], m: int, V: int = 1, t_fwd: float | Sequence[float] = 1.0, t_bwd: float | Sequence[float] = 2.0,
+) -> dict[str, Any]:
     """Run ``sched`` without communication and check it; raises ``ScheduleError`` naming the rank
     and action otherwise. Sends never block; a receive blocks until its send ran. Checks: each
     (micro-batch, stage) forward and backward exactly once, forward before backward, the stage on
     the rank that holds it, a forward's input (and a backward's output gradient) available when it
     runs, every send received once by the right peer, no deadlock. Returns ``peak_in_flight`` (per
     rank: the most forwards whose backward has not run), ``makespan`` and ``busy`` per rank under
-    costs ``t_fwd``/``t_bwd`` (communication free), and ``bubble`` (1 - busy / makespan, worst rank)."""
+    costs ``t_fwd``/``t_bwd`` of one micro-batch's forward/backward on one virtual stage (one number
+    for every stage, or one per rank: an unbalanced pipeline; communication free), ``bubble``
+    (1 - busy / makespan, worst rank) and ``bubble_mean`` (its mean over ranks: the fraction of the
+    ranks' time idle, what a measurement averaged over ranks compares with)."""
     P = len(sched)
     S = P * V
+    tf = [float(t_fwd)] * P if isinstance(t_fwd, (int, float)) else [float(t) for t in t_fwd]
+    tb = [float(t_bwd)] * P if isinstance(t_bwd, (int, float)) else [float(t) for t in t_bwd]
+    if len(tf) != P or len(tb) != P or min(tf + tb) < 0:
+        raise ScheduleError(f"forward/backward costs: one number or one >= 0 per rank ({P}), got {t_fwd!r}, {t_bwd!r}")
     pos = [0] * P
     clock = [0.0] * P
     busy = [0.0] * P
@@ -277,8 +286,8 @@ def simulate(sched: list[list[Action]], m: int, V: int = 1, t_fwd: float = 1.0, 
                     if a.stage > 0 and ("act", a.mb, a.stage) not in avail[r]:
                         raise ScheduleError(f"{where}: forward before its input activation arrived")
                     done_f.add(key)
-                    clock[r] += t_fwd
-                    busy[r] += t_fwd
+                    clock[r] += tf[r]
+                    busy[r] += tf[r]
                     if a.stage < S - 1 and (a.stage + 1) % P == r:  # next stage on this rank: no message
                         avail[r][("act", a.mb, a.stage + 1)] = clock[r]
                     in_flight[r] += 1
@@ -289,8 +298,8 @@ def simulate(sched: list[list[Action]], m: int, V: int = 1, t_fwd: float = 1.0, 
                     if a.stage < S - 1 and ("grad", a.mb, a.stage) not in avail[r]:
                         raise ScheduleError(f"{where}: backward before its output gradient arrived")
                     done_b.add(key)
-                    clock[r] += t_bwd
-                    busy[r] += t_bwd
+                    clock[r] += tb[r]
+                    busy[r] += tb[r]
                     if a.stage > 0 and (a.stage - 1) % P == r:
                         avail[r][("grad", a.mb, a.stage - 1)] = clock[r]
                     in_flight[r] -= 1
@@ -309,6 +318,7 @@ def simulate(sched: list[list[Action]], m: int, V: int = 1, t_fwd: float = 1.0, 
     return {
         "peak_in_flight": peak, "makespan": makespan, "busy": busy,
         "bubble": max(1.0 - b / makespan for b in busy) if makespan else 0.0,
+        "bubble_mean": sum(1.0 - b / makespan for b in busy) / P if makespan else 0.0,
     }
 
 
