@@ -433,15 +433,12 @@ def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dic
 def bench_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch: int, bar: Any) -> dict[str, Any]:
     """(g) TP=2 (and TP=2 with sequence parallelism) against DP on the same gpt model and global
     batch, through the trainer; (h) activation bytes per rank in the transformer layers."""
-    import torch
     import torch.distributed as dist
 
     from worker.peer import AllReduceDP
     from worker.peer.mesh import ParallelMesh
     from worker.peer.tensor_parallel import (
-        TensorParallelGPT,
         TensorParallelSync,
-        activation_bytes,
         tensor_parallel_task,
     )
     from worker.tasks import load_task
@@ -475,30 +472,67 @@ def bench_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch
     out: dict[str, Any] = {"tp": tp, "dp_world": mesh.world, "global_batch": gb}
     for kind, ts in times.items():
         out[f"{kind}_ms_min"], out[f"{kind}_ms_med"] = 1e3 * min(ts), 1e3 * statistics.median(ts)
-    # activations: bytes autograd keeps for backward in the transformer layers, per rank, one batch
-    task = load_task("gpt", **_gpt_opts(quick))
+    out.update(bench_activations(mesh, pm, quick, batch))
+    bar.update(1)
+    return out
+
+
+ACT_VARIANTS = (  # name, T, sequence parallel, recompute
+    ("t1", 1, False, "none"), ("tp", 2, False, "none"), ("tp_sp", 2, True, "none"),
+    ("tp_sel", 2, False, "selective"), ("tp_sp_sel", 2, True, "selective"),
+)
+
+
+def act_formula(t: int, sp: bool, selective: bool, heads: int, seq: int, dim: int, fp32: bool = False) -> float:
+    """Activation bytes per layer over s b h (Korthikanti et al. 2022, section 4): Megatron's 16-bit
+    accounting 10 (replicated: the layer norms', qkv's and the MLP's inputs, two dropout masks)
+    + 24/t (split: q, k, v, the projection's input, GELU's input and output) + 5 a s / (h t) (the
+    scores: softmax output, dropout mask, dropped probabilities); with sequence parallelism all of
+    it /t; selective recompute drops the score term. ``fp32``: the same items in 4-byte values and
+    1-byte masks (what an fp32 CPU run keeps): 18 + 48/t + 9 a s / (h t)."""
+    rep, split, score = (18, 48, 9) if fp32 else (10, 24, 5)
+    per = (rep + split) / t if sp else rep + split / t
+    return per + (0.0 if selective else score * heads * seq / (dim * t))
+
+
+def bench_activations(mesh: Any, pm: Any, quick: bool, batch: int) -> dict[str, Any]:
+    """(h) Bytes autograd keeps for backward in the transformer layers, per rank, one batch of
+    ``batch`` sequences, with Megatron's dropout (0.1 on the attention probabilities and the residual
+    stream) and a sequence 4 x the head dimension (so the attention scores matter): one process
+    (the TP model on a group of one), TP=2, TP=2 + SP, TP=2 + selective recompute, TP=2 + SP +
+    selective; each against ``act_formula`` (Megatron's, and its fp32 version)."""
+    from worker.peer.mesh import ParallelMesh, RNGStreams
+    from worker.peer.tensor_parallel import TensorParallelGPT, activation_bytes
+    from worker.tasks import load_task
+
+    opts = dict(_gpt_opts(quick))
+    head_dim = opts["dim"] // opts["heads"]
+    opts["seq"] = 4 * head_dim
+    one = ParallelMesh.build(mesh.world, 1, 1, device=mesh.device, seed=0)  # TP groups of one rank
+    task = load_task("gpt", **opts)
     ids = next(task.batches(0, 1, batch, 0))[:, :-1].to(mesh.device)
     acts: dict[str, int] = {}
-    plain: Any = task.model
-    x = (plain.tok(ids) + plain.pos(torch.arange(ids.shape[1], device=ids.device))).detach().requires_grad_(True)
-    with activation_bytes(plain) as ab:
-        y = x
-        for blk in plain.blocks:
-            y = blk(y)
-    y.sum().backward()
-    acts["t1"] = ab["bytes"]
-    for sp in (False, True):
-        m = TensorParallelGPT(task.model, pm.tp_group, sp, pm.rng).to(mesh.device)
+    for name, t, sp, rec in ACT_VARIANTS:
+        group, tp_idx = (one.tp_group, 0) if t == 1 else (pm.tp_group, pm.tp_idx)
+        m = TensorParallelGPT(task.model, group, sp, RNGStreams(0, tp_idx, 0, mesh.device), dropout=0.1,
+                              attention_dropout=0.1, recompute=rec).to(mesh.device)
         x = m.tok(ids.t()).detach().requires_grad_(True)  # under SP already this rank's S/T positions
         with activation_bytes(m) as ab:
             y = x
             for blk in m.blocks:
                 y = blk(y)
         y.sum().backward()
-        acts["tp_sp" if sp else "tp"] = ab["bytes"]
-    out["activation_bytes"] = acts
-    bar.update(1)
-    return out
+        acts[name] = ab["bytes"]
+    sbh = opts["layers"] * opts["seq"] * batch * opts["dim"]
+    predicted = {
+        name: {"megatron": act_formula(t, sp, rec == "selective", opts["heads"], opts["seq"], opts["dim"]),
+               "fp32": act_formula(t, sp, rec == "selective", opts["heads"], opts["seq"], opts["dim"], fp32=True)}
+        for name, t, sp, rec in ACT_VARIANTS
+    }
+    return {"activation_bytes": acts, "activation_per_sbh": {k: v / sbh for k, v in acts.items()},
+            "activation_predicted": predicted,
+            "activation_config": {**{k: opts[k] for k in ("seq", "dim", "heads", "layers")}, "batch": batch, "head_dim": head_dim,
+                                  "dropout": 0.1, "attention_dropout": 0.1}}
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -603,15 +637,19 @@ def moe_figures(res: dict[str, Any]) -> dict[str, Any]:
 
 def tp_figures(res: dict[str, Any]) -> dict[str, Any]:
     tp = res["tp"]
-    acts = tp["activation_bytes"]
-    return {
+    a, pred = tp["activation_bytes"], tp["activation_predicted"]
+    out = {
         "tp_step_ms": tp["tp_ms_med"], "tp_sp_step_ms": tp["tp_sp_ms_med"], "tp_dp_step_ms": tp["dp_ms_med"],
         "tp_step_ms_min": tp["tp_ms_min"], "tp_dp_step_ms_min": tp["dp_ms_min"],
         "tp_vs_dp_step_ratio": tp["tp_ms_med"] / tp["dp_ms_med"],
-        "sp_activation_ratio": acts["tp_sp"] / acts["tp"],
-        "sp_activation_ratio_vs_t1": acts["tp_sp"] / acts["t1"],
-        "tp_activation_ratio_vs_t1": acts["tp"] / acts["t1"],
     }
+    for fig, num, den in (("sp_activation_ratio", "tp_sp", "tp"), ("sp_selective_activation_ratio", "tp_sp_sel", "tp"),
+                          ("selective_activation_ratio", "tp_sel", "tp"), ("sp_activation_ratio_vs_t1", "tp_sp", "t1"),
+                          ("sp_selective_activation_ratio_vs_t1", "tp_sp_sel", "t1"), ("tp_activation_ratio_vs_t1", "tp", "t1")):
+        out[fig] = a[num] / a[den]
+        out[fig + "_megatron"] = pred[num]["megatron"] / pred[den]["megatron"]
+        out[fig + "_fp32_formula"] = pred[num]["fp32"] / pred[den]["fp32"]
+    return out
 
 
 def print_tp_table(res: dict[str, Any]) -> None:
@@ -620,11 +658,16 @@ def print_tp_table(res: dict[str, Any]) -> None:
     print(f"{'':<14}{'ms min':>10}{'ms median':>12}")
     for kind, label in (("dp", f"DP={tp['dp_world']}"), ("tp", f"TP={tp['tp']}"), ("tp_sp", f"TP={tp['tp']} + SP")):
         print(f"{label:<14}{tp[kind + '_ms_min']:>10.1f}{tp[kind + '_ms_med']:>12.1f}")
-    a = tp["activation_bytes"]
-    print("\nactivation bytes per rank kept for backward (transformer layers, one batch)")
-    print(f"{'T=1 (no TP)':<14}{a['t1']:>12,}")
-    print(f"{'TP=2':<14}{a['tp']:>12,}{a['tp'] / a['t1']:>8.3f} of T=1")
-    print(f"{'TP=2 + SP':<14}{a['tp_sp']:>12,}{a['tp_sp'] / a['t1']:>8.3f} of T=1, {a['tp_sp'] / a['tp']:.3f} of TP=2")
+    a, per, pred, c = tp["activation_bytes"], tp["activation_per_sbh"], tp["activation_predicted"], tp["activation_config"]
+    print(f"\nactivation bytes per rank kept for backward ({c['layers']} layers, seq {c['seq']} = 4 x head dim {c['head_dim']}, "
+          f"hidden {c['dim']}, {c['heads']} heads, batch {c['batch']}, dropout {c['dropout']}, attention dropout {c['attention_dropout']})")
+    print("per s b h per layer: measured, the fp32 formula (4-byte values, 1-byte masks), Megatron's (16-bit); ratios measured / Megatron")
+    print(f"{'':<22}{'bytes':>12}{'per sbh':>9}{'fp32 f.':>9}{'Megatron':>10}{'/ TP=2':>8}{'Megatron':>10}{'/ T=1':>8}{'Megatron':>10}")
+    for name, label in (("t1", "one process (T=1)"), ("tp", "TP=2"), ("tp_sp", "TP=2 + SP"), ("tp_sel", "TP=2 + selective"),
+                        ("tp_sp_sel", "TP=2 + SP + selective")):
+        print(f"{label:<22}{a[name]:>12,}{per[name]:>9.2f}{pred[name]['fp32']:>9.2f}{pred[name]['megatron']:>10.2f}"
+              f"{a[name] / a['tp']:>8.3f}{pred[name]['megatron'] / pred['tp']['megatron']:>10.3f}"
+              f"{a[name] / a['t1']:>8.3f}{pred[name]['megatron'] / pred['t1']['megatron']:>10.3f}")
 
 
 def print_moe_table(res: dict[str, Any]) -> None:
