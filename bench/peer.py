@@ -417,6 +417,7 @@ def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dic
             # the figure: the median over quiet steps when at least a third of the steps were quiet
             "bubble_med": statistics.median(quiet) if 3 * len(quiet) >= len(wait) else statistics.median(wait),
             "bubble_min": min(wait), "send_med": statistics.median(send),
+            "per_step": [[round(w, 4), round(q, 4)] for w, q in zip(wait, stolen.tolist())],  # bubble, run-queue wait
             "noncompute_min": min(idle), "noncompute_med": statistics.median(idle), "steps": len(wait),
             "bubble_q1": statistics.quantiles(wait, n=4)[0] if len(wait) > 1 else wait[0],
             "bubble_q3": statistics.quantiles(wait, n=4)[2] if len(wait) > 1 else wait[0],
