@@ -696,7 +696,8 @@ def pipeline_figures(pb: dict[str, Any]) -> dict[str, Any]:
            "bubble_theory_corrected": b1["theory_corrected"], "bubble_theory_corrected_sends": b1["theory_corrected_sends"],
            "bubble_ratio_corrected": b1["bubble_med"] / b1["theory_corrected_sends"],
            "pipeline_stage_imbalance": b1["imbalance"], "bubble_all_steps": b1["bubble_all_med"],
-           "bubble_quiet_steps": b1["quiet_steps"], "bubble_steps": b1["steps"], "bubble_runqueue_med": b1["runqueue_med"]}
+           "bubble_quiet_steps": b1["quiet_steps"], "bubble_steps": b1["steps"], "bubble_runqueue_med": b1["runqueue_med"],
+           "bubble_1f1b_per_step": b1["per_step"]}
     for kind in ("gpipe", "1f1b"):
         b = pb[kind]
         out.update({f"bubble_{kind}": b["bubble_med"], f"bubble_{kind}_min": b["bubble_min"], f"send_{kind}": b["send_med"],
