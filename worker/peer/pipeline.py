@@ -21,7 +21,10 @@ Three parts, usable alone:
   global ranks in stage order, so it works inside any mesh (the layout rank = pp*(D*T) + dp*T + tp
   puts a pipeline's ranks D*T apart). Messages carry a tag naming (kind, micro-batch, stage), so
   they match by tag on Gloo. Activation checkpointing per layer (``recompute``) re-runs a layer's
-  forward in its backward (``torch.utils.checkpoint``, non-reentrant).
+  forward in its backward (``torch.utils.checkpoint``, non-reentrant; with the mesh's ``RNGStreams``
+  given, their states are replayed too, so tensor-parallel dropout draws the same masks).
+  ``tessera peer --recompute selective`` instead recomputes only each block's attention core (the
+  tensor-parallel model's, ``TensorParallelGPT(recompute="selective")``, at any T).
 
 Loss scaling over micro-batches (explicit): the last stage computes each micro-batch's loss as
 the task's mean over that micro-batch and back-propagates ``loss / m``; parameter gradients
