@@ -335,10 +335,12 @@ def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dic
     schedules (``repeats`` each, after one warm-up round), so load from outside hits both alike.
 
     Also measured: each stage's forward and backward time per micro-batch (medians over the steps),
+    each message's delivery delay (from the later of its isend and its irecv to the data in hand),
     and from them the theory corrected for what (P-1)/(m+P-1) assumes away: the schedule simulated
     (``simulate``) with the measured per-stage times (``theory_corrected``: the stages' imbalance,
-    e.g. the last stage's head and loss), and with each send's measured cost added to the compute
-    before it (``theory_corrected_sends``: imbalance and sends on the critical path)."""
+    e.g. the last stage's head and loss), with each send's measured cost added to the compute
+    before it (``theory_corrected_sends``), and with the median delivery delay on every message
+    (``theory_corrected_comm``: imbalance, sends and transport)."""
     import torch
     import torch.distributed as dist
 
@@ -359,11 +361,17 @@ def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dic
     class _Spans:
         def __init__(self) -> None:
             self.t = dict.fromkeys(fields, 0.0)
+            self.sends: dict[tuple[str, str], float] = {}  # (act|grad, micro-batch) -> when isend was called
+            self.recvs: dict[tuple[str, str], tuple[float, float]] = {}  # -> (receive posted, data in hand)
 
         def complete(self, name: str, cat: str, start: float, end: float) -> None:
-            op = name.split()[0]
+            op, mb = name.split()[:2]
             key = {"F": "fwd", "B": "bwd", "SEND_ACT": "send_act", "SEND_GRAD": "send_grad"}.get(op, "wait")
             self.t[key] += end - start
+            if op.startswith("SEND"):
+                self.sends[(op[5:], mb)] = start
+            elif op.startswith("RECV"):
+                self.recvs[(op[5:], mb)] = (start, end)
 
     out: dict[str, Any] = {"P": P, "m": m, "theory": bubble_theory(P, m), "micro_batch": mb, "layers": opts["layers"]}
     engines = {}
@@ -375,6 +383,7 @@ def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dic
         ))
     out["stages"] = [list(b) for b in engines["1f1b"][1].bounds]
     seen: dict[str, list[torch.Tensor]] = {k: [] for k in engines}  # per step: (P, fields) of every rank
+    delays: dict[str, list[float]] = {k: [] for k in engines}  # every message's delivery delay, seconds
     for rep in range(repeats + 1):  # the first round warms up
         for kind, (task, eng) in engines.items():
             data = next(task.batches(0, 1, m * mb, rep))
@@ -391,8 +400,14 @@ def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dic
             mine = torch.tensor([spans.t[f] for f in fields], dtype=torch.float64)
             every = [torch.zeros_like(mine) for _ in range(P)]
             dist.all_gather(every, mine)
+            # delivery delay of each message: from the later of its send and its receive being posted
+            # to the data in hand (perf_counter is CLOCK_MONOTONIC: one clock for every process here)
+            books: list[Any] = [None] * P
+            dist.all_gather_object(books, (spans.sends, spans.recvs))
+            sent = {k: v for b in books for k, v in b[0].items()}
             if rep:
                 seen[kind].append(torch.stack(every))
+                delays[kind] += [end - max(posted, sent[k]) for b in books for k, (posted, end) in b[1].items() if k in sent]
             bar.update(1)
     col = {f: i for i, f in enumerate(fields)}
     for kind, steps in seen.items():
@@ -427,7 +442,12 @@ def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dic
             "theory_corrected": simulate(sched, m, t_fwd=f_ms, t_bwd=b_ms)["bubble_mean"],
             "theory_corrected_sends": simulate(
                 sched, m, t_fwd=[f + s for f, s in zip(f_ms, sa)], t_bwd=[b + s for b, s in zip(b_ms, sg)])["bubble_mean"],
+            "delivery_ms_med": 1e3 * statistics.median(delays[kind]) if delays[kind] else 0.0,
+            "delivery_ms_q3": 1e3 * statistics.quantiles(delays[kind], n=4)[2] if len(delays[kind]) > 1 else 0.0,
         }
+        out[kind]["theory_corrected_comm"] = simulate(
+            sched, m, t_fwd=[f + s for f, s in zip(f_ms, sa)], t_bwd=[b + s for b, s in zip(b_ms, sg)],
+            t_comm=out[kind]["delivery_ms_med"])["bubble_mean"]
     return out
 
 
@@ -694,7 +714,8 @@ def pipeline_figures(pb: dict[str, Any]) -> dict[str, Any]:
     out = {"bubble_measured": b1["bubble_med"], "bubble_theory": pb["theory"],
            "bubble_ratio": b1["bubble_med"] / pb["theory"],
            "bubble_theory_corrected": b1["theory_corrected"], "bubble_theory_corrected_sends": b1["theory_corrected_sends"],
-           "bubble_ratio_corrected": b1["bubble_med"] / b1["theory_corrected_sends"],
+           "bubble_theory_corrected_comm": b1["theory_corrected_comm"], "bubble_delivery_ms": b1["delivery_ms_med"],
+           "bubble_ratio_corrected": b1["bubble_med"] / b1["theory_corrected_comm"],
            "pipeline_stage_imbalance": b1["imbalance"], "bubble_all_steps": b1["bubble_all_med"],
            "bubble_quiet_steps": b1["quiet_steps"], "bubble_steps": b1["steps"], "bubble_runqueue_med": b1["runqueue_med"],
            "bubble_1f1b_per_step": b1["per_step"]}
@@ -710,14 +731,16 @@ def print_pipeline(pb: dict[str, Any]) -> None:
           f"{pb['micro_batch']} sequences per micro-batch, {pb['1f1b']['steps']} steps each): "
           f"theory (P-1)/(m+P-1) = {pb['theory']:.3f}")
     print("fractions of the step time, mean over ranks; bubble = blocked in receives; not compute = all but forward/backward;")
-    print("corrected theory = the schedule simulated with each stage's measured forward/backward times (+ its sends)")
+    print("corrected theory = the schedule simulated with each stage's measured forward/backward times, + its sends'"
+          " cost, + the median message delivery delay")
     print(f"{'schedule':<10}{'bubble min':>11}{'q1':>7}{'median':>8}{'q3':>7}{'/ theory':>10}{'corrected':>11}"
-          f"{'+ sends':>9}{'/ corr.':>9}{'sends':>8}{'not compute':>13}")
+          f"{'+ sends':>9}{'+ delivery':>12}{'/ corr.':>9}{'sends':>8}{'delivery ms':>13}{'not compute':>13}")
     for kind in ("gpipe", "1f1b"):
         b = pb[kind]
         print(f"{kind:<10}{b['bubble_min']:>11.3f}{b['bubble_q1']:>7.3f}{b['bubble_med']:>8.3f}{b['bubble_q3']:>7.3f}"
               f"{b['bubble_med'] / pb['theory']:>10.2f}{b['theory_corrected']:>11.3f}{b['theory_corrected_sends']:>9.3f}"
-              f"{b['bubble_med'] / b['theory_corrected_sends']:>9.2f}{b['send_med']:>8.3f}{b['noncompute_med']:>13.3f}")
+              f"{b['theory_corrected_comm']:>12.3f}{b['bubble_med'] / b['theory_corrected_comm']:>9.2f}{b['send_med']:>8.3f}"
+              f"{b['delivery_ms_med']:>8.2f}/{b['delivery_ms_q3']:<4.1f}{b['noncompute_med']:>13.3f}")
     for kind in ("gpipe", "1f1b"):
         b = pb[kind]
         print(f"{kind:<10}quiet steps (no rank > {QUIET_RUNQUEUE:.0%} of the step on a CPU run queue): {b['quiet_steps']} of {b['steps']}, "

@@ -232,6 +232,7 @@ def _message(a: Action) -> tuple[str, int, int]:
 
 def simulate(
     sched: list[list[Action]], m: int, V: int = 1, t_fwd: float | Sequence[float] = 1.0, t_bwd: float | Sequence[float] = 2.0,
+    t_comm: float = 0.0,
 ) -> dict[str, Any]:
     """Run ``sched`` without communication and check it; raises ``ScheduleError`` naming the rank
     and action otherwise. Sends never block; a receive blocks until its send ran. Checks: each
@@ -240,7 +241,8 @@ def simulate(
     runs, every send received once by the right peer, no deadlock. Returns ``peak_in_flight`` (per
     rank: the most forwards whose backward has not run), ``makespan`` and ``busy`` per rank under
     costs ``t_fwd``/``t_bwd`` of one micro-batch's forward/backward on one virtual stage (one number
-    for every stage, or one per rank: an unbalanced pipeline; communication free), ``bubble``
+    for every stage, or one per rank: an unbalanced pipeline), a message arriving ``t_comm`` after its
+    send (0: communication free), ``bubble``
     (1 - busy / makespan, worst rank) and ``bubble_mean`` (its mean over ranks: the fraction of the
     ranks' time idle, what a measurement averaged over ranks compares with)."""
     P = len(sched)
@@ -278,6 +280,7 @@ def simulate(
                     if msg in received or dst != r or src != a.peer:
                         raise ScheduleError(f"{where}: receives a message sent by rank {src} to rank {dst}, or twice")
                     received.add(msg)
+                    t += t_comm
                     clock[r] = max(clock[r], t)
                     avail[r][msg] = t
                 elif a.op in ("SEND_ACT", "SEND_GRAD"):
