@@ -73,10 +73,23 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 MiB = 2**20
+QUIET_RUNQUEUE = 0.02  # pipeline bubble: a step is quiet if no rank waited > 2% of it on a CPU run queue
+PARTS = ("allreduce", "dp", "zero", "alltoall", "moe", "pipeline", "tp")
 
 
 def _bus_gbps(nbytes: int, seconds: float, world: int) -> float:
     return 2 * (world - 1) / world * nbytes / seconds / 1e9
+
+
+def _runqueue_s() -> float:
+    """Seconds the calling thread (the one that computes and drives the sends and receives) has
+    waited on a CPU run queue: runnable, not running, the time other load on the cores took from
+    it; from Linux's /proc/thread-self/schedstat (0 where there is none)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def _sync(device: Any) -> None:
@@ -318,8 +331,16 @@ def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dic
     step and rank, as fractions of the step time: time blocked in receives (waiting on the other
     stages: the bubble), time in sends (Gloo's isend, on the compute thread), and everything but
     forward/backward compute (the bubble plus all communication and bookkeeping); each step's
-    figures are means over ranks. Stages balanced by compute (``gpt_layer_costs``). Repeats
-    alternate schedules."""
+    figures are means over ranks. Stages balanced by compute (``gpt_layer_costs``). Steps alternate
+    schedules (``repeats`` each, after one warm-up round), so load from outside hits both alike.
+
+    Also measured: each stage's forward and backward time per micro-batch (medians over the steps),
+    each message's delivery delay (from the later of its isend and its irecv to the data in hand),
+    and from them the theory corrected for what (P-1)/(m+P-1) assumes away: the schedule simulated
+    (``simulate``) with the measured per-stage times (``theory_corrected``: the stages' imbalance,
+    e.g. the last stage's head and loss), with each send's measured cost added to the compute
+    before it (``theory_corrected_sends``), and with the median delivery delay on every message
+    (``theory_corrected_comm``: imbalance, sends and transport)."""
     import torch
     import torch.distributed as dist
 
@@ -328,23 +349,29 @@ def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dic
         bubble_theory,
         gpt_layer_costs,
         gpt_layers,
+        schedule,
+        simulate,
     )
     from worker.tasks import load_task
 
     P, m, mb = mesh.world, 8, 2 if quick else 4
     opts = {"vocab": 256, "seq": 64, "dim": 64 if quick else 128, "layers": 2 * P if quick else 4 * P, "heads": 4, "test_size": 8}
+    fields = ("wait", "send_act", "send_grad", "fwd", "bwd", "wall", "runqueue")
 
     class _Spans:
         def __init__(self) -> None:
-            self.busy = self.wait = self.send = 0.0
+            self.t = dict.fromkeys(fields, 0.0)
+            self.sends: dict[tuple[str, str], float] = {}  # (act|grad, micro-batch) -> when isend was called
+            self.recvs: dict[tuple[str, str], tuple[float, float]] = {}  # -> (receive posted, data in hand)
 
         def complete(self, name: str, cat: str, start: float, end: float) -> None:
-            if name[0] in "FB":
-                self.busy += end - start
-            elif name.startswith("RECV"):
-                self.wait += end - start
-            else:
-                self.send += end - start
+            op, mb = name.split()[:2]
+            key = {"F": "fwd", "B": "bwd", "SEND_ACT": "send_act", "SEND_GRAD": "send_grad"}.get(op, "wait")
+            self.t[key] += end - start
+            if op.startswith("SEND"):
+                self.sends[(op[5:], mb)] = start
+            elif op.startswith("RECV"):
+                self.recvs[(op[5:], mb)] = (start, end)
 
     out: dict[str, Any] = {"P": P, "m": m, "theory": bubble_theory(P, m), "micro_batch": mb, "layers": opts["layers"]}
     engines = {}
@@ -354,7 +381,9 @@ def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dic
             gpt_layers(task.model), pp_ranks=list(range(P)), kind=kind, micro_batches=m,
             costs=gpt_layer_costs(task.model), device=mesh.device,
         ))
-    seen: dict[str, list[list[float]]] = {k: [] for k in engines}
+    out["stages"] = [list(b) for b in engines["1f1b"][1].bounds]
+    seen: dict[str, list[torch.Tensor]] = {k: [] for k in engines}  # per step: (P, fields) of every rank
+    delays: dict[str, list[float]] = {k: [] for k in engines}  # every message's delivery delay, seconds
     for rep in range(repeats + 1):  # the first round warms up
         for kind, (task, eng) in engines.items():
             data = next(task.batches(0, 1, m * mb, rep))
@@ -362,36 +391,75 @@ def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dic
             eng.zero_grad()
             spans = _Spans()
             dist.barrier()
+            rq0 = _runqueue_s()
             t0 = time.perf_counter()
             eng.step([x[:, :-1] for x in mbs], [x[:, 1:] for x in mbs], (mb, opts["seq"], opts["dim"]), tracer=spans)
             _sync(mesh.device)
-            wall = time.perf_counter() - t0
-            frac = torch.tensor([spans.wait / wall, spans.send / wall, 1.0 - spans.busy / wall], dtype=torch.float64)
-            dist.all_reduce(frac)
+            spans.t["wall"] = time.perf_counter() - t0
+            spans.t["runqueue"] = _runqueue_s() - rq0
+            mine = torch.tensor([spans.t[f] for f in fields], dtype=torch.float64)
+            every = [torch.zeros_like(mine) for _ in range(P)]
+            dist.all_gather(every, mine)
+            # delivery delay of each message: from the later of its send and its receive being posted
+            # to the data in hand (perf_counter is CLOCK_MONOTONIC: one clock for every process here)
+            books: list[Any] = [None] * P
+            dist.all_gather_object(books, (spans.sends, spans.recvs))
+            sent = {k: v for b in books for k, v in b[0].items()}
             if rep:
-                seen[kind].append((frac / P).tolist())
+                seen[kind].append(torch.stack(every))
+                delays[kind] += [end - max(posted, sent[k]) for b in books for k, (posted, end) in b[1].items() if k in sent]
             bar.update(1)
-    for kind, v in seen.items():
-        wait, send, idle = ([x[i] for x in v] for i in range(3))
+    col = {f: i for i, f in enumerate(fields)}
+    for kind, steps in seen.items():
+        st = torch.stack(steps)  # (steps, P, fields)
+        wall = st[:, :, col["wall"]]
+        waits = (st[:, :, col["wait"]] / wall).mean(1)
+        wait = waits.tolist()
+        # steps in which no rank waited on a run queue for more than QUIET of the step: outside load
+        # (other processes on the cores) stalls a stage, and the other stage's wait for it reads as bubble
+        stolen = (st[:, :, col["runqueue"]] / wall).max(1).values
+        quiet = [w for w, q in zip(wait, stolen.tolist()) if q <= QUIET_RUNQUEUE]
+        send = ((st[:, :, col["send_act"]] + st[:, :, col["send_grad"]]) / wall).mean(1).tolist()
+        idle = (1.0 - (st[:, :, col["fwd"]] + st[:, :, col["bwd"]]) / wall).mean(1).tolist()
+        med = st.median(0).values  # (P, fields): each rank's median step
+        f_ms, b_ms = (1e3 * med[:, col["fwd"]] / m).tolist(), (1e3 * med[:, col["bwd"]] / m).tolist()
+        sa, sg = (1e3 * med[:, col["send_act"]] / m).tolist(), (1e3 * med[:, col["send_grad"]] / m).tolist()
+        sched = schedule(kind, P, m)
         out[kind] = {
-            "bubble_min": min(wait), "bubble_med": statistics.median(wait), "send_med": statistics.median(send),
-            "noncompute_min": min(idle), "noncompute_med": statistics.median(idle), "steps": len(v),
+            "bubble_all_med": statistics.median(wait), "quiet_steps": len(quiet),
+            "bubble_quiet_med": statistics.median(quiet) if quiet else float("nan"),
+            "runqueue_med": statistics.median(stolen.tolist()), "runqueue_max": max(stolen.tolist()),
+            # the figure: the median over quiet steps when at least a third of the steps were quiet
+            "bubble_med": statistics.median(quiet) if 3 * len(quiet) >= len(wait) else statistics.median(wait),
+            "bubble_min": min(wait), "send_med": statistics.median(send),
+            "per_step": [[round(w, 4), round(q, 4)] for w, q in zip(wait, stolen.tolist())],  # bubble, run-queue wait
+            "noncompute_min": min(idle), "noncompute_med": statistics.median(idle), "steps": len(wait),
+            "bubble_q1": statistics.quantiles(wait, n=4)[0] if len(wait) > 1 else wait[0],
+            "bubble_q3": statistics.quantiles(wait, n=4)[2] if len(wait) > 1 else wait[0],
+            "fwd_ms": f_ms, "bwd_ms": b_ms, "send_act_ms": sa, "send_grad_ms": sg,
+            "step_ms_med": 1e3 * statistics.median(wall.max(1).values.tolist()),
+            "imbalance": max(f + b for f, b in zip(f_ms, b_ms)) / min(f + b for f, b in zip(f_ms, b_ms)),
+            "theory_corrected": simulate(sched, m, t_fwd=f_ms, t_bwd=b_ms)["bubble_mean"],
+            "theory_corrected_sends": simulate(
+                sched, m, t_fwd=[f + s for f, s in zip(f_ms, sa)], t_bwd=[b + s for b, s in zip(b_ms, sg)])["bubble_mean"],
+            "delivery_ms_med": 1e3 * statistics.median(delays[kind]) if delays[kind] else 0.0,
+            "delivery_ms_q3": 1e3 * statistics.quantiles(delays[kind], n=4)[2] if len(delays[kind]) > 1 else 0.0,
         }
+        out[kind]["theory_corrected_comm"] = simulate(
+            sched, m, t_fwd=[f + s for f, s in zip(f_ms, sa)], t_bwd=[b + s for b, s in zip(b_ms, sg)],
+            t_comm=out[kind]["delivery_ms_med"])["bubble_mean"]
     return out
 
 
 def bench_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch: int, bar: Any) -> dict[str, Any]:
     """(g) TP=2 (and TP=2 with sequence parallelism) against DP on the same gpt model and global
     batch, through the trainer; (h) activation bytes per rank in the transformer layers."""
-    import torch
     import torch.distributed as dist
 
     from worker.peer import AllReduceDP
     from worker.peer.mesh import ParallelMesh
     from worker.peer.tensor_parallel import (
-        TensorParallelGPT,
         TensorParallelSync,
-        activation_bytes,
         tensor_parallel_task,
     )
     from worker.tasks import load_task
@@ -425,30 +493,67 @@ def bench_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch
     out: dict[str, Any] = {"tp": tp, "dp_world": mesh.world, "global_batch": gb}
     for kind, ts in times.items():
         out[f"{kind}_ms_min"], out[f"{kind}_ms_med"] = 1e3 * min(ts), 1e3 * statistics.median(ts)
-    # activations: bytes autograd keeps for backward in the transformer layers, per rank, one batch
-    task = load_task("gpt", **_gpt_opts(quick))
+    out.update(bench_activations(mesh, pm, quick, batch))
+    bar.update(1)
+    return out
+
+
+ACT_VARIANTS = (  # name, T, sequence parallel, recompute
+    ("t1", 1, False, "none"), ("tp", 2, False, "none"), ("tp_sp", 2, True, "none"),
+    ("tp_sel", 2, False, "selective"), ("tp_sp_sel", 2, True, "selective"),
+)
+
+
+def act_formula(t: int, sp: bool, selective: bool, heads: int, seq: int, dim: int, fp32: bool = False) -> float:
+    """Activation bytes per layer over s b h (Korthikanti et al. 2022, section 4): Megatron's 16-bit
+    accounting 10 (replicated: the layer norms', qkv's and the MLP's inputs, two dropout masks)
+    + 24/t (split: q, k, v, the projection's input, GELU's input and output) + 5 a s / (h t) (the
+    scores: softmax output, dropout mask, dropped probabilities); with sequence parallelism all of
+    it /t; selective recompute drops the score term. ``fp32``: the same items in 4-byte values and
+    1-byte masks (what an fp32 CPU run keeps): 18 + 48/t + 9 a s / (h t)."""
+    rep, split, score = (18, 48, 9) if fp32 else (10, 24, 5)
+    per = (rep + split) / t if sp else rep + split / t
+    return per + (0.0 if selective else score * heads * seq / (dim * t))
+
+
+def bench_activations(mesh: Any, pm: Any, quick: bool, batch: int) -> dict[str, Any]:
+    """(h) Bytes autograd keeps for backward in the transformer layers, per rank, one batch of
+    ``batch`` sequences, with Megatron's dropout (0.1 on the attention probabilities and the residual
+    stream) and a sequence 4 x the head dimension (so the attention scores matter): one process
+    (the TP model on a group of one), TP=2, TP=2 + SP, TP=2 + selective recompute, TP=2 + SP +
+    selective; each against ``act_formula`` (Megatron's, and its fp32 version)."""
+    from worker.peer.mesh import ParallelMesh, RNGStreams
+    from worker.peer.tensor_parallel import TensorParallelGPT, activation_bytes
+    from worker.tasks import load_task
+
+    opts = dict(_gpt_opts(quick))
+    head_dim = opts["dim"] // opts["heads"]
+    opts["seq"] = 4 * head_dim
+    one = ParallelMesh.build(mesh.world, 1, 1, device=mesh.device, seed=0)  # TP groups of one rank
+    task = load_task("gpt", **opts)
     ids = next(task.batches(0, 1, batch, 0))[:, :-1].to(mesh.device)
     acts: dict[str, int] = {}
-    plain: Any = task.model
-    x = (plain.tok(ids) + plain.pos(torch.arange(ids.shape[1], device=ids.device))).detach().requires_grad_(True)
-    with activation_bytes(plain) as ab:
-        y = x
-        for blk in plain.blocks:
-            y = blk(y)
-    y.sum().backward()
-    acts["t1"] = ab["bytes"]
-    for sp in (False, True):
-        m = TensorParallelGPT(task.model, pm.tp_group, sp, pm.rng).to(mesh.device)
+    for name, t, sp, rec in ACT_VARIANTS:
+        group, tp_idx = (one.tp_group, 0) if t == 1 else (pm.tp_group, pm.tp_idx)
+        m = TensorParallelGPT(task.model, group, sp, RNGStreams(0, tp_idx, 0, mesh.device), dropout=0.1,
+                              attention_dropout=0.1, recompute=rec).to(mesh.device)
         x = m.tok(ids.t()).detach().requires_grad_(True)  # under SP already this rank's S/T positions
         with activation_bytes(m) as ab:
             y = x
             for blk in m.blocks:
                 y = blk(y)
         y.sum().backward()
-        acts["tp_sp" if sp else "tp"] = ab["bytes"]
-    out["activation_bytes"] = acts
-    bar.update(1)
-    return out
+        acts[name] = ab["bytes"]
+    sbh = opts["layers"] * opts["seq"] * batch * opts["dim"]
+    predicted = {
+        name: {"megatron": act_formula(t, sp, rec == "selective", opts["heads"], opts["seq"], opts["dim"]),
+               "fp32": act_formula(t, sp, rec == "selective", opts["heads"], opts["seq"], opts["dim"], fp32=True)}
+        for name, t, sp, rec in ACT_VARIANTS
+    }
+    return {"activation_bytes": acts, "activation_per_sbh": {k: v / sbh for k, v in acts.items()},
+            "activation_predicted": predicted,
+            "activation_config": {**{k: opts[k] for k in ("seq", "dim", "heads", "layers")}, "batch": batch, "head_dim": head_dim,
+                                  "dropout": 0.1, "attention_dropout": 0.1}}
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -465,25 +570,31 @@ def rank_main(args: argparse.Namespace) -> None:
     repeats = 3 if quick else 15
     rounds, steps, warmup = (2, 3, 1) if quick else (4, 10, 2)
     batch = 8
-    pipe_repeats = 3 if quick else 16
-    total = len(sizes) * repeats + 2 * rounds + 4 + repeats + 2 * rounds + 2 * (pipe_repeats + 1) + 3 * rounds + 1
+    pipe_repeats = 3 if quick else 24
+    parts = set(args.parts.split(","))
+    total = sum(n for part, n in (("allreduce", len(sizes) * repeats), ("dp", 2 * rounds), ("zero", 4), ("alltoall", repeats),
+                                  ("moe", 2 * rounds), ("pipeline", 2 * (pipe_repeats + 1)), ("tp", 3 * rounds + 1)) if part in parts)
     bar = tqdm(total=total, desc="bench/peer", disable=mesh.rank != 0 or args.no_progress, file=sys.stderr, mininterval=0.5)
     t0 = time.time()
-    ar = bench_allreduce(mesh, sizes, repeats, bar)
-    dp = bench_dp_step(mesh, quick, rounds, steps, warmup, batch, bar)
-    zm = bench_zero_memory(mesh, quick, batch, bar)
-    a2a = bench_alltoall(mesh, sizes[-1], repeats, bar)
-    moe = bench_moe_step(mesh, quick, rounds, steps, warmup, batch, bar)
-    pb = bench_pipeline_bubble(mesh, quick, pipe_repeats, bar)
-    tpr = bench_tp(mesh, quick, rounds, steps, warmup, batch, bar)
+    res: dict[str, Any] = {}
+    if "allreduce" in parts:
+        res["allreduce"] = bench_allreduce(mesh, sizes, repeats, bar)
+    if "dp" in parts:
+        res["dp_step"] = bench_dp_step(mesh, quick, rounds, steps, warmup, batch, bar)
+    if "zero" in parts:
+        res["zero_memory"] = bench_zero_memory(mesh, quick, batch, bar)
+    if "alltoall" in parts:
+        res["alltoall"] = bench_alltoall(mesh, sizes[-1], repeats, bar)
+    if "moe" in parts:
+        res["moe_step"] = bench_moe_step(mesh, quick, rounds, steps, warmup, batch, bar)
+    if "pipeline" in parts:
+        res["pipeline"] = bench_pipeline_bubble(mesh, quick, pipe_repeats, bar)
+    if "tp" in parts:
+        res["tp"] = bench_tp(mesh, quick, rounds, steps, warmup, batch, bar)
     bar.close()
     if mesh.rank == 0:
-        result = {
-            "world": mesh.world, "backend": mesh.backend, "device": str(mesh.device), "quick": quick,
-            "allreduce": ar, "dp_step": dp, "zero_memory": zm, "alltoall": a2a, "moe_step": moe, "pipeline": pb,
-            "tp": tpr,
-            "seconds": time.time() - t0,
-        }
+        result = {"world": mesh.world, "backend": mesh.backend, "device": str(mesh.device), "quick": quick, **res,
+                  "seconds": time.time() - t0}
         with open(args.result, "w") as f:
             json.dump(result, f)
     sys.stdout.flush()
@@ -498,28 +609,39 @@ def _free_port() -> int:
 
 
 def summarize(res: dict[str, Any]) -> dict[str, Any]:
-    ar, dp, zm = res["allreduce"], res["dp_step"], res["zero_memory"]
-    sizes = sorted(ar, key=int)
-    base = zm["dp"]
-    figures: dict[str, Any] = {
-        "allreduce_ratio": min(ar[s]["ratio"] for s in sizes),
-        "dp_step_ratio": dp["ratio"],
-        "zero1_state_ratio": zm["zero1"]["state_bytes"] / base["state_bytes"],
-        "zero2_grad_ratio": zm["zero2"]["grad_bytes"] / base["grad_bytes"],
-        "zero3_param_ratio": zm["zero3"]["param_bytes"] / base["param_bytes"],
-        "zero2_peak_grad_ratio": zm["zero2"]["peak_grad_bytes"] / base["grad_bytes"],
-        "zero3_state_ratio": zm["zero3"]["state_bytes"] / base["state_bytes"],
-    }
-    figures.update(pipeline_figures(res["pipeline"]))
-    for s in sizes:
-        figures[f"allreduce_{s}mib_ratio"] = ar[s]["ratio"]
-        figures[f"raw_{s}mib_busbw_gbps"] = ar[s]["raw_gbps_med"]
-        figures[f"ours_{s}mib_busbw_gbps"] = ar[s]["ours_gbps_med"]
-    figures.update(moe_figures(res))
-    figures.update(tp_figures(res))
+    figures: dict[str, Any] = {}
+    if "allreduce" in res:
+        ar = res["allreduce"]
+        sizes = sorted(ar, key=int)
+        figures["allreduce_ratio"] = min(ar[s]["ratio"] for s in sizes)
+        for s in sizes:
+            figures[f"allreduce_{s}mib_ratio"] = ar[s]["ratio"]
+            figures[f"raw_{s}mib_busbw_gbps"] = ar[s]["raw_gbps_med"]
+            figures[f"ours_{s}mib_busbw_gbps"] = ar[s]["ours_gbps_med"]
+    if "dp_step" in res:
+        dp = res["dp_step"]
+        figures.update({
+            "dp_step_ratio": dp["ratio"],
+            "ours_step_ms": dp["ours_ms_med"], "ddp_step_ms": dp["ddp_ms_med"], "ours_step_ms_min": dp["ours_ms_min"],
+            "ddp_step_ms_min": dp["ddp_ms_min"], "ours_tokens_per_s": dp["ours_tokens_per_s"], "gpt_params": dp["params"],
+        })
+    if "zero_memory" in res:
+        zm = res["zero_memory"]
+        base = zm["dp"]
+        figures.update({
+            "zero1_state_ratio": zm["zero1"]["state_bytes"] / base["state_bytes"],
+            "zero2_grad_ratio": zm["zero2"]["grad_bytes"] / base["grad_bytes"],
+            "zero3_param_ratio": zm["zero3"]["param_bytes"] / base["param_bytes"],
+            "zero2_peak_grad_ratio": zm["zero2"]["peak_grad_bytes"] / base["grad_bytes"],
+            "zero3_state_ratio": zm["zero3"]["state_bytes"] / base["state_bytes"],
+        })
+    if "pipeline" in res:
+        figures.update(pipeline_figures(res["pipeline"]))
+    if "alltoall" in res and "moe_step" in res:
+        figures.update(moe_figures(res))
+    if "tp" in res:
+        figures.update(tp_figures(res))
     figures.update({
-        "ours_step_ms": dp["ours_ms_med"], "ddp_step_ms": dp["ddp_ms_med"], "ours_step_ms_min": dp["ours_ms_min"],
-        "ddp_step_ms_min": dp["ddp_ms_min"], "ours_tokens_per_s": dp["ours_tokens_per_s"], "gpt_params": dp["params"],
         "world": res["world"], "backend": res["backend"], "device": res["device"], "quick": res["quick"],
         "seconds": round(res["seconds"], 1), "loadavg": list(os.getloadavg()),
     })
@@ -536,15 +658,19 @@ def moe_figures(res: dict[str, Any]) -> dict[str, Any]:
 
 def tp_figures(res: dict[str, Any]) -> dict[str, Any]:
     tp = res["tp"]
-    acts = tp["activation_bytes"]
-    return {
+    a, pred = tp["activation_bytes"], tp["activation_predicted"]
+    out = {
         "tp_step_ms": tp["tp_ms_med"], "tp_sp_step_ms": tp["tp_sp_ms_med"], "tp_dp_step_ms": tp["dp_ms_med"],
         "tp_step_ms_min": tp["tp_ms_min"], "tp_dp_step_ms_min": tp["dp_ms_min"],
         "tp_vs_dp_step_ratio": tp["tp_ms_med"] / tp["dp_ms_med"],
-        "sp_activation_ratio": acts["tp_sp"] / acts["tp"],
-        "sp_activation_ratio_vs_t1": acts["tp_sp"] / acts["t1"],
-        "tp_activation_ratio_vs_t1": acts["tp"] / acts["t1"],
     }
+    for fig, num, den in (("sp_activation_ratio", "tp_sp", "tp"), ("sp_selective_activation_ratio", "tp_sp_sel", "tp"),
+                          ("selective_activation_ratio", "tp_sel", "tp"), ("sp_activation_ratio_vs_t1", "tp_sp", "t1"),
+                          ("sp_selective_activation_ratio_vs_t1", "tp_sp_sel", "t1"), ("tp_activation_ratio_vs_t1", "tp", "t1")):
+        out[fig] = a[num] / a[den]
+        out[fig + "_megatron"] = pred[num]["megatron"] / pred[den]["megatron"]
+        out[fig + "_fp32_formula"] = pred[num]["fp32"] / pred[den]["fp32"]
+    return out
 
 
 def print_tp_table(res: dict[str, Any]) -> None:
@@ -553,11 +679,16 @@ def print_tp_table(res: dict[str, Any]) -> None:
     print(f"{'':<14}{'ms min':>10}{'ms median':>12}")
     for kind, label in (("dp", f"DP={tp['dp_world']}"), ("tp", f"TP={tp['tp']}"), ("tp_sp", f"TP={tp['tp']} + SP")):
         print(f"{label:<14}{tp[kind + '_ms_min']:>10.1f}{tp[kind + '_ms_med']:>12.1f}")
-    a = tp["activation_bytes"]
-    print("\nactivation bytes per rank kept for backward (transformer layers, one batch)")
-    print(f"{'T=1 (no TP)':<14}{a['t1']:>12,}")
-    print(f"{'TP=2':<14}{a['tp']:>12,}{a['tp'] / a['t1']:>8.3f} of T=1")
-    print(f"{'TP=2 + SP':<14}{a['tp_sp']:>12,}{a['tp_sp'] / a['t1']:>8.3f} of T=1, {a['tp_sp'] / a['tp']:.3f} of TP=2")
+    a, per, pred, c = tp["activation_bytes"], tp["activation_per_sbh"], tp["activation_predicted"], tp["activation_config"]
+    print(f"\nactivation bytes per rank kept for backward ({c['layers']} layers, seq {c['seq']} = 4 x head dim {c['head_dim']}, "
+          f"hidden {c['dim']}, {c['heads']} heads, batch {c['batch']}, dropout {c['dropout']}, attention dropout {c['attention_dropout']})")
+    print("per s b h per layer: measured, the fp32 formula (4-byte values, 1-byte masks), Megatron's (16-bit); ratios measured / Megatron")
+    print(f"{'':<22}{'bytes':>12}{'per sbh':>9}{'fp32 f.':>9}{'Megatron':>10}{'/ TP=2':>8}{'Megatron':>10}{'/ T=1':>8}{'Megatron':>10}")
+    for name, label in (("t1", "one process (T=1)"), ("tp", "TP=2"), ("tp_sp", "TP=2 + SP"), ("tp_sel", "TP=2 + selective"),
+                        ("tp_sp_sel", "TP=2 + SP + selective")):
+        print(f"{label:<22}{a[name]:>12,}{per[name]:>9.2f}{pred[name]['fp32']:>9.2f}{pred[name]['megatron']:>10.2f}"
+              f"{a[name] / a['tp']:>8.3f}{pred[name]['megatron'] / pred['tp']['megatron']:>10.3f}"
+              f"{a[name] / a['t1']:>8.3f}{pred[name]['megatron'] / pred['t1']['megatron']:>10.3f}")
 
 
 def print_moe_table(res: dict[str, Any]) -> None:
@@ -577,9 +708,17 @@ def print_moe_table(res: dict[str, Any]) -> None:
 
 def pipeline_figures(pb: dict[str, Any]) -> dict[str, Any]:
     """``bubble_measured`` (1F1B: median fraction of the step blocked in receives), ``bubble_theory``
-    (P-1)/(m+P-1), per schedule, and the fraction not spent in compute at all."""
-    out = {"bubble_measured": pb["1f1b"]["bubble_med"], "bubble_theory": pb["theory"],
-           "bubble_ratio": pb["1f1b"]["bubble_med"] / pb["theory"]}
+    (P-1)/(m+P-1), per schedule, the fraction not spent in compute at all, and the theory corrected
+    for the measured stage imbalance (and sends)."""
+    b1 = pb["1f1b"]
+    out = {"bubble_measured": b1["bubble_med"], "bubble_theory": pb["theory"],
+           "bubble_ratio": b1["bubble_med"] / pb["theory"],
+           "bubble_theory_corrected": b1["theory_corrected"], "bubble_theory_corrected_sends": b1["theory_corrected_sends"],
+           "bubble_theory_corrected_comm": b1["theory_corrected_comm"], "bubble_delivery_ms": b1["delivery_ms_med"],
+           "bubble_ratio_corrected": b1["bubble_med"] / b1["theory_corrected_comm"],
+           "pipeline_stage_imbalance": b1["imbalance"], "bubble_all_steps": b1["bubble_all_med"],
+           "bubble_quiet_steps": b1["quiet_steps"], "bubble_steps": b1["steps"], "bubble_runqueue_med": b1["runqueue_med"],
+           "bubble_1f1b_per_step": b1["per_step"]}
     for kind in ("gpipe", "1f1b"):
         b = pb[kind]
         out.update({f"bubble_{kind}": b["bubble_med"], f"bubble_{kind}_min": b["bubble_min"], f"send_{kind}": b["send_med"],
@@ -588,36 +727,62 @@ def pipeline_figures(pb: dict[str, Any]) -> dict[str, Any]:
 
 
 def print_pipeline(pb: dict[str, Any]) -> None:
-    print(f"\npipeline bubble, P={pb['P']} m={pb['m']} ({pb['layers']} blocks, {pb['micro_batch']} sequences per micro-batch): "
+    print(f"\npipeline bubble, P={pb['P']} m={pb['m']} ({pb['layers']} blocks, stages {pb['stages']}, "
+          f"{pb['micro_batch']} sequences per micro-batch, {pb['1f1b']['steps']} steps each): "
           f"theory (P-1)/(m+P-1) = {pb['theory']:.3f}")
-    print("fractions of the step time, mean over ranks; bubble = blocked in receives; not compute = all but forward/backward")
-    print(f"{'schedule':<10}{'bubble min':>12}{'median':>9}{'/ theory':>10}{'sends':>8}{'not compute min':>17}{'median':>9}")
+    print("fractions of the step time, mean over ranks; bubble = blocked in receives; not compute = all but forward/backward;")
+    print("corrected theory = the schedule simulated with each stage's measured forward/backward times, + its sends'"
+          " cost, + the median message delivery delay")
+    print(f"{'schedule':<10}{'bubble min':>11}{'q1':>7}{'median':>8}{'q3':>7}{'/ theory':>10}{'corrected':>11}"
+          f"{'+ sends':>9}{'+ delivery':>12}{'/ corr.':>9}{'sends':>8}{'delivery ms':>13}{'not compute':>13}")
     for kind in ("gpipe", "1f1b"):
         b = pb[kind]
-        print(f"{kind:<10}{b['bubble_min']:>12.3f}{b['bubble_med']:>9.3f}{b['bubble_med'] / pb['theory']:>10.2f}"
-              f"{b['send_med']:>8.3f}{b['noncompute_min']:>17.3f}{b['noncompute_med']:>9.3f}")
+        print(f"{kind:<10}{b['bubble_min']:>11.3f}{b['bubble_q1']:>7.3f}{b['bubble_med']:>8.3f}{b['bubble_q3']:>7.3f}"
+              f"{b['bubble_med'] / pb['theory']:>10.2f}{b['theory_corrected']:>11.3f}{b['theory_corrected_sends']:>9.3f}"
+              f"{b['theory_corrected_comm']:>12.3f}{b['bubble_med'] / b['theory_corrected_comm']:>9.2f}{b['send_med']:>8.3f}"
+              f"{b['delivery_ms_med']:>8.2f}/{b['delivery_ms_q3']:<4.1f}{b['noncompute_med']:>13.3f}")
+    for kind in ("gpipe", "1f1b"):
+        b = pb[kind]
+        print(f"{kind:<10}quiet steps (no rank > {QUIET_RUNQUEUE:.0%} of the step on a CPU run queue): {b['quiet_steps']} of {b['steps']}, "
+              f"their median bubble {b['bubble_quiet_med']:.3f}; all steps' {b['bubble_all_med']:.3f}; "
+              f"run-queue wait median {b['runqueue_med']:.3f}, max {b['runqueue_max']:.3f} of a step")
+    print("per stage, ms per micro-batch (medians): forward / backward / send after it")
+    for kind in ("gpipe", "1f1b"):
+        b = pb[kind]
+        cells = "  ".join(f"stage {r}: {f:.2f} / {bw:.2f} / {sa + sg:.2f}"
+                          for r, (f, bw, sa, sg) in enumerate(zip(b["fwd_ms"], b["bwd_ms"], b["send_act_ms"], b["send_grad_ms"])))
+        print(f"{kind:<10}{cells}   imbalance {b['imbalance']:.3f}, step {b['step_ms_med']:.0f} ms")
 
 
 def print_table(res: dict[str, Any]) -> None:
-    ar, dp, zm = res["allreduce"], res["dp_step"], res["zero_memory"]
     print(f"peer mode, world {res['world']}, {res['backend']} on {res['device']}")
-    print(f"{'all-reduce':<14}{'raw GB/s med/max':>20}{'ours GB/s med/max':>20}{'raw ms min/med':>18}{'ours ms min/med':>18}{'ratio':>8}")
-    for s in sorted(ar, key=int):
-        a = ar[s]
-        print(
-            f"{s + ' MiB':<14}{a['raw_gbps_med']:>11.3f}/{a['raw_gbps_max']:<8.3f}{a['ours_gbps_med']:>11.3f}/{a['ours_gbps_max']:<8.3f}"
-            f"{a['raw_ms_min']:>9.1f}/{a['raw_ms_med']:<8.1f}{a['ours_ms_min']:>9.1f}/{a['ours_ms_med']:<8.1f}{a['ratio']:>8.3f}"
-        )
-    print(f"\ngpt DP step ({dp['params']:,} params, {dp['batch_per_rank']} x {dp['seq']:.0f} tokens per rank)")
-    print(f"{'':<8}{'ms min':>10}{'ms median':>12}{'tokens/s':>12}")
-    print(f"{'ours':<8}{dp['ours_ms_min']:>10.1f}{dp['ours_ms_med']:>12.1f}{dp['ours_tokens_per_s']:>12,.0f}")
-    print(f"{'DDP':<8}{dp['ddp_ms_min']:>10.1f}{dp['ddp_ms_med']:>12.1f}{dp['ddp_tokens_per_s']:>12,.0f}")
-    print(f"ours / DDP step time: {dp['ratio']:.3f}")
-    print("\nper-rank bytes kept between steps (gpt, Adam)")
-    print(f"{'stage':<8}{'params':>12}{'grads':>12}{'opt state':>12}{'peak grads':>12}")
-    for mode, m in zm.items():
-        print(f"{mode:<8}{m['param_bytes']:>12,}{m['grad_bytes']:>12,}{m['state_bytes']:>12,}{m['peak_grad_bytes']:>12,}")
-    print_pipeline(res["pipeline"])
+    if "allreduce" in res:
+        ar = res["allreduce"]
+        print(f"{'all-reduce':<14}{'raw GB/s med/max':>20}{'ours GB/s med/max':>20}{'raw ms min/med':>18}{'ours ms min/med':>18}{'ratio':>8}")
+        for s in sorted(ar, key=int):
+            a = ar[s]
+            print(
+                f"{s + ' MiB':<14}{a['raw_gbps_med']:>11.3f}/{a['raw_gbps_max']:<8.3f}{a['ours_gbps_med']:>11.3f}/{a['ours_gbps_max']:<8.3f}"
+                f"{a['raw_ms_min']:>9.1f}/{a['raw_ms_med']:<8.1f}{a['ours_ms_min']:>9.1f}/{a['ours_ms_med']:<8.1f}{a['ratio']:>8.3f}"
+            )
+    if "dp_step" in res:
+        dp = res["dp_step"]
+        print(f"\ngpt DP step ({dp['params']:,} params, {dp['batch_per_rank']} x {dp['seq']:.0f} tokens per rank)")
+        print(f"{'':<8}{'ms min':>10}{'ms median':>12}{'tokens/s':>12}")
+        print(f"{'ours':<8}{dp['ours_ms_min']:>10.1f}{dp['ours_ms_med']:>12.1f}{dp['ours_tokens_per_s']:>12,.0f}")
+        print(f"{'DDP':<8}{dp['ddp_ms_min']:>10.1f}{dp['ddp_ms_med']:>12.1f}{dp['ddp_tokens_per_s']:>12,.0f}")
+        print(f"ours / DDP step time: {dp['ratio']:.3f}")
+    if "zero_memory" in res:
+        print("\nper-rank bytes kept between steps (gpt, Adam)")
+        print(f"{'stage':<8}{'params':>12}{'grads':>12}{'opt state':>12}{'peak grads':>12}")
+        for mode, m in res["zero_memory"].items():
+            print(f"{mode:<8}{m['param_bytes']:>12,}{m['grad_bytes']:>12,}{m['state_bytes']:>12,}{m['peak_grad_bytes']:>12,}")
+    if "pipeline" in res:
+        print_pipeline(res["pipeline"])
+    if "alltoall" in res and "moe_step" in res:
+        print_moe_table(res)
+    if "tp" in res:
+        print_tp_table(res)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -627,11 +792,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     p.add_argument("--device", default="cpu", help="cpu or cuda (each rank cuda:RANK)")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)} (default: all)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
     p.add_argument("--rank", type=int, default=-1, help=argparse.SUPPRESS)
     p.add_argument("--result", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    unknown = set(args.parts.split(",")) - set(PARTS)
+    if unknown:
+        p.error(f"--parts: unknown {', '.join(sorted(unknown))} (choose from {', '.join(PARTS)})")
     if args.rank >= 0:
         rank_main(args)
         return 0
@@ -649,6 +818,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(r), "--result", result,
                    "--backend", args.backend, "--device", args.device]
             cmd += ["--quick"] if args.quick else []
+            cmd += ["--parts", args.parts]
             cmd += ["--no-progress"] if args.no_progress else []
             procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
         deadline = time.monotonic() + args.timeout
@@ -670,8 +840,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(result) as f:
             res = json.load(f)
     print_table(res)
-    print_moe_table(res)
-    print_tp_table(res)
     figures = summarize(res)
     if args.json_out:
         os.makedirs(os.path.dirname(os.path.abspath(args.json_out)), exist_ok=True)

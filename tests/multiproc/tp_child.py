@@ -20,7 +20,14 @@ import torch.nn.functional as F
 
 from ps import OptimizerSpec
 from worker.peer import shutdown_group
-from worker.peer.mesh import ParallelMesh, PeerConfigError, init_mesh
+from worker.peer.mesh import ParallelMesh, PeerConfigError, RNGStreams, init_mesh
+from worker.peer.pipeline import (
+    PipelineEngine,
+    StageOptimizer,
+    stage_specs,
+    tp_gpt_layers,
+    tp_gpt_loss,
+)
 from worker.peer.tensor_parallel import (
     TensorParallelGPT,
     TensorParallelSync,
@@ -33,6 +40,7 @@ from worker.trainer import TrainConfig, Trainer
 
 STEPS = 3
 GPT = {"vocab": 32, "seq": 8, "dim": 16, "layers": 2, "heads": 4, "test_size": 4}
+GPT_SELECTIVE = {**GPT, "seq": 16}  # sequence 4 x the head dimension: the attention scores are most of the activations
 
 
 def cross_entropy(m: Any, batch: torch.Tensor) -> torch.Tensor:
@@ -200,6 +208,59 @@ def main(dp: int, tp: int, pp: int, checks: list[str]) -> None:
                 assert len(got) == 1, len(got)
             loss, params = got[-1]
             print(f"CKPT {kind} {mode} " + json.dumps({"loss": loss, "params": params.tolist()}), flush=True)
+            print(f"OK {check}", flush=True)
+        elif check in ("selective", "selective-sp"):
+            # selective recompute (the attention core again in backward) == no recompute, with attention
+            # and residual dropout (masks from the tp stream: the recomputation must draw the same ones),
+            # Adam, parameters after every step; and it keeps fewer activation bytes
+            sp = check == "selective-sp"
+            got, kept = {}, {}
+            for rec in ("none", "selective"):
+                task = load_task("gpt", **GPT_SELECTIVE)
+                tt = tensor_parallel_task(task, mesh, sp, dropout=0.1, attention_dropout=0.1, recompute=rec,
+                                          rng=RNGStreams(0, mesh.tp_idx, mesh.pp_idx))
+                got[rec] = run(tt, TensorParallelSync(tt.model, tt.dense_optimizer, mesh), mesh, mesh.dp_idx, mesh.dp, 4, STEPS)
+                batch = next(task.batches(0, 1, 4, 0))
+                x = tt.model.tok(batch[:, :-1].t()).detach().requires_grad_(True)
+                with activation_bytes(tt.model) as ab:
+                    y = x
+                    for blk in tt.model.blocks:
+                        y = blk(y)
+                y.sum().backward()
+                kept[rec] = ab["bytes"]
+            compare(check, got["selective"], got["none"], 1e-5, 1e-6)
+            assert kept["selective"] < 0.8 * kept["none"], kept
+            print(f"OK {check} bytes {kept}", flush=True)
+        elif check in ("selective-ref", "selective-ref-sp"):  # no dropout: selective TP (and SP) == one process (SGD)
+            sp = check == "selective-ref-sp"
+            task = load_task("gpt", **GPT)
+            task.dense_optimizer = OptimizerSpec("sgd", {"lr": 0.5})
+            want = reference(task, lambda p: torch.optim.SGD(p, lr=0.5), 4 * dp, STEPS)
+            tt = tensor_parallel_task(task, mesh, sp, recompute="selective")
+            got_sel = run(tt, TensorParallelSync(tt.model, tt.dense_optimizer, mesh), mesh, mesh.dp_idx, mesh.dp, 4, STEPS)
+            compare(check, got_sel, want, 1e-5, 1e-6)
+            print(f"OK {check}", flush=True)
+        elif check == "full-dropout":
+            # full (per-layer) recompute in the pipeline's stages with TP dropout (attention and residual,
+            # sequence parallel): the recomputation replays the mesh's streams, so it equals no recompute
+            got_full = {}
+            for rec in (False, True):
+                task = load_task("gpt", **GPT_SELECTIVE)
+                rng = RNGStreams(0, mesh.tp_idx, mesh.pp_idx)
+                model = TensorParallelGPT(task.model, mesh.tp_group, True, rng, dropout=0.1, attention_dropout=0.1)
+                eng = PipelineEngine(tp_gpt_layers(model), pp_ranks=[mesh.rank], kind="1f1b", micro_batches=2, recompute=rec,
+                                     loss_fn=tp_gpt_loss(model), rng=rng)
+                opt = StageOptimizer(stage_specs(model, eng.parameters()), task.dense_optimizer, tp_group=mesh.tp_group,
+                                     tp_size=tp, tp_rank=mesh.tp_idx, sequence_parallel=True)
+                data, seen = task.batches(0, 1, 4, 0), []
+                for _ in range(STEPS):
+                    mbs = list(next(data).chunk(2))
+                    eng.zero_grad()
+                    eng.step([b[:, :-1] for b in mbs], [b[:, 1:] for b in mbs], (GPT_SELECTIVE["seq"] // tp, 2, GPT_SELECTIVE["dim"]))
+                    opt.step()
+                    seen.append((0.0, torch.cat([p.reshape(-1) for p in model.full_parameters()])))
+                got_full[rec] = seen
+            compare(check, got_full[True], got_full[False], 1e-5, 1e-6)
             print(f"OK {check}", flush=True)
         elif check == "dropout":  # replicated dropout masks agree across TP ranks (the replicas stay equal)
             task = load_task("gpt", **GPT)

@@ -123,3 +123,19 @@ def test_pipeline_config_start_checks() -> None:
     ]:
         with pytest.raises(PeerConfigError, match=msg):
             cfg(*argv, world=world)
+
+
+def test_simulate_with_unbalanced_stages_and_message_delay() -> None:
+    """Per-rank costs and a delivery delay: equal stages and free messages give (P-1)/(m+P-1) as the
+    mean over ranks too; a slower last stage, or each message arriving later, only adds to it (the
+    corrected theory bench/peer.py compares its measured bubble with); a wrong cost list is refused."""
+    P, m = 2, 8
+    sched = schedule("1f1b", P, m)
+    even = simulate(sched, m, t_fwd=[1.0, 1.0], t_bwd=[2.0, 2.0])
+    assert even["bubble_mean"] == pytest.approx(bubble_theory(P, m), abs=1e-12)
+    slow_last = simulate(sched, m, t_fwd=[1.0, 1.2], t_bwd=[2.0, 2.4])
+    assert slow_last["bubble_mean"] > even["bubble_mean"] and slow_last["makespan"] > even["makespan"]
+    delayed = simulate(sched, m, t_comm=0.5)
+    assert delayed["bubble_mean"] > even["bubble_mean"]
+    with pytest.raises(ScheduleError, match="one >= 0 per rank"):
+        simulate(sched, m, t_fwd=[1.0, 1.0, 1.0])

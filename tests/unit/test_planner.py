@@ -81,3 +81,19 @@ def test_tessera_plan_prints_candidates_and_a_pick(capsys: pytest.CaptureFixture
     bad = ["plan", "--layers", "2", "--hidden", "100", "--heads", "3", "--seq", "8", "--batch", "8", "--gpus", "2", "--gpu-mem", "8"]
     assert main(bad) == 2
     assert "hidden 100 is not divisible by heads 3" in capsys.readouterr().err
+
+
+def test_selective_recompute_drops_the_attention_core_output() -> None:
+    """Selective recompute (the attention core again in backward): our fused core keeps no scores, so a
+    block keeps its core's output less, H/T elements per token (16 H/T of 17 with SP); the step pays
+    the core's forward once more, less than full recompute's whole extra forward; not both at once."""
+    sp = Layout(T=2, sequence_parallel=True)
+    sel = Layout(T=2, sequence_parallel=True, selective=True)
+    a, b = rank_memory(SPEC, sp, 0)["activations"], rank_memory(SPEC, sel, 0)["activations"]
+    assert a - b == pytest.approx(SPEC.layers * SPEC.batch * SPEC.seq * SPEC.hidden / 2 * 2)  # bf16 activations
+    hw = Hardware(gpus=2, gpu_mem_gib=80)
+    none, full = estimate(SPEC, sp, hw).compute_s, estimate(SPEC, Layout(T=2, sequence_parallel=True, recompute=True), hw).compute_s
+    assert none < estimate(SPEC, sel, hw).compute_s < full
+    assert sel.recompute_name() == "selective" and Layout(recompute=True).recompute_name() == "full"
+    with pytest.raises(ValueError, match="not both"):
+        Layout(recompute=True, selective=True)

@@ -339,6 +339,14 @@ class RNGStreams:
         finally:
             self._set(st)
 
+    def snapshot(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """The streams' states now (``restore`` puts them back): what a recomputation in backward
+        (activation checkpointing) replays, so a forked stream draws the same masks again."""
+        return dict(self.states)
+
+    def restore(self, snap: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> None:
+        self.states = dict(snap)
+
     @contextlib.contextmanager
     def fork(self, name: str = "tp") -> Iterator[None]:
         """Draw from stream ``name`` (``tp`` or ``replicated``) inside the block; the stream advances."""

@@ -21,7 +21,10 @@ Three parts, usable alone:
   global ranks in stage order, so it works inside any mesh (the layout rank = pp*(D*T) + dp*T + tp
   puts a pipeline's ranks D*T apart). Messages carry a tag naming (kind, micro-batch, stage), so
   they match by tag on Gloo. Activation checkpointing per layer (``recompute``) re-runs a layer's
-  forward in its backward (``torch.utils.checkpoint``, non-reentrant).
+  forward in its backward (``torch.utils.checkpoint``, non-reentrant; with the mesh's ``RNGStreams``
+  given, their states are replayed too, so tensor-parallel dropout draws the same masks).
+  ``tessera peer --recompute selective`` instead recomputes only each block's attention core (the
+  tensor-parallel model's, ``TensorParallelGPT(recompute="selective")``, at any T).
 
 Loss scaling over micro-batches (explicit): the last stage computes each micro-batch's loss as
 the task's mean over that micro-batch and back-propagates ``loss / m``; parameter gradients
@@ -67,6 +70,7 @@ from worker.peer.checkpoint import (
 __all__ = [
     "KINDS",
     "PRECISIONS",
+    "RECOMPUTE_MODES",
     "Action",
     "PipelineEngine",
     "ScheduleError",
@@ -79,6 +83,7 @@ __all__ = [
     "layout_groups",
     "partition",
     "pipeline_config",
+    "recompute_mode",
     "run_pipeline_rank",
     "schedule",
     "simulate",
@@ -89,6 +94,7 @@ __all__ = [
 ]
 
 KINDS = ("gpipe", "1f1b", "interleaved")
+RECOMPUTE_MODES = ("none", "full", "selective")
 PRECISIONS = ("fp32", "bf16")
 _OPS = ("F", "B", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD")
 
@@ -224,16 +230,27 @@ def _message(a: Action) -> tuple[str, int, int]:
     return ("grad", a.mb, a.stage)
 
 
-def simulate(sched: list[list[Action]], m: int, V: int = 1, t_fwd: float = 1.0, t_bwd: float = 2.0) -> dict[str, Any]:
+def simulate(
+    sched: list[list[Action]], m: int, V: int = 1, t_fwd: float | Sequence[float] = 1.0, t_bwd: float | Sequence[float] = 2.0,
+    t_comm: float = 0.0,
+) -> dict[str, Any]:
     """Run ``sched`` without communication and check it; raises ``ScheduleError`` naming the rank
     and action otherwise. Sends never block; a receive blocks until its send ran. Checks: each
     (micro-batch, stage) forward and backward exactly once, forward before backward, the stage on
     the rank that holds it, a forward's input (and a backward's output gradient) available when it
     runs, every send received once by the right peer, no deadlock. Returns ``peak_in_flight`` (per
     rank: the most forwards whose backward has not run), ``makespan`` and ``busy`` per rank under
-    costs ``t_fwd``/``t_bwd`` (communication free), and ``bubble`` (1 - busy / makespan, worst rank)."""
+    costs ``t_fwd``/``t_bwd`` of one micro-batch's forward/backward on one virtual stage (one number
+    for every stage, or one per rank: an unbalanced pipeline), a message arriving ``t_comm`` after its
+    send (0: communication free), ``bubble``
+    (1 - busy / makespan, worst rank) and ``bubble_mean`` (its mean over ranks: the fraction of the
+    ranks' time idle, what a measurement averaged over ranks compares with)."""
     P = len(sched)
     S = P * V
+    tf = [float(t_fwd)] * P if isinstance(t_fwd, (int, float)) else [float(t) for t in t_fwd]
+    tb = [float(t_bwd)] * P if isinstance(t_bwd, (int, float)) else [float(t) for t in t_bwd]
+    if len(tf) != P or len(tb) != P or min(tf + tb) < 0:
+        raise ScheduleError(f"forward/backward costs: one number or one >= 0 per rank ({P}), got {t_fwd!r}, {t_bwd!r}")
     pos = [0] * P
     clock = [0.0] * P
     busy = [0.0] * P
@@ -263,6 +280,7 @@ def simulate(sched: list[list[Action]], m: int, V: int = 1, t_fwd: float = 1.0, 
                     if msg in received or dst != r or src != a.peer:
                         raise ScheduleError(f"{where}: receives a message sent by rank {src} to rank {dst}, or twice")
                     received.add(msg)
+                    t += t_comm
                     clock[r] = max(clock[r], t)
                     avail[r][msg] = t
                 elif a.op in ("SEND_ACT", "SEND_GRAD"):
@@ -277,8 +295,8 @@ def simulate(sched: list[list[Action]], m: int, V: int = 1, t_fwd: float = 1.0, 
                     if a.stage > 0 and ("act", a.mb, a.stage) not in avail[r]:
                         raise ScheduleError(f"{where}: forward before its input activation arrived")
                     done_f.add(key)
-                    clock[r] += t_fwd
-                    busy[r] += t_fwd
+                    clock[r] += tf[r]
+                    busy[r] += tf[r]
                     if a.stage < S - 1 and (a.stage + 1) % P == r:  # next stage on this rank: no message
                         avail[r][("act", a.mb, a.stage + 1)] = clock[r]
                     in_flight[r] += 1
@@ -289,8 +307,8 @@ def simulate(sched: list[list[Action]], m: int, V: int = 1, t_fwd: float = 1.0, 
                     if a.stage < S - 1 and ("grad", a.mb, a.stage) not in avail[r]:
                         raise ScheduleError(f"{where}: backward before its output gradient arrived")
                     done_b.add(key)
-                    clock[r] += t_bwd
-                    busy[r] += t_bwd
+                    clock[r] += tb[r]
+                    busy[r] += tb[r]
                     if a.stage > 0 and (a.stage - 1) % P == r:
                         avail[r][("grad", a.mb, a.stage - 1)] = clock[r]
                     in_flight[r] -= 1
@@ -309,6 +327,7 @@ def simulate(sched: list[list[Action]], m: int, V: int = 1, t_fwd: float = 1.0, 
     return {
         "peak_in_flight": peak, "makespan": makespan, "busy": busy,
         "bubble": max(1.0 - b / makespan for b in busy) if makespan else 0.0,
+        "bubble_mean": sum(1.0 - b / makespan for b in busy) / P if makespan else 0.0,
     }
 
 
@@ -413,17 +432,38 @@ def tp_gpt_loss(model: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tens
 
 
 class _Stage(nn.Module):
-    """Consecutive layers; with ``recompute``, each layer's activations are recomputed in backward."""
+    """Consecutive layers; with ``recompute``, each layer's activations are recomputed in backward.
+    ``rng``: the mesh's ``RNGStreams`` when the layers draw from them (tensor-parallel dropout): a
+    recomputation replays the streams' states of the forward, then puts back the current ones
+    (``torch.utils.checkpoint`` replays only the global random state)."""
 
-    def __init__(self, layers: Sequence[nn.Module], recompute: bool) -> None:
+    def __init__(self, layers: Sequence[nn.Module], recompute: bool, rng: Any = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
-        self.recompute = recompute
+        self.recompute, self.rng = recompute, rng
+
+    def _replaying(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        snap = self.rng.snapshot()
+        first = [True]
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            if first[0]:
+                first[0] = False
+                return layer(x)  # type: ignore[no-any-return]
+            now = self.rng.snapshot()
+            self.rng.restore(snap)
+            try:
+                return layer(x)  # type: ignore[no-any-return]
+            finally:
+                self.rng.restore(now)
+
+        return run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             if self.recompute and torch.is_grad_enabled() and x.is_floating_point():
-                x = checkpoint(layer, x, use_reentrant=False)
+                fn = self._replaying(layer) if self.rng is not None else layer
+                x = checkpoint(fn, x, use_reentrant=False)
             else:
                 x = layer(x)
         return x
@@ -624,6 +664,9 @@ class PipelineEngine:
     ``dp_group``/``dp_size``: the data-parallel group this rank's gradients are averaged over
     (None/1: none). ``costs``: per-layer cost for the split (default: parameter count).
     ``loss_fn(output, target)``: the mean loss of one micro-batch (default: the gpt task's).
+    ``recompute``: full activation recomputation, per layer (selective recomputation is the
+    tensor-parallel model's: ``TensorParallelGPT(recompute="selective")``). ``rng``: the mesh's
+    ``RNGStreams`` when the layers draw dropout masks from them (replayed in a recomputation).
     """
 
     def __init__(
@@ -631,7 +674,7 @@ class PipelineEngine:
         virtual: int = 1, pp_group: Any = None, dp_group: Any = None, dp_size: int = 1,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss, costs: Sequence[float] | None = None,
         recompute: bool = False, device: torch.device | str = "cpu", reduce_grads: bool = True,
-        precision: str = "fp32",
+        precision: str = "fp32", rng: Any = None,
     ) -> None:
         if precision not in PRECISIONS:
             raise ScheduleError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
@@ -652,7 +695,7 @@ class PipelineEngine:
         self.bounds = partition(costs, S)
         self.S, self.device, self.loss_fn = S, torch.device(device), loss_fn
         self.stages = {
-            s: _Stage([layers[i] for i in range(*self.bounds[s])], recompute).to(self.device)
+            s: _Stage([layers[i] for i in range(*self.bounds[s])], recompute, rng).to(self.device)
             for s in range(self.r, S, self.P)
         }
         seen: set[int] = set()
@@ -812,15 +855,27 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     if "--virtual-stages" not in have:
         p.add_argument("--virtual-stages", type=int, default=2, help="interleaved: model chunks per pipeline rank")
     if "--recompute" not in have:
-        p.add_argument("--recompute", action="store_true", help="activation checkpointing per layer (recompute in backward)")
+        p.add_argument("--recompute", nargs="?", const="full", default="none", choices=list(RECOMPUTE_MODES),
+                       help="activation recomputation in backward: full (per layer; the default of a bare --recompute) "
+                            "or selective (only the attention core: q k^T, softmax, dropout, product with v)")
     if "--precision" not in have:
         p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
                        help="bf16: bf16 compute (autocast), fp32 master weights and gradient reduction")
 
 
+def recompute_mode(args: argparse.Namespace) -> str:
+    """``none``, ``full`` or ``selective`` from ``--recompute`` (a bare flag, or True, is ``full``)."""
+    v = getattr(args, "recompute", "none")
+    if v is True:
+        return "full"
+    if v is None or v is False:
+        return "none"
+    return str(v)
+
+
 def takes_pipeline_path(args: argparse.Namespace) -> bool:
     """Whether ``tessera peer`` runs this through ``run_pipeline_rank`` (--pp > 1, --recompute or --precision bf16)."""
-    return (int(getattr(args, "pp", 1) or 1) > 1 or bool(getattr(args, "recompute", False))
+    return (int(getattr(args, "pp", 1) or 1) > 1 or recompute_mode(args) != "none"
             or getattr(args, "precision", "fp32") != "fp32")
 
 
@@ -906,7 +961,7 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
                  "sequence_parallel": bool(args.sequence_parallel)}
         check_agreement({"task_opts": json.dumps(opts, sort_keys=True), "pp": P, "tp": T, "schedule": args.schedule, "m": m,
                          "V": V, "global_batch": args.global_batch, "steps": args.steps, "seed": args.seed, "mode": args.mode,
-                         "precision": args.precision})
+                         "precision": args.precision, "recompute": recompute_mode(args)})
         mesh = ParallelMesh.build(D, T, P, device=mesh0.device, seed=args.seed, check=check)
         if mesh.device.type == "cpu" and args.torch_threads:
             torch.set_num_threads(args.torch_threads)
@@ -914,15 +969,18 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
         dim = int(plain.tok.embedding_dim)
         model: Any = plain
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss
-        if T > 1:
+        recompute = recompute_mode(args)
+        split = T > 1 or recompute == "selective"  # selective recompute lives in the TP model's blocks (at T=1 too)
+        if split:
             from worker.peer.tensor_parallel import TensorParallelGPT
 
-            model = TensorParallelGPT(plain, mesh.tp_group, bool(args.sequence_parallel), mesh.rng).to(mesh.device)
+            model = TensorParallelGPT(plain, mesh.tp_group, bool(args.sequence_parallel), mesh.rng,
+                                      recompute="selective" if recompute == "selective" else "none").to(mesh.device)
             layers, loss_fn = tp_gpt_layers(model), tp_gpt_loss(model)
         eng = PipelineEngine(
             layers, pp_ranks=mesh.pp_ranks, kind=args.schedule, micro_batches=m, virtual=V, pp_group=mesh.pp_group,
-            dp_group=mesh.dp_group, dp_size=D, recompute=args.recompute, device=mesh.device, loss_fn=loss_fn, costs=costs,
-            reduce_grads=False, precision=args.precision,
+            dp_group=mesh.dp_group, dp_size=D, recompute=recompute == "full", device=mesh.device, loss_fn=loss_fn, costs=costs,
+            reduce_grads=False, precision=args.precision, rng=mesh.rng if split else None,
         )
         opt = StageOptimizer(
             stage_specs(model, eng.parameters()), task.dense_optimizer, dp_group=mesh.dp_group, dp_size=D, dp_idx=mesh.dp_idx,
@@ -934,7 +992,7 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
         per_rank = args.global_batch // D
         batches = task.batches(mesh.dp_idx, D, per_rank, start)
         seq = int(plain.pos.num_embeddings)
-        act_shape = ((seq // T if args.sequence_parallel else seq), per_rank // m, dim) if T > 1 else (per_rank // m, seq, dim)
+        act_shape = ((seq // T if args.sequence_parallel else seq), per_rank // m, dim) if split else (per_rank // m, seq, dim)
         t0, loss = time.perf_counter(), float("nan")
         tracer = None
         if args.trace:
@@ -962,7 +1020,8 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
         if mesh.rank == 0:
             print(json.dumps({
                 "rank": 0, "world": mesh.world, "mode": args.mode, "pp": P, "dp": D, "tp": T, "schedule": args.schedule,
-                "micro_batches": m, "virtual_stages": V, "recompute": bool(args.recompute), "precision": args.precision,
+                "micro_batches": m, "virtual_stages": V, "recompute": recompute != "none", "recompute_mode": recompute,
+                "precision": args.precision,
                 "sequence_parallel": bool(args.sequence_parallel),
                 "steps": steps, "start_step": start, "seconds": round(seconds, 3), "loss": loss, "losses": losses,
                 "tokens_per_s": tokens / seconds if seconds else 0.0, "bubble_theory": bubble_theory(P, m, V),

@@ -24,7 +24,14 @@ matrix: +2 s b h for the output, -5 a s^2 b), so 17 H elements per token: 4 H re
 (the two layer norms' inputs and the inputs of qkv and of the MLP) and 13 H split by T (q, k, v,
 the attention output and its projection's input, the MLP's 4H and GELU's 4H); with sequence
 parallelism all 17 H are split. With full recompute (``--recompute``: checkpointing per layer) a
-layer keeps only its input (H) and one layer's activations live again during its backward. The
+layer keeps only its input (H) and one layer's activations live again during its backward. With
+selective recompute (``--recompute selective``: the attention core, q k^T, softmax, dropout and
+the product with v, runs again in backward; Megatron's accounting gives 34 s b h / t bytes per
+layer with sequence parallelism: its a s^2 b score term gone) our fused core keeps no scores
+anyway, so a block keeps 16 H / T elements per token with SP (4 H + 12 H / T without): the core's
+output is dropped, its input (q, k, v) kept; the step pays the core's forward once more
+(4 S H FLOPs per token and layer). With attention dropout the TP model's core is unfused and
+keeps the scores; bench/peer.py measures that case against Megatron's formula. The
 last stage adds the final norm's input and output (2 H) and the fp32 log-softmax of the logits
 (V / T, 4 bytes) per token. Micro-batches in flight per stage come from simulating the schedule
 (``worker.peer.pipeline.simulate``): m for GPipe, P - r on rank r for 1F1B. Transients, at
@@ -117,6 +124,15 @@ class Layout:
     schedule: str = "1f1b"
     V: int = 1
     sequence_parallel: bool = False
+    selective: bool = False  # selective recompute: only the attention core (not with full recompute)
+
+    def __post_init__(self) -> None:
+        if self.recompute and self.selective:
+            raise ValueError("recompute: full (per layer) or selective (the attention core), not both")
+
+    def recompute_name(self) -> str:
+        """``full``, ``selective`` or ``none``: the value of ``tessera peer --recompute``."""
+        return "full" if self.recompute else "selective" if self.selective else "none"
 
     def name(self) -> str:
         return f"D{self.D} T{self.T} P{self.P}" + (f" V{self.V}" if self.V > 1 else "") + (" SP" if self.sequence_parallel else "")
@@ -183,6 +199,8 @@ def rank_memory(spec: ModelSpec, lay: Layout, pp_rank: int, precision: str = "bf
     tokens = b * S
     n_layers = spec.layers + 2
     full = (17 * H / T) if lay.sequence_parallel else (4 * H + 13 * H / T)  # elements per token per block
+    if lay.selective:  # the attention core's output is recomputed (its input q, k, v is kept)
+        full -= H / T
     act_chunk = 0.0  # bytes of one micro-batch's saved activations, summed over this rank's chunks
     # transients, at different moments of the step (the largest counts): the backward's workspace
     # (a block's 4H gradients of the MLP output and of GELU's input at once), a recomputed block's
@@ -216,6 +234,8 @@ def estimate(spec: ModelSpec, lay: Layout, hw: Hardware) -> Plan:
     nonembed = L * (12 * H * H + 13 * H) + 2 * H + spec.vocab * H
     tokens = spec.batch * S
     flops = tokens * (6 * nonembed + 12 * L * H * S) * (4 / 3 if lay.recompute else 1)
+    if lay.selective:  # the attention core's forward once more: q k^T and the product with v
+        flops += tokens * 4 * L * H * S
     compute = flops / (hw.gpus * hw.tflops * 1e12)
     from worker.peer.pipeline import bubble_theory
 
@@ -262,10 +282,11 @@ def layouts(spec: ModelSpec, hw: Hardware) -> Iterator[Layout]:
                 for zero in (0, 1, 2, 3) if D > 1 else (0,):
                     if P > 1 and zero >= 2:
                         continue  # ZeRO-2/3 shard gradients per micro-batch: not with pipelines (as DeepSpeed)
-                    for recompute in (False, True):
-                        yield Layout(D=D, T=T, P=P, zero=zero, m=m, recompute=recompute)
+                    for recompute, selective in ((False, False), (True, False), (False, True)):
+                        yield Layout(D=D, T=T, P=P, zero=zero, m=m, recompute=recompute, selective=selective)
                         if P > 1 and m % P == 0 and spec.layers + 2 >= 2 * P:  # interleaved, 2 chunks per rank
-                            yield Layout(D=D, T=T, P=P, zero=zero, m=m, recompute=recompute, schedule="interleaved", V=2)
+                            yield Layout(D=D, T=T, P=P, zero=zero, m=m, recompute=recompute, selective=selective,
+                                         schedule="interleaved", V=2)
 
 
 def candidates(spec: ModelSpec, hw: Hardware) -> list[Plan]:
@@ -286,13 +307,13 @@ def _fmt_bytes(b: float) -> str:
 def plan_table(plans: list[Plan], hw: Hardware, top: int = 12) -> str:
     """The candidates as a table (GiB per GPU, ms per step) and a few lines on the choice."""
     lines = [
-        (f"{'':2}{'layout':<12}{'zero':>5}{'m':>4}{'recomp':>7}{'weights':>9}{'grads':>8}{'optim':>8}{'activ':>8}"
+        (f"{'':2}{'layout':<12}{'zero':>5}{'m':>4}{'recompute':>10}{'weights':>9}{'grads':>8}{'optim':>8}{'activ':>8}"
          f"{'transient':>10}{'total':>8}{'bubble':>8}{'comm ms':>9}{'step ms':>9}  fits"),
     ]
     for i, p in enumerate(plans[:top]):
         lay, mm = p.layout, p.memory
         lines.append(
-            f"{'*' if i == 0 and p.fits else ' ':2}{lay.name():<12}{lay.zero:>5}{lay.m:>4}{'yes' if lay.recompute else 'no':>7}"
+            f"{'*' if i == 0 and p.fits else ' ':2}{lay.name():<12}{lay.zero:>5}{lay.m:>4}{lay.recompute_name():>10}"
             f"{_fmt_bytes(mm['weights']):>9}{_fmt_bytes(mm['grads']):>8}{_fmt_bytes(mm['optimizer']):>8}{_fmt_bytes(mm['activations']):>8}"
             f"{_fmt_bytes(mm['transient']):>10}{_fmt_bytes(p.total_bytes):>8}{p.bubble:>8.3f}{_ms(sum(p.comm_s.values())):>9}"
             f"{_ms(p.step_s):>9}  {'yes' if p.fits else 'NO'}"
@@ -313,7 +334,7 @@ def explain(plans: list[Plan], hw: Hardware) -> list[str]:
     best = fit[0]
     lay = best.layout
     why = [
-        f"pick: {lay.name()}, ZeRO-{lay.zero}, {lay.m} micro-batches, recompute {'on' if lay.recompute else 'off'}"
+        f"pick: {lay.name()}, ZeRO-{lay.zero}, {lay.m} micro-batches, recompute {lay.recompute_name()}"
         + (f", schedule {lay.schedule}" if lay.P > 1 else ""),
         f"  fits: {_fmt_bytes(best.total_bytes)} of {cap:.1f} GiB usable per GPU; estimated step {_ms(best.step_s)} ms "
         f"(compute {_ms(best.compute_s)} ms, bubble {best.bubble:.1%}, communication "
@@ -386,7 +407,7 @@ def runnable(lay: Layout) -> bool:
     parallelism and recompute; ZeRO-2/3 only in plain data parallelism (no TP, pipeline or recompute)."""
     if lay.sequence_parallel and lay.T == 1:
         return False
-    return lay.zero <= 1 or (lay.T == 1 and lay.P == 1 and not lay.recompute)
+    return lay.zero <= 1 or (lay.T == 1 and lay.P == 1 and lay.recompute_name() == "none")
 
 
 def peer_argv(spec: ModelSpec, lay: Layout, steps: int) -> list[str]:
@@ -396,9 +417,9 @@ def peer_argv(spec: ModelSpec, lay: Layout, steps: int) -> list[str]:
             "--global-batch", str(spec.batch), "--no-eval", "--no-progress", "--log-every", "0"]
     if lay.T > 1:
         argv += ["--tp", str(lay.T), "--dp", str(lay.D)] + (["--sequence-parallel"] if lay.sequence_parallel else [])
-    if lay.P > 1 or lay.recompute:
+    if lay.P > 1 or lay.recompute_name() != "none":
         argv += ["--pp", str(lay.P), "--schedule", lay.schedule, "--micro-batches", str(lay.m), "--virtual-stages", str(lay.V)]
-        argv += ["--recompute"] if lay.recompute else []
+        argv += ["--recompute", lay.recompute_name()] if lay.recompute_name() != "none" else []
         argv += ["--mode", "zero1"] if lay.zero == 1 else []
     else:
         argv += ["--mode", "dp" if lay.zero == 0 else f"zero{lay.zero}", "--accumulate", str(lay.m)]
@@ -434,14 +455,14 @@ def measure(spec: ModelSpec, plans: list[Plan], gpus: int, top: int, steps: int,
     if not rows:
         return None
     print(f"\nmeasured on this machine ({gpus} ranks, {steps} steps each)")
-    print(f"{'':2}{'layout':<12}{'zero':>5}{'m':>4}{'recomp':>7}{'estimate ms':>13}{'measured ms':>13}")
+    print(f"{'':2}{'layout':<12}{'zero':>5}{'m':>4}{'recompute':>10}{'estimate ms':>13}{'measured ms':>13}")
     best = min(rows, key=lambda t: t[1])
     for p, ms, _ in rows:
         lay = p.layout
-        print(f"{'*' if p is best[0] else ' ':2}{lay.name():<12}{lay.zero:>5}{lay.m:>4}{'yes' if lay.recompute else 'no':>7}"
+        print(f"{'*' if p is best[0] else ' ':2}{lay.name():<12}{lay.zero:>5}{lay.m:>4}{lay.recompute_name():>10}"
               f"{_ms(p.step_s):>13}{ms:>13.1f}")
     lay = best[0].layout
-    print(f"measured pick: {lay.name()}, ZeRO-{lay.zero}, {lay.m} micro-batches, recompute {'on' if lay.recompute else 'off'} "
+    print(f"measured pick: {lay.name()}, ZeRO-{lay.zero}, {lay.m} micro-batches, recompute {lay.recompute_name()} "
           f"({best[1]:.1f} ms per step)")
     return best[0]
 

@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from worker.flat import FlatParams
 from worker.paramsync import Fetched, Grads, ParamSync, PushResult
@@ -305,6 +306,37 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, sta
 
 
 # --------------------------------------------------------------------------------------------------- the model
+RECOMPUTE = ("none", "selective")
+
+
+def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """Inverted dropout keeping a one-byte (bool) mask for backward, as the fused CUDA kernel does
+    and Megatron's accounting assumes (``F.dropout`` on CPU keeps a mask of ``x``'s dtype: 4 bytes
+    per element in fp32). Draws one uniform number per element from the current random stream."""
+    keep = torch.rand(x.shape, dtype=torch.float32, device=x.device) >= p
+    return x * keep * (1.0 / (1.0 - p))
+
+
+def _core_attention(y: torch.Tensor, heads: int, p: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """Megatron's "core attention": ``(S, B, 3 * heads * hd)`` q, k, v -> ``(S, B, heads * hd)``.
+    Without attention dropout (``p == 0``) one fused ``scaled_dot_product_attention`` (its flash
+    kernel keeps only its output and the log-sum-exp for backward, never the ``heads x S x S``
+    scores); with dropout the unfused form, as Megatron writes it: ``softmax(q k^T / sqrt(hd))`` under
+    the causal ``mask``, dropout, then the product with v; autograd keeps the probabilities, the
+    dropout mask and the dropped probabilities (the ``5 a s^2 b`` of Korthikanti et al.)."""
+    s, b, n = y.shape
+    hd = n // (3 * heads)
+    q, k, v = y.view(s, b, 3, heads, hd).permute(2, 1, 3, 0, 4)  # each (B, heads, S, hd)
+    if p == 0.0:
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        assert mask is not None
+        scores = (q @ k.transpose(-2, -1)) * (1.0 / hd**0.5)
+        probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+        a = _dropout(probs, p) @ v
+    return a.permute(2, 0, 1, 3).reshape(s, b, heads * hd)
+
+
 class _TPBlock(nn.Module):
     """The ``gpt`` block split over the TP group, with the plain block's parameter names: attention
     by heads (``qkv`` column-, ``proj`` row-parallel), the MLP by hidden (``fc`` column, ``out`` row)."""
@@ -323,11 +355,7 @@ class _TPBlock(nn.Module):
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         y = self.qkv(x)  # (S, B, 3 * heads/T * head_dim): the full sequence
-        s, b, n = y.shape
-        hd = n // (3 * self.local_heads)
-        q, k, v = y.view(s, b, 3, self.local_heads, hd).permute(2, 1, 3, 0, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, heads/T, S, hd)
-        return self.proj(a.permute(2, 0, 1, 3).reshape(s, b, self.local_heads * hd))  # type: ignore[no-any-return]
+        return self.proj(self._owner[0].core_attention(y, self.local_heads))  # type: ignore[no-any-return]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         drop = self._owner[0].drop
@@ -348,10 +376,23 @@ class TensorParallelGPT(nn.Module):
     plain model has none, so the equivalence checks run without). ``rng``: the mesh's
     ``RNGStreams``; dropout on split activations (sequence-parallel regions) draws from its ``tp``
     stream, on replicated ones from the default stream (so the TP ranks' replicas stay equal).
+    ``attention_dropout``: dropout on the attention probabilities (Megatron's; heads are split, so
+    the ``tp`` stream); with it the attention core is the unfused softmax, whose scores autograd
+    keeps. ``recompute="selective"``: the attention core is recomputed in backward instead of kept
+    (``core_attention``); ``"none"``: everything kept.
     """
 
-    def __init__(self, gpt: Any, group: Any, sequence_parallel: bool = False, rng: Any = None, dropout: float = 0.0) -> None:
+    def __init__(
+        self, gpt: Any, group: Any, sequence_parallel: bool = False, rng: Any = None, dropout: float = 0.0,
+        attention_dropout: float = 0.0, recompute: str = "none",
+    ) -> None:
         super().__init__()
+        if recompute not in RECOMPUTE:
+            raise PeerConfigError(f"tensor-parallel recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}"
+                                  " (full recompute is per layer, in the pipeline's stages)")
+        for name, v in (("dropout", dropout), ("attention dropout", attention_dropout)):
+            if not 0.0 <= v < 1.0:
+                raise PeerConfigError(f"{name} must be in [0, 1), got {v}")
         t, r = _world(group), dist.get_rank(group)
         vocab, dim = int(gpt.tok.num_embeddings), int(gpt.tok.embedding_dim)
         seq, heads = int(gpt.pos.num_embeddings), int(gpt.blocks[0].heads) if len(gpt.blocks) else 1
@@ -399,7 +440,8 @@ class TensorParallelGPT(nn.Module):
         self.ln = nn.LayerNorm(dim, eps=gpt.ln.eps).to(full["ln.weight"].dtype)
         self.ln.weight.data, self.ln.bias.data = spec("ln.weight"), spec("ln.bias")
         self.head = ColumnParallelLinear(spec("head.weight", None, 0), None, group, sp)
-        self.dropout = float(dropout)
+        self.dropout, self.attention_dropout, self.recompute = float(dropout), float(attention_dropout), recompute
+        self._masks: dict[tuple[int, str], torch.Tensor] = {}
         missing = set(full) - set(specs)
         if missing:
             raise PeerConfigError(f"tensor parallelism: parameters with no shard rule: {sorted(missing)}")
@@ -418,7 +460,27 @@ class TensorParallelGPT(nn.Module):
             return x
         ctx = self.rng.fork("tp") if (self.sequence_parallel and self.rng is not None) else contextlib.nullcontext()
         with ctx:
-            return F.dropout(x, self.dropout, True)
+            return _dropout(x, self.dropout)
+
+    def core_attention(self, y: torch.Tensor, heads: int) -> torch.Tensor:
+        """The attention core of a block (``_core_attention``) on this rank's ``heads``: attention
+        dropout draws from the ``tp`` stream (the heads are split over TP), and with ``recompute ==
+        "selective"`` (Korthikanti et al. 2022, section 4.2) the core's activations are not kept:
+        only its input (q, k, v) is, and the core runs again in backward (``torch.utils.checkpoint``,
+        which replays the random state, so the same dropout mask). The stream is forked outside the
+        checkpoint: the recomputation then sees the state the forward saw, not the advanced stream."""
+        p = self.attention_dropout if self.training else 0.0
+        mask = None
+        if p:
+            key = (y.shape[0], str(y.device))
+            if key not in self._masks:  # one (S, S) causal mask, shared by the layers
+                self._masks[key] = torch.ones(y.shape[0], y.shape[0], dtype=torch.bool, device=y.device).triu(1)
+            mask = self._masks[key]
+        fork = self.rng.fork("tp") if (p and self.rng is not None) else contextlib.nullcontext()
+        with fork:
+            if self.recompute == "selective" and torch.is_grad_enabled():
+                return checkpoint(_core_attention, y, heads, p, mask, use_reentrant=False)  # type: ignore[no-any-return]
+            return _core_attention(y, heads, p, mask)
 
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """``(B, S)`` ids -> the final LayerNorm's output ``(S, B, dim)`` (``(S/T, B, dim)`` under SP)."""
@@ -652,12 +714,16 @@ class TensorParallelSync(ParamSync, Checkpointing):
         self.optimizer.load_state_dict({"state": {0: {**chunk, **scalars}}, "param_groups": sd["param_groups"]})
 
 
-def tensor_parallel_task(task: Any, mesh: ParallelMesh, sequence_parallel: bool = False, dropout: float = 0.0) -> Any:
+def tensor_parallel_task(
+    task: Any, mesh: ParallelMesh, sequence_parallel: bool = False, dropout: float = 0.0, attention_dropout: float = 0.0,
+    recompute: str = "none", rng: Any = None,
+) -> Any:
     """The ``gpt`` task with its model replaced by this rank's ``TensorParallelGPT`` (built from the
-    task's model); the task's loss and evaluation call the split model's own (vocab-parallel) loss.
-    Batches: the trainer asks for worker ``mesh.dp_idx`` of ``mesh.dp``; every TP rank of a replica
-    reads the same batch."""
-    model = TensorParallelGPT(task.model, mesh.tp_group, sequence_parallel, mesh.rng, dropout).to(mesh.device)
+    task's model; ``rng``: its random streams, default the mesh's); the task's loss and evaluation
+    call the split model's own (vocab-parallel) loss. Batches: the trainer asks for worker
+    ``mesh.dp_idx`` of ``mesh.dp``; every TP rank of a replica reads the same batch."""
+    model = TensorParallelGPT(task.model, mesh.tp_group, sequence_parallel, rng if rng is not None else mesh.rng, dropout,
+                              attention_dropout, recompute).to(mesh.device)
     return replace(task, model=model)
 
 
