@@ -55,7 +55,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.flat import FlatParams
-from worker.paramsync import Fetched, Grads, ParamSync, PushResult
 from worker.peer.checkpoint import (
     Checkpointing,
     CheckpointReader,
@@ -71,6 +70,7 @@ from worker.peer.mesh import (
     check_divisibility,
     torch_optimizer,
 )
+from worker.sync_api import Fetched, Grads, ParamSync, PushResult
 
 __all__ = [
     "ColumnParallelLinear",
