@@ -30,26 +30,28 @@ import json
 import logging
 import math
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import numpy as np
 import torch
 
-from ps import PSClient
-from worker.paramsync import (
+from worker.sync_api import (
     PS_MODES,
     Fetched,
     ParamSync,
-    PSSync,
     PushResult,
     check_ps_mode,
 )
 from worker.tasks import Task, move
+
+if TYPE_CHECKING:
+    from ps import PSClient
 
 __all__ = ["MODES", "PEER_MODES", "Summary", "TrainConfig", "Trainer", "resolve_device", "split_batch"]
 
@@ -204,7 +206,12 @@ class Trainer:
         self.stop = stop or threading.Event()
         self.on_step = on_step
         self.device = resolve_device(config.device)
-        if isinstance(sync, PSClient):
+        # PSClient and PSSync load grpc, which a peer rank (handed its ParamSync) never imports: a
+        # PSClient instance means ps.client is loaded, so look the class up only then
+        client_mod = sys.modules.get("ps.client")
+        if client_mod is not None and isinstance(sync, client_mod.PSClient):
+            from worker.paramsync import PSSync
+
             if config.mode == "hybrid":
                 check_ps_mode("hybrid")  # the PS-only mode once called hybrid is dense-sync: say so
             if config.mode in PEER_MODES:
@@ -216,7 +223,7 @@ class Trainer:
                 lease_s=config.lease_s, start_timeout_s=config.start_timeout_s, dense_optimizer=task.dense_optimizer,
                 device=self.device, stop=self.stop, sparse_ids=task.sparse_ids, steps=config.steps, reset=config.reset,
             )
-        self.sync: ParamSync = sync
+        self.sync: ParamSync = cast("ParamSync", sync)  # a PSClient was wrapped above
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{config.worker_name}-io")  # fetch + push
         self.tracer: Any = None  # a worker.peer.trace.Tracer (or anything with .span(name, cat)) for a timeline
         self.clock = 0  # the step being computed

@@ -91,3 +91,42 @@ def test_nothing_unpickles(pkg: str) -> None:
         if re.search(r"^\s*(import pickle|from pickle)|pickle\.loads|torch\.load\((?!.*weights_only)", src, re.M):
             bad.append(f"{path}: pickle")
     assert not bad, "\n".join(bad)
+
+
+# What a peer rank imports (worker/peer/cli.py's run_rank and the modules it reaches); HybridSync,
+# the one peer ParamSync with PS embeddings, is left out: it needs the PS client.
+_PEER_RANK = ["worker.peer", "worker.peer.cli", "worker.peer.mesh", "worker.peer.moe", "worker.peer.pipeline",
+              "worker.peer.tensor_parallel", "worker.peer.zero", "worker.peer.data_parallel", "worker.peer.trace",
+              "worker.peer.debug", "worker.peer.checkpoint", "worker.sync_api", "worker.tasks", "worker.trainer"]
+
+
+@pytest.mark.timeout(120)
+def test_peer_rank_loads_no_grpc() -> None:
+    """A peer rank talks torch.distributed only: a real one-rank ``dp`` run (Gloo, the digits task,
+    3 steps, through worker.peer.cli's main as torchrun would start it) and the import of every
+    module a rank reaches leave no grpc, protobuf, generated stub or ``ps.client`` in sys.modules;
+    ``worker.paramsync`` still re-exports the seam and ``worker.peer.HybridSync`` still resolves
+    (after the check: both load the PS client)."""
+    code = (
+        "import os, socket, sys\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+        "os.environ.update(RANK='0', WORLD_SIZE='1', LOCAL_RANK='0', LOCAL_WORLD_SIZE='1',\n"
+        "                  MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port))\n"
+        "from worker.peer.cli import main\n"
+        "rc = main(['--task', 'digits', '--mode', 'dp', '--steps', '3', '--global-batch', '16'])\n"
+        "assert rc == 0, rc\n"
+        f"for m in {_PEER_RANK!r}:\n"
+        "    __import__(m)\n"
+        "bad = sorted(m for m in sys.modules if m == 'grpc' or m.startswith(('grpc.', 'google.protobuf', 'tessera.v1', 'ps.client')))\n"
+        "print('LOADED', ' '.join(bad))\n"
+        "import worker.paramsync, worker.sync_api, worker.peer\n"
+        "assert all(getattr(worker.paramsync, n) is getattr(worker.sync_api, n) for n in worker.sync_api.__all__)\n"
+        "assert worker.peer.HybridSync.__module__ == 'worker.peer.hybrid'\n"
+        "print('REEXPORTS OK')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=100, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    loaded = [ln for ln in r.stdout.splitlines() if ln.startswith("LOADED")]
+    assert loaded == ["LOADED "], f"a peer rank loaded: {loaded}"
+    assert "REEXPORTS OK" in r.stdout

@@ -1,8 +1,16 @@
 """Peer mode: workers form a ``torch.distributed`` group (under torchrun) and synchronise by
 collectives instead of a PS. ``AllReduceDP`` (bucketed all-reduce from backward hooks) and
-``ZeroSync`` (ZeRO stages 1-3) are ``ParamSync``s the trainer runs like ``PSSync``."""
+``ZeroSync`` (ZeRO stages 1-3) are ``ParamSync``s the trainer runs like ``PSSync``.
+
+Importing this package loads no grpc: ``HybridSync`` (PS embeddings, so the PS client) is
+re-exported lazily, and loads it on first use."""
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import TYPE_CHECKING, Any
+
 from worker.peer.data_parallel import AllReduceDP, make_buckets
-from worker.peer.hybrid import HybridSync
 from worker.peer.mesh import (
     Mesh,
     PeerConfigError,
@@ -13,6 +21,9 @@ from worker.peer.mesh import (
     torch_optimizer,
 )
 from worker.peer.zero import ZeroSync
+
+if TYPE_CHECKING:
+    from worker.peer.hybrid import HybridSync
 
 __all__ = [
     "AllReduceDP",
@@ -32,9 +43,10 @@ __all__ = [
 
 def make_sync(mode: str, model, optimizer, *, device, bucket_mb: float = 25.0, compress: str | None = None, settings=None):  # type: ignore[no-untyped-def]
     """The ``ParamSync`` of peer ``mode``: ``dp``, ``zero1``, ``zero2`` or ``zero3``."""
-    from worker.binding import PSEmbedding
-
-    if any(isinstance(m, PSEmbedding) for m in model.modules()):
+    # a model with PSEmbedding layers has imported worker.binding (which loads the PS client, so grpc):
+    # look the class up only then, so a dense model's rank never imports it
+    binding = sys.modules.get("worker.binding")
+    if binding is not None and any(isinstance(m, binding.PSEmbedding) for m in model.modules()):
         raise PeerConfigError(
             "the model has PSEmbedding layers (rows on a PS): peer mode with PS embeddings (the hybrid) is not built yet"
         )
@@ -45,3 +57,11 @@ def make_sync(mode: str, model, optimizer, *, device, bucket_mb: float = 25.0, c
             raise PeerConfigError("gradient compression is implemented for dp only, not ZeRO")
         return ZeroSync(model, optimizer, stage=int(mode[-1]), device=device, settings=settings)
     raise PeerConfigError(f"peer mode must be dp, zero1, zero2 or zero3, got {mode!r}")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HybridSync":  # lazily: it imports the PS client (grpc)
+        value = importlib.import_module("worker.peer.hybrid").HybridSync
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'worker.peer' has no attribute {name!r}")

@@ -25,7 +25,6 @@ import torch.distributed as dist
 from torch import nn
 
 from worker.flat import FlatParams
-from worker.paramsync import Fetched, Grads, ParamSync, PushResult
 from worker.peer.checkpoint import (
     Checkpointing,
     CheckpointReader,
@@ -40,6 +39,7 @@ from worker.peer.mesh import (
     check_agreement,
     torch_optimizer,
 )
+from worker.sync_api import Fetched, Grads, ParamSync, PushResult
 
 __all__ = ["COMPRESS", "AllReduceDP", "Bucket", "make_buckets", "optimizer_state_bytes"]
 

@@ -39,7 +39,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.flat import FlatParams
-from worker.paramsync import Fetched, Grads, ParamSync, PushResult
 from worker.peer.checkpoint import (
     Checkpointing,
     CheckpointReader,
@@ -49,6 +48,7 @@ from worker.peer.checkpoint import (
     state_keys,
 )
 from worker.peer.mesh import PeerConfigError, torch_optimizer
+from worker.sync_api import Fetched, Grads, ParamSync, PushResult
 
 __all__ = [
     "Expert",

@@ -56,7 +56,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from worker.flat import FlatParams
-from worker.paramsync import Fetched, Grads, ParamSync, PushResult
 from worker.peer.checkpoint import (
     Checkpointing,
     CheckpointReader,
@@ -72,6 +71,7 @@ from worker.peer.mesh import (
     check_divisibility,
     torch_optimizer,
 )
+from worker.sync_api import Fetched, Grads, ParamSync, PushResult
 
 __all__ = [
     "ColumnParallelLinear",

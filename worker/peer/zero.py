@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from worker.paramsync import Fetched, Grads, ParamSync, PushResult
 from worker.peer.checkpoint import (
     Checkpointing,
     CheckpointReader,
@@ -48,6 +47,7 @@ from worker.peer.mesh import (
     reduce_scatter_into,
     torch_optimizer,
 )
+from worker.sync_api import Fetched, Grads, ParamSync, PushResult
 
 __all__ = ["ZeroSync"]
 
