@@ -246,14 +246,16 @@ class PSSync(ParamSync):
             done = min(v.sync_clock for v in views) if self.dense_sync else resume
             joining_late = joining_late or done >= self.steps
         joined_at = [i.version for i in self.client.describe(self.dense_table)] if self.flat.numel else []
-        if self.reset:
-            # the fresh tables start at version 0, and this worker counted as joined before they were
-            # made (start_fresh): any update since means the run is under way (an async worker 0 may
-            # have trained and left while this one was still waiting for the fresh tables)
-            joined_at = [0] * len(joined_at)
+        # --reset: every worker of the fresh run joined before worker 0 made its tables (start_fresh
+        # waited for all of them), so none joins late and none waits here, whatever an async worker 0
+        # has trained (or finished) since: each starts at its own clock, 0 in the fresh clock table
+        member = self.reset
+        if member:
+            joining_late = False
         t0 = time.monotonic()
         deadline, noted, checked = t0 + self.start_timeout_s, t0, t0
-        while not joining_late and not self._under_way(views) and min(len(v.live) for v in views) < self.num_workers:
+        while (not member and not joining_late and not self._under_way(views)
+               and min(len(v.live) for v in views) < self.num_workers):
             now = time.monotonic()
             if now - noted >= WAIT_NOTE_S:  # never a silent wait: say who is missing, every few seconds
                 noted = now
