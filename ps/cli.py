@@ -8,9 +8,10 @@ import os
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
-from ps.client import PSClient
+from ps.config import ShardConfig
 from ps.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -32,12 +33,21 @@ from tessera.service import (
     server_security_from,
     wait_for_server,
 )
-from ps.config import ShardConfig
-from ps.shard import ShardStats
+
+if TYPE_CHECKING:  # the PS client loads torch: imported where used, so the parser is built without it
+    from ps.client import PSClient
+    from ps.shard import ShardStats
 
 __all__ = [
-    "add_ps_commands", "start_local_shards", "stop_processes", "read_first_line", "format_stats",
-    "wait_for_shards", "check_shards", "explain_error", "is_internal_table",
+    "add_ps_commands",
+    "check_shards",
+    "explain_error",
+    "format_stats",
+    "is_internal_table",
+    "read_first_line",
+    "start_local_shards",
+    "stop_processes",
+    "wait_for_shards",
 ]
 
 
@@ -134,6 +144,8 @@ def add_ps_commands(sub: Any) -> None:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
+    from ps.client import PSClient
+
     addresses = [a for a in args.ps.split(",") if a]
     security = client_security_from(args)
     wait_for_shards(addresses, security, timeout=10.0, say=lambda text: print(f"tessera ps checkpoint: {text}", file=sys.stderr))
@@ -256,6 +268,8 @@ def format_stats(stats: list[ShardStats], addresses: list[str], show_all: bool =
 
 
 def _stats(args: argparse.Namespace) -> int:
+    from ps.client import PSClient
+
     addresses = [a for a in args.ps.split(",") if a]
     security = client_security_from(args)
     wait_for_shards(addresses, security, timeout=args.wait, say=lambda text: print(f"tessera ps stats: {text}", file=sys.stderr))
@@ -405,6 +419,8 @@ def stop_processes(procs: list[subprocess.Popen], grace: float = 5.0) -> None:
 def _quickstart(args: argparse.Namespace) -> int:
     import numpy as np
     from tqdm import tqdm
+
+    from ps.client import PSClient
 
     print(f"starting {args.shards} shard processes on loopback ...")
     procs, addresses = start_local_shards(args.shards)

@@ -130,3 +130,20 @@ def test_peer_rank_loads_no_grpc() -> None:
     loaded = [ln for ln in r.stdout.splitlines() if ln.startswith("LOADED")]
     assert loaded == ["LOADED "], f"a peer rank loaded: {loaded}"
     assert "REEXPORTS OK" in r.stdout
+
+
+@pytest.mark.timeout(60)
+def test_tessera_parser_loads_no_torch() -> None:
+    """``tessera --help`` and a mistyped flag cost what argparse costs: building the whole parser
+    (every subcommand: ps, worker, peer with its pipeline flags, plan, fed, cert, tokens, health)
+    loads no torch, in a fresh interpreter. Reference: ``sys.modules`` after ``build_parser()``."""
+    code = (
+        "import sys\n"
+        "from tessera.cli import build_parser\n"
+        "p = build_parser()\n"
+        "p.parse_args(['peer', '--pp', '2', '--recompute', 'selective'])\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", out.stdout[-500:]

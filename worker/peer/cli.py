@@ -26,6 +26,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from worker.peer.flags import add_pipeline_args
+
 __all__ = ["add_peer_commands", "add_train_args", "launcher_argv", "main", "run_rank"]
 
 log = logging.getLogger(__name__)
@@ -76,11 +78,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics on this port + LOCAL_RANK (GET /metrics; 0: no endpoint)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
-    from worker.peer.pipeline import (
-        add_pipeline_args,  # --pp, --schedule, --micro-batches, --recompute, --precision
-    )
-
-    add_pipeline_args(p)
+    add_pipeline_args(p)  # --pp, --schedule, --micro-batches, --recompute, --precision
 
 
 def _kv(items: list[str]) -> dict[str, Any]:
