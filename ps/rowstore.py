@@ -88,7 +88,7 @@ class RamBacking(ChunkBacking):
 _HEAP_TUNED = False
 
 
-def limit_heap_retention(mmap_threshold: int = 4 << 20, trim_threshold: int = 8 << 20) -> bool:
+def limit_heap_retention(mmap_threshold: int = 4 << 20, trim_threshold: int = 4 << 20) -> bool:
     """Make glibc malloc hand big freed buffers back to the kernel (process-wide, once).
 
     By default glibc raises its mmap threshold to the size of every mmapped block freed (up to
@@ -102,8 +102,9 @@ def limit_heap_retention(mmap_threshold: int = 4 << 20, trim_threshold: int = 8 
     temporaries under ``mmap_threshold`` (a 4096 x 64 pull's 1 MiB reply, its gathered rows, the
     gRPC message) were handed back to the kernel when freed and faulted in again, page by page, by
     the next request (~520 page faults, ~1 ms of CPU per 4096 x 64 sparse step). ``M_TRIM_THRESHOLD``
-    of ``trim_threshold`` keeps at most that much free memory at the top of the heap for the next
-    request (a bounded 8 MiB). Returns whether it was applied (False where the C library is not glibc)."""
+    of ``trim_threshold`` keeps at most that much free memory at the top of each malloc arena's heap
+    for the next request (a bounded 4 MiB per arena: the gRPC threads use several arenas, and 8 MiB
+    grew a tiered shard's RSS over its stated budget in one CI run). Returns whether it was applied (False where the C library is not glibc)."""
     global _HEAP_TUNED
     if _HEAP_TUNED:
         return True

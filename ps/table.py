@@ -15,13 +15,10 @@ Thread-safety: each table has one lock; methods take it themselves.
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import warnings
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any, Callable, Container, Iterator, Mapping, Sized
 
@@ -148,31 +145,9 @@ def _unreferenced(holder: list[_Block], i: int) -> bool:
 # A push computes early only where this shard's range has _EARLY_BLOCKS chunks or more: with few
 # chunks there is little to overlap, and work done between two chunks holds the next one back (the
 # stream's flow-control window opens as the handler reads); measured on 2 loaded cores, 4 chunks of
-# 1 MiB took ~2-3 ms longer computed early. The threads below compute an early push's chunks of
-# _HAND_OFF_ELEMS elements or more, so that the request thread goes on reading the next chunk
-# meanwhile (torch's kernels release the GIL); smaller chunks are computed in the request thread.
+# 1 MiB took ~2-3 ms longer computed early. (Handing the chunks to worker threads was tried and
+# dropped: a forked child's push failed now and then, and the gain was not resolved on 2 cores.)
 _EARLY_BLOCKS = 8
-_HAND_OFF_ELEMS = 1 << 14
-_early_pool: ThreadPoolExecutor | None = None
-_early_pool_lock = threading.Lock()
-
-
-def _compute_pool() -> ThreadPoolExecutor:
-    global _early_pool
-    with _early_pool_lock:
-        if _early_pool is None:
-            _early_pool = ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)), thread_name_prefix="dense-push")
-        return _early_pool
-
-
-def _forget_compute_pool() -> None:
-    """In a forked child the parent's pool threads do not exist: start a new pool when needed."""
-    global _early_pool, _early_pool_lock
-    _early_pool, _early_pool_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_compute_pool)
 
 
 def _readonly_tensor(data: np.ndarray) -> torch.Tensor:
@@ -384,8 +359,7 @@ class DenseUpdate:
     blocks in atomically under the table's write lock.
 
     Where this shard's range has 8 chunks or more, one push at a time per table computes its new
-    blocks as its chunks arrive (each chunk's slice is independent of the others; big chunks in a
-    worker thread, while the request thread receives the next one), from the table as it was at its
+    blocks as its chunks arrive (each chunk's slice is independent of the others), from the table as it was at its
     first chunk; if a commit replaced the table's blocks before this push commits, commit()
     computes them again from the new ones. Other pushes stage their chunks and compute at commit
     (under the write lock)."""
@@ -403,7 +377,6 @@ class DenseUpdate:
         self._version = 0
         self._opt: Optimizer = table.optimizer
         self._early = False
-        self._pending: list[Future[None]] = []  # early blocks being computed in the worker threads
 
     def _optimizer(self, version: int) -> tuple[Optimizer, int]:
         """The optimizer to apply at table version ``version`` and the staleness it sees."""
@@ -435,22 +408,7 @@ class DenseUpdate:
         out = self._out.get(k) or t._spare(k)
         self._out[k] = out
         self._computed.add(k)
-        if data.size >= _HAND_OFF_ELEMS:
-            self._pending.append(_compute_pool().submit(t._compute, k, base, data, self.op, self._opt, self._version + 1, out))
-        else:
-            t._compute(k, base, data, self.op, self._opt, self._version + 1, out)
-
-    def _finish_early(self, check: bool = True) -> None:
-        """Wait for the blocks being computed early; ``check``: raise the first error, else cancel
-        what has not started and ignore errors (an aborted push)."""
-        pending, self._pending = self._pending, []
-        if not check:
-            for f in pending:
-                f.cancel()
-        wait_futures(pending)
-        if check:
-            for f in pending:
-                f.result()
+        t._compute(k, base, data, self.op, self._opt, self._version + 1, out)
 
     def _stop_early(self) -> None:
         t = self.table
@@ -473,7 +431,6 @@ class DenseUpdate:
         t = self.table
         try:
             self._stop_early()
-            self._finish_early()
             t.check_complete(self.staged)
             if not t.write_lock.acquire(timeout=timeout):
                 raise ResourceExhaustedError(f"table {t.spec.name!r}: timed out after {timeout:.0f} s waiting to commit a push")
@@ -512,7 +469,6 @@ class DenseUpdate:
     def abort(self) -> None:
         """Drop the push (a no-op once committed): nothing applied; its computed blocks become spares."""
         self._stop_early()
-        self._finish_early(check=False)
         if not self.done:
             self.done = True
             self.table.rejected += 1

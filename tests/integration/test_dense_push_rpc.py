@@ -38,13 +38,12 @@ def _chunks(g: np.ndarray, seq: int, last: bool = True, stop_after: int | None =
         yield pack(head, {15: part})
 
 
-@pytest.fixture(params=["at-commit", "hand-off"])
+@pytest.fixture(params=["at-commit", "early"])
 def cluster(request, inproc_cluster, monkeypatch):
     """One in-process shard (7 chunks per push: computed at commit), and the same with every push
-    computed as its chunks arrive, handed to the worker threads (as big tables' pushes are)."""
-    if request.param == "hand-off":
+    computed as its chunks arrive (as big tables' pushes are)."""
+    if request.param == "early":
         monkeypatch.setattr(ps.table, "_EARLY_BLOCKS", 1)
-        monkeypatch.setattr(ps.table, "_HAND_OFF_ELEMS", 1)
     cl = inproc_cluster(1, chunk_elems=CHUNK)
     c = cl.client()
     c.create_dense("w", N, init="zeros", lr=1.0)

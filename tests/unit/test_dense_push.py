@@ -26,12 +26,11 @@ pytestmark = pytest.mark.timeout(120)
 N, CHUNK = 23, 4  # 6 blocks, the last one short
 
 
-@pytest.fixture(autouse=True, params=["at-commit", "inline", "hand-off"])
+@pytest.fixture(autouse=True, params=["at-commit", "inline"])
 def where(request, monkeypatch) -> str:
-    """Each test three ways: blocks computed at commit (tables of fewer than 8 chunks), as the chunks
-    arrive in the request thread, and handed to the worker threads (chunks of 16k elements and more)."""
+    """Each test two ways: blocks computed at commit (tables of fewer than 8 chunks), and as the chunks
+    arrive (in the request thread)."""
     monkeypatch.setattr(ps.table, "_EARLY_BLOCKS", 1 << 30 if request.param == "at-commit" else 1)
-    monkeypatch.setattr(ps.table, "_HAND_OFF_ELEMS", 1 if request.param == "hand-off" else 1 << 30)
     return request.param
 
 
@@ -266,9 +265,9 @@ def test_the_spare_pool_is_bounded() -> None:
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="fork only")
-def test_a_forked_child_computes_early_pushes_in_its_own_threads(where: str) -> None:
-    """After the parent used the worker threads, a forked child's push does not wait on threads that
-    do not exist there (it would hang until the test's timeout)."""
+def test_a_forked_child_pushes_to_a_table_the_parent_used(where: str) -> None:
+    """A table the parent pushed to takes a push in a forked child (the child's copy of the spares and
+    the locks; no thread of the parent is waited on there: it would hang until the test's timeout)."""
     import os
 
     t = _table("adam")
