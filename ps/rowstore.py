@@ -104,7 +104,8 @@ def limit_heap_retention(mmap_threshold: int = 4 << 20, trim_threshold: int = 4 
     the next request (~520 page faults, ~1 ms of CPU per 4096 x 64 sparse step). ``M_TRIM_THRESHOLD``
     of ``trim_threshold`` keeps at most that much free memory at the top of each malloc arena's heap
     for the next request (a bounded 4 MiB per arena: the gRPC threads use several arenas, and 8 MiB
-    grew a tiered shard's RSS over its stated budget in one CI run). Returns whether it was applied (False where the C library is not glibc)."""
+    grew a tiered shard's RSS over its stated budget in one CI run). Returns whether it was applied
+    (False where the C library is not glibc)."""
     global _HEAP_TUNED
     if _HEAP_TUNED:
         return True
