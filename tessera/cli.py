@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-__all__ = ["main", "build_parser", "HelpFormatter", "Parser", "UsageError", "explain_error"]  # noqa: F822 (UsageError: lazy, see __getattr__)
+__all__ = ["main", "build_parser", "HelpFormatter", "Parser", "UsageError", "explain_error", "parse_key_values"]  # noqa: F822 (UsageError: lazy, see __getattr__)
 
 
 def __getattr__(name: str) -> Any:
@@ -23,6 +23,23 @@ def __getattr__(name: str) -> Any:
 
         return UsageError
     raise AttributeError(f"module 'tessera.cli' has no attribute {name!r}")
+
+
+def parse_key_values(items: Sequence[str], flag: str = "--task-opt") -> dict[str, Any]:
+    """``["k=v", ...]`` (a repeatable ``flag``) -> dict; a value that parses as JSON (a number, true,
+    a list) becomes that, any other stays a string. ValueError names the flag and the bad item."""
+    import json
+
+    out: dict[str, Any] = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any
 
+from tessera.cli import parse_key_values
 from tessera.service import UsageError, add_client_security_args, client_security_from
 
 __all__ = ["add_worker_commands", "explain_error", "default_torch_threads"]
@@ -18,16 +19,10 @@ __all__ = ["add_worker_commands", "explain_error", "default_torch_threads"]
 
 
 def _kv(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep:
-            raise UsageError(f"--task-opt expects KEY=VALUE, got {item!r}")
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
+    try:
+        return parse_key_values(items)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _ps_mode(value: str) -> str:

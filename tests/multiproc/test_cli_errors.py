@@ -52,6 +52,8 @@ def test_bad_flags_and_bad_settings_are_one_line(tmp_path) -> None:
          ("tessera worker: error:", "--worker-index: expected one argument", "tessera worker --help")),
         (("worker", "--ps", "127.0.0.1:1", "--worker-index", "2", "--num-workers", "2"),
          ("--worker-index 2 is out of range for --num-workers 2", "0..1")),
+        (("worker", "--ps", "127.0.0.1:1", "--task", "ctr", "--task-opt", "vocab"),
+         ("tessera worker: error:", "--task-opt expects KEY=VALUE, got 'vocab'")),
         (("demo", "--workers", "two"), ("tessera demo: error:", "invalid int value: 'two'")),
         (("experiment", "consistency", "--modes", "bogus", "--out", str(tmp_path / "e")),
          ("tessera experiment consistency: error:", "unknown mode 'bogus'")),

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tessera.cli import parse_key_values
 from worker.peer.flags import add_pipeline_args
 
 __all__ = ["add_peer_commands", "add_train_args", "launcher_argv", "main", "run_rank"]
@@ -82,16 +83,10 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def _kv(items: list[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--task-opt expects KEY=VALUE, got {item!r}")
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
+    try:
+        return parse_key_values(items)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 _PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0}  # dense bf16/fp16
