@@ -63,7 +63,7 @@ from tessera.rpc import channel_options
 from tessera.service import ClientSecurity
 from tessera.v1 import ps_pb2 as pb
 
-__all__ = ["PSClient", "ChangedRows", "DenseResult", "StepResult"]
+__all__ = ["ChangedRows", "DenseResult", "PSClient", "StepResult"]
 
 T = TypeVar("T")
 
@@ -616,7 +616,7 @@ class PSClient:
 
     def pull_sparse_changed(
         self, name: str, ids: Any, known_versions: Any, policy: SyncPolicy | None = None,
-    ) -> "ChangedRows":
+    ) -> ChangedRows:
         """A conditional pull: ``ids`` (unique int64 ids, 1-D) with ``known_versions`` (int64 per id: the
         version of the row the caller holds, -1: none). The shards send versions for every id but row
         values only where the version differs from the known one; see ``ChangedRows`` (caller's order).

@@ -1,7 +1,9 @@
 """The hot-row embedding cache (worker/emb_cache.py) against real gRPC shards.
 
 - sync: training with the cache on gives exactly the parameters of training with it off (which
-  tests/integration/test_worker_sync_exact.py checks against a single-process torch reference);
+  tests/integration/test_worker_sync_exact.py checks against a single-process torch reference), and
+  a conditional pull leaves out, on the wire, every row the cache serves: rows nobody pushed since
+  the cache pulled them (frozen lookups beside trained ones: hits, fewer rows than cache off);
 - ssp: every row a lookup is served is checked against the PS's own history of that row: it is the
   row as the PS held it at most K clocks before (value and version), never older;
 - hit rate on Zipf(1.1) ids with a cache of 1% of the rows, reported and above 50%.
@@ -65,6 +67,9 @@ def test_sync_with_cache_gives_exactly_the_parameters_without(inproc_cluster, tr
     hits = sum(c["emb"].stats.row_hits for c in caches)
     print(f"\nsync ctr, cache on: {hits} row hits, rows over the wire {on_wire} (cache off {off_wire})")
     assert on_wire == off_wire - hits  # every row served from the cache is one the PS did not send
+    # README: a step that reads only rows it trains gets no sync hits (its own push changed each row it
+    # cached); test_sync_cache_serves_rows_nobody_pushed_and_saves_their_transfer shows the hits
+    assert hits == 0
 
 
 def _zipf_ids(rng: np.random.Generator, perm: np.ndarray, p: np.ndarray, n: int) -> np.ndarray:
@@ -93,13 +98,15 @@ def _sync_two_tower(cluster, cache_rows: int, device: str, steps: int = 12):
         emb.policy = SyncPolicy(clock=t, sync=True)
         users = torch.from_numpy(_zipf_ids(rng, perm, p, 128)).to(device)
         items = torch.from_numpy(_zipf_ids(rng, perm, p, 128)).to(device)
+        ri = emb.fetch(items, emb.policy)
+        emb.prefetched(ri)
         with torch.no_grad():
             item = emb(items)  # frozen: read through the cache, no gradient pushed
         if emb.cache is not None:  # every row served (hit or not) is the PS's row now, value and version
-            r_uniq = np.unique(items.cpu().numpy())
-            rows, vers = truth.pull_sparse(emb.table, r_uniq, return_versions=True)
-            np.testing.assert_array_equal(item.cpu().numpy(), rows[np.searchsorted(r_uniq, items.cpu().numpy())])
-            checked += len(r_uniq)
+            rows, vers = truth.pull_sparse(emb.table, ri.uniq, return_versions=True)
+            np.testing.assert_array_equal(item.cpu().numpy(), rows[ri.inverse])
+            np.testing.assert_array_equal(ri.versions, vers)
+            checked += len(ri.uniq)
         user = emb(users)
         ((user * item).sum(-1) ** 2).sum().backward()
         g = emb.gradients()
