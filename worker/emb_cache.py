@@ -31,7 +31,10 @@ Refresh, by consistency mode (``staleness`` = K):
   hit only when nobody pushed it since this worker last pulled it: rows a lookup reads without
   training them (no gradient pushed, e.g. frozen or no-grad lookups), or pulled by this worker after
   another worker's push and not pushed since. A training step that pushes every row it read (the
-  ctr task) gets no sync hits (bench/RESULTS.md, issue 16).
+  ctr task) gets no sync hits (bench/RESULTS.md, issue 16). Caveat: a version names a value only while
+  the row lives on its shard; a row evicted (``eviction.ttl_steps``) and created again restarts at 0,
+  so with eviction on, a long-resident cached row could match a newer row's version (as before
+  conditional pulls: the sync check compared versions already).
 - ``ssp``: a row pulled at step c is served without asking the PS for steps c..c+K (never more
   than K clocks old), then pulled again (conditionally, as in sync: an unchanged row is not sent and
   counts as pulled at this step).
