@@ -19,6 +19,12 @@ shows the min and median over blocks. ``gpu_ratio``: examples/s of ps+cache over
 ``gpu_ratio_nocache`` the same without the cache; ``cache_hit_rate``: ids served from the device table, per
 lookup, in the timed blocks.
 
+Sync mode (the cache's conditional pulls, untimed, ``--sync-steps``): the per-lookup hit rate and the rows
+that crossed the wire with the cache on over off, once with every field trained (each step pushes every row
+it read: the cache can serve only rows nobody pushed since it pulled them) and once with half of the fields
+looked up under no_grad (frozen features, read and never pushed). JSON: ``sync_hit_rate``/``sync_rows_ratio``
+(all trained) and ``sync_*_frozenN``.
+
 ``--e2e-steps N`` (0: skip) also runs ``tessera worker --task ctr`` end to end against 2 ``tessera ps serve``
 processes, with and without ``--emb-cache-rows``, and reports the worker's examples/s.
 
@@ -128,12 +134,17 @@ def ceiling(R: int, args: argparse.Namespace, dev: torch.device) -> Any:
     return step
 
 
-def through_ps(R: int, args: argparse.Namespace, dev: torch.device, client: PSClient, cache_rows: int, tag: str) -> tuple[Any, EmbCache | None]:
+def through_ps(
+    R: int, args: argparse.Namespace, dev: torch.device, client: PSClient, cache_rows: int, tag: str,
+    mode: str | None = None, frozen: int = 0,
+) -> tuple[Any, EmbCache | None]:
+    """One PS way's step (see the module doc). ``mode``: the cache's rule (default ``--mode``); ``frozen``:
+    the last ``frozen`` fields are looked up under no_grad (read, never pushed: frozen features)."""
     client.worker = "bench"
     emb = PSEmbedding(f"gpu{R}{tag}/emb", args.dim, optimizer="adagrad", lr=0.05, initial_accumulator=0.1)
     emb.client = client
     client.create_sparse(emb.table, emb.dim, optimizer=emb.optimizer, init=emb.init)
-    cache = EmbCache(cache_rows, args.dim, args.mode, args.staleness, dev) if cache_rows else None
+    cache = EmbCache(cache_rows, args.dim, mode or args.mode, args.staleness, dev) if cache_rows else None
     emb.cache = cache
     head = mlp(args.fields, args.dim).to(dev)
     opt_d = torch.optim.Adam(head.parameters(), lr=1e-3)
@@ -144,12 +155,20 @@ def through_ps(R: int, args: argparse.Namespace, dev: torch.device, client: PSCl
         ids = torch.from_numpy(zipf.draw((args.batch, args.fields)))
         y = (torch.rand(args.batch, device=dev) < 0.3).float()
         t = clock[0]
+        fz = None
+        if frozen:  # frozen features: fetched (through the cache) and looked up, no gradient
+            ids, fids = ids[:, : args.fields - frozen], ids[:, args.fields - frozen :]
+            emb.prefetched(emb.fetch(fids, SyncPolicy(clock=t)))
+            with torch.no_grad():
+                fz = emb(fids.to(dev))
         t0 = time.perf_counter()
         r = emb.fetch(ids, SyncPolicy(clock=t))
         t1 = time.perf_counter()
         emb.prefetched(r)
         ids_dev = ids.to(dev, non_blocking=True)
         out = emb(ids_dev)  # without the cache: the H2D copy of the rows happens here
+        if fz is not None:
+            out = torch.cat([out, fz], dim=1)
         sync(dev)
         t2 = time.perf_counter()
         loss = F.binary_cross_entropy_with_logits(head(out.flatten(1)).squeeze(1), y)
@@ -178,6 +197,28 @@ def through_ps(R: int, args: argparse.Namespace, dev: torch.device, client: PSCl
 
     last = [0.0, 0.0]
     return step, cache
+
+
+def sync_wire(R: int, args: argparse.Namespace, dev: torch.device, addresses: list[str], frozen: int) -> dict[str, float]:
+    """Sync-mode cache (conditional pulls), untimed: ``--sync-steps`` steps after ``--warmup``, cache on and
+    off on the same ids. Returns the per-lookup hit rate and rows over the wire (cache on / off)."""
+    wire = {}
+    hit = 0.0
+    for rows in (0, max(1, int(R * args.cache_frac))):
+        with PSClient(addresses, timeout=120) as c:
+            step, cache = through_ps(R, args, dev, c, rows, f"sync{frozen}{'on' if rows else 'off'}", mode="sync", frozen=frozen)
+            parts = {p: 0.0 for p in PARTS}
+            for _ in range(args.warmup):
+                step(parts)
+            table = next(iter(c.rows_pulled))
+            before = c.rows_pulled[table]
+            snap = (cache.stats.lookups, cache.stats.hits) if cache is not None else (0, 0)
+            for _ in range(args.sync_steps):
+                step(parts)
+            wire[rows > 0] = c.rows_pulled[table] - before
+            if cache is not None:
+                hit = (cache.stats.hits - snap[1]) / max(1, cache.stats.lookups - snap[0])
+    return {"hit_rate": hit, "rows_ratio": wire[True] / max(1, wire[False]), "rows_on": wire[True], "rows_off": wire[False]}
 
 
 def e2e(args: argparse.Namespace, R: int, cache_rows: int) -> float:
@@ -217,6 +258,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="steps per timed block")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=10, help="steps before timing (the cache fills)")
+    ap.add_argument("--sync-steps", type=int, default=20, help="steps of the (untimed) sync-mode wire count (0: skip)")
     ap.add_argument("--e2e-steps", type=int, default=0, help="also run tessera worker end to end for this many steps")
     ap.add_argument("--quick", action="store_true", help="smoke run: 20k rows, 64 examples, 2 blocks of 3 steps")
     ap.add_argument("--json-out", default=None, help="also write the JSON result to this path")
@@ -240,6 +282,7 @@ def main() -> None:
         addresses.append(f"127.0.0.1:{port}")
     t_start = time.time()
     results: dict[int, dict[str, Any]] = {}
+    sync_rows: dict[str, dict[str, float]] = {}
     try:
         for R in rows:
             with PSClient(addresses, timeout=120) as c_off, PSClient(addresses, timeout=120) as c_on:
@@ -259,6 +302,9 @@ def main() -> None:
                           "row_hit_rate": (st.row_hits - snap[3]) / max(1, st.rows - snap[2])}
             if cuda:
                 torch.cuda.empty_cache()
+        if args.sync_steps:  # all fields trained (a step pushes every row it read), then half of them frozen
+            for frozen in (0, args.fields // 2):
+                sync_rows[f"frozen{frozen}"] = sync_wire(rows[0], args, dev, addresses, frozen)
     finally:
         for s in servers:
             s.stop(0)
@@ -287,6 +333,14 @@ def main() -> None:
         summary[f"cache_hit_rate_{R}"] = round(r["hit_rate"], 4)
         summary[f"cache_row_hit_rate_{R}"] = round(r["row_hit_rate"], 4)
     R0 = rows[0]
+    if sync_rows:
+        print(f"\nsync mode, cache on vs off ({R0:,} rows, {args.sync_steps} steps after {args.warmup}, conditional pulls)")
+        print("| fields frozen (read, not pushed) | hit rate (lookups) | rows over the wire on / off | ratio |")
+        print("| --- | --- | --- | --- |")
+        for k, v in sync_rows.items():
+            print(f"| {k[6:]} of {args.fields} | {v['hit_rate']:.3f} | {v['rows_on']:,} / {v['rows_off']:,} | {v['rows_ratio']:.3f} |")
+            summary[f"sync_hit_rate_{k}"] = round(v["hit_rate"], 4)
+            summary[f"sync_rows_ratio_{k}"] = round(v["rows_ratio"], 4)
     c0 = summary[f"ceiling_eps_{R0}"]
     out = {
         "device": args.device, "rows": rows, "batch": args.batch, "fields": args.fields, "dim": args.dim,
@@ -294,6 +348,7 @@ def main() -> None:
         "gpu_ratio": round(summary[f"ps+cache_eps_{R0}"] / c0, 4),
         "gpu_ratio_nocache": round(summary[f"ps_eps_{R0}"] / c0, 4),
         "cache_hit_rate": summary[f"cache_hit_rate_{R0}"],
+        "sync_hit_rate": summary.get("sync_hit_rate_frozen0"), "sync_rows_ratio": summary.get("sync_rows_ratio_frozen0"),
         "e2e_eps": e2e_eps, "seconds": round(time.time() - t_start, 1), "quick": args.quick,
         "load": list(os.getloadavg()), **summary,
     }

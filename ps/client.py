@@ -63,7 +63,7 @@ from tessera.rpc import channel_options
 from tessera.service import ClientSecurity
 from tessera.v1 import ps_pb2 as pb
 
-__all__ = ["PSClient", "DenseResult", "StepResult"]
+__all__ = ["ChangedRows", "DenseResult", "PSClient", "StepResult"]
 
 T = TypeVar("T")
 
@@ -94,6 +94,19 @@ class StepResult:
     sparse: dict[str, tuple[Any, Any]]
     clock: dict[str, int]
     pushed: dict[str, Any]
+
+
+@dataclass
+class ChangedRows:
+    """What ``PSClient.pull_sparse_changed`` brought back, in the caller's id order: ``changed`` bool per
+    id (the row's version differs from the known one: its values came over the wire); ``rows`` float32
+    (changed.sum(), dim), the changed rows in id order; ``versions`` int64 per id (current, every id);
+    ``clock`` the table's BSP clock (min over shards)."""
+
+    changed: np.ndarray
+    rows: np.ndarray
+    versions: np.ndarray
+    clock: int
 
 
 @dataclass
@@ -163,6 +176,8 @@ class PSClient:
         # acknowledged updates per "table@shard": dense pushes applied (async) and sparse rows applied; a
         # fault test checks them against the shards' versions (acknowledged but lost = acked - applied)
         self.acked: Counter[str] = Counter()
+        # per sparse table: rows whose values came back over the wire (pull_sparse, step, pull_sparse_changed)
+        self.rows_pulled: Counter[str] = Counter()
         self.max_request_bytes = max_request_bytes
         self.step_inline_bytes = step_inline_bytes
         opts = channel_options()
@@ -196,6 +211,10 @@ class PSClient:
     # ------------------------------------------------------------------ plumbing
     def _call(self, shard: int, method: str, request: bytes, table: str | None = None) -> bytes:
         return self._shards[shard].call(method, request, table)
+
+    def _count_rows(self, table: str, n: int) -> None:
+        with self._meta_lock:
+            self.rows_pulled[table] += n
 
     def _count_ack(self, key: str, updates: int, duplicate: bool) -> None:
         with self._meta_lock:
@@ -584,6 +603,7 @@ class PSClient:
             rows[idx] = from_wire(pl.get("data", b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
             versions[idx] = from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions")
             clocks.append(msg.clock)
+            self._count_rows(name, len(idx))
 
         self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, g in enumerate(groups) for idx in g])
         shape = tuple(np.shape(ids)) + (spec.dim,)
@@ -593,6 +613,44 @@ class PSClient:
         if return_clock:
             out.append(min(clocks, default=0))
         return out[0] if len(out) == 1 else tuple(out)
+
+    def pull_sparse_changed(
+        self, name: str, ids: Any, known_versions: Any, policy: SyncPolicy | None = None,
+    ) -> ChangedRows:
+        """A conditional pull: ``ids`` (unique int64 ids, 1-D) with ``known_versions`` (int64 per id: the
+        version of the row the caller holds, -1: none). The shards send versions for every id but row
+        values only where the version differs from the known one; see ``ChangedRows`` (caller's order).
+        ``policy``: as for ``pull_sparse``. A shard that predates conditional pulls sends every row (the
+        result is the same)."""
+        spec, uniq, inverse, groups = self._group(name, ids)
+        if len(uniq) != len(inverse):
+            raise InvalidArgumentError(f"table {name!r}: a conditional pull needs unique ids ({len(inverse) - len(uniq)} repeated)")
+        known = np.asarray(as_numpy(known_versions)).reshape(-1)
+        if known.shape != (len(inverse),):
+            raise InvalidArgumentError(f"table {name!r}: known_versions has {known.size} entries for {len(inverse)} ids (one per id)")
+        known_u = np.empty(len(uniq), np.int64)
+        known_u[inverse] = known.astype(np.int64, copy=False)
+        rows = np.empty((len(uniq), spec.dim), np.float32)  # filled where changed
+        versions = np.empty(len(uniq), np.int64)
+        head = pb.PullSparseRequest(table=name, dtype=self.wire_dtype, worker=self.worker)
+        if policy is not None:
+            head.sync.CopyFrom(policy_to_proto(policy))
+        clocks: list[int] = []
+
+        def one(i: int, idx: np.ndarray) -> None:
+            kv = np.ascontiguousarray(known_u[idx])
+            msg, pl = unframe(pb.PullSparseReply, self._call(i, "PullSparse", frame(head, known_versions=kv, ids=np.ascontiguousarray(uniq[idx])), name))
+            v = from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions")
+            versions[idx] = v
+            at = idx[v != kv] if msg.conditional else idx  # the rows the reply carries, in request order
+            rows[at] = from_wire(pl.get("data", b""), msg.dtype, (len(at), spec.dim), what=f"table {name!r} reply")
+            clocks.append(msg.clock)
+            self._count_rows(name, len(at))
+
+        self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, g in enumerate(groups) for idx in g])
+        changed_u = versions != known_u
+        changed = changed_u[inverse]
+        return ChangedRows(changed, rows[inverse[changed]], versions[inverse], min(clocks, default=0))
 
     def push_sparse(
         self, name: str, ids: Any, grads: Any, base_versions: Any = None, policy: SyncPolicy | None = None
@@ -815,6 +873,7 @@ class PSClient:
                     rows[idx] = _reply_span(data, r.data_at, r.dtype or wire, (len(idx), spec.dim), name)
                     vers[idx] = _reply_span(data, r.versions_at, "int64", (len(idx),), name)
                     clocks.setdefault(name, []).append(r.clock)
+                    self._count_rows(name, len(idx))
                 else:
                     pushed_parts.setdefault(name, []).append((i, r))
         pushed: dict[str, Any] = {}

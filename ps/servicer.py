@@ -464,6 +464,15 @@ class PSServicer:
         table = self.shard.sparse(req.table)
         dtype = _float_dtype(req.dtype, req.table, "dtype")
         ids = from_wire(pl.get("ids", b""), "int64", None, what=f"table {req.table!r}: ids")
+        known = None
+        if "known_versions" in pl:  # a conditional pull: checked before anything is read or created
+            kv = pl["known_versions"]
+            if len(kv) != 8 * len(ids):
+                raise InvalidArgumentError(
+                    f"table {req.table!r}: known_versions has {len(kv)} bytes; {len(ids)} ids need {8 * len(ids)} "
+                    "(one int64 per id, -1: none held)"
+                )
+            known = from_wire(kv, "int64", (len(ids),), what=f"table {req.table!r}: known_versions")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
         if req.worker:
             self._own(caller, req.worker)
@@ -471,7 +480,11 @@ class PSServicer:
         clock = self.shard.wait(req.table, policy, _time_left(context))
         dtype = self.shard.sparse_reply_dtype(req.table, dtype)  # low-precision rows travel as stored
         values, versions = self.shard.pull_sparse(req.table, ids, dtype)
-        head = pb.PullSparseReply(dtype=dtype, dim=table.dim, clock=clock)
+        head = pb.PullSparseReply(dtype=dtype, dim=table.dim, clock=clock, conditional=known is not None)
+        if known is not None:  # only the rows the caller does not hold at their current version
+            changed = np.flatnonzero(versions != known)
+            if len(changed) < len(ids):
+                values = values[changed]  # a torch tensor (or array) of the rows as stored
         return self._out(frame(head, versions=byte_view(versions), data=to_wire(values, dtype)[1]))
 
     def PushSparse(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:

@@ -60,7 +60,7 @@ __all__ = [
 # (tessera.codec.pack/unpack), and read back as zero-copy views. Named here once; their numbers
 # come from the .proto (13/14/15 by convention: the last fields of a message on the wire).
 BULK: dict[type, tuple[str, ...]] = {
-    pb.PullSparseRequest: ("ids",),
+    pb.PullSparseRequest: ("known_versions", "ids"),
     pb.PullSparseReply: ("versions", "data"),
     pb.PushSparseRequest: ("base_versions", "ids", "data"),
     pb.DenseChunk: ("data",),

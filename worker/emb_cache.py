@@ -20,18 +20,25 @@ the slot of the resident seen least often if it was seen more often than that re
 Refresh, by consistency mode (``staleness`` = K):
 
 - ``sync``: a cached row is never older than the current clock. Every step's pull names every id
-  of the batch (the PS must say which rows the last round changed) and returns rows with their
-  versions; rows whose version equals the cached one are served from the device table, so only
-  changed and missed rows are gathered on the host and copied to the device. Results are exactly
-  those without the cache (same values, same versions). But the PS applies the optimizer, and a
-  worker's own push of step t changes every row it used in step t: the value it cached is never
-  current again, so in sync mode the cache serves only rows nobody pushed since this worker last
-  pulled them, which is none it trained on (measured: 0 hits). A sync-mode saving needs the
-  updated rows from the PS after the round (a push reply carrying them, or the next pull asking
-  only for rows whose version moved past the cached one; neither is on the wire yet).
+  of the batch, and for resident rows the version the cache holds (a conditional pull,
+  ``PSClient.pull_sparse_changed``): the PS answers with every row's version but sends values only
+  for rows whose version moved past the cached one (and for missed rows). Unchanged rows are served
+  from the device table, so they cost neither the wire nor the host gather nor the copy; every pulled
+  resident row is refreshed (value, version, step), so a row pulled at step t is current at t.
+  Results are exactly those without the cache (same values, same versions). What it saves is bounded
+  by what changed: the PS applies the optimizer, so a worker's own push of step t changes every row
+  it used in step t, and the cache cannot hold that row's new value without pulling it. A row is a
+  hit only when nobody pushed it since this worker last pulled it: rows a lookup reads without
+  training them (no gradient pushed, e.g. frozen or no-grad lookups), or pulled by this worker after
+  another worker's push and not pushed since. A training step that pushes every row it read (the
+  ctr task) gets no sync hits (bench/RESULTS.md, issue 16). Caveat: a version names a value only while
+  the row lives on its shard; a row evicted (``eviction.ttl_steps``) and created again restarts at 0,
+  so with eviction on, a long-resident cached row could match a newer row's version (as before
+  conditional pulls: the sync check compared versions already).
 - ``ssp``: a row pulled at step c is served without asking the PS for steps c..c+K (never more
-  than K clocks old), then pulled again.
-- ``async``: refreshed every K steps (served for steps c..c+K-1; K >= 1).
+  than K clocks old), then pulled again (conditionally, as in sync: an unchanged row is not sent and
+  counts as pulled at this step).
+- ``async``: refreshed every K steps (served for steps c..c+K-1; K >= 1; the refresh is conditional, as in ssp).
 
 On CUDA the fetch thread does its device work on a side stream: ids and rows go through pinned
 staging buffers with non-blocking copies, the step's rows are assembled there, and an event
@@ -75,9 +82,10 @@ def cache_mode(ps_mode: str) -> str:
 class CacheStats:
     """Counters since the cache was made. ``lookups``: ids looked up (with repeats, as the batch has
     them); ``hits``: of those, served from the device table; ``rows``/``row_hits``: the same per unique
-    id of a step; ``pulled``: rows asked of the PS; ``copied``: rows copied host -> device;
-    ``refreshed``: resident rows that were too old (ssp/async) or had changed on the PS (sync) and
-    were replaced by the pulled row."""
+    id of a step; ``pulled``: rows asked of the PS (a conditional pull names their cached versions);
+    ``transferred``: rows whose values came over the wire (the PS sends only rows whose version moved
+    past the cached one, and every missed row); ``copied``: rows copied host -> device (the same rows);
+    ``refreshed``: resident rows that had changed on the PS and were replaced by the pulled row."""
 
     steps: int = 0
     lookups: int = 0
@@ -85,6 +93,7 @@ class CacheStats:
     rows: int = 0
     row_hits: int = 0
     pulled: int = 0
+    transferred: int = 0
     copied: int = 0
     refreshed: int = 0
     admitted: int = 0
@@ -269,21 +278,22 @@ class EmbCache:
             t1 = time.perf_counter()
             need = np.flatnonzero(~fresh_h)
             clock = policy.clock if policy is not None else 0
+            changed = np.zeros(0, bool)
             rows = np.zeros((0, self.dim), np.float32)
             pver = np.zeros(0, np.int64)
-            if len(need):
-                rows, pver, clock = self._pull(client, table, uniq[need], policy)
+            if len(need):  # a conditional pull: resident rows name their cached version, only changed rows come back
+                known = np.where(hit_h[need], cver_h[need], -1)
+                got = client.pull_sparse_changed(table, uniq[need], known, policy=policy)
+                changed, rows, pver, clock = got.changed, got.rows, got.versions, got.clock
             t2 = time.perf_counter()
             versions = cver_h.copy()
             versions[need] = pver
             ages = np.where(fresh_h, age_h, 0)
-            # rows served from the table: fresh ones; in sync mode also pulled rows whose version did not change
+            # rows served from the table: fresh ones, and pulled ones whose version had not moved (a resident
+            # row at the PS's current version: the PS sent no values for it)
             served = fresh_h.copy()
-            if self.mode == "sync":
-                same = hit_h[need] & (cver_h[need] == pver)
-                served[need[same]] = True
-                ages[need[same]] = 0
-            copy = np.flatnonzero(~served)  # indices into uniq of the rows copied to the device
+            served[need[~changed]] = True
+            copy = need[changed]  # indices into uniq (ascending) of the rows that came over the wire, as ``rows`` holds them
             pulled_row = np.full(n, -1, np.int64)
             pulled_row[need] = np.arange(len(need))
             leaf = torch.empty(n, self.dim, dtype=torch.float32, device=self.device)
@@ -291,13 +301,11 @@ class EmbCache:
             if len(serve_idx):
                 si = self._stage(torch.from_numpy(np.stack([serve_idx, slot_h[serve_idx]])))
                 leaf[si[0]] = self.values[si[1]]
-            copied = None
             if len(copy):
-                host_rows = torch.from_numpy(rows[pulled_row[copy]])  # host gather of the rows that changed
-                copied = self._stage(host_rows)
+                copied = self._stage(torch.from_numpy(rows))  # only the changed rows: no host gather
                 ci = self._stage(torch.from_numpy(copy))
                 leaf[ci] = copied
-            # refresh: cached rows that were pulled get their new value, version and step
+            # refresh: resident rows that were pulled get the PS's value, version and step (current at this step)
             refresh = need[hit_h[need]]
             if len(refresh):
                 rs = self._stage(torch.from_numpy(np.stack([slot_h[refresh], pver[pulled_row[refresh]], refresh])))
@@ -318,6 +326,7 @@ class EmbCache:
             s.rows += n
             s.row_hits += int(served.sum())
             s.pulled += len(need)
+            s.transferred += len(copy)
             s.copied += len(copy)
             s.refreshed += int(len(refresh) - (served[refresh].sum() if len(refresh) else 0))
             s.admitted += admitted
@@ -326,12 +335,6 @@ class EmbCache:
             s.seconds["pull"] += t2 - t1
             s.seconds["assemble"] += t3 - t2
             return CachedRows(leaf, versions, ages, clock, ready)
-
-    def _pull(self, client: PSClient, table: str, ids: np.ndarray, policy: SyncPolicy | None) -> tuple[np.ndarray, np.ndarray, int]:
-        """Rows, versions and the table's clock for ``ids`` from the PS. (Where a conditional pull
-        lands on the wire, sync mode sends the cached versions here and gets only changed rows.)"""
-        rows, versions, clock = client.pull_sparse(table, ids, return_versions=True, policy=policy, return_clock=True)
-        return np.asarray(rows, np.float32), np.asarray(versions, np.int64), int(clock)
 
     def _admit(
         self, u: torch.Tensor, leaf: torch.Tensor, freq: torch.Tensor, hit: torch.Tensor, versions: torch.Tensor, step: int,
@@ -401,8 +404,8 @@ def attach_caches(
         raise ValueError(f"emb cache rows must be >= 0 (0: no cache), got {rows}")
     made: dict[str, EmbCache] = {}
     if rows > 0 and cache_mode(ps_mode) == "sync":
-        log.warning("emb cache in sync mode: exact, but a worker's own push changes every row it used, so it serves "
-                    "few rows; it saves transfers in ssp and async modes")
+        log.warning("emb cache in sync mode: exact; it serves only rows nobody pushed since this worker pulled them "
+                    "(a worker's own push changes every row it trained on), so it saves transfers mainly in ssp and async modes")
     for name, m in model.named_modules():
         if isinstance(m, PSEmbedding):
             m.cache = EmbCache(rows, m.dim, cache_mode(ps_mode), staleness, device, **kw) if rows > 0 else None

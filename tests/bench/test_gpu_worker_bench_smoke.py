@@ -21,3 +21,9 @@ def test_gpu_worker_quick(tmp_path) -> None:
     assert abs(last["gpu_ratio_nocache"] - last[f"ps_eps_{R}"] / last[f"ceiling_eps_{R}"]) < 0.01 * last["gpu_ratio_nocache"] + 1e-3
     assert 0 < last["cache_hit_rate"] <= 1
     assert "| ps+cache |" in stdout
+    # sync mode (conditional pulls): with every field trained nothing a worker cached stays current (its own
+    # push changed it), so the same rows cross the wire; with half the fields frozen, fewer do
+    half = f"frozen{last['fields'] // 2}"
+    assert last["sync_hit_rate"] == 0 and last["sync_rows_ratio"] == 1.0, (last["sync_hit_rate"], last["sync_rows_ratio"])
+    assert 0 < last[f"sync_hit_rate_{half}"] <= 1 and 0 < last[f"sync_rows_ratio_{half}"] < 1
+    assert f"| {last['fields'] // 2} of {last['fields']} |" in stdout

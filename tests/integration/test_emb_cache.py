@@ -1,7 +1,9 @@
 """The hot-row embedding cache (worker/emb_cache.py) against real gRPC shards.
 
 - sync: training with the cache on gives exactly the parameters of training with it off (which
-  tests/integration/test_worker_sync_exact.py checks against a single-process torch reference);
+  tests/integration/test_worker_sync_exact.py checks against a single-process torch reference), and
+  a conditional pull leaves out, on the wire, every row the cache serves: rows nobody pushed since
+  the cache pulled them (frozen lookups beside trained ones: hits, fewer rows than cache off);
 - ssp: every row a lookup is served is checked against the PS's own history of that row: it is the
   row as the PS held it at most K clocks before (value and version), never older;
 - hit rate on Zipf(1.1) ids with a cache of 1% of the rows, reported and above 50%.
@@ -40,8 +42,9 @@ def _sync_run(train_workers, cluster, cache_rows: int, device: str):
 
     train_workers(W, make, timeout=120)
     emb = tasks[0].model.emb
+    wire = sum(c.rows_pulled[emb.table] for c in cluster.clients)  # rows whose values the workers' pulls brought
     ids = (np.arange(26, dtype=np.int64)[:, None] << 40 | np.arange(VOCAB)).reshape(-1)  # every (field, rank) row
-    return seen, cluster.client().pull_sparse(emb.table, ids, return_versions=True), caches
+    return seen, cluster.client().pull_sparse(emb.table, ids, return_versions=True), caches, wire
 
 
 @pytest.mark.timeout(240)
@@ -49,8 +52,8 @@ def _sync_run(train_workers, cluster, cache_rows: int, device: str):
 def test_sync_with_cache_gives_exactly_the_parameters_without(inproc_cluster, train_workers, device: str) -> None:
     """Reference: the same sync run (2 workers, 2 real shards) with the cache off; dense parameters at
     every step and every row with its version after the run are bitwise equal."""
-    off_seen, (off_rows, off_ver), _ = _sync_run(train_workers, inproc_cluster(2), 0, device)
-    on_seen, (on_rows, on_ver), caches = _sync_run(train_workers, inproc_cluster(2), 1024, device)
+    off_seen, (off_rows, off_ver), _, off_wire = _sync_run(train_workers, inproc_cluster(2), 0, device)
+    on_seen, (on_rows, on_ver), caches, on_wire = _sync_run(train_workers, inproc_cluster(2), 1024, device)
     for i in range(W):
         for t in range(STEPS):
             assert torch.equal(on_seen[i][t], off_seen[i][t]), f"worker {i} step {t}: dense parameters differ"
@@ -61,10 +64,80 @@ def test_sync_with_cache_gives_exactly_the_parameters_without(inproc_cluster, tr
     # sync mode a worker's own push changes every row it used, so nothing it cached stays current)
     refreshed = sum(c["emb"].stats.refreshed for c in caches)
     assert refreshed > 0, "the cache never held a row a later batch asked for: the test compared nothing"
+    hits = sum(c["emb"].stats.row_hits for c in caches)
+    print(f"\nsync ctr, cache on: {hits} row hits, rows over the wire {on_wire} (cache off {off_wire})")
+    assert on_wire == off_wire - hits  # every row served from the cache is one the PS did not send
+    # README: a step that reads only rows it trains gets no sync hits (its own push changed each row it
+    # cached); test_sync_cache_serves_rows_nobody_pushed_and_saves_their_transfer shows the hits
+    assert hits == 0
 
 
 def _zipf_ids(rng: np.random.Generator, perm: np.ndarray, p: np.ndarray, n: int) -> np.ndarray:
     return perm[rng.choice(len(p), n, p=p)]
+
+
+def _sync_two_tower(cluster, cache_rows: int, device: str, steps: int = 12):
+    """One BSP worker driven step by step: each step looks up Zipf(1.1) user ids (trained: their row
+    gradients are pushed) and Zipf item ids from the same table under no_grad (frozen features: read,
+    never pushed). Returns (per step (user, item) outputs, final rows and versions, rows over the wire,
+    the cache, lookups checked against the PS)."""
+    V, dim = 2000, 8
+    client, truth = cluster.client(), cluster.client()
+    client.worker = "w0"
+    emb = PSEmbedding("tower/emb", dim, optimizer="adagrad", lr=0.1)
+    emb.client = client
+    client.create_sparse(emb.table, dim, optimizer=emb.optimizer, init=emb.init, seed=emb.seed)
+    emb.cache = EmbCache(cache_rows, dim, "sync", 0, device, admit=1) if cache_rows else None
+    client.join(30)
+    rng = np.random.default_rng(3)
+    p = 1.0 / np.arange(1, V + 1) ** 1.1
+    p /= p.sum()
+    perm = rng.permutation(V)
+    outs, checked = [], 0
+    for t in range(steps):
+        emb.policy = SyncPolicy(clock=t, sync=True)
+        users = torch.from_numpy(_zipf_ids(rng, perm, p, 128)).to(device)
+        items = torch.from_numpy(_zipf_ids(rng, perm, p, 128)).to(device)
+        ri = emb.fetch(items, emb.policy)
+        emb.prefetched(ri)
+        with torch.no_grad():
+            item = emb(items)  # frozen: read through the cache, no gradient pushed
+        if emb.cache is not None:  # every row served (hit or not) is the PS's row now, value and version
+            rows, vers = truth.pull_sparse(emb.table, ri.uniq, return_versions=True)
+            np.testing.assert_array_equal(item.cpu().numpy(), rows[ri.inverse])
+            np.testing.assert_array_equal(ri.versions, vers)
+            checked += len(ri.uniq)
+        user = emb(users)
+        ((user * item).sum(-1) ** 2).sum().backward()
+        g = emb.gradients()
+        client.push_sparse(g.table, g.ids, g.grads, g.base_versions, policy=emb.policy)
+        outs.append((user.detach().cpu().clone(), item.cpu().clone()))
+    final = truth.pull_sparse(emb.table, np.arange(V, dtype=np.int64), return_versions=True)
+    client.leave()
+    return outs, final, client.rows_pulled[emb.table], emb.cache, checked
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("device", DEVICES)
+def test_sync_cache_serves_rows_nobody_pushed_and_saves_their_transfer(inproc_cluster, device: str) -> None:
+    """Sync mode, rows read without being trained (frozen item lookups beside trained user lookups on the
+    same table, 2 real shards): a resident row nobody pushed since the cache pulled it is a hit, and the
+    PS does not send it. Reference: the same run with the cache off; every lookup's values, and every
+    row with its version after the run, are bitwise equal; and each served item row equals the PS's row
+    read by a second client at that step. The cache-on run pulls fewer rows over the wire."""
+    off_outs, (off_rows, off_ver), off_wire, _, _ = _sync_two_tower(inproc_cluster(2), 0, device)
+    on_outs, (on_rows, on_ver), on_wire, cache, checked = _sync_two_tower(inproc_cluster(2), 200, device)
+    for t, ((u0, i0), (u1, i1)) in enumerate(zip(off_outs, on_outs)):
+        assert torch.equal(u0, u1) and torch.equal(i0, i1), f"step {t}: looked-up rows differ"
+    np.testing.assert_array_equal(on_ver, off_ver)
+    np.testing.assert_array_equal(on_rows, off_rows)
+    assert off_ver.max() > 1, "rows never moved"
+    s = cache.stats
+    print(f"\nsync, frozen item lookups: {s.row_hits} of {s.rows} rows served from the cache "
+          f"({s.hit_rate:.3f} of lookups); rows over the wire {on_wire} (cache off {off_wire}); {checked} rows checked")
+    assert s.row_hits > 0 and s.refreshed > 0, "no hits, or no resident row changed: the test compared nothing"
+    assert s.transferred == s.rows - s.row_hits
+    assert on_wire == off_wire - s.row_hits < off_wire
 
 
 @pytest.mark.timeout(180)
