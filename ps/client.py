@@ -99,13 +99,17 @@ class StepResult:
 @dataclass
 class ChangedRows:
     """What ``PSClient.pull_sparse_changed`` brought back, in the caller's id order: ``changed`` bool per
-    id (the row's version differs from the known one: its values came over the wire); ``rows`` float32
-    (changed.sum(), dim), the changed rows in id order; ``versions`` int64 per id (current, every id);
-    ``clock`` the table's BSP clock (min over shards)."""
+    id (its values came over the wire: the version differs from the known one, or the shard could not
+    vouch for the known one, see ``pull_sparse_changed``; a row not changed is the one the caller holds);
+    ``rows`` float32 (changed.sum(), dim), the changed rows in id order; ``versions`` int64 per id
+    (current, every id); ``epochs`` int64 per id, the eviction epoch of the id's shard at which its
+    version was read (what to pass as ``known_epochs`` with these versions next time); ``clock`` the
+    table's BSP clock (min over shards)."""
 
     changed: np.ndarray
     rows: np.ndarray
     versions: np.ndarray
+    epochs: np.ndarray
     clock: int
 
 
@@ -615,42 +619,61 @@ class PSClient:
         return out[0] if len(out) == 1 else tuple(out)
 
     def pull_sparse_changed(
-        self, name: str, ids: Any, known_versions: Any, policy: SyncPolicy | None = None,
+        self, name: str, ids: Any, known_versions: Any, known_epochs: Any, policy: SyncPolicy | None = None,
     ) -> ChangedRows:
         """A conditional pull: ``ids`` (unique int64 ids, 1-D) with ``known_versions`` (int64 per id: the
-        version of the row the caller holds, -1: none). The shards send versions for every id but row
-        values only where the version differs from the known one; see ``ChangedRows`` (caller's order).
-        ``policy``: as for ``pull_sparse``. A shard that predates conditional pulls sends every row (the
-        result is the same)."""
+        version of the row the caller holds, -1: none) and ``known_epochs`` (int64 per id: the shard's
+        eviction epoch at which that version was read, as ``ChangedRows.epochs`` gave it). The shards send
+        versions for every id but row values only where the version differs from the known one; see
+        ``ChangedRows`` (caller's order). ``policy``: as for ``pull_sparse``.
+
+        A version names one value only within one eviction epoch (a row dropped and created again
+        restarts at version 0), so per shard the request names one epoch, the newest of the held ids'
+        epochs; held ids of older epochs are asked as not held (-1), and when that epoch is no longer the
+        shard's, the shard sends every row (all ``changed``). A shard that predates conditional pulls
+        sends every row too."""
         spec, uniq, inverse, groups = self._group(name, ids)
         if len(uniq) != len(inverse):
             raise InvalidArgumentError(f"table {name!r}: a conditional pull needs unique ids ({len(inverse) - len(uniq)} repeated)")
-        known = np.asarray(as_numpy(known_versions)).reshape(-1)
-        if known.shape != (len(inverse),):
-            raise InvalidArgumentError(f"table {name!r}: known_versions has {known.size} entries for {len(inverse)} ids (one per id)")
-        known_u = np.empty(len(uniq), np.int64)
-        known_u[inverse] = known.astype(np.int64, copy=False)
+        per_id = []
+        for what, given in (("known_versions", known_versions), ("known_epochs", known_epochs)):
+            a = np.asarray(as_numpy(given)).reshape(-1)
+            if a.shape != (len(inverse),):
+                raise InvalidArgumentError(f"table {name!r}: {what} has {a.size} entries for {len(inverse)} ids (one per id)")
+            u = np.empty(len(uniq), np.int64)
+            u[inverse] = a.astype(np.int64, copy=False)
+            per_id.append(u)
+        known_u, epochs_u = per_id
         rows = np.empty((len(uniq), spec.dim), np.float32)  # filled where changed
         versions = np.empty(len(uniq), np.int64)
+        sent = np.ones(len(uniq), bool)  # the rows whose values came over the wire
+        got_epochs = np.empty(len(uniq), np.int64)
         head = pb.PullSparseRequest(table=name, dtype=self.wire_dtype, worker=self.worker)
         if policy is not None:
             head.sync.CopyFrom(policy_to_proto(policy))
         clocks: list[int] = []
 
         def one(i: int, idx: np.ndarray) -> None:
-            kv = np.ascontiguousarray(known_u[idx])
-            msg, pl = unframe(pb.PullSparseReply, self._call(i, "PullSparse", frame(head, known_versions=kv, ids=np.ascontiguousarray(uniq[idx])), name))
+            kv, ke = known_u[idx], epochs_u[idx]
+            held = kv >= 0
+            epoch = int(ke[held].max()) if held.any() else 0
+            kv = np.ascontiguousarray(np.where(held & (ke == epoch), kv, -1))  # older epochs: asked as not held
+            req = pb.PullSparseRequest(known_epoch=epoch)
+            req.MergeFrom(head)
+            msg, pl = unframe(pb.PullSparseReply, self._call(i, "PullSparse", frame(req, known_versions=kv, ids=np.ascontiguousarray(uniq[idx])), name))
             v = from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions")
             versions[idx] = v
-            at = idx[v != kv] if msg.conditional else idx  # the rows the reply carries, in request order
+            if msg.conditional:  # the rows the reply carries, in request order
+                sent[idx] = v != kv
+            at = idx[sent[idx]]
             rows[at] = from_wire(pl.get("data", b""), msg.dtype, (len(at), spec.dim), what=f"table {name!r} reply")
+            got_epochs[idx] = msg.epoch
             clocks.append(msg.clock)
             self._count_rows(name, len(at))
 
         self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, g in enumerate(groups) for idx in g])
-        changed_u = versions != known_u
-        changed = changed_u[inverse]
-        return ChangedRows(changed, rows[inverse[changed]], versions[inverse], min(clocks, default=0))
+        changed = sent[inverse]
+        return ChangedRows(changed, rows[inverse[changed]], versions[inverse], got_epochs[inverse], min(clocks, default=0))
 
     def push_sparse(
         self, name: str, ids: Any, grads: Any, base_versions: Any = None, policy: SyncPolicy | None = None

@@ -479,9 +479,16 @@ class PSServicer:
             self.shard.membership.touch(req.worker)
         clock = self.shard.wait(req.table, policy, _time_left(context))
         dtype = self.shard.sparse_reply_dtype(req.table, dtype)  # low-precision rows travel as stored
+        # the eviction epoch before and after the read: equal, no row was dropped while the versions were
+        # read (they name values of that epoch); the reply names the one before (a caller that got rows
+        # read later holds an older epoch than they deserve: its next pull is sent whole, never wrong)
+        epoch = table.eviction_epoch
         values, versions = self.shard.pull_sparse(req.table, ids, dtype)
-        head = pb.PullSparseReply(dtype=dtype, dim=table.dim, clock=clock, conditional=known is not None)
-        if known is not None:  # only the rows the caller does not hold at their current version
+        # the caller's versions name today's values only if read in this epoch (a dropped row created
+        # again restarts at version 0: an equal version may hold another value); else every row is sent
+        conditional = known is not None and req.known_epoch == epoch == table.eviction_epoch
+        head = pb.PullSparseReply(dtype=dtype, dim=table.dim, clock=clock, conditional=conditional, epoch=epoch)
+        if conditional:  # only the rows the caller does not hold at their current version
             changed = np.flatnonzero(versions != known)
             if len(changed) < len(ids):
                 values = values[changed]  # a torch tensor (or array) of the rows as stored

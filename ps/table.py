@@ -15,6 +15,7 @@ Thread-safety: each table has one lock; methods take it themselves.
 """
 from __future__ import annotations
 
+import secrets
 import sys
 import threading
 import warnings
@@ -665,6 +666,15 @@ class SparseTable:
         self._seen = CountMinSketch() if spec.admission.enabled else None
         self.track_evictions = False
         self._evicted_ids: list[np.ndarray] = []
+        # Eviction epoch: changes whenever rows are dropped (eviction, a replica's drop) or replaced
+        # (load_state). A row's version counts its updates and restarts at 0 when a dropped row is
+        # created again, so (id, version) names one value only within one epoch; a conditional pull
+        # trusts a caller's versions only when they were read at the current epoch. Starts at a
+        # random value, so that epochs of two instances of a table (a restart, a failover to a
+        # backup) practically never match. Version 0 needs no such care: the initializer is
+        # deterministic per (table, id), and admission returns, for a row it does not store yet, the
+        # values a later creation stores (same initializer, same cast to the row dtype).
+        self.eviction_epoch = secrets.randbits(62) + 1
         self.step = 0  # pushes applied to this table on this shard
         self.updates = 0
         self.evicted = 0
@@ -988,7 +998,8 @@ class SparseTable:
         return out
 
     def _drop(self, ids: np.ndarray, loc: np.ndarray, count: bool = True) -> None:
-        """Remove rows (ids at locations ``loc``) from the index and free their storage."""
+        """Remove rows (ids at locations ``loc``) from the index and free their storage (a new eviction epoch)."""
+        self.eviction_epoch += 1
         if count and self.track_evictions:  # a backup must drop them too (sent with the next replicated push)
             self._evicted_ids.append(ids.copy())
         self._moved()
@@ -1275,6 +1286,7 @@ class SparseTable:
         self.check_ids(ids)
         with self.lock:
             self._moved()
+            self.eviction_epoch += 1  # every row replaced: versions read before name other values
             self._index = IdIndex(max(self.INITIAL_INDEX, 2 * len(ids)))
             self._store.clear()
             if self._cold is not None:

@@ -3,8 +3,8 @@
 With Zipf-distributed ids a few rows are in almost every batch; a worker that pulls them from the
 PS every step spends its step on host work (gathering rows, copying them to the GPU). The cache
 holds ``rows`` of them in a fixed device table (GPU memory on a CUDA worker, CPU memory on a CPU
-one) with, per slot, the row's id, its PS version (updates applied to it) and the step it was
-pulled at. The PS stays the source of truth: every gradient still goes to it (summed per unique
+one) with, per slot, the row's id, its PS version (updates applied to it) with its shard's
+eviction epoch, and the step it was pulled at. The PS stays the source of truth: every gradient still goes to it (summed per unique
 id on the device by the lookup's backward, then pushed), and the cache only decides which rows
 need to come from the PS for a step.
 
@@ -31,10 +31,14 @@ Refresh, by consistency mode (``staleness`` = K):
   hit only when nobody pushed it since this worker last pulled it: rows a lookup reads without
   training them (no gradient pushed, e.g. frozen or no-grad lookups), or pulled by this worker after
   another worker's push and not pushed since. A training step that pushes every row it read (the
-  ctr task) gets no sync hits (bench/RESULTS.md, issue 16). Caveat: a version names a value only while
-  the row lives on its shard; a row evicted (``eviction.ttl_steps``) and created again restarts at 0,
-  so with eviction on, a long-resident cached row could match a newer row's version (as before
-  conditional pulls: the sync check compared versions already).
+  ctr task) gets no sync hits (bench/RESULTS.md, issue 16).
+  Eviction: a version names a value only while the row lives on its shard (a row evicted by
+  ``eviction.ttl_steps`` or ``max_rows`` and created again restarts at version 0), so each slot also
+  holds the eviction epoch of its shard at which its version was read (``ChangedRows.epochs``), and
+  the PS trusts a cached version only when that epoch is still the shard's: after any eviction on a
+  shard, its next pull sends every row (exact, at the cost of one full transfer per eviction).
+  Admission needs no such care: a row the PS does not admit yet comes back at version 0 with the
+  initial values a later creation stores (the initializer is deterministic per id).
 - ``ssp``: a row pulled at step c is served without asking the PS for steps c..c+K (never more
   than K clocks old), then pulled again (conditionally, as in sync: an unchanged row is not sent and
   counts as pulled at this step).
@@ -161,6 +165,7 @@ class EmbCache:
         self.ids = torch.full((rows,), _EMPTY, dtype=torch.int64, device=dev)
         self.valid = torch.zeros(rows, dtype=torch.bool, device=dev)
         self.versions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.epochs = torch.zeros(rows, dtype=torch.int64, device=dev)  # the shard's eviction epoch of each version
         self.pulled_at = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.sorted_ids = self.ids.clone()
         self.sorted_slots = torch.arange(rows, dtype=torch.int64, device=dev)
@@ -273,24 +278,24 @@ class EmbCache:
             fresh = hit & (age <= self.max_age) & (age >= 0)
             freq = self._count(u)
             # one copy back: what the host needs to decide what to pull
-            info = torch.stack([hit.long(), fresh.long(), slot, self.versions[slot], age]).cpu().numpy()
-            hit_h, fresh_h, slot_h, cver_h, age_h = info[0].astype(bool), info[1].astype(bool), info[2], info[3], info[4]
+            info = torch.stack([hit.long(), fresh.long(), slot, self.versions[slot], self.epochs[slot], age]).cpu().numpy()
+            hit_h, fresh_h, slot_h, cver_h, cep_h, age_h = info[0].astype(bool), info[1].astype(bool), *info[2:]
             t1 = time.perf_counter()
             need = np.flatnonzero(~fresh_h)
             clock = policy.clock if policy is not None else 0
             changed = np.zeros(0, bool)
             rows = np.zeros((0, self.dim), np.float32)
-            pver = np.zeros(0, np.int64)
+            pver = pep = np.zeros(0, np.int64)
             if len(need):  # a conditional pull: resident rows name their cached version, only changed rows come back
                 known = np.where(hit_h[need], cver_h[need], -1)
-                got = client.pull_sparse_changed(table, uniq[need], known, policy=policy)
-                changed, rows, pver, clock = got.changed, got.rows, got.versions, got.clock
+                got = client.pull_sparse_changed(table, uniq[need], known, cep_h[need], policy=policy)
+                changed, rows, pver, pep, clock = got.changed, got.rows, got.versions, got.epochs, got.clock
             t2 = time.perf_counter()
-            versions = cver_h.copy()
-            versions[need] = pver
+            versions, epochs = cver_h.copy(), cep_h.copy()
+            versions[need], epochs[need] = pver, pep
             ages = np.where(fresh_h, age_h, 0)
-            # rows served from the table: fresh ones, and pulled ones whose version had not moved (a resident
-            # row at the PS's current version: the PS sent no values for it)
+            # rows served from the table: fresh ones, and pulled ones the PS did not send (a resident row at
+            # the PS's current version, read in the shard's current eviction epoch)
             served = fresh_h.copy()
             served[need[~changed]] = True
             copy = need[changed]  # indices into uniq (ascending) of the rows that came over the wire, as ``rows`` holds them
@@ -305,14 +310,16 @@ class EmbCache:
                 copied = self._stage(torch.from_numpy(rows))  # only the changed rows: no host gather
                 ci = self._stage(torch.from_numpy(copy))
                 leaf[ci] = copied
-            # refresh: resident rows that were pulled get the PS's value, version and step (current at this step)
+            # refresh: resident rows that were pulled get the PS's value, version, epoch and step (current at this step)
             refresh = need[hit_h[need]]
             if len(refresh):
-                rs = self._stage(torch.from_numpy(np.stack([slot_h[refresh], pver[pulled_row[refresh]], refresh])))
-                self.values[rs[0]] = leaf[rs[2]]
+                pr = pulled_row[refresh]
+                rs = self._stage(torch.from_numpy(np.stack([slot_h[refresh], pver[pr], pep[pr], refresh])))
+                self.values[rs[0]] = leaf[rs[3]]
                 self.versions[rs[0]] = rs[1]
+                self.epochs[rs[0]] = rs[2]
                 self.pulled_at[rs[0]] = step
-            admitted, evicted = self._admit(u, leaf, freq, hit, torch.from_numpy(versions), step)
+            admitted, evicted = self._admit(u, leaf, freq, hit, torch.from_numpy(np.stack([versions, epochs])), step)
             ready = None
             if self.cuda:
                 ready = torch.cuda.Event()
@@ -340,7 +347,8 @@ class EmbCache:
         self, u: torch.Tensor, leaf: torch.Tensor, freq: torch.Tensor, hit: torch.Tensor, versions: torch.Tensor, step: int,
     ) -> tuple[int, int]:
         """Missed ids seen at least ``admit`` times take free slots, then the slots of residents seen
-        less often than they were (all on the device). Returns (admitted, evicted)."""
+        less often than they were (all on the device); ``versions``: (2, len(u)) host int64, each id's
+        version and eviction epoch. Returns (admitted, evicted)."""
         cand = torch.nonzero(~hit & (freq >= self.admit)).reshape(-1)
         if cand.numel() == 0:
             return 0, 0
@@ -358,7 +366,8 @@ class EmbCache:
         evicted = int(was_valid.sum())
         self.values[victims] = leaf[cand].detach()
         self.ids[victims] = u[cand]
-        self.versions[victims] = versions.to(self.device, non_blocking=True)[cand]
+        ve = versions.to(self.device, non_blocking=True)[:, cand]
+        self.versions[victims], self.epochs[victims] = ve[0], ve[1]
         self.pulled_at[victims] = step
         self.valid[victims] = True
         key = torch.where(self.valid, self.ids, torch.full_like(self.ids, _EMPTY))

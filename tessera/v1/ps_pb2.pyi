@@ -243,36 +243,40 @@ class PullDenseRequest(_message.Message):
     def __init__(self, table: _Optional[str] = ..., dtype: _Optional[str] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., worker: _Optional[str] = ...) -> None: ...
 
 class PullSparseRequest(_message.Message):
-    __slots__ = ("table", "dtype", "sync", "worker", "known_versions", "ids")
+    __slots__ = ("table", "dtype", "sync", "worker", "known_versions", "known_epoch", "ids")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     IDS_FIELD_NUMBER: _ClassVar[int]
     table: str
     dtype: str
     sync: SyncSpec
     worker: str
     known_versions: bytes
+    known_epoch: int
     ids: bytes
-    def __init__(self, table: _Optional[str] = ..., dtype: _Optional[str] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., worker: _Optional[str] = ..., known_versions: _Optional[bytes] = ..., ids: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, table: _Optional[str] = ..., dtype: _Optional[str] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., worker: _Optional[str] = ..., known_versions: _Optional[bytes] = ..., known_epoch: _Optional[int] = ..., ids: _Optional[bytes] = ...) -> None: ...
 
 class PullSparseReply(_message.Message):
-    __slots__ = ("dtype", "dim", "clock", "conditional", "versions", "data")
+    __slots__ = ("dtype", "dim", "clock", "conditional", "epoch", "versions", "data")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     CLOCK_FIELD_NUMBER: _ClassVar[int]
     CONDITIONAL_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     dtype: str
     dim: int
     clock: int
     conditional: bool
+    epoch: int
     versions: bytes
     data: bytes
-    def __init__(self, dtype: _Optional[str] = ..., dim: _Optional[int] = ..., clock: _Optional[int] = ..., conditional: bool = ..., versions: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, dtype: _Optional[str] = ..., dim: _Optional[int] = ..., clock: _Optional[int] = ..., conditional: bool = ..., epoch: _Optional[int] = ..., versions: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PushSparseRequest(_message.Message):
     __slots__ = ("table", "dtype", "dim", "worker", "sync", "client", "seq", "base_versions", "ids", "data")

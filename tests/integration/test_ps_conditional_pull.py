@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
+from ps import AdmissionSpec, EvictionSpec
 from ps.errors import InvalidArgumentError
 from ps.wire import frame, unframe
 from tessera.v1 import ps_pb2 as pb
@@ -37,14 +38,16 @@ def test_conditional_pull_sends_only_rows_whose_version_moved(inproc_cluster) ->
     truth = cluster.client()
     rng = np.random.default_rng(0)
     ids = rng.permutation(10_000)[:300].astype(np.int64)  # scattered over both shards, caller order unsorted
-    rows0, ver0 = client.pull_sparse(name, ids, return_versions=True)
+    first = client.pull_sparse_changed(name, ids, np.full(len(ids), -1), np.zeros(len(ids)))  # nothing held: every row
+    assert first.changed.all()
+    rows0, ver0, ep0 = first.rows, first.versions, first.epochs
     pushed = ids[::3]
     client.push_sparse(name, pushed, rng.standard_normal((len(pushed), DIM)).astype(np.float32))
     client.push_sparse(name, pushed[:10], rng.standard_normal((10, DIM)).astype(np.float32))  # some twice
     ref_rows, ref_ver = truth.pull_sparse(name, ids, return_versions=True)
 
     before_rows, before_bytes = client.rows_pulled[name], _bytes_out(client)
-    got = client.pull_sparse_changed(name, ids, ver0)
+    got = client.pull_sparse_changed(name, ids, ver0, ep0)
     cond_rows, cond_bytes = client.rows_pulled[name] - before_rows, _bytes_out(client) - before_bytes
     expect = np.isin(ids, pushed)
     np.testing.assert_array_equal(got.changed, expect)
@@ -55,24 +58,30 @@ def test_conditional_pull_sends_only_rows_whose_version_moved(inproc_cluster) ->
 
     # nothing held (-1): every row comes back, as from an unconditional pull
     before_bytes = _bytes_out(client)
-    full = client.pull_sparse_changed(name, ids, np.full(len(ids), -1))
+    full = client.pull_sparse_changed(name, ids, np.full(len(ids), -1), ep0)
     full_bytes = _bytes_out(client) - before_bytes
     assert full.changed.all()
     np.testing.assert_array_equal(full.rows, ref_rows)
     assert cond_bytes < full_bytes - 190 * DIM * 4, (cond_bytes, full_bytes)  # 200 rows of 32 bytes not sent
 
     # on the wire: one shard's reply carries data for its changed rows only, and says so
-    head = pb.PullSparseRequest(table=name, dtype="float32")
     mine = np.sort(ids)[:80]  # those the shard of the first one owns, sent to it
     owner = client._sparse_meta(name).slots.shard_of(mine)
     mine = mine[owner == owner[0]]
     held = dict(zip(ids.tolist(), ver0.tolist()))
     known = np.array([held[i] for i in mine.tolist()], np.int64)
+    epoch = int(ep0[ids == mine[0]][0])  # the shard's eviction epoch the versions were read at
+    head = pb.PullSparseRequest(table=name, dtype="float32", known_epoch=epoch)
     msg, pl = unframe(pb.PullSparseReply, client._call(int(owner[0]), "PullSparse", frame(head, known_versions=known, ids=mine)))
     n_changed = int(np.isin(mine, pushed).sum())
-    assert msg.conditional and 0 < n_changed < len(mine)
+    assert msg.conditional and 0 < n_changed < len(mine) and msg.epoch == epoch
     assert len(pl["data"]) == n_changed * DIM * 4 and len(pl["versions"]) == len(mine) * 8
+    # another epoch named (versions read before rows were dropped, or of another instance): every row
+    head.known_epoch = epoch + 1
+    msg, pl = unframe(pb.PullSparseReply, client._call(int(owner[0]), "PullSparse", frame(head, known_versions=known, ids=mine)))
+    assert not msg.conditional and len(pl["data"]) == len(mine) * DIM * 4
     # an old client (no known_versions): today's reply, every row
+    head = pb.PullSparseRequest(table=name, dtype="float32")
     msg, pl = unframe(pb.PullSparseReply, client._call(int(owner[0]), "PullSparse", frame(head, ids=mine)))
     assert not msg.conditional and len(pl["data"]) == len(mine) * DIM * 4
 
@@ -97,9 +106,86 @@ def test_bad_known_versions_is_refused_naming_the_field(inproc_cluster) -> None:
         client._call(0, "PullSparse", frame(head, known_versions=b"\0" * 7, ids=fresh), name)
     assert client.stats()[0].tables[0].rows == rows_before, "a refused pull created rows"
     with pytest.raises(InvalidArgumentError, match="known_versions has 4 entries for 5 ids"):
-        client.pull_sparse_changed(name, fresh, np.zeros(4, np.int64))
+        client.pull_sparse_changed(name, fresh, np.zeros(4, np.int64), np.zeros(5, np.int64))
+    with pytest.raises(InvalidArgumentError, match="known_epochs has 6 entries for 5 ids"):
+        client.pull_sparse_changed(name, fresh, np.zeros(5, np.int64), np.zeros(6, np.int64))
     with pytest.raises(InvalidArgumentError, match="unique ids"):
-        client.pull_sparse_changed(name, np.array([1, 1, 2]), np.zeros(3, np.int64))
-    got = client.pull_sparse_changed(name, fresh, np.full(5, -1))
+        client.pull_sparse_changed(name, np.array([1, 1, 2]), np.zeros(3, np.int64), np.zeros(3, np.int64))
+    got = client.pull_sparse_changed(name, fresh, np.full(5, -1), np.zeros(5, np.int64))
     assert got.changed.all() and got.rows.shape == (5, DIM)
     assert client.stats()[0].tables[0].rows == rows_before + 5
+
+
+def _evict(client, name: str, how: str, rng: np.random.Generator) -> None:
+    """Make the shards drop rows nobody touches now: pushes of other rows past ``ttl_steps`` (ttl), or
+    pulls of more new rows than ``max_rows`` leaves room for (LRU)."""
+    for k in range(4):
+        filler = np.arange(10_000 + 30 * k, 10_030 + 30 * k, dtype=np.int64)
+        client.pull_sparse(name, filler)
+        if how == "ttl":
+            client.push_sparse(name, filler, rng.standard_normal((len(filler), DIM)).astype(np.float32))
+
+
+@pytest.mark.parametrize("how", ["ttl", "max_rows"])
+def test_rows_evicted_and_created_again_at_the_same_version_are_sent(inproc_cluster, how: str) -> None:
+    """The ABA case of versions: rows pulled at version 1 are evicted (``eviction.ttl_steps`` on 2 shards,
+    or ``max_rows`` LRU on 1), created again and pushed once with other gradients: back at version 1 with
+    other values. A conditional pull naming the old versions and their eviction epochs gets every row,
+    values and versions equal to an unconditional pull by a second client (the reference); before
+    eviction epochs, the versions matched and the stale rows were reported unchanged."""
+    eviction = EvictionSpec(ttl_steps=2) if how == "ttl" else EvictionSpec(max_rows=60)
+    cluster = inproc_cluster(2 if how == "ttl" else 1)
+    client, truth = cluster.client(), cluster.client()
+    name = f"cond/evict_{how}"
+    client.create_sparse(name, DIM, optimizer="adagrad", init="normal", eviction=eviction, lr=0.1)
+    rng = np.random.default_rng(1)
+    ids = rng.permutation(5000)[:40].astype(np.int64)
+    none = np.full(len(ids), -1)
+    first = client.pull_sparse_changed(name, ids, none, np.zeros(len(ids)))  # creates them (version 0)
+    client.push_sparse(name, ids, rng.standard_normal((len(ids), DIM)).astype(np.float32))
+    held = client.pull_sparse_changed(name, ids, first.versions, first.epochs)
+    assert held.changed.all() and (held.versions == 1).all()
+    # nothing dropped yet: the same pull again sends nothing (the epochs still hold)
+    again = client.pull_sparse_changed(name, ids, held.versions, held.epochs)
+    assert not again.changed.any() and np.array_equal(again.epochs, held.epochs)
+
+    _evict(truth, name, how, rng)
+    _, v = truth.pull_sparse(name, ids, return_versions=True)  # creates the evicted ones again, version 0
+    recreated = v == 0
+    assert recreated.sum() >= len(ids) // 4, f"{how}: only {recreated.sum()} of {len(ids)} rows were evicted"
+    truth.push_sparse(name, ids[recreated], rng.standard_normal((int(recreated.sum()), DIM)).astype(np.float32))
+    ref_rows, ref_ver = truth.pull_sparse(name, ids, return_versions=True)
+    assert (ref_ver[recreated] == 1).all(), "the evicted rows are not back at the version held"
+    assert not np.array_equal(ref_rows[recreated], held.rows[recreated]), "the same values again: the test compares nothing"
+
+    got = client.pull_sparse_changed(name, ids, held.versions, held.epochs)
+    assert got.changed.all(), f"{int((~got.changed[recreated]).sum())} evicted rows reported unchanged"
+    np.testing.assert_array_equal(got.versions, ref_ver)
+    np.testing.assert_array_equal(got.rows, ref_rows)
+    assert not np.array_equal(got.epochs, held.epochs)
+    # the new epochs hold again: nothing changed since, nothing sent
+    after = client.pull_sparse_changed(name, ids, got.versions, got.epochs)
+    assert not after.changed.any()
+
+
+def test_rows_not_admitted_yet_are_stable_at_version_zero(inproc_cluster) -> None:
+    """Admission (``min_count=3``) with a random-looking initializer and bfloat16 rows: a row the shard
+    does not store yet comes back at version 0 with its initial values, and once admitted (created) it
+    holds exactly those values at version 0, so a cached version 0 stays valid and a conditional pull
+    sends nothing for it. Reference: an unconditional pull by a second client after admission."""
+    cluster = inproc_cluster(2)
+    client, truth = cluster.client(), cluster.client()
+    name = "cond/admit"
+    client.create_sparse(name, DIM, optimizer="adagrad", init="normal", admission=AdmissionSpec(min_count=3),
+                         row_dtype="bfloat16", lr=0.1)
+    ids = np.arange(50, 90, dtype=np.int64)
+    first = client.pull_sparse_changed(name, ids, np.full(len(ids), -1), np.zeros(len(ids)))  # sighting 1: not stored
+    assert (first.versions == 0).all()
+    assert sum(t.rows for s in client.stats() for t in s.tables if t.name == name) == 0, "admitted on the first sighting"
+    for _ in range(2):  # sightings 2 and 3: the rows are created at the third
+        got = client.pull_sparse_changed(name, ids, first.versions, first.epochs)
+        assert not got.changed.any() and (got.versions == 0).all()
+    assert sum(t.rows for s in client.stats() for t in s.tables if t.name == name) == len(ids)
+    ref_rows, ref_ver = truth.pull_sparse(name, ids, return_versions=True)
+    np.testing.assert_array_equal(first.rows, ref_rows)
+    assert (ref_ver == 0).all() and np.abs(ref_rows).max() > 0
