@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from ps import SyncPolicy
+from ps import EvictionSpec, SyncPolicy
 from worker import TrainConfig, Trainer, load_task
 from worker.binding import PSEmbedding
 from worker.emb_cache import EmbCache, attach_caches
@@ -138,6 +138,67 @@ def test_sync_cache_serves_rows_nobody_pushed_and_saves_their_transfer(inproc_cl
     assert s.row_hits > 0 and s.refreshed > 0, "no hits, or no resident row changed: the test compared nothing"
     assert s.transferred == s.rows - s.row_hits
     assert on_wire == off_wire - s.row_hits < off_wire
+
+
+def _evicting_run(cluster, cache_rows: int, device: str):
+    """Rows that come back at the same version with other values: a sync-mode reader (the cache's
+    conditional pulls, or plain pulls with the cache off) of 24 rows on a table with
+    ``eviction.ttl_steps=2`` (2 real shards), and another worker that pushes them, makes the shards
+    evict them (pushes of other rows), creates them again and pushes them once more: back at version 1.
+    Returns, per read, the rows served and their versions, each checked against the PS's rows read by a
+    third client at that moment; and the cache."""
+    dim, name = 8, "evict/emb"
+    reader, other, truth = cluster.client(), cluster.client(), cluster.client()
+    reader.create_sparse(name, dim, optimizer="adagrad", init="normal", eviction=EvictionSpec(ttl_steps=2), lr=0.1)
+    cache = EmbCache(cache_rows, dim, "sync", 0, device, admit=1) if cache_rows else None
+    rng = np.random.default_rng(5)
+    ids = np.sort(rng.permutation(3000)[:24]).astype(np.int64)
+    reads = []
+
+    def read(step: int) -> None:
+        if cache is not None:
+            r = cache.fetch(reader, name, ids, None, step, None)
+            rows, vers = r.leaf.cpu().numpy(), r.versions
+        else:
+            rows, vers = reader.pull_sparse(name, ids, return_versions=True)
+        ref_rows, ref_vers = truth.pull_sparse(name, ids, return_versions=True)
+        np.testing.assert_array_equal(vers, ref_vers, err_msg=f"read {step}: versions")
+        np.testing.assert_array_equal(rows, ref_rows, err_msg=f"read {step}: rows (served stale?)")
+        reads.append((rows.copy(), vers.copy()))
+
+    def push(which: np.ndarray) -> None:
+        other.push_sparse(name, which, rng.standard_normal((len(which), dim)).astype(np.float32))
+
+    read(0)  # creates the rows (version 0); the cache admits them
+    push(ids)
+    read(1)  # version 1: the cache refreshes them
+    for k in range(4):  # the other worker trains other rows: ours expire and are dropped
+        filler = np.arange(10_000 + 40 * k, 10_040 + 40 * k, dtype=np.int64)
+        other.pull_sparse(name, filler)
+        push(filler)
+    _, v = other.pull_sparse(name, ids, return_versions=True)  # created again, version 0
+    assert (v == 0).all(), "the rows were not evicted"
+    push(ids)  # version 1 again, other values
+    read(2)  # the cache holds version 1 from read 1: it must not serve it
+    read(3)  # nothing changed since read 2: served from the cache (the epochs hold again)
+    return reads, cache
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("device", DEVICES)
+def test_sync_cache_stays_exact_when_rows_are_evicted_and_created_again(inproc_cluster, device: str) -> None:
+    """Eviction on (``ttl_steps``): a row the cache holds at version 1 is evicted, created again and
+    pushed once: version 1, other values. Reference: the same run with the cache off; every read gives
+    the same rows and versions, and each equals the PS's rows at that moment (a second client). The
+    cache sent nothing it did not have to once the epochs held again (the last read: all hits)."""
+    off, _ = _evicting_run(inproc_cluster(2), 0, device)
+    on, cache = _evicting_run(inproc_cluster(2), 64, device)
+    for t, ((r0, v0), (r1, v1)) in enumerate(zip(off, on)):
+        np.testing.assert_array_equal(v1, v0, err_msg=f"read {t}: versions")
+        np.testing.assert_array_equal(r1, r0, err_msg=f"read {t}: rows")
+    assert not np.array_equal(on[2][0], on[1][0]) and (on[2][1] == on[1][1]).all(), "no row came back at the same version"
+    s = cache.stats
+    assert s.admitted == 24 and s.row_hits == 24, f"the last read should be all hits: {s}"
 
 
 @pytest.mark.timeout(180)
