@@ -58,7 +58,7 @@ from ps.wire import (
     stats_from_proto,
     unframe,
 )
-from tessera.codec import DTYPES, as_numpy, byte_view, from_wire, to_wire
+from tessera.codec import DTYPES, as_numpy, from_wire, to_wire
 from tessera.rpc import channel_options
 from tessera.service import ClientSecurity
 from tessera.v1 import ps_pb2 as pb
@@ -587,9 +587,10 @@ class PSClient:
 
         self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, g in enumerate(groups) for idx in g])
         shape = tuple(np.shape(ids)) + (spec.dim,)
-        out: list[Any] = [_like(ids, rows[inverse].reshape(shape))]
+        same = _is_identity(inverse, len(uniq))  # ids unique and sorted: the rows are in the caller's order already
+        out: list[Any] = [_like(ids, (rows if same else rows[inverse]).reshape(shape))]
         if return_versions:
-            out.append(_like(ids, versions[inverse].reshape(np.shape(ids))))
+            out.append(_like(ids, (versions if same else versions[inverse]).reshape(np.shape(ids))))
         if return_clock:
             out.append(min(clocks, default=0))
         return out[0] if len(out) == 1 else tuple(out)
@@ -774,7 +775,7 @@ class PSClient:
             head = pb.StepRequest(worker=self.worker, client=self.client_id, dtype=wire)
             head.parts.extend(part for part, _ in reqs[i])
             pieces = [x for _, ps in reqs[i] for x in ps]
-            raw = frame(head, data=b"".join(byte_view(x) if isinstance(x, np.ndarray) else x for x in pieces))
+            raw = frame(head, data=pieces)  # one copy of the pieces, into the message
             msg, pl = unframe(pb.StepReply, self._call(i, "Step", raw))
             if len(msg.parts) != len(reqs[i]):
                 raise InternalError(f"shard {self._shards[i].label}: Step answered {len(msg.parts)} of {len(reqs[i])} parts")
@@ -849,7 +850,9 @@ class PSClient:
         for name, (spec, uniq, inverse, ids, _) in sparse_plan.items():
             rows, vers = sparse_rows[name]
             shape = tuple(np.shape(ids))
-            sparse_out[name] = (_like(ids, rows[inverse].reshape(shape + (spec.dim,))), _like(ids, vers[inverse].reshape(shape)))
+            if not _is_identity(inverse, len(uniq)):  # else: in the caller's order already
+                rows, vers = rows[inverse], vers[inverse]
+            sparse_out[name] = (_like(ids, rows.reshape(shape + (spec.dim,))), _like(ids, vers.reshape(shape)))
         result = StepResult(
             dense_out, {n: tuple(v) for n, v in dense_versions.items()}, sparse_out,
             {n: min(c) for n, c in clocks.items()}, pushed,
@@ -1034,8 +1037,10 @@ def _all_finite(x: np.ndarray) -> bool:
     return bool(np.isfinite(x).all())
 
 
-def _is_identity(inverse: np.ndarray) -> bool:
-    """``inverse`` is 0, 1, ..., n-1 (the ids were unique and sorted already)."""
+def _is_identity(inverse: np.ndarray, n: int | None = None) -> bool:
+    """``inverse`` is 0, 1, ..., n-1 (the ids were unique and sorted already); ``n``: its length must be that."""
+    if n is not None and inverse.size != n:
+        return False
     return bool(inverse.size == 0 or (inverse[0] == 0 and inverse[-1] == inverse.size - 1 and np.all(np.diff(inverse) == 1)))
 
 

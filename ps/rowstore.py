@@ -217,10 +217,12 @@ class RowPlan(NamedTuple):
 
 
 class _Chunk:
-    __slots__ = ("buf", "cols", "rows")
+    __slots__ = ("arrays", "buf", "cols", "rows")
 
     def __init__(self, buf: torch.Tensor, cols: dict[str, torch.Tensor], rows: int) -> None:
         self.buf, self.cols, self.rows = buf, cols, rows
+        # numpy views of the same memory, for the scatter (None: a dtype numpy lacks, e.g. bfloat16)
+        self.arrays = {k: (None if v.dtype == torch.bfloat16 else v.numpy()) for k, v in cols.items()}
 
 
 class RowStore:
@@ -486,16 +488,22 @@ class RowStore:
                 t = torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v
                 tens[name] = t.to(c.dtype) if t.dtype != c.dtype else t
         for ch, pos, off in groups:
+            at = None if isinstance(off, slice) else off.numpy()
             for name, v in tens.items():
                 dst = ch.cols[name]
+                arr = ch.arrays[name]
                 if isinstance(v, torch.Tensor):
                     part = v if pos is None else (v[pos] if isinstance(pos, slice) else v.index_select(0, pos))
-                    if isinstance(off, slice):
+                    if at is None:
                         dst[off].copy_(part)
+                    elif arr is not None:
+                        arr[at] = part.numpy()  # numpy's row copy: ~2x torch's index_copy_ for (n, 64) float32
                     else:
                         dst.index_copy_(0, off, part)
-                elif isinstance(off, slice):
+                elif at is None:
                     dst[off].fill_(v)
+                elif arr is not None:
+                    arr[at] = v
                 else:
                     dst.index_fill_(0, off, v)
 
