@@ -174,6 +174,7 @@ class PSClient:
         self._dense: dict[str, _Dense] = {}
         self._sparse: dict[str, _Sparse] = {}
         self._meta_lock = threading.Lock()
+        self._last_group: dict[str, tuple[_Sparse, np.ndarray, Any]] = {}  # per sparse table: its last _group
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -206,8 +207,14 @@ class PSClient:
         """Run zero-arg callables concurrently; re-raise the first error after all finish."""
         if len(jobs) == 1:
             return [jobs[0]()]
-        futs = [self._pool.submit(j) for j in jobs]
+        # the first job runs here, on the calling thread (which would only wait): one hand-off fewer
+        futs = [self._pool.submit(j) for j in jobs[1:]]
         results, first_error = [], None
+        try:
+            results.append(jobs[0]())
+        except BaseException as e:  # noqa: BLE001
+            results.append(None)
+            first_error = e
         for f in futs:
             try:
                 results.append(f.result())
@@ -537,6 +544,9 @@ class PSClient:
         meta = self._sparse_meta(name)
         spec = meta.spec
         arr = _ids(ids, name)
+        last = self._last_group.get(name)
+        if last is not None and last[0] is meta and last[1].shape == arr.shape and np.array_equal(last[1], arr):
+            return last[2]  # the ids grouped last time (a push of the rows the last pull fetched): no hashing again
         if arr.size and bool(np.all(arr[1:] > arr[:-1])):
             uniq, inverse = arr, np.arange(arr.size)  # unique and sorted already (PSEmbedding's ids): no sort
         else:
@@ -556,7 +566,10 @@ class PSClient:
         for i in range(self.num_shards):
             idx = order[bounds[i] : bounds[i + 1]]
             groups.append([idx[j : j + per_req] for j in range(0, len(idx), per_req)])
-        return spec, uniq, inverse.reshape(-1), groups
+        out = (spec, uniq, inverse.reshape(-1), groups)
+        kept = arr.copy()  # not the caller's array, which may change after this call (uniq may be it)
+        self._last_group[name] = (meta, kept, (spec, kept if uniq is arr else uniq, *out[2:]))  # callers only read it
+        return out
 
     def pull_sparse(
         self, name: str, ids: Any, return_versions: bool = False, policy: SyncPolicy | None = None,

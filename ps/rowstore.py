@@ -494,13 +494,13 @@ class RowStore:
                 arr = ch.arrays[name]
                 if isinstance(v, torch.Tensor):
                     part = v if pos is None else (v[pos] if isinstance(pos, slice) else v.index_select(0, pos))
-                    if at is None:
+                    if isinstance(off, slice):
                         dst[off].copy_(part)
                     elif arr is not None:
                         arr[at] = part.numpy()  # numpy's row copy: ~2x torch's index_copy_ for (n, 64) float32
                     else:
                         dst.index_copy_(0, off, part)
-                elif at is None:
+                elif isinstance(off, slice):
                     dst[off].fill_(v)
                 elif arr is not None:
                     arr[at] = v
