@@ -590,17 +590,20 @@ class PSClient:
         if policy is not None:
             head.sync.CopyFrom(policy_to_proto(policy))
         clocks: list[int] = []
+        place = _placement(inverse, len(uniq))  # distinct ids: replies written in the caller's order
 
         def one(i: int, idx: np.ndarray) -> None:
             req = frame(head, ids=np.ascontiguousarray(uniq[idx]))
             msg, pl = unframe(pb.PullSparseReply, self._call(i, "PullSparse", req, name))
-            rows[idx] = from_wire(pl.get("data", b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
-            versions[idx] = from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions")
+            at = _at(place, idx)
+            rows[at] = from_wire(pl.get("data", b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
+            versions[at] = from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions")
             clocks.append(msg.clock)
 
         self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, g in enumerate(groups) for idx in g])
         shape = tuple(np.shape(ids)) + (spec.dim,)
-        same = _is_identity(inverse, len(uniq))  # ids unique and sorted: the rows are in the caller's order already
+        # in the caller's order already: ids unique and sorted, or written so
+        same = place is not None or _is_identity(inverse, len(uniq))
         out: list[Any] = [_like(ids, (rows if same else rows[inverse]).reshape(shape))]
         if return_versions:
             out.append(_like(ids, (versions if same else versions[inverse]).reshape(np.shape(ids))))
@@ -807,7 +810,9 @@ class PSClient:
             direct = _direct_out(out, meta.spec.numel)
             flats[name] = direct if direct is not None else np.empty(meta.spec.numel, np.float32)
         sparse_rows = {n: (np.empty((len(v[1]), v[0].dim), np.float32), np.empty(len(v[1]), np.int64)) for n, v in sparse_plan.items()}
-        sparse_idx = {n: dict(v[4]) for n, v in sparse_plan.items()}
+        # where each shard's rows go: in the caller's order at once when its ids are distinct (no gather after)
+        sparse_at = {n: _placement(v[2], len(v[1])) for n, v in sparse_plan.items()}
+        sparse_idx = {n: {i: _at(sparse_at[n], idx) for i, idx in v[4]} for n, v in sparse_plan.items()}
         dense_versions = {n: [-1] * S for n in pull_dense}
         clocks: dict[str, list[int]] = {}
         pushed_parts: dict[str, list[Any]] = {}
@@ -863,7 +868,7 @@ class PSClient:
         for name, (spec, uniq, inverse, ids, _) in sparse_plan.items():
             rows, vers = sparse_rows[name]
             shape = tuple(np.shape(ids))
-            if not _is_identity(inverse, len(uniq)):  # else: in the caller's order already
+            if sparse_at[name] is None and not _is_identity(inverse, len(uniq)):  # else: in the caller's order already
                 rows, vers = rows[inverse], vers[inverse]
             sparse_out[name] = (_like(ids, rows.reshape(shape + (spec.dim,))), _like(ids, vers.reshape(shape)))
         result = StepResult(
@@ -1055,6 +1060,21 @@ def _is_identity(inverse: np.ndarray, n: int | None = None) -> bool:
     if n is not None and inverse.size != n:
         return False
     return bool(inverse.size == 0 or (inverse[0] == 0 and inverse[-1] == inverse.size - 1 and np.all(np.diff(inverse) == 1)))
+
+
+def _placement(inverse: np.ndarray, n: int) -> np.ndarray | None:
+    """For ids that are all distinct but not sorted (``inverse`` a permutation of n): the caller's
+    position of each unique id, so that replies are written in the caller's order directly instead of
+    gathered by ``inverse`` afterwards (one copy of the rows fewer). None otherwise."""
+    if inverse.size != n or _is_identity(inverse, n):
+        return None
+    at = np.empty(n, np.int64)
+    at[inverse] = np.arange(n)
+    return at
+
+
+def _at(place: np.ndarray | None, idx: np.ndarray) -> np.ndarray:
+    return idx if place is None else place[idx]
 
 
 def _reply_span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], table: str) -> np.ndarray:

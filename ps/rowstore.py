@@ -455,10 +455,15 @@ class RowStore:
         for name in names:
             c = self.columns[name]
             out[name] = torch.empty((n, c.width) if c.width else (n,), dtype=c.dtype)
+        outs = {k: (None if v.dtype == torch.bfloat16 else v.numpy()) for k, v in out.items()}
         for ch, pos, off in groups:
+            at = None if isinstance(off, slice) or not isinstance(pos, slice) else off.numpy()
             for name in names:
                 src, dst = ch.cols[name], out[name]
-                if isinstance(off, slice):
+                a, o = ch.arrays[name], outs[name]
+                if at is not None and a is not None and o is not None:
+                    np.take(a, at, axis=0, out=o[pos])  # a range of the output: numpy's per-call cost is lower (many chunks)
+                elif isinstance(off, slice):
                     (dst if pos is None else dst[pos]).copy_(src[off])
                 elif pos is None:
                     torch.index_select(src, 0, off, out=dst)
