@@ -26,7 +26,11 @@ Measures, on loopback, with every server in its own process:
     rows, pull the next's): ``sparse_rows_per_s``, ``sparse_gbps`` (4096*64*4
     bytes / time, the better way), ``sparse_ratio`` = sparse_gbps /
     raw_grpc_gbps, and ``sparse_vs_raw_same_size`` against a raw unary echo of
-    the same 1 MiB.
+    the same 1 MiB. With ``--only sparse`` also the CPU per op of both shard
+    processes (every thread) and of this client: ``sparse_step_shard_cpu_ms``,
+    ``sparse_step_client_cpu_ms`` (and ``sparse_pullpush_*``), with the mean wall time of the
+    window they were measured in (``sparse_step_cpu_window_ms``: no process can spend more than
+    the machine's cores times that).
 (d) plain TCP echo of the dense payload (sendall in a thread + recv_into):
     ``raw_tcp_gbps``.
 
@@ -397,7 +401,29 @@ def bench_adam_math(numel: int, repeats: int, warmup: int) -> Result:
 
 
 # =========================================================================== (c) PS sparse
-def bench_sparse(addrs: list[str], table_rows: int, batch: int, dim: int, repeats: int, warmup: int) -> tuple[list[Result], float]:
+def _proc_cpu_s(pids: list[int]) -> float:
+    """CPU seconds of every thread of ``pids`` so far (Linux schedstat, ns resolution; 0 elsewhere)."""
+    total = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except (OSError, ValueError, IndexError):
+                pass  # a thread that ended meanwhile
+    return total / 1e9
+
+
+def bench_sparse(
+    addrs: list[str], table_rows: int, batch: int, dim: int, repeats: int, warmup: int, pids: list[int] | None = None,
+    cpu: dict[str, dict[str, float]] | None = None,
+) -> tuple[list[Result], float]:
+    """``pids``: the shard processes; ``cpu`` (filled if given): per variant, the shards' CPU ms per op
+    (every thread, schedstat) and this client's (process CPU around the op only)."""
     import numpy as np
 
     from ps.client import PSClient
@@ -436,7 +462,28 @@ def bench_sparse(addrs: list[str], table_rows: int, batch: int, dim: int, repeat
             prev[0] = ids
 
         id_sets += [rng.choice(table_rows, batch, replace=False).astype(np.int64) for _ in range(n)]
-        t = interleaved({"sparse": pullpush, "step": step}, repeats, warmup)
+        fns: dict[str, Callable[[], object]] = {"sparse": pullpush, "step": step}
+        if cpu is None:
+            t = interleaved(fns, repeats, warmup)
+        else:  # the same alternation, with the CPU of the shards and of this client per op
+            for _ in range(warmup):
+                for fn in fns.values():
+                    fn()
+            t = {k: [] for k in fns}
+            acc = {k: [0.0, 0.0, 0.0] for k in fns}  # shard CPU, client CPU, wall of the measured window
+            for _ in range(repeats):
+                for k, fn in fns.items():
+                    w0 = time.perf_counter()
+                    s0 = _proc_cpu_s(pids or [])
+                    c0 = time.process_time()
+                    t0 = time.perf_counter()
+                    fn()
+                    t[k].append(time.perf_counter() - t0)
+                    acc[k][1] += time.process_time() - c0
+                    acc[k][0] += _proc_cpu_s(pids or []) - s0
+                    acc[k][2] += time.perf_counter() - w0
+            for k, (sc, cc, wc) in acc.items():
+                cpu[k] = {"shard_cpu_ms": 1e3 * sc / repeats, "client_cpu_ms": 1e3 * cc / repeats, "window_ms": 1e3 * wc / repeats}
     res = [
         Result(f"sparse_{len(addrs)}shard_pullpush", batch * dim * 4, t["sparse"], "sparse", rows=batch,
                note=f"{batch} ids x {dim} from {table_rows} rows: pull_sparse + push_sparse"),
@@ -462,7 +509,8 @@ def sparse_only(
     shard_procs, addrs = start_local_shards(2)
     procs += shard_procs
     log(f"PS sparse: populating {sparse_rows} rows, then {batch} ids x {dim}")
-    res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup)
+    cpu: dict[str, dict[str, float]] = {}
+    res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup, [p.pid for p in shard_procs], cpu)
     stop_processes(procs)
     procs.clear()
     raw_best = max(raw, key=lambda r: r.gbps)
@@ -480,7 +528,13 @@ def sparse_only(
         "sparse_ms": round(sparse.best * 1e3, 3), "sparse_ms_median": round(sparse.median * 1e3, 3),
         "sparse_pullpush_ms": round(sparse_pp.best * 1e3, 3), "sparse_step_ms": round(sparse_step.best * 1e3, 3),
         "sparse_rows_per_s": round(sparse.rows / sparse.best, 1), "sparse_table_rows": sparse_rows,
-        "sparse_populate_s": round(populate_s, 3), "sparse_only": True, "quick": args.quick, "cpus": os.cpu_count(),
+        "sparse_populate_s": round(populate_s, 3),
+        # CPU per op (every thread of both shard processes; this client process around the op only)
+        "sparse_step_shard_cpu_ms": round(cpu["step"]["shard_cpu_ms"], 3), "sparse_step_client_cpu_ms": round(cpu["step"]["client_cpu_ms"], 3),
+        "sparse_pullpush_shard_cpu_ms": round(cpu["sparse"]["shard_cpu_ms"], 3),
+        "sparse_pullpush_client_cpu_ms": round(cpu["sparse"]["client_cpu_ms"], 3),
+        "sparse_step_cpu_window_ms": round(cpu["step"]["window_ms"], 3), "sparse_pullpush_cpu_window_ms": round(cpu["sparse"]["window_ms"], 3),
+        "sparse_only": True, "quick": args.quick, "cpus": os.cpu_count(),
         "wall_s": round(time.perf_counter() - t_start, 1), "loadavg": round(os.getloadavg()[0], 2),
     }
     print(json.dumps(out, sort_keys=True), flush=True)

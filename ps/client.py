@@ -58,7 +58,7 @@ from ps.wire import (
     stats_from_proto,
     unframe,
 )
-from tessera.codec import DTYPES, as_numpy, byte_view, from_wire, to_wire
+from tessera.codec import DTYPES, as_numpy, from_wire, to_wire
 from tessera.rpc import channel_options
 from tessera.service import ClientSecurity
 from tessera.v1 import ps_pb2 as pb
@@ -193,6 +193,7 @@ class PSClient:
         self._dense: dict[str, _Dense] = {}
         self._sparse: dict[str, _Sparse] = {}
         self._meta_lock = threading.Lock()
+        self._last_group: dict[str, tuple[_Sparse, np.ndarray, Any]] = {}  # per sparse table: its last _group
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -229,8 +230,14 @@ class PSClient:
         """Run zero-arg callables concurrently; re-raise the first error after all finish."""
         if len(jobs) == 1:
             return [jobs[0]()]
-        futs = [self._pool.submit(j) for j in jobs]
+        # the first job runs here, on the calling thread (which would only wait): one hand-off fewer
+        futs = [self._pool.submit(j) for j in jobs[1:]]
         results, first_error = [], None
+        try:
+            results.append(jobs[0]())
+        except BaseException as e:  # noqa: BLE001
+            results.append(None)
+            first_error = e
         for f in futs:
             try:
                 results.append(f.result())
@@ -560,6 +567,9 @@ class PSClient:
         meta = self._sparse_meta(name)
         spec = meta.spec
         arr = _ids(ids, name)
+        last = self._last_group.get(name)
+        if last is not None and last[0] is meta and last[1].shape == arr.shape and np.array_equal(last[1], arr):
+            return last[2]  # the ids grouped last time (a push of the rows the last pull fetched): no hashing again
         if arr.size and bool(np.all(arr[1:] > arr[:-1])):
             uniq, inverse = arr, np.arange(arr.size)  # unique and sorted already (PSEmbedding's ids): no sort
         else:
@@ -579,7 +589,10 @@ class PSClient:
         for i in range(self.num_shards):
             idx = order[bounds[i] : bounds[i + 1]]
             groups.append([idx[j : j + per_req] for j in range(0, len(idx), per_req)])
-        return spec, uniq, inverse.reshape(-1), groups
+        out = (spec, uniq, inverse.reshape(-1), groups)
+        kept = arr.copy()  # not the caller's array, which may change after this call (uniq may be it)
+        self._last_group[name] = (meta, kept, (spec, kept if uniq is arr else uniq, *out[2:]))  # callers only read it
+        return out
 
     def pull_sparse(
         self, name: str, ids: Any, return_versions: bool = False, policy: SyncPolicy | None = None,
@@ -600,20 +613,24 @@ class PSClient:
         if policy is not None:
             head.sync.CopyFrom(policy_to_proto(policy))
         clocks: list[int] = []
+        place = _placement(inverse, len(uniq))  # distinct ids: replies written in the caller's order
 
         def one(i: int, idx: np.ndarray) -> None:
             req = frame(head, ids=np.ascontiguousarray(uniq[idx]))
             msg, pl = unframe(pb.PullSparseReply, self._call(i, "PullSparse", req, name))
-            rows[idx] = from_wire(pl.get("data", b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
-            versions[idx] = from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions")
+            at = _at(place, idx)
+            rows[at] = from_wire(pl.get("data", b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
+            versions[at] = from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions")
             clocks.append(msg.clock)
             self._count_rows(name, len(idx))
 
         self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, g in enumerate(groups) for idx in g])
         shape = tuple(np.shape(ids)) + (spec.dim,)
-        out: list[Any] = [_like(ids, rows[inverse].reshape(shape))]
+        # in the caller's order already: ids unique and sorted, or written so
+        same = place is not None or _is_identity(inverse, len(uniq))
+        out: list[Any] = [_like(ids, (rows if same else rows[inverse]).reshape(shape))]
         if return_versions:
-            out.append(_like(ids, versions[inverse].reshape(np.shape(ids))))
+            out.append(_like(ids, (versions if same else versions[inverse]).reshape(np.shape(ids))))
         if return_clock:
             out.append(min(clocks, default=0))
         return out[0] if len(out) == 1 else tuple(out)
@@ -855,7 +872,7 @@ class PSClient:
             head = pb.StepRequest(worker=self.worker, client=self.client_id, dtype=wire)
             head.parts.extend(part for part, _ in reqs[i])
             pieces = [x for _, ps in reqs[i] for x in ps]
-            raw = frame(head, data=b"".join(byte_view(x) if isinstance(x, np.ndarray) else x for x in pieces))
+            raw = frame(head, data=pieces)  # one copy of the pieces, into the message
             msg, pl = unframe(pb.StepReply, self._call(i, "Step", raw))
             if len(msg.parts) != len(reqs[i]):
                 raise InternalError(f"shard {self._shards[i].label}: Step answered {len(msg.parts)} of {len(reqs[i])} parts")
@@ -874,7 +891,9 @@ class PSClient:
             direct = _direct_out(out, meta.spec.numel)
             flats[name] = direct if direct is not None else np.empty(meta.spec.numel, np.float32)
         sparse_rows = {n: (np.empty((len(v[1]), v[0].dim), np.float32), np.empty(len(v[1]), np.int64)) for n, v in sparse_plan.items()}
-        sparse_idx = {n: dict(v[4]) for n, v in sparse_plan.items()}
+        # where each shard's rows go: in the caller's order at once when its ids are distinct (no gather after)
+        sparse_at = {n: _placement(v[2], len(v[1])) for n, v in sparse_plan.items()}
+        sparse_idx = {n: {i: _at(sparse_at[n], idx) for i, idx in v[4]} for n, v in sparse_plan.items()}
         dense_versions = {n: [-1] * S for n in pull_dense}
         clocks: dict[str, list[int]] = {}
         pushed_parts: dict[str, list[Any]] = {}
@@ -931,7 +950,9 @@ class PSClient:
         for name, (spec, uniq, inverse, ids, _) in sparse_plan.items():
             rows, vers = sparse_rows[name]
             shape = tuple(np.shape(ids))
-            sparse_out[name] = (_like(ids, rows[inverse].reshape(shape + (spec.dim,))), _like(ids, vers[inverse].reshape(shape)))
+            if sparse_at[name] is None and not _is_identity(inverse, len(uniq)):  # else: in the caller's order already
+                rows, vers = rows[inverse], vers[inverse]
+            sparse_out[name] = (_like(ids, rows.reshape(shape + (spec.dim,))), _like(ids, vers.reshape(shape)))
         result = StepResult(
             dense_out, {n: tuple(v) for n, v in dense_versions.items()}, sparse_out,
             {n: min(c) for n, c in clocks.items()}, pushed,
@@ -1116,9 +1137,26 @@ def _all_finite(x: np.ndarray) -> bool:
     return bool(np.isfinite(x).all())
 
 
-def _is_identity(inverse: np.ndarray) -> bool:
-    """``inverse`` is 0, 1, ..., n-1 (the ids were unique and sorted already)."""
+def _is_identity(inverse: np.ndarray, n: int | None = None) -> bool:
+    """``inverse`` is 0, 1, ..., n-1 (the ids were unique and sorted already); ``n``: its length must be that."""
+    if n is not None and inverse.size != n:
+        return False
     return bool(inverse.size == 0 or (inverse[0] == 0 and inverse[-1] == inverse.size - 1 and np.all(np.diff(inverse) == 1)))
+
+
+def _placement(inverse: np.ndarray, n: int) -> np.ndarray | None:
+    """For ids that are all distinct but not sorted (``inverse`` a permutation of n): the caller's
+    position of each unique id, so that replies are written in the caller's order directly instead of
+    gathered by ``inverse`` afterwards (one copy of the rows fewer). None otherwise."""
+    if inverse.size != n or _is_identity(inverse, n):
+        return None
+    at = np.empty(n, np.int64)
+    at[inverse] = np.arange(n)
+    return at
+
+
+def _at(place: np.ndarray | None, idx: np.ndarray) -> np.ndarray:
+    return idx if place is None else place[idx]
 
 
 def _reply_span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], table: str) -> np.ndarray:

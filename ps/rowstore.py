@@ -217,10 +217,12 @@ class RowPlan(NamedTuple):
 
 
 class _Chunk:
-    __slots__ = ("buf", "cols", "rows")
+    __slots__ = ("arrays", "buf", "cols", "rows")
 
     def __init__(self, buf: torch.Tensor, cols: dict[str, torch.Tensor], rows: int) -> None:
         self.buf, self.cols, self.rows = buf, cols, rows
+        # numpy views of the same memory, for the scatter (None: a dtype numpy lacks, e.g. bfloat16)
+        self.arrays = {k: (None if v.dtype == torch.bfloat16 else v.numpy()) for k, v in cols.items()}
 
 
 class RowStore:
@@ -453,10 +455,15 @@ class RowStore:
         for name in names:
             c = self.columns[name]
             out[name] = torch.empty((n, c.width) if c.width else (n,), dtype=c.dtype)
+        outs = {k: (None if v.dtype == torch.bfloat16 else v.numpy()) for k, v in out.items()}
         for ch, pos, off in groups:
+            at = None if isinstance(off, slice) or not isinstance(pos, slice) else off.numpy()
             for name in names:
                 src, dst = ch.cols[name], out[name]
-                if isinstance(off, slice):
+                a, o = ch.arrays[name], outs[name]
+                if at is not None and a is not None and o is not None:
+                    np.take(a, at, axis=0, out=o[pos])  # a range of the output: numpy's per-call cost is lower (many chunks)
+                elif isinstance(off, slice):
                     (dst if pos is None else dst[pos]).copy_(src[off])
                 elif pos is None:
                     torch.index_select(src, 0, off, out=dst)
@@ -486,16 +493,22 @@ class RowStore:
                 t = torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v
                 tens[name] = t.to(c.dtype) if t.dtype != c.dtype else t
         for ch, pos, off in groups:
+            at = None if isinstance(off, slice) else off.numpy()
             for name, v in tens.items():
                 dst = ch.cols[name]
+                arr = ch.arrays[name]
                 if isinstance(v, torch.Tensor):
                     part = v if pos is None else (v[pos] if isinstance(pos, slice) else v.index_select(0, pos))
                     if isinstance(off, slice):
                         dst[off].copy_(part)
+                    elif arr is not None:
+                        arr[at] = part.numpy()  # numpy's row copy: ~2x torch's index_copy_ for (n, 64) float32
                     else:
                         dst.index_copy_(0, off, part)
                 elif isinstance(off, slice):
                     dst[off].fill_(v)
+                elif arr is not None:
+                    arr[at] = v
                 else:
                     dst.index_fill_(0, off, v)
 

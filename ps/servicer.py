@@ -456,7 +456,7 @@ class PSServicer:
                 r.data_at, at = at, at + piece.nbytes
                 r.versions_at, at = at, at + o.versions.nbytes
                 pieces += [piece, byte_view(o.versions)]
-        return self._out(frame(reply, data=b"".join(pieces)))
+        return self._out(frame(reply, data=pieces))  # the pieces copied once, into the message
 
     # ------------------------------------------------------------------ sparse
     def PullSparse(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:

@@ -77,7 +77,8 @@ _NAMES: dict[type, dict[int, str]] = {cls: {v: k for k, v in m.items()} for cls,
 
 
 def frame(msg: Any, **bulk: Any) -> bytes:
-    """``msg`` serialized with its bulk fields (by name: bytes, memoryview or contiguous array) beside it.
+    """``msg`` serialized with its bulk fields (by name: bytes, memoryview or contiguous array, or a
+    list of them that fill the field one after the other) beside it.
 
     One copy of the bulk bytes; the result is ordinary protobuf wire format."""
     numbers = _NUMBERS[type(msg)]

@@ -91,15 +91,24 @@ def pack(msg: Message, payloads: Mapping[int, Any] | None = None) -> bytes:
     """Serialize ``msg`` plus bulk ``bytes`` fields given as buffers, with one copy.
 
     ``payloads`` maps field number -> bytes-like (bytes, memoryview, contiguous
-    numpy array). Those fields must be unset in ``msg``.
+    numpy array), or a list or tuple of them: one field holding their bytes one
+    after the other (still one copy: the pieces are not joined first). Those
+    fields must be unset in ``msg``.
     """
     parts: list[Any] = [msg.SerializeToString()]
     for field, data in (payloads or {}).items():
-        mv = data if isinstance(data, bytes) else byte_view(data) if isinstance(data, np.ndarray) else memoryview(data).cast("B")
+        views = [_bytes_of(x) for x in data] if isinstance(data, (list, tuple)) else [_bytes_of(data)]
         parts.append(_varint((field << 3) | 2))
-        parts.append(_varint(len(mv)))
-        parts.append(mv)
+        parts.append(_varint(sum(len(v) for v in views)))
+        parts.extend(views)
     return b"".join(parts)
+
+
+def _bytes_of(data: Any) -> Any:
+    """``data`` as something whose len() is its byte count (bytes as is, no copy)."""
+    if isinstance(data, bytes):
+        return data
+    return byte_view(data) if isinstance(data, np.ndarray) else memoryview(data).cast("B")
 
 
 def unpack(cls: type[M], buf: bytes, payload_fields: Sequence[int] = ()) -> tuple[M, dict[int, memoryview]]:

@@ -41,3 +41,11 @@ def test_ps_throughput_sparse_only() -> None:
     assert close(r["sparse_vs_raw_same_size"], r["sparse_gbps"] / r["raw_grpc_sparse_size_gbps"])
     assert close(r["sparse_ms"], 4096 * 64 * 4 / r["sparse_gbps"] / 1e6)  # the same 1 MiB each way
     assert close(r["sparse_rows_per_s"], r["sparse_gbps"] * 1e9 / (64 * 4))
+    # CPU per op: the shards and the client each spend some, and none can spend more than every core for
+    # the whole window it was measured in (a figure not divided by the repeats would exceed that)
+    cores = os.cpu_count() or 1
+    for v in ("step", "pullpush"):
+        window = r[f"sparse_{v}_cpu_window_ms"]
+        for who in ("shard", "client"):
+            assert 0 < r[f"sparse_{v}_{who}_cpu_ms"] <= cores * window * 1.05 + 0.5, (v, who, r)
+    assert r["sparse_step_cpu_window_ms"] >= r["sparse_step_ms"] - 0.01  # a mean window holds at least the fastest op

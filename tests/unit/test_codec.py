@@ -22,6 +22,21 @@ def test_pack_is_standard_protobuf() -> None:
     assert bytes(pl[14]) == ids.tobytes() and bytes(pl[15]) == data.tobytes() and 13 not in pl
 
 
+def test_pack_fills_one_field_from_several_pieces() -> None:
+    """A list of pieces is one field holding their bytes in order: the same bytes as packing them joined
+    (and stock protobuf reads it), so a reply assembled from parts is copied once, not joined first."""
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    versions = np.array([7, 8, 9], np.int64)
+    head = pb.StepReply(parts=[pb.StepPartReply(table="t", data_at=0, versions_at=rows.nbytes)])
+    pieces = [rows, memoryview(versions.tobytes()), b"xy"]
+    joined = rows.tobytes() + versions.tobytes() + b"xy"
+    raw = pack(head, {15: pieces})
+    assert raw == pack(head, {15: joined})
+    _, pl = unpack(pb.StepReply, raw, (15,))
+    assert bytes(pl[15]) == joined
+    assert pack(head, {15: []}) == pack(head, {15: b""})  # no pieces: an empty field
+
+
 def test_unpack_is_zero_copy() -> None:
     data = np.arange(1 << 16, dtype=np.float32)
     raw = pack(pb.DenseChunk(table="x", offset=5), {15: data})
