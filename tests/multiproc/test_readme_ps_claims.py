@@ -1,0 +1,118 @@
+"""README promises about the parameter server that had no test (helper Y's README audit,
+/work/notes/Y-audit.md), each checked against a real shard process on a loopback port:
+
+* "Servers bind 127.0.0.1 unless --host says otherwise; --port 0 picks a free port and prints it".
+* "tessera ps stats waits up to --wait seconds for the shards".
+* "gRPC keepalive pings every second, so a dead host or cut link fails the calls on it within
+  about 3 s instead of at their deadline" (a SIGSTOPped shard: the kernel still holds its socket,
+  only the process answers nothing, as a hung host or a black-holed link).
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ps.cli import start_local_shards, stop_processes
+from ps.client import PSClient
+from ps.config import ShardConfig
+from ps.errors import ShardUnavailableError
+from ps.server import build_server
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _non_loopback_ip() -> str | None:
+    """An address of this machine other than loopback (no packet is sent), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))
+        except OSError:
+            return None
+        ip = s.getsockname()[0]
+    return None if ip.startswith("127.") or ip == "0.0.0.0" else ip
+
+
+def _serve(*extra: str) -> tuple[subprocess.Popen, str]:
+    """`tessera ps serve --port 0 ...` as a process; (the process, the HOST:PORT it printed)."""
+    p = subprocess.Popen([sys.executable, "-m", "tessera.cli", "ps", "serve", "--port", "0", *extra],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert p.stdout is not None
+    line = p.stdout.readline()
+    m = re.search(r"tessera-ps listening on (\S+):(\d+)", line)
+    assert m, line
+    return p, f"{m.group(1)}:{m.group(2)}"
+
+
+def test_a_shard_binds_loopback_unless_host_says_otherwise() -> None:
+    p, address = _serve()
+    try:
+        host, port = address.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0, address  # --port 0: a free port, printed
+        with socket.create_connection(("127.0.0.1", int(port)), timeout=5):
+            pass
+        other = _non_loopback_ip()
+        if other is not None:  # the same port on this machine's other address: nobody listens there
+            with pytest.raises(OSError):
+                socket.create_connection((other, int(port)), timeout=5).close()
+    finally:
+        p.terminate()
+        p.wait(20)
+
+
+def test_stats_waits_up_to_wait_seconds_then_fails_naming_the_shard() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-m", "tessera.cli", "ps", "stats", "--ps", f"127.0.0.1:{port}", "--wait", "1"],
+                       check=False, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert r.returncode == 1, r.stderr
+    assert f"shard 0 (127.0.0.1:{port}) not reachable within 1 s" in r.stderr, r.stderr
+    assert took < 30, took  # gave up after --wait (plus the interpreter's start), not a default
+
+    # a shard that comes up while stats waits is found: stats started first, the shard (here, in
+    # this process: it starts in milliseconds) 1.5 s later
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stats = subprocess.Popen([sys.executable, "-m", "tessera.cli", "ps", "stats", "--ps", f"127.0.0.1:{port}", "--wait", "40"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    server, _, shard = build_server(ShardConfig(port=port))
+    try:
+        out, err = stats.communicate(timeout=45)
+        assert stats.returncode == 0, err
+        assert "shard 0" in out, out
+    finally:
+        if stats.poll() is None:
+            stats.kill()
+        server.stop(0)
+        shard.close()
+
+
+def test_a_stopped_shard_fails_calls_within_seconds_not_at_their_deadline() -> None:
+    """Keepalive: the call's deadline is 60 s; a shard that stops answering (SIGSTOP) makes it fail
+    as UNAVAILABLE (ShardUnavailableError after retry_timeout) in a few seconds. Before the
+    ping timeout was set in tessera/rpc.py this call waited its whole 60 s deadline."""
+    procs, addresses = start_local_shards(1, ())
+    try:
+        with PSClient(addresses, timeout=60, retry_timeout=1.0) as c:
+            c.create_dense("w", 10, lr=0.1)
+            c.pull_dense("w")
+            os.kill(procs[0].pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(ShardUnavailableError, match="shard 0"):
+                c.pull_dense("w")
+            took = time.monotonic() - t0
+        assert took < 12, took  # ~3 s to find the link dead + 1 s of retries; the deadline was 60 s
+    finally:
+        os.kill(procs[0].pid, signal.SIGCONT)
+        stop_processes(procs, grace=3.0)
