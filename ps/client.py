@@ -464,7 +464,11 @@ class PSClient:
         push the table's flat view on purpose (a 1-D tensor of the table's numel, C order).
         With ``return_params`` the updated values stream back in the same call
         and are returned (into ``out`` if given, else like ``grad``); otherwise
-        returns a DenseResult. ``base_version``: the version the gradient was computed
+        returns a DenseResult. In async/SSP mode a shard that computes the push as
+        its chunks arrive sends each new block back at once, while the rest is still
+        being sent; after a successful return ``out`` holds the committed values. If the
+        call raises, nothing was applied and ``out`` is unspecified (it may hold some
+        blocks' provisional new values): pull to read the table. ``base_version``: the version the gradient was computed
         from (one for all shards, or one per shard as pull_dense returns them). ``policy``: BSP pushes are held until the round
         completes (the call returns as soon as the shard holds it); async/SSP
         pushes advance this worker's clock.
@@ -521,15 +525,29 @@ class PSClient:
             def attempt() -> tuple[int, int, bool, int]:
                 version = staleness = clock = -1
                 late = False
+                # reply chunks land by offset as they come (a later one overwrites an earlier one): the
+                # early ones (sent before the commit) count only if the status says they held
+                early = final = 0
                 for raw in s.push_dense(requests()):
                     msg, pl = unframe(pb.DenseChunk, raw)
                     if "data" in pl and flat is not None:
                         data = from_wire(pl["data"], msg.dtype, None, what=f"table {name!r} reply")
                         a = start + msg.offset
                         flat[a : a + data.size] = data
+                        if msg.early:
+                            early += data.size
+                        else:
+                            final += data.size
                     else:
                         version, staleness, late, clock = msg.version, msg.staleness, msg.late, msg.clock
                         dup[0] = msg.duplicate
+                        if msg.early:
+                            final += early
+                if flat is not None and final != stop - start:
+                    raise InternalError(
+                        f"table {name!r}: shard {s.address} returned {final} of {stop - start} updated values"
+                        + (f" ({early} sent before the commit, not confirmed)" if early else "")
+                    )
                 return version, staleness, late, clock
 
             dup = [False]

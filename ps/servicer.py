@@ -318,6 +318,7 @@ class PSServicer:
         reply_dtype = "float32"
         want = False
         last = False
+        early_sent = 0  # blocks streamed back before the commit (computed early)
         try:
             with self.shard.watch_stream(context) as touch:
                 for raw in request_iterator:
@@ -346,6 +347,14 @@ class PSServicer:
                             return
                         update = table.begin_update(op, msg.base_version, staleness_aware_lr=policy.staleness_aware_lr)
                     update.apply(msg.offset, _chunk_data(msg, pl, table.spec.name))  # type: ignore[union-attr]
+                    if want:
+                        # the push computes early: its new block goes back now, while the next chunks
+                        # arrive (provisional until the commit says the early blocks held)
+                        block = update.early_block(msg.offset // table.chunk_elems)  # type: ignore[union-attr]
+                        if block is not None:
+                            early_sent += 1
+                            head = pb.DenseChunk(offset=msg.offset, dtype=reply_dtype, early=True)
+                            yield self._out(frame(head, data=to_wire(block, reply_dtype)[1]))
                     if msg.last:
                         last = True
                         break  # commit now; never depend on how the stream ends
@@ -366,14 +375,17 @@ class PSServicer:
                 update.abort()  # whatever ended the push (bad chunk, broken stream): its computed blocks go back
             raise
         result = out.result
-        if want:
+        # the blocks sent early are the committed ones: only the status follows; else (another commit
+        # came first and this one recomputed, a duplicate, or no early computation) every block again
+        early_final = want and update.early_final and early_sent == table.num_blocks
+        if want and not early_final:
             _, blocks = table.snapshot()
             for k, block in enumerate(blocks):
                 yield self._out(frame(pb.DenseChunk(offset=k * table.chunk_elems, dtype=reply_dtype), data=to_wire(block, reply_dtype)[1]))
         yield self._out(
             pb.DenseChunk(
                 table=table.spec.name, version=result.version, staleness=result.max_staleness,
-                clock=out.clock, duplicate=out.duplicate,
+                clock=out.clock, duplicate=out.duplicate, early=early_final,
             ).SerializeToString()
         )
 
