@@ -143,10 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         summary.update({"echo_wall_ms_min": round(e_min, 2), "echo_wall_ms_median": round(e_med, 2), "torch_fused_adam_ms": round(adam_ms, 2)})
         for side in trees:
             for o, label in (("sgd", "dense_sgd_ratio"), ("adam", "adam_limit_ratio")):
-                v = res.get((o, "fused", side))
-                if not v:
+                got = res.get((o, "fused", side))
+                if not got:
                     continue
-                walls = [x[0] * 1e3 for x in v]
+                walls = [x[0] * 1e3 for x in got]
                 extra = adam_ms if o == "adam" else 0.0
                 r_min, r_med = (e_min + extra) / min(walls), (e_med + extra) / statistics.median(walls)
                 print(f"{side:7} {label} (fused) {r_min:.3f} from the minimum times, {r_med:.3f} from the medians")

@@ -10,7 +10,8 @@ torch.optim (SGD, Adam; fp32 rtol 1e-6), and the table's own values read back by
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -50,7 +51,7 @@ class _Tap:
     chunks calls ``at_pause()`` before sending the rest."""
 
     def __init__(self, client: PSClient, i: int, pause_after: int | None = None,
-                 at_pause: Callable[["_Tap"], None] | None = None) -> None:
+                 at_pause: Callable[[_Tap], None] | None = None) -> None:
         self.replies: list[tuple[bool, bool]] = []
         self.first_early = threading.Event()
         self.notes: list[str] = []
