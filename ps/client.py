@@ -973,7 +973,9 @@ class PSClient:
         pol = lambda p, n: p.get(n) if isinstance(p, Mapping) else p  # noqa: E731
         # a dense table pushed and pulled where neither waits (async; not BSP, no SSP pull) goes as one
         # fused push: the shard streams its new values back while the gradient is still arriving
-        waits = lambda p: p is not None and (p.sync or p.ssp)  # noqa: E731
+        def waits(p: SyncPolicy | None) -> bool:
+            return p is not None and (p.sync or p.ssp)
+
         fused = {n: pull_dense.pop(n) for n in list(push_dense) if n in pull_dense and not waits(pol(policy, n)) and not waits(pol(pull_policy, n))}
         for n, o in fused.items():  # as a pull: into ``out``, else a new float32 numpy array
             fused[n] = o if o is not None else np.empty(self._dense_meta(n).spec.shape, np.float32)
