@@ -2,10 +2,11 @@
 
 Starts one shard process from each checkout (``--before`` and ``--after``, each put first on the
 shard's PYTHONPATH), creates the same dense table on both, and times, alternating between the two
-for every call: push_dense, pull_dense and push_dense(return_params=True), per optimizer. Alternating
-call by call puts both sides under the same load from elsewhere (on a shared machine the minutes
-differ far more than the code does). Per call: wall time (min and median) and the shard process's
-CPU time (utime + stime from /proc, Linux; median; 10 ms ticks, so use 64 MiB and >= 10 repeats).
+for every call: push_dense, pull_dense and push_dense(return_params=True), per optimizer (which side
+goes first flips every round). Alternating call by call puts both sides under the same load from
+elsewhere (on a shared machine the minutes differ far more than the code does). Per call: wall
+time (min and median) and the shard process's CPU time (utime + stime from /proc, Linux; median;
+10 ms ticks, so use 64 MiB and >= 10 repeats).
 Both sides must end with the same values (checked; printed as max |before - after|).
 
 ``--shards N`` starts N shard processes per side (the table split over them; the CPU column is
@@ -104,10 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         }
         ways = {w: all_ways[w] for w in args.ways.split(",") if w}
         echo_t: list[float] = []
+        sides = list(trees)
         for i in range(args.repeats + 1):
             for o in opts:
                 for way, fn in ways.items():
-                    for side in trees:
+                    for side in (sides if i % 2 else sides[::-1]):  # ABBA: neither side always goes first
                         c0, t0 = sum(_cpu_s(p.pid) for p in procs[side]), time.perf_counter()
                         fn(clients[side], f"ab_{o}")
                         wall, cpu = time.perf_counter() - t0, sum(_cpu_s(p.pid) for p in procs[side]) - c0
