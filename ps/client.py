@@ -516,6 +516,7 @@ class PSClient:
                     if off == 0:
                         head.table, head.op, head.base_version = name, op, bases[i]  # type: ignore[assignment]
                         head.return_params, head.reply_dtype, head.worker = return_params, wire, self.worker
+                        head.early = return_params  # replies are read while this stream is sent (gRPC's sender thread)
                         head.client, head.seq = self.client_id, seq
                         head.shape.extend(given_shape)
                         head.flat_view = flat_view

@@ -160,7 +160,7 @@ def test_a_push_another_commit_overtook_returns_the_recomputed_values(two_shards
     assert [sh.dense("w").version for sh in cl.shards] == [2, 2]
 
 
-def _raw_chunks(g: np.ndarray, seq: int, nan_last: bool = False) -> Iterator[bytes]:
+def _raw_chunks(g: np.ndarray, seq: int, nan_last: bool = False, early: bool = True) -> Iterator[bytes]:
     offs = list(range(0, g.size, CHUNK))
     for i, off in enumerate(offs):
         part = g[off : off + CHUNK].copy()
@@ -168,7 +168,7 @@ def _raw_chunks(g: np.ndarray, seq: int, nan_last: bool = False) -> Iterator[byt
             part[0] = np.nan
         head = pb.DenseChunk(offset=off, dtype="float32", last=i == len(offs) - 1)
         if i == 0:
-            head.table, head.client, head.seq, head.return_params = "w", "raw", seq, True
+            head.table, head.client, head.seq, head.return_params, head.early = "w", "raw", seq, True, early
         yield pack(head, {15: part})
 
 
@@ -250,3 +250,17 @@ def test_a_duplicate_push_sends_the_table_not_its_early_blocks(inproc_cluster) -
     assert any(m.early for m in m2[:-1]) and sum(not m.early for m in m2[:-1]) == cl.shards[0].dense("w").num_blocks
     np.testing.assert_array_equal(again, np.ones(n, np.float32))
     np.testing.assert_array_equal(c.pull_dense("w"), np.ones(n, np.float32))
+
+
+def test_a_caller_that_does_not_say_it_reads_while_sending_gets_the_blocks_after_the_commit(inproc_cluster) -> None:
+    """A fused push without ``early`` on its first chunk (a caller that may send everything before
+    reading): no block is sent before the commit; every block follows it, equal to the table."""
+    cl = inproc_cluster(1, chunk_elems=CHUNK)
+    c = cl.client()
+    n = CHUNK * 9 + 5
+    c.create_dense("w", n, "sgd", init=np.zeros(n, np.float32), lr=1.0)
+    with grpc.insecure_channel(cl.addresses[0]) as ch:
+        got, msgs = _read(ch.stream_stream(SVC + "PushDense")(_raw_chunks(-np.ones(n, np.float32), 1, early=False), timeout=10), n)
+    assert not any(m.early for m in msgs) and len(msgs) == cl.shards[0].dense("w").num_blocks + 1
+    np.testing.assert_array_equal(got, np.ones(n, np.float32))
+    np.testing.assert_array_equal(c.pull_dense("w"), got)
