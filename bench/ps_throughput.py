@@ -318,7 +318,7 @@ def bench_tcp(addr: str, nbytes: int, repeats: int, warmup: int) -> Result:
 def bench_dense(addrs: list[str], numel: int, repeats: int, warmup: int, echo: StreamEcho | None = None) -> list[Result]:
     """Adam and SGD tables of ``numel`` float32, three ways each: push then pull ("separate"), one
     push that returns the values ("fused"), and ``PSClient.step`` (one Step call per shard when the
-    slice fits a message, else the separate calls). ``echo``: the raw gRPC stream echo of the same
+    slice fits ``step_inline_bytes``, else, async as here, the fused push). ``echo``: the raw gRPC stream echo of the same
     bytes, timed between them (a "raw" result, so the baseline is the best of every sample)."""
     import numpy as np
 

@@ -471,7 +471,11 @@ class PSClient:
         push the table's flat view on purpose (a 1-D tensor of the table's numel, C order).
         With ``return_params`` the updated values stream back in the same call
         and are returned (into ``out`` if given, else like ``grad``); otherwise
-        returns a DenseResult. ``base_version``: the version the gradient was computed
+        returns a DenseResult. In async/SSP mode a shard that computes the push as
+        its chunks arrive sends each new block back at once, while the rest is still
+        being sent; after a successful return ``out`` holds the committed values. If the
+        call raises, nothing was applied and ``out`` is unspecified (it may hold some
+        blocks' provisional new values): pull to read the table. ``base_version``: the version the gradient was computed
         from (one for all shards, or one per shard as pull_dense returns them). ``policy``: BSP pushes are held until the round
         completes (the call returns as soon as the shard holds it); async/SSP
         pushes advance this worker's clock.
@@ -488,7 +492,9 @@ class PSClient:
     def _push_dense(
         self, name: str, grad: Any, op: int, base_version: int | Sequence[int], return_params: bool, out: Any,
         policy: SyncPolicy | None = None, shards: Sequence[int] | None = None, flat_view: bool = False,
+        with_result: bool = False,
     ) -> Any:
+        """``with_result`` (with ``return_params``): return (values, DenseResult)."""
         meta = self._dense_meta(name)
         bases = [base_version] * self.num_shards if isinstance(base_version, int) else list(base_version)
         if len(bases) != self.num_shards:
@@ -517,6 +523,7 @@ class PSClient:
                     if off == 0:
                         head.table, head.op, head.base_version = name, op, bases[i]  # type: ignore[assignment]
                         head.return_params, head.reply_dtype, head.worker = return_params, wire, self.worker
+                        head.early = return_params  # replies are read while this stream is sent (gRPC's sender thread)
                         head.client, head.seq = self.client_id, seq
                         head.shape.extend(given_shape)
                         head.flat_view = flat_view
@@ -528,15 +535,29 @@ class PSClient:
             def attempt() -> tuple[int, int, bool, int]:
                 version = staleness = clock = -1
                 late = False
+                # reply chunks land by offset as they come (a later one overwrites an earlier one): the
+                # early ones (sent before the commit) count only if the status says they held
+                early = final = 0
                 for raw in s.push_dense(requests()):
                     msg, pl = unframe(pb.DenseChunk, raw)
                     if "data" in pl and flat is not None:
                         data = from_wire(pl["data"], msg.dtype, None, what=f"table {name!r} reply")
                         a = start + msg.offset
                         flat[a : a + data.size] = data
+                        if msg.early:
+                            early += data.size
+                        else:
+                            final += data.size
                     else:
                         version, staleness, late, clock = msg.version, msg.staleness, msg.late, msg.clock
                         dup[0] = msg.duplicate
+                        if msg.early:
+                            final += early
+                if flat is not None and final != stop - start:
+                    raise InternalError(
+                        f"table {name!r}: shard {s.address} returned {final} of {stop - start} updated values"
+                        + (f" ({early} sent before the commit, not confirmed)" if early else "")
+                    )
                 return version, staleness, late, clock
 
             dup = [False]
@@ -553,13 +574,16 @@ class PSClient:
                 for i in range(self.num_shards)
             ]
         )
-        if direct is not None:
-            return out
-        if flat is not None:
-            arr = flat.reshape(meta.spec.shape)
-            return _fill(out, arr, name) if out is not None else _like(grad, arr)
         clocks = [r[3] for r in res if r[3] >= 0]
-        return DenseResult(tuple(r[0] for r in res), tuple(r[1] for r in res), sum(r[2] for r in res), min(clocks, default=-1))
+        result = DenseResult(tuple(r[0] for r in res), tuple(r[1] for r in res), sum(r[2] for r in res), min(clocks, default=-1))
+        if flat is None:
+            return result
+        if direct is not None:
+            values = out
+        else:
+            arr = flat.reshape(meta.spec.shape)
+            values = _fill(out, arr, name) if out is not None else _like(grad, arr)
+        return (values, result) if with_result else values
 
     # ------------------------------------------------------------------ sparse
     def _group(self, name: str, ids: Any) -> tuple[TableSpec, np.ndarray, np.ndarray, list[list[np.ndarray]]]:
@@ -969,14 +993,29 @@ class PSClient:
             push_dense, push_sparse = {**push_dense, **also[0]}, {**push_sparse, **also[1]}
             pull_dense, pull_sparse = {**pull_dense, **also[2]}, {**pull_sparse, **also[3]}
         pol = lambda p, n: p.get(n) if isinstance(p, Mapping) else p  # noqa: E731
+        # a dense table pushed and pulled where neither waits (async; not BSP, no SSP pull) goes as one
+        # fused push: the shard streams its new values back while the gradient is still arriving
+        def waits(p: SyncPolicy | None) -> bool:
+            return p is not None and (p.sync or p.ssp)
+
+        fused = {n: pull_dense.pop(n) for n in list(push_dense) if n in pull_dense and not waits(pol(policy, n)) and not waits(pol(pull_policy, n))}
+        for n, o in fused.items():  # as a pull: into ``out``, else a new float32 numpy array
+            fused[n] = o if o is not None else np.empty(self._dense_meta(n).spec.shape, np.float32)
         jobs: list[Any] = [
             lambda n=n, g=g: (n, self.push_dense(n, g, base_version=base_versions.get(n, -1), policy=pol(policy, n)))
-            for n, g in push_dense.items()
+            for n, g in push_dense.items() if n not in fused
+        ] + [
+            lambda n=n, g=g: ("fused", n, self._push_dense(
+                n, g, pb.DENSE_OP_GRADIENT, base_versions.get(n, -1), True, fused[n], pol(policy, n), with_result=True,
+            ))
+            for n, g in push_dense.items() if n in fused
         ] + [
             lambda n=n, a=a: (n, self.push_sparse(n, a[0], a[1], a[2] if len(a) > 2 else None, policy=pol(policy, n)))
             for n, a in push_sparse.items()
         ]
-        pushed = dict(self._fan_out(jobs)) if jobs else {}
+        done = self._fan_out(jobs) if jobs else []
+        pushed = {r[0]: r[1] for r in done if len(r) == 2}
+        fused_out = {r[1]: r[2] for r in done if len(r) == 3}
         pulls: list[Any] = [
             lambda n=n, o=o: ("d", n, self.pull_dense(n, out=o, policy=pol(pull_policy, n), return_clock=True))
             for n, o in pull_dense.items()
@@ -985,6 +1024,8 @@ class PSClient:
             for n, ids in pull_sparse.items()
         ]
         dense, versions, sparse, clock = {}, {}, {}, {}
+        for n, (values, res) in fused_out.items():
+            dense[n], versions[n], clock[n], pushed[n] = values, res.versions, max(res.clock, 0), res
         for kind, n, r in (self._fan_out(pulls) if pulls else []):
             if kind == "d":
                 dense[n], (clock[n], versions[n]) = r[0], r[1]

@@ -313,11 +313,16 @@ class PSServicer:
 
     # ------------------------------------------------------------------ dense
     def PushDense(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext, caller: Caller) -> Iterator[bytes]:
+        """An async/SSP dense push (BSP: ``_push_dense_sync``). With ``return_params`` and ``early`` on
+        the first chunk (the caller reads while it sends), a push that computes early sends each new
+        block (``early`` set) right after its chunk, between reads of the request stream; the final status has ``early`` set if those blocks are the committed ones, else
+        every block is sent again after the commit (unflagged; later chunks at an offset win)."""
         update = None
         table: DenseTable | None = None
         reply_dtype = "float32"
-        want = False
+        want = early_ok = False
         last = False
+        early_sent = 0  # blocks streamed back before the commit (computed early)
         try:
             with self.shard.watch_stream(context) as touch:
                 for raw in request_iterator:
@@ -327,6 +332,7 @@ class PSServicer:
                         table = self.shard.dense(msg.table)
                         reply_dtype = _float_dtype(msg.reply_dtype, table.spec.name, "reply_dtype")
                         want = msg.return_params
+                        early_ok = want and msg.early  # the caller reads while it sends: blocks may go back early
                         if msg.op not in (pb.DENSE_OP_GRADIENT, pb.DENSE_OP_ASSIGN):
                             raise InvalidArgumentError(
                                 f"table {table.spec.name!r}: unknown op {msg.op}; use DENSE_OP_GRADIENT (0) or DENSE_OP_ASSIGN (1)"
@@ -346,6 +352,14 @@ class PSServicer:
                             return
                         update = table.begin_update(op, msg.base_version, staleness_aware_lr=policy.staleness_aware_lr)
                     update.apply(msg.offset, _chunk_data(msg, pl, table.spec.name))  # type: ignore[union-attr]
+                    if early_ok:
+                        # the push computes early: its new block goes back now, while the next chunks
+                        # arrive (provisional until the commit says the early blocks held)
+                        block = update.early_block(msg.offset // table.chunk_elems)  # type: ignore[union-attr]
+                        if block is not None:
+                            early_sent += 1
+                            head = pb.DenseChunk(offset=msg.offset, dtype=reply_dtype, early=True)
+                            yield self._out(frame(head, data=to_wire(block, reply_dtype)[1]))
                     if msg.last:
                         last = True
                         break  # commit now; never depend on how the stream ends
@@ -366,14 +380,17 @@ class PSServicer:
                 update.abort()  # whatever ended the push (bad chunk, broken stream): its computed blocks go back
             raise
         result = out.result
-        if want:
+        # the blocks sent early are the committed ones: only the status follows; else (another commit
+        # came first and this one recomputed, a duplicate, or no early computation) every block again
+        early_final = want and update.early_final and early_sent == table.num_blocks
+        if want and not early_final:
             _, blocks = table.snapshot()
             for k, block in enumerate(blocks):
                 yield self._out(frame(pb.DenseChunk(offset=k * table.chunk_elems, dtype=reply_dtype), data=to_wire(block, reply_dtype)[1]))
         yield self._out(
             pb.DenseChunk(
                 table=table.spec.name, version=result.version, staleness=result.max_staleness,
-                clock=out.clock, duplicate=out.duplicate,
+                clock=out.clock, duplicate=out.duplicate, early=early_final,
             ).SerializeToString()
         )
 

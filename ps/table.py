@@ -378,6 +378,8 @@ class DenseUpdate:
         self._version = 0
         self._opt: Optimizer = table.optimizer
         self._early = False
+        # set by commit(): the blocks it swapped in are the ones computed early (early_block's values)
+        self.early_final = False
 
     def _optimizer(self, version: int) -> tuple[Optimizer, int]:
         """The optimizer to apply at table version ``version`` and the staleness it sees."""
@@ -410,6 +412,15 @@ class DenseUpdate:
         self._out[k] = out
         self._computed.add(k)
         t._compute(k, base, data, self.op, self._opt, self._version + 1, out)
+
+    def early_block(self, k: int) -> torch.Tensor | None:
+        """Block ``k``'s new values if this push computed it early (as its chunk arrived, from the
+        table as at the push's first chunk), else None. Provisional: they are the committed values
+        only if commit() then sets ``early_final`` (no other commit came first, not a duplicate).
+        The tensor is not written again once returned, except by a commit that recomputes it."""
+        if not self._early or k not in self._computed:
+            return None
+        return self._out[k].param
 
     def _stop_early(self) -> None:
         t = self.table
@@ -446,6 +457,7 @@ class DenseUpdate:
                     if self._computed:
                         t.recomputed += 1
                     self._computed.clear()
+                early_final = bool(self._computed) and self._computed >= self.staged.keys()
                 opt, staleness = self._optimizer(version)
                 for k, data in self.staged.items():
                     if k not in self._computed:
@@ -458,6 +470,7 @@ class DenseUpdate:
                     before_swap(result, self)
                 t._swap(self._out, new_version)
                 self._out = {}
+                self.early_final = early_final
                 if self.op == GRADIENT:
                     t.staleness.add(staleness)
                 self.done = True

@@ -187,7 +187,7 @@ class SyncSpec(_message.Message):
     def __init__(self, clock: _Optional[int] = ..., sync: bool = ..., staleness: _Optional[int] = ..., backup_workers: _Optional[int] = ..., staleness_aware_lr: bool = ...) -> None: ...
 
 class DenseChunk(_message.Message):
-    __slots__ = ("table", "offset", "dtype", "op", "base_version", "return_params", "reply_dtype", "version", "staleness", "worker", "last", "clock", "sync", "late", "data", "client", "seq", "duplicate", "shape", "flat_view")
+    __slots__ = ("table", "offset", "dtype", "op", "base_version", "return_params", "reply_dtype", "version", "staleness", "worker", "last", "clock", "sync", "late", "data", "client", "seq", "duplicate", "shape", "flat_view", "early")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,7 @@ class DenseChunk(_message.Message):
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     FLAT_VIEW_FIELD_NUMBER: _ClassVar[int]
+    EARLY_FIELD_NUMBER: _ClassVar[int]
     table: str
     offset: int
     dtype: str
@@ -228,7 +229,8 @@ class DenseChunk(_message.Message):
     duplicate: bool
     shape: _containers.RepeatedScalarFieldContainer[int]
     flat_view: bool
-    def __init__(self, table: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., op: _Optional[_Union[DenseOp, str]] = ..., base_version: _Optional[int] = ..., return_params: bool = ..., reply_dtype: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., worker: _Optional[str] = ..., last: bool = ..., clock: _Optional[int] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., late: bool = ..., data: _Optional[bytes] = ..., client: _Optional[str] = ..., seq: _Optional[int] = ..., duplicate: bool = ..., shape: _Optional[_Iterable[int]] = ..., flat_view: bool = ...) -> None: ...
+    early: bool
+    def __init__(self, table: _Optional[str] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., op: _Optional[_Union[DenseOp, str]] = ..., base_version: _Optional[int] = ..., return_params: bool = ..., reply_dtype: _Optional[str] = ..., version: _Optional[int] = ..., staleness: _Optional[int] = ..., worker: _Optional[str] = ..., last: bool = ..., clock: _Optional[int] = ..., sync: _Optional[_Union[SyncSpec, _Mapping]] = ..., late: bool = ..., data: _Optional[bytes] = ..., client: _Optional[str] = ..., seq: _Optional[int] = ..., duplicate: bool = ..., shape: _Optional[_Iterable[int]] = ..., flat_view: bool = ..., early: bool = ...) -> None: ...
 
 class PullDenseRequest(_message.Message):
     __slots__ = ("table", "dtype", "sync", "worker")

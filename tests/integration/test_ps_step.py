@@ -88,8 +88,8 @@ def test_too_big_for_one_message_runs_as_separate_calls(inproc_cluster) -> None:
 
 
 def test_big_dense_slices_stream_beside_the_step_call(inproc_cluster) -> None:
-    """A dense table whose slice is over step_inline_bytes goes by PushDense/PullDense, the rest by Step;
-    same results (reference: numpy SGD)."""
+    """A dense table whose slice is over step_inline_bytes goes by PushDense (one fused push that
+    returns the values, async: no PullDense), the rest by Step; same results (reference: numpy SGD)."""
     cluster = inproc_cluster(2)
     c = cluster.client(worker="w0", step_inline_bytes=16)
     _tables(c)
@@ -103,10 +103,27 @@ def test_big_dense_slices_stream_beside_the_step_call(inproc_cluster) -> None:
     assert res.pushed["w"].versions == (1, 1) and res.pushed["emb"].applied == 2
     after = _calls(cluster)
     for b, a in zip(before, after):
-        assert {k: a.get(k, 0) - b.get(k, 0) for k in a if a.get(k, 0) != b.get(k, 0)} == {"Step": 1, "PushDense": 1, "PullDense": 1}
+        assert {k: a.get(k, 0) - b.get(k, 0) for k in a if a.get(k, 0) != b.get(k, 0)} == {"Step": 1, "PushDense": 1}
+    assert isinstance(res.dense["w"], np.ndarray) and res.dense_versions["w"] == (1, 1)
     with pytest.raises(ShapeMismatchError):  # checked before anything is sent, streamed or not
         c.step(push_dense={"w": np.ones((5, 6), np.float32)}, pull_sparse={"emb": [1]})
     assert _calls(cluster) == after
+
+
+def test_a_big_dense_table_under_ssp_still_pulls_separately(inproc_cluster) -> None:
+    """An SSP pull may have to wait for slower workers, which a fused push's reply does not: a big
+    dense table stepped with an SSP pull policy is pushed, then pulled (reference: numpy SGD)."""
+    cluster = inproc_cluster(2)
+    c = cluster.client(worker="w0", step_inline_bytes=16)
+    _tables(c)
+    before = _calls(cluster)
+    g = np.ones(SHAPE, np.float32)
+    res = c.step(push_dense={"w": g}, pull_dense=["w"], policy=SyncPolicy(clock=0, staleness=1),
+                 pull_policy=SyncPolicy(clock=1, staleness=1))
+    np.testing.assert_allclose(res.dense["w"], -0.5 * g)
+    after = _calls(cluster)
+    for b, a in zip(before, after):
+        assert {k: a.get(k, 0) - b.get(k, 0) for k in a if a.get(k, 0) != b.get(k, 0)} == {"PushDense": 1, "PullDense": 1}
 
 
 @pytest.mark.parametrize("wire", ["float16", "bfloat16"])
