@@ -701,7 +701,8 @@ class PSClient:
             kv = np.ascontiguousarray(np.where(held & (ke == epoch), kv, -1))  # older epochs: asked as not held
             req = pb.PullSparseRequest(known_epoch=epoch)
             req.MergeFrom(head)
-            msg, pl = unframe(pb.PullSparseReply, self._call(i, "PullSparse", frame(req, known_versions=kv, ids=np.ascontiguousarray(uniq[idx])), name))
+            raw = frame(req, known_versions=kv, ids=np.ascontiguousarray(uniq[idx]))
+            msg, pl = unframe(pb.PullSparseReply, self._call(i, "PullSparse", raw, name))
             v = from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions")
             versions[idx] = v
             if msg.conditional:  # the rows the reply carries, in request order
@@ -998,7 +999,11 @@ class PSClient:
         def waits(p: SyncPolicy | None) -> bool:
             return p is not None and (p.sync or p.ssp)
 
-        fused = {n: pull_dense.pop(n) for n in list(push_dense) if n in pull_dense and not waits(pol(policy, n)) and not waits(pol(pull_policy, n))}
+        fused = {
+            n: pull_dense.pop(n)
+            for n in list(push_dense)
+            if n in pull_dense and not waits(pol(policy, n)) and not waits(pol(pull_policy, n))
+        }
         for n, o in fused.items():  # as a pull: into ``out``, else a new float32 numpy array
             fused[n] = o if o is not None else np.empty(self._dense_meta(n).spec.shape, np.float32)
         jobs: list[Any] = [

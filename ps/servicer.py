@@ -315,8 +315,9 @@ class PSServicer:
     def PushDense(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext, caller: Caller) -> Iterator[bytes]:
         """An async/SSP dense push (BSP: ``_push_dense_sync``). With ``return_params`` and ``early`` on
         the first chunk (the caller reads while it sends), a push that computes early sends each new
-        block (``early`` set) right after its chunk, between reads of the request stream; the final status has ``early`` set if those blocks are the committed ones, else
-        every block is sent again after the commit (unflagged; later chunks at an offset win)."""
+        block (``early`` set) right after its chunk, between reads of the request stream. The final
+        status has ``early`` set if those blocks are the committed ones; else every block is sent
+        again after the commit (unflagged; later chunks at an offset win)."""
         update = None
         table: DenseTable | None = None
         reply_dtype = "float32"
