@@ -122,7 +122,8 @@ class ClientNode:
         # to a server that is still starting by up to its 2 s maximum)
         backoff = {"grpc.initial_reconnect_backoff_ms": max(10, int(cfg.backoff_min * 1000)),
                    "grpc.max_reconnect_backoff_ms": max(10, int(cfg.backoff_max * 1000))}
-        opts = [o for o in channel_options(cfg.max_message_bytes) if o[0] not in backoff]
+        own = backoff.keys() | dict(_KEEPALIVE).keys()  # ours replace the kernel's (no duplicate keys)
+        opts = [o for o in channel_options(cfg.max_message_bytes) if o[0] not in own]
         opts += list(backoff.items()) + _KEEPALIVE
         # the kernel's runtime makes the channel (TLS, mutual TLS with a client certificate, or
         # plaintext); the token rides on each call's metadata (self._md)

@@ -42,8 +42,9 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE) -> list[tuple[
         ("grpc.http2.max_pings_without_data", 0),
         # gRPC core (1.5x+) times out a ping already in flight (a BDP probe, which the keepalive
         # then waits behind) by this, default 1 minute: without it a stopped peer holds calls
-        # to their deadline (tests/multiproc/test_readme_ps_claims.py)
-        ("grpc.http2.ping_timeout_ms", 2000),
+        # to their deadline (tests/multiproc/test_readme_ps_claims.py). 5 s, not 2: a loaded
+        # 2-core CI box must not read a slow ack as a dead peer
+        ("grpc.http2.ping_timeout_ms", 5000),
     ]
 
 
