@@ -637,7 +637,7 @@ class PSClient:
         if policy is not None:
             head.sync.CopyFrom(policy_to_proto(policy))
         clocks: list[int] = []
-        place = _placement(inverse, len(uniq))  # distinct ids: replies written in the caller's order
+        place, in_order = _placement(inverse, len(uniq))  # distinct ids: replies written in the caller's order
 
         def one(i: int, idx: np.ndarray) -> None:
             req = frame(head, ids=np.ascontiguousarray(uniq[idx]))
@@ -650,11 +650,10 @@ class PSClient:
 
         self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, g in enumerate(groups) for idx in g])
         shape = tuple(np.shape(ids)) + (spec.dim,)
-        # in the caller's order already: ids unique and sorted, or written so
-        same = place is not None or _is_identity(inverse, len(uniq))
-        out: list[Any] = [_like(ids, (rows if same else rows[inverse]).reshape(shape))]
+        # in_order: in the caller's order already (ids unique and sorted, or written so)
+        out: list[Any] = [_like(ids, (rows if in_order else rows[inverse]).reshape(shape))]
         if return_versions:
-            out.append(_like(ids, (versions if same else versions[inverse]).reshape(np.shape(ids))))
+            out.append(_like(ids, (versions if in_order else versions[inverse]).reshape(np.shape(ids))))
         if return_clock:
             out.append(min(clocks, default=0))
         return out[0] if len(out) == 1 else tuple(out)
@@ -918,7 +917,7 @@ class PSClient:
         sparse_rows = {n: (np.empty((len(v[1]), v[0].dim), np.float32), np.empty(len(v[1]), np.int64)) for n, v in sparse_plan.items()}
         # where each shard's rows go: in the caller's order at once when its ids are distinct (no gather after)
         sparse_at = {n: _placement(v[2], len(v[1])) for n, v in sparse_plan.items()}
-        sparse_idx = {n: {i: _at(sparse_at[n], idx) for i, idx in v[4]} for n, v in sparse_plan.items()}
+        sparse_idx = {n: {i: _at(sparse_at[n][0], idx) for i, idx in v[4]} for n, v in sparse_plan.items()}
         dense_versions = {n: [-1] * S for n in pull_dense}
         clocks: dict[str, list[int]] = {}
         pushed_parts: dict[str, list[Any]] = {}
@@ -975,7 +974,7 @@ class PSClient:
         for name, (spec, uniq, inverse, ids, _) in sparse_plan.items():
             rows, vers = sparse_rows[name]
             shape = tuple(np.shape(ids))
-            if sparse_at[name] is None and not _is_identity(inverse, len(uniq)):  # else: in the caller's order already
+            if not sparse_at[name][1]:  # else: in the caller's order already
                 rows, vers = rows[inverse], vers[inverse]
             sparse_out[name] = (_like(ids, rows.reshape(shape + (spec.dim,))), _like(ids, vers.reshape(shape)))
         result = StepResult(
@@ -1054,7 +1053,8 @@ class PSClient:
             raise InvalidArgumentError(
                 f"table {name!r}: {g.shape[0]} gradient rows for {len(inverse)} ids (dim {spec.dim})"
             )
-        if len(inverse) == len(uniq) and _is_identity(inverse):
+        in_order = _is_identity(inverse, len(uniq))
+        if in_order:
             summed = np.ascontiguousarray(g, np.float32)  # ids already unique and sorted: no scatter, no copy
         else:
             summed = np.zeros((len(uniq), spec.dim), np.float32)
@@ -1065,7 +1065,7 @@ class PSClient:
         base = None
         if base_versions is not None:
             bv = as_numpy(base_versions).reshape(-1).astype(np.int64, copy=False)
-            if len(inverse) == len(uniq) and _is_identity(inverse):
+            if in_order:
                 base = bv
             else:
                 base = np.full(len(uniq), -1, np.int64)
@@ -1183,22 +1183,26 @@ def _all_finite(x: np.ndarray) -> bool:
     return bool(np.isfinite(x).all())
 
 
-def _is_identity(inverse: np.ndarray, n: int | None = None) -> bool:
-    """``inverse`` is 0, 1, ..., n-1 (the ids were unique and sorted already); ``n``: its length must be that."""
-    if n is not None and inverse.size != n:
+def _is_identity(inverse: np.ndarray, n: int) -> bool:
+    """``inverse`` is 0, 1, ..., n-1 (the ids were unique and sorted already)."""
+    if inverse.size != n:
         return False
     return bool(inverse.size == 0 or (inverse[0] == 0 and inverse[-1] == inverse.size - 1 and np.all(np.diff(inverse) == 1)))
 
 
-def _placement(inverse: np.ndarray, n: int) -> np.ndarray | None:
-    """For ids that are all distinct but not sorted (``inverse`` a permutation of n): the caller's
-    position of each unique id, so that replies are written in the caller's order directly instead of
-    gathered by ``inverse`` afterwards (one copy of the rows fewer). None otherwise."""
-    if inverse.size != n or _is_identity(inverse, n):
-        return None
+def _placement(inverse: np.ndarray, n: int) -> tuple[np.ndarray | None, bool]:
+    """(place, in_order) for a reply's n unique ids. ``place``: for ids that are all distinct but not
+    sorted (``inverse`` a permutation of n), the caller's position of each unique id, so that replies
+    are written in the caller's order directly instead of gathered by ``inverse`` afterwards (one copy
+    of the rows fewer); else None. ``in_order``: the rows so placed (or the ids already unique and
+    sorted) need no gather by ``inverse``."""
+    if inverse.size != n:
+        return None, False
+    if _is_identity(inverse, n):
+        return None, True
     at = np.empty(n, np.int64)
     at[inverse] = np.arange(n)
-    return at
+    return at, True
 
 
 def _at(place: np.ndarray | None, idx: np.ndarray) -> np.ndarray:
