@@ -403,19 +403,15 @@ def bench_adam_math(numel: int, repeats: int, warmup: int) -> Result:
 # =========================================================================== (c) PS sparse
 def _proc_cpu_s(pids: list[int]) -> float:
     """CPU seconds of every thread of ``pids`` so far (Linux schedstat, ns resolution; 0 elsewhere)."""
-    total = 0
+    from ps_server_model import cpu_seconds  # a sibling script, as ps_memory below
+
+    total = 0.0
     for pid in pids:
         try:
-            tids = os.listdir(f"/proc/{pid}/task")
+            total += cpu_seconds(pid)
         except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                    total += int(f.read().split()[0])
-            except (OSError, ValueError, IndexError):
-                pass  # a thread that ended meanwhile
-    return total / 1e9
+            continue  # no /proc/PID/task: not Linux, or the process ended
+    return total
 
 
 def bench_sparse(
