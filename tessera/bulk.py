@@ -1,0 +1,1007 @@
+"""A bulk data plane beside gRPC: the same handlers served over a length-prefixed framed socket.
+
+gRPC stays the control plane (health, metrics, roles, failover discovery, replication); a
+server may also serve its data calls with :func:`serve_bulk`, and clients call them through a
+:class:`BulkChannel`, whose ``unary_unary`` / ``unary_stream`` / ``stream_stream`` behave like a
+``grpc.Channel``'s (errors are :class:`BulkCallError`, a ``grpc.RpcError``). The endpoint uses the
+runtime's rules: ``ServerSecurity.check``, TLS / mutual TLS from the same PEM, ``Access.caller``
+at the handshake (an unknown token never gets a call in) and the handlers' own per-call
+``access.admit`` and error table through a context shim that acts like ``grpc.ServicerContext``.
+
+Wire (no pickle). Every frame is ``struct "<IQ"`` (header length, body length), a msgpack header
+(a map, at most 64 KiB) and the body (raw bytes, at most ``max_message_bytes``).
+
+* Handshake: the client sends ``{"v": 1, "md": [[key, value], ...]}`` (its metadata, e.g.
+  ``["authorization", "Bearer <token>"]``); the server answers ``{"ok": true}``, or a status frame
+  (below) and closes.
+* A call (one at a time per connection): request frames ``{"m": "/pkg.Service/Method", "t":
+  seconds left or nil, "end": bool}`` with one request message each as the body; a unary request is
+  one frame with ``end`` true; a stream ends with the frame whose ``end`` is true; a frame with
+  ``"none": true`` carries no message (an empty stream is one such frame; a stream may also end with
+  one). The first frame may carry ``"md"``: the call's own metadata pairs.
+* Replies: ``{"more": true}`` + body per response message, then one status frame ``{"code": "OK" |
+  a grpc.StatusCode name, "msg": details, "tm": trailing metadata pairs}``; ``"close": true`` in it
+  says the server did not read the whole request stream and closes the connection.
+* A frame over the limits or with an unparsable header gets a status frame (RESOURCE_EXHAUSTED /
+  INVALID_ARGUMENT naming what was wrong) and the connection is closed; the server serves others.
+
+Threads: one accept thread and one per connection (at most ``max_connections``; one more is told
+RESOURCE_EXHAUSTED). Sockets: TCP_NODELAY, and keepalive probes every second after one idle
+second, five unanswered fail the connection (a dead host fails calls within about 6 s).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import grpc
+import msgpack
+
+from tessera.security import TOKEN_HEADER, _read
+from tessera.service import (
+    ERROR_CLASS_HEADER,
+    BindError,
+    ClientSecurity,
+    ServerSecurity,
+    UnauthenticatedError,
+    _pem_file,
+)
+
+__all__ = ["MAX_HEADER_BYTES", "BulkCallError", "BulkChannel", "BulkServer", "serve_bulk"]
+
+log = logging.getLogger(__name__)
+
+MAX_HEADER_BYTES = 64 << 10
+_PREFIX = struct.Struct("<IQ")
+_SMALL = 32 << 10  # bodies up to this are sent in one write with their header
+_CODES = {c.name: c for c in grpc.StatusCode}
+
+
+class _FrameError(Exception):
+    """A frame that cannot be read (too big, unparsable): ``code`` says which status to answer."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _Closed(ConnectionError):
+    """The peer closed the connection."""
+
+
+class BulkCallError(grpc.RpcError, grpc.Call):
+    """A failed bulk call, shaped like gRPC's: ``code()``, ``details()``, ``trailing_metadata()``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: Sequence[tuple[str, Any]] = ()) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details, self._trailing = code, details, tuple(trailing)
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def initial_metadata(self) -> tuple:
+        return ()
+
+    def trailing_metadata(self) -> tuple:
+        return self._trailing
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        return False
+
+    def __str__(self) -> str:
+        return f"<BulkCallError {self._code.name}: {self._details}>"
+
+
+class _StreamBroken(grpc.RpcError):
+    """What a handler's request iterator raises when its connection ends (cancelled or closed)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.CANCELLED
+
+    def details(self) -> str:
+        return str(self.args[0])
+
+
+# ---------------------------------------------------------------------- frames
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 5)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+def _send(sock: socket.socket, header: dict, body: Any = b"", tail: bytes = b"") -> None:
+    """One frame (and ``tail``: an already packed frame to send with it)."""
+    h = msgpack.packb(header, use_bin_type=True)
+    n = len(body) if body is not None else 0
+    if isinstance(body, memoryview):
+        n = body.nbytes
+    head = _PREFIX.pack(len(h), n) + h
+    if n <= _SMALL:
+        sock.sendall(head + bytes(body) + tail if n else head + tail)
+        return
+    sock.sendall(head)
+    sock.sendall(memoryview(body).cast("B") if isinstance(body, memoryview) else memoryview(body))
+    if tail:
+        sock.sendall(tail)
+
+
+def _pack(header: dict) -> bytes:
+    h = msgpack.packb(header, use_bin_type=True)
+    return _PREFIX.pack(len(h), 0) + h
+
+
+def _fill(rfile: Any, buf: Any) -> None:
+    mv = memoryview(buf)
+    got = 0
+    while got < len(mv):
+        n = rfile.readinto(mv[got:])
+        if not n:
+            raise _Closed("connection closed by the peer")
+        got += n
+
+
+def _recv(rfile: Any, max_body: int) -> tuple[dict, bytearray]:
+    """One frame: (header, body). Raises _FrameError (limits, bad header), _Closed, OSError."""
+    prefix = bytearray(_PREFIX.size)
+    _fill(rfile, prefix)
+    hlen, blen = _PREFIX.unpack(prefix)
+    if hlen > MAX_HEADER_BYTES:
+        raise _FrameError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, f"frame header of {hlen} bytes is over the limit of {MAX_HEADER_BYTES}"
+        )
+    if blen > max_body:
+        raise _FrameError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"message of {blen} bytes is over the limit of {max_body} bytes (max_message_bytes)",
+        )
+    raw = bytearray(hlen)
+    _fill(rfile, raw)
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # noqa: BLE001 - any msgpack failure is a bad frame
+        raise _FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"unparsable frame header ({type(e).__name__}: {e})") from None
+    if not isinstance(header, dict):
+        raise _FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"frame header is a {type(header).__name__}, not a map")
+    body = bytearray(blen)
+    if blen:
+        _fill(rfile, body)
+    return header, body
+
+
+def _metadata(md: Any, what: str) -> tuple[tuple[str, Any], ...]:
+    if md is None:
+        return ()
+    if not isinstance(md, (list, tuple)):
+        raise _FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: metadata is not a list of [key, value] pairs")
+    out = []
+    for item in md:
+        if (not isinstance(item, (list, tuple)) or len(item) != 2 or not isinstance(item[0], str)
+                or not isinstance(item[1], (str, bytes))):
+            raise _FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: metadata item {item!r} is not [str, str|bytes]")
+        out.append((item[0], item[1]))
+    return tuple(out)
+
+
+def _hard_shutdown(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the raw fd, also under TLS: wakes a blocked reader
+
+
+def _close_after_error(sock: socket.socket, header: dict, wait: float = 1.0) -> None:
+    """Send a status frame, then let the peer read it: stop writing, discard what it still sends
+    (bounded), close. (Closing with unread input would reset the connection and lose the frame.)"""
+    try:
+        sock.settimeout(wait)
+        sock.sendall(_pack(header))
+    except OSError:
+        pass
+    _linger_close(sock, wait)
+
+
+def _linger_close(sock: socket.socket, wait: float = 1.0) -> None:
+    try:
+        sock.settimeout(wait)
+        if not isinstance(sock, ssl.SSLSocket):
+            sock.shutdown(socket.SHUT_WR)
+        end = time.monotonic() + wait
+        while time.monotonic() < end:
+            if not sock.recv(1 << 16):
+                break
+    except OSError:
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            sock.close()
+
+
+def _status(code: grpc.StatusCode, msg: str, trailing: Iterable[tuple[str, Any]] = (), **extra: Any) -> dict:
+    return {"code": code.name, "msg": msg, "tm": [[k, v] for k, v in trailing], **extra}
+
+
+# ---------------------------------------------------------------------- server
+class _Details(grpc.HandlerCallDetails):
+    def __init__(self, method: str, metadata: tuple) -> None:
+        self.method = method
+        self.invocation_metadata = metadata
+
+
+class _Abort(Exception):
+    """Raised by the context's abort() (gRPC raises a bare Exception likewise)."""
+
+
+class _Conn:
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.rfile: Any = None
+        self.alive = True
+        self.metadata: tuple = ()
+        self.auth: dict[str, list[bytes]] = {}
+
+    def kill(self) -> None:
+        self.alive = False
+        _hard_shutdown(self.sock)
+
+
+class _Context:
+    """What a handler gets instead of ``grpc.ServicerContext`` (the methods the runtime uses)."""
+
+    def __init__(self, conn: _Conn, metadata: tuple, timeout: float | None) -> None:
+        self._conn = conn
+        self._metadata = metadata
+        self._deadline = None if timeout is None else time.monotonic() + float(timeout)
+        self.done = False
+        self.cancelled = False
+        self.aborted = False
+        self.code: grpc.StatusCode | None = None
+        self.details: str | None = None
+        self.trailing: tuple = ()
+        self._callbacks: list[Callable[[], None]] = []
+
+    def invocation_metadata(self) -> tuple:
+        return self._metadata
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return dict(self._conn.auth)
+
+    def peer(self) -> str:
+        return self._conn.peer
+
+    def peer_identities(self) -> list[bytes] | None:
+        return self._conn.auth.get("x509_common_name") or None
+
+    def peer_identity_key(self) -> str | None:
+        return "x509_common_name" if self._conn.auth.get("x509_common_name") else None
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def is_active(self) -> bool:
+        if self.done or self.cancelled or not self._conn.alive:
+            return False
+        return self._deadline is None or time.monotonic() < self._deadline
+
+    def cancel(self) -> None:
+        """End the call from any thread: closes the connection (the request iterator raises)."""
+        self.cancelled = True
+        self._conn.kill()
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        if code == grpc.StatusCode.OK:
+            log.error("abort() called with StatusCode.OK: answering UNKNOWN")
+            code = grpc.StatusCode.UNKNOWN
+        self.aborted, self.code, self.details = True, code, details
+        raise _Abort(details)
+
+    def abort_with_status(self, status: Any) -> None:
+        self.set_trailing_metadata(status.trailing_metadata or ())
+        self.abort(status.code, status.details)
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    def set_trailing_metadata(self, md: Iterable[tuple[str, Any]]) -> None:
+        self.trailing = tuple((k, v) for k, v in md)
+
+    def send_initial_metadata(self, md: Any) -> None:
+        pass
+
+    def set_compression(self, compression: Any) -> None:
+        pass
+
+    def disable_next_message_compression(self) -> None:
+        pass
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        self._callbacks.append(callback)
+        return True
+
+    def finish(self) -> None:
+        self.done = True
+        for fn in self._callbacks:
+            try:
+                fn()
+            except Exception:
+                log.exception("bulk call callback failed")
+
+
+class BulkServer:
+    """A running bulk endpoint (see :func:`serve_bulk`): ``port``, ``connections``, ``stop()``."""
+
+    def __init__(
+        self, handlers: Sequence[grpc.GenericRpcHandler], listener: socket.socket, security: ServerSecurity,
+        authenticate: Callable[[Any, Any], Any], max_message_bytes: int, max_connections: int,
+        idle_timeout_s: float, handshake_timeout_s: float, name: str,
+    ) -> None:
+        self._handlers = tuple(handlers)
+        self._listener = listener
+        self.port: int = listener.getsockname()[1]
+        self._auth = authenticate
+        self._max_body = max_message_bytes
+        self._max_conns = max_connections
+        self._idle = idle_timeout_s
+        self._hs_timeout = handshake_timeout_s
+        self._name = name
+        self._ssl = _server_context(security) if security.tls else None
+        self._lock = threading.Lock()
+        self._conns: dict[threading.Thread, _Conn] = {}
+        self._busy = 0
+        self._stopping = False
+        self._seq = 0
+        self.refused = 0  # connections refused at the handshake or over max_connections
+        self._accept = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
+        self._accept.start()
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    # -- accept
+    def _accept_loop(self) -> None:
+        while not self._stopping:
+            try:
+                sock, addr = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if not self._stopping:
+                    log.exception("%s: accept failed; the bulk endpoint stops accepting", self._name)
+                return
+            try:
+                _tune(sock)
+                peer = f"ipv4:{addr[0]}:{addr[1]}" if sock.family == socket.AF_INET else f"ipv6:[{addr[0]}]:{addr[1]}"
+                with self._lock:
+                    full = len(self._conns) >= self._max_conns or self._stopping
+                    if not full:
+                        self._seq += 1
+                        conn = _Conn(sock, peer)
+                        t = threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn-{self._seq}", daemon=True)
+                        self._conns[t] = conn
+                if full:
+                    self.refused += 1
+                    self._refuse_full(sock)
+                    continue
+                t.start()
+            except Exception:
+                log.exception("%s: could not start serving a connection", self._name)
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    def _refuse_full(self, sock: socket.socket) -> None:
+        msg = f"the bulk endpoint has {self._max_conns} connections already (max_connections)"
+        try:
+            if self._ssl is not None:
+                sock.settimeout(min(self._hs_timeout, 1.0))
+                sock = self._ssl.wrap_socket(sock, server_side=True)
+        except (OSError, ssl.SSLError):
+            with contextlib.suppress(OSError):
+                sock.close()
+            return
+        _close_after_error(sock, _status(grpc.StatusCode.RESOURCE_EXHAUSTED, msg), wait=0.5)
+
+    # -- one connection
+    def _serve(self, conn: _Conn) -> None:
+        me = threading.current_thread()
+        try:
+            self._serve_conn(conn)
+        except Exception:
+            log.exception("%s: connection from %s failed", self._name, conn.peer)
+        finally:
+            conn.alive = False
+            with contextlib.suppress(Exception):
+                if conn.rfile is not None:
+                    conn.rfile.close()
+            with contextlib.suppress(OSError):
+                conn.sock.close()
+            with self._lock:
+                self._conns.pop(me, None)
+
+    def _serve_conn(self, conn: _Conn) -> None:
+        conn.sock.settimeout(self._hs_timeout)
+        if self._ssl is not None:
+            try:
+                conn.sock = self._ssl.wrap_socket(conn.sock, server_side=True)
+            except (OSError, ssl.SSLError) as e:
+                log.info("%s: TLS handshake with %s failed: %s", self._name, conn.peer, e)
+                return
+            cert = conn.sock.getpeercert() if isinstance(conn.sock, ssl.SSLSocket) else None
+            conn.auth = {"transport_security_type": [b"ssl"]}
+            subject: Any = (cert or {}).get("subject", ())
+            cns = [str(v).encode() for rdn in subject for k, v in rdn if k == "commonName"]
+            if cns:
+                conn.auth["x509_common_name"] = cns
+        conn.rfile = conn.sock.makefile("rb", buffering=1 << 16)
+        try:
+            hello, _ = _recv(conn.rfile, 0)
+            if hello.get("v") != 1:
+                raise _FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"handshake: unknown protocol version {hello.get('v')!r} (this server speaks 1)")
+            conn.metadata = _metadata(hello.get("md"), "handshake")
+        except _FrameError as e:
+            _close_after_error(conn.sock, _status(e.code, f"handshake: {e}"))
+            return
+        except (OSError, _Closed) as e:
+            log.info("%s: no handshake from %s: %s", self._name, conn.peer, e)
+            return
+        try:
+            self._auth(conn.metadata, conn.auth)
+        except UnauthenticatedError as e:
+            self.refused += 1
+            _close_after_error(conn.sock, _status(grpc.StatusCode.UNAUTHENTICATED, str(e), [(ERROR_CLASS_HEADER, type(e).__name__)]))
+            return
+        except Exception as e:
+            log.exception("%s: authenticating %s failed", self._name, conn.peer)
+            _close_after_error(conn.sock, _status(grpc.StatusCode.INTERNAL, f"authentication failed: {type(e).__name__}: {e}"))
+            return
+        conn.sock.sendall(_pack({"ok": True}))
+        while conn.alive and not self._stopping:
+            conn.sock.settimeout(self._idle)
+            try:
+                header, body = _recv(conn.rfile, self._max_body)
+            except _FrameError as e:
+                _close_after_error(conn.sock, _status(e.code, str(e)))
+                return
+            except TimeoutError:
+                log.info("%s: %s idle for %.0f s: closed", self._name, conn.peer, self._idle)
+                return
+            except (OSError, _Closed, ValueError):
+                return
+            conn.sock.settimeout(None)
+            with self._lock:
+                self._busy += 1
+            try:
+                if not self._call(conn, header, body):
+                    return
+            finally:
+                with self._lock:
+                    self._busy -= 1
+
+    def _lookup(self, method: str, metadata: tuple) -> Any:
+        details = _Details(method, metadata)
+        for h in self._handlers:
+            handler = h.service(details)
+            if handler is not None:
+                return handler
+        return None
+
+    def _call(self, conn: _Conn, first: dict, body: bytearray) -> bool:
+        """Serve one call whose first request frame was read; False when the connection must close."""
+        method = first.get("m")
+        timeout = first.get("t")
+        try:
+            if not isinstance(method, str):
+                raise _FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"request frame without a method name ('m'): {first!r}"[:300])
+            if timeout is not None and not isinstance(timeout, (int, float)):
+                raise _FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: deadline 't' is {timeout!r}, not seconds")
+            call_md = _metadata(first.get("md"), method)
+        except _FrameError as e:
+            _close_after_error(conn.sock, _status(e.code, str(e)))
+            return False
+        state = {"end": bool(first.get("end", True)), "broken": False}
+        ctx = _Context(conn, conn.metadata + call_md, timeout)
+        handler = self._lookup(method, ctx.invocation_metadata())
+        if handler is None:
+            return self._finish(conn, ctx, state, _status(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {method}"))
+        deser = handler.request_deserializer
+        ser = handler.response_serializer
+
+        def requests() -> Iterator[Any]:
+            msg: Any = None if first.get("none") else body
+            while True:
+                if msg is not None:
+                    yield deser(msg) if deser is not None else msg
+                if state["end"]:
+                    return
+                try:
+                    conn.sock.settimeout(self._idle)
+                    h, msg = _recv(conn.rfile, self._max_body)
+                except _FrameError as e:
+                    state["broken"] = True
+                    conn.alive = False
+                    with contextlib.suppress(OSError):
+                        _close_after_error(conn.sock, _status(e.code, str(e)))
+                    raise _StreamBroken(f"{method}: bad request frame: {e}") from None
+                except (OSError, _Closed, ValueError) as e:
+                    state["broken"] = True
+                    conn.alive = False
+                    raise _StreamBroken(f"{method}: request stream broken ({'cancelled' if ctx.cancelled else e})") from None
+                finally:
+                    with contextlib.suppress(OSError):
+                        conn.sock.settimeout(None)
+                state["end"] = bool(h.get("end", True))
+                if h.get("none"):
+                    msg = None
+
+        def out(response: Any) -> Any:
+            return ser(response) if ser is not None else response
+
+        try:
+            try:
+                if handler.request_streaming:
+                    request: Any = requests()
+                elif first.get("none"):
+                    raise _FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: a unary call without a request message")
+                else:
+                    request = deser(body) if deser is not None else body
+                if handler.response_streaming:
+                    fn = handler.stream_stream if handler.request_streaming else handler.unary_stream
+                    for response in fn(request, ctx):
+                        if state["broken"] or not conn.alive:
+                            break
+                        _send(conn.sock, {"more": True}, out(response))
+                    reply = None
+                else:
+                    fn = handler.stream_unary if handler.request_streaming else handler.unary_unary
+                    reply = fn(request, ctx)
+            except _Abort:
+                reply = None
+            except _FrameError as e:
+                return self._finish(conn, ctx, state, _status(e.code, str(e)))
+            except Exception as e:
+                if ctx.aborted:
+                    reply = None
+                else:
+                    if conn.alive:
+                        log.exception("%s: %s raised", self._name, method)
+                    return self._finish(conn, ctx, state, _status(grpc.StatusCode.INTERNAL, f"Exception calling application: {e}"))
+            if not conn.alive or state["broken"]:
+                return False
+            code = ctx.code or grpc.StatusCode.OK
+            status = _status(code, ctx.details or "", ctx.trailing)
+            if code == grpc.StatusCode.OK and not handler.response_streaming:
+                if reply is None:
+                    return self._finish(conn, ctx, state, _status(grpc.StatusCode.INTERNAL, f"{method}: the handler returned no reply"))
+                body_out = out(reply)
+                if not state["end"]:
+                    status["close"] = True
+                _send(conn.sock, {"more": True}, body_out, tail=_pack(status))
+                ctx.finish()
+                return state["end"] or self._drop(conn)
+            return self._finish(conn, ctx, state, status)
+        except (OSError, _Closed) as e:
+            log.info("%s: %s to %s: connection lost (%s)", self._name, method, conn.peer, e)
+            conn.alive = False
+            return False
+        finally:
+            if not ctx.done:
+                ctx.finish()
+
+    def _finish(self, conn: _Conn, ctx: _Context, state: dict, status: dict) -> bool:
+        ctx.finish()
+        if state["broken"] or not conn.alive:
+            return False
+        if not state["end"]:  # the client is still sending: tell it, and close once it has read this
+            status["close"] = True
+            _close_after_error(conn.sock, status)
+            conn.alive = False
+            return False
+        conn.sock.sendall(_pack(status))
+        return True
+
+    def _drop(self, conn: _Conn) -> bool:
+        conn.alive = False
+        _linger_close(conn.sock)
+        return False
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop accepting, wait up to ``grace`` seconds for calls in flight, close every
+        connection and join the threads."""
+        self._stopping = True
+        _hard_shutdown(self._listener)
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        if grace:
+            end = time.monotonic() + grace
+            while time.monotonic() < end:
+                with self._lock:
+                    if not self._busy:
+                        break
+                time.sleep(0.01)
+        with self._lock:
+            conns = list(self._conns.items())
+        for _, conn in conns:
+            conn.kill()
+        self._accept.join(timeout=5.0)
+        for t, conn in conns:
+            t.join(timeout=5.0)
+            if t.is_alive():
+                log.warning("%s: %s still running after stop() (a handler that does not return)", self._name, t.name)
+
+
+def _server_context(security: ServerSecurity) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    with _pem_file(security.tls_cert) as cert, _pem_file(security.tls_key) as key:  # type: ignore[arg-type]
+        ctx.load_cert_chain(cert, key)
+    if security.mutual:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.load_verify_locations(cadata=_read(security.tls_ca).decode())  # type: ignore[arg-type]
+    return ctx
+
+
+def serve_bulk(
+    handlers: Sequence[grpc.GenericRpcHandler], host: str, port: int, security: ServerSecurity,
+    authenticate: Callable[[Any, Any], Any], *, max_message_bytes: int = 64 << 20, max_connections: int = 256,
+    idle_timeout_s: float = 300.0, handshake_timeout_s: float = 5.0, name: str = "bulk",
+) -> BulkServer:
+    """Serve ``handlers`` (the ``grpc.GenericRpcHandler``s given to ``build_server``) on
+    ``host:port`` (0 picks a port) over the bulk wire (module doc). ``authenticate(metadata,
+    auth_context)`` (e.g. ``Access.caller``) runs at each connection's handshake and refuses it by
+    raising ``UnauthenticatedError``. Raises ``ConfigError`` (``security.check``) or ``BindError``."""
+    security.check(host)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.bind((host.strip("[]"), port))
+        listener.listen(128)
+    except OSError as e:
+        listener.close()
+        raise BindError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}): the port is in use, or {host} is not an address of "
+            "this machine (choose another port, 0 for a free one, or another host)"
+        ) from None
+    listener.settimeout(0.5)
+    return BulkServer(
+        handlers, listener, security, authenticate, max_message_bytes, max_connections, idle_timeout_s,
+        handshake_timeout_s, name,
+    )
+
+
+# ---------------------------------------------------------------------- client
+class _ClientConn:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.rfile = sock.makefile("rb", buffering=1 << 16)
+
+    def close(self) -> None:
+        _hard_shutdown(self.sock)
+        with contextlib.suppress(Exception):
+            self.rfile.close()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def stale(self) -> bool:
+        """An idle connection with something to read (EOF, or bytes nobody asked for) is unusable."""
+        try:
+            r, _, _ = select.select([self.sock], [], [], 0)
+        except (OSError, ValueError):
+            return True
+        return bool(r)
+
+
+def _unavailable(address: str, e: BaseException, tls: bool, during: str) -> BulkCallError:
+    if isinstance(e, ssl.SSLError):
+        why = (
+            f"TLS handshake with {address} failed ({e}): the server may not speak TLS (plaintext), or its certificate "
+            "is not signed by this client's tls_ca, or it wants a client certificate"
+        )
+    elif isinstance(e, (_Closed, ConnectionResetError, BrokenPipeError)) and during == "handshake" and not tls:
+        why = (
+            f"{address} closed the connection during the handshake: it may speak TLS while this client connects in "
+            "plaintext (give the client its tls_ca)"
+        )
+    elif isinstance(e, ConnectionRefusedError):
+        why = f"nothing is listening at {address} (connection refused)"
+    else:
+        why = f"connection to {address} lost during the {during} ({type(e).__name__}: {e})"
+    return BulkCallError(grpc.StatusCode.UNAVAILABLE, why)
+
+
+def _error(header: dict) -> BulkCallError:
+    code = _CODES.get(str(header.get("code")), grpc.StatusCode.UNKNOWN)
+    trailing = tuple((str(k), v) for k, v in (header.get("tm") or ()))
+    return BulkCallError(code, str(header.get("msg") or ""), trailing)
+
+
+class BulkChannel:
+    """Client of a bulk endpoint: a pool of connections, grpc.Channel-like multi-callables.
+    Thread-safe; errors are :class:`BulkCallError` (a ``grpc.RpcError``)."""
+
+    def __init__(
+        self, address: str, security: ClientSecurity | None = None, *, max_message_bytes: int = 64 << 20,
+        pool_size: int = 8, connect_timeout: float = 5.0,
+    ) -> None:
+        host, sep, port = address.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"bulk address {address!r} is not HOST:PORT")
+        self.address = address
+        self._host, self._port = host.strip("[]") or "127.0.0.1", int(port)
+        self._sec = security or ClientSecurity()
+        self._max_body = max_message_bytes
+        self._pool_size = pool_size
+        self._connect_timeout = connect_timeout
+        self._lock = threading.Lock()
+        self._idle: list[_ClientConn] = []
+        self._closed = False
+        self._ssl: ssl.SSLContext | None = None
+        if self._sec.tls_ca:
+            ctx = ssl.create_default_context(cadata=_read(self._sec.tls_ca).decode())
+            if self._sec.tls_cert and self._sec.tls_key:
+                with _pem_file(self._sec.tls_cert) as c, _pem_file(self._sec.tls_key) as k:
+                    ctx.load_cert_chain(c, k)
+            self._ssl = ctx
+        self._hello = _pack({"v": 1, "md": [[TOKEN_HEADER, f"Bearer {self._sec.token}"]] if self._sec.token else []})
+
+    # -- connections
+    def _open(self, timeout: float | None) -> _ClientConn:
+        t = self._connect_timeout if timeout is None else max(0.001, min(self._connect_timeout, timeout))
+        try:
+            sock = socket.create_connection((self._host, self._port), timeout=t)
+        except TimeoutError:
+            raise BulkCallError(grpc.StatusCode.UNAVAILABLE, f"no connection to {self.address} within {t:.3g} s") from None
+        except OSError as e:
+            raise _unavailable(self.address, e, self._ssl is not None, "connect") from None
+        try:
+            _tune(sock)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_hostname=self._sec.server_name or self._host)
+            conn = _ClientConn(sock)
+        except (OSError, ssl.SSLError) as e:
+            with contextlib.suppress(OSError):
+                sock.close()
+            raise _unavailable(self.address, e, self._ssl is not None, "TLS handshake") from None
+        try:
+            sock.sendall(self._hello)
+            header, _ = _recv(conn.rfile, 0)
+        except _FrameError as e:
+            conn.close()
+            raise BulkCallError(grpc.StatusCode.UNAVAILABLE, f"{self.address} answered the handshake with a bad frame: {e}") from None
+        except (OSError, _Closed, ValueError) as e:
+            conn.close()
+            if isinstance(e, socket.timeout):
+                raise BulkCallError(grpc.StatusCode.UNAVAILABLE, f"{self.address}: no handshake answer within {t:.3g} s") from None
+            raise _unavailable(self.address, e, self._ssl is not None, "handshake") from None
+        if not header.get("ok"):
+            conn.close()
+            raise _error(header)
+        return conn
+
+    def _get(self, timeout: float | None) -> _ClientConn:
+        with self._lock:
+            if self._closed:
+                raise BulkCallError(grpc.StatusCode.CANCELLED, f"the bulk channel to {self.address} is closed")
+            while self._idle:
+                conn = self._idle.pop()
+                if not conn.stale():
+                    return conn
+                conn.close()
+        return self._open(timeout)
+
+    def _put(self, conn: _ClientConn) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self._pool_size:
+                conn.sock.settimeout(None)
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def __enter__(self) -> BulkChannel:  # noqa: PYI034
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- calls
+    def _size_check(self, method: str, body: Any) -> None:
+        n = memoryview(body).nbytes
+        if n > self._max_body:
+            raise BulkCallError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{method}: request of {n} bytes is over this client's max_message_bytes ({self._max_body})",
+            )
+
+    def _replies(self, conn: _ClientConn, method: str, deadline: float | None, timeout: float | None) -> Iterator[Any]:
+        """Reply bodies, then returns (pooling the connection) or raises; closes it when abandoned."""
+        done = False
+        try:
+            while True:
+                try:
+                    header, body = _recv(conn.rfile, self._max_body)
+                except _FrameError as e:
+                    raise BulkCallError(e.code, f"{method}: reply: {e}") from None
+                except TimeoutError:
+                    raise BulkCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: deadline of {timeout:.3g} s exceeded") from None
+                except (OSError, _Closed, ValueError) as e:
+                    raise _unavailable(self.address, e, self._ssl is not None, f"call {method}") from None
+                if header.get("more"):
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise BulkCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: deadline of {timeout:.3g} s exceeded")
+                    yield body
+                    continue
+                done = True
+                if header.get("close"):
+                    conn.close()
+                else:
+                    self._put(conn)
+                if header.get("code") != "OK":
+                    raise _error(header)
+                return
+        finally:
+            if not done:
+                conn.close()
+
+    def _start(self, method: str, timeout: float | None, metadata: Any) -> tuple[_ClientConn, dict, float | None]:
+        conn = self._get(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conn.sock.settimeout(timeout)
+        head: dict = {"m": method, "t": timeout, "end": True}
+        if metadata:
+            head["md"] = [[k, v] for k, v in metadata]
+        return conn, head, deadline
+
+    def unary_unary(self, method: str, request_serializer: Any = None, response_deserializer: Any = None,
+                    **_: Any) -> Callable[..., Any]:
+        def call(request: Any, timeout: float | None = None, metadata: Any = None, **__: Any) -> Any:
+            body = request_serializer(request) if request_serializer is not None else request
+            self._size_check(method, body)
+            conn, head, deadline = self._start(method, timeout, metadata)
+            try:
+                _send(conn.sock, head, body)
+            except TimeoutError:
+                conn.close()
+                raise BulkCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: deadline of {timeout:.3g} s exceeded") from None
+            except OSError:
+                pass  # the server may have answered (e.g. a refusal) and closed: read it below
+            reply = None
+            for reply in self._replies(conn, method, deadline, timeout):
+                pass
+            return response_deserializer(reply) if response_deserializer is not None else reply
+
+        return call
+
+    def unary_stream(self, method: str, request_serializer: Any = None, response_deserializer: Any = None,
+                     **_: Any) -> Callable[..., Iterator[Any]]:
+        def call(request: Any, timeout: float | None = None, metadata: Any = None, **__: Any) -> Iterator[Any]:
+            body = request_serializer(request) if request_serializer is not None else request
+            self._size_check(method, body)
+            conn, head, deadline = self._start(method, timeout, metadata)
+            try:
+                _send(conn.sock, head, body)
+            except TimeoutError:
+                conn.close()
+                raise BulkCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: deadline of {timeout:.3g} s exceeded") from None
+            except OSError:
+                pass
+            return _ReplyStream(self._replies(conn, method, deadline, timeout), conn, response_deserializer)
+
+        return call
+
+    def stream_stream(self, method: str, request_serializer: Any = None, response_deserializer: Any = None,
+                      **_: Any) -> Callable[..., Iterator[Any]]:
+        def call(requests: Iterable[Any], timeout: float | None = None, metadata: Any = None, **__: Any) -> Iterator[Any]:
+            conn, head, deadline = self._start(method, timeout, metadata)
+            failure: list[BaseException] = []
+
+            def write() -> None:
+                h = dict(head)
+                h["end"] = False
+                try:
+                    for request in requests:
+                        body = request_serializer(request) if request_serializer is not None else request
+                        self._size_check(method, body)
+                        _send(conn.sock, h, body)
+                        h = {"m": method, "end": False}
+                    h["end"], h["none"] = True, True
+                    conn.sock.sendall(_pack(h))
+                except OSError:
+                    pass  # the reader sees the connection's end (or the server's answer)
+                except BaseException as e:  # noqa: BLE001 - the request iterator failed: the call fails
+                    failure.append(e)
+                    conn.close()
+
+            writer = threading.Thread(target=write, name=f"bulk-writer{method}", daemon=True)
+            writer.start()
+            return _ReplyStream(self._replies(conn, method, deadline, timeout), conn, response_deserializer, writer, failure)
+
+        return call
+
+    def stream_unary(self, method: str, request_serializer: Any = None, response_deserializer: Any = None,
+                     **_: Any) -> Callable[..., Any]:
+        ss = self.stream_stream(method, request_serializer, response_deserializer)
+
+        def call(requests: Iterable[Any], timeout: float | None = None, metadata: Any = None, **__: Any) -> Any:
+            reply = None
+            for reply in ss(requests, timeout=timeout, metadata=metadata):
+                pass
+            return reply
+
+        return call
+
+
+class _ReplyStream:
+    """The iterator a streaming call returns (also ``cancel()``, like a gRPC call)."""
+
+    def __init__(self, replies: Iterator[Any], conn: _ClientConn, deser: Any, writer: threading.Thread | None = None,
+                 failure: list[BaseException] | None = None) -> None:
+        self._replies, self._conn, self._deser = replies, conn, deser
+        self._writer, self._failure = writer, (failure if failure is not None else [])
+        self._code: grpc.StatusCode | None = None
+
+    def __iter__(self) -> _ReplyStream:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            body = next(self._replies)
+        except StopIteration:
+            self._code = grpc.StatusCode.OK
+            raise
+        except BulkCallError as e:
+            # (the writer records a failed request iterator before it closes the connection)
+            if self._failure and e.code() == grpc.StatusCode.UNAVAILABLE:
+                f = self._failure[0]
+                raise BulkCallError(grpc.StatusCode.UNKNOWN, f"the request iterator raised {type(f).__name__}: {f}") from f
+            self._code = e.code()
+            raise
+        return self._deser(body) if self._deser is not None else body
+
+    def cancel(self) -> bool:
+        """Abandon the call: its connection is closed (the server's handler sees it end)."""
+        self._conn.close()
+        with contextlib.suppress(Exception):
+            self._replies.close()  # type: ignore[attr-defined]
+        return True
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def __del__(self) -> None:
+        if self._code is None:  # abandoned before its status: the connection cannot be reused
+            self._conn.close()
+
+    def is_active(self) -> bool:
+        return self._code is None
