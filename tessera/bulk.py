@@ -678,6 +678,9 @@ def serve_bulk(
     security.check(host)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
+    # a restarted server may take its port back while old connections are in TIME_WAIT (on Linux
+    # this never lets two listeners share a port; gRPC sets it too)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         listener.bind((host.strip("[]"), port))
         listener.listen(128)
@@ -718,10 +721,16 @@ class _ClientConn:
 
 def _unavailable(address: str, e: BaseException, tls: bool, during: str) -> BulkCallError:
     if isinstance(e, ssl.SSLError):
-        why = (
-            f"TLS handshake with {address} failed ({e}): the server may not speak TLS (plaintext), or its certificate "
-            "is not signed by this client's tls_ca, or it wants a client certificate"
-        )
+        reason = f"{e.reason or ''} {e}"
+        if "WRONG_VERSION_NUMBER" in reason or "RECORD_LAYER" in reason:
+            likely = "the server does not speak TLS (plaintext): drop the client's tls_ca, or give the server a certificate"
+        elif "CERTIFICATE_REQUIRED" in reason or "HANDSHAKE_FAILURE" in reason:
+            likely = "the server wants a client certificate (mutual TLS): give the client its tls_cert and tls_key"
+        elif isinstance(e, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in reason:
+            likely = "the server's certificate is not signed by this client's tls_ca, or not valid for this address"
+        else:
+            likely = "client and server disagree about TLS"
+        why = f"TLS handshake with {address} failed ({e}): {likely}"
     elif isinstance(e, (_Closed, ConnectionResetError, BrokenPipeError)) and during == "handshake" and not tls:
         why = (
             f"{address} closed the connection during the handshake: it may speak TLS while this client connects in "
@@ -875,6 +884,8 @@ class BulkChannel:
                 conn.close()
 
     def _start(self, method: str, timeout: float | None, metadata: Any) -> tuple[_ClientConn, dict, float | None]:
+        if timeout is not None and timeout <= 0:
+            raise BulkCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: deadline of {timeout:.3g} s exceeded")
         conn = self._get(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         conn.sock.settimeout(timeout)

@@ -18,6 +18,7 @@ from ps.wire import ERRORS
 from tessera.bulk import BulkCallError, BulkChannel, serve_bulk
 from tessera.service import (
     Access,
+    BindError,
     ClientSecurity,
     ServerSecurity,
     build_server,
@@ -309,6 +310,16 @@ def test_tokens_over_tls(pki: dict[str, bytes]) -> None:
         bulk.stop()
 
 
+def test_tls_client_to_a_plaintext_server(pair: Any, pki: dict[str, bytes]) -> None:
+    """A TLS client to a plaintext endpoint: a fast UNAVAILABLE saying the server does not speak TLS."""
+    _, _, _, bulk = pair
+    t0 = time.monotonic()
+    with BulkChannel(f"127.0.0.1:{bulk.port}", ClientSecurity(tls_ca=pki["ca"])) as c, pytest.raises(BulkCallError) as be:
+        c.unary_unary(_m("Echo"))(b"", timeout=5)
+    assert be.value.code() == grpc.StatusCode.UNAVAILABLE and "does not speak TLS" in be.value.details()
+    assert time.monotonic() - t0 < 2.0
+
+
 def test_mutual_tls_identity_from_the_certificate(pki: dict[str, bytes]) -> None:
     """mTLS without tokens: the caller is the client certificate's common name; no client
     certificate: the TLS handshake fails (UNAVAILABLE naming TLS)."""
@@ -322,7 +333,7 @@ def test_mutual_tls_identity_from_the_certificate(pki: dict[str, bytes]) -> None
             assert bytes(c.unary_unary(_m("WhoAmI"))(b"", timeout=5)) == b"bob"
         with BulkChannel(addr, ClientSecurity(tls_ca=pki["ca"])) as c, pytest.raises(BulkCallError) as be:
             c.unary_unary(_m("WhoAmI"))(b"", timeout=5)
-        assert be.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED)
+        assert be.value.code() == grpc.StatusCode.UNAVAILABLE and "client certificate" in be.value.details()
     finally:
         bulk.stop()
 
@@ -362,6 +373,15 @@ def test_limits_and_garbage() -> None:
         c1.close()
     finally:
         bulk.stop()
+
+
+def test_a_taken_port_is_a_bind_error(pair: Any) -> None:
+    """A second endpoint on a port in use: BindError naming the address, like build_server's."""
+    _, _, _, bulk = pair
+    with pytest.raises(BindError) as e:
+        serve_bulk((), "127.0.0.1", bulk.port, ServerSecurity(), lambda md, ac: None, name="bulkbind")
+    assert f"127.0.0.1:{bulk.port}" in str(e.value)
+    assert not [t for t in threading.enumerate() if t.name.startswith("bulkbind")]
 
 
 def test_stop_ends_every_thread() -> None:
