@@ -72,13 +72,14 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 MiB = 1 << 20
 CHUNK_BYTES = (1 << 18) * 4  # the PS dense wire chunk: 2^18 float32 = 1 MiB
 UNARY_BYTES = 16 * MiB
 ECHO_UNARY = "/bench.Echo/Unary"
 ECHO_STREAM = "/bench.Echo/Stream"
+SHARD_ARGS = ("--bulk-port", "0")  # every shard also serves its bulk port; a transport="grpc" client ignores it
 
 
 # =========================================================================== echo servers (child processes)
@@ -144,7 +145,9 @@ def serve_tcp_echo() -> None:
 
 def spawn_echo(kind: str, procs: list[subprocess.Popen], timeout: float = 30.0) -> str:
     """Start this script as an echo server of ``kind`` ("grpc"/"tcp"); returns its address."""
-    from ps.cli import read_first_line  # imported here: echo children stay free of torch
+    from ps.cli import (
+        read_first_line,  # imported here: echo children stay free of torch
+    )
 
     p = subprocess.Popen(
         [sys.executable, os.path.abspath(__file__), "--serve", kind],
@@ -315,69 +318,93 @@ def bench_tcp(addr: str, nbytes: int, repeats: int, warmup: int) -> Result:
 
 
 # =========================================================================== (b) PS dense
-def bench_dense(addrs: list[str], numel: int, repeats: int, warmup: int, echo: StreamEcho | None = None) -> list[Result]:
+def bench_dense(
+    addrs: list[str], numel: int, repeats: int, warmup: int, echo: StreamEcho | None = None, transports: tuple[str, ...] = ("grpc",),
+) -> list[Result]:
     """Adam and SGD tables of ``numel`` float32, three ways each: push then pull ("separate"), one
     push that returns the values ("fused"), and ``PSClient.step`` (one Step call per shard when the
-    slice fits ``step_inline_bytes``, else, async as here, the fused push). ``echo``: the raw gRPC stream echo of the same
-    bytes, timed between them (a "raw" result, so the baseline is the best of every sample)."""
+    slice fits ``step_inline_bytes``, else, async as here, the fused push), per transport (``grpc``;
+    ``bulk``: the shards' bulk port, names suffixed ``_bulk``, its own tables). ``echo``: the raw gRPC
+    stream echo of the same bytes, timed between them (a "raw" result, so the baseline is the best of
+    every sample)."""
     import numpy as np
 
     from ps.client import PSClient
 
     s = len(addrs)
     grad = np.random.default_rng(2).standard_normal(numel, dtype=np.float32) * np.float32(1e-3)
-    push_t: list[float] = []
-    pull_t: list[float] = []
+    push_t: dict[str, list[float]] = {t: [] for t in transports}
+    pull_t: dict[str, list[float]] = {t: [] for t in transports}
     out = np.empty(numel, np.float32)
     fns: dict[str, Callable[[], object]] = {}
-    # the server's message limit is 64 MiB: a step whose slice fits goes as one Step call per shard
-    with PSClient(addrs, timeout=300, max_request_bytes=60 << 20) as c:
-        c.wait_ready()
-        for opt, hp in (("adam", {"lr": 1e-3}), ("sgd", {"lr": 1e-3})):
-            name = f"bench_{opt}"
-            c.create_dense(name, (numel,), opt, **hp)
+    clients = {
+        # the server's message limit is 64 MiB: a step whose slice fits goes as one Step call per shard
+        tr: PSClient(addrs, timeout=300, max_request_bytes=60 << 20, transport="grpc" if tr == "grpc" else "auto")
+        for tr in transports
+    }
+    try:
+        for tr, c in clients.items():
+            c.wait_ready()
+            sfx = _suffix(tr)
+            for opt, hp in (("adam", {"lr": 1e-3}), ("sgd", {"lr": 1e-3})):
+                name = f"bench_{opt}{sfx}"
+                c.create_dense(name, (numel,), opt, **hp)
 
-            def separate(name: str = name, timed: bool = opt == "adam") -> None:
-                t0 = time.perf_counter()
-                c.push_dense(name, grad)
-                t1 = time.perf_counter()
-                p = c.pull_dense(name, out=out)
-                if timed:
-                    push_t.append(t1 - t0)
-                    pull_t.append(time.perf_counter() - t1)
-                assert p.size == numel
+                def separate(name: str = name, c: PSClient = c, timed: bool = opt == "adam", tr: str = tr) -> None:
+                    t0 = time.perf_counter()
+                    c.push_dense(name, grad)
+                    t1 = time.perf_counter()
+                    p = c.pull_dense(name, out=out)
+                    if timed:
+                        push_t[tr].append(t1 - t0)
+                        pull_t[tr].append(time.perf_counter() - t1)
+                    assert p.size == numel
 
-            def fused(name: str = name) -> None:
-                p = c.push_dense(name, grad, return_params=True, out=out)
-                assert p.size == numel
+                def fused(name: str = name, c: PSClient = c) -> None:
+                    p = c.push_dense(name, grad, return_params=True, out=out)
+                    assert p.size == numel
 
-            def step(name: str = name) -> None:
-                r = c.step(push_dense={name: grad}, pull_dense={name: out})
-                assert r.dense[name].size == numel
+                def step(name: str = name, c: PSClient = c) -> None:
+                    r = c.step(push_dense={name: grad}, pull_dense={name: out})
+                    assert r.dense[name].size == numel
 
-            fns[f"{opt}_separate"], fns[f"{opt}_fused"], fns[f"{opt}_step"] = separate, fused, step
+                fns[f"{opt}_separate{sfx}"], fns[f"{opt}_fused{sfx}"], fns[f"{opt}_step{sfx}"] = separate, fused, step
+            if tr == "bulk":
+                c.describe(f"bench_adam{sfx}")
+                if not all(st.replicas[st.cur].bulk is not None for st in c._shards):
+                    raise RuntimeError("the shards serve no bulk port (start them with --bulk-port)")
         if echo is not None:
             fns["echo"] = echo
         t = interleaved(fns, repeats, warmup)
-        versions = {opt: c.describe(f"bench_{opt}")[0].version for opt in ("adam", "sgd")}
-    expect = (warmup + repeats) * 3
-    if versions != {"adam": expect, "sgd": expect}:
-        raise RuntimeError(f"dense tables at versions {versions}, expected {expect} each")
+        expect = (warmup + repeats) * 3
+        for tr, c in clients.items():
+            versions = {opt: c.describe(f"bench_{opt}{_suffix(tr)}")[0].version for opt in ("adam", "sgd")}
+            if versions != {"adam": expect, "sgd": expect}:
+                raise RuntimeError(f"dense tables ({tr}) at versions {versions}, expected {expect} each")
+    finally:
+        for c in clients.values():
+            c.close()
     nbytes = numel * 4
     notes = {"separate": "push_dense + pull_dense", "fused": "push_dense(return_params=True)", "step": "PSClient.step (Step RPC)"}
     res = []
-    for opt in ("adam", "sgd"):
-        for way in ("separate", "fused", "step"):
-            grp = "dense" if opt == "adam" else "dense-sgd"
-            res.append(Result(f"dense_{s}shard_{way}" if opt == "adam" else f"sgd_{s}shard_{way}", nbytes, t[f"{opt}_{way}"], grp,
-                              note=f"{opt}: {notes[way]}"))
-    # halves of "separate" (one-way figures: payload / time of that half), for the analysis
-    res.append(Result(f"dense_{s}shard_push_only", nbytes, push_t[warmup:], "dense-part", note="adam: push half of separate (one way)"))
-    res.append(Result(f"dense_{s}shard_pull_only", nbytes, pull_t[warmup:], "dense-part", note="adam: pull half of separate (one way)"))
+    for tr in transports:
+        sfx = _suffix(tr)
+        for opt in ("adam", "sgd"):
+            for way in ("separate", "fused", "step"):
+                grp = "dense" if opt == "adam" else "dense-sgd"
+                res.append(Result(f"{'dense' if opt == 'adam' else 'sgd'}_{s}shard_{way}{sfx}", nbytes, t[f"{opt}_{way}{sfx}"], grp,
+                                  note=f"{opt}: {notes[way]}{' (bulk)' if sfx else ''}"))
+        # halves of "separate" (one-way figures: payload / time of that half), for the analysis
+        res.append(Result(f"dense_{s}shard_push_only{sfx}", nbytes, push_t[tr][warmup:], "dense-part", note="adam: push half of separate (one way)"))
+        res.append(Result(f"dense_{s}shard_pull_only{sfx}", nbytes, pull_t[tr][warmup:], "dense-part", note="adam: pull half of separate (one way)"))
     if echo is not None:
         res.append(Result(f"grpc_stream_with_{s}shard", nbytes, t["echo"], "raw",
                           note=f"grpc_stream again, interleaved with the {s}-shard PS runs above"))
     return res
+
+
+def _suffix(transport: str) -> str:
+    return "" if transport == "grpc" else f"_{transport}"
 
 
 def bench_adam_math(numel: int, repeats: int, warmup: int) -> Result:
@@ -416,49 +443,53 @@ def _proc_cpu_s(pids: list[int]) -> float:
 
 def bench_sparse(
     addrs: list[str], table_rows: int, batch: int, dim: int, repeats: int, warmup: int, pids: list[int] | None = None,
-    cpu: dict[str, dict[str, float]] | None = None,
+    cpu: dict[str, dict[str, float]] | None = None, transports: tuple[str, ...] = ("grpc",),
 ) -> tuple[list[Result], float]:
-    """``pids``: the shard processes; ``cpu`` (filled if given): per variant, the shards' CPU ms per op
-    (every thread, schedstat) and this client's (process CPU around the op only)."""
+    """Per transport (names suffixed ``_bulk`` for the bulk port; one table for all): pull + push,
+    and the same by Step. ``pids``: the shard processes; ``cpu`` (filled if given): per variant, the
+    shards' CPU ms per op (every thread, schedstat) and this client's (process CPU around the op only)."""
     import numpy as np
 
     from ps.client import PSClient
 
     name = "bench_sparse"
     rng = np.random.default_rng(3)
-    with PSClient(addrs, timeout=300) as c:
-        c.wait_ready()
-        c.create_sparse(name, dim, "adagrad", lr=0.01)
+    clients = {tr: PSClient(addrs, timeout=300, transport="grpc" if tr == "grpc" else "auto") for tr in transports}
+    try:
+        c0 = next(iter(clients.values()))
+        c0.wait_ready()
+        c0.create_sparse(name, dim, "adagrad", lr=0.01)
         t0 = time.perf_counter()
         step = 1 << 17
         for lo in range(0, table_rows, step):
-            c.pull_sparse(name, np.arange(lo, min(table_rows, lo + step), dtype=np.int64))
+            c0.pull_sparse(name, np.arange(lo, min(table_rows, lo + step), dtype=np.int64))
         populate_s = time.perf_counter() - t0
-        rows = sum(t.rows for s in c.stats() for t in s.tables if t.name == name)
+        rows = sum(t.rows for s in c0.stats() for t in s.tables if t.name == name)
         if rows != table_rows:
             raise RuntimeError(f"sparse table holds {rows} rows, expected {table_rows}")
         n = warmup + repeats
-        id_sets = [rng.choice(table_rows, batch, replace=False).astype(np.int64) for _ in range(n)]
         grads = rng.standard_normal((batch, dim), dtype=np.float32) * np.float32(1e-2)
-        it = iter(id_sets)
+        fns: dict[str, Callable[[], object]] = {}
+        for tr, c in clients.items():
+            sfx = _suffix(tr)
+            it = iter([rng.choice(table_rows, batch, replace=False).astype(np.int64) for _ in range(2 * n + 1)])
 
-        def pullpush() -> None:
-            ids = next(it)
-            r = c.pull_sparse(name, ids)
-            assert r.shape == (batch, dim)
-            c.push_sparse(name, ids, grads)
+            def pullpush(c: PSClient = c, it: Iterator[np.ndarray] = it) -> None:
+                ids = next(it)
+                r = c.pull_sparse(name, ids)
+                assert r.shape == (batch, dim)
+                c.push_sparse(name, ids, grads)
 
-        prev = [id_sets[0]]
+            prev = [next(it)]
 
-        def step() -> None:
-            # push the rows pulled last time, pull the next batch's: one Step call per shard
-            ids = next(it)
-            r = c.step(push_sparse={name: (prev[0], grads)}, pull_sparse={name: ids})
-            assert r.sparse[name][0].shape == (batch, dim)
-            prev[0] = ids
+            def step_(c: PSClient = c, it: Iterator[np.ndarray] = it, prev: list[np.ndarray] = prev) -> None:
+                # push the rows pulled last time, pull the next batch's: one Step call per shard
+                ids = next(it)
+                r = c.step(push_sparse={name: (prev[0], grads)}, pull_sparse={name: ids})
+                assert r.sparse[name][0].shape == (batch, dim)
+                prev[0] = ids
 
-        id_sets += [rng.choice(table_rows, batch, replace=False).astype(np.int64) for _ in range(n)]
-        fns: dict[str, Callable[[], object]] = {"sparse": pullpush, "step": step}
+            fns[f"sparse{sfx}"], fns[f"step{sfx}"] = pullpush, step_
         if cpu is None:
             t = interleaved(fns, repeats, warmup)
         else:  # the same alternation, with the CPU of the shards and of this client per op
@@ -471,27 +502,68 @@ def bench_sparse(
                 for k, fn in fns.items():
                     w0 = time.perf_counter()
                     s0 = _proc_cpu_s(pids or [])
-                    c0 = time.process_time()
+                    cc0 = time.process_time()
                     t0 = time.perf_counter()
                     fn()
                     t[k].append(time.perf_counter() - t0)
-                    acc[k][1] += time.process_time() - c0
+                    acc[k][1] += time.process_time() - cc0
                     acc[k][0] += _proc_cpu_s(pids or []) - s0
                     acc[k][2] += time.perf_counter() - w0
             for k, (sc, cc, wc) in acc.items():
                 cpu[k] = {"shard_cpu_ms": 1e3 * sc / repeats, "client_cpu_ms": 1e3 * cc / repeats, "window_ms": 1e3 * wc / repeats}
-    res = [
-        Result(f"sparse_{len(addrs)}shard_pullpush", batch * dim * 4, t["sparse"], "sparse", rows=batch,
-               note=f"{batch} ids x {dim} from {table_rows} rows: pull_sparse + push_sparse"),
-        Result(f"sparse_{len(addrs)}shard_step", batch * dim * 4, t["step"], "sparse-step", rows=batch,
-               note="the same bytes by PSClient.step (one Step call per shard)"),
-    ]
+    finally:
+        for c in clients.values():
+            c.close()
+    res = []
+    for tr in transports:
+        sfx = _suffix(tr)
+        res += [
+            Result(f"sparse_{len(addrs)}shard_pullpush{sfx}", batch * dim * 4, t[f"sparse{sfx}"], "sparse", rows=batch,
+                   note=f"{batch} ids x {dim} from {table_rows} rows: pull_sparse + push_sparse{' (bulk)' if sfx else ''}"),
+            Result(f"sparse_{len(addrs)}shard_step{sfx}", batch * dim * 4, t[f"step{sfx}"], "sparse-step", rows=batch,
+                   note=f"the same bytes by PSClient.step (one Step call per shard){' (bulk)' if sfx else ''}"),
+        ]
     return res, populate_s
+
+
+def sparse_figures(res: list[Result], raw_best: Result, raw_small: Result, cpu: dict[str, dict[str, float]] | None = None) -> dict[str, object]:
+    """The sparse keys: the best way over every transport (``sparse_gbps``, ``sparse_ratio``, ...), and
+    per transport its pull+push and Step figures (gRPC's unsuffixed, ``_bulk`` for the bulk port) with
+    ``sparse_ratio_grpc`` / ``sparse_ratio_bulk``; with ``cpu``, the CPU per op of each."""
+    sparse = max(res, key=lambda r: r.gbps)
+    out: dict[str, object] = {
+        "raw_grpc_sparse_size_gbps": round(raw_small.gbps, 5), "sparse_best": sparse.name,
+        "sparse_gbps": round(sparse.gbps, 5), "sparse_gbps_median": round(sparse.gbps_median, 5),
+        "sparse_ratio": round(sparse.gbps / raw_best.gbps, 5), "sparse_vs_raw_same_size": round(sparse.gbps / raw_small.gbps, 5),
+        "sparse_ms": round(sparse.best * 1e3, 3), "sparse_ms_median": round(sparse.median * 1e3, 3),
+        "sparse_rows_per_s": round(sparse.rows / sparse.best, 1), "sparse_rows_per_s_median": round(sparse.rows / sparse.median, 1),
+    }
+    for tr in ("grpc", "bulk"):
+        sfx = _suffix(tr)
+        mine = {r.group: r for r in res if r.name.endswith("_bulk") == (tr == "bulk")}
+        if not mine:
+            continue
+        pp, st = mine["sparse"], mine["sparse-step"]
+        out.update({
+            f"sparse_pullpush_gbps{sfx}": round(pp.gbps, 5), f"sparse_step_gbps{sfx}": round(st.gbps, 5),
+            f"sparse_pullpush_ms{sfx}": round(pp.best * 1e3, 3), f"sparse_step_ms{sfx}": round(st.best * 1e3, 3),
+            f"sparse_ratio_{tr}": round(max(pp.gbps, st.gbps) / raw_best.gbps, 5),
+        })
+        if cpu:
+            # CPU per op (every thread of both shard processes; this client process around the op only)
+            for way, key in (("step", "step"), ("pullpush", "sparse")):
+                c = cpu[f"{key}{sfx}"]
+                out.update({
+                    f"sparse_{way}_shard_cpu_ms{sfx}": round(c["shard_cpu_ms"], 3),
+                    f"sparse_{way}_client_cpu_ms{sfx}": round(c["client_cpu_ms"], 3),
+                    f"sparse_{way}_cpu_window_ms{sfx}": round(c["window_ms"], 3),
+                })
+    return out
 
 
 def sparse_only(
     args: argparse.Namespace, nbytes: int, batch: int, dim: int, sparse_rows: int, repeats: int, warmup: int,
-    sparse_repeats: int, sparse_warmup: int, procs: list, t_start: float,
+    sparse_repeats: int, sparse_warmup: int, procs: list, t_start: float, transports: tuple[str, ...],
 ) -> int:
     """``--only sparse``: the raw gRPC baselines (the same echo servers) and the sparse rows; a table
     and one line of JSON with the sparse keys of a full run."""
@@ -502,34 +574,22 @@ def sparse_only(
     raw = bench_grpc(grpc_addrs, nbytes, repeats, warmup + 1, small=batch * dim * 4)
     stop_processes(procs)
     procs.clear()
-    shard_procs, addrs = start_local_shards(2)
+    shard_procs, addrs = start_local_shards(2, SHARD_ARGS)
     procs += shard_procs
     log(f"PS sparse: populating {sparse_rows} rows, then {batch} ids x {dim}")
     cpu: dict[str, dict[str, float]] = {}
-    res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup, [p.pid for p in shard_procs], cpu)
+    res, populate_s = bench_sparse(
+        addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup, [p.pid for p in shard_procs], cpu, transports,
+    )
     stop_processes(procs)
     procs.clear()
     raw_best = max(raw, key=lambda r: r.gbps)
     raw_small = next(r for r in raw if r.name == "grpc_unary_small")
-    sparse_pp, sparse_step = res
-    sparse = max(res, key=lambda r: r.gbps)
     for r in raw + res:
         print(f"{r.name:<26} {r.gbps:>9.3f} {r.gbps_median:>9.3f} {r.gbps / raw_best.gbps:>10.3f} {r.best * 1e3:>9.1f} {r.median * 1e3:>9.1f}  {r.note}")
     out = {
         "raw_grpc_gbps": round(raw_best.gbps, 4), "raw_grpc_best": raw_best.name, "raw_grpc_gbps_median": round(raw_best.gbps_median, 4),
-        "raw_grpc_sparse_size_gbps": round(raw_small.gbps, 5), "sparse_best": sparse.name,
-        "sparse_pullpush_gbps": round(sparse_pp.gbps, 5), "sparse_step_gbps": round(sparse_step.gbps, 5),
-        "sparse_gbps": round(sparse.gbps, 5), "sparse_gbps_median": round(sparse.gbps_median, 5),
-        "sparse_ratio": round(sparse.gbps / raw_best.gbps, 5), "sparse_vs_raw_same_size": round(sparse.gbps / raw_small.gbps, 5),
-        "sparse_ms": round(sparse.best * 1e3, 3), "sparse_ms_median": round(sparse.median * 1e3, 3),
-        "sparse_pullpush_ms": round(sparse_pp.best * 1e3, 3), "sparse_step_ms": round(sparse_step.best * 1e3, 3),
-        "sparse_rows_per_s": round(sparse.rows / sparse.best, 1), "sparse_table_rows": sparse_rows,
-        "sparse_populate_s": round(populate_s, 3),
-        # CPU per op (every thread of both shard processes; this client process around the op only)
-        "sparse_step_shard_cpu_ms": round(cpu["step"]["shard_cpu_ms"], 3), "sparse_step_client_cpu_ms": round(cpu["step"]["client_cpu_ms"], 3),
-        "sparse_pullpush_shard_cpu_ms": round(cpu["sparse"]["shard_cpu_ms"], 3),
-        "sparse_pullpush_client_cpu_ms": round(cpu["sparse"]["client_cpu_ms"], 3),
-        "sparse_step_cpu_window_ms": round(cpu["step"]["window_ms"], 3), "sparse_pullpush_cpu_window_ms": round(cpu["sparse"]["window_ms"], 3),
+        **sparse_figures(res, raw_best, raw_small, cpu), "sparse_table_rows": sparse_rows, "sparse_populate_s": round(populate_s, 3),
         "sparse_only": True, "quick": args.quick, "cpus": os.cpu_count(),
         "wall_s": round(time.perf_counter() - t_start, 1), "loadavg": round(os.getloadavg()[0], 2),
     }
@@ -555,6 +615,11 @@ def main(argv: list[str] | None = None) -> int:
         help="dense: only the raw transports, torch's Adam and the dense push+pull (~1/3 the time); "
         "sparse: only the raw gRPC echo baselines and the sparse rows (~1 min); neither reports memory figures",
     )
+    ap.add_argument(
+        "--transports", default="grpc,bulk",
+        help="the PS's transports to measure, same run, same shards (default grpc,bulk: gRPC, and the shards' "
+        "--bulk-port; the goal ratios take the best, *_grpc keys gRPC's alone)",
+    )
     ap.add_argument("--serve", choices=("grpc", "tcp"), help=argparse.SUPPRESS)  # internal: run an echo server
     args = ap.parse_args(argv)
 
@@ -574,6 +639,9 @@ def main(argv: list[str] | None = None) -> int:
     dense_mib = args.dense_mib or (16 if quick else 64)
     sparse_rows = args.sparse_rows or (100_000 if quick else 1_000_000)
     shard_counts = [int(x) for x in (args.shards or ("2" if quick else "1,2")).split(",") if x]
+    transports = tuple(t for t in args.transports.split(",") if t)
+    if not transports or not set(transports) <= {"grpc", "bulk"}:
+        ap.error(f"--transports: grpc and/or bulk, got {args.transports!r}")
     if not shard_counts or min(shard_counts) < 1:
         ap.error("--shards needs at least one shard count >= 1")
     nbytes = dense_mib * MiB
@@ -603,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict[str, object] = {}
     try:
         if args.only == "sparse":
-            return sparse_only(args, nbytes, batch, dim, sparse_rows, repeats, warmup, sparse_repeats, sparse_warmup, procs, t_start)
+            return sparse_only(args, nbytes, batch, dim, sparse_rows, repeats, warmup, sparse_repeats, sparse_warmup, procs, t_start, transports)
         # (a) + (d): bare transports
         log("starting echo servers")
         grpc_addrs = [spawn_echo("grpc", procs), spawn_echo("grpc", procs)]
@@ -621,13 +689,13 @@ def main(argv: list[str] | None = None) -> int:
         # (b) + (c): the PS
         for s in shard_counts:
             log(f"starting {s} shard process(es)")
-            shard_procs, addrs = start_local_shards(s)
+            shard_procs, addrs = start_local_shards(s, SHARD_ARGS)
             procs += shard_procs
             log(f"PS dense {dense_mib} MiB adam, {s} shard(s)")
-            results += bench_dense(addrs, numel, repeats, warmup, echo)
+            results += bench_dense(addrs, numel, repeats, warmup, echo, transports)
             if s == 2 and not dense_only:
                 log(f"PS sparse: populating {sparse_rows} rows, then {batch} ids x {dim}")
-                res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup)
+                res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup, transports=transports)
                 results += res
                 extra["sparse_populate_s"] = round(populate_s, 3)
             stop_processes(procs)
@@ -636,9 +704,9 @@ def main(argv: list[str] | None = None) -> int:
         stop_processes(echo_procs)
         if 2 not in shard_counts and not dense_only:
             log("starting 2 shard processes for the sparse benchmark")
-            shard_procs, addrs = start_local_shards(2)
+            shard_procs, addrs = start_local_shards(2, SHARD_ARGS)
             procs += shard_procs
-            res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup)
+            res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup, transports=transports)
             results += res
             extra["sparse_populate_s"] = round(populate_s, 3)
         if not dense_only:
@@ -669,10 +737,14 @@ def main(argv: list[str] | None = None) -> int:
     # 1.0: the PS's Adam push+pull costs no more than moving its bytes (best raw gRPC round trip of
     # the same bytes) plus torch's fused Adam on the same tensor
     adam_limit = (raw_best.best + adam_math.best) / dense_best.best
+    per_transport: dict[str, float] = {}  # the two dense goal ratios of each transport alone
+    for tr in transports:
+        mine = [r for r in results if r.name.endswith("_bulk") == (tr == "bulk")]
+        per_transport[f"dense_sgd_ratio_{tr}"] = round(max(r.gbps for r in mine if r.group == "dense-sgd") / raw_grpc, 4)
+        per_transport[f"adam_limit_ratio_{tr}"] = round(
+            (raw_best.best + adam_math.best) / min(r.best for r in mine if r.group == "dense"), 4)
     if not dense_only:
-        sparse_pp = next(r for r in results if r.group == "sparse")
-        sparse_step = next(r for r in results if r.group == "sparse-step")
-        sparse = max((sparse_pp, sparse_step), key=lambda r: r.gbps)
+        sparse = max((r for r in results if r.group in ("sparse", "sparse-step")), key=lambda r: r.gbps)
 
     # ------------------------------------------------------------------ table
     hdr = f"{'measurement':<26} {'GB/s best':>9} {'GB/s med':>9} {'x raw gRPC':>10} {'ms min':>9} {'ms med':>9}  notes"
@@ -700,6 +772,7 @@ def main(argv: list[str] | None = None) -> int:
         f"dense_sgd_ratio {sgd_best.gbps / raw_grpc:.3f} (goal >= 0.8; {sgd_best.name}); adam_limit_ratio {adam_limit:.3f} "
         f"(goal >= 0.85: (raw round trip {raw_best.best * 1e3:.1f} ms + fused Adam {adam_math.best * 1e3:.1f} ms) / PS Adam "
         f"{dense_best.best * 1e3:.1f} ms)\n"
+        + "".join(f"{k} {v:.3f}; " for k, v in per_transport.items()) + "\n"
     )
     if not dense_only:
         print(
@@ -737,22 +810,12 @@ def main(argv: list[str] | None = None) -> int:
         "shard_omp_threads": args.shard_omp_threads,
         "wall_s": round(wall, 1),
         "only": args.only,
+        "transports": list(transports),
+        **per_transport,
         **extra,
     }
     if not dense_only:
-        out.update({
-            "sparse_best": sparse.name,
-            "sparse_pullpush_gbps": round(sparse_pp.gbps, 5),
-            "sparse_step_gbps": round(sparse_step.gbps, 5),
-            "raw_grpc_sparse_size_gbps": round(raw_small.gbps, 5),
-            "sparse_vs_raw_same_size": round(sparse.gbps / raw_small.gbps, 5),
-            "sparse_rows_per_s": round(sparse.rows / sparse.best, 1),
-            "sparse_rows_per_s_median": round(sparse.rows / sparse.median, 1),
-            "sparse_gbps": round(sparse.gbps, 5),
-            "sparse_gbps_median": round(sparse.gbps_median, 5),
-            "sparse_ratio": round(sparse.gbps / raw_grpc, 5),
-            "sparse_ms_median": round(sparse.median * 1e3, 3),
-        })
+        out.update(sparse_figures([r for r in results if r.group in ("sparse", "sparse-step")], raw_best, raw_small))
     for r in results:
         if r.group not in ("sparse", "sparse-step"):
             out[f"{r.name}_gbps"] = round(r.gbps, 4)

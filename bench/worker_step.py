@@ -394,9 +394,10 @@ def run_ps_job(job: dict[str, Any]) -> dict[str, Any]:
 
     task = load_task(job["task"], **job["task_opts"])
     opts = dict(job["cfg"])
-    wire_dtype = opts.pop("wire_dtype", None)  # the client's setting, not the trainer's
+    wire_dtype = opts.pop("wire_dtype", None)  # the client's settings, not the trainer's
+    transport = opts.pop("transport", "auto")
     cfg = TrainConfig(**opts)
-    with PSClient(job["addrs"], timeout=max(60.0, 3 * cfg.lease_s), wire_dtype=wire_dtype) as client:
+    with PSClient(job["addrs"], timeout=max(60.0, 3 * cfg.lease_s), wire_dtype=wire_dtype, transport=transport) as client:
         client.wait_ready(timeout=60)
         summary = Trainer(task, client, cfg).run()
     return {"summary": asdict(summary)}
@@ -699,7 +700,8 @@ class ShardSets:
         from ps.cli import start_local_shards
 
         if self._next is None:
-            self._next = self._pool.submit(start_local_shards, SHARDS, ("--lease", str(LEASE_S)))
+            # every shard also serves its bulk port: workers use it unless their transport is "grpc"
+            self._next = self._pool.submit(start_local_shards, SHARDS, ("--lease", str(LEASE_S), "--bulk-port", "0"))
 
     def take(self, more: bool) -> tuple[list[subprocess.Popen], list[str]]:
         """A started set; ``more``: another set will be wanted after this one."""
@@ -795,6 +797,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dense-width", type=int, default=None, help="dense MLP width (default 1024: 5.0M params; quick 128)")
     ap.add_argument("--device", default="cpu", help="workers' device: cpu, cuda, cuda:N (default cpu)")
     ap.add_argument("--wire-dtype", default=None, choices=["float32", "float16", "bfloat16"], help="PS wire precision (default float32)")
+    ap.add_argument(
+        "--transport", default="bulk", choices=["bulk", "grpc"],
+        help="the workers' PS transport (default bulk: the shards' --bulk-port; with bulk, async also runs over gRPC "
+        "once per repeat, as async_grpc)",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # internal: serve jobs on stdin
     args = ap.parse_args(argv)
     if args.child:
@@ -847,15 +854,17 @@ def main(argv: list[str] | None = None) -> int:
 
         # (1) ctr: every mode, with and without overlap, fresh shards each
         modes = [("sync", {}), ("ssp", {"staleness": 4}), ("async", {})]
-        left = 1 + 3 * 2 * args.repeats  # shard sets still wanted (the first dense run's included)
+        with_grpc = args.transport == "bulk"  # async over gRPC too, for the comparison
+        left = 1 + (3 * 2 + with_grpc) * args.repeats  # shard sets still wanted (the first dense run's included)
+        transport = "auto" if args.transport == "bulk" else "grpc"
         for rep in range(args.repeats):
-            for mode, extra in modes:
-                for overlap in ((True, False) if rep % 2 == 0 else (False, True)):  # alternate: drift hits both
+            for mode, extra, tr in [(m, e, transport) for m, e in modes] + ([("async", {}, "grpc")] if with_grpc else []):
+                for overlap in ((True, False) if rep % 2 == 0 else (False, True)) if tr == transport else (True,):  # alternate: drift hits both
                     left -= 1
-                    name = mode + ("" if overlap else "_noov")
+                    name = mode + ("" if overlap else "_noov") + ("_grpc" if tr != transport else "")
                     log(f"ctr {name}: 2 workers x {steps} steps, batch {batch}, 2 fresh shards" + (f" (repeat {rep + 1})" if args.repeats > 1 else ""))
                     cfg = {"mode": mode, **extra, "batch_size": batch, "overlap": overlap, "log_every": block, "device": args.device,
-                           "wire_dtype": args.wire_dtype}
+                           "wire_dtype": args.wire_dtype, "transport": tr}
                     r = ps_run(children, sets, left > 0, name, "ctr", ctr_opts, cfg, steps, warmup, tmp, step_timeout)
                     if name in runs:
                         runs[name].merge(r)
@@ -898,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
         children[1].send({"job": "ddp_init", **job, "rank": 1, "port": port})
         numel = [ch.recv(120) for ch in children][0]["numel"]
         dcfg = {"mode": "sync", "batch_size": dense_batch, "overlap": True, "log_every": block, "device": args.device,
-                "wire_dtype": args.wire_dtype}
+                "wire_dtype": args.wire_dtype, "transport": transport}
         ddp_walls: list[list[list[float]]] = [[], []]  # [rank][round][step]
         ddp_cpu = 0.0
         ar: list[float] = []
@@ -983,8 +992,11 @@ def report(
         return (f"{r.name:<12} {r.eps:>9,.0f} {r.eps_best:>9,.0f} {r.eps_mean:>9,.0f} {r.step_ms:>8.1f} {pct('compute'):>8} "
                 f"{pct('pull'):>9} {pct('push'):>9} {pct('other'):>6} {st:>7} {cw:>8} {cs:>8}  {note or r.note}")
 
+    over = " (bulk)" if args.transport == "bulk" else ""
     for name in ("sync", "sync_noov", "ssp", "ssp_noov", "async", "async_noov"):
-        lines.append(row(runs[name], "" if "noov" in name else "overlap on"))
+        lines.append(row(runs[name], ("" if "noov" in name else "overlap on") + over))
+    if "async_grpc" in runs:
+        lines.append(row(runs["async_grpc"], "overlap on, over gRPC"))
     lines.append(row(local, f"one process, no PS; {local.note}"))
     lines.append("")
     lines.append(row(dense, f"{int(_params(dense_opts)):,} params, 2 shards"))
@@ -1032,6 +1044,11 @@ def report(
         "async_vs_local": round(a.eps_span / local.eps_span, 4),
         "async_vs_local_blocks": round(a.eps / local.eps, 4),  # the older per-block figure, for comparison
         "cpu_per_example_ratio": round(a.cpu_per_example_s / local.cpu_per_example_s, 4),
+        "transport": args.transport,
+        **({
+            "async_vs_local_grpc": round(runs["async_grpc"].eps_span / local.eps_span, 4),
+            "cpu_per_example_ratio_grpc": round(runs["async_grpc"].cpu_per_example_s / local.cpu_per_example_s, 4),
+        } if "async_grpc" in runs else {}),
         "async_cpu_s": round(a.cpu_s, 3), "async_examples": a.worker_steps * a.batch,
         "local_cpu_s": round(local.cpu_s, 3), "local_examples": local.worker_steps * local.batch,
         "local_threads": local.threads, "ddp_after_shards_exit": True, **(local_variants or {}),

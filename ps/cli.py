@@ -57,6 +57,11 @@ def add_ps_commands(sub: Any) -> None:
     s = ps.add_parser("serve", help="run one shard server (until SIGTERM)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=0, help="port (0: pick a free one and print it)")
+    s.add_argument(
+        "--bulk-port", type=int, default=-1, metavar="PORT",
+        help="also serve the data calls over tessera's bulk transport on this port (0: a free one; default -1: off); "
+        "clients find it through the shard and use it instead of gRPC for pulls, pushes and steps",
+    )
     s.add_argument("--shard-index", type=int, default=0, help="which shard this is, 0..num-shards-1 (workers list shards in this order in --ps)")
     s.add_argument("--num-shards", type=int, default=1, help="how many shards the cluster has (every shard and --ps must agree)")
     d = ShardConfig()
@@ -184,7 +189,7 @@ def _serve(args: argparse.Namespace) -> int:
         # the host as soon as shards or the client share cores; 1 MiB chunks gain little from it anyway
         torch.set_num_threads(args.torch_threads)
     cfg = ShardConfig(
-        shard_index=args.shard_index, num_shards=args.num_shards, host=args.host, port=args.port,
+        shard_index=args.shard_index, num_shards=args.num_shards, host=args.host, port=args.port, bulk_port=args.bulk_port,
         max_bytes=args.max_bytes, chunk_elems=args.chunk_elems, workers=args.threads, lease_s=args.lease,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every_s=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep,
         push_idle_timeout_s=args.push_idle_timeout, backup_of=args.backup_of, advertise=args.advertise,

@@ -143,7 +143,9 @@ class PSClient:
     ``max_request_bytes``: the most one request carries (sparse requests are split to fit; a step
     that does not fit one Step call per shard runs as separate calls). ``step_inline_bytes``: in
     ``step``, a dense table whose largest slice is bigger travels by the chunked streams instead
-    of inside the Step call (default 1 MiB, one wire chunk).
+    of inside the Step call (default 1 MiB, one wire chunk). ``transport``: "auto" (default) sends
+    the data calls over a shard's bulk port when it serves one (``tessera ps serve --bulk-port``;
+    the shard says so in its Role reply), else gRPC; "grpc": always gRPC.
     """
 
     def __init__(
@@ -158,6 +160,7 @@ class PSClient:
         retry_timeout: float = 30.0,
         security: ClientSecurity | None = None,
         step_inline_bytes: int = 1 << 20,
+        transport: str = "auto",
     ) -> None:
         if isinstance(addresses, str):
             addresses = [a for a in addresses.split(",") if a]
@@ -165,6 +168,8 @@ class PSClient:
             raise ValueError("PSClient needs at least one shard address")
         if wire_dtype not in (None, "float32", "float16", "bfloat16"):
             raise ValueError(f"wire_dtype must be float32, float16 or bfloat16, got {wire_dtype!r}")
+        if transport not in ("auto", "grpc"):
+            raise ValueError(f"transport must be 'auto' or 'grpc', got {transport!r}")
         self.addresses = list(addresses)
         self.num_shards = len(self.addresses)
         self.timeout = timeout
@@ -187,7 +192,7 @@ class PSClient:
         opts = channel_options()
         self.security = security
         policy = CallPolicy(timeout, retries, retry_timeout)
-        self._shards = [ShardStub(i, a, opts, policy, interceptors, security) for i, a in enumerate(self.addresses)]
+        self._shards = [ShardStub(i, a, opts, policy, interceptors, security, transport == "auto") for i, a in enumerate(self.addresses)]
         # BSP/SSP pulls block in these threads while the shards wait: leave room for the pushes that unblock them
         self._pool = ThreadPoolExecutor(max_workers=max(16, 8 * self.num_shards), thread_name_prefix="psclient")
         self._dense: dict[str, _Dense] = {}

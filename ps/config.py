@@ -248,12 +248,16 @@ class ShardConfig:
       refused: a worker only renews more often).
     - ``forget_after_s`` (default 0: 10 x ``lease_s``): a member that has been dead this long is
       forgotten (its clock with it; it starts afresh if it comes back).
+    - ``bulk_port`` (default -1: off): also serve the data calls (Step, pulls, pushes, table calls)
+      over ``tessera.bulk`` on this port of ``host`` (0: a free one), same auth and limits; the
+      shard advertises it in its Role reply and clients use it instead of gRPC for those calls.
     """
 
     shard_index: int = 0
     num_shards: int = 1
     host: str = "127.0.0.1"
     port: int = 0
+    bulk_port: int = -1  # -1: no bulk data plane; 0: a free port
     chunk_elems: int = 1 << 18
     max_message_bytes: int = 64 << 20
     max_ids_per_request: int = 1 << 20
@@ -296,6 +300,8 @@ class ShardConfig:
             raise ValueError("failover_s must be > 0 and solo_after_s >= 0")
         if self.push_idle_timeout_s <= 0:
             raise ValueError(f"push_idle_timeout_s must be > 0, got {self.push_idle_timeout_s}")
+        if not -1 <= self.bulk_port < 65536:
+            raise ValueError(f"bulk_port must be -1 (off), 0 (any free port) or a port number, got {self.bulk_port}")
         if self.lease_s <= 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
         if not math.isfinite(self.max_lease_s) or self.max_lease_s < self.lease_s:

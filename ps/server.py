@@ -14,6 +14,7 @@ from ps.replication import BackupFollower
 from ps.servicer import METHOD_ROLES, ROLES, SERVICE_NAME, PSServicer
 from ps.shard import PRIMARY, Shard
 from tessera import service
+from tessera.bulk import BulkServer, serve_bulk
 from tessera.service import Access, ClientSecurity, ServerSecurity, serving_when
 
 __all__ = ["build_server", "restore_latest", "serve"]
@@ -32,7 +33,18 @@ def build_server(
     ``config.checkpoint_dir`` first (corrupt or truncated ones are reported and skipped).
     ``security``: who may call (default: open, which the runtime allows on loopback only);
     ``peer``: how this shard reaches its primary or backup (replication).
+
+    With ``config.bulk_port`` >= 0 the same handlers are also served by ``tessera.bulk`` (same
+    security, same per-call admission); the shard's Role reply advertises that port, and
+    ``shard.close()`` stops it.
     """
+    server, port, shard, _ = _build(config, restore, security, peer)
+    return server, port, shard
+
+
+def _build(
+    config: ShardConfig, restore: bool, security: ServerSecurity | None, peer: ClientSecurity | None,
+) -> tuple[grpc.Server, int, Shard, BulkServer | None]:
     security = security or ServerSecurity()
     security.check(config.host)  # before anything starts
     shard = Shard(config)
@@ -47,13 +59,26 @@ def build_server(
     except BaseException:
         shard.close()
         raise
+    bulk = None
+    if config.bulk_port >= 0:
+        try:
+            bulk = serve_bulk(
+                (servicer.handlers(),), config.host, config.bulk_port, security, servicer.access.caller,
+                max_message_bytes=config.max_message_bytes, max_connections=config.workers * 4, name=f"ps{config.shard_index}-bulk",
+            )
+        except BaseException:
+            server.stop(None)
+            shard.close()
+            raise
+        servicer.bulk_port = bulk.port
+        shard.on_close.append(bulk.stop)
     if config.backup_of:
         follower = BackupFollower(shard, config.advertise or f"{config.host}:{port}", security=peer).start()
         shard.on_close.append(follower.stop)
         # health says SERVING only once the primary has installed its state here (or this backup took
         # over): a compose `service_healthy` dependency on a backup waits for a usable replica
         serving_when(health, lambda: shard.installed.is_set() or shard.role == PRIMARY, (SERVICE_NAME,))
-    return server, port, shard
+    return server, port, shard, bulk
 
 
 def restore_latest(shard: Shard) -> str | None:
@@ -83,17 +108,21 @@ def serve(
     security = security or ServerSecurity()
     for warning in security.check(config.host):
         print(f"tessera-ps: {warning}", file=sys.stderr, flush=True)
-    server, port, shard = build_server(config, restore, security, peer)
+    server, port, shard, bulk = _build(config, restore, security, peer)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     line = f"tessera-ps listening on {config.host}:{port} shard {config.shard_index}/{config.num_shards}"
+    if bulk is not None:
+        line += f" bulk {bulk.port}"
     print(line, flush=True)
     if ready_file:
         with open(ready_file, "w") as f:
             f.write(f"{port}\n")
     stop.wait()
     server.stop(grace=2).wait()
+    if bulk is not None:
+        bulk.stop(grace=2)  # the calls in flight end first: the final checkpoint has every applied push
     if config.checkpoint_dir:
         try:
             print(f"tessera-ps: final checkpoint {shard.save_checkpoint()}", file=sys.stderr, flush=True)

@@ -98,6 +98,7 @@ class PSServicer:
         self._names: dict[str, str] = {}  # worker name -> identity that owns it
         self._names_lock = threading.Lock()
         self.max_names = max_names
+        self.bulk_port = 0  # > 0: the same handlers are served over tessera.bulk there (advertised by Role)
 
     def _own(self, caller: Caller, worker: str) -> None:
         """``worker`` may be used only by the identity that used it first (open servers: anyone)."""
@@ -221,6 +222,7 @@ class PSServicer:
             pb.RoleReply(
                 shard_index=sh.config.shard_index, num_shards=sh.config.num_shards, role=sh.role, epoch=sh.epoch,
                 backup=sh.backup, attached=bool(req.backup) and req.backup == sh.backup and req.attach_id == sh.backup_attach_id,
+                bulk_port=self.bulk_port,
             ).SerializeToString()
         )
 

@@ -16,6 +16,7 @@ is a replica index, replaced atomically).
 from __future__ import annotations
 
 import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence, TypeVar
@@ -24,6 +25,7 @@ import grpc
 
 from ps.errors import InternalError, PSError, ShardUnavailableError
 from ps.wire import ERRORS
+from tessera.bulk import BulkChannel
 from tessera.service import ClientSecurity, client_channel
 from tessera.v1 import ps_pb2 as pb
 
@@ -53,16 +55,61 @@ class CallPolicy:
 
 
 class _Replica:
-    """One server of a shard: its channel and method stubs."""
+    """One server of a shard: its channel and method stubs. With ``bulk``, the first call asks the
+    server (Role) whether it serves ``tessera.bulk`` too; if so, every data call (all but Role) goes
+    there, with the same security. ``unresolve()`` (after UNAVAILABLE: the server may have come back
+    on another port) makes the next call ask again."""
 
-    def __init__(self, address: str, options: list, interceptors: Sequence[Any], security: ClientSecurity | None) -> None:
+    def __init__(
+        self, address: str, options: list, interceptors: Sequence[Any], security: ClientSecurity | None, bulk: bool,
+    ) -> None:
         self.address = address
         self.channel = client_channel(address, security, options)
         if interceptors:
             self.channel = grpc.intercept_channel(self.channel, *interceptors)
-        self.unary = {m: self.channel.unary_unary(SERVICE + m) for m in _UNARY}
-        self.push_dense = self.channel.stream_stream(SERVICE + "PushDense")
-        self.pull_dense = self.channel.unary_stream(SERVICE + "PullDense")
+        self._grpc = (
+            {m: self.channel.unary_unary(SERVICE + m) for m in _UNARY},
+            self.channel.stream_stream(SERVICE + "PushDense"),
+            self.channel.unary_stream(SERVICE + "PullDense"),
+        )
+        self.unary, self.push_dense, self.pull_dense = dict(self._grpc[0]), self._grpc[1], self._grpc[2]
+        # interceptors (a delay, for experiments) act on gRPC calls only: with them, every call stays on gRPC
+        self._want_bulk = bulk and not interceptors
+        self._security = security
+        self._max_message = dict(options).get("grpc.max_send_message_length", 64 << 20)
+        self.bulk: BulkChannel | None = None
+        self._resolved = not self._want_bulk
+        self._lock = threading.Lock()
+
+    def resolve(self, timeout: float) -> None:
+        """Once: switch the data calls to the server's bulk port if it has one (raises grpc.RpcError
+        if the server cannot be asked: the caller's retry handles that like any failed call)."""
+        if self._resolved:
+            return
+        with self._lock:
+            if self._resolved:
+                return
+            reply = pb.RoleReply.FromString(self._grpc[0]["Role"](pb.RoleRequest().SerializeToString(), timeout=timeout))
+            if reply.bulk_port > 0:
+                host = self.address.rsplit(":", 1)[0]
+                ch = BulkChannel(f"{host}:{reply.bulk_port}", self._security, max_message_bytes=self._max_message)
+                self.unary.update({m: ch.unary_unary(SERVICE + m) for m in _UNARY if m != "Role"})
+                self.push_dense, self.pull_dense = ch.stream_stream(SERVICE + "PushDense"), ch.unary_stream(SERVICE + "PullDense")
+                self.bulk = ch
+            self._resolved = True
+
+    def unresolve(self) -> None:
+        with self._lock:
+            if self.bulk is not None:
+                self.unary, self.push_dense, self.pull_dense = dict(self._grpc[0]), self._grpc[1], self._grpc[2]
+                self.bulk.close()
+                self.bulk = None
+            self._resolved = not self._want_bulk
+
+    def close(self) -> None:
+        self.channel.close()
+        if self.bulk is not None:
+            self.bulk.close()
 
 
 class ShardStub:
@@ -70,10 +117,10 @@ class ShardStub:
 
     def __init__(
         self, index: int, spec: str, options: list, policy: CallPolicy = CallPolicy(), interceptors: Sequence[Any] = (),
-        security: ClientSecurity | None = None,
+        security: ClientSecurity | None = None, bulk: bool = True,
     ) -> None:
         self.index = index
-        self.replicas = [_Replica(a, options, interceptors, security) for a in spec.split("|") if a]
+        self.replicas = [_Replica(a, options, interceptors, security, bulk) for a in spec.split("|") if a]
         if not self.replicas:
             raise ValueError(f"shard {index}: no address in {spec!r}")
         self.policy = policy
@@ -87,7 +134,7 @@ class ShardStub:
 
     def close(self) -> None:
         for r in self.replicas:
-            r.channel.close()
+            r.close()
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the current primary accepts connections (ShardUnavailableError after ``timeout``)."""
@@ -100,15 +147,20 @@ class ShardStub:
     def call(self, method: str, request: bytes, table: str | None = None) -> bytes:
         """Unary ``method`` (a name in the .proto) with ``request`` bytes: the reply's bytes.
         Deadline and retries per ``policy``; errors raised typed (naming ``table`` where given)."""
-        return self.retry(lambda: self.replicas[self.cur].unary[method](request, timeout=self.policy.timeout), table)
+        return self.retry(lambda: self._current().unary[method](request, timeout=self.policy.timeout), table)
+
+    def _current(self) -> _Replica:
+        r = self.replicas[self.cur]
+        r.resolve(self.policy.timeout)
+        return r
 
     def push_dense(self, requests: Iterator[bytes]) -> Iterator[bytes]:
         """The PushDense stream of the current primary (one attempt; wrap it in ``retry``)."""
-        return self.replicas[self.cur].push_dense(requests, timeout=self.policy.timeout)
+        return self._current().push_dense(requests, timeout=self.policy.timeout)
 
     def pull_dense(self, request: bytes) -> Iterator[bytes]:
         """The PullDense stream of the current primary (one attempt; wrap it in ``retry``)."""
-        return self.replicas[self.cur].pull_dense(request, timeout=self.policy.timeout)
+        return self._current().pull_dense(request, timeout=self.policy.timeout)
 
     def retry(self, attempt: Callable[[], T], table: str | None = None) -> T:
         """``attempt()`` until it does not fail UNAVAILABLE (or CANCELLED by the server), for at most ``policy.retry_timeout`` seconds
@@ -129,6 +181,7 @@ class ShardStub:
                 code = e.code() if hasattr(e, "code") else None
                 if code not in _RETRIED or (self.policy.retries is not None and n >= self.policy.retries):
                     raise
+                self.replicas[self.cur].unresolve()  # a restarted server may serve bulk on another port
                 cap = 2.0
                 if len(self.replicas) > 1:
                     before = self.cur

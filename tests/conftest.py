@@ -1,6 +1,7 @@
 """Shared fixtures: real shard servers, in this process or as child processes."""
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 from typing import Any, Callable, Iterator
@@ -14,10 +15,17 @@ from ps.server import build_server
 from ps.shard import Shard
 
 
+# TESSERA_TEST_BULK=1: every in-process shard also serves its bulk port, so the same tests run the
+# PS's data calls over tessera.bulk (tests/integration/test_ps_bulk.py runs a selection that way)
+BULK = os.environ.get("TESSERA_TEST_BULK") == "1"
+
+
 class InprocCluster:
     """S shard servers in this process on 127.0.0.1 ports chosen at run time."""
 
     def __init__(self, num_shards: int, **config: object) -> None:
+        if BULK:
+            config.setdefault("bulk_port", 0)
         self.servers = []
         self.shards: list[Shard] = []
         self.addresses: list[str] = []

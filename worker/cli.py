@@ -71,6 +71,11 @@ def add_worker_commands(sub: Any) -> None:
     w.add_argument("--max-seconds", type=float, default=0.0, help="stop after this many seconds (0: no limit)")
     w.add_argument("--seed", type=int, default=0, help="seed of the task's data and model (same on every worker)")
     w.add_argument(
+        "--ps-transport", default="auto", choices=["auto", "grpc"],
+        help="auto (default): data calls go over a shard's bulk port when it serves one (tessera ps serve --bulk-port); "
+        "grpc: always gRPC",
+    )
+    w.add_argument(
         "--wire-dtype", default=None, choices=["float32", "float16", "bfloat16"],
         help="precision of pushes and pulls on the wire (tables stay float32; default float32)",
     )
@@ -225,7 +230,7 @@ def _worker(args: argparse.Namespace) -> int:
     interceptors = [DelayInterceptor(args.rpc_delay_ms / 1000.0)] if args.rpc_delay_ms > 0 else []
     with PSClient(
         addresses, timeout=max(60.0, 3 * args.lease), wire_dtype=args.wire_dtype, interceptors=interceptors,
-        retry_timeout=args.retry_timeout, security=security,
+        retry_timeout=args.retry_timeout, security=security, transport=args.ps_transport,
     ) as client:
         check_shards(client, addresses)
         summary = Trainer(task, client, cfg, stop=stop).run()

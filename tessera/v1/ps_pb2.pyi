@@ -507,20 +507,22 @@ class RoleRequest(_message.Message):
     def __init__(self, backup: _Optional[str] = ..., attach_id: _Optional[int] = ...) -> None: ...
 
 class RoleReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "role", "epoch", "backup", "attached")
+    __slots__ = ("shard_index", "num_shards", "role", "epoch", "backup", "attached", "bulk_port")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BACKUP_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     role: str
     epoch: int
     backup: str
     attached: bool
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., backup: _Optional[str] = ..., attached: bool = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., role: _Optional[str] = ..., epoch: _Optional[int] = ..., backup: _Optional[str] = ..., attached: bool = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("backup",)

@@ -48,6 +48,16 @@ def test_ps_throughput_quick(tmp_path) -> None:
     assert close(last["dense_adam_ms"], mib / last["dense_pushpull_gbps"] / 1e6)
     assert close(last["torch_fused_adam_ms"], mib / last["torch_fused_adam_gbps"] / 1e6)
     # the best of the ways, and rows/s from the same time as GB/s (4096 rows of 64 float32)
-    assert close(last["sparse_gbps"], max(last["sparse_pullpush_gbps"], last["sparse_step_gbps"]))
+    # (both transports measured: gRPC's keys unsuffixed, the bulk port's with _bulk)
+    assert last["transports"] == ["grpc", "bulk"]
+    ways = [f"sparse_{w}_gbps{t}" for w in ("pullpush", "step") for t in ("", "_bulk")]
+    assert close(last["sparse_gbps"], max(last[k] for k in ways))
+    for t in ("grpc", "bulk"):
+        sfx = "" if t == "grpc" else "_bulk"
+        assert close(last[f"sparse_ratio_{t}"], max(last[f"sparse_pullpush_gbps{sfx}"], last[f"sparse_step_gbps{sfx}"]) / last["raw_grpc_gbps"])
+        assert close(last[f"dense_sgd_ratio_{t}"],
+                     max(last[f"sgd_2shard_{w}{sfx}_gbps"] for w in ("separate", "fused", "step")) / last["raw_grpc_gbps"])
     assert close(last["sparse_rows_per_s"], last["sparse_gbps"] * 1e9 / (64 * 4))
+    assert close(last["dense_sgd_ratio"], max(last["dense_sgd_ratio_grpc"], last["dense_sgd_ratio_bulk"]))
+    assert close(last["adam_limit_ratio"], max(last["adam_limit_ratio_grpc"], last["adam_limit_ratio_bulk"]))
     assert last["dense_sgd_gbps"] >= max(last[f"sgd_2shard_{w}_gbps"] for w in ("separate", "fused", "step")) - 1e-4

@@ -40,6 +40,10 @@ def test_worker_step_quick(tmp_path) -> None:
     # a span shared by both workers is at least each worker's own: never more than the per-worker rates summed
     assert last["async_eps_span"] <= last["async_eps_mean"] * 1.05
     assert close(last["async_vs_local"], last["async_eps_span"] / last["local_eps_span"])
+    # the workers ran over the shards' bulk port; async also once over gRPC, for the comparison
+    assert last["transport"] == "bulk"
+    assert close(last["async_vs_local_grpc"], last["async_grpc_eps_span"] / last["local_eps_span"])
+    assert last["cpu_per_example_ratio_grpc"] > 0
     # CPU per example: workers + shards (OS process times) over the baseline's, whole runs
     per = lambda run: last[f"{run}_cpu_s"] / last[f"{run}_examples"]  # noqa: E731
     assert close(last["cpu_per_example_ratio"], per("async") / per("local"), rel=0.05)

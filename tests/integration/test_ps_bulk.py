@@ -1,0 +1,268 @@
+"""The PS's data calls over ``tessera.bulk`` (``ShardConfig.bulk_port``, ``tessera ps serve --bulk-port``).
+
+Against real shard servers in this process (two shards, every table cut in two). References:
+- the same calls over gRPC to an identical cluster (``transport="grpc"``): every value, version and
+  result bitwise equal;
+- torch.optim.Adam on the whole dense tensor in one process (fp32, rtol 1e-6).
+Errors keep their class, code and message over bulk; the shard's security and roles apply to bulk
+calls as to gRPC ones; a client finds a restarted shard's new bulk port by itself.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from ps.client import PSClient
+from ps.config import ShardConfig
+from ps.errors import (
+    InvalidArgumentError,
+    NonFiniteError,
+    PermissionDeniedError,
+    ShapeMismatchError,
+    TableNotFoundError,
+)
+from ps.server import build_server
+from tessera.bulk import BulkChannel
+from tessera.service import ClientSecurity, ServerSecurity, issue_cert, make_ca
+from tessera.v1 import ps_pb2 as pb
+
+pytestmark = pytest.mark.timeout(120)
+
+CHUNK = 64
+N = CHUNK * 6 + 5
+DIM = 8
+ADAM = {"lr": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+SVC = "/tessera.v1.ParameterServer/"
+
+
+def _uses_bulk(c: PSClient) -> list[bool]:
+    return [st.replicas[st.cur].bulk is not None for st in c._shards]
+
+
+def _workload(c: PSClient) -> list[object]:
+    """Every kind of data call, with fixed inputs: what came back, in order."""
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal(N).astype(np.float32)
+    c.create_dense("w", N, "adam", init=w0, **ADAM)
+    c.create_sparse("e", DIM, "adagrad", init="normal", seed=3, lr=0.1)
+    got: list[object] = [c.pull_dense("w")]
+    for step in range(3):
+        g = rng.standard_normal(N).astype(np.float32)
+        got.append(c.push_dense("w", g, return_params=step == 1))
+        got.append(c.pull_dense("w"))
+    ids = rng.integers(0, 10_000, 300)
+    rows, versions = c.pull_sparse("e", ids, return_versions=True)
+    got += [rows, versions]
+    got.append(c.push_sparse("e", ids, rng.standard_normal((len(ids), DIM)).astype(np.float32)))
+    uniq = np.unique(ids)
+    changed = c.pull_sparse_changed("e", uniq, np.zeros(len(uniq), np.int64), np.zeros(len(uniq), np.int64))
+    got += [changed.rows, changed.versions, changed.changed]
+    res = c.step(
+        push_dense={"w": rng.standard_normal(N).astype(np.float32)},
+        push_sparse={"e": (ids[:50], rng.standard_normal((50, DIM)).astype(np.float32))},
+        pull_dense=["w"], pull_sparse={"e": ids[:80]},
+    )
+    got += [res.dense["w"], res.sparse["e"][0], res.sparse["e"][1]]
+    got.append([t.version for t in c.describe("w")])
+    return got
+
+
+def _same(a: object, b: object) -> None:
+    if isinstance(a, (np.ndarray, torch.Tensor)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)  # type: ignore[arg-type]
+        for x, y in zip(a, b):  # type: ignore[call-overload]
+            _same(x, y)
+    elif hasattr(a, "__dataclass_fields__"):
+        for k in a.__dataclass_fields__:  # type: ignore[attr-defined]
+            _same(getattr(a, k), getattr(b, k))
+    else:
+        assert a == b
+
+
+def test_every_data_call_over_bulk_equals_the_same_calls_over_grpc(inproc_cluster) -> None:
+    """Reference: an identical cluster driven over gRPC (bitwise equal), and torch.optim.Adam."""
+    over_grpc = inproc_cluster(2, chunk_elems=CHUNK, bulk_port=-1)
+    over_bulk = inproc_cluster(2, chunk_elems=CHUNK, bulk_port=0)
+    cg = over_grpc.client(worker="w0")
+    cb = over_bulk.client(worker="w0")
+    want = _workload(cg)
+    got = _workload(cb)
+    assert _uses_bulk(cb) == [True, True] and _uses_bulk(cg) == [False, False]
+    _same(got, want)
+    # the Adam table against torch.optim on the whole tensor: the first 3 pushes
+    rng = np.random.default_rng(0)
+    p = torch.from_numpy(rng.standard_normal(N).astype(np.float32)).requires_grad_(True)
+    opt = torch.optim.Adam([p], lr=ADAM["lr"], betas=(ADAM["beta1"], ADAM["beta2"]), eps=ADAM["eps"])
+    for k in range(3):
+        p.grad = torch.from_numpy(rng.standard_normal(N).astype(np.float32))
+        opt.step()
+        np.testing.assert_allclose(got[2 + 2 * k], p.detach().numpy(), rtol=1e-6, atol=1e-7)  # type: ignore[arg-type]
+    # the data went over bulk: each shard's gRPC server saw the Role lookups only
+    for sh in over_bulk.shards:
+        assert sh.requests["Step"] == 1 and sh.requests["PushDense"] >= 4
+
+
+def test_grpc_transport_and_a_shard_without_bulk_stay_on_grpc(inproc_cluster) -> None:
+    bulk = inproc_cluster(1, bulk_port=0)
+    plain = inproc_cluster(1, bulk_port=-1)
+    c1 = bulk.client(transport="grpc")
+    c2 = plain.client()
+    for c in (c1, c2):
+        c.create_dense("w", 10)
+        c.push_dense("w", np.ones(10, np.float32))
+    assert _uses_bulk(c1) == [False] and _uses_bulk(c2) == [False]
+    with pytest.raises(ValueError, match="transport"):
+        PSClient(bulk.addresses, transport="tcp")
+
+
+def test_bad_input_over_bulk_gets_the_same_typed_errors_and_changes_nothing(inproc_cluster) -> None:
+    cl = inproc_cluster(2, chunk_elems=CHUNK, bulk_port=0)
+    c = cl.client(worker="w0")
+    c.create_dense("w", N, "adam", **ADAM)
+    c.create_sparse("e", DIM, "sgd", lr=0.1)
+    c.push_dense("w", np.ones(N, np.float32))
+    assert _uses_bulk(c) == [True, True]
+    before = c.pull_dense("w")
+    with pytest.raises(TableNotFoundError, match="'nope'") as e:
+        c.pull_dense("nope")
+    assert e.value.code == grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+    with pytest.raises(NonFiniteError, match="'w'"):
+        c.push_dense("w", np.full(N, np.nan, np.float32))
+    # the shard's own check (the client's is bypassed: a hand-made push of the wrong length)
+    stub = c._shards[0]
+    head = pb.DenseChunk(table="w", offset=0, last=True, dtype="float32", shape=[3])
+    with pytest.raises(grpc.RpcError) as raw:
+        list(stub.push_dense(iter([head.SerializeToString()])))
+    assert raw.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)  # type: ignore[attr-defined]
+    assert "'w'" in raw.value.details()  # type: ignore[attr-defined]
+    with pytest.raises((ShapeMismatchError, InvalidArgumentError), match="'e'"):
+        c.push_sparse("e", [1, 2], np.ones((2, DIM + 1), np.float32))
+    np.testing.assert_array_equal(c.pull_dense("w"), before)
+    c.push_dense("w", np.ones(N, np.float32))  # still serving
+    assert not np.array_equal(c.pull_dense("w"), before)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    ca, ca_key = make_ca()
+    d = tmp_path_factory.mktemp("pki")
+    out = {}
+    for name in ("server", "admin", "worker"):
+        cert, key = issue_cert(ca, ca_key, name, hosts=["127.0.0.1", "localhost"])
+        (d / f"{name}.crt").write_bytes(cert)
+        (d / f"{name}.key").write_bytes(key)
+        out[name] = (str(d / f"{name}.crt"), str(d / f"{name}.key"))
+    (d / "ca.crt").write_bytes(ca)
+    out["ca"] = str(d / "ca.crt")
+    return out
+
+
+TOKENS = {"admin": "admin-token-0123456789", "w": "worker-token-0123456789"}
+ROLES = {"admin": ["admin", "worker"], "w": ["worker"]}
+
+
+def test_tls_tokens_and_roles_hold_over_bulk(pki) -> None:
+    """A TLS shard with tokens: data calls go over bulk (TLS too); a worker may push but not drop a
+    table; a wrong token never gets a call through the bulk port."""
+    sec = ServerSecurity(tls_cert=pki["server"][0], tls_key=pki["server"][1], tokens=TOKENS, roles=ROLES)
+    server, port, shard = build_server(ShardConfig(bulk_port=0), security=sec)
+    addr = f"127.0.0.1:{port}"
+    try:
+        admin = PSClient(addr, timeout=10, security=ClientSecurity(tls_ca=pki["ca"], token=TOKENS["admin"]))
+        worker = PSClient(addr, timeout=10, retries=0, security=ClientSecurity(tls_ca=pki["ca"], token=TOKENS["w"]))
+        admin.create_dense("w", 16, "sgd", lr=1.0)
+        worker.push_dense("w", np.ones(16, np.float32))
+        np.testing.assert_array_equal(worker.pull_dense("w"), -np.ones(16, np.float32))
+        assert _uses_bulk(admin) == [True] and _uses_bulk(worker) == [True]
+        with pytest.raises(PermissionDeniedError, match="DropTable"):
+            worker.drop_table("w")
+        # straight at the bulk port with a wrong token: refused, nothing reaches the table
+        bulk_port = admin._shards[0].replicas[0].bulk.address.rsplit(":", 1)[1]  # type: ignore[union-attr]
+        intruder = BulkChannel(f"127.0.0.1:{bulk_port}", ClientSecurity(tls_ca=pki["ca"], token="guess"))
+        try:
+            with pytest.raises(grpc.RpcError) as e:
+                intruder.unary_unary(SVC + "Stats")(pb.StatsRequest().SerializeToString(), timeout=5)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
+        finally:
+            intruder.close()
+        np.testing.assert_array_equal(admin.pull_dense("w"), -np.ones(16, np.float32))
+        admin.close()
+        worker.close()
+    finally:
+        server.stop(None)
+        shard.close()
+
+
+def test_a_restarted_shard_on_a_new_bulk_port_is_found_again(tmp_path) -> None:
+    """The shard comes back on the same gRPC port (restored from its checkpoint) with another bulk
+    port: the client's next call fails over the old one, asks again and goes on over the new one."""
+    cfg = ShardConfig(bulk_port=0, checkpoint_dir=str(tmp_path))
+    server, port, shard = build_server(cfg)
+    c = PSClient(f"127.0.0.1:{port}", timeout=10, retry_timeout=20)
+    try:
+        c.create_dense("w", 16, "sgd", lr=1.0)
+        c.push_dense("w", np.ones(16, np.float32))
+        old = c._shards[0].replicas[0].bulk.address  # type: ignore[union-attr]
+        shard.save_checkpoint()
+        server.stop(None)
+        shard.close()
+        server, _, shard = build_server(ShardConfig(port=port, bulk_port=0, checkpoint_dir=str(tmp_path)), restore=True)
+        c.push_dense("w", np.ones(16, np.float32))
+        np.testing.assert_array_equal(c.pull_dense("w"), -2 * np.ones(16, np.float32))
+        new = c._shards[0].replicas[0].bulk.address  # type: ignore[union-attr]
+        assert new != old
+    finally:
+        c.close()
+        server.stop(None)
+        shard.close()
+
+
+def test_ps_serve_bulk_port_flag(tmp_path) -> None:
+    """``tessera ps serve --bulk-port 0`` says its bulk port and a client uses it; a bad port is refused."""
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tessera.cli", "ps", "serve", "--bulk-port", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        line = p.stdout.readline()  # type: ignore[union-attr]
+        assert "listening on" in line and " bulk " in line, line
+        address = line.split("listening on ")[1].split()[0]
+        bulk_port = int(line.split(" bulk ")[1].split()[0])
+        with PSClient(address, timeout=10) as c:
+            c.create_dense("w", 4)
+            c.push_dense("w", np.ones(4, np.float32))
+            assert c._shards[0].replicas[0].bulk.address == f"127.0.0.1:{bulk_port}"  # type: ignore[union-attr]
+    finally:
+        p.terminate()
+        p.wait(20)
+    bad = subprocess.run(
+        [sys.executable, "-m", "tessera.cli", "ps", "serve", "--bulk-port", "70000"], capture_output=True, text=True, timeout=60,
+    )
+    assert bad.returncode != 0 and "bulk_port" in bad.stderr, bad.stderr
+
+
+@pytest.mark.timeout(400)
+def test_the_bad_input_step_and_fused_push_suites_pass_over_bulk() -> None:
+    """The house's bad-input contract (every refusal typed, named, state unchanged, still serving),
+    the Step RPC's references and the fused push's, run again with every in-process shard serving
+    its bulk port (``TESSERA_TEST_BULK=1``: tests/conftest.py), so PSClient sends their data calls
+    over tessera.bulk. (The whole of tests/integration passes that way too; this is the subset CI
+    can afford.)"""
+    here = os.path.dirname(os.path.abspath(__file__))
+    files = [os.path.join(here, f) for f in ("test_bad_input.py", "test_ps_step.py", "test_dense_fused_push.py")]
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "--timeout", "120", "-p", "no:cacheprovider", *files],
+        capture_output=True, text=True, timeout=380, env={**os.environ, "TESSERA_TEST_BULK": "1"},
+        cwd=os.path.dirname(os.path.dirname(here)),
+    )
+    tail = (r.stdout + r.stderr)[-3000:]
+    assert r.returncode == 0, tail
+    assert " passed" in tail and "failed" not in tail, tail
