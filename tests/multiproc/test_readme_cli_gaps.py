@@ -7,7 +7,8 @@ CLI (``python -m tessera.cli ...``) with real shard and worker processes:
 - ``tessera worker --backup-workers b`` (sync): each step applies the first W-b gradients, the
   straggler's are dropped as late and it skips to the current step;
 - ``tessera ps serve --forget-after S`` forgets a dead member S seconds after it died (default
-  10 x ``--lease``); ``--max-lease`` caps the lease a Join asks for.
+  10 x ``--lease``); ``--max-lease`` caps the lease a Join asks for;
+- ``tessera ps serve --metrics-port PORT`` serves Prometheus text at ``/metrics``.
 
 The relations checked are ones the flag creates (a delay per step, versions per step, a member
 forgotten sooner than the default would), so each fails if its flag stops doing what the README says.
@@ -166,3 +167,54 @@ def test_forget_after_forgets_a_dead_member_and_max_lease_caps_the_lease(proc_cl
     assert forgot_a - t0 >= 1.0 + 1.0  # dead after its 1 s lease, forgotten --forget-after 1 s later
     assert forgot_a - t0 < 1.0 + 5.0, forgot_a - t0  # sooner than the default (10 x --lease) would
     assert forgot_b - t_left_b >= 5.0 - 0.05, forgot_b - t_left_b  # the default: 10 x --lease 0.5
+
+
+# ---------------------------------------------------------------------- ps serve --metrics-port
+@pytest.mark.timeout(60)
+def test_ps_serve_metrics_port_serves_prometheus_text(procs) -> None:
+    """README (Watch metrics): `--metrics-port PORT` on `ps serve` serves Prometheus text at /metrics:
+    the runtime's `tessera_rpc_requests_total{server,method,code}` and the shard's `tessera_ps_*`
+    figures (`tessera_ps_table_version`, `tessera_ps_sync_clock`). Checked by scraping a shard process
+    after a table was created and pushed to twice: the pushes counted and the version are the calls made."""
+    import socket
+    import urllib.request
+
+    import numpy as np
+
+    text = _readme()
+    assert "`--metrics-port PORT` (0: off) on `ps serve`, `worker`, `peer` (port + local rank) and `fed server` serves Prometheus text at `/metrics`" in text
+    with socket.socket() as s:  # a free port (the shard binds it a moment later)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    from ps.cli import read_first_line
+
+    shard = subprocess.Popen([*CLI, "ps", "serve", "--port", "0", "--metrics-port", str(port)], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    procs.append(shard)
+    said = [read_first_line(shard, time.monotonic() + 30) for _ in range(2)]  # the metrics line, the listening line
+    assert any(f"tessera-ps metrics on 127.0.0.1:{port}" in ln for ln in said), said
+    address = next(ln.split("listening on ")[1].split()[0] for ln in said if "listening on" in ln)
+    with PSClient([address], timeout=10) as c:
+        c.create_dense("m", 8, "sgd", lr=0.1)
+        c.push_dense("m", np.ones(8, np.float32))
+        c.push_dense("m", np.ones(8, np.float32))
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+                body = r.read().decode()
+            break
+        except OSError:
+            assert time.monotonic() < deadline, f"no metrics endpoint on port {port}"
+            time.sleep(0.2)
+    lines = body.splitlines()
+
+    def value(name: str, *labels: str) -> float:
+        hits = [ln for ln in lines if ln.startswith(name + "{") and all(lb in ln for lb in labels)]
+        assert hits, (name, labels, body[:2000])
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in hits)
+
+    assert value("tessera_rpc_requests_total", 'method="PushDense"', 'code="OK"') == 2
+    assert value("tessera_rpc_requests_total", 'method="CreateTable"', 'code="OK"') >= 1
+    assert value("tessera_ps_table_version", 'table="m"') == 2
+    assert any(ln.startswith("tessera_ps_sync_clock") for ln in lines), body[:2000]
