@@ -234,6 +234,10 @@ class PSSync(ParamSync):
             self.start_fresh()
         else:
             self.create_tables(creator=self.worker_index == 0)
+        # the dense table's versions before this worker's first call that makes it live on the shards
+        # (resume_clock's pull, the join): from then on the others may start and, in a short async run,
+        # train and leave before its next call returns (a slow link: --net-delay)
+        joined_at = [i.version for i in self.client.describe(self.dense_table)] if self.flat.numel else []
         # async/SSP: a run restarted on the same shards continues from the clock this worker reached
         # in it (BSP: from the tables' clock, which the shards keep)
         resume = 0 if self.dense_sync else self.resume_clock()
@@ -245,7 +249,6 @@ class PSSync(ParamSync):
             # a finished run started again with the same --steps: nothing to train, nobody to wait for
             done = min(v.sync_clock for v in views) if self.dense_sync else resume
             joining_late = joining_late or done >= self.steps
-        joined_at = [i.version for i in self.client.describe(self.dense_table)] if self.flat.numel else []
         # --reset: every worker of the fresh run joined before worker 0 made its tables (start_fresh
         # waited for all of them), so none joins late and none waits here, whatever an async worker 0
         # has trained (or finished) since: each starts at its own clock, 0 in the fresh clock table
