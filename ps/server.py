@@ -61,10 +61,14 @@ def _build(
         raise
     bulk = None
     if config.bulk_port >= 0:
+        from tessera.metrics import MetricsInterceptor  # (prometheus_client: loaded where a server is built, as the runtime does)
+
         try:
             bulk = serve_bulk(
                 (servicer.handlers(),), config.host, config.bulk_port, security, servicer.access.caller,
                 max_message_bytes=config.max_message_bytes, max_connections=config.workers * 4, name=f"ps{config.shard_index}-bulk",
+                # counted like the gRPC server's calls (requests, bytes, latency by method and code), as server "psN-bulk"
+                interceptors=[MetricsInterceptor(f"ps{config.shard_index}-bulk")],
             )
         except BaseException:
             server.stop(None)

@@ -94,7 +94,9 @@ class _Replica:
                 host = self.address.rsplit(":", 1)[0]
                 ch = BulkChannel(f"{host}:{reply.bulk_port}", self._security, max_message_bytes=self._max_message)
                 self.unary.update({m: ch.unary_unary(SERVICE + m) for m in _UNARY if m != "Role"})
-                self.push_dense, self.pull_dense = ch.stream_stream(SERVICE + "PushDense"), ch.unary_stream(SERVICE + "PullDense")
+                self.pull_dense = ch.unary_stream(SERVICE + "PullDense")
+                if ch.full_duplex:  # (over TLS a push stream stays on gRPC: see BulkChannel.full_duplex)
+                    self.push_dense = ch.stream_stream(SERVICE + "PushDense")
                 self.bulk = ch
             self._resolved = True
 

@@ -278,8 +278,8 @@ class _Context:
         self.done = False
         self.cancelled = False
         self.aborted = False
-        self.code: grpc.StatusCode | None = None
-        self.details: str | None = None
+        self._code: grpc.StatusCode | None = None  # set by abort() / set_code()
+        self._details: str | None = None
         self.trailing: tuple = ()
         self._callbacks: list[Callable[[], None]] = []
 
@@ -315,7 +315,7 @@ class _Context:
         if code == grpc.StatusCode.OK:
             log.error("abort() called with StatusCode.OK: answering UNKNOWN")
             code = grpc.StatusCode.UNKNOWN
-        self.aborted, self.code, self.details = True, code, details
+        self.aborted, self._code, self._details = True, code, details
         raise _Abort(details)
 
     def abort_with_status(self, status: Any) -> None:
@@ -323,10 +323,16 @@ class _Context:
         self.abort(status.code, status.details)
 
     def set_code(self, code: grpc.StatusCode) -> None:
-        self.code = code
+        self._code = code
 
     def set_details(self, details: str) -> None:
-        self.details = details
+        self._details = details
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def details(self) -> str | None:
+        return self._details
 
     def set_trailing_metadata(self, md: Iterable[tuple[str, Any]]) -> None:
         self.trailing = tuple((k, v) for k, v in md)
@@ -359,9 +365,10 @@ class BulkServer:
     def __init__(
         self, handlers: Sequence[grpc.GenericRpcHandler], listener: socket.socket, security: ServerSecurity,
         authenticate: Callable[[Any, Any], Any], max_message_bytes: int, max_connections: int,
-        idle_timeout_s: float, handshake_timeout_s: float, name: str,
+        idle_timeout_s: float, handshake_timeout_s: float, name: str, interceptors: Sequence[grpc.ServerInterceptor] = (),
     ) -> None:
         self._handlers = tuple(handlers)
+        self._interceptors = tuple(interceptors)
         self._listener = listener
         self.port: int = listener.getsockname()[1]
         self._auth = authenticate
@@ -505,7 +512,12 @@ class BulkServer:
                     self._busy -= 1
 
     def _lookup(self, method: str, metadata: tuple) -> Any:
-        details = _Details(method, metadata)
+        return self._service(0, _Details(method, metadata))
+
+    def _service(self, i: int, details: Any) -> Any:
+        """The handler for ``details`` through interceptors i.. (the first is the outermost, as gRPC's)."""
+        if i < len(self._interceptors):
+            return self._interceptors[i].intercept_service(lambda d: self._service(i + 1, d), details)
         for h in self._handlers:
             handler = h.service(details)
             if handler is not None:
@@ -527,7 +539,11 @@ class BulkServer:
             return False
         state = {"end": bool(first.get("end", True)), "broken": False}
         ctx = _Context(conn, conn.metadata + call_md, timeout)
-        handler = self._lookup(method, ctx.invocation_metadata())
+        try:
+            handler = self._lookup(method, ctx.invocation_metadata())
+        except Exception as e:  # noqa: BLE001 - an interceptor failed: the caller learns it, the server goes on
+            log.exception("%s: looking up the handler failed", method)
+            return self._finish(conn, ctx, state, _status(grpc.StatusCode.INTERNAL, f"{method}: {type(e).__name__}: {e}"))
         if handler is None:
             return self._finish(conn, ctx, state, _status(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {method}"))
         deser = handler.request_deserializer
@@ -594,8 +610,8 @@ class BulkServer:
                     return self._finish(conn, ctx, state, _status(grpc.StatusCode.INTERNAL, f"Exception calling application: {e}"))
             if not conn.alive or state["broken"]:
                 return False
-            code = ctx.code or grpc.StatusCode.OK
-            status = _status(code, ctx.details or "", ctx.trailing)
+            code = ctx.code() or grpc.StatusCode.OK
+            status = _status(code, ctx.details() or "", ctx.trailing)
             if code == grpc.StatusCode.OK and not handler.response_streaming:
                 if reply is None:
                     return self._finish(conn, ctx, state, _status(grpc.StatusCode.INTERNAL, f"{method}: the handler returned no reply"))
@@ -670,11 +686,14 @@ def serve_bulk(
     handlers: Sequence[grpc.GenericRpcHandler], host: str, port: int, security: ServerSecurity,
     authenticate: Callable[[Any, Any], Any], *, max_message_bytes: int = 64 << 20, max_connections: int = 256,
     idle_timeout_s: float = 300.0, handshake_timeout_s: float = 5.0, name: str = "bulk",
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> BulkServer:
     """Serve ``handlers`` (the ``grpc.GenericRpcHandler``s given to ``build_server``) on
     ``host:port`` (0 picks a port) over the bulk wire (module doc). ``authenticate(metadata,
     auth_context)`` (e.g. ``Access.caller``) runs at each connection's handshake and refuses it by
-    raising ``UnauthenticatedError``. Raises ``ConfigError`` (``security.check``) or ``BindError``."""
+    raising ``UnauthenticatedError``. ``interceptors``: gRPC server interceptors, applied to every
+    call as a gRPC server applies them (e.g. ``tessera.metrics.MetricsInterceptor``). Raises
+    ``ConfigError`` (``security.check``) or ``BindError``."""
     security.check(host)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
@@ -693,7 +712,7 @@ def serve_bulk(
     listener.settimeout(0.5)
     return BulkServer(
         handlers, listener, security, authenticate, max_message_bytes, max_connections, idle_timeout_s,
-        handshake_timeout_s, name,
+        handshake_timeout_s, name, interceptors,
     )
 
 
@@ -777,6 +796,10 @@ class BulkChannel:
                     ctx.load_cert_chain(c, k)
             self._ssl = ctx
         self._hello = _pack({"v": 1, "md": [[TOKEN_HEADER, f"Bearer {self._sec.token}"]] if self._sec.token else []})
+        # a request stream is written by its own thread while the caller reads the replies; an OpenSSL
+        # connection must not be read and written from two threads at once, so over TLS only calls
+        # with one request (unary, unary_stream: one direction at a time) are offered
+        self.full_duplex = self._ssl is None
 
     # -- connections
     def _open(self, timeout: float | None) -> _ClientConn:
@@ -934,6 +957,12 @@ class BulkChannel:
     def stream_stream(self, method: str, request_serializer: Any = None, response_deserializer: Any = None,
                       **_: Any) -> Callable[..., Iterator[Any]]:
         def call(requests: Iterable[Any], timeout: float | None = None, metadata: Any = None, **__: Any) -> Iterator[Any]:
+            if not self.full_duplex:
+                raise BulkCallError(
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    f"{method}: request streams are not sent over TLS here (reading and writing one TLS connection from "
+                    "two threads at once is not safe): use gRPC for this call",
+                )
             conn, head, deadline = self._start(method, timeout, metadata)
             failure: list[BaseException] = []
 

@@ -44,6 +44,8 @@ def test_worker_step_quick(tmp_path) -> None:
     assert last["transport"] == "bulk"
     assert close(last["async_vs_local_grpc"], last["async_grpc_eps_span"] / last["local_eps_span"])
     assert last["cpu_per_example_ratio_grpc"] > 0
+    # against the one-process run of least CPU per example: never lower than against the chosen baseline
+    assert last["cpu_per_example_ratio_cheapest"] >= last["cpu_per_example_ratio"] - 1e-3
     # CPU per example: workers + shards (OS process times) over the baseline's, whole runs
     per = lambda run: last[f"{run}_cpu_s"] / last[f"{run}_examples"]  # noqa: E731
     assert close(last["cpu_per_example_ratio"], per("async") / per("local"), rel=0.05)

@@ -299,7 +299,11 @@ def test_tokens_over_tls(pki: dict[str, bytes]) -> None:
             assert bytes(c.unary_unary(_m("WhoAmI"))(b"", timeout=5)) == b"alice"
             data = os.urandom(2 * CHUNK + 1)
             assert b"".join(bytes(p) for p in c.unary_stream(_m("Split"))(data, timeout=10)) == data
-            assert [bytes(x) for x in c.stream_stream(_m("Pipe"))(iter([data, b"z"]), timeout=10)] == [data[::-1], b"z"]
+            # request streams stay off TLS connections (two threads on one OpenSSL connection are not safe)
+            assert not c.full_duplex
+            with pytest.raises(BulkCallError) as be:
+                c.stream_stream(_m("Pipe"))(iter([data, b"z"]), timeout=10)
+            assert be.value.code() == grpc.StatusCode.UNIMPLEMENTED and "TLS" in be.value.details()
         t0 = time.monotonic()
         with BulkChannel(addr) as c, pytest.raises(BulkCallError) as be:
             c.unary_unary(_m("WhoAmI"))(b"", timeout=5)

@@ -182,6 +182,8 @@ def test_tls_tokens_and_roles_hold_over_bulk(pki) -> None:
         worker.push_dense("w", np.ones(16, np.float32))
         np.testing.assert_array_equal(worker.pull_dense("w"), -np.ones(16, np.float32))
         assert _uses_bulk(admin) == [True] and _uses_bulk(worker) == [True]
+        # over TLS the push stream stays on gRPC (one OpenSSL connection is never read and written at once)
+        assert not worker._shards[0].replicas[0].bulk.full_duplex  # type: ignore[union-attr]
         with pytest.raises(PermissionDeniedError, match="DropTable"):
             worker.drop_table("w")
         # straight at the bulk port with a wrong token: refused, nothing reaches the table
@@ -266,3 +268,22 @@ def test_the_bad_input_step_and_fused_push_suites_pass_over_bulk() -> None:
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0, tail
     assert " passed" in tail and "failed" not in tail, tail
+
+
+def test_bulk_calls_are_counted_in_the_servers_metrics(inproc_cluster) -> None:
+    """Prometheus counts the bulk port's calls as it counts gRPC's: by method and code, server "psN-bulk"."""
+    from prometheus_client import REGISTRY
+
+    def count(method: str, code: str) -> float:
+        return REGISTRY.get_sample_value("tessera_rpc_requests_total", {"server": "ps0-bulk", "method": method, "code": code}) or 0.0
+
+    cl = inproc_cluster(1, bulk_port=0)
+    c = cl.client()
+    ok0, missing0 = count("PushDense", "OK"), count("DescribeTable", "NOT_FOUND")
+    c.create_dense("w", 8)
+    c.push_dense("w", np.ones(8, np.float32))
+    c.push_dense("w", np.ones(8, np.float32))
+    with pytest.raises(TableNotFoundError):
+        c.pull_dense("nope")
+    assert count("PushDense", "OK") - ok0 == 2
+    assert count("DescribeTable", "NOT_FOUND") - missing0 == 1  # (the client looks the table up first)
