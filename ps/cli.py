@@ -203,33 +203,24 @@ def _serve(args: argparse.Namespace) -> int:
         tls_key=args.tls_key if args.tls_ca else None,
         token=(security.tokens or {}).get(args.peer_identity),
     )
-    if args.metrics_port:
-        _watch_shard_metrics(args)
+    on_shard = _watch_shard_metrics(args) if args.metrics_port else None
     try:
-        serve(cfg, ready_file=args.ready_file, restore=args.restore, security=security, peer=peer)
+        serve(cfg, ready_file=args.ready_file, restore=args.restore, security=security, peer=peer, on_shard=on_shard)
     except ConfigError as e:
         print(f"tessera-ps: {e}", file=sys.stderr)
         return 2
     return 0
 
 
-def _watch_shard_metrics(args: argparse.Namespace) -> None:
-    """--metrics-port: serve Prometheus metrics; the shard's own figures (ShardCollector over
-    Shard.stats()) are registered once ps.server has built the shard."""
+def _watch_shard_metrics(args: argparse.Namespace) -> Callable[[Any], None]:
+    """--metrics-port: serve Prometheus metrics; returns what registers the shard's own figures
+    (ShardCollector over Shard.stats()) once ps.server has built the shard."""
     from prometheus_client import REGISTRY
 
-    from ps import server as ps_server
     from tessera.metrics import ShardCollector, start_from_args
 
     start_from_args(args, what="tessera-ps")
-    build = ps_server.build_server
-
-    def build_and_watch(*a: Any, **k: Any) -> Any:
-        server, port, shard = build(*a, **k)
-        REGISTRY.register(ShardCollector(shard))
-        return server, port, shard
-
-    ps_server.build_server = build_and_watch  # type: ignore[assignment]  # this process's one shard
+    return lambda shard: REGISTRY.register(ShardCollector(shard))
 
 
 def is_internal_table(name: str) -> bool:

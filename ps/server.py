@@ -5,6 +5,7 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 
 import grpc
 
@@ -104,15 +105,18 @@ def restore_latest(shard: Shard) -> str | None:
 
 def serve(
     config: ShardConfig, ready_file: str | None = None, restore: bool = False, security: ServerSecurity | None = None,
-    peer: ClientSecurity | None = None,
+    peer: ClientSecurity | None = None, on_shard: Callable[[Shard], None] | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT. Prints one line ``tessera-ps listening on HOST:PORT`` when ready.
+    ``on_shard(shard)`` runs once the shard is built and served (e.g. registers its metrics).
 
     With a checkpoint directory, SIGTERM writes a final checkpoint after the calls in flight end."""
     security = security or ServerSecurity()
     for warning in security.check(config.host):
         print(f"tessera-ps: {warning}", file=sys.stderr, flush=True)
     server, port, shard, bulk = _build(config, restore, security, peer)
+    if on_shard is not None:
+        on_shard(shard)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
