@@ -616,7 +616,7 @@ class BulkServer:
                 if reply is None:
                     return self._finish(conn, ctx, state, _status(grpc.StatusCode.INTERNAL, f"{method}: the handler returned no reply"))
                 body_out = out(reply)
-                if not state["end"]:
+                if not state["end"] and not self._drain(conn, state):
                     status["close"] = True
                 _send(conn.sock, {"more": True}, body_out, tail=_pack(status))
                 ctx.finish()
@@ -630,10 +630,38 @@ class BulkServer:
             if not ctx.done:
                 ctx.finish()
 
+    def _drain(self, conn: _Conn, state: dict, within: float = 1.0, most: int = 1 << 20) -> bool:
+        """The handler succeeded before reading its request stream's end (a push that commits at its
+        last chunk): read what the client still sends (its end-of-stream frame, as a rule) for at most
+        ``within`` seconds and ``most`` body bytes, so the connection can serve its next call. True if
+        the stream ended; else the caller closes the connection after its status."""
+        deadline = time.monotonic() + within
+        seen = 0
+        try:
+            while not state["end"]:
+                left = deadline - time.monotonic()
+                if left <= 0 or seen > most:
+                    return False
+                conn.sock.settimeout(left)
+                header, body = _recv(conn.rfile, self._max_body)
+                seen += len(body)
+                state["end"] = bool(header.get("end", True))
+            return True
+        except (OSError, _Closed, ValueError, _FrameError):
+            state["broken"] = True  # a frame half read: this connection is done
+            return False
+        finally:
+            with contextlib.suppress(OSError):
+                conn.sock.settimeout(None)
+
     def _finish(self, conn: _Conn, ctx: _Context, state: dict, status: dict) -> bool:
         ctx.finish()
         if state["broken"] or not conn.alive:
             return False
+        if not state["end"] and status.get("code") == "OK":
+            self._drain(conn, state)
+            if state["broken"]:
+                return False
         if not state["end"]:  # the client is still sending: tell it, and close once it has read this
             status["close"] = True
             _close_after_error(conn.sock, status)

@@ -406,3 +406,28 @@ def test_stop_ends_every_thread() -> None:
     assert be.value.code() == grpc.StatusCode.UNAVAILABLE
     for c in chans:
         c.close()
+
+
+def test_idle_and_silent_connections_are_closed() -> None:
+    """A connection idle past ``idle_timeout_s`` is closed by the server (the client's next call opens
+    another); one that never completes its handshake is closed after ``handshake_timeout_s``."""
+    sec = ServerSecurity()
+    access = _access(sec)
+    bulk = serve_bulk((Handlers(access).generic(),), "127.0.0.1", 0, sec, access.caller,
+                      idle_timeout_s=0.5, handshake_timeout_s=0.5, name="bulkidle")
+    try:
+        with BulkChannel(f"127.0.0.1:{bulk.port}") as c:
+            assert bytes(c.unary_unary(_m("Echo"))(b"x", timeout=5)) == b"x"
+            assert bulk.connections == 1
+            assert _wait_for(lambda: bulk.connections == 0, timeout=5)
+            assert bytes(c.unary_unary(_m("Echo"))(b"y", timeout=5)) == b"y"
+        silent = socket.create_connection(("127.0.0.1", bulk.port))
+        try:
+            assert _wait_for(lambda: bulk.connections == 1, timeout=2)
+            silent.settimeout(5)
+            assert silent.recv(1 << 16) is not None  # (whatever the server says, then EOF)
+            assert _wait_for(lambda: bulk.connections == 0, timeout=5)
+        finally:
+            silent.close()
+    finally:
+        bulk.stop()

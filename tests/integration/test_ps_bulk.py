@@ -287,3 +287,35 @@ def test_bulk_calls_are_counted_in_the_servers_metrics(inproc_cluster) -> None:
         c.pull_dense("nope")
     assert count("PushDense", "OK") - ok0 == 2
     assert count("DescribeTable", "NOT_FOUND") - missing0 == 1  # (the client looks the table up first)
+
+
+def test_a_shard_takes_at_most_4_connections_per_thread_on_its_bulk_port(inproc_cluster) -> None:
+    """``--threads 1``: a fifth connection is refused (RESOURCE_EXHAUSTED); gRPC and the others still serve."""
+    cl = inproc_cluster(1, bulk_port=0, workers=1)
+    c = cl.client()
+    c.create_dense("w", 4)
+    c.push_dense("w", np.ones(4, np.float32))
+    bulk_addr = c._shards[0].replicas[0].bulk.address  # type: ignore[union-attr]  # holds one connection
+    extra = [BulkChannel(bulk_addr) for _ in range(4)]
+    try:
+        stats = pb.StatsRequest().SerializeToString()
+        for ch in extra[:3]:
+            ch.unary_unary(SVC + "Stats")(stats, timeout=5)  # 4 connections now, each kept in its pool
+        with pytest.raises(grpc.RpcError) as e:
+            extra[3].unary_unary(SVC + "Stats")(stats, timeout=5)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
+        c.push_dense("w", np.ones(4, np.float32))
+        np.testing.assert_array_equal(PSClient(cl.addresses, transport="grpc").pull_dense("w"), -0.02 * np.ones(4, np.float32))
+    finally:
+        for ch in extra:
+            ch.close()
+
+
+def test_worker_ps_transport_flag() -> None:
+    from tessera.cli import build_parser
+
+    base = ["worker", "--ps", "127.0.0.1:1", "--task", "ctr"]
+    assert build_parser().parse_args(base).ps_transport == "auto"
+    assert build_parser().parse_args([*base, "--ps-transport", "grpc"]).ps_transport == "grpc"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*base, "--ps-transport", "tcp"])
