@@ -34,6 +34,12 @@ Measures, on loopback, with every server in its own process:
 (d) plain TCP echo of the dense payload (sendall in a thread + recv_into):
     ``raw_tcp_gbps``.
 
+Transports (``--transports``, default both, same shards, same run): every PS figure is measured over
+gRPC (names as above) and over the shards' bulk port (``tessera ps serve --bulk-port``; names suffixed
+``_bulk``, the dense tables their own). The goal ratios (``dense_sgd_ratio``, ``adam_limit_ratio``,
+``sparse_ratio``) take the best of them; ``*_grpc`` / ``*_bulk`` keys give each transport's alone.
+The baselines stay raw gRPC and raw TCP.
+
 Throughput is always *payload bytes one way per second of round trip* (the
 payload goes out and comes back within the timed interval), in GB/s (1e9 B/s).
 Each measurement runs after a warm-up, several times (variants interleaved so

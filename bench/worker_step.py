@@ -60,6 +60,12 @@ per worker step: what a step costs, whatever the machine's load. The machine
 is shared and noisy: compare ratios from the same run; the JSON records the
 load average at the start and the end.
 
+Transport (``--transport``): the shards serve their bulk port and the workers use it (default
+``bulk``); ``async_grpc`` is the async run again over gRPC, once per repeat, with its
+``async_vs_local_grpc`` and ``cpu_per_example_ratio_grpc``. ``cpu_per_example_ratio_cheapest``: the
+same CPU over the one-process run that spends the least CPU per example (one torch thread, as a
+rule), where ``cpu_per_example_ratio`` uses the faster baseline (which may be the 2-thread one).
+
 DDP ranks are left to exit without tearing the process group down (torch
 2.13 can deadlock freeing a DDP ``ProcessGroupGloo``: its destructor joins
 Gloo's work thread while holding the GIL that thread may need).
