@@ -26,7 +26,10 @@ Wire (no pickle). Every frame is ``struct "<IQ"`` (header length, body length), 
   INVALID_ARGUMENT naming what was wrong) and the connection is closed; the server serves others.
 
 Threads: one accept thread and one per connection (at most ``max_connections``; one more is told
-RESOURCE_EXHAUSTED). Sockets: TCP_NODELAY, and keepalive probes every second after one idle
+RESOURCE_EXHAUSTED in plaintext, closed at once over TLS: UNAVAILABLE). A connection has
+``handshake_timeout_s`` for its whole handshake (TLS, hello, authentication), however it trickles;
+a body's memory is allocated as its bytes arrive (1 MiB at once, then at most doubling). A client's
+``timeout`` bounds the whole call (every read and write), DEADLINE_EXCEEDED past it. Sockets: TCP_NODELAY, and keepalive probes every second after one idle
 second, five unanswered fail the connection (a dead host fails calls within about 6 s).
 """
 from __future__ import annotations
@@ -171,8 +174,11 @@ def _fill(rfile: Any, buf: Any, start: int = 0, sock: Any = None, deadline: floa
     got = start
     with memoryview(buf) as mv:
         while got < len(mv):
-            _until(sock, deadline)
-            n = rfile.readinto1(mv[got:])
+            if deadline is None:
+                n = rfile.readinto(mv[got:])  # (reads until full or EOF, in C)
+            else:
+                _until(sock, deadline)
+                n = rfile.readinto1(mv[got:])  # (one raw read: the deadline is checked between reads)
             if not n:
                 raise _Closed("connection closed by the peer")
             got += n
