@@ -15,11 +15,13 @@ is a replica index, replaced atomically).
 """
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 
@@ -29,9 +31,11 @@ from tessera.bulk import BulkChannel
 from tessera.service import ClientSecurity, client_channel
 from tessera.v1 import ps_pb2 as pb
 
-__all__ = ["ShardStub", "CallPolicy", "typed_error", "SERVICE"]
+__all__ = ["SERVICE", "CallPolicy", "ShardStub", "typed_error"]
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 SERVICE = "/tessera.v1.ParameterServer/"
 
@@ -56,9 +60,16 @@ class CallPolicy:
 
 class _Replica:
     """One server of a shard: its channel and method stubs. With ``bulk``, the first call asks the
-    server (Role) whether it serves ``tessera.bulk`` too; if so, every data call (all but Role) goes
-    there, with the same security. ``unresolve()`` (after UNAVAILABLE: the server may have come back
-    on another port) makes the next call ask again."""
+    server (Role) whether it serves ``tessera.bulk`` too; if so, and one connection to that port
+    opens, every data call (all but Role) goes there, with the same security. If the advertised
+    bulk port cannot be reached (port mapping, firewall) the calls stay on gRPC for ``BULK_COOLDOWN_S``
+    (one warning), then the next call asks again. ``unresolve(gen)`` (after UNAVAILABLE: the server
+    may have come back on another port) makes the next call ask again, unless another thread already
+    did since generation ``gen``; the bulk channel it leaves is retired, not closed under the calls
+    still on it (the two latest retired ones are kept open)."""
+
+    BULK_COOLDOWN_S = 30.0
+    _RETIRED_KEPT = 2
 
     def __init__(
         self, address: str, options: list, interceptors: Sequence[Any], security: ClientSecurity | None, bulk: bool,
@@ -78,40 +89,69 @@ class _Replica:
         self._security = security
         self._max_message = dict(options).get("grpc.max_send_message_length", 64 << 20)
         self.bulk: BulkChannel | None = None
+        self._retired: list[BulkChannel] = []
+        self.gen = 0  # bumped by every change of where the calls go
+        self._fallback_until = 0.0  # on gRPC until then: the bulk port could not be reached
         self._resolved = not self._want_bulk
         self._lock = threading.Lock()
 
     def resolve(self, timeout: float) -> None:
-        """Once: switch the data calls to the server's bulk port if it has one (raises grpc.RpcError
-        if the server cannot be asked: the caller's retry handles that like any failed call)."""
-        if self._resolved:
+        """Switch the data calls to the server's bulk port if it has one and it can be reached (raises
+        grpc.RpcError if the server cannot be asked: the caller's retry handles that like any failed call)."""
+        if self._resolved and not (self._fallback_until and time.monotonic() >= self._fallback_until):
             return
         with self._lock:
-            if self._resolved:
+            if self._resolved and not (self._fallback_until and time.monotonic() >= self._fallback_until):
                 return
             reply = pb.RoleReply.FromString(self._grpc[0]["Role"](pb.RoleRequest().SerializeToString(), timeout=timeout))
             if reply.bulk_port > 0:
                 host = self.address.rsplit(":", 1)[0]
                 ch = BulkChannel(f"{host}:{reply.bulk_port}", self._security, max_message_bytes=self._max_message)
+                try:
+                    ch.connect(min(timeout, 5.0))
+                except grpc.RpcError as e:
+                    ch.close()
+                    if not self._fallback_until:
+                        log.warning(
+                            "%s advertises bulk port %d but %s cannot be reached (%s): its calls go over gRPC; "
+                            "trying bulk again every %.0f s", self.address, reply.bulk_port, ch.address,
+                            e.details() if hasattr(e, "details") else e, self.BULK_COOLDOWN_S,
+                        )
+                    self._fallback_until = time.monotonic() + self.BULK_COOLDOWN_S
+                    self._resolved = True
+                    return
+                if self._fallback_until:
+                    log.warning("%s: bulk port %d reachable again: data calls over bulk", self.address, reply.bulk_port)
+                self._fallback_until = 0.0
                 self.unary.update({m: ch.unary_unary(SERVICE + m) for m in _UNARY if m != "Role"})
                 self.pull_dense = ch.unary_stream(SERVICE + "PullDense")
                 if ch.full_duplex:  # (over TLS a push stream stays on gRPC: see BulkChannel.full_duplex)
                     self.push_dense = ch.stream_stream(SERVICE + "PushDense")
                 self.bulk = ch
+                self.gen += 1
+            else:
+                self._fallback_until = 0.0
             self._resolved = True
 
-    def unresolve(self) -> None:
+    def unresolve(self, gen: int) -> None:
+        """After a failed call that used generation ``gen``: ask the server again at the next call
+        (nothing if the calls moved since ``gen``, or during a gRPC fallback's cool-down)."""
         with self._lock:
+            if gen != self.gen or (self._fallback_until and time.monotonic() < self._fallback_until):
+                return
+            self.gen += 1
             if self.bulk is not None:
                 self.unary, self.push_dense, self.pull_dense = dict(self._grpc[0]), self._grpc[1], self._grpc[2]
-                self.bulk.close()
+                self._retired.append(self.bulk)  # calls in flight may still use it
                 self.bulk = None
+                while len(self._retired) > self._RETIRED_KEPT:
+                    self._retired.pop(0).close()
             self._resolved = not self._want_bulk
 
     def close(self) -> None:
         self.channel.close()
-        if self.bulk is not None:
-            self.bulk.close()
+        for ch in [*self._retired, *([self.bulk] if self.bulk is not None else [])]:
+            ch.close()
 
 
 class ShardStub:
@@ -177,13 +217,19 @@ class ShardStub:
         deadline = time.monotonic() + self.policy.retry_timeout
         n = 0
         while True:
+            replica = self.replicas[self.cur]
+            gen = replica.gen
             try:
+                replica.resolve(self.policy.timeout)
+                gen = replica.gen  # the generation this attempt's calls use
                 return attempt()
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
                 if code not in _RETRIED or (self.policy.retries is not None and n >= self.policy.retries):
                     raise
-                self.replicas[self.cur].unresolve()  # a restarted server may serve bulk on another port
+                # a restarted server may serve bulk on another port: ask again, once per generation
+                # (a fan-out's other calls that failed on the same channel do not thrash it)
+                replica.unresolve(gen)
                 cap = 2.0
                 if len(self.replicas) > 1:
                     before = self.cur

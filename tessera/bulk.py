@@ -26,7 +26,10 @@ Wire (no pickle). Every frame is ``struct "<IQ"`` (header length, body length), 
   INVALID_ARGUMENT naming what was wrong) and the connection is closed; the server serves others.
 
 Threads: one accept thread and one per connection (at most ``max_connections``; one more is told
-RESOURCE_EXHAUSTED). Sockets: TCP_NODELAY, and keepalive probes every second after one idle
+RESOURCE_EXHAUSTED in plaintext, closed at once over TLS: UNAVAILABLE). A connection has
+``handshake_timeout_s`` for its whole handshake (TLS, hello, authentication), however it trickles;
+a body's memory is allocated as its bytes arrive (1 MiB at once, then at most doubling). A client's
+``timeout`` bounds the whole call (every read and write), DEADLINE_EXCEEDED past it. Sockets: TCP_NODELAY, and keepalive probes every second after one idle
 second, five unanswered fail the connection (a dead host fails calls within about 6 s).
 """
 from __future__ import annotations
@@ -137,15 +140,14 @@ def _tune(sock: socket.socket) -> None:
 def _send(sock: socket.socket, header: dict, body: Any = b"", tail: bytes = b"") -> None:
     """One frame (and ``tail``: an already packed frame to send with it)."""
     h = msgpack.packb(header, use_bin_type=True)
-    n = len(body) if body is not None else 0
-    if isinstance(body, memoryview):
-        n = body.nbytes
+    mv = memoryview(body if body is not None else b"")
+    n = mv.nbytes  # bytes, never len(): a typed buffer (float32 ...) counts its items
     head = _PREFIX.pack(len(h), n) + h
     if n <= _SMALL:
-        sock.sendall(head + bytes(body) + tail if n else head + tail)
+        sock.sendall(head + mv.tobytes() + tail if n else head + tail)
         return
     sock.sendall(head)
-    sock.sendall(memoryview(body).cast("B") if isinstance(body, memoryview) else memoryview(body))
+    sock.sendall(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
     if tail:
         sock.sendall(tail)
 
@@ -155,20 +157,39 @@ def _pack(header: dict) -> bytes:
     return _PREFIX.pack(len(h), 0) + h
 
 
-def _fill(rfile: Any, buf: Any) -> None:
-    mv = memoryview(buf)
-    got = 0
-    while got < len(mv):
-        n = rfile.readinto(mv[got:])
-        if not n:
-            raise _Closed("connection closed by the peer")
-        got += n
+_EAGER = 1 << 20  # bodies up to this are allocated at once; bigger ones grow with what has arrived
 
 
-def _recv(rfile: Any, max_body: int) -> tuple[dict, bytearray]:
-    """One frame: (header, body). Raises _FrameError (limits, bad header), _Closed, OSError."""
+def _until(sock: Any, deadline: float | None) -> None:
+    """Before one socket operation of a call with a deadline: the time left (TimeoutError once it passed)."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        sock.settimeout(max(1e-3, left))
+
+
+def _fill(rfile: Any, buf: Any, start: int = 0, sock: Any = None, deadline: float | None = None) -> None:
+    """Fill ``buf[start:]`` from ``rfile`` (one raw read at a time, so ``deadline`` bounds the whole)."""
+    got = start
+    with memoryview(buf) as mv:
+        while got < len(mv):
+            if deadline is None:
+                n = rfile.readinto(mv[got:])  # (reads until full or EOF, in C)
+            else:
+                _until(sock, deadline)
+                n = rfile.readinto1(mv[got:])  # (one raw read: the deadline is checked between reads)
+            if not n:
+                raise _Closed("connection closed by the peer")
+            got += n
+
+
+def _recv(rfile: Any, max_body: int, sock: Any = None, deadline: float | None = None) -> tuple[dict, bytearray]:
+    """One frame: (header, body). Raises _FrameError (limits, bad header), _Closed, OSError
+    (TimeoutError when ``deadline``, a time.monotonic() value, passes; ``sock`` is ``rfile``'s socket).
+    A body's memory follows the bytes that arrived: a peer that only declares a big body pins 1 MiB."""
     prefix = bytearray(_PREFIX.size)
-    _fill(rfile, prefix)
+    _fill(rfile, prefix, 0, sock, deadline)
     hlen, blen = _PREFIX.unpack(prefix)
     if hlen > MAX_HEADER_BYTES:
         raise _FrameError(
@@ -180,17 +201,21 @@ def _recv(rfile: Any, max_body: int) -> tuple[dict, bytearray]:
             f"message of {blen} bytes is over the limit of {max_body} bytes (max_message_bytes)",
         )
     raw = bytearray(hlen)
-    _fill(rfile, raw)
+    _fill(rfile, raw, 0, sock, deadline)
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=True)
     except Exception as e:  # noqa: BLE001 - any msgpack failure is a bad frame
         raise _FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"unparsable frame header ({type(e).__name__}: {e})") from None
     if not isinstance(header, dict):
         raise _FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"frame header is a {type(header).__name__}, not a map")
-    body = bytearray(blen)
-    if blen:
-        _fill(rfile, body)
-    return header, body
+    body = bytearray(min(blen, _EAGER))
+    got = 0
+    while True:
+        _fill(rfile, body, got, sock, deadline)
+        got = len(body)
+        if got == blen:
+            return header, body
+        body.extend(bytes(min(blen, 2 * got) - got))  # (no memoryview of body is alive here)
 
 
 def _metadata(md: Any, what: str) -> tuple[tuple[str, Any], ...]:
@@ -394,15 +419,23 @@ class BulkServer:
 
     # -- accept
     def _accept_loop(self) -> None:
+        last_log = 0.0
         while not self._stopping:
             try:
                 sock, addr = self._listener.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                if not self._stopping:
-                    log.exception("%s: accept failed; the bulk endpoint stops accepting", self._name)
-                return
+            except OSError as e:
+                if self._stopping:
+                    return
+                # (EMFILE, ENFILE, ENOBUFS, ECONNABORTED ...: passing; the endpoint goes on accepting)
+                now = time.monotonic()
+                if now - last_log > 5.0:
+                    last_log = now
+                    log.error("%s: accept failed (%s): retrying", self._name, e)
+                time.sleep(0.2)
+                continue
+            t: threading.Thread | None = None
             try:
                 _tune(sock)
                 peer = f"ipv4:{addr[0]}:{addr[1]}" if sock.family == socket.AF_INET else f"ipv6:[{addr[0]}]:{addr[1]}"
@@ -413,27 +446,36 @@ class BulkServer:
                         conn = _Conn(sock, peer)
                         t = threading.Thread(target=self._serve, args=(conn,), name=f"{self._name}-conn-{self._seq}", daemon=True)
                         self._conns[t] = conn
-                if full:
+                if t is None:  # full
                     self.refused += 1
                     self._refuse_full(sock)
                     continue
                 t.start()
             except Exception:
                 log.exception("%s: could not start serving a connection", self._name)
+                if t is not None:
+                    with self._lock:
+                        self._conns.pop(t, None)
                 with contextlib.suppress(OSError):
                     sock.close()
 
     def _refuse_full(self, sock: socket.socket) -> None:
-        msg = f"the bulk endpoint has {self._max_conns} connections already (max_connections)"
+        """Refuse a connection over ``max_connections`` without blocking the accept thread: in plaintext
+        one non-blocking send of the RESOURCE_EXHAUSTED status frame, then close; over TLS (a handshake
+        would block) close at once: that client sees UNAVAILABLE (connection lost during the handshake)."""
         try:
-            if self._ssl is not None:
-                sock.settimeout(min(self._hs_timeout, 1.0))
-                sock = self._ssl.wrap_socket(sock, server_side=True)
-        except (OSError, ssl.SSLError):
+            if self._ssl is None:
+                msg = f"the bulk endpoint has {self._max_conns} connections already (max_connections)"
+                sock.setblocking(False)
+                sock.send(_pack(_status(grpc.StatusCode.RESOURCE_EXHAUSTED, msg)))
+                sock.shutdown(socket.SHUT_WR)
+                with contextlib.suppress(OSError):
+                    sock.recv(1 << 16)  # what already came (the hello): closing with it unread would reset
+        except OSError:
+            pass
+        finally:
             with contextlib.suppress(OSError):
                 sock.close()
-            return
-        _close_after_error(sock, _status(grpc.StatusCode.RESOURCE_EXHAUSTED, msg), wait=0.5)
 
     # -- one connection
     def _serve(self, conn: _Conn) -> None:
@@ -453,13 +495,30 @@ class BulkServer:
                 self._conns.pop(me, None)
 
     def _serve_conn(self, conn: _Conn) -> None:
+        # the whole handshake (TLS included) within handshake_timeout_s: a client trickling bytes
+        # cannot hold one of the max_connections slots
+        timer = threading.Timer(self._hs_timeout, conn.kill)
+        timer.daemon = True
+        timer.start()
+        try:
+            if not self._handshake(conn):
+                return
+        finally:
+            timer.cancel()
+        if not conn.alive:
+            return
+        conn.sock.sendall(_pack({"ok": True}))
+        self._serve_calls(conn)
+
+    def _handshake(self, conn: _Conn) -> bool:
+        """TLS, hello, authentication: True if the connection may call."""
         conn.sock.settimeout(self._hs_timeout)
         if self._ssl is not None:
             try:
                 conn.sock = self._ssl.wrap_socket(conn.sock, server_side=True)
             except (OSError, ssl.SSLError) as e:
                 log.info("%s: TLS handshake with %s failed: %s", self._name, conn.peer, e)
-                return
+                return False
             cert = conn.sock.getpeercert() if isinstance(conn.sock, ssl.SSLSocket) else None
             conn.auth = {"transport_security_type": [b"ssl"]}
             subject: Any = (cert or {}).get("subject", ())
@@ -474,21 +533,23 @@ class BulkServer:
             conn.metadata = _metadata(hello.get("md"), "handshake")
         except _FrameError as e:
             _close_after_error(conn.sock, _status(e.code, f"handshake: {e}"))
-            return
+            return False
         except (OSError, _Closed) as e:
             log.info("%s: no handshake from %s: %s", self._name, conn.peer, e)
-            return
+            return False
         try:
             self._auth(conn.metadata, conn.auth)
         except UnauthenticatedError as e:
             self.refused += 1
             _close_after_error(conn.sock, _status(grpc.StatusCode.UNAUTHENTICATED, str(e), [(ERROR_CLASS_HEADER, type(e).__name__)]))
-            return
+            return False
         except Exception as e:
             log.exception("%s: authenticating %s failed", self._name, conn.peer)
             _close_after_error(conn.sock, _status(grpc.StatusCode.INTERNAL, f"authentication failed: {type(e).__name__}: {e}"))
-            return
-        conn.sock.sendall(_pack({"ok": True}))
+            return False
+        return True
+
+    def _serve_calls(self, conn: _Conn) -> None:
         while conn.alive and not self._stopping:
             conn.sock.settimeout(self._idle)
             try:
@@ -541,7 +602,7 @@ class BulkServer:
         ctx = _Context(conn, conn.metadata + call_md, timeout)
         try:
             handler = self._lookup(method, ctx.invocation_metadata())
-        except Exception as e:  # noqa: BLE001 - an interceptor failed: the caller learns it, the server goes on
+        except Exception as e:
             log.exception("%s: looking up the handler failed", method)
             return self._finish(conn, ctx, state, _status(grpc.StatusCode.INTERNAL, f"{method}: {type(e).__name__}: {e}"))
         if handler is None:
@@ -640,10 +701,9 @@ class BulkServer:
         try:
             while not state["end"]:
                 left = deadline - time.monotonic()
-                if left <= 0 or seen > most:
+                if left <= 0 or seen >= most:
                     return False
-                conn.sock.settimeout(left)
-                header, body = _recv(conn.rfile, self._max_body)
+                header, body = _recv(conn.rfile, min(self._max_body, most - seen), conn.sock, deadline)
                 seen += len(body)
                 state["end"] = bool(header.get("end", True))
             return True
@@ -693,9 +753,12 @@ class BulkServer:
             conns = list(self._conns.items())
         for _, conn in conns:
             conn.kill()
+        end = time.monotonic() + 5.0  # one deadline for every thread
         self._accept.join(timeout=5.0)
-        for t, conn in conns:
-            t.join(timeout=5.0)
+        for t, _ in conns:
+            if t.ident is None:  # never started (its start failed)
+                continue
+            t.join(timeout=max(0.0, end - time.monotonic()))
             if t.is_alive():
                 log.warning("%s: %s still running after stop() (a handler that does not return)", self._name, t.name)
 
@@ -760,10 +823,13 @@ class _ClientConn:
     def stale(self) -> bool:
         """An idle connection with something to read (EOF, or bytes nobody asked for) is unusable."""
         try:
-            r, _, _ = select.select([self.sock], [], [], 0)
+            if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+                return True
+            p = select.poll()  # (select.select fails for a descriptor >= 1024)
+            p.register(self.sock, select.POLLIN)
+            return bool(p.poll(0))
         except (OSError, ValueError):
             return True
-        return bool(r)
 
 
 def _unavailable(address: str, e: BaseException, tls: bool, during: str) -> BulkCallError:
@@ -863,6 +929,11 @@ class BulkChannel:
             raise _error(header)
         return conn
 
+    def connect(self, timeout: float | None = None) -> None:
+        """Open one connection (handshake included) and pool it: raises :class:`BulkCallError`
+        (UNAVAILABLE, UNAUTHENTICATED ...) if the endpoint cannot be reached or refuses."""
+        self._put(self._get(timeout))
+
     def _get(self, timeout: float | None) -> _ClientConn:
         with self._lock:
             if self._closed:
@@ -904,13 +975,14 @@ class BulkChannel:
                 f"{method}: request of {n} bytes is over this client's max_message_bytes ({self._max_body})",
             )
 
-    def _replies(self, conn: _ClientConn, method: str, deadline: float | None, timeout: float | None) -> Iterator[Any]:
+    def _replies(self, conn: _ClientConn, method: str, deadline: float | None, timeout: float | None,
+                 call: _CallState | None = None) -> Iterator[Any]:
         """Reply bodies, then returns (pooling the connection) or raises; closes it when abandoned."""
         done = False
         try:
             while True:
                 try:
-                    header, body = _recv(conn.rfile, self._max_body)
+                    header, body = _recv(conn.rfile, self._max_body, conn.sock, deadline)
                 except _FrameError as e:
                     raise BulkCallError(e.code, f"{method}: reply: {e}") from None
                 except TimeoutError:
@@ -923,7 +995,8 @@ class BulkChannel:
                     yield body
                     continue
                 done = True
-                if header.get("close"):
+                cancelled = call is not None and not call.finish()
+                if header.get("close") or cancelled:
                     conn.close()
                 else:
                     self._put(conn)
@@ -952,6 +1025,7 @@ class BulkChannel:
             self._size_check(method, body)
             conn, head, deadline = self._start(method, timeout, metadata)
             try:
+                _until(conn.sock, deadline)
                 _send(conn.sock, head, body)
             except TimeoutError:
                 conn.close()
@@ -972,13 +1046,15 @@ class BulkChannel:
             self._size_check(method, body)
             conn, head, deadline = self._start(method, timeout, metadata)
             try:
+                _until(conn.sock, deadline)
                 _send(conn.sock, head, body)
             except TimeoutError:
                 conn.close()
                 raise BulkCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: deadline of {timeout:.3g} s exceeded") from None
             except OSError:
                 pass
-            return _ReplyStream(self._replies(conn, method, deadline, timeout), conn, response_deserializer)
+            state = _CallState(conn)
+            return _ReplyStream(self._replies(conn, method, deadline, timeout, state), state, response_deserializer)
 
         return call
 
@@ -1001,19 +1077,24 @@ class BulkChannel:
                     for request in requests:
                         body = request_serializer(request) if request_serializer is not None else request
                         self._size_check(method, body)
+                        _until(conn.sock, deadline)
                         _send(conn.sock, h, body)
                         h = {"m": method, "end": False}
                     h["end"], h["none"] = True, True
+                    _until(conn.sock, deadline)
                     conn.sock.sendall(_pack(h))
                 except OSError:
-                    pass  # the reader sees the connection's end (or the server's answer)
+                    # (a deadline passed, the server went away or answered and closed): the reader
+                    # fails at once, or reads the answer already received, instead of waiting
+                    _hard_shutdown(conn.sock)
                 except BaseException as e:  # noqa: BLE001 - the request iterator failed: the call fails
                     failure.append(e)
                     conn.close()
 
             writer = threading.Thread(target=write, name=f"bulk-writer{method}", daemon=True)
             writer.start()
-            return _ReplyStream(self._replies(conn, method, deadline, timeout), conn, response_deserializer, writer, failure)
+            state = _CallState(conn)
+            return _ReplyStream(self._replies(conn, method, deadline, timeout, state), state, response_deserializer, writer, failure)
 
         return call
 
@@ -1030,12 +1111,37 @@ class BulkChannel:
         return call
 
 
+class _CallState:
+    """One streaming call's end, shared by its reply reader and ``cancel()`` (which may be another thread)."""
+
+    def __init__(self, conn: _ClientConn) -> None:
+        self.conn = conn
+        self.finished = False
+        self.cancelled = False
+        self._lock = threading.Lock()
+
+    def finish(self) -> bool:
+        """The reader got the status (before pooling the connection): False if the call was cancelled."""
+        with self._lock:
+            self.finished = True
+            return not self.cancelled
+
+    def cancel(self) -> bool:
+        """Close the connection unless the call already finished (it may serve another call now)."""
+        with self._lock:
+            if self.finished or self.cancelled:
+                return False
+            self.cancelled = True
+        self.conn.close()
+        return True
+
+
 class _ReplyStream:
     """The iterator a streaming call returns (also ``cancel()``, like a gRPC call)."""
 
-    def __init__(self, replies: Iterator[Any], conn: _ClientConn, deser: Any, writer: threading.Thread | None = None,
+    def __init__(self, replies: Iterator[Any], call: _CallState, deser: Any, writer: threading.Thread | None = None,
                  failure: list[BaseException] | None = None) -> None:
-        self._replies, self._conn, self._deser = replies, conn, deser
+        self._replies, self._call, self._deser = replies, call, deser
         self._writer, self._failure = writer, (failure if failure is not None else [])
         self._code: grpc.StatusCode | None = None
 
@@ -1043,12 +1149,18 @@ class _ReplyStream:
         return self
 
     def __next__(self) -> Any:
+        if self._call.cancelled:
+            self._code = grpc.StatusCode.CANCELLED
+            raise BulkCallError(grpc.StatusCode.CANCELLED, "Locally cancelled by application!")
         try:
             body = next(self._replies)
         except StopIteration:
             self._code = grpc.StatusCode.OK
             raise
         except BulkCallError as e:
+            if self._call.cancelled:  # (cancel() closed the connection under this read)
+                self._code = grpc.StatusCode.CANCELLED
+                raise BulkCallError(grpc.StatusCode.CANCELLED, "Locally cancelled by application!") from None
             # (the writer records a failed request iterator before it closes the connection)
             if self._failure and e.code() == grpc.StatusCode.UNAVAILABLE:
                 f = self._failure[0]
@@ -1058,8 +1170,10 @@ class _ReplyStream:
         return self._deser(body) if self._deser is not None else body
 
     def cancel(self) -> bool:
-        """Abandon the call: its connection is closed (the server's handler sees it end)."""
-        self._conn.close()
+        """Abandon the call: its connection is closed (the server's handler sees it end); after the
+        call finished, nothing (its connection may carry another call by now). True if it cancelled."""
+        if not self._call.cancel():
+            return False
         with contextlib.suppress(Exception):
             self._replies.close()  # type: ignore[attr-defined]
         return True
@@ -1069,7 +1183,7 @@ class _ReplyStream:
 
     def __del__(self) -> None:
         if self._code is None:  # abandoned before its status: the connection cannot be reused
-            self._conn.close()
+            self._call.cancel()
 
     def is_active(self) -> bool:
         return self._code is None

@@ -3,7 +3,10 @@
 test computes itself. Auth uses the runtime's ``Access`` with real TLS / mutual TLS certificates."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+import resource
 import socket
 import threading
 import time
@@ -11,11 +14,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import msgpack
+import numpy as np
 import pytest
 
 from ps.errors import TableNotFoundError
 from ps.wire import ERRORS
-from tessera.bulk import BulkCallError, BulkChannel, serve_bulk
+from tessera.bulk import _PREFIX, BulkCallError, BulkChannel, _pack, serve_bulk
 from tessera.service import (
     Access,
     BindError,
@@ -431,3 +436,252 @@ def test_idle_and_silent_connections_are_closed() -> None:
             silent.close()
     finally:
         bulk.stop()
+
+
+# ---------------------------------------------------------------- review findings (regressions)
+_HELLO = msgpack.packb({"v": 1, "md": []}, use_bin_type=True)
+
+
+def _raw_client(port: int) -> socket.socket:
+    """A plaintext connection that passed the handshake (no token: the server has none)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.sendall(_PREFIX.pack(len(_HELLO), 0) + _HELLO)
+    s.recv(1 << 10)  # {"ok": true}
+    return s
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_a_declared_body_pins_memory_only_as_it_arrives() -> None:
+    """Four connections each declare a 64 MiB body (the limit) and send ~30 bytes: the server's
+    memory (this process's VmRSS) grows by far less than one such body (reference: 4 x 64 MiB if
+    the body were allocated at its declared size); then a 3 MiB echo (a grown body) is byte-exact."""
+    sec = ServerSecurity()
+    access = _access(sec)
+    bulk = serve_bulk((Handlers(access).generic(),), "127.0.0.1", 0, sec, access.caller, name="bulkmem")
+    socks: list[socket.socket] = []
+    try:
+        before = _rss_mib()
+        h = msgpack.packb({"m": _m("Echo"), "end": True}, use_bin_type=True)
+        for _ in range(4):
+            s = _raw_client(bulk.port)
+            s.sendall(_PREFIX.pack(len(h), 64 << 20) + h + b"x" * 8)
+            socks.append(s)
+        assert _wait_for(lambda: bulk.connections == 4)
+        time.sleep(0.5)
+        grew = _rss_mib() - before
+        assert grew < 32, f"the server's memory grew by {grew:.0f} MiB for 4 bodies of which 8 bytes each arrived"
+        data = os.urandom(3 << 20)
+        with BulkChannel(f"127.0.0.1:{bulk.port}") as c:
+            assert bytes(c.unary_unary(_m("Echo"))(data, timeout=10)) == data
+    finally:
+        for s in socks:
+            s.close()
+        bulk.stop()
+
+
+def test_a_trickled_handshake_does_not_hold_a_slot() -> None:
+    """max_connections=2, handshake_timeout_s=0.5: two clients trickle a handshake one byte every
+    0.2 s (each read is within the timeout); both are closed once the handshake's 0.5 s are over,
+    and a good client is served within 1.5 s (before the fix they held both slots for good)."""
+    sec = ServerSecurity()
+    access = _access(sec)
+    bulk = serve_bulk((Handlers(access).generic(),), "127.0.0.1", 0, sec, access.caller, max_connections=2,
+                      handshake_timeout_s=0.5, name="bulkslow")
+    stop = threading.Event()
+    socks = [socket.create_connection(("127.0.0.1", bulk.port)) for _ in range(2)]
+
+    def trickle() -> None:
+        with contextlib.suppress(OSError):
+            for s in socks:
+                s.sendall(_PREFIX.pack(60000, 0))
+            while not stop.wait(0.2):
+                for s in socks:
+                    s.sendall(b"\x80")
+
+    t = threading.Thread(target=trickle, daemon=True)
+    t.start()
+    try:
+        assert _wait_for(lambda: bulk.connections == 2, timeout=2)
+        t0 = time.monotonic()
+        with BulkChannel(f"127.0.0.1:{bulk.port}") as c:
+            while True:
+                try:
+                    assert bytes(c.unary_unary(_m("Echo"))(b"hi", timeout=1)) == b"hi"
+                    break
+                except BulkCallError as e:
+                    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                    assert time.monotonic() - t0 < 1.5, "still refused after 1.5 s"
+                    time.sleep(0.05)
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        stop.set()
+        t.join(5)
+        for s in socks:
+            s.close()
+        bulk.stop()
+
+
+class _FlakyListener(socket.socket):
+    """A listening socket whose next ``accept`` fails like a process out of descriptors."""
+
+    fail = 1
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        if self.fail:
+            self.fail -= 1
+            raise OSError(errno.EMFILE, "Too many open files")
+        return super().accept()
+
+
+def test_the_accept_thread_survives_an_accept_error() -> None:
+    """accept() failing with EMFILE once: the endpoint logs it, goes on accepting, and serves a client
+    afterwards (before the fix the accept thread ended and every later client waited in vain)."""
+    sec = ServerSecurity()
+    access = _access(sec)
+    bulk = serve_bulk((Handlers(access).generic(),), "127.0.0.1", 0, sec, access.caller, name="bulkemfile")
+    old = bulk._listener
+    flaky = _FlakyListener(old.family, old.type, fileno=os.dup(old.fileno()))
+    flaky.settimeout(0.5)
+    bulk._listener = flaky  # the accept loop takes it at its next turn (within 0.5 s)
+    try:
+        assert _wait_for(lambda: flaky.fail == 0, timeout=3)
+        with BulkChannel(f"127.0.0.1:{bulk.port}") as c:
+            assert bytes(c.unary_unary(_m("Echo"))(b"after", timeout=3)) == b"after"
+        assert bulk._accept.is_alive()
+    finally:
+        bulk.stop()
+        old.close()
+
+
+def test_cancel_after_the_end_leaves_the_pooled_connection_alone(pair: Any) -> None:
+    """A finished stream's cancel() does nothing (False): the next call, on the same pooled
+    connection, gets all its replies (reference: the bytes sent). A cancel before the end: the
+    iterator raises CANCELLED, as gRPC's."""
+    _, _, b, _ = pair
+    a = b.unary_stream(_m("Split"))(b"x" * 10, timeout=5)
+    assert [bytes(r) for r in a] == [b"x" * 10] and a.code() == grpc.StatusCode.OK
+    nxt = b.unary_stream(_m("Split"))(b"y" * 10, timeout=5)  # on a's pooled connection
+    assert a.cancel() is False
+    assert [bytes(r) for r in nxt] == [b"y" * 10]
+    big = b.unary_stream(_m("Split"))(b"z" * (3 * CHUNK), timeout=5)
+    assert bytes(next(big)) == b"z" * CHUNK
+    assert big.cancel() is True
+    with pytest.raises(BulkCallError) as be:
+        next(big)
+    assert be.value.code() == grpc.StatusCode.CANCELLED and big.code() == grpc.StatusCode.CANCELLED
+
+
+def test_pooled_connections_are_reused_with_descriptors_over_1024(pair: Any) -> None:
+    """With 1100 more descriptors open (the channel's sockets get numbers >= 1024, where select()
+    fails), 20 sequential calls use one connection (before the fix: a new one per call)."""
+    _, _, _, bulk = pair
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048:
+        if hard != resource.RLIM_INFINITY and hard < 2048:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < 2048")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        c = BulkChannel(f"127.0.0.1:{bulk.port}")
+        opened = [0]
+        real = c._open
+
+        def counted(timeout: float | None) -> Any:
+            opened[0] += 1
+            conn = real(timeout)
+            assert conn.sock.fileno() >= 1024
+            return conn
+
+        c._open = counted  # type: ignore[method-assign]
+        for i in range(20):
+            assert bytes(c.unary_unary(_m("Echo"))(str(i).encode(), timeout=5)) == str(i).encode()
+        c.close()
+        assert opened[0] == 1
+    finally:
+        for fd in fds:
+            os.close(fd)
+        if soft < 2048:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_timeout_bounds_the_whole_call_not_each_read() -> None:
+    """A server that answers a reply's 8 body bytes one every 0.3 s (each read is quick): a call
+    with timeout=1.0 fails DEADLINE_EXCEEDED after about 1 s (before the fix: 2.4 s, then OK)."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen()
+
+    def fake() -> None:
+        s, _ = ls.accept()
+        with s, s.makefile("rb") as f:
+            def frame() -> None:
+                hl, bl = _PREFIX.unpack(f.read(_PREFIX.size))
+                f.read(hl)
+                f.read(bl)
+            frame()
+            s.sendall(_pack({"ok": True}))
+            frame()
+            h = msgpack.packb({"more": True}, use_bin_type=True)
+            s.sendall(_PREFIX.pack(len(h), 8) + h)
+            with contextlib.suppress(OSError):
+                for _ in range(8):
+                    time.sleep(0.3)
+                    s.sendall(b"x")
+                s.sendall(_pack({"code": "OK", "msg": "", "tm": []}))
+
+    t = threading.Thread(target=fake, daemon=True)
+    t.start()
+    try:
+        with BulkChannel(f"127.0.0.1:{ls.getsockname()[1]}") as c:
+            t0 = time.monotonic()
+            with pytest.raises(BulkCallError) as be:
+                c.unary_unary(_m("Echo"))(b"hi", timeout=1.0)
+            took = time.monotonic() - t0
+        assert be.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert 0.9 < took < 1.6, took
+    finally:
+        t.join(5)
+        ls.close()
+
+
+def test_a_failed_thread_start_leaks_no_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting a connection's thread fails twice (max_connections=2): no slot stays taken, a client
+    is then served, and stop() returns without error."""
+    sec = ServerSecurity()
+    access = _access(sec)
+    bulk = serve_bulk((Handlers(access).generic(),), "127.0.0.1", 0, sec, access.caller, max_connections=2,
+                      name="bulktstart")
+    real = threading.Thread.start
+    fail = [2]
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("bulktstart-conn") and fail[0]:
+            fail[0] -= 1
+            raise RuntimeError("can't start new thread")
+        real(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    try:
+        for _ in range(2):
+            socket.create_connection(("127.0.0.1", bulk.port)).close()
+        assert _wait_for(lambda: fail[0] == 0, timeout=3)
+        assert _wait_for(lambda: bulk.connections == 0, timeout=3)
+        with BulkChannel(f"127.0.0.1:{bulk.port}") as c:
+            assert bytes(c.unary_unary(_m("Echo"))(b"ok", timeout=3)) == b"ok"
+    finally:
+        bulk.stop()
+
+
+def test_a_typed_buffer_is_sent_by_its_bytes(pair: Any) -> None:
+    """A float32 array as the request (10 items, 40 bytes): the server gets its 40 bytes (reference:
+    ``tobytes()``); the frame's length was the item count before the fix."""
+    _, _, b, _ = pair
+    arr = np.arange(10, dtype=np.float32)
+    assert bytes(b.unary_unary(_m("Echo"))(arr, timeout=5)) == arr.tobytes()

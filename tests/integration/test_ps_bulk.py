@@ -9,6 +9,7 @@ calls as to gRPC ones; a client finds a restarted shard's new bulk port by itsel
 """
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -27,7 +28,8 @@ from ps.errors import (
     ShapeMismatchError,
     TableNotFoundError,
 )
-from ps.server import build_server
+from ps.server import _build, build_server
+from ps.stub import ShardStub
 from tessera.bulk import BulkChannel
 from tessera.service import ClientSecurity, ServerSecurity, issue_cert, make_ca
 from tessera.v1 import ps_pb2 as pb
@@ -246,7 +248,7 @@ def test_ps_serve_bulk_port_flag(tmp_path) -> None:
         p.terminate()
         p.wait(20)
     bad = subprocess.run(
-        [sys.executable, "-m", "tessera.cli", "ps", "serve", "--bulk-port", "70000"], capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "tessera.cli", "ps", "serve", "--bulk-port", "70000"], check=False, capture_output=True, text=True, timeout=60,
     )
     assert bad.returncode != 0 and "bulk_port" in bad.stderr, bad.stderr
 
@@ -262,7 +264,7 @@ def test_the_bad_input_step_and_fused_push_suites_pass_over_bulk() -> None:
     files = [os.path.join(here, f) for f in ("test_bad_input.py", "test_ps_step.py", "test_dense_fused_push.py")]
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "--timeout", "120", "-p", "no:cacheprovider", *files],
-        capture_output=True, text=True, timeout=380, env={**os.environ, "TESSERA_TEST_BULK": "1"},
+        check=False, capture_output=True, text=True, timeout=380, env={**os.environ, "TESSERA_TEST_BULK": "1"},
         cwd=os.path.dirname(os.path.dirname(here)),
     )
     tail = (r.stdout + r.stderr)[-3000:]
@@ -319,3 +321,48 @@ def test_worker_ps_transport_flag() -> None:
     assert build_parser().parse_args([*base, "--ps-transport", "grpc"]).ps_transport == "grpc"
     with pytest.raises(SystemExit):
         build_parser().parse_args([*base, "--ps-transport", "tcp"])
+
+
+def test_an_unreachable_bulk_port_falls_back_to_grpc(caplog) -> None:
+    """The shard advertises a bulk port that cannot be reached (its bulk server stopped, gRPC still
+    serving): the client's calls succeed over gRPC (reference: SGD with lr 1 on ones by hand),
+    with one warning naming the port, and stay on gRPC during the cool-down."""
+    server, port, shard, bulk = _build(ShardConfig(bulk_port=0), False, None, None)
+    assert bulk is not None
+    bulk.stop()
+    try:
+        with caplog.at_level(logging.WARNING, logger="ps.stub"), PSClient(f"127.0.0.1:{port}", timeout=5, retry_timeout=5) as c:
+            c.create_dense("w", 16, "sgd", lr=1.0)
+            for _ in range(3):
+                c.push_dense("w", np.ones(16, np.float32))
+            np.testing.assert_array_equal(c.pull_dense("w"), -3 * np.ones(16, np.float32))
+            assert _uses_bulk(c) == [False]
+        warnings = [r for r in caplog.records if r.name == "ps.stub" and str(bulk.port) in r.getMessage()]
+        assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+    finally:
+        server.stop(None)
+        shard.close()
+
+
+def test_unresolve_once_per_generation_and_retired_channels_stay_open(inproc_cluster) -> None:
+    """Calls that failed on the same channel generation move the stub once (not once each), and a
+    call already holding the old bulk channel still completes on it (before: CANCELLED "channel is
+    closed"); the next resolve finds the bulk port again. Reference: Stats over gRPC."""
+    cl = inproc_cluster(1, bulk_port=0)
+    stub = ShardStub(0, cl.addresses[0], [])
+    try:
+        r = stub.replicas[0]
+        r.resolve(5)
+        assert r.bulk is not None
+        old_stats, gen = r.unary["Stats"], r.gen
+        req = pb.StatsRequest().SerializeToString()
+        want = pb.StatsReply.FromString(r._grpc[0]["Stats"](req, timeout=5))
+        r.unresolve(gen)
+        after = r.gen
+        r.unresolve(gen)  # a second call that failed on the same generation: nothing
+        assert r.gen == after and r.bulk is None
+        assert pb.StatsReply.FromString(old_stats(req, timeout=5)).tables == want.tables  # the retired channel still serves
+        r.resolve(5)
+        assert r.bulk is not None and r.gen > after
+    finally:
+        stub.close()
