@@ -28,7 +28,7 @@ Wire (no pickle). Every frame is ``struct "<IQ"`` (header length, body length), 
 Threads: one accept thread and one per connection (at most ``max_connections``; one more is told
 RESOURCE_EXHAUSTED in plaintext, closed at once over TLS: UNAVAILABLE). A connection has
 ``handshake_timeout_s`` for its whole handshake (TLS, hello, authentication), however it trickles;
-a body's memory is allocated as its bytes arrive (1 MiB at once, then at most doubling). A client's
+a body's memory is allocated as its bytes arrive (4 MiB at once, then at most doubling). A client's
 ``timeout`` bounds the whole call (every read and write), DEADLINE_EXCEEDED past it. Sockets: TCP_NODELAY, and keepalive probes every second after one idle
 second, five unanswered fail the connection (a dead host fails calls within about 6 s).
 """
@@ -157,7 +157,7 @@ def _pack(header: dict) -> bytes:
     return _PREFIX.pack(len(h), 0) + h
 
 
-_EAGER = 1 << 20  # bodies up to this are allocated at once; bigger ones grow with what has arrived
+_EAGER = 4 << 20  # bodies up to this are allocated at once (a Step of 4096 x 64 rows is ~1.1 MiB); bigger ones grow with what has arrived
 
 
 def _until(sock: Any, deadline: float | None) -> None:
@@ -187,7 +187,7 @@ def _fill(rfile: Any, buf: Any, start: int = 0, sock: Any = None, deadline: floa
 def _recv(rfile: Any, max_body: int, sock: Any = None, deadline: float | None = None) -> tuple[dict, bytearray]:
     """One frame: (header, body). Raises _FrameError (limits, bad header), _Closed, OSError
     (TimeoutError when ``deadline``, a time.monotonic() value, passes; ``sock`` is ``rfile``'s socket).
-    A body's memory follows the bytes that arrived: a peer that only declares a big body pins 1 MiB."""
+    A body's memory follows the bytes that arrived: a peer that only declares a big body pins 4 MiB."""
     prefix = bytearray(_PREFIX.size)
     _fill(rfile, prefix, 0, sock, deadline)
     hlen, blen = _PREFIX.unpack(prefix)
