@@ -375,6 +375,10 @@ def start_local_shards(num_shards: int, extra_args: tuple[str, ...] = (), timeou
         deadline = time.monotonic() + timeout
         for p in procs:
             line = read_first_line(p, deadline)
+            for _ in range(8):  # lines before it (a shard with --metrics-port says where its metrics are first)
+                if "listening on" in line or not line.endswith("\n"):
+                    break
+                line = read_first_line(p, deadline)
             if "listening on" not in line:
                 raise RuntimeError(f"shard failed to start: {line!r}")
             addresses.append(line.split("listening on ")[1].split()[0])

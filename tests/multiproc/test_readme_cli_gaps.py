@@ -218,3 +218,21 @@ def test_ps_serve_metrics_port_serves_prometheus_text(procs) -> None:
     assert value("tessera_rpc_requests_total", 'method="CreateTable"', 'code="OK"') >= 1
     assert value("tessera_ps_table_version", 'table="m"') == 2
     assert any(ln.startswith("tessera_ps_sync_clock") for ln in lines), body[:2000]
+
+
+def test_start_local_shards_finds_the_listening_line_after_the_metrics_line() -> None:
+    """``ps.cli.start_local_shards`` (the quickstart's and the tests' helper) starts shards that print
+    their metrics line first (``--metrics-port``) and still returns their addresses."""
+    import socket
+
+    from ps.cli import start_local_shards, stop_processes
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    started, addresses = start_local_shards(1, ("--metrics-port", str(port)))
+    try:
+        with PSClient(addresses, timeout=10) as c:
+            c.create_dense("m", 4)
+    finally:
+        stop_processes(started)
