@@ -132,7 +132,10 @@ class _StreamBroken(grpc.RpcError):
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for opt, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 5)):
+    # keepalive finds a dead peer while nothing is in flight; TCP_USER_TIMEOUT while data sent to it
+    # goes unacknowledged (a host gone mid-call: without it, the retransmissions last minutes and the
+    # call its whole deadline). Either way about 6 s, like the gRPC channels' keepalive (tessera.rpc).
+    for opt, value in (("TCP_KEEPIDLE", 1), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", 5), ("TCP_USER_TIMEOUT", 6000)):
         if hasattr(socket, opt):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
 
@@ -832,7 +835,7 @@ class _ClientConn:
             return True
 
 
-def _unavailable(address: str, e: BaseException, tls: bool, during: str) -> BulkCallError:
+def _unavailable(address: str, e: BaseException, tls: bool, during: str, client_cert: bool = True) -> BulkCallError:
     if isinstance(e, ssl.SSLError):
         reason = f"{e.reason or ''} {e}"
         if "WRONG_VERSION_NUMBER" in reason or "RECORD_LAYER" in reason:
@@ -841,6 +844,10 @@ def _unavailable(address: str, e: BaseException, tls: bool, during: str) -> Bulk
             likely = "the server wants a client certificate (mutual TLS): give the client its tls_cert and tls_key"
         elif isinstance(e, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in reason:
             likely = "the server's certificate is not signed by this client's tls_ca, or not valid for this address"
+        elif isinstance(e, ssl.SSLEOFError) and not client_cert:
+            # (TLS 1.3: the server checks the client's certificate after the client's side of the handshake
+            # is done, and may close before its alert is read)
+            likely = "the server closed the TLS connection: it may want a client certificate (mutual TLS): give the client its tls_cert and tls_key"
         else:
             likely = "client and server disagree about TLS"
         why = f"TLS handshake with {address} failed ({e}): {likely}"
@@ -912,7 +919,7 @@ class BulkChannel:
         except (OSError, ssl.SSLError) as e:
             with contextlib.suppress(OSError):
                 sock.close()
-            raise _unavailable(self.address, e, self._ssl is not None, "TLS handshake") from None
+            raise _unavailable(self.address, e, self._ssl is not None, "TLS handshake", bool(self._sec.tls_cert)) from None
         try:
             sock.sendall(self._hello)
             header, _ = _recv(conn.rfile, 0)
@@ -923,7 +930,7 @@ class BulkChannel:
             conn.close()
             if isinstance(e, socket.timeout):
                 raise BulkCallError(grpc.StatusCode.UNAVAILABLE, f"{self.address}: no handshake answer within {t:.3g} s") from None
-            raise _unavailable(self.address, e, self._ssl is not None, "handshake") from None
+            raise _unavailable(self.address, e, self._ssl is not None, "handshake", bool(self._sec.tls_cert)) from None
         if not header.get("ok"):
             conn.close()
             raise _error(header)

@@ -685,3 +685,26 @@ def test_a_typed_buffer_is_sent_by_its_bytes(pair: Any) -> None:
     _, _, b, _ = pair
     arr = np.arange(10, dtype=np.float32)
     assert bytes(b.unary_unary(_m("Echo"))(arr, timeout=5)) == arr.tobytes()
+
+
+def test_both_ends_give_up_on_a_silent_peer_within_seconds() -> None:
+    """A host gone mid-call must fail the call in seconds, not at its deadline or after minutes of TCP
+    retransmissions: both ends' sockets have keepalive (1 s idle, 1 s apart, 5 probes) and
+    TCP_USER_TIMEOUT 6 s (unacknowledged data). (The compose netns test kills a primary's host for
+    real: its workers go on within seconds over the backup.)"""
+    sec = ServerSecurity()
+    access = _access(sec)
+    bulk = serve_bulk((Handlers(access).generic(),), "127.0.0.1", 0, sec, access.caller, name="bulkka")
+    try:
+        with BulkChannel(f"127.0.0.1:{bulk.port}") as c:
+            c.unary_unary(_m("Echo"))(b"x", timeout=5)
+            client_sock = c._idle[0].sock
+            with bulk._lock:
+                server_sock = next(iter(bulk._conns.values())).sock
+            for sock in (client_sock, server_sock):
+                assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 1
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == 5
+                assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 6000
+    finally:
+        bulk.stop()
