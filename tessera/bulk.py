@@ -1025,20 +1025,26 @@ class BulkChannel:
             head["md"] = [[k, v] for k, v in metadata]
         return conn, head, deadline
 
+    def _request(self, method: str, request: Any, serializer: Any, timeout: float | None,
+                 metadata: Any) -> tuple[_ClientConn, float | None]:
+        """Send a one-message call's request: (its connection, its deadline); the replies are read next."""
+        body = serializer(request) if serializer is not None else request
+        self._size_check(method, body)
+        conn, head, deadline = self._start(method, timeout, metadata)
+        try:
+            _until(conn.sock, deadline)
+            _send(conn.sock, head, body)
+        except TimeoutError:
+            conn.close()
+            raise BulkCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: deadline of {timeout:.3g} s exceeded") from None
+        except OSError:
+            pass  # the server may have answered (e.g. a refusal) and closed: the replies say
+        return conn, deadline
+
     def unary_unary(self, method: str, request_serializer: Any = None, response_deserializer: Any = None,
                     **_: Any) -> Callable[..., Any]:
         def call(request: Any, timeout: float | None = None, metadata: Any = None, **__: Any) -> Any:
-            body = request_serializer(request) if request_serializer is not None else request
-            self._size_check(method, body)
-            conn, head, deadline = self._start(method, timeout, metadata)
-            try:
-                _until(conn.sock, deadline)
-                _send(conn.sock, head, body)
-            except TimeoutError:
-                conn.close()
-                raise BulkCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: deadline of {timeout:.3g} s exceeded") from None
-            except OSError:
-                pass  # the server may have answered (e.g. a refusal) and closed: read it below
+            conn, deadline = self._request(method, request, request_serializer, timeout, metadata)
             reply = None
             for reply in self._replies(conn, method, deadline, timeout):
                 pass
@@ -1049,17 +1055,7 @@ class BulkChannel:
     def unary_stream(self, method: str, request_serializer: Any = None, response_deserializer: Any = None,
                      **_: Any) -> Callable[..., Iterator[Any]]:
         def call(request: Any, timeout: float | None = None, metadata: Any = None, **__: Any) -> Iterator[Any]:
-            body = request_serializer(request) if request_serializer is not None else request
-            self._size_check(method, body)
-            conn, head, deadline = self._start(method, timeout, metadata)
-            try:
-                _until(conn.sock, deadline)
-                _send(conn.sock, head, body)
-            except TimeoutError:
-                conn.close()
-                raise BulkCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: deadline of {timeout:.3g} s exceeded") from None
-            except OSError:
-                pass
+            conn, deadline = self._request(method, request, request_serializer, timeout, metadata)
             state = _CallState(conn)
             return _ReplyStream(self._replies(conn, method, deadline, timeout, state), state, response_deserializer)
 
