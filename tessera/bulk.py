@@ -53,6 +53,7 @@ from tessera.service import (
     ERROR_CLASS_HEADER,
     BindError,
     ClientSecurity,
+    FailedCall,
     ServerSecurity,
     UnauthenticatedError,
     _pem_file,
@@ -80,39 +81,11 @@ class _Closed(ConnectionError):
     """The peer closed the connection."""
 
 
-class BulkCallError(grpc.RpcError, grpc.Call):
+class BulkCallError(FailedCall):
     """A failed bulk call, shaped like gRPC's: ``code()``, ``details()``, ``trailing_metadata()``."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, trailing: Sequence[tuple[str, Any]] = ()) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code, self._details, self._trailing = code, details, tuple(trailing)
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def initial_metadata(self) -> tuple:
-        return ()
-
-    def trailing_metadata(self) -> tuple:
-        return self._trailing
-
-    def is_active(self) -> bool:
-        return False
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    def cancel(self) -> bool:
-        return False
-
-    def add_callback(self, callback: Callable[[], None]) -> bool:
-        return False
-
     def __str__(self) -> str:
-        return f"<BulkCallError {self._code.name}: {self._details}>"
+        return f"<BulkCallError {self.code().name}: {self.details()}>"
 
 
 class _StreamBroken(grpc.RpcError):

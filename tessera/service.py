@@ -54,7 +54,7 @@ __all__ = [
     "ErrorTable", "Identities", "load_token_file", "write_token_file", "ServerSecurity", "ClientSecurity", "Caller",
     "Access", "build_server", "client_channel", "make_ca", "issue_cert", "is_loopback", "ANONYMOUS",
     "add_server_security_args", "add_client_security_args", "server_security_from", "client_security_from",
-    "TransportSecurityError", "ServerUnreachableError", "Diagnosis", "diagnose", "wait_for_server", "BindError",
+    "FailedCall", "TransportSecurityError", "ServerUnreachableError", "Diagnosis", "diagnose", "wait_for_server", "BindError",
     "UsageError", "serving_when",
 ]
 
@@ -523,30 +523,26 @@ def client_channel(address: str, security: ClientSecurity | None = None, options
 
 
 # ---------------------------------------------------------------------- why a connection fails
-class TransportSecurityError(grpc.RpcError, grpc.Call, ServiceError):
-    """Client and server disagree about transport security, so no call can ever succeed: a
-    plaintext client to a TLS server (forgot ``--tls-ca``), a TLS client to a plaintext server,
-    a server certificate the client's CA does not accept, a server that wants a client
-    certificate. Calls on a :func:`client_channel` raise it at once instead of retrying
-    UNAVAILABLE; as a gRPC error its code is UNAUTHENTICATED (clients map it to their
-    ``UnauthenticatedError``, which nobody retries) and its details name the likely cause."""
+class FailedCall(grpc.RpcError, grpc.Call):
+    """A call that failed without a gRPC call object behind it (a refused transport, the bulk
+    transport's calls), shaped like gRPC's: ``code()``, ``details()``, ``trailing_metadata()``; so
+    code that handles ``grpc.RpcError`` handles it unchanged."""
 
-    def __init__(self, message: str, address: str = "") -> None:
-        super().__init__(message)
-        self.message = message
-        self.address = address
+    def __init__(self, code: grpc.StatusCode, details: str, trailing: Sequence[tuple[str, Any]] = ()) -> None:
+        super().__init__(details)
+        self._code, self._details, self._trailing = code, details, tuple(trailing)
 
     def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAUTHENTICATED
+        return self._code
 
     def details(self) -> str:
-        return self.message
+        return self._details
 
     def initial_metadata(self) -> tuple:
         return ()
 
     def trailing_metadata(self) -> tuple:
-        return ()
+        return self._trailing
 
     def is_active(self) -> bool:
         return False
@@ -561,7 +557,21 @@ class TransportSecurityError(grpc.RpcError, grpc.Call, ServiceError):
         return False
 
     def __str__(self) -> str:
-        return self.message
+        return self._details
+
+
+class TransportSecurityError(FailedCall, ServiceError):
+    """Client and server disagree about transport security, so no call can ever succeed: a
+    plaintext client to a TLS server (forgot ``--tls-ca``), a TLS client to a plaintext server,
+    a server certificate the client's CA does not accept, a server that wants a client
+    certificate. Calls on a :func:`client_channel` raise it at once instead of retrying
+    UNAVAILABLE; as a gRPC error its code is UNAUTHENTICATED (clients map it to their
+    ``UnauthenticatedError``, which nobody retries) and its details name the likely cause."""
+
+    def __init__(self, message: str, address: str = "") -> None:
+        super().__init__(grpc.StatusCode.UNAUTHENTICATED, message)
+        self.message = message
+        self.address = address
 
 
 class ServerUnreachableError(ServiceError, TimeoutError):
