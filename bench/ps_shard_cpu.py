@@ -43,7 +43,7 @@ sys.path.insert(0, ROOT)
 BREAKDOWN = [
     ("ps.shard", "Shard", "_stage"), ("ps.shard", "Shard", "commit_dense"), ("ps.table", "SparseTable", "prepare_push"),
     ("ps.table", "SparseTable", "check_ids"), ("ps.table", "SparseTable", "apply_push"), ("ps.table", "SparseTable", "pull_rows"),
-    ("ps.table", "SparseTable", "_make_resident"), ("ps.index", "IdIndex", "_find"), ("ps.index", "IdIndex", "insert"),
+    ("ps.table", "SparseTable", "_make_resident"), ("ps.table", None, "init_rows"), ("ps.index", "IdIndex", "_find"), ("ps.index", "IdIndex", "insert"),
     ("ps.rowstore", "RowStore", "gather"), ("ps.rowstore", "RowStore", "scatter"), ("ps.optim", "Adagrad", "update"),
 ]
 
@@ -96,7 +96,7 @@ def run(steps: int, warmup: int) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    from ps.config import OptimizerSpec, ShardConfig, TableSpec
+    from ps.config import InitializerSpec, OptimizerSpec, ShardConfig, TableSpec
     from ps.partition import SlotMap
     from ps.servicer import PSServicer
     from ps.shard import (
@@ -120,7 +120,8 @@ def run(steps: int, warmup: int) -> dict[str, Any]:
     S = 2
     shard = Shard(ShardConfig(shard_index=0, num_shards=S))
     shard.create_table(TableSpec("ctr/dense", "dense", shape=(63_361,), optimizer=OptimizerSpec("adam", {"lr": 1e-3})))
-    shard.create_table(TableSpec("ctr/emb", "sparse", dim=16, optimizer=OptimizerSpec("adagrad", {"lr": 0.05, "initial_accumulator": 0.1})))
+    shard.create_table(TableSpec("ctr/emb", "sparse", dim=16, optimizer=OptimizerSpec("adagrad", {"lr": 0.05, "initial_accumulator": 0.1}),
+                                 initializer=InitializerSpec("normal", {"std": 0.01})))  # as worker.binding.PSEmbedding
     slots, data = SlotMap(4096, S), CTRData()
 
     def ids_for(step: int) -> Any:
@@ -147,11 +148,11 @@ def run(steps: int, warmup: int) -> dict[str, Any]:
     import importlib
 
     for mod, cls, fn in BREAKDOWN:  # inclusive thread CPU per function (nested calls count in both)
-        owner = getattr(importlib.import_module(mod), cls)
+        owner = importlib.import_module(mod) if cls is None else getattr(importlib.import_module(mod), cls)
         f = getattr(owner, fn)
         saved.append((owner, fn, f))
 
-        def wrapped(*a: Any, _f: Callable = f, _k: str = f"{cls}.{fn}", **k: Any) -> Any:
+        def wrapped(*a: Any, _f: Callable = f, _k: str = fn if cls is None else f"{cls}.{fn}", **k: Any) -> Any:
             t0 = time.thread_time()
             try:
                 return _f(*a, **k)

@@ -402,11 +402,24 @@ def run_ps_job(job: dict[str, Any]) -> dict[str, Any]:
     opts = dict(job["cfg"])
     wire_dtype = opts.pop("wire_dtype", None)  # the client's settings, not the trainer's
     transport = opts.pop("transport", "auto")
+    cache_rows, cache_staleness = opts.pop("emb_cache_rows", 0), opts.pop("emb_cache_staleness", 4)
     cfg = TrainConfig(**opts)
+    caches: dict[str, Any] = {}
+    if cache_rows:  # as tessera worker --emb-cache-rows N --emb-cache-staleness K does
+        from worker.emb_cache import attach_caches
+        from worker.trainer import resolve_device
+
+        caches = attach_caches(task.model, cache_rows, cache_staleness, cfg.mode, resolve_device(cfg.device))
     with PSClient(job["addrs"], timeout=max(60.0, 3 * cfg.lease_s), wire_dtype=wire_dtype, transport=transport) as client:
         client.wait_ready(timeout=60)
         summary = Trainer(task, client, cfg).run()
-    return {"summary": asdict(summary)}
+    out: dict[str, Any] = {"summary": asdict(summary)}
+    if caches:
+        st = [c.stats for c in caches.values()]
+        out["cache"] = {"lookups": sum(x.lookups for x in st), "hits": sum(x.hits for x in st),
+                        "rows": sum(x.rows for x in st), "row_hits": sum(x.row_hits for x in st),
+                        "transferred": sum(x.transferred for x in st)}
+    return out
 
 
 def child_main() -> int:
@@ -533,6 +546,7 @@ class Run:
     spans: list[list[tuple[float, float]]] = field(default_factory=list)
     steady_examples: int = 0
     threads: int = 1  # torch intra-op threads per worker process
+    cache: dict[str, int] = field(default_factory=dict)  # hot-row cache counters summed over workers (worker.emb_cache)
 
     @property
     def span_s(self) -> float:
@@ -623,6 +637,7 @@ class Run:
         self.worker_steps += other.worker_steps
         self.spans += other.spans
         self.steady_examples += other.steady_examples
+        self.cache = {k: self.cache.get(k, 0) + other.cache.get(k, 0) for k in {*self.cache, *other.cache}}
 
 
 def blocks_from_file(path: str, warmup: int, batch: int, start: int = 0) -> list[tuple[int, float, float, float, float]]:
@@ -772,7 +787,8 @@ def ps_run(
                 "cfg": {**cfg, "steps": steps, "worker_index": i, "num_workers": len(children), "metrics_out": files[i],
                         "lease_s": LEASE_S, "progress": False, "evaluate": False, "start_timeout_s": 60.0},
             })
-        summaries = [ch.recv(60 + steps * step_timeout)["summary"] for ch in children]
+        replies = [ch.recv(60 + steps * step_timeout) for ch in children]
+        summaries = [r["summary"] for r in replies]
         cpu1 = cpu_seconds(wpids), cpu_seconds(spids)
     finally:
         sets.retire(procs)
@@ -785,6 +801,9 @@ def ps_run(
               shard_cpu_s=cpu1[1] - cpu0[1], worker_steps=sum(x["steps"] for x in summaries),
               loss=statistics.mean(x["loss"] for x in summaries), spans=[[sp for sp, _ in spans]],
               steady_examples=sum(n for _, n in spans))
+    for r in replies:
+        for k, v in r.get("cache", {}).items():
+            run.cache[k] = run.cache.get(k, 0) + v
     log(f"  {name}: {run.eps:,.0f} ex/s (median block), step {run.step_ms:.1f} ms; {run.wall_s:.1f} s "
         f"(waiting for shards {t_shards:.1f} s, training {max(x['seconds'] for x in summaries):.1f} s)")
     return run
@@ -808,6 +827,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the workers' PS transport (default bulk: the shards' --bulk-port; with bulk, async also runs over gRPC "
         "once per repeat, as async_grpc)",
     )
+    ap.add_argument(
+        "--emb-cache-rows", type=int, default=0,
+        help="also run async with each worker's hot-row cache of this many rows (tessera worker --emb-cache-rows; "
+        "refreshed every --emb-cache-staleness steps), once per repeat, as async_cache (default 0: not run)",
+    )
+    ap.add_argument("--emb-cache-staleness", type=int, default=4, help="the async_cache run's refresh period in steps (default 4)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # internal: serve jobs on stdin
     args = ap.parse_args(argv)
     if args.child:
@@ -861,13 +886,17 @@ def main(argv: list[str] | None = None) -> int:
         # (1) ctr: every mode, with and without overlap, fresh shards each
         modes = [("sync", {}), ("ssp", {"staleness": 4}), ("async", {})]
         with_grpc = args.transport == "bulk"  # async over gRPC too, for the comparison
-        left = 1 + (3 * 2 + with_grpc) * args.repeats  # shard sets still wanted (the first dense run's included)
+        with_cache = args.emb_cache_rows > 0
+        left = 1 + (3 * 2 + with_grpc + with_cache) * args.repeats  # shard sets still wanted (the first dense run's included)
         transport = "auto" if args.transport == "bulk" else "grpc"
+        cached = {"emb_cache_rows": args.emb_cache_rows, "emb_cache_staleness": args.emb_cache_staleness}
         for rep in range(args.repeats):
-            for mode, extra, tr in [(m, e, transport) for m, e in modes] + ([("async", {}, "grpc")] if with_grpc else []):
-                for overlap in ((True, False) if rep % 2 == 0 else (False, True)) if tr == transport else (True,):  # alternate: drift hits both
+            extra_runs = ([("async", {}, "grpc")] if with_grpc else []) + ([("async", cached, transport)] if with_cache else [])
+            for mode, extra, tr in [(m, e, transport) for m, e in modes] + extra_runs:
+                plain = tr == transport and "emb_cache_rows" not in extra
+                for overlap in ((True, False) if rep % 2 == 0 else (False, True)) if plain else (True,):  # alternate: drift hits both
                     left -= 1
-                    name = mode + ("" if overlap else "_noov") + ("_grpc" if tr != transport else "")
+                    name = mode + ("" if overlap else "_noov") + ("_grpc" if tr != transport else "") + ("_cache" if "emb_cache_rows" in extra else "")
                     log(f"ctr {name}: 2 workers x {steps} steps, batch {batch}, 2 fresh shards" + (f" (repeat {rep + 1})" if args.repeats > 1 else ""))
                     cfg = {"mode": mode, **extra, "batch_size": batch, "overlap": overlap, "log_every": block, "device": args.device,
                            "wire_dtype": args.wire_dtype, "transport": tr}
@@ -1003,6 +1032,10 @@ def report(
         lines.append(row(runs[name], ("" if "noov" in name else "overlap on") + over))
     if "async_grpc" in runs:
         lines.append(row(runs["async_grpc"], "overlap on, over gRPC"))
+    if "async_cache" in runs:
+        c = runs["async_cache"].cache
+        lines.append(row(runs["async_cache"], f"hot-row cache {args.emb_cache_rows:,} rows, refresh every {args.emb_cache_staleness} steps: "
+                         f"{c.get('row_hits', 0) / max(1, c.get('rows', 0)):.0%} of rows served from it"))
     lines.append(row(local, f"one process, no PS; {local.note}"))
     lines.append("")
     lines.append(row(dense, f"{int(_params(dense_opts)):,} params, 2 shards"))
@@ -1055,6 +1088,13 @@ def report(
             "async_vs_local_grpc": round(runs["async_grpc"].eps_span / local.eps_span, 4),
             "cpu_per_example_ratio_grpc": round(runs["async_grpc"].cpu_per_example_s / local.cpu_per_example_s, 4),
         } if "async_grpc" in runs else {}),
+        **({
+            "async_vs_local_cache": round(runs["async_cache"].eps_span / local.eps_span, 4),
+            "cpu_per_example_ratio_cache": round(runs["async_cache"].cpu_per_example_s / local.cpu_per_example_s, 4),
+            "cache_rows": args.emb_cache_rows, "cache_staleness": args.emb_cache_staleness,
+            "cache_hit_rate": round(runs["async_cache"].cache.get("hits", 0) / max(1, runs["async_cache"].cache.get("lookups", 0)), 4),
+            "cache_row_hit_rate": round(runs["async_cache"].cache.get("row_hits", 0) / max(1, runs["async_cache"].cache.get("rows", 0)), 4),
+        } if "async_cache" in runs else {}),
         "async_cpu_s": round(a.cpu_s, 3), "async_examples": a.worker_steps * a.batch,
         "local_cpu_s": round(local.cpu_s, 3), "local_examples": local.worker_steps * local.batch,
         "local_threads": local.threads, "ddp_after_shards_exit": True, **(local_variants or {}),
@@ -1086,7 +1126,7 @@ def report(
     # rule: the faster baseline above may be the 2-thread one, which spends more CPU for its speed)
     cheapest_us = min((v for k, v in out.items() if k.startswith("local_") and k.endswith("t_cpu_per_example_us")),
                       default=1e6 * local.cpu_per_example_s)
-    for name, key in (("async", ""), ("async_grpc", "_grpc")):
+    for name, key in (("async", ""), ("async_grpc", "_grpc"), ("async_cache", "_cache")):
         if name in runs:
             out[f"cpu_per_example_ratio_cheapest{key}"] = round(1e6 * runs[name].cpu_per_example_s / cheapest_us, 4)
     print(

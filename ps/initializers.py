@@ -15,7 +15,6 @@ from ps.partition import GOLDEN, mix64, stable_hash
 __all__ = ["table_key", "init_dense", "init_rows", "uniform01"]
 
 _U64 = np.uint64
-_SECOND = _U64(0xD1B54A32D192ED03)
 
 
 def table_key(name: str, seed: int) -> np.uint64:
@@ -33,15 +32,42 @@ def _values(spec: InitializerSpec, counters: np.ndarray) -> np.ndarray:
         return np.zeros(counters.shape, np.float32)
     if spec.name == "constant":
         return np.full(counters.shape, p["value"], np.float32)
+    if spec.name == "normal":
+        return _normal_(np.array(counters, _U64), p["mean"], p["std"])
     u = uniform01(counters)
     if spec.name == "uniform":
         return (p["low"] + (p["high"] - p["low"]) * u).astype(np.float32)
-    if spec.name == "normal":
-        with np.errstate(over="ignore"):
-            u2 = uniform01(counters ^ _SECOND)
-        z = np.sqrt(-2.0 * np.log(u)) * np.cos(2.0 * np.pi * u2)
-        return (p["mean"] + p["std"] * z).astype(np.float32)
     raise AssertionError(f"initializer {spec.name} passed validation but has no implementation")
+
+
+def _normal_(c: np.ndarray, mean: float, std: float) -> np.ndarray:
+    """Normal float32 values from uint64 counters ``c`` (consumed): Box-Muller on two 24-bit
+    uniforms, the top and the next 24 bits of one mix of the counter, in float32 (float32 log and
+    cos are vectorised: with one mix instead of two, 2.5x the float64 formula's speed; new rows are
+    most of a recommendation shard's pull). |z| <= sqrt(2 ln 2^24) = 5.8."""
+    tmp = np.empty_like(c)
+    _mix64_(c, tmp)
+    u = _uniform24(c >> _U64(40))
+    np.right_shift(c, _U64(16), out=c)
+    c &= _U64(0xFFFFFF)
+    u2 = _uniform24(c)
+    np.log(u, out=u)
+    u *= np.float32(-2.0)
+    np.sqrt(u, out=u)
+    u2 *= np.float32(2.0 * np.pi)
+    np.cos(u2, out=u2)
+    u *= u2
+    u *= np.float32(std)
+    u += np.float32(mean)
+    return u
+
+
+def _uniform24(bits: np.ndarray) -> np.ndarray:
+    """float32 in (0, 1] from uint64 values below 2^24 (exact)."""
+    u = bits.astype(np.float32)
+    u += np.float32(1.0)
+    u *= np.float32(1.0 / 16777216.0)
+    return u
 
 
 def init_dense(spec: InitializerSpec, key: np.uint64, start: int, stop: int) -> np.ndarray:
@@ -75,7 +101,7 @@ def init_rows(spec: InitializerSpec, key: np.uint64, ids: np.ndarray, dim: int) 
     return out
 
 
-_BLOCK_ELEMS = 1 << 14  # elements per block: the u64 and f64 buffers stay in L2
+_BLOCK_ELEMS = 1 << 14  # elements per block: the uint64 and float buffers stay in L2
 
 
 def _mix64_(z: np.ndarray, tmp: np.ndarray) -> np.ndarray:
@@ -103,24 +129,11 @@ def _uniform01_(c: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> np.ndarray:
 
 def _values_blocked(spec: InitializerSpec, c: np.ndarray) -> np.ndarray:
     p = spec.params
-    tmp = np.empty_like(c)
     if spec.name == "uniform":
-        u = _uniform01_(c.copy(), tmp, np.empty(c.shape, np.float64))
+        u = _uniform01_(c.copy(), np.empty_like(c), np.empty(c.shape, np.float64))
         u *= p["high"] - p["low"]
         u += p["low"]
         return u
     if spec.name == "normal":
-        with np.errstate(over="ignore"):
-            c2 = c ^ _SECOND
-        u = _uniform01_(c, tmp, np.empty(c.shape, np.float64))
-        u2 = _uniform01_(c2, tmp, np.empty(c.shape, np.float64))
-        np.log(u, out=u)
-        u *= -2.0
-        np.sqrt(u, out=u)
-        u2 *= 2.0 * np.pi
-        np.cos(u2, out=u2)
-        u *= u2
-        u *= p["std"]
-        u += p["mean"]
-        return u
+        return _normal_(c, p["mean"], p["std"])
     return _values(spec, c)
