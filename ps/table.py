@@ -28,7 +28,7 @@ import torch
 
 from ps.config import TableSpec
 from ps.errors import NonFiniteError, ResourceExhaustedError, ShapeMismatchError, WrongShardError
-from ps.index import BYTES_PER_SLOT, IdIndex
+from ps.index import IdIndex
 from ps.initializers import init_dense, init_rows, table_key, uniform01
 from ps.optim import Optimizer, make_optimizer, scaled_lr
 from ps.partition import SlotMap, dense_range, slot_of
@@ -617,7 +617,7 @@ class SparseTable:
     Rows live in a :class:`~ps.rowstore.RowStore`: fixed-size chunks holding each row's values
     (in the table's row dtype, ``spec.dtype``: float32, float16 or bfloat16), optimizer state
     (fp32, elementwise or row-wise) and metadata (version, last touch, id, admission count);
-    ``_index`` (a vectorized hash, keyed per table) maps id -> location. Eviction (TTL/LRU)
+    ``_index`` (sorted id arrays, ``ps.index``) maps id -> location. Eviction (TTL/LRU)
     releases rows to the store's free list, which new rows reuse before any chunk is added.
 
     Low precision: pulls widen stored rows to fp32 (``pull``) or return them as stored
@@ -640,8 +640,6 @@ class SparseTable:
     Thread-safety: ``lock`` guards everything; public methods take it themselves.
     """
 
-    INITIAL_INDEX = 16  # slots of the id index of an empty table (it doubles as rows come)
-
     def __init__(
         self, spec: TableSpec, shard_index: int, num_shards: int, max_bytes_fn: Callable[[int], None] = lambda extra: None,
         *, resident_budget: ResidentBudget | None = None, spill_dir: str | None = None, chunk_bytes: int = 32 << 20,
@@ -654,7 +652,7 @@ class SparseTable:
         self.optimizer = make_optimizer(spec.optimizer.name, spec.optimizer.hparams)
         self._key = table_key(spec.name, spec.seed)
         self._reserve = max_bytes_fn  # raises ResourceExhaustedError when growth is over budget
-        self._index = IdIndex(self.INITIAL_INDEX)
+        self._index = IdIndex()
         self.row_dtype = ROW_DTYPES[spec.dtype]
         opt = self.optimizer
         self._state_names = list(opt.elementwise_state) + list(opt.rowwise_state)
@@ -815,10 +813,10 @@ class SparseTable:
 
     @classmethod
     def fixed_bytes(cls, spec: TableSpec) -> int:
-        """Bytes the constructor allocates for ``spec`` (empty index, admission sketch; the default
+        """Bytes the constructor allocates for ``spec`` (the admission sketch; the index starts empty, the default
         slot map is computed, not stored; chunks come with the first rows)."""
         sketch = CountMinSketch.bytes_for() if spec.admission.enabled else 0
-        return cls.INITIAL_INDEX * BYTES_PER_SLOT + sketch
+        return sketch
 
     # ------------------------------------------------------------------ validation
     def check_ids(self, ids: np.ndarray) -> None:
@@ -874,11 +872,9 @@ class SparseTable:
 
     def _make_resident(
         self, uniq: np.ndarray, loc: np.ndarray, cold_pos: np.ndarray, new_pos: np.ndarray, seen: np.ndarray | None = None,
-        hint: tuple[np.ndarray | None, int] | None = None,
     ) -> "np.ndarray | float | None":
         """Bring the cold rows at positions ``cold_pos`` of ``uniq`` back and create rows for the
-        ids at ``new_pos`` (``seen``: their earlier sightings; ``hint``: the index's insert hint for
-        ``uniq`` and its epoch, see IdIndex.locate); ``loc`` is updated in place; returns
+        ids at ``new_pos`` (``seen``: their earlier sightings); ``loc`` is updated in place; returns
         the new rows' initial values (as ``_create``; None if none were created). The
         byte budget is asked first (nothing changes if it refuses). Rows this request already
         found are pinned: neither LRU eviction nor demotion picks them."""
@@ -907,8 +903,7 @@ class SparseTable:
             loc[cold_pos] = self._promote(uniq[cold_pos], -loc[cold_pos] - 2)
         if not n_new:
             return None
-        start = hint[0][new_pos] if hint is not None and hint[0] is not None else None
-        loc[new_pos], init = self._create(uniq[new_pos], seen, start, hint[1] if hint is not None else -1)
+        loc[new_pos], init = self._create(uniq[new_pos], seen)
         return init
 
     def _trim(self) -> None:
@@ -923,12 +918,9 @@ class SparseTable:
                 return  # over the byte budget: stay resident (the next request tries again)
             self._demote(self._store.live - limit)
 
-    def _create(
-        self, ids: np.ndarray, seen: np.ndarray | None = None, start: np.ndarray | None = None, epoch: int = -1
-    ) -> tuple[np.ndarray, "np.ndarray | float"]:
+    def _create(self, ids: np.ndarray, seen: np.ndarray | None = None) -> tuple[np.ndarray, "np.ndarray | float"]:
         """Allocate and initialize rows for new ``ids`` (room was made); returns their row numbers and
-        initial values (fp32 (n, dim), or one float for every element). ``start``, ``epoch``: the
-        index's insert hint (IdIndex.insert)."""
+        initial values (fp32 (n, dim), or one float for every element)."""
         n = len(ids)
         rows = self._store.alloc(n)
         fill = self.spec.optimizer.hparams.get("initial_accumulator", 0.0)
@@ -943,7 +935,7 @@ class SparseTable:
         for k in self._state_names:
             data[k] = float(fill) if k in ("sum", "n") else 0.0
         self._store.scatter(rows, data)
-        self._index.insert(ids, rows, start, epoch)
+        self._index.insert(ids, rows)
         return rows, data["values"]
 
     def _demote(self, count: int, pinned_rows: np.ndarray | None = None) -> None:
@@ -1070,13 +1062,12 @@ class SparseTable:
                 f"more than its eviction.max_rows of {cap}; split the request or raise max_rows"
             )
         with self.lock:
-            loc, ends = self._index.locate(uniq, ends=True)  # ends: where inserting the missing ids starts
-            hint = (ends, self._index.epoch)
+            loc = self._index.lookup(uniq)
             missing = np.flatnonzero(loc == -1)
             cold = np.flatnonzero(loc < -1)
             ok, seen = self._admit(uniq[missing]) if missing.size else (np.zeros(0, bool), None)
             admitted = missing[ok]
-            init = self._make_resident(uniq, loc, cold, admitted, seen[ok] if seen is not None else None, hint)
+            init = self._make_resident(uniq, loc, cold, admitted, seen[ok] if seen is not None else None)
             if missing.size:
                 self._sighted(uniq[missing], ok, seen)
             if admitted.size == len(uniq):  # all new (a table filling up): the values are the initial ones
@@ -1300,7 +1291,7 @@ class SparseTable:
         with self.lock:
             self._moved()
             self.eviction_epoch += 1  # every row replaced: versions read before name other values
-            self._index = IdIndex(max(self.INITIAL_INDEX, 2 * len(ids)))
+            self._index = IdIndex()
             self._store.clear()
             if self._cold is not None:
                 if self._cold.held:  # a snapshot still reads its file: leave it that file, start a new one

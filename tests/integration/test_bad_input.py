@@ -1162,12 +1162,12 @@ class TestLimits:
         env.assert_serves()
 
     def test_sparse_rows_over_memory_budget(self, make_env: Any) -> None:
-        # 1024 rows of dim 4 + adagrad state + 24 bytes of bookkeeping each (and the id index) fit, 2048 do not
+        # 1024 rows of dim 4 + adagrad state + 24 bytes of bookkeeping each (and 12 bytes of id index) fit, 2048 do not
         env = make_env(2, max_bytes=100 << 10)
-        fresh = owned_ids(1100, 0, 2)
+        fresh = owned_ids(2048, 0, 2)
         before = env.snapshot()
         rpc_error(lambda: env.raw[0].unary("PullSparse", sparse_pull_req(SPARSE_NAME, fresh)), EXHAUSTED, SPARSE_NAME, "bytes")
-        ps_error(lambda: env.client.pull_sparse(SPARSE_NAME, np.arange(10_000, 14_000)), ResourceExhaustedError,
+        ps_error(lambda: env.client.pull_sparse(SPARSE_NAME, np.arange(10_000, 18_000)), ResourceExhaustedError,
                  EXHAUSTED, SPARSE_NAME, "bytes")
         env.assert_unchanged(before)
         env.assert_serves()

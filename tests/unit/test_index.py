@@ -1,4 +1,4 @@
-"""ps/index.py IdIndex against a Python dict, through inserts, deletes, tombstone reuse and growth."""
+"""ps/index.py IdIndex against a Python dict, through inserts, deletes, revived ids and merges."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,7 +8,7 @@ from ps.index import IdIndex
 
 def test_index_matches_a_dict_under_random_operations() -> None:
     rng = np.random.default_rng(0)
-    idx, ref = IdIndex(16), {}
+    idx, ref = IdIndex(), {}
     next_row = 0
     for _ in range(300):
         ids = np.unique(rng.integers(-(2**63), 2**63 - 1, size=int(rng.integers(0, 200)), dtype=np.int64))
@@ -34,39 +34,37 @@ def test_index_matches_a_dict_under_random_operations() -> None:
     assert sorted(idx.values().tolist()) == sorted(ref.values())
 
 
-def test_ids_colliding_in_one_batch_get_their_own_slots() -> None:
-    idx = IdIndex(16)
-    ids = np.arange(10_000, dtype=np.int64)
-    idx.insert(ids, ids * 2)
-    np.testing.assert_array_equal(idx.lookup(ids[::-1]), ids[::-1] * 2)
-    assert idx.used.sum() == 10_000 and idx.nbytes == (idx.mask + 1) * 12
+def test_unsorted_batches_merges_and_exact_bytes() -> None:
+    """Batches in any order; enough ids to merge the delta into the base several times (MIN_DELTA
+    and base / 8); 12 bytes per entry and nothing else."""
+    from ps.index import MIN_DELTA
+
+    idx = IdIndex()
+    rng = np.random.default_rng(1)
+    ids = rng.permutation(np.arange(20 * MIN_DELTA, dtype=np.int64) * 3 - 7)
+    for part in np.array_split(np.arange(len(ids)), 37):
+        idx.insert(ids[part], part)
+    np.testing.assert_array_equal(idx.lookup(ids[::-1]), np.arange(len(ids))[::-1])
+    np.testing.assert_array_equal(idx.lookup(ids + 1), -1)  # neighbours of every id: absent
+    assert len(idx) == len(ids) and idx.nbytes == len(ids) * 12 and idx.grow_bytes(5) == 60
 
 
-def test_insert_from_the_lookup_hint_matches_a_dict() -> None:
-    """``locate(ends=True)`` then ``insert(start=...)`` (the probe resumes where the lookup stopped),
-    with deletions between the lookup and the insert (tombstones), a batch that forces a rebuild (the
-    hint is then ignored), and a stale epoch."""
-    rng = np.random.default_rng(3)
-    idx, ref = IdIndex(16), {}
-    nxt = 0
-    for i in range(200):
-        ids = np.unique(np.concatenate([rng.integers(0, 3000, 60), rng.integers(-(2**62), 2**62, 20)]))
-        loc, start = idx.locate(ids, ends=True)
-        np.testing.assert_array_equal(loc, [ref.get(k, -1) for k in ids.tolist()])
-        assert start is not None
-        new = loc == -1
-        assert (start[new] >= 0).all() and (start[~new] == -1).all()
-        if ref and i % 3 == 0:  # deletions between lookup and insert
-            gone = rng.choice(np.array(sorted(set(ref) - set(ids.tolist())), np.int64), 10, replace=False)
-            idx.delete(gone)
-            for g in gone.tolist():
-                del ref[g]
-        epoch = idx.epoch - (1 if i % 7 == 0 else 0)  # now and then a stale hint
-        idx.insert(ids[new], np.arange(nxt, nxt + int(new.sum())), start[new], epoch)
-        ref.update(zip(ids[new].tolist(), range(nxt, nxt + int(new.sum()))))
-        nxt += int(new.sum())
-        probe = np.concatenate([ids, rng.integers(0, 4000, 100)])
-        np.testing.assert_array_equal(idx.lookup(probe), [ref.get(k, -1) for k in probe.tolist()])
-    assert len(idx) == len(ref) and idx.epoch > 3
-    ids, rows = idx.items()
-    assert dict(zip(ids.tolist(), rows.tolist())) == ref
+def test_deleted_ids_revive_and_tombstones_are_dropped() -> None:
+    """A deleted id inserted again gets its new value (its entry revived in place, in the base or the
+    delta); deleting most ids forces a merge that gives their bytes back."""
+    from ps.index import MIN_DELTA
+
+    idx = IdIndex()
+    n = 4 * MIN_DELTA
+    idx.insert(np.arange(n), np.arange(n))  # base
+    idx.insert(np.arange(n, n + 10), np.arange(10))  # delta
+    idx.delete(np.array([3, n + 2, 10**12]))  # one in each run, one absent (ignored)
+    assert len(idx) == n + 8
+    np.testing.assert_array_equal(idx.lookup(np.array([3, n + 2, 4])), [-1, -1, 4])
+    idx.insert(np.array([n + 2, 3]), np.array([77, 88]))
+    np.testing.assert_array_equal(idx.lookup(np.array([3, n + 2])), [88, 77])
+    assert len(idx) == n + 10 and idx.nbytes == (n + 10) * 12
+    idx.delete(np.arange(n))  # most of it: merged, tombstones dropped
+    assert len(idx) == 10 and idx.nbytes == 10 * 12
+    ids, vals = idx.items()
+    assert dict(zip(ids.tolist(), vals.tolist())) == {n + i: i for i in range(10) if i != 2} | {n + 2: 77}
