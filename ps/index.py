@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["BYTES_PER_ENTRY", "IdIndex", "VALUE_MAX", "VALUE_MIN"]
+__all__ = ["BYTES_PER_ENTRY", "VALUE_MAX", "VALUE_MIN", "IdIndex"]
 
 # The int32 value also marks deleted entries; values are rows (>= 0) or a table's negative
 # location codes (the disk tier's slots), always above the marker.
