@@ -177,7 +177,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_copier)
 
 
-def _copy_block(out: "_Block", base: "_Block") -> None:
+def _copy_block(out: _Block, base: _Block) -> None:
     out.param.copy_(base.param)
     for name, v in base.state.items():
         out.state[name].copy_(v)
@@ -464,7 +464,7 @@ class DenseUpdate:
         else:
             t._compute(k, base, data, self.op, self._opt, self._version + 1, out)
 
-    def _take(self, k: int) -> "_Block | None":
+    def _take(self, k: int) -> _Block | None:
         """The block a prefetch copied block ``k``'s base into (waited for), if one did; prefetches
         of other blocks (chunks out of order) are dropped."""
         got = None
