@@ -21,6 +21,7 @@ Not thread-safe: the owning table's lock guards it. Pure torch/numpy.
 """
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import tempfile
@@ -48,8 +49,9 @@ class Column:
         return max(1, self.width) * _itemsize(self.dtype)
 
 
+@functools.lru_cache(maxsize=None)
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    return torch.empty(0, dtype=dtype).element_size()  # (a tensor per call: memory accounting asks on every request)
 
 
 def chunk_rows_for(row_nbytes: int, chunk_bytes: int = 32 << 20, lo: int = 1024, hi: int = 1 << 20) -> int:
