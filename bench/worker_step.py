@@ -66,6 +66,11 @@ Transport (``--transport``): the shards serve their bulk port and the workers us
 same CPU over the one-process run that spends the least CPU per example (one torch thread, as a
 rule), where ``cpu_per_example_ratio`` uses the faster baseline (which may be the 2-thread one).
 
+Hot-row cache (``--emb-cache-rows N``, default off): async once more per repeat with each worker's
+``worker.emb_cache`` of N rows, refreshed every ``--emb-cache-staleness`` steps (``tessera worker
+--emb-cache-rows``), as ``async_cache``: ``async_vs_local_cache``, ``cpu_per_example_ratio_cache``,
+``cache_hit_rate`` (lookups) and ``cache_row_hit_rate`` (unique rows of a step).
+
 DDP ranks are left to exit without tearing the process group down (torch
 2.13 can deadlock freeing a DDP ``ProcessGroupGloo``: its destructor joins
 Gloo's work thread while holding the GIL that thread may need).

@@ -28,12 +28,12 @@ def _in_session(sid: int) -> set[int]:
     return out
 
 
-def run_quick(script: str, json_out: str, timeout: float) -> tuple[dict[str, Any], str]:
-    """Run ``bench/<script> --quick``: (its final JSON figures, its stdout). Fails the test if it
+def run_quick(script: str, json_out: str, timeout: float, extra: tuple[str, ...] = ()) -> tuple[dict[str, Any], str]:
+    """Run ``bench/<script> --quick`` (and ``extra`` arguments): (its final JSON figures, its stdout). Fails the test if it
     does not finish in ``timeout`` s, exits non-zero, prints other JSON than it wrote, or leaves a
     process behind (shards, workers, load clients: every process it started is in its session)."""
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "bench", script), "--quick", "--json-out", json_out],
+        [sys.executable, os.path.join(ROOT, "bench", script), "--quick", "--json-out", json_out, *extra],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     try:

@@ -25,7 +25,7 @@ def close(a: float, b: float, rel: float = 0.02) -> bool:
 
 def test_worker_step_quick(tmp_path) -> None:
     out = tmp_path / "r.json"
-    last, stdout = run_quick("worker_step.py", str(out), timeout=110)
+    last, stdout = run_quick("worker_step.py", str(out), timeout=110, extra=("--emb-cache-rows", "2000"))
     for k in KEYS:
         assert k in last, k
         assert last[k] > 0, (k, last[k])
@@ -53,3 +53,7 @@ def test_worker_step_quick(tmp_path) -> None:
     # the baseline is the faster of 1 thread and 2 (the cores the cluster used); DDP ran after the shards exited
     assert close(last["local_eps_span"], max(v for k, v in last.items() if k.startswith("local_") and k.endswith("t_eps_span")))
     assert last["ddp_after_shards_exit"] is True
+    # --emb-cache-rows: async again with each worker's hot-row cache; its figures by the same formulas
+    assert last["cache_rows"] == 2000 and 0 <= last["cache_row_hit_rate"] <= 1 and 0 <= last["cache_hit_rate"] <= 1
+    assert close(last["async_vs_local_cache"], last["async_cache_eps_span"] / last["local_eps_span"])
+    assert last["cpu_per_example_ratio_cache"] > 0
