@@ -4,10 +4,11 @@ Two sorted runs, as a log-structured merge of two levels: a large ``base`` and a
 that new ids are merged into (one ``np.insert``, O(len(delta))); when the delta grows past an
 eighth of the base (and past ``MIN_DELTA``), it is merged into the base (O(n), so O(8) copies per
 id over its life). A lookup is a binary search in each run: O(log n) per id, vectorized, and its
-cost does not depend on the ids' values (no hash to flood: ids come from the network). The ids a
-shard looks up are sorted (what ``PSClient`` sends), so the searches walk the arrays in order:
-~4x a vectorized open-addressing hash's speed on this workload (2,700 ids in a 360k-id index:
-60 against 240 us), and 12 bytes per id with no empty slots.
+cost does not depend on the ids' values (no hash to flood: ids come from the network). 12 bytes
+per id, no empty slots (a hash table kept half full takes 24-48). Speed against the vectorized
+open-addressing hash this replaced (bench/RESULTS.md): inserts 1.3-2.3x faster on a growing table
+(no rebuilds), lookups ~20% faster with warm caches but ~1.6x slower with cold ones (a bisection's
+loads depend on each other); a served shard spends the same either way.
 
 A key is in at most one run. Deletion marks the value (a tombstone) in place; inserting a deleted
 id again revives its entry; tombstones are dropped at the next merge (a merge is also forced when
