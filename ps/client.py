@@ -68,6 +68,9 @@ __all__ = ["ChangedRows", "DenseResult", "PSClient", "StepResult"]
 T = TypeVar("T")
 
 
+_GROUPS_KEPT = 4  # groupings of recent id arrays kept per sparse table (PSClient._group)
+
+
 @dataclass(frozen=True)
 class DenseResult:
     """Outcome of a dense push: per-shard slice versions after it, and staleness when known."""
@@ -198,7 +201,8 @@ class PSClient:
         self._dense: dict[str, _Dense] = {}
         self._sparse: dict[str, _Sparse] = {}
         self._meta_lock = threading.Lock()
-        self._last_group: dict[str, tuple[_Sparse, np.ndarray, Any]] = {}  # per sparse table: its last _group
+        # per sparse table: its last few _group results (a trainer pushes the rows it pulled 1-2 steps before)
+        self._last_group: dict[str, list[tuple[_Sparse, np.ndarray, Any]]] = {}
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -596,9 +600,10 @@ class PSClient:
         meta = self._sparse_meta(name)
         spec = meta.spec
         arr = _ids(ids, name)
-        last = self._last_group.get(name)
-        if last is not None and last[0] is meta and last[1].shape == arr.shape and np.array_equal(last[1], arr):
-            return last[2]  # the ids grouped last time (a push of the rows the last pull fetched): no hashing again
+        recent = self._last_group.setdefault(name, [])
+        for m, kept_ids, grouped in reversed(recent):
+            if m is meta and kept_ids.shape == arr.shape and np.array_equal(kept_ids, arr):
+                return grouped  # ids grouped lately (a push of rows a recent pull fetched): no hashing again
         if arr.size and bool(np.all(arr[1:] > arr[:-1])):
             uniq, inverse = arr, np.arange(arr.size)  # unique and sorted already (PSEmbedding's ids): no sort
         else:
@@ -620,7 +625,8 @@ class PSClient:
             groups.append([idx[j : j + per_req] for j in range(0, len(idx), per_req)])
         out = (spec, uniq, inverse.reshape(-1), groups)
         kept = arr.copy()  # not the caller's array, which may change after this call (uniq may be it)
-        self._last_group[name] = (meta, kept, (spec, kept if uniq is arr else uniq, *out[2:]))  # callers only read it
+        recent.append((meta, kept, (spec, kept if uniq is arr else uniq, *out[2:])))  # callers only read it
+        del recent[:-_GROUPS_KEPT]
         return out
 
     def pull_sparse(

@@ -140,3 +140,29 @@ def test_default_budget_bounds_a_shard(inproc_cluster) -> None:
     assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "huge" in e.details(), e.details()
     assert cluster.shards[0].tables == {}
     c.create_dense("small", 4)  # still serving
+
+
+def test_the_client_keeps_its_last_four_id_groupings_per_table(inproc_cluster, monkeypatch) -> None:
+    """PSClient remembers how it split its last 4 id arrays of a table among the shards: a push of rows
+    pulled 1-3 pulls before (a trainer pushing step t while it pulls t + 2) hashes nothing again, and
+    the memory is bounded (4 per table, whatever the number of distinct batches). Reference: the same
+    pulls and pushes give the rows a fresh client reads back."""
+    cluster = inproc_cluster(2)
+    c = cluster.client(worker="a", timeout=10)
+    c.create_sparse("s", 4, "sgd", lr=1.0)
+    hashed = []
+    slots = c._sparse_meta("s").slots  # the client's own slot map (the shards have theirs)
+    real = slots.shard_of
+    monkeypatch.setattr(slots, "shard_of", lambda ids: hashed.append(len(ids)) or real(ids))
+    batches = [np.arange(10 * i, 10 * i + 10, dtype=np.int64) for i in range(9)]
+    for ids in batches:
+        c.pull_sparse("s", ids)
+    assert len(hashed) == 9 and len(c._last_group["s"]) == 4
+    for ids in batches[-4:]:  # pulled lately: grouped already
+        c.push_sparse("s", ids, np.ones((10, 4), np.float32))
+    assert len(hashed) == 9
+    c.push_sparse("s", batches[0], np.ones((10, 4), np.float32))  # forgotten: hashed again
+    assert len(hashed) == 10 and len(c._last_group["s"]) == 4
+    fresh = cluster.client(worker="b", timeout=10)
+    got = fresh.pull_sparse("s", np.concatenate([batches[0], batches[-1], batches[4]]))
+    np.testing.assert_allclose(got, np.concatenate([-np.ones((20, 4)), np.zeros((10, 4))]), atol=0.05)
