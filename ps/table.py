@@ -153,10 +153,8 @@ def _unreferenced(holder: list[_Block], i: int) -> bool:
 _EARLY_BLOCKS = 8
 # copies a block's base into its new block ahead of its chunk (DenseUpdate computing early): the copy
 # is a third of an out-of-place Adam's memory traffic, and runs on another core meanwhile. Made on first
-# use in each process (a forked child has none of its parent's threads).
+# use in each process: a forked child has none of its parent's threads (nor a lock one of them held).
 _COPIER: ThreadPoolExecutor | None = None
-
-
 _COPIER_LOCK = threading.Lock()
 
 
@@ -169,8 +167,8 @@ def _copier() -> ThreadPoolExecutor:
 
 
 def _forget_copier() -> None:
-    global _COPIER
-    _COPIER = None
+    global _COPIER, _COPIER_LOCK
+    _COPIER, _COPIER_LOCK = None, threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
