@@ -214,7 +214,10 @@ def fedbuff_experiment(rounds_avg: int, rounds_buff: int, target: float, pad: fl
                            client_config=dict(task.client_config, epochs=1), wait_timeout=60)
         srv = FedServer(cfg, make_strategy(strategy, **params), task.initial_weights(), task.evaluator())
         port = srv.start()
-        node = start_node(f"127.0.0.1:{port}", lambda cid: Padded(task.client(parts[int(cid[-1])]), 5.0 if cid.endswith("/0") else 1.0),
+        # kept clients run on whichever worker thread is free: each needs a model of its own (the
+        # per-thread shared model raced between two threads training it: a CI run's heap corruption)
+        node = start_node(f"127.0.0.1:{port}", lambda cid: Padded(task.client(parts[int(cid[-1])], shared_model=False),
+                                                                  5.0 if cid.endswith("/0") else 1.0),
                           [f"sim/{i}" for i in range(n)], workers=n, keep_clients=True, backoff_max=0.5)
         th = threading.Thread(target=node.run, daemon=True)
         th.start()

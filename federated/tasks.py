@@ -103,7 +103,10 @@ class FedTask:
         return m
 
     def client(self, indices: np.ndarray, seed: int = 0, shared_model: bool = True) -> TorchClient:
-        """A TorchClient over the training samples ``indices``."""
+        """A TorchClient over the training samples ``indices``. ``shared_model``: it trains the calling
+        thread's model (one per thread, reused by every client made on that thread: for clients made
+        and used on one thread, as the simulation's runtime does); False for a client kept and run
+        from other threads (``keep_clients``), which needs a model of its own."""
         x_tr, y_tr, _, _ = self.split
         if len(indices) == 0:
             raise ConfigError(f"task {self.name}: a client needs at least one example")

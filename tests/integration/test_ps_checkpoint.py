@@ -218,7 +218,11 @@ def test_cluster_checkpoint_is_one_cut_at_one_clock(inproc_cluster, tmp_path) ->
     for t in threads:
         t.start()
     try:
-        time.sleep(0.5)
+        # the checkpoint comes once both workers have trained a few rounds (a fixed sleep was not
+        # always enough on a loaded machine: the cut then fell at clock 0)
+        deadline = time.monotonic() + 30
+        while min(sh.dense("w").version for sh in cluster.shards) < 3 and time.monotonic() < deadline and not errors:
+            time.sleep(0.02)
         got = admin.checkpoint()
     finally:
         stop.set()
