@@ -120,8 +120,8 @@ class IdIndex:
     def _slots(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(base positions, mask, delta positions, mask) of ``ids``' live entries."""
         pb, hb, pd, hd = self._find(np.ascontiguousarray(ids, np.int64))
-        hb &= self._bv[pb] != _TOMB if len(self._bv) else hb
-        hd &= self._dv[pd] != _TOMB if len(self._dv) else hd
+        hb[hb] = self._bv[pb[hb]] != _TOMB
+        hd[hd] = self._dv[pd[hd]] != _TOMB
         return pb, hb, pd, hd
 
     def assign(self, ids: np.ndarray, rows: np.ndarray) -> None:
