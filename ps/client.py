@@ -51,6 +51,7 @@ from ps.stub import CallPolicy, ShardStub
 from ps.table import PushResult
 from ps.wire import (
     frame,
+    frame_pieces,
     info_from_proto,
     membership_from_proto,
     policy_to_proto,
@@ -223,7 +224,7 @@ class PSClient:
             s.wait_ready(timeout)
 
     # ------------------------------------------------------------------ plumbing
-    def _call(self, shard: int, method: str, request: bytes, table: str | None = None) -> bytes:
+    def _call(self, shard: int, method: str, request: Any, table: str | None = None) -> bytes:
         return self._shards[shard].call(method, request, table)
 
     def _count_rows(self, table: str, n: int) -> None:
@@ -525,7 +526,7 @@ class PSClient:
             s = self._shards[i]
             seq = next(self._seq)
 
-            def requests() -> Iterator[bytes]:
+            def requests() -> Iterator[Any]:
                 for off in range(0, stop - start, chunk):
                     part = wdata[(start + off) * item : min(stop, start + off + chunk) * item]
                     head = pb.DenseChunk(offset=off, dtype=wdtype)
@@ -539,7 +540,7 @@ class PSClient:
                         if sync is not None:
                             head.sync.CopyFrom(sync)
                     head.last = off + chunk >= stop - start
-                    yield frame(head, data=part)
+                    yield frame_pieces(head, data=part)  # (views of wdata: sent as they are over bulk)
 
             def attempt() -> tuple[int, int, bool, int]:
                 version = staleness = clock = -1
@@ -907,7 +908,7 @@ class PSClient:
             head = pb.StepRequest(worker=self.worker, client=self.client_id, dtype=wire)
             head.parts.extend(part for part, _ in reqs[i])
             pieces = [x for _, ps in reqs[i] for x in ps]
-            raw = frame(head, data=pieces)  # one copy of the pieces, into the message
+            raw = frame_pieces(head, data=pieces)  # (not copied: bulk sends them as they are, gRPC joins)
             msg, pl = unframe(pb.StepReply, self._call(i, "Step", raw))
             if len(msg.parts) != len(reqs[i]):
                 raise InternalError(f"shard {self._shards[i].label}: Step answered {len(msg.parts)} of {len(reqs[i])} parts")

@@ -34,6 +34,7 @@ from ps.table import ASSIGN, GRADIENT, DenseTable
 from ps.wire import (
     ERRORS,
     frame,
+    frame_pieces,
     info_to_proto,
     membership_to_proto,
     policy_from_proto,
@@ -41,7 +42,7 @@ from ps.wire import (
     stats_to_proto,
     unframe,
 )
-from tessera.codec import DTYPES, WIRE_FLOAT_DTYPES, CodecError, as_float32, byte_view, from_wire, to_wire
+from tessera.codec import DTYPES, WIRE_FLOAT_DTYPES, CodecError, Packed, as_float32, byte_view, from_wire, to_wire
 from tessera.service import ANONYMOUS, Access, Caller, ClientSecurity, ServerSecurity
 from tessera.v1 import ps_pb2 as pb
 
@@ -142,8 +143,8 @@ class PSServicer:
         except CodecError as e:
             raise MalformedMessageError(f"{cls.__name__}: {e}") from None
 
-    def _out(self, data: bytes) -> bytes:
-        self.shard.bytes_out += len(data)
+    def _out(self, data: Any) -> Any:
+        self.shard.bytes_out += data.nbytes if isinstance(data, Packed) else len(data)
         return data
 
     def handlers(self) -> grpc.GenericRpcHandler:
@@ -362,7 +363,7 @@ class PSServicer:
                         if block is not None:
                             early_sent += 1
                             head = pb.DenseChunk(offset=msg.offset, dtype=reply_dtype, early=True)
-                            yield self._out(frame(head, data=to_wire(block, reply_dtype)[1]))
+                            yield self._out(frame_pieces(head, data=to_wire(block, reply_dtype)[1]))
                     if msg.last:
                         last = True
                         break  # commit now; never depend on how the stream ends
@@ -389,7 +390,7 @@ class PSServicer:
         if want and not early_final:
             _, blocks = table.snapshot()
             for k, block in enumerate(blocks):
-                yield self._out(frame(pb.DenseChunk(offset=k * table.chunk_elems, dtype=reply_dtype), data=to_wire(block, reply_dtype)[1]))
+                yield self._out(frame_pieces(pb.DenseChunk(offset=k * table.chunk_elems, dtype=reply_dtype), data=to_wire(block, reply_dtype)[1]))
         yield self._out(
             pb.DenseChunk(
                 table=table.spec.name, version=result.version, staleness=result.max_staleness,
@@ -439,7 +440,7 @@ class PSServicer:
         version, blocks = table.snapshot()
         for k, block in enumerate(blocks):
             head = pb.DenseChunk(offset=k * table.chunk_elems, dtype=dtype, version=version, clock=clock)
-            yield self._out(frame(head, data=to_wire(block, dtype)[1]))
+            yield self._out(frame_pieces(head, data=to_wire(block, dtype)[1]))
 
     # ------------------------------------------------------------------ step
     def Step(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
@@ -476,7 +477,7 @@ class PSServicer:
                 r.data_at, at = at, at + piece.nbytes
                 r.versions_at, at = at, at + o.versions.nbytes
                 pieces += [piece, byte_view(o.versions)]
-        return self._out(frame(reply, data=pieces))  # the pieces copied once, into the message
+        return self._out(frame_pieces(reply, data=pieces))  # (not copied: bulk sends them as they are, gRPC joins)
 
     # ------------------------------------------------------------------ sparse
     def PullSparse(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
@@ -512,7 +513,7 @@ class PSServicer:
             changed = np.flatnonzero(versions != known)
             if len(changed) < len(ids):
                 values = values[changed]  # a torch tensor (or array) of the rows as stored
-        return self._out(frame(head, versions=byte_view(versions), data=to_wire(values, dtype)[1]))
+        return self._out(frame_pieces(head, versions=byte_view(versions), data=to_wire(values, dtype)[1]))
 
     def PushSparse(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, pl = self._decode(pb.PushSparseRequest, raw)

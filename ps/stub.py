@@ -28,6 +28,7 @@ import grpc
 from ps.errors import InternalError, PSError, ShardUnavailableError
 from ps.wire import ERRORS
 from tessera.bulk import BulkChannel
+from tessera.codec import as_bytes
 from tessera.service import ClientSecurity, client_channel
 from tessera.v1 import ps_pb2 as pb
 
@@ -78,10 +79,11 @@ class _Replica:
         self.channel = client_channel(address, security, options)
         if interceptors:
             self.channel = grpc.intercept_channel(self.channel, *interceptors)
+        # a request may be a codec.Packed (its pieces, which the bulk channel sends as they are): gRPC joins it
         self._grpc = (
-            {m: self.channel.unary_unary(SERVICE + m) for m in _UNARY},
-            self.channel.stream_stream(SERVICE + "PushDense"),
-            self.channel.unary_stream(SERVICE + "PullDense"),
+            {m: self.channel.unary_unary(SERVICE + m, request_serializer=as_bytes) for m in _UNARY},
+            self.channel.stream_stream(SERVICE + "PushDense", request_serializer=as_bytes),
+            self.channel.unary_stream(SERVICE + "PullDense", request_serializer=as_bytes),
         )
         self.unary, self.push_dense, self.pull_dense = dict(self._grpc[0]), self._grpc[1], self._grpc[2]
         # interceptors (a delay, for experiments) act on gRPC calls only: with them, every call stays on gRPC
@@ -186,8 +188,8 @@ class ShardStub:
             raise ShardUnavailableError(f"shard {self.label} not reachable within {timeout} s") from None
 
     # ------------------------------------------------------------------ calls
-    def call(self, method: str, request: bytes, table: str | None = None) -> bytes:
-        """Unary ``method`` (a name in the .proto) with ``request`` bytes: the reply's bytes.
+    def call(self, method: str, request: Any, table: str | None = None) -> bytes:
+        """Unary ``method`` (a name in the .proto) with ``request`` (bytes, or a codec.Packed): the reply's bytes.
         Deadline and retries per ``policy``; errors raised typed (naming ``table`` where given)."""
         return self.retry(lambda: self._current().unary[method](request, timeout=self.policy.timeout), table)
 
@@ -196,7 +198,7 @@ class ShardStub:
         r.resolve(self.policy.timeout)
         return r
 
-    def push_dense(self, requests: Iterator[bytes]) -> Iterator[bytes]:
+    def push_dense(self, requests: Iterator[Any]) -> Iterator[bytes]:
         """The PushDense stream of the current primary (one attempt; wrap it in ``retry``)."""
         return self._current().push_dense(requests, timeout=self.policy.timeout)
 

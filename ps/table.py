@@ -15,13 +15,11 @@ Thread-safety: each table has one lock; methods take it themselves.
 """
 from __future__ import annotations
 
-import os
 import secrets
 import sys
 import threading
 import warnings
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Container, Iterator, Mapping, Sized
 
@@ -151,40 +149,6 @@ def _unreferenced(holder: list[_Block], i: int) -> bool:
 # 1 MiB took ~2-3 ms longer computed early. (Handing the chunks to worker threads was tried and
 # dropped: a forked child's push failed now and then, and the gain was not resolved on 2 cores.)
 _EARLY_BLOCKS = 8
-# copies a block's base into its new block ahead of its chunk (DenseUpdate computing early): the copy
-# is a third of an out-of-place Adam's memory traffic, and runs on another core meanwhile. Made on first
-# use in each process: a forked child has none of its parent's threads (nor a lock one of them held).
-_COPIER: ThreadPoolExecutor | None = None
-_COPIER_LOCK = threading.Lock()
-
-
-def _copier() -> ThreadPoolExecutor:
-    global _COPIER
-    with _COPIER_LOCK:
-        if _COPIER is None:
-            _COPIER = ThreadPoolExecutor(1, thread_name_prefix="ps-dense-copy")
-        return _COPIER
-
-
-def _forget_copier() -> None:
-    global _COPIER, _COPIER_LOCK
-    _COPIER, _COPIER_LOCK = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_copier)
-
-
-def _copy_block(out: _Block, base: _Block) -> None:
-    out.param.copy_(base.param)
-    for name, v in base.state.items():
-        out.state[name].copy_(v)
-
-
-def _copies_first(opt: Optimizer) -> bool:
-    """Does ``opt.update_into`` copy, then update in place (the base class's way)? Then a prefetched copy
-    leaves one in-place pass."""
-    return type(opt).update_into is Optimizer.update_into
 
 
 def _readonly_tensor(data: np.ndarray) -> torch.Tensor:
@@ -414,9 +378,6 @@ class DenseUpdate:
         self._version = 0
         self._opt: Optimizer = table.optimizer
         self._early = False
-        # computing early: the next block's base copied into its new block on the copier thread while
-        # this chunk computes and the next one arrives ({k: (copy done, the block)}; at most one)
-        self._pre: dict[int, tuple[Future, _Block]] = {}
         # set by commit(): the blocks it swapped in are the ones computed early (early_block's values)
         self.early_final = False
 
@@ -447,34 +408,10 @@ class DenseUpdate:
                 t._early, self._early = None, False
                 return
             base = t._blocks[k]  # held while read: not reused under us
-            after = None
-            if self.op == GRADIENT and _copies_first(self._opt) and k + 1 < t.num_blocks and k + 1 not in self.staged:
-                after = t._blocks[k + 1]
-        pre = self._take(k)
-        out = pre or self._out.get(k) or t._spare(k)
+        out = self._out.get(k) or t._spare(k)
         self._out[k] = out
         self._computed.add(k)
-        if after is not None and k + 1 not in self._out:
-            nxt = t._spare(k + 1)
-            self._pre[k + 1] = (_copier().submit(_copy_block, nxt, after), nxt)
-        if pre is not None:  # base already copied into it: the optimizer in place, one pass
-            self._opt.update(out.param, _readonly_tensor(data), out.state, self._version + 1)
-        else:
-            t._compute(k, base, data, self.op, self._opt, self._version + 1, out)
-
-    def _take(self, k: int) -> _Block | None:
-        """The block a prefetch copied block ``k``'s base into (waited for), if one did; prefetches
-        of other blocks (chunks out of order) are dropped."""
-        got = None
-        for j in list(self._pre):
-            fut, block = self._pre.pop(j)
-            fut.result()
-            if j == k:
-                got = block
-            else:
-                with self.table.lock:
-                    self.table._keep_spare(j, block)
-        return got
+        t._compute(k, base, data, self.op, self._opt, self._version + 1, out)
 
     def early_block(self, k: int) -> torch.Tensor | None:
         """Block ``k``'s new values if this push computed it early (as its chunk arrived, from the
@@ -487,7 +424,6 @@ class DenseUpdate:
 
     def _stop_early(self) -> None:
         t = self.table
-        self._take(-1)  # an in-flight copy ends first; its block becomes a spare
         if self._early:
             with t.lock:
                 if t._early is not None and t._early() is self:

@@ -32,7 +32,7 @@ from ps.errors import (
     with_table,
 )
 from ps.shard import MembershipView, ShardStats, TableInfo, TableStats, WorkerStats
-from tessera.codec import CodecError, pack, unpack
+from tessera.codec import CodecError, Packed, pack, unpack
 from tessera.service import ErrorTable
 from tessera.v1 import ps_pb2 as pb
 
@@ -42,6 +42,7 @@ __all__ = [
     "ERRORS",
     "BULK",
     "frame",
+    "frame_pieces",
     "unframe",
     "spec_to_proto",
     "spec_from_proto",
@@ -83,6 +84,14 @@ def frame(msg: Any, **bulk: Any) -> bytes:
     One copy of the bulk bytes; the result is ordinary protobuf wire format."""
     numbers = _NUMBERS[type(msg)]
     return pack(msg, {numbers[k]: v for k, v in bulk.items()})
+
+
+def frame_pieces(msg: Any, **bulk: Any) -> Packed:
+    """``frame``'s message as its pieces (no copy: views of the bulk buffers, which must not change
+    until it is sent). The PS's stubs and servers send it over either transport: tessera.bulk as
+    is, gRPC joined (``tessera.codec.as_bytes`` as the serializer)."""
+    numbers = _NUMBERS[type(msg)]
+    return pack(msg, {numbers[k]: v for k, v in bulk.items()}, joined=False)  # type: ignore[no-any-return]
 
 
 def unframe(cls: type[M], raw: bytes) -> tuple[M, dict[str, memoryview]]:

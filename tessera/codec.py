@@ -25,6 +25,8 @@ __all__ = [
     "CodecError",
     "DTYPES",
     "WIRE_FLOAT_DTYPES",
+    "Packed",
+    "as_bytes",
     "pack",
     "unpack",
     "to_wire",
@@ -87,8 +89,31 @@ def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
         shift += 7
 
 
-def pack(msg: Message, payloads: Mapping[int, Any] | None = None) -> bytes:
-    """Serialize ``msg`` plus bulk ``bytes`` fields given as buffers, with one copy.
+class Packed(tuple):
+    """A message as its pieces, not yet joined: the protobuf bytes of its small fields, then each
+    bulk field's tag, length and buffers (``pack(..., joined=False)``). ``nbytes`` is the message's
+    size, ``join()`` the message. tessera.bulk sends the pieces as they are (no copy); a gRPC call
+    needs bytes: ``as_bytes`` is the serializer that joins them there. The buffers are views of the
+    caller's arrays: they must not change until the message is sent."""
+
+    __slots__ = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(len(p) for p in self)
+
+    def join(self) -> bytes:
+        return b"".join(self)
+
+
+def as_bytes(message: Any) -> Any:
+    """``message`` as bytes where it is a Packed (joined: the one copy); anything else as it is."""
+    return message.join() if isinstance(message, Packed) else message
+
+
+def pack(msg: Message, payloads: Mapping[int, Any] | None = None, joined: bool = True) -> Any:
+    """Serialize ``msg`` plus bulk ``bytes`` fields given as buffers, with one copy (``joined``) or
+    none (``joined=False``: a Packed of the pieces).
 
     ``payloads`` maps field number -> bytes-like (bytes, memoryview, contiguous
     numpy array), or a list or tuple of them: one field holding their bytes one
@@ -101,7 +126,7 @@ def pack(msg: Message, payloads: Mapping[int, Any] | None = None) -> bytes:
         parts.append(_varint((field << 3) | 2))
         parts.append(_varint(sum(len(v) for v in views)))
         parts.extend(views)
-    return b"".join(parts)
+    return b"".join(parts) if joined else Packed(parts)
 
 
 def _bytes_of(data: Any) -> Any:

@@ -40,6 +40,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tessera.codec import Packed
+
 __all__ = [
     "FED_METRICS",
     "RPC_METRICS",
@@ -132,7 +134,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
 
         def serialize(message: Any) -> bytes:
             data = handler.response_serializer(message) if handler.response_serializer else message
-            sent.inc(len(data))
+            sent.inc(data.nbytes if isinstance(data, Packed) else len(data))  # (Packed: tessera.bulk sends its pieces)
             return data
 
         def finish(t0: float, context: Any, failed: bool) -> None:

@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import grpc
 
+from tessera.codec import as_bytes
 from tessera.rpc import channel_options, server_options
 from tessera.security import TOKEN_HEADER, _read, _token_from
 
@@ -409,6 +410,26 @@ class Access:
 
 
 # ---------------------------------------------------------------------- servers
+class _JoinPacked(grpc.ServerInterceptor):
+    """gRPC's serializer for replies a handler gives as a codec.Packed (its pieces, not joined: what
+    tessera.bulk sends as they are): joined into bytes, the one copy. Outermost, so the interceptors
+    inside (metrics) see the reply as the handler gave it."""
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
+        h = continuation(details)
+        if h is None or not (h.unary_unary or h.unary_stream or h.stream_unary or h.stream_stream):
+            return h
+        ser = h.response_serializer
+
+        def serialize(message: Any) -> Any:
+            return as_bytes(ser(message) if ser is not None else message)
+
+        return h._replace(response_serializer=serialize)
+
+
+_JOIN_PACKED = _JoinPacked()
+
+
 def build_server(
     handlers: Sequence[grpc.GenericRpcHandler], host: str, port: int, security: ServerSecurity,
     max_workers: int = 64, max_message_bytes: int = 64 << 20, service_names: Sequence[str] = (),
@@ -422,8 +443,8 @@ def build_server(
     security.check(host)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
-        # outermost: every call is counted (requests, bytes, latency by method and code), refusals too
-        interceptors=[MetricsInterceptor(name), *interceptors],
+        # then every call is counted (requests, bytes, latency by method and code), refusals too
+        interceptors=[_JOIN_PACKED, MetricsInterceptor(name), *interceptors],
         options=server_options(max_message_bytes) + list(extra_options),
     )
     server.add_generic_rpc_handlers(tuple(handlers))

@@ -20,7 +20,8 @@ import pytest
 
 from ps.errors import TableNotFoundError
 from ps.wire import ERRORS
-from tessera.bulk import _PREFIX, BulkCallError, BulkChannel, _pack, serve_bulk
+from tessera.bulk import _PREFIX, _SMALL, BulkCallError, BulkChannel, _pack, _recv, _send, serve_bulk
+from tessera.codec import Packed, as_bytes
 from tessera.service import (
     Access,
     BindError,
@@ -90,14 +91,29 @@ class Handlers:
         finally:
             self.watch_done.set()
 
+    def packed(self, request: bytes, context: Any) -> Packed:
+        return Packed(_pieces(int(bytes(request).decode())))
+
     def generic(self) -> grpc.GenericRpcHandler:
         uu, us = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
         ss, su = grpc.stream_stream_rpc_method_handler, grpc.stream_unary_rpc_method_handler
         return grpc.method_handlers_generic_handler(SVC, {
             "Echo": uu(self.echo), "Reverse": uu(self.reverse), "Split": us(self.split), "Pipe": ss(self.pipe),
             "Total": su(self.total), "NotFound": uu(self.not_found), "Boom": uu(self.boom), "Sleep": uu(self.sleep),
-            "WhoAmI": uu(self.whoami), "Watched": ss(self.watched),
+            "WhoAmI": uu(self.whoami), "Watched": ss(self.watched), "Packed": uu(self.packed),
         })
+
+
+def _pieces(n: int) -> list[Any]:
+    """A message's pieces as codec.pack gives them: small bytes, then big and small typed buffers
+    (about ``n`` bytes in all, of odd sizes)."""
+    rng = np.random.default_rng(n)
+    return [b"head", rng.integers(0, 255, n // 2 + 3, dtype=np.uint8).data, np.arange(7, dtype=np.float32),
+            rng.standard_normal(n // 8 + 1).astype(np.float32), b"", b"tail" * 100]
+
+
+def _joined(pieces: list[Any]) -> bytes:
+    return b"".join(memoryview(p).cast("B") for p in pieces)
 
 
 def _access(sec: ServerSecurity) -> Access:
@@ -708,3 +724,77 @@ def test_both_ends_give_up_on_a_silent_peer_within_seconds() -> None:
                 assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 6000
     finally:
         bulk.stop()
+
+
+def _no_join(monkeypatch: pytest.MonkeyPatch) -> None:
+    def join(self: Packed) -> bytes:
+        raise AssertionError("a Packed message was joined (copied) on its way over bulk")
+
+    monkeypatch.setattr(Packed, "join", join)
+
+
+@pytest.mark.parametrize("n", [100, 3 << 20])
+def test_a_packed_message_goes_over_bulk_as_its_pieces(pair: Any, monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """A codec.Packed request, and a Packed reply from the handler: bulk sends the pieces without
+    joining them (Packed.join raises here), gRPC joins them (the stub's serializer, the server's
+    outermost interceptor). Reference: the pieces' bytes joined by the test; both transports give them."""
+    _, g, b, _ = pair
+    want = _joined(_pieces(n))
+    with monkeypatch.context() as m:
+        _no_join(m)
+        assert bytes(b.unary_unary(_m("Echo"))(Packed(_pieces(n)), timeout=10)) == want
+        assert bytes(b.unary_unary(_m("Packed"))(str(n).encode(), timeout=10)) == want
+    assert g.unary_unary(_m("Echo"), request_serializer=as_bytes)(Packed(_pieces(n)), timeout=10) == want
+    assert g.unary_unary(_m("Packed"))(str(n).encode(), timeout=10) == want
+
+
+def test_a_packed_body_sent_in_parts_arrives_whole() -> None:
+    """Over a socket whose buffers hold far less than the message (sendmsg then sends part of its
+    pieces each time), a reader that takes it in small reads gets every byte in order (reference:
+    the pieces joined), and the frame's length is the pieces' bytes; the body is a buffer, not zeroed first."""
+    a, c = socket.socketpair()
+    try:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+        pieces = _pieces(5 << 20) + [np.ones(3, np.int64)] * 700  # more pieces than one sendmsg takes
+        got: list[Any] = []
+        reader = threading.Thread(target=lambda: got.append(_recv(c.makefile("rb", buffering=1 << 12), 64 << 20)))
+        reader.start()
+        _send(a, {"x": 1}, Packed(pieces))
+        reader.join(10)
+        header, body = got[0]
+        assert header == {"x": 1} and bytes(body) == _joined(pieces) and len(body) > _SMALL
+    finally:
+        a.close()
+        c.close()
+
+
+def test_a_socket_timeout_bounds_a_packed_send_as_a_whole() -> None:
+    """A TCP peer that reads 64 KiB every 0.1 s: sending 64 MiB of pieces with a 0.5 s socket
+    timeout fails with a TimeoutError within about that time (reference: sendall's bound), not after
+    a fresh 0.5 s for each partial write (each one makes progress: that would take ~100 s)."""
+    lsn = socket.create_server(("127.0.0.1", 0))
+    lsn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    a = socket.socket()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)  # small buffers: each write takes a little
+    a.connect(lsn.getsockname())
+    c, _ = lsn.accept()
+    lsn.close()
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.1):
+            c.recv(64 << 10)
+
+    reader = threading.Thread(target=trickle)
+    try:
+        a.settimeout(0.5)
+        reader.start()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            _send(a, {}, Packed([np.zeros(1 << 20, np.uint8).data] * 64))
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        stop.set()
+        reader.join(5)
+        a.close()
+        c.close()

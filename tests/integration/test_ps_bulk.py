@@ -273,8 +273,13 @@ def test_the_bad_input_step_and_fused_push_suites_pass_over_bulk() -> None:
 
 
 def test_bulk_calls_are_counted_in_the_servers_metrics(inproc_cluster) -> None:
-    """Prometheus counts the bulk port's calls as it counts gRPC's: by method and code, server "psN-bulk"."""
+    """Prometheus counts the bulk port's calls as it counts gRPC's: by method and code, server "psN-bulk";
+    and the bytes of replies sent as pieces (codec.Packed): a pull of 1,000 float32 counts at least
+    its 4,000 bytes (reference: the values' size; counting the pieces would give a handful)."""
     from prometheus_client import REGISTRY
+
+    def sent(method: str) -> float:
+        return REGISTRY.get_sample_value("tessera_rpc_sent_bytes_total", {"server": "ps0-bulk", "method": method}) or 0.0
 
     def count(method: str, code: str) -> float:
         return REGISTRY.get_sample_value("tessera_rpc_requests_total", {"server": "ps0-bulk", "method": method, "code": code}) or 0.0
@@ -289,6 +294,10 @@ def test_bulk_calls_are_counted_in_the_servers_metrics(inproc_cluster) -> None:
         c.pull_dense("nope")
     assert count("PushDense", "OK") - ok0 == 2
     assert count("DescribeTable", "NOT_FOUND") - missing0 == 1  # (the client looks the table up first)
+    c.create_dense("big", 1000)
+    before = sent("PullDense")
+    c.pull_dense("big")
+    assert 4000 <= sent("PullDense") - before < 4400
 
 
 def test_a_shard_takes_at_most_4_connections_per_thread_on_its_bulk_port(inproc_cluster) -> None:

@@ -308,28 +308,3 @@ def test_pushes_compute_early_where_the_range_has_8_chunks_or_more(monkeypatch, 
         up.apply(k * CHUNK, g[k * CHUNK : (k + 1) * CHUNK])
     up.commit()
     assert t.recomputed == (1 if early else 0) and t.version == 2
-
-
-def test_a_push_computing_early_copies_the_next_block_ahead(monkeypatch, where: str) -> None:
-    """Computing early with a copy-then-update optimizer (Adam), the next block's base is copied into
-    its new block on the copier thread while the current chunk computes; the values are those of the
-    clone-then-update path (reference: _OldPath), in order and out of it (a prefetch that does not
-    match the next chunk is dropped)."""
-    copied: list[int] = []
-    real = ps.table._copy_block
-
-    def spy(out, base):
-        copied.append(base.param.numel())
-        real(out, base)
-
-    monkeypatch.setattr(ps.table, "_copy_block", spy)
-    t = _table("adam")
-    ref = _OldPath(t)
-    for i, order in enumerate([None, list(reversed(range(t.num_blocks))), None]):
-        _push(t, _grad(i), order=order)
-        ref.push(_grad(i))
-        ref.check(t)
-    if where == "inline":
-        assert len(copied) == 2 * (t.num_blocks - 1), copied  # blocks 1.. of the in-order pushes
-    else:
-        assert not copied  # computed at commit: nothing to copy ahead
