@@ -34,6 +34,7 @@ __all__ = ["make_task", "CTRData", "CTRBatch", "CTRModel", "auc"]
 
 FIELDS = 26
 DENSE = 13
+ROW_BLOCK = 64  # rows drawn from one generator (CTRData.rows)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
@@ -70,13 +71,20 @@ class CTRData:
         return (2 * u - 1) * np.sqrt(3.0)
 
     def sample(self, rng: np.random.Generator, n: int) -> CTRBatch:
-        u = rng.random((n, FIELDS))
+        return self._build(*self._draw(rng, n))
+
+    @staticmethod
+    def _draw(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The random numbers of ``n`` rows: id quantiles (n, 26), dense features (n, 13), label draws (n,)."""
+        return rng.random((n, FIELDS)), rng.normal(0, 1, (n, DENSE)), rng.random(n)
+
+    def _build(self, u: np.ndarray, dense: np.ndarray, coin: np.ndarray) -> CTRBatch:
+        n = len(u)
         rank = np.minimum(np.floor(np.exp(u * np.log(self.vocab + 1.0))) - 1, self.vocab - 1).astype(np.int64)
         field = np.broadcast_to(np.arange(FIELDS), (n, FIELDS))
-        dense = rng.normal(0, 1, (n, DENSE))
         logit = self.bias + (self.sigma * self._weight(field, rank)).sum(1) + dense @ self.beta
         prob = 1 / (1 + np.exp(-logit))
-        label = (rng.random(n) < prob).astype(np.float32)
+        label = (coin < prob).astype(np.float32)
         ids = (field.astype(np.int64) << 40) | rank
         return CTRBatch(
             torch.from_numpy(ids), torch.from_numpy(dense.astype(np.float32)), torch.from_numpy(label),
@@ -84,7 +92,16 @@ class CTRData:
         )
 
     def global_batch(self, step: int, n: int) -> CTRBatch:
-        return self.sample(np.random.default_rng([self.seed, 1, step]), n)
+        return self.rows(step, 0, n)
+
+    def rows(self, step: int, lo: int, hi: int) -> CTRBatch:
+        """Rows ``lo:hi`` of step ``step``'s global batch (of any size >= ``hi``), drawing only
+        those: each block of ``ROW_BLOCK`` rows has its own generator (seed, step, block). A worker
+        draws its own part of the global batch, not all of it (W workers used to draw W x the rows)."""
+        b0, b1 = lo // ROW_BLOCK, -(-hi // ROW_BLOCK)
+        blocks = [self._draw(np.random.default_rng([self.seed, 1, step, b]), ROW_BLOCK) for b in range(b0, b1)]
+        a = lo - b0 * ROW_BLOCK
+        return self._build(*(np.concatenate([blk[i] for blk in blocks])[a : a + hi - lo] for i in range(3)))
 
     def test_set(self, n: int) -> CTRBatch:
         return self.sample(np.random.default_rng([self.seed, 2]), n)
@@ -147,8 +164,7 @@ def make_task(
         step = start_step
         lo, hi = worker_index * batch_size, (worker_index + 1) * batch_size
         while True:
-            b = data.global_batch(step, num_workers * batch_size)
-            yield CTRBatch(*(t[lo:hi] for t in b))
+            yield data.rows(step, lo, hi)  # (this worker's part of the global batch of num_workers x batch_size)
             step += 1
 
     def loss(m: nn.Module, b: CTRBatch) -> torch.Tensor:
