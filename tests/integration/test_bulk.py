@@ -20,7 +20,16 @@ import pytest
 
 from ps.errors import TableNotFoundError
 from ps.wire import ERRORS
-from tessera.bulk import _PREFIX, _SMALL, BulkCallError, BulkChannel, _pack, _recv, _send, serve_bulk
+from tessera.bulk import (
+    _PREFIX,
+    _SMALL,
+    BulkCallError,
+    BulkChannel,
+    _pack,
+    _recv,
+    _send,
+    serve_bulk,
+)
 from tessera.codec import Packed, as_bytes
 from tessera.service import (
     Access,
