@@ -772,6 +772,7 @@ def test_a_packed_body_sent_in_parts_arrives_whole() -> None:
         reader.join(10)
         header, body = got[0]
         assert header == {"x": 1} and bytes(body) == _joined(pieces) and len(body) > _SMALL
+        assert isinstance(body, memoryview)  # read into np.empty's memory, not a zero-filled bytearray
     finally:
         a.close()
         c.close()
