@@ -100,7 +100,8 @@ class Packed(tuple):
 
     @property
     def nbytes(self) -> int:
-        return sum(len(p) for p in self)
+        # bytes, not len(): a piece given as a typed buffer (float32 ...) has fewer items than bytes
+        return sum(memoryview(p).nbytes for p in self)
 
     def join(self) -> bytes:
         return b"".join(self)

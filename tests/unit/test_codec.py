@@ -116,3 +116,19 @@ def test_pack_frames_empty_arrays() -> None:
     raw = pack(pb.PushSparseRequest(table="t"), {14: np.zeros(0, np.int64), 15: np.zeros((0, 4), np.float32)})
     msg, pl = unpack(pb.PushSparseRequest, raw, (14, 15))
     assert msg.table == "t" and len(pl[14]) == 0 and len(pl[15]) == 0
+
+
+def test_a_packed_message_counts_its_bytes_and_joins_to_packs_bytes() -> None:
+    """``pack(..., joined=False)`` joins to exactly ``pack``'s bytes (reference); ``nbytes`` counts
+    bytes, also for a piece given as a typed buffer (7 float32 = 28 bytes, not 7)."""
+    import numpy as np
+
+    from tessera.codec import Packed, as_bytes, pack
+    from tessera.v1 import ps_pb2 as pb
+
+    msg = pb.DenseChunk(offset=3, dtype="float32")
+    data = np.arange(1000, dtype=np.float32)
+    p = pack(msg, {15: data}, joined=False)
+    assert isinstance(p, Packed) and as_bytes(p) == pack(msg, {15: data}) and p.nbytes == len(pack(msg, {15: data}))
+    assert Packed([b"ab", np.arange(7, dtype=np.float32)]).nbytes == 30
+    assert as_bytes(b"xy") == b"xy"
