@@ -354,7 +354,7 @@ class PSServicer:
                         if policy.sync and op == GRADIENT:
                             yield from self._push_dense_sync(msg, pl, request_iterator, table, worker, policy, touch, caller)
                             return
-                        update = table.begin_update(op, msg.base_version, staleness_aware_lr=policy.staleness_aware_lr)
+                        update = table.begin_update(op, msg.base_version, staleness_aware_lr=policy.staleness_aware_lr, early=early_ok)
                     update.apply(msg.offset, _chunk_data(msg, pl, table.spec.name))  # type: ignore[union-attr]
                     if early_ok:
                         # the push computes early: its new block goes back now, while the next chunks

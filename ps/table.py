@@ -110,7 +110,8 @@ _storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Us
 
 
 class _Block:
-    """Immutable once committed: values and optimizer state of one chunk."""
+    """Values and optimizer state of one chunk. Once committed, written only by a commit that
+    computes in place (``DenseUpdate.commit``: nothing but the table refers to it)."""
 
     __slots__ = ("param", "state")
 
@@ -161,10 +162,12 @@ def _readonly_tensor(data: np.ndarray) -> torch.Tensor:
 class DenseTable:
     """Shard ``shard_index``'s contiguous range of a dense table and the optimizer state for it.
 
-    Committed blocks are never written. A push computes each new block into a spare one (a block
-    retired by an earlier push that no reader holds any more, else a fresh allocation) and swaps
-    it in at commit; at most ``spare_generations`` retired blocks are kept per block (the commit's
-    working set: up to that many times the table's values and state, once pushes have run)."""
+    A reader never sees a block change: a commit computes a block in place only while nothing but
+    the table refers to it (no pull being sent, no checkpoint being copied, no push reading it),
+    holding the table's lock, so no reader can take it meanwhile. Otherwise (and for a push that
+    computes early) the new block goes into a spare one (a block retired by an earlier push that
+    no reader holds any more, else a fresh allocation), swapped in at commit; at most
+    ``spare_generations`` retired blocks are kept per block."""
 
     spare_generations = 1
 
@@ -185,12 +188,14 @@ class DenseTable:
         self.generation = 0  # swaps so far (commits of either op, loads): what an early computation checks
         self.staleness = StalenessStats()
         self.rejected = 0
-        self.lock = threading.Lock()  # guards the swap of _blocks/version and the spares (held for microseconds)
+        # guards _blocks/version and the spares; held for microseconds, or while a commit computes in place
+        self.lock = threading.Lock()
         self.write_lock = threading.Lock()  # serializes commits (held while one push computes)
         self._spares: list[list[_Block]] = [[] for _ in self._blocks]
         self._early: weakref.ref[DenseUpdate] | None = None  # the push computing as its chunks arrive
         self.blocks_allocated = 0  # fresh blocks a commit had to allocate (no spare was free)
         self.blocks_reused = 0  # spare blocks a commit wrote into
+        self.blocks_in_place = 0  # blocks a commit computed in place (nothing else referred to them)
         self.recomputed = 0  # pushes computed early whose base a commit replaced first: computed again
 
     @property
@@ -256,10 +261,11 @@ class DenseTable:
                 f"table {self.spec.name!r}: push covered {len(blocks)} of {self.num_blocks} chunks ({missing} missing); nothing applied"
             )
 
-    def begin_update(self, op: str, base_version: int = -1, staleness_aware_lr: bool = False) -> "DenseUpdate":
+    def begin_update(self, op: str, base_version: int = -1, staleness_aware_lr: bool = False, early: bool = False) -> "DenseUpdate":
         """Start a push. Staging takes no lock: only commit() does, so a slow or stalled push never
-        blocks pulls or other pushes of this table."""
-        return DenseUpdate(self, op, base_version, staleness_aware_lr)
+        blocks pulls or other pushes of this table. ``early``: the caller wants each new block as
+        its chunk arrives (``DenseUpdate.early_block``): the push computes early where it can."""
+        return DenseUpdate(self, op, base_version, staleness_aware_lr, early)
 
     def apply_mean(
         self, contributions: list[dict[int, np.ndarray]], before_swap: "Callable[[PushResult, DenseUpdate], None] | None" = None
@@ -318,12 +324,15 @@ class DenseTable:
     def _spare(self, k: int) -> _Block:
         """A block to compute block ``k``'s next value in: a retired one nothing refers to, else a new one."""
         with self.lock:
-            spares = self._spares[k]
-            for i in range(len(spares)):
-                if _unreferenced(spares, i):
-                    self.blocks_reused += 1
-                    return spares.pop(i)
-            self.blocks_allocated += 1
+            return self._spare_locked(k)
+
+    def _spare_locked(self, k: int) -> _Block:
+        spares = self._spares[k]
+        for i in range(len(spares)):
+            if _unreferenced(spares, i):
+                self.blocks_reused += 1
+                return spares.pop(i)
+        self.blocks_allocated += 1
         n = self.block_len(k)
         return _Block(torch.empty(n), {name: torch.empty(n) for name in self._state_names})
 
@@ -346,27 +355,42 @@ class DenseTable:
         else:
             opt.update_into(out.param, out.state, base.param, _readonly_tensor(data), base.state, step)
 
+    def _compute_in_place(self, k: int, data: np.ndarray, op: str, opt: Optimizer, step: int) -> None:
+        """``_compute`` into block ``k`` itself (call with ``lock`` held, the block unreferenced): no copy
+        of its values and state first."""
+        b = self._blocks[k]
+        if op == ASSIGN:
+            b.param.copy_(_readonly_tensor(data))
+        else:
+            opt.update(b.param, _readonly_tensor(data), b.state, step)
+        self.blocks_in_place += 1
+
     def _swap(self, new: Mapping[int, _Block], version: int) -> None:
         with self.lock:
-            for k, b in new.items():
-                self._keep_spare(k, self._blocks[k])
-                self._blocks[k] = b
-            self.version = version
-            self.generation += 1
+            self._swap_locked(new, version)
+
+    def _swap_locked(self, new: Mapping[int, _Block], version: int) -> None:
+        for k, b in new.items():
+            self._keep_spare(k, self._blocks[k])
+            self._blocks[k] = b
+        self.version = version
+        self.generation += 1
 
 
 class DenseUpdate:
     """A push in progress: chunks are validated and staged (no lock held); commit() swaps the new
     blocks in atomically under the table's write lock.
 
-    Where this shard's range has 8 chunks or more, one push at a time per table computes its new
-    blocks as its chunks arrive (each chunk's slice is independent of the others), from the table as it was at its
-    first chunk; if a commit replaced the table's blocks before this push commits, commit()
-    computes them again from the new ones. Other pushes stage their chunks and compute at commit
-    (under the write lock)."""
+    A push stages its chunks and computes at commit (under the write lock), in place where nothing
+    else refers to a block. A push whose caller wants its new blocks as they are computed
+    (``early``), where this shard's range has 8 chunks or more, computes each block as its chunk
+    arrives instead (each chunk's slice is independent of the others; one such push at a time per
+    table), into spare blocks, from the table as it was at its first chunk; if a commit replaced
+    the table's blocks before this push commits, commit() computes them again from the new ones."""
 
-    def __init__(self, table: DenseTable, op: str, base_version: int, staleness_aware_lr: bool = False) -> None:
+    def __init__(self, table: DenseTable, op: str, base_version: int, staleness_aware_lr: bool = False, early: bool = False) -> None:
         self.table = table
+        self.early = early
         self.op = op
         self.base_version = base_version
         self.staleness_aware_lr = staleness_aware_lr
@@ -399,7 +423,10 @@ class DenseUpdate:
         if self.done:
             return
         with t.lock:
-            if not self.staged.keys() - {k} and t.num_blocks >= _EARLY_BLOCKS and (t._early is None or t._early() is None):
+            if (
+                self.early and not self.staged.keys() - {k} and t.num_blocks >= _EARLY_BLOCKS
+                and (t._early is None or t._early() is None)
+            ):
                 t._early, self._early, self._gen, self._version = weakref.ref(self), True, t.generation, t.version
                 self._opt = self._optimizer(self._version)[0]
             if not self._early:
@@ -412,6 +439,13 @@ class DenseUpdate:
         self._out[k] = out
         self._computed.add(k)
         t._compute(k, base, data, self.op, self._opt, self._version + 1, out)
+
+    def _into_spare(self, k: int, opt: Optimizer, step: int, locked: bool = False) -> None:
+        t = self.table
+        out = self._out.get(k) or (t._spare_locked(k) if locked else t._spare(k))
+        self._out[k] = out
+        t._compute(k, t._blocks[k], self.staged[k], self.op, opt, step, out)
+        self._computed.add(k)
 
     def early_block(self, k: int) -> torch.Tensor | None:
         """Block ``k``'s new values if this push computed it early (as its chunk arrived, from the
@@ -437,9 +471,11 @@ class DenseUpdate:
         """Apply the staged chunks and swap them in. The push must have covered every chunk of the range.
 
         Under the table's write lock: ``once()`` first (deduplication: a result it returns is
-        returned as is, nothing applied); then the new blocks are computed (unless computed early
-        from the blocks still current); then ``before_swap(result, self)`` runs before they become
-        visible (replication, the dedup record); if it raises, nothing is applied."""
+        returned as is, nothing applied); then the blocks a reader holds are computed into spares
+        (unless computed early from the blocks still current); then ``before_swap(result, self)``
+        runs (replication, the dedup record: it reads the staged chunks, not the new values); if it
+        raises, nothing is applied. Last, under the table's lock, the other blocks are computed in
+        place and the new ones swapped in: no reader sees a block change, or the table half pushed."""
         t = self.table
         try:
             self._stop_early()
@@ -459,16 +495,26 @@ class DenseUpdate:
                     self._computed.clear()
                 early_final = bool(self._computed) and self._computed >= self.staged.keys()
                 opt, staleness = self._optimizer(version)
-                for k, data in self.staged.items():
-                    if k not in self._computed:
-                        out = self._out.get(k) or t._spare(k)
-                        self._out[k] = out
-                        t._compute(k, t._blocks[k], data, self.op, opt, version + 1, out)
+                with t.lock:
+                    held = [k for k in self.staged if k not in self._computed and not _unreferenced(t._blocks, k)]
+                for k in held:  # a reader holds it: computed into a spare (readers go on meanwhile)
+                    self._into_spare(k, opt, version + 1)
                 new_version = version + (1 if self.op == GRADIENT else 0)
                 result = PushResult(t.num_blocks, 0, float(staleness), staleness, new_version)
                 if before_swap is not None:
                     before_swap(result, self)
-                t._swap(self._out, new_version)
+                with t.lock:  # no reader can take a block until the swap
+                    for k in self.staged:
+                        if k in self._computed:  # early, or held above
+                            continue
+                        if _unreferenced(t._blocks, k):
+                            stale = self._out.pop(k, None)  # computed early from a replaced base
+                            if stale is not None:
+                                t._keep_spare(k, stale)
+                            t._compute_in_place(k, self.staged[k], self.op, opt, version + 1)
+                        else:  # taken by a reader since the check above
+                            self._into_spare(k, opt, version + 1, locked=True)
+                    t._swap_locked(self._out, new_version)
                 self._out = {}
                 self.early_final = early_final
                 if self.op == GRADIENT:

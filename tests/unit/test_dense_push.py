@@ -1,4 +1,5 @@
-"""Dense pushes computed into recycled blocks as their chunks arrive (ps/table.py DenseTable/DenseUpdate).
+"""Dense pushes computed at commit, in place where no reader holds a block, or into recycled blocks
+as their chunks arrive (ps/table.py DenseTable/DenseUpdate).
 
 Reference for the values: the path before this one, written out here on whole tensors: at commit,
 each block's values and state are cloned and the optimizer's in-place ``update`` is applied to the
@@ -7,6 +8,7 @@ compared at fp32 1e-6 (the kernels are the same, so they match exactly in practi
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -26,11 +28,15 @@ pytestmark = pytest.mark.timeout(120)
 N, CHUNK = 23, 4  # 6 blocks, the last one short
 
 
+EARLY = False  # _push's pushes ask to compute early (set per test by ``where``)
+
+
 @pytest.fixture(autouse=True, params=["at-commit", "inline"])
 def where(request, monkeypatch) -> str:
-    """Each test two ways: blocks computed at commit (tables of fewer than 8 chunks), and as the chunks
-    arrive (in the request thread)."""
-    monkeypatch.setattr(ps.table, "_EARLY_BLOCKS", 1 << 30 if request.param == "at-commit" else 1)
+    """Each test two ways: blocks computed at commit (in place where nothing else refers to them), and
+    as the chunks arrive (in the request thread, into spare blocks: a push that asks to compute early)."""
+    monkeypatch.setattr(ps.table, "_EARLY_BLOCKS", 1)
+    monkeypatch.setattr(sys.modules[__name__], "EARLY", request.param == "inline")
     return request.param
 
 
@@ -76,7 +82,7 @@ class _OldPath:
 
 
 def _push(t: DenseTable, g: np.ndarray, op: str = GRADIENT, base: int = -1, sal: bool = False, order=None):
-    up = t.begin_update(op, base, staleness_aware_lr=sal)
+    up = t.begin_update(op, base, staleness_aware_lr=sal, early=EARLY)
     for k in order if order is not None else range(t.num_blocks):
         a = k * t.chunk_elems
         up.apply(a, g[a : a + t.block_len(k)])
@@ -109,7 +115,10 @@ def test_pushes_give_what_the_old_path_gives(opt: str) -> None:
     _push(t, _grad(7))
     ref.push(_grad(7))
     ref.check(t)
-    assert t.blocks_reused > 0  # the pushes after the first wrote into recycled blocks
+    if EARLY:
+        assert t.blocks_reused > 0  # the pushes after the first wrote into recycled blocks
+    else:  # nothing held a block: every push computed in place, and no spare was ever made
+        assert t.blocks_in_place == 8 * t.num_blocks and t.blocks_allocated == 0 and t.spare_bytes() == 0
 
 
 def test_sgd_matches_torch_optim() -> None:
@@ -131,10 +140,10 @@ def test_a_push_whose_base_a_commit_replaced_is_computed_again(where: str) -> No
     t = _table("adam")
     ref = _OldPath(t)
     g1, g2 = _grad(1), _grad(2)
-    early = t.begin_update(GRADIENT)
-    for k in range(3):  # half of it, computed early from version 0
+    early = t.begin_update(GRADIENT, early=EARLY)
+    for k in range(3):  # half of it, computed early from version 0 (inline)
         early.apply(k * CHUNK, g1[k * CHUNK : (k + 1) * CHUNK])
-    _push(t, g2)  # a second push commits in between (it computes at commit: one early push at a time)
+    _push(t, g2)  # a second push commits in between (at commit: one early push at a time; in place)
     for k in range(3, t.num_blocks):
         early.apply(k * CHUNK, g1[k * CHUNK : k * CHUNK + t.block_len(k)])
     r = early.commit()
@@ -197,16 +206,24 @@ def test_readers_never_see_a_recycled_block() -> None:
     as_numpy = blocks[3].numpy()
     as_wire = to_wire(blocks[5], "float32")[1]
     del blocks
+    in_place = t.blocks_in_place
     for _ in range(5):
         _push(t, minus1)
     np.testing.assert_array_equal(as_numpy, np.full(CHUNK, version, np.float32))
     np.testing.assert_array_equal(np.frombuffer(as_wire, np.float32), np.full(CHUNK, version, np.float32))
-    assert t.blocks_reused > 0
+    if EARLY:
+        assert t.blocks_reused > 0
+    else:  # the two held blocks went into fresh ones once; every other block, every time, in place
+        assert t.blocks_allocated == 2 and t.blocks_in_place - in_place == 5 * t.num_blocks - 2
     del as_numpy, as_wire
-    reused = t.blocks_reused
+    reused, in_place = t.blocks_reused, t.blocks_in_place
     _push(t, minus1)
     _push(t, minus1)
-    assert t.blocks_reused - reused == 2 * t.num_blocks  # once released, every block is recycled again
+    if EARLY:
+        assert t.blocks_reused - reused == 2 * t.num_blocks  # once released, every block is recycled again
+    else:
+        assert t.blocks_in_place - in_place == 2 * t.num_blocks  # once released, computed in place again
+    assert t.version == 8
 
 
 @pytest.mark.timeout(120)
@@ -241,7 +258,8 @@ def test_concurrent_readers_never_see_a_torn_block() -> None:
             th.join(10)
     assert not bad, bad[:3]
     assert reads[0] > 10 and t.version == 300
-    assert t.blocks_reused > 0  # the pushes did recycle blocks while readers came and went
+    # the pushes recycled blocks while readers came and went, and (at commit) computed in place between them
+    assert t.blocks_reused > 0 and (EARLY or t.blocks_in_place > 0)
 
 
 def test_the_spare_pool_is_bounded() -> None:
@@ -294,14 +312,14 @@ def test_a_forked_child_pushes_to_a_table_the_parent_used(where: str) -> None:
 
 @pytest.mark.parametrize("blocks, early", [(7, False), (8, True)])
 def test_pushes_compute_early_where_the_range_has_8_chunks_or_more(monkeypatch, blocks: int, early: bool) -> None:
-    """The README's "for a big table (8 chunks or more on the shard) it applies the optimizer to each
-    chunk as it arrives": a push whose base another commit replaced midway is computed again only
-    if it had computed early."""
+    """The README's "for a big table (8 chunks or more on the shard) [a push whose caller reads while it
+    sends] applies the optimizer to each chunk as it arrives": a push whose base another commit
+    replaced midway is computed again only if it had computed early."""
     monkeypatch.setattr(ps.table, "_EARLY_BLOCKS", 8)
     n = blocks * CHUNK
     t = _table("sgd", n=n)
     g = _grad(1, n)
-    up = t.begin_update(GRADIENT)
+    up = t.begin_update(GRADIENT, early=True)
     up.apply(0, g[:CHUNK])
     _push(t, _grad(2, n))
     for k in range(1, blocks):
