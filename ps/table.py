@@ -475,7 +475,10 @@ class DenseUpdate:
         (unless computed early from the blocks still current); then ``before_swap(result, self)``
         runs (replication, the dedup record: it reads the staged chunks, not the new values); if it
         raises, nothing is applied. Last, under the table's lock, the other blocks are computed in
-        place and the new ones swapped in: no reader sees a block change, or the table half pushed."""
+        place and the new ones swapped in: no reader sees a block change, or the table half pushed
+        (pulls wait meanwhile). The chunks were validated when staged, so the in-place step cannot
+        fail on the data; only memory running out inside the optimizer could stop it midway, and
+        then the blocks before it would stay applied."""
         t = self.table
         try:
             self._stop_early()
