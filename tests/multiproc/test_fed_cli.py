@@ -38,17 +38,19 @@ def test_server_and_clients_over_tls_with_tokens(procs, tmp_path) -> None:
     assert "listening on" in line, line
     address = line.split("listening on ")[1].split()[0]
     common = ("--server", address, "--task", "digits_logreg", "--tls-ca", f"{d}/server.crt", "--reconnect-timeout", "20")
+    # the intruder first, while the server waits for its 2 clients: started beside them, it could find
+    # the server already finished (2 quick rounds) and see only UNAVAILABLE until it gives up
     intruder = tessera("fed", "client", *common, "--partition", "0/2", "--token=not-a-token",
                        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     procs.append(intruder)
+    out_i, err_i = intruder.communicate(timeout=60)
+    assert intruder.returncode == 2 and "UnauthenticatedError" in err_i and "unknown client token" in err_i, err_i[-2000:]
     clients = [  # alice's token on the command line, bob's from the token file
         tessera("fed", "client", *common, "--partition", "0/2", f"--token={tokens['alice']}", stdout=subprocess.PIPE),
         tessera("fed", "client", *common, "--partition", "1/2", "--token-file", f"{d}/tokens", "--identity", "bob",
                 stdout=subprocess.PIPE),
     ]
     procs.extend(clients)
-    out_i, err_i = intruder.communicate(timeout=60)
-    assert intruder.returncode == 2 and "UnauthenticatedError" in err_i and "unknown client token" in err_i
     for c in clients:
         out, _ = c.communicate(timeout=90)
         assert c.returncode == 0 and "server finished" in out, out
