@@ -43,10 +43,9 @@ def _chunks(g: np.ndarray, seq: int, last: bool = True, stop_after: int | None =
 def cluster(request, inproc_cluster, monkeypatch):
     """One in-process shard: plain pushes (computed at commit, in place where no pull holds a block),
     and pushes that ask for their values back while they send, computed as their chunks arrive (as a
-    big table's are; 7 chunks count as big here). Yields (cluster, client, early)."""
+    big table's are; 7 chunks count as big here, for both). Yields (cluster, client, early)."""
     early = request.param == "early"
-    if early:
-        monkeypatch.setattr(ps.table, "_EARLY_BLOCKS", 1)
+    monkeypatch.setattr(ps.table, "_EARLY_BLOCKS", 1)  # both ways: only the push that asks computes early
     cl = inproc_cluster(1, chunk_elems=CHUNK)
     c = cl.client()
     c.create_dense("w", N, init="zeros", lr=1.0)
