@@ -366,10 +366,7 @@ class DenseTable:
         self.blocks_in_place += 1
 
     def _swap(self, new: Mapping[int, _Block], version: int) -> None:
-        with self.lock:
-            self._swap_locked(new, version)
-
-    def _swap_locked(self, new: Mapping[int, _Block], version: int) -> None:
+        """Swap in the new blocks and version; call with ``lock`` held."""
         for k, b in new.items():
             self._keep_spare(k, self._blocks[k])
             self._blocks[k] = b
@@ -435,17 +432,15 @@ class DenseUpdate:
                 t._early, self._early = None, False
                 return
             base = t._blocks[k]  # held while read: not reused under us
-        out = self._out.get(k) or t._spare(k)
-        self._out[k] = out
-        self._computed.add(k)
-        t._compute(k, base, data, self.op, self._opt, self._version + 1, out)
+        self._into_spare(k, base, self._opt, self._version + 1)
 
-    def _into_spare(self, k: int, opt: Optimizer, step: int, locked: bool = False) -> None:
+    def _into_spare(self, k: int, base: _Block, opt: Optimizer, step: int, locked: bool = False) -> None:
+        """Compute block ``k`` from ``base`` into a spare block (``locked``: the table's lock is held)."""
         t = self.table
         out = self._out.get(k) or (t._spare_locked(k) if locked else t._spare(k))
         self._out[k] = out
-        t._compute(k, t._blocks[k], self.staged[k], self.op, opt, step, out)
         self._computed.add(k)
+        t._compute(k, base, self.staged[k], self.op, opt, step, out)
 
     def early_block(self, k: int) -> torch.Tensor | None:
         """Block ``k``'s new values if this push computed it early (as its chunk arrived, from the
@@ -501,7 +496,7 @@ class DenseUpdate:
                 with t.lock:
                     held = [k for k in self.staged if k not in self._computed and not _unreferenced(t._blocks, k)]
                 for k in held:  # a reader holds it: computed into a spare (readers go on meanwhile)
-                    self._into_spare(k, opt, version + 1)
+                    self._into_spare(k, t._blocks[k], opt, version + 1)
                 new_version = version + (1 if self.op == GRADIENT else 0)
                 result = PushResult(t.num_blocks, 0, float(staleness), staleness, new_version)
                 if before_swap is not None:
@@ -516,8 +511,8 @@ class DenseUpdate:
                                 t._keep_spare(k, stale)
                             t._compute_in_place(k, self.staged[k], self.op, opt, version + 1)
                         else:  # taken by a reader since the check above
-                            self._into_spare(k, opt, version + 1, locked=True)
-                    t._swap_locked(self._out, new_version)
+                            self._into_spare(k, t._blocks[k], opt, version + 1, locked=True)
+                    t._swap(self._out, new_version)
                 self._out = {}
                 self.early_final = early_final
                 if self.op == GRADIENT:
