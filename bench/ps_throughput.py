@@ -30,7 +30,10 @@ Measures, on loopback, with every server in its own process:
     processes (every thread) and of this client: ``sparse_step_shard_cpu_ms``,
     ``sparse_step_client_cpu_ms`` (and ``sparse_pullpush_*``), with the mean wall time of the
     window they were measured in (``sparse_step_cpu_window_ms``: no process can spend more than
-    the machine's cores times that).
+    the machine's cores times that); then the same against 2 shards whose sparse tables do no work
+    (bench/no_table_shard.py: the real servicer, validation and transports, a table that takes no
+    time), the same keys prefixed ``no_table_`` (``no_table_sparse_ratio``): the ceiling no table
+    code could pass on the machine it runs on.
 (d) plain TCP echo of the dense payload (sendall in a thread + recv_into):
     ``raw_tcp_gbps``.
 
@@ -449,11 +452,13 @@ def _proc_cpu_s(pids: list[int]) -> float:
 
 def bench_sparse(
     addrs: list[str], table_rows: int, batch: int, dim: int, repeats: int, warmup: int, pids: list[int] | None = None,
-    cpu: dict[str, dict[str, float]] | None = None, transports: tuple[str, ...] = ("grpc",),
+    cpu: dict[str, dict[str, float]] | None = None, transports: tuple[str, ...] = ("grpc",), populate: bool = True,
 ) -> tuple[list[Result], float]:
     """Per transport (names suffixed ``_bulk`` for the bulk port; one table for all): pull + push,
     and the same by Step. ``pids``: the shard processes; ``cpu`` (filled if given): per variant, the
-    shards' CPU ms per op (every thread, schedstat) and this client's (process CPU around the op only)."""
+    shards' CPU ms per op (every thread, schedstat) and this client's (process CPU around the op only).
+    ``populate``: create the table's rows first and check that it holds them (False for shards whose
+    tables hold nothing: bench/no_table_shard.py)."""
     import numpy as np
 
     from ps.client import PSClient
@@ -467,11 +472,11 @@ def bench_sparse(
         c0.create_sparse(name, dim, "adagrad", lr=0.01)
         t0 = time.perf_counter()
         step = 1 << 17
-        for lo in range(0, table_rows, step):
+        for lo in range(0, table_rows if populate else 0, step):
             c0.pull_sparse(name, np.arange(lo, min(table_rows, lo + step), dtype=np.int64))
         populate_s = time.perf_counter() - t0
         rows = sum(t.rows for s in c0.stats() for t in s.tables if t.name == name)
-        if rows != table_rows:
+        if populate and rows != table_rows:
             raise RuntimeError(f"sparse table holds {rows} rows, expected {table_rows}")
         n = warmup + repeats
         grads = rng.standard_normal((batch, dim), dtype=np.float32) * np.float32(1e-2)
@@ -572,7 +577,9 @@ def sparse_only(
     sparse_repeats: int, sparse_warmup: int, procs: list, t_start: float, transports: tuple[str, ...],
 ) -> int:
     """``--only sparse``: the raw gRPC baselines (the same echo servers) and the sparse rows; a table
-    and one line of JSON with the sparse keys of a full run."""
+    and one line of JSON with the sparse keys of a full run. Then the same ops against shards whose
+    sparse tables do no work (bench/no_table_shard.py): the same keys prefixed ``no_table_``, the
+    ceiling that no table code could pass on this machine."""
     from ps.cli import start_local_shards, stop_processes
 
     log("starting echo servers")
@@ -589,13 +596,28 @@ def sparse_only(
     )
     stop_processes(procs)
     procs.clear()
+    log("the same against shards whose sparse tables do no work (bench/no_table_shard.py)")
+    no_table = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "no_table_shard.py")]
+    shard_procs, addrs = start_local_shards(2, SHARD_ARGS, command=no_table)
+    procs += shard_procs
+    nt_cpu: dict[str, dict[str, float]] = {}
+    nt_res, _ = bench_sparse(
+        addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup, [p.pid for p in shard_procs], nt_cpu, transports,
+        populate=False,
+    )
+    stop_processes(procs)
+    procs.clear()
+    for r in nt_res:
+        r.name, r.note = f"no_table_{r.name}", f"{r.note}; tables that do no work"
     raw_best = max(raw, key=lambda r: r.gbps)
     raw_small = next(r for r in raw if r.name == "grpc_unary_small")
-    for r in raw + res:
-        print(f"{r.name:<26} {r.gbps:>9.3f} {r.gbps_median:>9.3f} {r.gbps / raw_best.gbps:>10.3f} {r.best * 1e3:>9.1f} {r.median * 1e3:>9.1f}  {r.note}")
+    for r in raw + res + nt_res:
+        print(f"{r.name:<40} {r.gbps:>9.3f} {r.gbps_median:>9.3f} {r.gbps / raw_best.gbps:>10.3f} {r.best * 1e3:>9.1f} {r.median * 1e3:>9.1f}  {r.note}")
     out = {
         "raw_grpc_gbps": round(raw_best.gbps, 4), "raw_grpc_best": raw_best.name, "raw_grpc_gbps_median": round(raw_best.gbps_median, 4),
-        **sparse_figures(res, raw_best, raw_small, cpu), "sparse_table_rows": sparse_rows, "sparse_populate_s": round(populate_s, 3),
+        **sparse_figures(res, raw_best, raw_small, cpu),
+        **{f"no_table_{k}": v for k, v in sparse_figures(nt_res, raw_best, raw_small, nt_cpu).items() if not k.startswith("raw_")},
+        "sparse_table_rows": sparse_rows, "sparse_populate_s": round(populate_s, 3),
         "sparse_only": True, "quick": args.quick, "cpus": os.cpu_count(),
         "wall_s": round(time.perf_counter() - t_start, 1), "loadavg": round(os.getloadavg()[0], 2),
     }

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ps.config import ShardConfig
@@ -357,10 +357,13 @@ def explain_error(exc: BaseException) -> tuple[str, int] | None:
     return msg, 1
 
 
-def start_local_shards(num_shards: int, extra_args: tuple[str, ...] = (), timeout: float = 60.0) -> tuple[list[subprocess.Popen], list[str]]:
+def start_local_shards(
+    num_shards: int, extra_args: tuple[str, ...] = (), timeout: float = 60.0, command: Sequence[str] | None = None,
+) -> tuple[list[subprocess.Popen], list[str]]:
     """Start ``num_shards`` shard processes on free loopback ports; returns (processes, addresses).
 
-    Each child prints its bound port; we wait (with a deadline) for every one.
+    Each child prints its bound port; we wait (with a deadline) for every one. ``command``: the
+    program before ``ps serve`` (default this Python's ``-m tessera.cli``).
     """
     procs: list[subprocess.Popen] = []
     addresses: list[str] = []
@@ -368,7 +371,7 @@ def start_local_shards(num_shards: int, extra_args: tuple[str, ...] = (), timeou
         for i in range(num_shards):
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "tessera.cli", "ps", "serve", "--shard-index", str(i), "--num-shards", str(num_shards), *extra_args],
+                    [*(command or (sys.executable, "-m", "tessera.cli")), "ps", "serve", "--shard-index", str(i), "--num-shards", str(num_shards), *extra_args],
                     stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 )
             )

@@ -1,5 +1,5 @@
-"""bench/ps_shard_cpu.py and ``bench/ps_throughput.py --only sparse`` run end to end at tiny sizes
-and report what they promise; each ratio is recomputed from the raw figures the JSON also holds
+"""bench/ps_shard_cpu.py and ``bench/ps_throughput.py --only sparse`` (with its no-table ceiling) run
+end to end at tiny sizes and report what they promise; each ratio is recomputed from the raw figures the JSON also holds
 (speed is not asserted: benchmarks measure, tests check)."""
 from __future__ import annotations
 
@@ -51,3 +51,13 @@ def test_ps_throughput_sparse_only() -> None:
             for who in ("shard", "client"):
                 assert 0 < r[f"sparse_{v}_{who}_cpu_ms{t}"] <= cores * window * 1.05 + 0.5, (v, who, t, r)
         assert r[f"sparse_step_cpu_window_ms{t}"] >= r[f"sparse_step_ms{t}"] - 0.01  # a mean window holds at least the fastest op
+    # the ceiling: the same ops against shards whose sparse tables do no work (bench/no_table_shard.py),
+    # figured the same way; their shards spend far less CPU per op than shards that gather, update and
+    # scatter 4,096 rows (a ceiling run against the real shards would not)
+    nt = "no_table_"
+    assert close(r[f"{nt}sparse_gbps"], max(r[f"{nt}sparse_{w}_gbps{t}"] for w in ("pullpush", "step") for t in ("", "_bulk")))
+    assert close(r[f"{nt}sparse_ratio"], r[f"{nt}sparse_gbps"] / r["raw_grpc_gbps"])
+    assert close(r[f"{nt}sparse_ms"], 4096 * 64 * 4 / r[f"{nt}sparse_gbps"] / 1e6)
+    for t in ("", "_bulk"):
+        for v in ("step", "pullpush"):
+            assert 0 < r[f"{nt}sparse_{v}_shard_cpu_ms{t}"] < 0.7 * r[f"sparse_{v}_shard_cpu_ms{t}"], (v, t, r)
