@@ -648,7 +648,9 @@ class TieredRows:
 
 _META = (
     Column("version", torch.int64),  # updates applied to the row
-    Column("touch", torch.int64),  # table step of its last pull or push (LRU, TTL, residency)
+    # table step of its last pull or push (LRU, TTL, residency): kept up only by a table that evicts or
+    # has a resident budget (SparseTable._touches); others write it once, when the row is made or loaded
+    Column("touch", torch.int64),
     Column("id", torch.int64),
     Column("admits", torch.int16),  # sightings when it was admitted (1 without admission; saturates)
 )
@@ -707,6 +709,8 @@ class SparseTable:
         )
         self._budget = resident_budget if resident_budget is not None and resident_budget.limit else None
         row_nbytes = sum(c.row_nbytes for c in self._payload) + sum(c.row_nbytes for c in _META)
+        # only LRU and TTL eviction and demotion to the disk tier read a row's last touch
+        self._touches = bool(spec.eviction.max_rows or spec.eviction.ttl_steps or self._budget is not None)
         if self._budget is not None:  # a chunk is the budget's granularity: keep it well below the budget
             chunk_bytes = max(256 << 10, min(chunk_bytes, self._budget.limit // 8))
         self._chunk_rows = chunk_rows_for(row_nbytes, chunk_bytes, lo=64)
@@ -1143,7 +1147,7 @@ class SparseTable:
                     out_vals.index_copy_(0, torch.from_numpy(at), d["values"])
                     out_vers = np.zeros(len(uniq), np.int64)
                     out_vers[at] = d["version"].numpy()
-                if have.size:
+                if have.size and self._touches:
                     self._store.scatter(plan.rows, {"touch": self.step}, plan)
             if bool((loc >= 0).all()):  # every row resident now (none refused by admission)
                 self._remember(uniq, loc)
@@ -1271,7 +1275,10 @@ class SparseTable:
                 values = stored.float().numpy() if stored.dtype != torch.float32 else stored.numpy()
                 before_swap(result, RowDelta(uniq[have], values, {k: v.numpy() for k, v in state.items()}, new_versions))
             if have.size:
-                self._store.scatter(plan.rows, {"values": stored, **state, "version": new_versions, "touch": self.step}, plan)
+                cols: dict[str, torch.Tensor | np.ndarray | int] = {"values": stored, **state, "version": new_versions}
+                if self._touches:
+                    cols["touch"] = self.step
+                self._store.scatter(plan.rows, cols, plan)
             self._trim()
             self.step += 1
             self.updates += int(have.size)

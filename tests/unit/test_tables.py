@@ -122,6 +122,29 @@ def test_eviction_ttl() -> None:
     assert 1 not in alive and 2 in alive and t.evicted == 1
 
 
+@pytest.mark.parametrize("kind", ["lru", "ttl", "budget", "plain"])
+def test_pulls_and_pushes_refresh_the_last_touch_that_eviction_and_demotion_read(kind: str, tmp_path) -> None:
+    """LRU and TTL eviction and demotion to the disk tier pick rows by their last touch. Reference: the
+    table step of each row's last pull or push (a push touches at the step it applies, then the step
+    advances). A table that neither evicts nor has a resident budget keeps the step its rows were made at."""
+    from ps.tier import ResidentBudget
+
+    kw = {"lru": {"eviction": EvictionSpec(max_rows=1000)}, "ttl": {"eviction": EvictionSpec(ttl_steps=1000)}}.get(kind, {})
+    spec = TableSpec("s", "sparse", dim=4, optimizer=OptimizerSpec("adagrad", {"lr": 0.1}), **kw)
+    t = SparseTable(spec, 0, 1, resident_budget=ResidentBudget(1 << 20) if kind == "budget" else None, spill_dir=str(tmp_path))
+    ids = np.arange(8, dtype=np.int64)
+    g = np.ones((8, 4), np.float32)
+    t.pull(ids)  # every row made at step 0
+    for _ in range(3):
+        t.push(ids[7:], g[:1])  # touched at steps 0, 1, 2; the table is at step 3 after
+    t.pull(ids[2:4])  # step 3
+    t.push(ids[4:6], g[:2])  # step 3, then 4
+    t.pull(ids[6:7])  # step 4
+    touch = t.last_touch[t._lookup(ids)]
+    want = [0, 0, 3, 3, 3, 3, 4, 2] if kind != "plain" else [0] * 8
+    assert touch.tolist() == want, (kind, touch)
+
+
 @pytest.mark.parametrize("init", [InitializerSpec("uniform"), InitializerSpec("uniform", {"low": -1.5, "high": 0.25}),
                                   InitializerSpec("normal"), InitializerSpec("normal", {"mean": 0.3, "std": 2.0})])
 def test_blocked_init_rows_give_the_plain_formulas_bits(init: InitializerSpec) -> None:
