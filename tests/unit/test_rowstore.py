@@ -42,6 +42,46 @@ def test_rows_round_trip_in_any_order_across_chunks() -> None:
     assert got["version"].tolist() == [7, 7, 7, int(ref_ver[4])]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_scatter_of_rows_by_every_path_equals_numpy_assignment(dtype: torch.dtype) -> None:
+    """Rows written through a plan (the table's way: rows in chunk order, numpy's per-row item copy for
+    float32 / float16 columns), without one (rows in any order, torch's index path where positions are
+    a tensor), in one run of consecutive rows, and scalar fills, then read back. Reference: the same
+    writes by plain numpy indexing into one (n, width) array per column."""
+    rng = np.random.default_rng(1)
+    cols = [Column("values", dtype, 8), Column("state", torch.float32, 8), Column("version", torch.int64), Column("admits", torch.int16)]
+    s = RowStore(cols, 64, first_rows=16)
+    n = 700
+    rows = s.alloc(n)
+    ref = {"values": torch.zeros(n, 8, dtype=dtype), "state": torch.zeros(n, 8), "version": torch.zeros(n, dtype=torch.int64),
+           "admits": torch.zeros(n, dtype=torch.int16)}
+    s.scatter(rows, {k: v.clone() for k, v in ref.items()})  # one run of consecutive rows: slices
+
+    def write(at: np.ndarray, planned: bool) -> None:
+        data = {"values": torch.randn(len(at), 8).to(dtype), "state": torch.randn(len(at), 8),
+                "version": torch.from_numpy(rng.integers(0, 1 << 40, len(at))), "admits": torch.from_numpy(rng.integers(0, 99, len(at)).astype(np.int16))}
+        if planned:
+            plan = s.plan(rows[at])
+            order = torch.from_numpy(plan.order) if plan.order is not None else torch.arange(len(at))
+            s.scatter(plan.rows, {k: v.index_select(0, order) for k, v in data.items()}, plan)
+        else:
+            s.scatter(rows[at], data)
+        for k, v in data.items():
+            ref[k][torch.from_numpy(at)] = v
+
+    for i in range(12):
+        at = rng.choice(n, int(rng.integers(1, 300)), replace=False)
+        write(at if i % 3 else np.sort(at), planned=bool(i % 2))
+    write(np.arange(10, 74), planned=False)  # a run across a chunk boundary
+    s.scatter(rows[[3, 650, 64]], {"state": 1.5, "version": 9})
+    ref["state"][[3, 650, 64]] = 1.5
+    ref["version"][[3, 650, 64]] = 9
+    q = rng.integers(0, n, 2000)
+    got = s.gather(rows[q])
+    for k, v in ref.items():
+        assert torch.equal(got[k], v[torch.from_numpy(q)]), k
+
+
 def test_chunks_are_never_moved_once_full_size() -> None:
     s = _store(chunk_rows=64, first_rows=16)
     s.alloc(10)
