@@ -472,7 +472,7 @@ class RowStore:
                 src, dst = ch.cols[name], out[name]
                 a, o = ch.arrays[name], outs[name]
                 if at is not None and a is not None and o is not None:
-                    np.take(a, at, axis=0, out=o[pos])  # a range of the output: numpy's per-call cost is lower (many chunks)
+                    a.take(at, 0, o[pos])  # into a range of the output (the method: numpy's per-call cost is lowest, many chunks)
                 elif isinstance(off, slice):
                     (dst if pos is None else dst[pos]).copy_(src[off])
                 elif pos is None:
