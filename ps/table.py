@@ -688,7 +688,7 @@ class SparseTable:
 
     def __init__(
         self, spec: TableSpec, shard_index: int, num_shards: int, max_bytes_fn: Callable[[int], None] = lambda extra: None,
-        *, resident_budget: ResidentBudget | None = None, spill_dir: str | None = None, chunk_bytes: int = 32 << 20,
+        *, resident_budget: ResidentBudget | None = None, spill_dir: str | None = None, chunk_bytes: int = 64 << 20,
     ) -> None:
         limit_heap_retention()  # the process holds sparse rows: freed temporaries go back to the kernel
         self.spec = spec
