@@ -145,6 +145,16 @@ def test_pulls_and_pushes_refresh_the_last_touch_that_eviction_and_demotion_read
     assert touch.tolist() == want, (kind, touch)
 
 
+@pytest.mark.parametrize(("dim", "opt"), [(1, "sgd"), (8, "adagrad"), (64, "adagrad"), (64, "adam"), (300, "adam")])
+def test_sparse_chunks_hold_32_to_64_mib_of_rows(dim: int, opt: str) -> None:
+    """README: sparse rows live in fixed-size chunks of 32-64 MiB and at most 2^20 rows (a power of two)."""
+    spec = TableSpec("s", "sparse", dim=dim, optimizer=OptimizerSpec(opt, {"lr": 0.1}))
+    t = SparseTable(spec, 0, 1)
+    rows, nbytes = t._store.chunk_rows, t._store.chunk_rows * t._store.row_nbytes
+    assert rows & (rows - 1) == 0 and rows <= 1 << 20
+    assert nbytes <= 64 << 20 and (nbytes > 32 << 20 or rows == 1 << 20), (rows, t._store.row_nbytes)
+
+
 @pytest.mark.parametrize("init", [InitializerSpec("uniform"), InitializerSpec("uniform", {"low": -1.5, "high": 0.25}),
                                   InitializerSpec("normal"), InitializerSpec("normal", {"mean": 0.3, "std": 2.0})])
 def test_blocked_init_rows_give_the_plain_formulas_bits(init: InitializerSpec) -> None:
