@@ -495,7 +495,9 @@ class RowStore:
         else:
             groups = self._groups(np.ascontiguousarray(rows, np.int64))
         tens: dict[str, torch.Tensor | float | int] = {}
-        items: dict[str, np.ndarray] = {}  # the values as _Chunk.items sees them
+        # the values as _Chunk.items sees them, made once per call (making the row-item views per chunk
+        # and column instead took a 3-column scatter of 2048 rows over 8 chunks from 0.15 to 0.23-0.33 ms)
+        items: dict[str, np.ndarray] = {}
         for name, v in data.items():
             c = self.columns[name]
             if isinstance(v, (int, float)):
