@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from tessera.addr import address_arg
 from tessera.service import add_client_security_args, add_server_security_args
 
 __all__ = ["add_fed_commands", "parse_params"]
@@ -95,7 +96,7 @@ def add_fed_commands(sub: Any) -> None:
 
     c = fed.add_parser("client", help="run a built-in client on one part of a built-in task's data",
 )
-    c.add_argument("--server", required=True, help="HOST:PORT of the server")
+    c.add_argument("--server", required=True, type=address_arg("--server"), help="HOST:PORT of the server")
     c.add_argument("--task", default="digits", help="built-in task: digits, digits_logreg (the server's)")
     c.add_argument("--partition", required=True, metavar="I/N",
                    help="this client holds part I of N (0-based) of the task's training data")

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ps.config import ShardConfig
+from tessera.addr import address_arg, shard_list_arg
 from ps.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -95,10 +96,10 @@ def add_ps_commands(sub: Any) -> None:
     s.add_argument("--checkpoint-keep", type=int, default=3, help="newest checkpoints kept (default 3)")
     s.add_argument("--restore", action="store_true", help="start from the newest valid checkpoint in --checkpoint-dir")
     s.add_argument(
-        "--backup-of", default="", metavar="HOST:PORT",
+        "--backup-of", default="", metavar="HOST:PORT", type=address_arg("--backup-of", allow_empty=True),
         help="run as the backup of that primary: mirror it, take over when it is gone (clients use --ps PRIMARY|BACKUP)",
     )
-    s.add_argument("--advertise", default="", metavar="HOST:PORT", help="backup: the address its primary dials (default --host:port)")
+    s.add_argument("--advertise", default="", metavar="HOST:PORT", type=address_arg("--advertise", allow_empty=True), help="backup: the address its primary dials (default --host:port)")
     s.add_argument("--failover", type=float, default=2.0, metavar="SECONDS", help="backup: take over after the primary was unreachable this long")
     s.add_argument(
         "--solo-after", type=float, default=10.0, metavar="SECONDS",
@@ -119,7 +120,7 @@ def add_ps_commands(sub: Any) -> None:
     s.set_defaults(func=_serve)
 
     c = ps.add_parser("checkpoint", help="checkpoint every shard at one BSP clock (a consistent cut)")
-    c.add_argument("--ps", required=True, help="HOST:PORT,... of every shard, in shard order")
+    c.add_argument("--ps", required=True, type=shard_list_arg(), help="HOST:PORT,... of every shard, in shard order")
     c.add_argument("--at-clock", type=int, default=None, help="BSP clock to cut at (default: the highest reached; -1: now, uncoordinated)")
     c.add_argument("--timeout", type=float, default=120.0, metavar="SECONDS", help="deadline of each shard's checkpoint call")
     add_client_security_args(c)
@@ -130,7 +131,8 @@ def add_ps_commands(sub: Any) -> None:
     r.add_argument("--to", dest="dst", required=True, help="checkpoint directories of the new shards 0..N-1 (comma-separated)")
 
     st = ps.add_parser("stats", help="print per-shard tables, sizes and request counts")
-    st.add_argument("--ps", required=True, help="HOST:PORT,... of every shard, in shard order")
+    st.add_argument("--ps", required=True, type=shard_list_arg(),
+                    help="HOST:PORT,... of every shard, in shard order; PRIMARY|BACKUP for a replicated shard")
     st.add_argument("--json", action="store_true", help="print JSON instead of a table (every table and counter, as the shards report them)")
     st.add_argument(
         "--all", action="store_true",

@@ -42,17 +42,30 @@ def parse_key_values(items: Sequence[str], flag: str = "--task-opt") -> dict[str
     return out
 
 
+def _shows_nothing(default: Any) -> bool:
+    """A default not worth a "(default: ...)": none, a flag that is off, an empty text or list."""
+    return default is None or default is False or default is argparse.SUPPRESS or (isinstance(default, (str, list)) and not default)
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` shows every option's default, unless its help text states it already or there
     is nothing to show (no default, a flag that is off)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        d = action.default
-        nothing = d is None or d is False or d is argparse.SUPPRESS or (isinstance(d, (str, list)) and not d)
-        if not action.option_strings or "%(default)" in text or "(default" in text or nothing:
+        if not action.option_strings or "%(default)" in text or "(default" in text or _shows_nothing(action.default):
             return text
         return f"{text} (default: %(default)s)"
+
+    def _format_text(self, text: str) -> str:
+        # a description taken from a module docstring (tessera peer's): its reST markup is noise here
+        import re
+
+        return super()._format_text(re.sub(r":(?:func|class|mod|meth|attr):`~?([^`]*)`", r"\1", text).replace("``", ""))
+
+
+class RawDescriptionHelpFormatter(HelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """:class:`HelpFormatter` for a command whose description is laid out by hand."""
 
 
 class Parser(argparse.ArgumentParser):
@@ -113,7 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _finish(parser: argparse.ArgumentParser) -> None:
-    """Every subcommand: its one-line help as its description, its name for error messages."""
+    """Every subcommand, wherever its parser was built (``tessera peer``'s in worker/peer/cli.py):
+    its one-line help as its description, its name for error messages, and a ``--help`` that shows
+    every option's default (an option without help text gets one saying just its default)."""
+    if parser.formatter_class is argparse.RawDescriptionHelpFormatter:
+        parser.formatter_class = RawDescriptionHelpFormatter
+    elif not issubclass(parser.formatter_class, HelpFormatter):
+        parser.formatter_class = HelpFormatter
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             helps = {a.dest: a.help for a in action._choices_actions}
@@ -122,7 +141,19 @@ def _finish(parser: argparse.ArgumentParser) -> None:
                     p.description = helps[name]
                 _finish(p)
             return
+        if action.help is None and action.option_strings and not _shows_nothing(action.default):
+            action.help = "(default: %(default)s)"  # argparse leaves an option without help text bare
     parser.set_defaults(_prog=parser.prog)
+
+
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost subcommand's parser that ``args`` went through (``tessera peer``: peer's)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            name = getattr(args, action.dest, None)
+            if name in action.choices:
+                return _chosen(action.choices[name], args)
+    return parser
 
 
 def _write_private(path: str, data: bytes) -> None:
@@ -203,7 +234,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # gRPC core's own log lines (a failed handshake, a failed bind) would come before our one
         # line saying the same with what to do; --debug (or GRPC_VERBOSITY set by the user) shows them
         os.environ.setdefault("GRPC_VERBOSITY", "NONE")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # say it as the subcommand that was given them, so that "see: ..." names its --help
+        _chosen(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return int(args.func(args) or 0)

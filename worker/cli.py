@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any
 
+from tessera.addr import shard_list_arg
 from tessera.cli import parse_key_values
 from tessera.service import UsageError, add_client_security_args, client_security_from
 
@@ -35,7 +36,7 @@ def _ps_mode(value: str) -> str:
 def add_worker_commands(sub: Any) -> None:
     w = sub.add_parser("worker", help="train a task against PS shards (one worker process)")
     w.add_argument(
-        "--ps", required=True,
+        "--ps", required=True, type=shard_list_arg(),
         help="HOST:PORT,... of every shard, in shard order; PRIMARY|BACKUP for a replicated shard",
     )
     w.add_argument(

@@ -174,7 +174,7 @@ def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
                 yield from _walk(sub, (*path, name))
 
 
-@pytest.mark.parametrize("command", ["ps", "worker", "demo", "experiment", "cert", "tokens"])
+@pytest.mark.parametrize("command", ["ps", "worker", "peer", "plan", "demo", "experiment", "fed", "cert", "tokens", "health"])
 def test_help_has_a_line_for_every_option_shows_defaults_and_no_markup(command) -> None:
     parser = build_parser()
     seen = 0

@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tessera.addr import shard_list_arg
 from tessera.cli import parse_key_values
 from worker.peer.flags import add_pipeline_args
 
@@ -44,7 +45,8 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica (gpt task; ranks r..r+T-1 share a layer)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: LayerNorm/dropout regions split along the sequence (all-gather/reduce-scatter)")
-    p.add_argument("--ps", default="", help="hybrid: HOST:PORT,... of every PS shard, in shard order")
+    p.add_argument("--ps", default="", type=shard_list_arg(allow_empty=True),  # malformed: refused at once
+                   help="hybrid: HOST:PORT,... of every PS shard, in shard order")
     p.add_argument("--sparse-mode", default="async", choices=["async", "ssp", "sync"], help="hybrid: the rows' consistency on the PS")
     p.add_argument("--moe-experts", type=int, default=0, help="gpt: experts per MoE layer (0: dense MLPs)")
     p.add_argument("--moe-top-k", type=int, default=2, choices=[1, 2], help="experts per token")
@@ -53,7 +55,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-aux", type=float, default=0.01, help="load-balancing loss coefficient")
     p.add_argument("--moe-z", type=float, default=0.001, help="router z-loss coefficient")
     p.add_argument("--ep", type=int, default=1, help="expert parallelism: experts split over groups of EP data-parallel ranks")
-    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps to train")
     p.add_argument("--global-batch", type=int, default=64, help="examples per step over all ranks (divisible by world size x accumulate)")
     p.add_argument("--accumulate", type=int, default=1, help="micro-batches per step (no all-reduce on accumulation micro-batches)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket size in MiB (dp)")
@@ -62,11 +64,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (each rank takes cuda:LOCAL_RANK)")
     p.add_argument("--timeout", type=float, default=120.0, help="collective timeout in seconds: a dead rank stops the others within it")
     p.add_argument("--world-size", type=int, default=0, help="expected world size; the run refuses to start on any other (0: any)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the task's data and model (the same on every rank)")
+    p.add_argument("--log-every", type=int, default=10, help="steps between the logged loss records")
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end only)")
     p.add_argument("--no-eval", action="store_true", help="skip the final evaluation")
-    p.add_argument("--max-seconds", type=float, default=0.0)
+    p.add_argument("--max-seconds", type=float, default=0.0, help="stop after this many seconds (0: no limit)")
     p.add_argument("--metrics-out", default=None, help="directory: rank<r>.jsonl per rank")
     p.add_argument("--torch-threads", type=int, default=0, help="intra-op threads per rank (0: cores / local ranks)")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="peak of one device for MFU (0: a table for known GPUs; CPU: measured matmul)")
@@ -75,7 +77,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--debug-collectives", action="store_true",
                    help="fingerprint every collective (op, dtype, shape, sequence number); name the rank and op on a mismatch or stall")
     p.add_argument("--trace", default=None, metavar="DIR", help="write a Chrome trace per rank: DIR/trace-rank<r>.json")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics on this port + LOCAL_RANK (GET /metrics; 0: no endpoint)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of the metrics endpoint")
