@@ -50,10 +50,17 @@ class ServerConfig:
     """What a federated server does.
 
     Rounds: sample ``max(min_clients, ceil(fraction * connected))`` of the
-    connected clients (at least ``min_available`` must be connected), send the
+    connected participants (at least ``min_available`` must be connected; a participant
+    is an authenticated identity with all its client ids, or without authentication one
+    client id: ``federated.sampling``; a drawn identity trains one of its ids), send the
     global weights, and collect until every sampled client answered or
-    ``round_timeout`` seconds passed; aggregate if at least ``min_clients``
-    answered, else retry the round (up to ``max_retries`` times in a row, waiting
+    ``round_timeout`` seconds passed. Straggler rule: when the slowest answer so far took
+    ``t`` seconds, a client that has not answered ``(1 + straggler_factor) * t`` seconds
+    after its task went out is a straggler: with ``min_clients`` answers the round closes
+    without the stragglers; short of them, other participants are asked in their place
+    (participants that keep missing rounds are drawn less: ``federated.sampling``).
+    Aggregate if at least ``min_clients`` answered, else retry the round (up to
+    ``max_retries`` times in a row, waiting
     ``retry_backoff`` seconds before the first retry, doubling up to
     ``retry_backoff_max``); a round that still fails raises
     :class:`~federated.orchestrator.RoundFailedError` from :meth:`FedServer.run`
@@ -85,6 +92,7 @@ class ServerConfig:
     min_clients: int = 2
     min_available: int = 0  # 0: min_clients
     round_timeout: float = 60.0
+    straggler_factor: float = 1.0  # a client (1 + this) x slower than the slowest answer is a straggler
     eval_fraction: float = 1.0
     eval_every: int = 1
     eval_timeout: float = 0.0  # 0: round_timeout
@@ -129,6 +137,8 @@ class ServerConfig:
             raise ConfigError(f"min available ({self.min_available}) must be >= min clients ({self.min_clients})")
         if not self.round_timeout > 0:
             raise ConfigError(f"round timeout must be > 0, got {self.round_timeout}")
+        if not self.straggler_factor >= 0:
+            raise ConfigError(f"straggler factor must be >= 0, got {self.straggler_factor}")
         if self.retry_backoff < 0 or self.retry_backoff_max < self.retry_backoff:
             raise ConfigError("need 0 <= retry_backoff <= retry_backoff_max")
         if self.eval_every < 0 or self.max_retries < 0:

@@ -26,6 +26,7 @@ from federated.errors import ConfigError, FedError
 from federated.privacy import AdaptiveClip, RDPAccountant, clip_update, noised_mean, secure_rng
 from federated.protocol import EVALUATE, FIT, Task
 from federated.registry import Pending, Registry
+from federated.sampling import Responsiveness, Sample, participant_of, sample
 from federated.strategy import Strategy, StrategyError, Weights
 from federated.updates import Evaluation, Received, accept_evaluation, accept_fit
 from federated.wire import make_blob
@@ -133,6 +134,7 @@ class Orchestrator:
         self.training_started: float | None = None  # when the first tasks went out (clients connected)
         self.waited = 0.0  # seconds spent waiting for enough clients, reset every round
         self._secure: Any = None
+        self.responsiveness = Responsiveness()
 
     # ------------------------------------------------------------------ checkpoints
     def _resume(self, path: str) -> None:
@@ -186,13 +188,41 @@ class Orchestrator:
         assert self.config.insecure_reproducible_seed is None or self.dp is None
         return secure_rng()
 
-    def _sample(self, ids: list[str], fraction: float, rnd: int, attempt: int, salt: int) -> list[str]:
-        n = len(ids)
-        k = min(n, max(self.config.min_clients, math.ceil(fraction * n)))
+    def _sample(self, participants: dict[str, list[str]], fraction: float, rnd: int, attempt: int, salt: int,
+                min_clients: int | None = None) -> Sample:
+        """One client id of each drawn participant (``federated.sampling.sample``): one vote per
+        identity, fewer draws for participants that keep timing out."""
         # under DP, a client must not know in advance which rounds it (or anyone) takes part in
         rng = self.dp_rng() if self.dp is not None else np.random.default_rng([self._seed(), rnd, attempt, salt])
-        pick = rng.choice(n, size=k, replace=False)
-        return [ids[i] for i in sorted(pick.tolist())]
+        k = self.config.min_clients if min_clients is None else min_clients
+        return sample(participants, fraction, k, rng, self.responsiveness)
+
+    def _collect(self, pending: list[Pending], timeout: float, stop: threading.Event, quorum: int,
+                 replace: Callable[[set[str], int], list[Pending]] | None = None) -> list[Pending]:
+        """Collect a phase's tasks under the straggler rule (``Registry.collect``): once
+        ``quorum`` answered, the round does not wait for clients ``straggler_factor`` x slower
+        than the slowest answer. Short of the quorum, ``replace(taken, n)`` issues tasks to up
+        to ``n`` participants not in ``taken`` (the phase's so far) and the phase goes on with
+        them; when none is left, it waits for those out there until the deadline. Returns
+        every task of the phase and notes who answered and who timed out."""
+        deadline = time.monotonic() + timeout
+        factor: float | None = self.config.straggler_factor
+        while not self.registry.collect(pending, deadline, stop, quorum, factor):
+            taken = {participant_of(p.node.identity, p.client_id) for p in pending}
+            extra = replace(taken, quorum - sum(1 for p in pending if p.ok)) if replace is not None else []
+            if not extra:
+                factor = None  # nobody else to ask: wait for the ones out there until the deadline
+            pending = pending + extra
+        self._note_responses(pending)
+        return pending
+
+    def _note_responses(self, pending: Sequence[Pending]) -> None:
+        for p in pending:
+            who = participant_of(p.node.identity, p.client_id)
+            if p.answer is not None:  # an answer, even a rejected one: not silent
+                self.responsiveness.answered(who)
+            elif p.timed_out:
+                self.responsiveness.timed_out(who)
 
     def _status(self, line: str, warning: bool = False) -> None:
         if self.on_status is not None:
@@ -201,17 +231,18 @@ class Orchestrator:
             log.log(logging.WARNING if warning else logging.INFO, "%s", line)
 
     def _wait_for_clients(self, stop: threading.Event) -> bool:
-        """Block until ``config.needed`` clients are connected, saying so when the count
-        changes and every few seconds ("waiting for clients (1/2 connected)")."""
+        """Block until ``config.needed`` participants (identities; client ids without
+        authentication) are connected, saying so when the count changes and every few
+        seconds ("waiting for clients (1/2 connected)")."""
         need = self.config.needed
-        if self.registry.num_connected() >= need:
+        if self.registry.num_participants() >= need:
             return True
         t0 = time.monotonic()
         end = None if self.config.wait_timeout is None else t0 + self.config.wait_timeout
         said: tuple[int, float] | None = None  # (count, when) of the last note
         ok = False
         while not stop.is_set():
-            have = self.registry.num_connected()
+            have = self.registry.num_participants()
             now = time.monotonic()
             if said is None or have != said[0] or now - said[1] >= _WAIT_NOTE_S:
                 self._status(f"waiting for clients ({have}/{need} connected)")
@@ -220,13 +251,14 @@ class Orchestrator:
             if slice_s <= 0:
                 break
             # returns early when enough connect; a changed count is noted on the next pass
-            if self.registry.wait_for_clients(need, min(slice_s, 1.0), stop):
+            if self.registry.wait_for_participants(need, min(slice_s, 1.0), stop):
                 ok = True
                 break
         self.waited += time.monotonic() - t0
         if not ok and not stop.is_set():
             raise RoundFailedError(
-                f"only {self.registry.num_connected()} of the {need} clients needed connected within {self.config.wait_timeout} s"
+                f"only {self.registry.num_participants()} of the {need} clients needed connected within "
+                f"{self.config.wait_timeout} s"
             )
         return ok
 
@@ -296,15 +328,28 @@ class Orchestrator:
             for attempt in range(cfg.max_retries + 1):
                 if not self._wait_for_clients(stop):
                     return None
-                sample = self._sample(self.registry.connected(), cfg.fraction, rnd, attempt, 0)
+                participants = self.registry.participants()
+                self.responsiveness.prune(participants.keys())
+                drawn = self._sample(participants, cfg.fraction, rnd, attempt, 0)
+                sample = drawn.client_ids
                 t_fit = time.monotonic()
                 tasks = [
                     (self._task(c, rnd, FIT, blob, config, cfg.round_timeout),
                      lambda a, rnd=rnd: accept_fit(a, rnd, weights, self.strategy, keep_delta))
                     for c in sample
                 ]
-                pending = self.registry.issue(tasks)
-                self.registry.collect(pending, time.monotonic() + cfg.round_timeout, stop)
+
+                def replace(taken: set[str], n: int, attempt: int = attempt) -> list[Pending]:
+                    # silent or slow participants in the draw: ask others, so that the round completes
+                    # with the responsive ones (drawn from those not asked yet, responsiveness-weighted)
+                    rest = {w: ids for w, ids in self.registry.participants().items() if w not in taken}
+                    more = self._sample(rest, 0.0, rnd, attempt, 2 + len(taken), min_clients=n).client_ids
+                    return self.registry.issue([
+                        (self._task(c, rnd, FIT, blob, config, cfg.round_timeout),
+                         lambda a, rnd=rnd: accept_fit(a, rnd, weights, self.strategy, keep_delta)) for c in more])
+
+                pending = self._collect(self.registry.issue(tasks), cfg.round_timeout, stop, cfg.min_clients, replace)
+                sample = [p.client_id for p in pending]
                 self._traffic(pending, traffic)
                 ok = [p for p in pending if p.ok]
                 failures.update({p.client_id: p.error for p in pending if not p.ok})
@@ -314,7 +359,7 @@ class Orchestrator:
                 if len(ok) >= cfg.min_clients:
                     received: list[Received] = [p.outcome for p in ok]
                     t_agg = time.monotonic()
-                    new = self._aggregate(rnd, received, rec, num_sampled=len(sample))
+                    new = self._aggregate(rnd, received, rec, num_sampled=len(sample), eligible=drawn.eligible)
                     rec["agg_s"] = time.monotonic() - t_agg
                     rec["agg_bytes"] = len(received) * self.model_bytes
                     rec["train_metrics"] = _weighted([(r.update.num_examples, r.update.metrics) for r in received])
@@ -337,7 +382,8 @@ class Orchestrator:
             + ("; ".join(f"{k}: {v}" for k, v in list(failures.items())[-5:]) or "none answered in time")
         )
 
-    def _aggregate(self, rnd: int, received: list[Received], rec: dict[str, Any], num_sampled: int) -> Weights:
+    def _aggregate(self, rnd: int, received: list[Received], rec: dict[str, Any], num_sampled: int,
+                   eligible: int) -> Weights:
         if self.dp is None:
             return self.strategy.aggregate(rnd, self.weights, [r.update for r in received])
         dp = self.dp
@@ -354,13 +400,15 @@ class Orchestrator:
         assert total is not None
         mean = noised_mean(total, len(received), dp, self.dp_rng(), clip_norm=c)
         new = self.strategy.aggregate_mean_delta(rnd, self.weights, mean)
-        self._account(rec, num_sampled, unclipped, len(received))
+        self._account(rec, num_sampled, eligible, unclipped, len(received))
         return new
 
-    def _account(self, rec: dict[str, Any], num_sampled: int, unclipped: int, num_answered: int) -> None:
+    def _account(self, rec: dict[str, Any], num_sampled: int, eligible: int, unclipped: int, num_answered: int) -> None:
+        """DP accounting of one round: ``num_sampled`` drawn of ``eligible`` participants."""
         assert self.dp is not None and self.accountant is not None
-        population = max(1, self.registry.num_connected())
-        q = min(1.0, num_sampled / population)
+        # the rate among the participants the draw was made from: those skipped for timing out
+        # raise it for the others, never lower it
+        q = min(1.0, num_sampled / max(1, eligible))
         self.accountant.step(1, sample_rate=q)
         rec["dp_clip"] = self.clip.clip_norm if self.clip is not None else self.dp.clip_norm
         if self.clip is not None and num_answered:
@@ -381,17 +429,17 @@ class Orchestrator:
         cfg = self.config
         t0 = time.monotonic()
         if cfg.eval_every and cfg.eval_fraction > 0 and rnd % cfg.eval_every == 0 and not stop.is_set():
-            ids = self.registry.connected()
-            if ids:
+            participants = self.registry.participants()
+            if participants:
                 blob = self._weights_blob({})
                 try:
-                    sample = self._sample(ids, cfg.eval_fraction, rnd, 0, 1)
+                    sample = self._sample(participants, cfg.eval_fraction, rnd, 0, 1).client_ids
                     timeout = cfg.eval_timeout or cfg.round_timeout
                     config = self._client_config(rnd)
                     pending = self.registry.issue(
                         [(self._task(c, rnd, EVALUATE, blob, config, timeout), accept_evaluation) for c in sample]
                     )
-                    self.registry.collect(pending, time.monotonic() + timeout, stop)
+                    self._collect(pending, timeout, stop, min(cfg.min_clients, len(sample)))
                     self._traffic(pending, traffic)
                     evals: list[Evaluation] = [p.outcome for p in pending if p.ok]
                     total = sum(e.num_examples for e in evals)
@@ -421,7 +469,7 @@ class Orchestrator:
         cfg = self.config
         k_buf = int(getattr(self.strategy, "buffer_size", 1))
         in_flight: dict[str, Pending] = {}
-        buffer: list[Received] = []
+        buffer: list[tuple[str, Received]] = []  # (participant, its update)
         blob_of: dict[int, str] = {}  # version -> blob id
         traffic: dict[str, list[int]] = {}
         failures: dict[str, str] = {}
@@ -431,16 +479,17 @@ class Orchestrator:
             while self.round < cfg.rounds and not stop.is_set():
                 if not self._wait_for_clients(stop):
                     break
-                ids = self.registry.connected()
-                want = cfg.async_concurrency or max(cfg.min_clients, math.ceil(cfg.fraction * len(ids)))
-                # a client whose update still waits in the buffer trains again only after it is used
-                # (a buffer holds one update per client)
-                buffered = {r.update.client_id for r in buffer}
-                idle = [c for c in ids if c not in in_flight and c not in buffered]
+                participants = self.registry.participants()
+                want = cfg.async_concurrency or max(cfg.min_clients, math.ceil(cfg.fraction * len(participants)))
+                # a participant whose update still waits in the buffer trains again only after it is used
+                # (a buffer holds one update per participant), and one trains one client id at a time
+                busy = {w for w, _ in buffer} | {participant_of(p.node.identity, c) for c, p in in_flight.items()}
+                idle = {w: ids for w, ids in participants.items() if w not in busy}
                 if len(in_flight) < want and idle:
                     draws += 1
                     rng = np.random.default_rng([self._seed(), draws, 3])  # no DP here (refused)
-                    pick = rng.choice(len(idle), size=min(len(idle), want - len(in_flight)), replace=False)
+                    self.responsiveness.prune(participants.keys())
+                    pick = sample(idle, 0.0, want - len(in_flight), rng, self.responsiveness).client_ids
                     version = self.round
                     if version not in blob_of:
                         blob_of[version] = self._weights_blob(self.strategy.client_payload(version))
@@ -451,16 +500,19 @@ class Orchestrator:
                         # runs on a gRPC thread: shape checks only; staleness is checked below, in this thread
                         return accept_fit(a, version, weights, self.strategy, strategy_check=False)
 
-                    tasks = [(self._task(idle[i], version, FIT, blob_of[version], config, cfg.round_timeout), accept)
-                             for i in sorted(pick.tolist())]
+                    tasks = [(self._task(c, version, FIT, blob_of[version], config, cfg.round_timeout), accept)
+                             for c in pick]
                     for p in self.registry.issue(tasks):
                         in_flight[p.client_id] = p
                 now = time.monotonic()
                 deadline = min([p.issued_at + cfg.round_timeout for p in in_flight.values()], default=now + 0.5)
                 done = self.registry.wait_any(list(in_flight.values()), deadline, stop)
                 expired = [p for p in in_flight.values() if not p.done and time.monotonic() >= p.issued_at + cfg.round_timeout]
+                for p in expired:
+                    p.timed_out = True
                 finished = done + expired
                 self.registry.forget(finished, "deadline passed")
+                self._note_responses(finished)
                 self._traffic(finished, traffic)
                 for p in finished:
                     in_flight.pop(p.client_id, None)
@@ -472,13 +524,13 @@ class Orchestrator:
                     except StrategyError as e:
                         failures[p.client_id] = f"rejected: {e}"
                         continue
-                    buffer.append(p.outcome)
+                    buffer.append((participant_of(p.node.identity, p.client_id), p.outcome))
                 if len(buffer) >= k_buf:
                     rnd = self.round + 1
                     used, buffer = buffer[:k_buf], buffer[k_buf:]
                     rec: dict[str, Any] = {"round": rnd, "answered": len(used), "sampled": len(used) + len(failures),
                                            "buffered": len(buffer), "in_flight": len(in_flight)}
-                    updates = [r.update for r in used]
+                    updates = [r.update for _, r in used]
                     rec["staleness"] = [self.round - u.base_round for u in updates]
                     t_agg = time.monotonic()
                     try:

@@ -28,6 +28,7 @@ from federated.errors import (
     UnknownTaskError,
 )
 from federated.protocol import Answer, Blob, Task
+from federated.sampling import participant_of
 
 __all__ = ["Registry", "Node", "Pending", "Cancel", "Shutdown", "Outcome"]
 
@@ -85,6 +86,7 @@ class Pending:
     bytes_down: int = 0  # blob bytes the server streamed for this task
     bytes_up: int = 0  # Submit bytes received for this task
     finished_at: float = 0.0
+    timed_out: bool = False  # closed by its round without an answer (deadline or straggler rule)
 
     @property
     def client_id(self) -> str:
@@ -109,7 +111,9 @@ class Registry:
         self.max_clients = max_clients
         self.max_clients_per_identity = max_clients_per_identity
         self.max_num_examples = max_num_examples
-        self._held: dict[str, int] = {}  # identity -> client ids it holds
+        # participant (identity, or without authentication the client id) -> its client ids (a dict as an
+        # ordered set): sampling draws participants, and counting them must not walk every client id
+        self._members: dict[str, dict[str, None]] = {}
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._nodes: dict[str, Node] = {}
@@ -146,7 +150,7 @@ class Registry:
                 raise PermissionDeniedError(f"server holds its limit of {self.max_clients} clients")
             if identity is not None:
                 # ids the identity holds already (a reconnect) do not count twice
-                held = self._held.get(identity, 0)
+                held = len(self._members.get(identity, ()))
                 mine = sum(1 for c in ids if c not in self._clients or self._clients[c].identity != identity)
                 if held + mine > self.max_clients_per_identity:
                     raise ResourceExhaustedError(
@@ -158,9 +162,9 @@ class Registry:
                 old = self._clients.get(c)
                 if old is not None and old is not node:
                     self._fail_tasks_locked(_of(old, c), "client reconnected")
-                    self._count_locked(old.identity, -1)
+                    self._leave_locked(old.identity, c)
                 self._clients[c] = node
-                self._count_locked(identity, +1)
+                self._members.setdefault(participant_of(identity, c), {})[c] = None
             self._nodes[node.node_id] = node
             self._cond.notify_all()
         log.info("node %s connected (%s) with %d client(s)", node.node_id, identity or "anonymous", len(ids))
@@ -174,7 +178,7 @@ class Registry:
             for c in node.client_ids:
                 if self._clients.get(c) is node:
                     del self._clients[c]
-                    self._count_locked(node.identity, -1)
+                    self._leave_locked(node.identity, c)
             self._fail_tasks_locked(lambda p: p.node is node, "client disconnected")
             self._cond.notify_all()
         log.info("node %s disconnected", node.node_id)
@@ -189,12 +193,23 @@ class Registry:
         with self._lock:
             return len(self._clients)
 
-    def wait_for_clients(self, n: int, timeout: float | None, stop: threading.Event | None = None) -> bool:
-        """Block until at least ``n`` clients are connected (True), the timeout passes or
+    def participants(self) -> dict[str, list[str]]:
+        """Participant -> its connected client ids: an authenticated identity with every id it
+        registered, or without authentication each client id alone (``federated.sampling``)."""
+        with self._lock:
+            return {p: list(ids) for p, ids in self._members.items()}
+
+    def num_participants(self) -> int:
+        """Number of participants connected now (identities; client ids without authentication)."""
+        with self._lock:
+            return len(self._members)
+
+    def wait_for_participants(self, n: int, timeout: float | None, stop: threading.Event | None = None) -> bool:
+        """Block until at least ``n`` participants are connected (True), the timeout passes or
         ``stop`` is set (False)."""
         end = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while len(self._clients) < n:
+            while len(self._members) < n:
                 if stop is not None and stop.is_set():
                     return False
                 left = 0.5 if end is None else min(0.5, end - time.monotonic())
@@ -339,36 +354,55 @@ class Registry:
         return p
 
     def collect(self, pending: Sequence[Pending], deadline: float, stop: threading.Event | None = None,
-                enough: Callable[[Sequence[Pending]], bool] | None = None) -> list[Pending]:
-        """Wait until every task in ``pending`` is done, ``enough(pending)`` says so,
-        ``deadline`` (time.monotonic()) passes or ``stop`` is set. Tasks still open
-        are then closed as timed out and their nodes told to cancel. Returns
-        ``pending`` (check ``.ok``). Collected tasks are forgotten."""
+                quorum: int = 0, straggler_factor: float | None = None) -> bool:
+        """Wait for the tasks in ``pending`` until every one is done, ``deadline``
+        (time.monotonic()) passes or ``stop`` is set; then close the open ones (error
+        ``"deadline passed"``), tell their nodes to cancel, forget every task and return True.
+
+        The straggler rule (``quorum`` > 0 and ``straggler_factor`` given): when the slowest
+        success took ``t`` seconds from its task's issue to its answer, an open task is a
+        straggler once ``(1 + straggler_factor) * t`` seconds passed since its own issue
+        (never past ``deadline``; each slower success moves it on). When every open task is
+        a straggler with ``quorum`` successes, the open
+        tasks are closed as stragglers (error ``"straggler: ..."``) and True returned; with
+        fewer, nothing is closed or forgotten and False is returned: the caller adds tasks for
+        other clients to ``pending`` or waits on (collect again), and must collect until True."""
+        rule = quorum > 0 and straggler_factor is not None
+        cut = deadline
         with self._cond:
             while True:
-                if all(p.done for p in pending):
+                if all(p.done for p in pending) or (stop is not None and stop.is_set()):
                     break
-                if enough is not None and enough(pending):
+                now = time.monotonic()
+                cut = deadline
+                if rule:
+                    took = max((p.finished_at - p.issued_at for p in pending if p.ok), default=None)
+                    if took is not None:
+                        last = max(p.issued_at for p in pending if not p.done)
+                        cut = min(deadline, last + (1.0 + straggler_factor) * took)  # type: ignore[operator]
+                if cut <= now:
                     break
-                if stop is not None and stop.is_set():
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cond.wait(min(left, 0.25))
+                self._cond.wait(min(cut - now, 0.25))
+            answered = sum(1 for p in pending if p.ok)
+            early = cut < deadline and not all(p.done for p in pending) and not (stop is not None and stop.is_set())
+            if early and answered < quorum:
+                return False
             cancels = []
             for p in pending:
                 if not p.done:
-                    self._finish_locked(p, ok=False, error="deadline passed")
+                    p.timed_out = True
+                    self._finish_locked(p, ok=False, error=(
+                        f"straggler: {answered} sampled clients had answered; the round closed "
+                        f"{straggler_factor:g} x the slowest one's time later" if early else "deadline passed"))
                     if p.node.alive:
                         cancels.append(p)
                 self._tasks.pop(p.task.task_id, None)
         for p in cancels:
             try:
-                p.node.send(Cancel(p.task.task_id, "round deadline passed"))
+                p.node.send(Cancel(p.task.task_id, "round closed"))
             except Exception:  # noqa: BLE001
                 pass
-        return list(pending)
+        return True
 
     def wait_any(self, pending: Sequence[Pending], deadline: float, stop: threading.Event | None = None) -> list[Pending]:
         """Block until at least one of ``pending`` is done (or deadline/stop); returns the done
@@ -402,13 +436,13 @@ class Registry:
             return len(self._tasks)
 
     # ------------------------------------------------------------------ internals
-    def _count_locked(self, identity: str | None, d: int) -> None:
-        if identity is not None:
-            n = self._held.get(identity, 0) + d
-            if n > 0:
-                self._held[identity] = n
-            else:
-                self._held.pop(identity, None)
+    def _leave_locked(self, identity: str | None, client_id: str) -> None:
+        p = participant_of(identity, client_id)
+        ids = self._members.get(p)
+        if ids is not None:
+            ids.pop(client_id, None)
+            if not ids:
+                del self._members[p]
 
     def _finish_locked(self, p: Pending, ok: bool, error: str = "") -> None:
         p.done, p.ok, p.finished_at = True, ok, time.monotonic()

@@ -166,7 +166,9 @@ class SecureRound:
         tasks = [(o._task(c, rnd, SECAGG, blob, {"round": rnd}, timeout, secagg_stage=stage), accept)
                  for c, blob in targets.items()]
         pending = o.registry.issue(tasks)
+        # every stage waits for all its clients (the threshold, not a quorum, decides what survives)
         o.registry.collect(pending, time.monotonic() + timeout, stop)
+        o._note_responses(pending)
         o._traffic(pending, traffic)
         return [p.client_id for p in pending if p.ok]
 
@@ -188,7 +190,8 @@ class SecureRound:
                     return None
             if not o._wait_for_clients(stop):
                 return None
-            sample = o._sample(o.registry.connected(), cfg.fraction, rnd, attempt, 0)
+            drawn = o._sample(o.registry.participants(), cfg.fraction, rnd, attempt, 0)  # one id per identity
+            sample = drawn.client_ids
             if len(sample) < 2:
                 log.warning("round %d: secure aggregation needs 2 clients, %d sampled", rnd, len(sample))
                 continue
@@ -223,6 +226,7 @@ class SecureRound:
                 tasks = [(o._task(c, rnd, FIT, blobs[0], config, cfg.round_timeout, secagg=True), accept_fit) for c in sample]
                 pending = o.registry.issue(tasks)
                 o.registry.collect(pending, time.monotonic() + stage_timeout, stop)
+                o._note_responses(pending)
                 o._traffic(pending, traffic)
                 failures.update({p.client_id: p.error for p in pending if not p.ok})
                 if stop.is_set():
@@ -272,7 +276,7 @@ class SecureRound:
             finally:
                 o.registry.drop_blobs(blobs)
             included = sa.included
-            new = self._apply(rnd, total, included, len(sample), rec)
+            new = self._apply(rnd, total, included, len(sample), drawn.eligible, rec)
             rec.update(sampled=len(sample), answered=len(included), attempts=attempt + 1, **stages,
                        agg_s=time.monotonic() - t_agg, agg_bytes=len(ok2) * self.vector_len * sa_cfg.ring_dtype.itemsize,
                        secagg={"threshold": sa_cfg.threshold, "scale_bits": sa_cfg.scale_bits, "u1": len(u1),
@@ -290,7 +294,8 @@ class SecureRound:
 
         raise RoundFailedError(f"round {rnd}: secure aggregation failed {cfg.max_retries + 1} times; last: {failures}")
 
-    def _apply(self, rnd: int, total: np.ndarray, included: list[str], num_sampled: int, rec: dict[str, Any]) -> Weights:
+    def _apply(self, rnd: int, total: np.ndarray, included: list[str], num_sampled: int, eligible: int,
+               rec: dict[str, Any]) -> Weights:
         """Turn the unmasked sum into new global weights via the strategy."""
         o = self.o
         parts: list[np.ndarray] = []
@@ -309,6 +314,6 @@ class SecureRound:
         c = o.clip.clip_norm if o.clip is not None else o.dp.clip_norm
         mean = noised_mean(parts, len(included), o.dp, o.dp_rng(), clip_norm=c)
         new = o.strategy.aggregate_mean_delta(rnd, o.weights, mean)
-        o._account(rec, num_sampled, int(round(last)), len(included))
+        o._account(rec, num_sampled, eligible, int(round(last)), len(included))
         return new
 

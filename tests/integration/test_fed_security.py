@@ -374,7 +374,11 @@ def test_slow_client_cannot_stall_a_round(harness) -> None:
     history = h.server.run()
     took = time.monotonic() - t0
     assert [r["answered"] for r in history] == [2, 2]
-    assert all(r["failed"].get("slow") == "deadline passed" for r in history)
+    # the round closes once the 2 fast ones answered and as long again passed (straggler_factor 1), not
+    # at round_timeout; having missed round 1, "slow" is drawn for round 2 with probability 1/2
+    assert history[0]["failed"]["slow"].startswith("straggler: 2 sampled clients had answered")
+    assert all(set(r["failed"]) <= {"slow"} and all(v.startswith("straggler") for v in r["failed"].values())
+               for r in history)
     assert all(r["round_s"] < 2.0 for r in history), [r["round_s"] for r in history]
     assert took < 6.0
     for got, want in zip(h.server.weights, W0):

@@ -31,5 +31,7 @@ def test_many_clients_memory_flat_across_rounds() -> None:
     res = run_simulation(SimulationConfig(clients=3000, fraction=0.01, rounds=8, partition="iid", progress=False,
                                           plots=False, eval_every=0))
     rss = [r["rss_mb"] for r in res["history"]]
-    assert all(r["sampled"] == 30 and r["answered"] == 30 for r in res["history"])
+    # 30 drawn (1% of 3000); the straggler rule may replace a late one early in a round, or close the round
+    # without one 2x slower than the slowest answer (ServerConfig.straggler_factor)
+    assert all(25 <= r["answered"] <= r["sampled"] <= 35 for r in res["history"]), res["history"]
     assert max(rss[2:]) - rss[2] < 8.0, rss  # no growth per round (a few MB of allocator noise)

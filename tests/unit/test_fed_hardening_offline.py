@@ -31,7 +31,7 @@ def _orch(**cfg: object) -> Orchestrator:
 
 
 def _draws(o: Orchestrator) -> list[list[str]]:
-    return [o._sample(IDS, 0.5, rnd, 0, 0) for rnd in range(1, 31)]
+    return [o._sample({c: [c] for c in IDS}, 0.5, rnd, 0, 0).client_ids for rnd in range(1, 31)]
 
 
 def test_dp_client_sampling_is_unpredictable_and_plain_sampling_reproducible() -> None:
