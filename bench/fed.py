@@ -135,7 +135,7 @@ class Job:
 def run_inproc(rounds: int, clients: int, fraction: float, server_args: list[str]) -> dict[str, Any]:
     """The same job with server and clients in this process (``--quick``: no interpreter
     start-ups; startup and RSS figures then describe this process, not a server alone)."""
-    from federated.cli import parse_params
+    from tessera.cli import parse_key_values
     from federated.simulate import SimulationConfig, peak_rss_mb, run_simulation
 
     opts: dict[str, Any] = {}
@@ -155,7 +155,7 @@ def run_inproc(rounds: int, clients: int, fraction: float, server_args: list[str
         else:
             raise ValueError(f"run_inproc does not know {a}")
     res = run_simulation(SimulationConfig(rounds=rounds, clients=clients, fraction=fraction, progress=False, plots=False,
-                                          strategy_params=parse_params(params), **opts))
+                                          strategy_params=parse_key_values(params, "--strategy-param"), **opts))
     return {"history": res["history"], "peak_rss_mb": peak_rss_mb(), "startup_s": res["summary"]["startup_s"]}
 
 

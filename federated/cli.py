@@ -9,29 +9,10 @@ import sys
 from typing import Any
 
 from tessera.addr import address_arg
+from tessera.cli import KEY_VALUE_HELP, parse_key_values
 from tessera.service import add_client_security_args, add_server_security_args
 
-__all__ = ["add_fed_commands", "parse_params"]
-
-
-def parse_params(items: list[str] | None) -> dict[str, Any]:
-    """``["k=v", ...]`` -> dict; values become int, float or str (in that order of trial)."""
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            from federated.errors import ConfigError
-
-            raise ConfigError(f"--strategy-param / --task-opt expect KEY=VALUE, got {item!r}")
-        v: Any = value
-        for conv in (int, float):
-            try:
-                v = conv(value)
-                break
-            except ValueError:
-                pass
-        out[key.strip()] = v
-    return out
+__all__ = ["add_fed_commands", "explain_error", "CLI_NAMES"]
 
 
 def _training_args(p: argparse.ArgumentParser, default_task: str | None = "digits") -> None:
@@ -39,7 +20,7 @@ def _training_args(p: argparse.ArgumentParser, default_task: str | None = "digit
     p.add_argument("--strategy", default="fedavg",
                    help="fedavg, fedavgm, fedprox, scaffold, fedadam, fedyogi, fedadagrad, fedbuff, median, "
                         "trimmed_mean, krum, multikrum, or package.module:Class")
-    p.add_argument("--strategy-param", action="append", metavar="K=V", help="strategy parameter (repeatable)")
+    p.add_argument("--strategy-param", action="append", metavar="K=V", help=f"strategy parameter (repeatable; {KEY_VALUE_HELP})")
     p.add_argument("--fraction", type=float, default=None,
                    help="fraction of connected clients sampled per round (None: server 1.0, simulate 0.1)")
     p.add_argument("--min-clients", type=int, default=2, help="fewest answers a round aggregates")
@@ -71,7 +52,7 @@ def add_fed_commands(sub: Any) -> None:
                    help="built-in task (digits, digits_logreg) or package.module:function returning a "
                         "federated.ServerTask (your model, with central evaluation)")
     s.add_argument("--task-opt", action="append", default=[], metavar="K=V",
-                   help="keyword argument for a package.module:function task (repeatable)")
+                   help=f"keyword argument for a package.module:function task (repeatable; {KEY_VALUE_HELP})")
     _training_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind")
     s.add_argument("--port", type=int, default=0, help="port (0: pick a free one and print it)")
@@ -186,7 +167,7 @@ def _server(args: argparse.Namespace) -> int:
         print(f"tessera-fed: {e}", file=sys.stderr, flush=True)
         return 2
     try:
-        task = load_server_task(args.task, seed=args.seed, **parse_params(args.task_opt))
+        task = load_server_task(args.task, seed=args.seed, **parse_key_values(args.task_opt))
         server, strategy = _build_server(args, task, tokens)
     except ConfigError as e:
         _reraise_if_debug(args)
@@ -227,7 +208,7 @@ def _build_server(args: argparse.Namespace, task: Any, tokens: dict[str, str] | 
         secagg=SecAggSettings(enabled=args.secagg, threshold=args.secagg_threshold),
         tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, tokens=tokens, insecure=args.insecure,
     )
-    strategy = make_strategy(args.strategy, **parse_params(args.strategy_param))
+    strategy = make_strategy(args.strategy, **parse_key_values(args.strategy_param or [], "--strategy-param"))
 
     from federated.simulate import rss_mb
 
@@ -249,52 +230,62 @@ def _build_server(args: argparse.Namespace, task: Any, tokens: dict[str, str] | 
     return FedServer(cfg, strategy, task.initial_weights, task.evaluate_fn, report, status), strategy
 
 
+# how the client's errors name its security settings on the command line (the SDK: federated.client.SDK_NAMES)
+CLI_NAMES = {"tls_ca": "--tls-ca", "tls_cert": "--tls-cert", "tls_key": "--tls-key", "token_file": "--token-file",
+             "identity": "--identity"}
+
+
+def explain_error(exc: BaseException) -> tuple[str, int] | None:
+    """One line and an exit code for a federated error a command ends with (None: not one):
+    2 for a setup to fix (a refused token, a TLS mismatch, a bad setting), 1 for a run that
+    failed (server unreachable until --reconnect-timeout, no update accepted, training failed)."""
+    from federated.errors import ConfigError, FedError, PermissionDeniedError, UnauthenticatedError
+
+    if not isinstance(exc, FedError):
+        return None
+    return str(exc), 2 if isinstance(exc, (ConfigError, UnauthenticatedError, PermissionDeniedError)) else 1
+
+
 def _client(args: argparse.Namespace) -> int:
+    """Errors are raised, and said by ``tessera.cli.main`` as one line (``explain_error``)."""
     import torch
 
-    from federated.client import start_client
-    from federated.errors import ClientFailedError, TrainingFailedError
+    from federated.client import mismatch_message, start_client
+    from federated.errors import TLSMismatchError
     from federated.tasks import get_task
+    from tessera.service import ClientSecurity, UsageError
 
     try:
         i_s, n_s = args.partition.split("/")
         i, n = int(i_s), int(n_s)
     except ValueError:
-        raise ValueError(f"--partition expects I/N (e.g. 0/2), got {args.partition!r}") from None
+        raise UsageError(f"--partition expects I/N (e.g. 0/2), got {args.partition!r}") from None
     if not 0 <= i < n:
-        raise ValueError(f"--partition {args.partition}: need 0 <= I < N")
-    from federated.errors import FedError
-    from tessera.service import ClientSecurity
-
+        raise UsageError(f"--partition {args.partition}: need 0 <= I < N")
     if args.token and args.token_file:
-        print("tessera-fed client: give --token or --token-file, not both", file=sys.stderr, flush=True)
-        return 2
-    try:
-        sec = ClientSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.token_file, args.identity,
-                                        token=args.token if args.token_file is None else None)
-    except (OSError, ValueError) as e:  # a missing file; service.ConfigError (a ValueError): no such identity
-        _reraise_if_debug(args)
-        print(f"tessera-fed client: {e}", file=sys.stderr, flush=True)
-        return 2
+        raise UsageError("give --token or --token-file, not both")
+    # a missing file, no such identity (the kernel's ConfigError names --identity): one line, exit 2
+    sec = ClientSecurity.from_files(args.tls_ca, args.tls_cert, args.tls_key, args.token_file, args.identity,
+                                    token=args.token if args.token_file is None else None)
     token = sec.token or (None if args.token_file else os.environ.get("TESSERA_FED_TOKEN") or None)
     torch.set_num_threads(1)
     task = get_task(args.task)
     parts = task.partitions(n, args.split, args.seed)
     client = task.client(parts[i], seed=args.seed * 1_000_003 + i, shared_model=False)
     who = args.client_id or args.identity or "(token identity)"
-    print(f"tessera-fed client {who}: {len(parts[i])} examples of {args.task}, connecting to {args.server}", flush=True)
+    print(f"tessera fed client {who}: {len(parts[i])} examples of {args.task}, connecting to {args.server}", flush=True)
+
+    def say(line: str) -> None:  # while the server is unreachable: a plain line every 5 s
+        print(f"tessera fed client: {line}", file=sys.stderr, flush=True)
+
     try:
         stats = start_client(args.server, client, token=token, tls_ca=sec.tls_ca, tls_cert=sec.tls_cert,
-                             tls_key=sec.tls_key, client_id=args.client_id, reconnect_timeout=args.reconnect_timeout)
-    except (ClientFailedError, TrainingFailedError) as e:  # the run happened, but not well: exit 1
-        _reraise_if_debug(args)
-        print(f"tessera-fed client: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 1
-    except FedError as e:
-        _reraise_if_debug(args)
-        print(f"tessera-fed client: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        return 2
-    print(f"tessera-fed client: server finished; exiting ({stats.contributed} update(s) contributed)", flush=True)
+                             tls_key=sec.tls_key, client_id=args.client_id, reconnect_timeout=args.reconnect_timeout,
+                             say=say)
+    except TLSMismatchError as e:  # the SDK names its keyword arguments; say it with this command's flags
+        text = mismatch_message(e.kind, e.address, CLI_NAMES, client_cert=sec.tls_cert is not None)
+        raise UsageError(text or str(e)) from None
+    print(f"tessera fed client: server finished; exiting ({stats.contributed} update(s) contributed)", flush=True)
     return 0
 
 
@@ -313,7 +304,7 @@ def _simulate(args: argparse.Namespace) -> int:
             cc[key] = v
     cfg = SimulationConfig(
         task=args.task, clients=args.clients, fraction=args.fraction if args.fraction is not None else 0.1,
-        rounds=args.rounds, strategy=args.strategy, strategy_params=parse_params(args.strategy_param),
+        rounds=args.rounds, strategy=args.strategy, strategy_params=parse_key_values(args.strategy_param or [], "--strategy-param"),
         partition=split, seed=args.seed, processes=args.processes, workers=args.workers,
         min_clients=args.min_clients, round_timeout=args.round_timeout, eval_fraction=args.eval_fraction,
         eval_every=args.eval_every, compress=args.compress, secagg=args.secagg, dp=_dp(args), client_config=cc,
@@ -345,10 +336,10 @@ def _write_private(path: str, data: bytes) -> None:
 def _tokens(args: argparse.Namespace) -> int:
     """``tessera fed tokens``: one fresh random token per identity, written 0600."""
     from tessera.security import new_tokens
+    from tessera.service import write_token_file
 
     tokens = new_tokens(args.identities)
-    # the format of tessera.security.write_tokens / load_tokens
-    _write_private(args.out, "".join(f"{i} {t}\n" for i, t in tokens.items()).encode("utf-8"))
+    write_token_file(args.out, tokens)  # the kernel's format: what the server and start_client(token_file=) read
     print(f"wrote {len(args.identities)} tokens to {args.out}; give each client its line's token")
     return 0
 

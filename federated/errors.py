@@ -12,6 +12,7 @@ __all__ = [
     "NonFiniteError",
     "MalformedMessageError",
     "UnauthenticatedError",
+    "TLSMismatchError",
     "PermissionDeniedError",
     "UnknownTaskError",
     "TaskClosedError",
@@ -52,6 +53,18 @@ class MalformedMessageError(InvalidUpdateError):
 
 class UnauthenticatedError(FedError):
     """No token, or a token the server does not know (UNAUTHENTICATED)."""
+
+
+class TLSMismatchError(UnauthenticatedError):
+    """Client and server disagree about transport security (plaintext vs TLS, a CA that does not
+    accept the server's certificate, a server that wants a client certificate): no call can
+    succeed, so it is not retried. ``kind`` is the kernel's diagnosis
+    (:class:`tessera.service.Diagnosis`), ``address`` the server's."""
+
+    def __init__(self, message: str, kind: str = "", address: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.address = address
 
 
 class PermissionDeniedError(FedError):

@@ -6,8 +6,6 @@ bytes are read in place.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import secrets
 import threading

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-__all__ = ["main", "build_parser", "HelpFormatter", "Parser", "UsageError", "explain_error", "parse_key_values"]  # noqa: F822 (UsageError: lazy, see __getattr__)
+__all__ = ["main", "build_parser", "HelpFormatter", "Parser", "UsageError", "explain_error", "parse_key_values", "KEY_VALUE_HELP"]  # noqa: F822 (UsageError: lazy, see __getattr__)
 
 
 def __getattr__(name: str) -> Any:
@@ -25,9 +25,17 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'tessera.cli' has no attribute {name!r}")
 
 
+# what parse_key_values does with a value, as --help says it (README: "--task-opt")
+KEY_VALUE_HELP = ("VALUE is parsed as JSON when it is JSON: 3 int, 0.5 or 1e-3 float, true/false bool, null None, "
+                  "[1,2] list, {\"a\":1} dict, \"7\" the string 7; anything else is the string as written (abc, True)")
+
+
 def parse_key_values(items: Sequence[str], flag: str = "--task-opt") -> dict[str, Any]:
-    """``["k=v", ...]`` (a repeatable ``flag``) -> dict; a value that parses as JSON (a number, true,
-    a list) becomes that, any other stays a string. ValueError names the flag and the bad item."""
+    """``["k=v", ...]`` (a repeatable ``flag``) -> dict. The value is split at the first ``=``;
+    one that parses as JSON becomes that value (``3`` int, ``0.5``/``1e-3`` float, ``true``/``false``
+    bool, ``null`` None, ``[1, 2]`` list, ``{"a": 1}`` dict, ``"7"`` the string ``7``), any other
+    stays the string as written (``abc``, ``True``, ``a=b``, empty). ValueError names the flag and
+    the bad item (no ``=``, or no key)."""
     import json
 
     out: dict[str, Any] = {}
@@ -91,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     from worker.peer.cli import add_peer_commands
     from worker.peer.planner import add_plan_command
 
+    from federated.cli import explain_error as explain_fed
     from ps.cli import explain_error as explain_ps
     from worker.cli import explain_error as explain_worker
 
@@ -121,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_health_command(sub)
     _finish(parser)
-    _EXPLAINERS[:] = [explain_ps, explain_worker]
+    _EXPLAINERS[:] = [explain_ps, explain_worker, explain_fed]
     return parser
 
 
@@ -131,7 +140,7 @@ def _finish(parser: argparse.ArgumentParser) -> None:
     every option's default (an option without help text gets one saying just its default)."""
     if parser.formatter_class is argparse.RawDescriptionHelpFormatter:
         parser.formatter_class = RawDescriptionHelpFormatter
-    elif not issubclass(parser.formatter_class, HelpFormatter):
+    elif not (isinstance(parser.formatter_class, type) and issubclass(parser.formatter_class, HelpFormatter)):
         parser.formatter_class = HelpFormatter
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from tessera.addr import shard_list_arg
-from tessera.cli import parse_key_values
+from tessera.cli import KEY_VALUE_HELP, parse_key_values
 from tessera.service import UsageError, add_client_security_args, client_security_from
 
 __all__ = ["add_worker_commands", "explain_error", "default_torch_threads"]
@@ -45,7 +45,8 @@ def add_worker_commands(sub: Any) -> None:
     )
     add_client_security_args(w)
     w.add_argument("--task", default="ctr", help="ctr, digits, or module:function (a module in the current directory or on PYTHONPATH)")
-    w.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE", help="option for the task (repeatable)")
+    w.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"keyword argument for the task's function (repeatable; {KEY_VALUE_HELP})")
     w.add_argument(
         "--mode", default="async", type=_ps_mode, choices=["sync", "async", "ssp", "dense-sync"],
         help="sync (BSP), async (ASP), ssp (bounded staleness), dense-sync (dense tables sync, sparse async)",
@@ -122,7 +123,8 @@ def add_worker_commands(sub: Any) -> None:
     e = sub.add_parser("experiment", help="experiments on a local cluster").add_subparsers(dest="experiment", required=True)
     c = e.add_parser("consistency", help="sync vs async vs SSP on one task: metric vs time and updates, staleness")
     c.add_argument("--task", default="ctr", help="ctr, digits, or module:function")
-    c.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE", help="option for the task (repeatable)")
+    c.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"keyword argument for the task's function (repeatable; {KEY_VALUE_HELP})")
     c.add_argument("--workers", type=int, default=4, help="worker processes per mode")
     c.add_argument("--shards", type=int, default=2, help="shard processes per mode")
     c.add_argument("--modes", default="sync,async,ssp:1,ssp:4,ssp:16", help="comma-separated: sync, async, ssp:K, dense-sync")

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from tessera.addr import shard_list_arg
-from tessera.cli import parse_key_values
+from tessera.cli import KEY_VALUE_HELP, parse_key_values
+from worker.modes import PEER_MODES
 from worker.peer.flags import add_pipeline_args
 
 __all__ = ["add_peer_commands", "add_train_args", "launcher_argv", "main", "run_rank"]
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 def add_train_args(p: argparse.ArgumentParser) -> None:
     """The flags of one rank (``python -m worker.peer``); ``tessera peer`` passes them through."""
     p.add_argument("--task", default="gpt", help="gpt, digits, ctr (hybrid), or package.module:function")
-    p.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE", help="option for the task (repeatable)")
-    p.add_argument("--mode", default="dp", choices=["dp", "zero1", "zero2", "zero3", "hybrid"],
+    p.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"option for the task (repeatable; {KEY_VALUE_HELP})")
+    p.add_argument("--mode", default="dp", choices=list(PEER_MODES),
                    help="data parallel, a ZeRO stage, or hybrid (PSEmbedding rows on the PS given by --ps, dense all-reduced)")
     p.add_argument("--dp", type=int, default=0, help="data-parallel replicas (0: world size / (tp x pp))")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica (gpt task; ranks r..r+T-1 share a layer)")
@@ -126,12 +128,13 @@ def run_rank(args: argparse.Namespace) -> int:
     from worker.peer import (
         PeerConfigError,
         PeerError,
+        SyncPlan,
         init_mesh,
         make_sync,
         shutdown_group,
     )
     from worker.peer.mesh import Liveness
-    from worker.peer.moe import MoESync, moe_layers
+    from worker.peer.moe import moe_layers
     from worker.peer.pipeline import run_pipeline_rank, takes_pipeline_path
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
@@ -173,37 +176,24 @@ def run_rank(args: argparse.Namespace) -> int:
             "task": args.task, "task_opts": json.dumps(opts, sort_keys=True), "global_batch": args.global_batch,
             "accumulate": args.accumulate, "steps": args.steps, "seed": args.seed,
         }
-        compress = None if args.compress == "none" else args.compress
+        plan = SyncPlan(args.mode, task.dense_optimizer, bucket_mb=args.bucket_mb, compress=args.compress,
+                        sequence_parallel=args.sequence_parallel, ep=args.ep, device=mesh.device, sparse_mode=args.sparse_mode,
+                        sparse_ids=task.sparse_ids, prefix=task.name, settings=settings)
+        if args.moe_experts and not moe_layers(task.model):
+            raise PeerConfigError(f"--moe-experts: task {args.task!r} has no MoE layers (the gpt task builds them)")
         worker_index = rank
-        sync: Any
+        where: Any = None
         if meshed:
-            sync, task, worker_index = _mesh_sync(args, task, dp, mesh.device, settings)
+            where, task = _mesh(args, task, dp, mesh.device)
+            worker_index = where.dp_idx
         elif args.mode == "hybrid":
             from ps import PSClient
-            from worker.peer.hybrid import HybridSync
 
             if not args.ps:
                 raise PeerConfigError("--mode hybrid needs --ps HOST:PORT,... (the shards holding the embeddings)")
-            client = PSClient(args.ps.split(","), timeout=max(60.0, args.timeout))
+            client = where = PSClient(args.ps.split(","), timeout=max(60.0, args.timeout))
             client.wait_ready(timeout=60)
-            sync = HybridSync(
-                task.model, client, task.name, task.dense_optimizer, rank=rank, world=world, device=mesh.device,
-                bucket_mb=args.bucket_mb, compress=compress, sparse_mode=args.sparse_mode, sparse_ids=task.sparse_ids,
-                settings=settings,
-            )
-        elif moe_layers(task.model) or args.moe_experts or args.ep > 1:
-            if not moe_layers(task.model):
-                raise PeerConfigError(
-                    f"--moe-experts: task {args.task!r} has no MoE layers (the gpt task builds them)" if args.moe_experts
-                    else f"--ep {args.ep} needs a model with MoE layers: add --moe-experts E (gpt)"
-                )
-            sync = MoESync(task.model, task.dense_optimizer, ep=args.ep, mode=args.mode, device=mesh.device,
-                           bucket_mb=args.bucket_mb, compress=compress, settings=settings)
-        else:
-            sync = make_sync(
-                args.mode, task.model, task.dense_optimizer, device=mesh.device, bucket_mb=args.bucket_mb,
-                compress=compress, settings=settings,
-            )
+        sync: Any = make_sync(plan, task.model, where)
         if args.checkpoint_dir:
             if args.mode == "hybrid":
                 raise PeerConfigError("--checkpoint-dir: hybrid mode's rows live on the PS (use its checkpoints); not supported here")
@@ -279,26 +269,16 @@ def run_rank(args: argparse.Namespace) -> int:
         shutdown_group(barrier=ok)
 
 
-def _mesh_sync(args: argparse.Namespace, task: Any, dp: int, device: Any, settings: dict[str, Any]) -> tuple[Any, Any, int]:
-    """The (D, T, P) mesh of this run, checked on every rank, and its sync: (sync, task, worker index)."""
+def _mesh(args: argparse.Namespace, task: Any, dp: int, device: Any) -> tuple[Any, Any]:
+    """The (D, T, P) mesh of this run, checked on every rank, and the task with its tensor-parallel
+    model: (mesh, task). The sync over it comes from ``make_sync``."""
     from worker.peer import PeerConfigError
     from worker.peer.mesh import ParallelMesh
-    from worker.peer.tensor_parallel import TensorParallelSync, tensor_parallel_task
+    from worker.peer.tensor_parallel import tensor_parallel_task
 
     pp = getattr(args, "pp", 1)
     if pp > 1:
         raise PeerConfigError("--pp > 1 runs through worker.peer.pipeline.run_pipeline_rank, not the trainer's mesh path")
-    if args.mode not in ("dp", "zero1"):
-        raise PeerConfigError(f"--mode {args.mode} with --tp/--dp: dp and zero1 (ZeRO-1 over the DP dimension) compose with tensor parallelism")
-    if args.compress != "none":
-        raise PeerConfigError("--compress with --tp/--dp is not supported (dp mode without a mesh only)")
-    from worker.peer.moe import MoETensorParallelSync, moe_layers
-
-    moe = bool(moe_layers(task.model))
-    if getattr(args, "ep", 1) > 1 and not moe:
-        raise PeerConfigError(f"--ep {args.ep} needs a model with MoE layers: add --moe-experts E (gpt)")
-    if moe and (args.mode != "dp" or args.sequence_parallel):
-        raise PeerConfigError("MoE layers with --tp/--dp: dp mode without --sequence-parallel only (no ZeRO-1 over DP, no SP)")
     m = task.model
     if not all(hasattr(m, a) for a in ("tok", "pos", "blocks", "ln", "head")) or not len(m.blocks):
         raise PeerConfigError(f"--tp/--sequence-parallel split the gpt task's model; task {args.task!r} is not one")
@@ -307,11 +287,7 @@ def _mesh_sync(args: argparse.Namespace, task: Any, dp: int, device: Any, settin
              "global_batch": args.global_batch, "micro_batches": args.accumulate,
              "sequence_parallel": args.sequence_parallel}
     mesh = ParallelMesh.build(dp, args.tp, pp, device=device, seed=args.seed, check=check)
-    task = tensor_parallel_task(task, mesh, sequence_parallel=args.sequence_parallel)
-    if moe:  # experts split by hidden over TP, and over --ep DP replicas
-        return MoETensorParallelSync(task.model, task.dense_optimizer, mesh, ep=args.ep, settings=settings), task, mesh.dp_idx
-    sync = TensorParallelSync(task.model, task.dense_optimizer, mesh, settings=settings, zero=int(args.mode == "zero1"))
-    return sync, task, mesh.dp_idx
+    return mesh, tensor_parallel_task(task, mesh, sequence_parallel=args.sequence_parallel)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,7 @@ from torch import nn
 
 from ps import OptimizerSpec
 
-__all__ = ["Task", "load_task", "resolve_task", "TaskLoadError", "TASKS"]
+__all__ = ["Task", "load_task", "resolve_task", "lower_is_better", "TaskLoadError", "TASKS"]
 
 Batch = Any
 
@@ -54,8 +54,14 @@ class Task:
             global batch.
         loss: ``loss(model, batch)`` -> a scalar tensor, the *mean* over the batch.
         evaluate: ``evaluate(model)`` -> ``{metric: float}`` on test data, or None (no evaluation).
-        metric: the main metric's key in ``evaluate``'s result (progress, experiments, targets).
-        higher_is_better: whether a larger ``metric`` is better (False for a loss).
+        metric: the main metric's key in ``evaluate``'s result (progress, experiments, targets);
+            default ``"loss"``.
+        higher_is_better: whether a larger ``metric`` is better. Default None: decided from
+            ``metric``'s name (:func:`lower_is_better`): False for a loss or an error
+            (``loss``, ``test_loss``, ``mse``, ``rmse``, ``mae``, ``perplexity``, ``error``,
+            names ending in ``_loss``/``_error``), True for anything else (``accuracy``,
+            ``auc``, ...). Give it for a metric the rule gets wrong; after construction it is
+            always a bool.
         sparse_ids: ``sparse_ids(batch)`` -> ``{the PSEmbedding's module name in the model, as in
             ``model.named_modules()`` (e.g. "emb"): the ids tensor it will be called with}``, so the trainer can
             prefetch those rows during the previous step. Optional: without it rows are pulled
@@ -73,11 +79,27 @@ class Task:
     loss: Callable[[nn.Module, Batch], torch.Tensor]
     evaluate: Callable[[nn.Module], dict[str, float]] | None = None
     metric: str = "loss"
-    higher_is_better: bool = True
+    higher_is_better: bool | None = None  # None: from the metric's name (see above); a bool after __post_init__
     sparse_ids: Callable[[Batch], dict[str, torch.Tensor]] | None = None
     dense_optimizer: OptimizerSpec = field(default_factory=lambda: OptimizerSpec("adam", {"lr": 1e-3}))
     to_device: Callable[[Batch, torch.device], Batch] | None = None
     info: dict[str, float] = field(default_factory=dict)  # e.g. {"best_auc": 0.81}
+
+    def __post_init__(self) -> None:
+        if self.higher_is_better is None:
+            self.higher_is_better = not lower_is_better(self.metric)
+
+
+_LOWER_IS_BETTER = frozenset({"loss", "mse", "rmse", "mae", "perplexity", "ppl", "error", "nll", "logloss"})
+
+
+def lower_is_better(metric: str) -> bool:
+    """Whether a metric of this name is better when smaller: a loss or an error (``loss``,
+    ``test_loss``, ``mse``, ``rmse``, ``mae``, ``perplexity``, ``error``, ``nll``, any name
+    ending in ``_loss`` or ``_error``, case-insensitive). The default of
+    :attr:`Task.higher_is_better` is its negation."""
+    m = metric.lower()
+    return m in _LOWER_IS_BETTER or m.endswith(("_loss", "_error", "_mse", "_rmse", "_mae", "_perplexity"))
 
 
 def move(batch: Batch, device: torch.device) -> Batch:

@@ -185,7 +185,7 @@ def make_task(
         }
 
     return Task(
-        "ctr", model, batches, loss, evaluate, metric="auc",
+        "ctr", model, batches, loss, evaluate, metric="auc", higher_is_better=True,
         sparse_ids=lambda b: {"emb": b.ids},
         dense_optimizer=OptimizerSpec("adam", {"lr": lr}),
         info={"best_auc": best, "vocab": vocab, "fields": FIELDS},

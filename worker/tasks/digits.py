@@ -75,6 +75,6 @@ def make_task(seed: int = 0, hidden: int = 64, lr: float = 0.005, **_: object) -
         }
 
     return Task(
-        "digits", model, batches, loss, evaluate, metric="accuracy",
+        "digits", model, batches, loss, evaluate, metric="accuracy", higher_is_better=True,
         dense_optimizer=OptimizerSpec("adam", {"lr": lr}),
     )
