@@ -12,7 +12,7 @@ import grpc
 from ps.checkpoint import load_latest
 from ps.config import ShardConfig
 from ps.replication import BackupFollower
-from ps.servicer import METHOD_ROLES, ROLES, SERVICE_NAME, PSServicer
+from ps.servicer import METHOD_ROLES, ROLES, SERVICE_NAME, WAITS, PSServicer
 from ps.shard import PRIMARY, Shard
 from tessera import service
 from tessera.bulk import BulkServer, serve_bulk
@@ -51,11 +51,14 @@ def _build(
     shard = Shard(config)
     if restore:
         restore_latest(shard)
-    servicer = PSServicer(shard, Access(security, METHOD_ROLES, ROLES), peer)
+    # one admission path for both planes: per-identity shares of the handler threads, waits capped
+    access = Access(security, METHOD_ROLES, ROLES, waits=WAITS, pool=config.workers)
+    servicer = PSServicer(shard, access, peer)
     try:
         server, port, health = service.build_server(
             (servicer.handlers(),), config.host, config.port, security, max_workers=config.workers,
             max_message_bytes=config.max_message_bytes, service_names=(SERVICE_NAME,), name=f"ps{config.shard_index}",
+            access=access,
         )
     except BaseException:
         shard.close()
@@ -69,7 +72,7 @@ def _build(
                 (servicer.handlers(),), config.host, config.bulk_port, security, servicer.access.caller,
                 max_message_bytes=config.max_message_bytes, max_connections=config.workers * 4, name=f"ps{config.shard_index}-bulk",
                 # counted like the gRPC server's calls (requests, bytes, latency by method and code), as server "psN-bulk"
-                interceptors=[MetricsInterceptor(f"ps{config.shard_index}-bulk")],
+                interceptors=[MetricsInterceptor(f"ps{config.shard_index}-bulk"), access.interceptor()],
             )
         except BaseException:
             server.stop(None)

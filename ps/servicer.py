@@ -41,10 +41,11 @@ from ps.wire import (
     unframe,
 )
 from tessera.codec import DTYPES, WIRE_FLOAT_DTYPES, CodecError, Packed, as_float32, byte_view, from_wire, to_wire
+from tessera.service import Method, guarded_handler
 from tessera.service import ANONYMOUS, Access, Caller, ClientSecurity, ServerSecurity
 from tessera.v1 import ps_pb2 as pb
 
-__all__ = ["PSServicer", "STATUS_OF", "ERRORS", "SERVICE_NAME", "ROLES", "METHOD_ROLES"]
+__all__ = ["PSServicer", "STATUS_OF", "ERRORS", "SERVICE_NAME", "ROLES", "METHOD_ROLES", "WAITS"]
 
 log = logging.getLogger(__name__)
 
@@ -73,15 +74,12 @@ METHOD_ROLES: dict[str, frozenset[str]] = {
     "Replicate": frozenset({"admin", "replica"}),
 }
 
+# methods that may block (BSP/SSP waits, a checkpoint cut, push streams a client feeds): an identity
+# holds at most ServerSecurity.max_waiting of them at once, each wait at most Limits.max_wait_s
+WAITS = frozenset({"PullDense", "PullSparse", "PushDense", "Step", "Checkpoint"})
+
 # methods a backup answers itself; every other one is for the primary
 _ANY_ROLE = frozenset({"Role", "Attach", "Replicate", "Stats", "DescribeTable"})
-
-_WAIT_DEFAULT_S = 300.0  # a BSP/SSP wait when the caller set no deadline
-
-
-def _time_left(context: grpc.ServicerContext) -> float:
-    left = context.time_remaining()
-    return _WAIT_DEFAULT_S if left is None else max(0.0, left - 0.05)
 
 
 class PSServicer:
@@ -118,20 +116,15 @@ class PSServicer:
         return f"{caller.identity}/{client}" if caller.identity and client else client
 
     # ------------------------------------------------------------------ plumbing
-    def _fail(self, method: str, context: grpc.ServicerContext, exc: BaseException) -> None:
-        code = ERRORS.code_of(exc)
+    def _failed(self, method: str, code: grpc.StatusCode) -> None:
         if not (method == "DescribeTable" and code == grpc.StatusCode.NOT_FOUND):
             # a lookup that finds no table is an answer, not an error: workers poll DescribeTable for
             # the tables worker 0 has not created yet, and a healthy run must show no errors
             self.shard.errors[code.name] += 1
-        self.access.count(method, code)
-        if code == grpc.StatusCode.INTERNAL:
-            log.exception("%s failed", method)
-            msg = f"{method}: internal error: {type(exc).__name__}: {exc}"
-        else:
-            log.info("%s rejected (%s): %s", method, code.name, exc)
-            msg = str(exc)
-        ERRORS.abort(context, exc, msg)
+
+    def _budget(self, context: grpc.ServicerContext) -> float:
+        """Seconds a wait of this call may block: its deadline, capped server-side (Access.wait_budget)."""
+        return self.access.wait_budget(context)
 
     def _decode(self, cls: type, raw: bytes) -> tuple[Any, dict[str, memoryview]]:
         """The request and its bulk fields by name (zero-copy views; see ps.wire.frame)."""
@@ -146,65 +139,25 @@ class PSServicer:
         return data
 
     def handlers(self) -> grpc.GenericRpcHandler:
-        def guard(name: str, fn: Callable) -> Callable:
-            if inspect.isgeneratorfunction(fn):
+        """The handlers of ``tessera.v1.ParameterServer``: each runs for the caller the server's
+        ``access`` admitted (served by ps.server through the runtime's ``build_server(access=...)``
+        and the bulk plane alike), inside the runtime's one error path (tessera.service.guarded_handler)."""
+        streams = {"PushDense": Method(self.PushDense, request_stream=True, response_stream=True)}
+        replies = {"PullDense": self.PullDense, "Attach": self.Attach}
+        unary = {
+            "CreateTable": self.CreateTable, "DescribeTable": self.DescribeTable, "DropTable": self.DropTable,
+            "PullSparse": self.PullSparse, "PushSparse": self.PushSparse, "Stats": self.Stats, "Join": self.Join,
+            "Heartbeat": self.Heartbeat, "Checkpoint": self.Checkpoint, "Step": self.Step, "Role": self.Role,
+            "Replicate": self.Replicate,
+        }
+        methods = {
+            **{n: Method(f) for n, f in unary.items()}, **{n: Method(f, response_stream=True) for n, f in replies.items()}, **streams,
+        }
+        return guarded_handler(SERVICE_NAME, methods, self.access, ERRORS, before=self._before, on_error=self._failed)
 
-                @functools.wraps(fn)
-                def gen(request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
-                    self.shard.requests[name] += 1
-                    try:
-                        with self.access.admit(name, context) as caller:
-                            self._check_role(name)
-                            yield from fn(request, context, caller)
-                    except grpc.RpcError:
-                        # the request stream failed inside gRPC (cancelled, message too large, deadline):
-                        # the call already has its status; this is not the shard's fault
-                        self.shard.errors["CANCELLED"] += 1
-                    except Exception as e:  # noqa: BLE001 - translated to a status
-                        if not context.is_active():
-                            # the client cancelled or went away mid-stream: nothing was applied and
-                            # nobody is listening; not an INTERNAL error
-                            self.shard.errors["CANCELLED"] += 1
-                            log.info("%s: cancelled by the client (%s)", name, type(e).__name__)
-                            return
-                        self._fail(name, context, e)
-
-                return gen
-
-            @functools.wraps(fn)
-            def unary(request: Any, context: grpc.ServicerContext) -> bytes:
-                self.shard.requests[name] += 1
-                try:
-                    with self.access.admit(name, context) as caller:
-                        self._check_role(name)
-                        return fn(request, context, caller)
-                except Exception as e:  # noqa: BLE001
-                    self._fail(name, context, e)
-                    raise  # unreachable: abort raises
-
-            return unary
-
-        uu = grpc.unary_unary_rpc_method_handler
-        return grpc.method_handlers_generic_handler(
-            SERVICE_NAME,
-            {
-                "CreateTable": uu(guard("CreateTable", self.CreateTable)),
-                "DescribeTable": uu(guard("DescribeTable", self.DescribeTable)),
-                "DropTable": uu(guard("DropTable", self.DropTable)),
-                "PushDense": grpc.stream_stream_rpc_method_handler(guard("PushDense", self.PushDense)),
-                "PullDense": grpc.unary_stream_rpc_method_handler(guard("PullDense", self.PullDense)),
-                "PullSparse": uu(guard("PullSparse", self.PullSparse)),
-                "PushSparse": uu(guard("PushSparse", self.PushSparse)),
-                "Stats": uu(guard("Stats", self.Stats)),
-                "Join": uu(guard("Join", self.Join)),
-                "Heartbeat": uu(guard("Heartbeat", self.Heartbeat)),
-                "Checkpoint": uu(guard("Checkpoint", self.Checkpoint)),
-                "Step": uu(guard("Step", self.Step)),
-                "Role": uu(guard("Role", self.Role)),
-                "Attach": grpc.unary_stream_rpc_method_handler(guard("Attach", self.Attach)),
-                "Replicate": uu(guard("Replicate", self.Replicate)),
-            },
-        )
+    def _before(self, method: str, caller: Caller) -> None:
+        self.shard.requests[method] += 1
+        self._check_role(method)
 
     def _check_role(self, method: str) -> None:
         if self.shard.role != PRIMARY and method not in _ANY_ROLE:
@@ -253,7 +206,7 @@ class PSServicer:
             entry = unpack_plain(pl.get("entry", b""))
         except CheckpointError as e:
             raise MalformedMessageError(f"Replicate: {e}") from None
-        sh.apply_entry(entry, req.attach_id, _time_left(context))
+        sh.apply_entry(entry, req.attach_id, self._budget(context))
         return self._out(pb.ReplicateReply().SerializeToString())
 
     # ------------------------------------------------------------------ tables
@@ -309,7 +262,7 @@ class PSServicer:
         if req.hold:
             path, clock = "", self.shard.hold_cut(max(0, req.at_clock))
         else:
-            path, clock = self.shard.cut_at(req.at_clock, _time_left(context))
+            path, clock = self.shard.cut_at(req.at_clock, self._budget(context))
         return self._out(pb.CheckpointReply(shard_index=self.shard.config.shard_index, path=path, clock=clock).SerializeToString())
 
     # ------------------------------------------------------------------ dense
@@ -434,7 +387,7 @@ class PSServicer:
         if req.worker:
             self._own(caller, req.worker)
             self.shard.membership.touch(req.worker)
-        clock = self.shard.wait(req.table, policy, _time_left(context))
+        clock = self.shard.wait(req.table, policy, self._budget(context))
         version, blocks = table.snapshot()
         for k, block in enumerate(blocks):
             head = pb.DenseChunk(offset=k * table.chunk_elems, dtype=dtype, version=version, clock=clock)
@@ -448,7 +401,7 @@ class PSServicer:
         if req.worker:
             self._own(caller, req.worker)
             self.shard.membership.touch(req.worker)
-        outcomes = self.shard.step(parts, req.worker, self._client_key(caller, req.client), _time_left(context))
+        outcomes = self.shard.step(parts, req.worker, self._client_key(caller, req.client), self._budget(context))
         reply = pb.StepReply()
         pieces: list[Any] = []
         at = 0
@@ -496,7 +449,7 @@ class PSServicer:
         if req.worker:
             self._own(caller, req.worker)
             self.shard.membership.touch(req.worker)
-        clock = self.shard.wait(req.table, policy, _time_left(context))
+        clock = self.shard.wait(req.table, policy, self._budget(context))
         dtype = self.shard.sparse_reply_dtype(req.table, dtype)  # low-precision rows travel as stored
         # the eviction epoch before and after the read: equal, no row was dropped while the versions were
         # read (they name values of that epoch); the reply names the one before (a caller that got rows

@@ -5,8 +5,9 @@ server may also serve its data calls with :func:`serve_bulk`, and clients call t
 :class:`BulkChannel`, whose ``unary_unary`` / ``unary_stream`` / ``stream_stream`` behave like a
 ``grpc.Channel``'s (errors are :class:`BulkCallError`, a ``grpc.RpcError``). The endpoint uses the
 runtime's rules: ``ServerSecurity.check``, TLS / mutual TLS from the same PEM, ``Access.caller``
-at the handshake (an unknown token never gets a call in) and the handlers' own per-call
-``access.admit`` and error table through a context shim that acts like ``grpc.ServicerContext``.
+at the handshake (an unknown token never gets a call in), and per call the same admission as on
+gRPC (``Access.interceptor()`` among the ``interceptors``: roles and the identity's limits, shared
+with its gRPC calls) and error table, through a context shim that acts like ``grpc.ServicerContext``.
 
 Wire (no pickle). Every frame is ``struct "<IQ"`` (header length, body length), a msgpack header
 (a map, at most 64 KiB) and the body (raw bytes, at most ``max_message_bytes``).
@@ -50,7 +51,6 @@ import msgpack
 import numpy as np
 
 from tessera.codec import Packed
-from tessera.security import TOKEN_HEADER, _read
 from tessera.service import (
     ERROR_CLASS_HEADER,
     BindError,
@@ -58,8 +58,10 @@ from tessera.service import (
     FailedCall,
     ServerSecurity,
     UnauthenticatedError,
-    _pem_file,
+    pem_file,
+    read_pem,
 )
+from tessera.service.tokens import TOKEN_HEADER
 
 __all__ = ["MAX_HEADER_BYTES", "BulkCallError", "BulkChannel", "BulkServer", "serve_bulk"]
 
@@ -289,9 +291,15 @@ def _status(code: grpc.StatusCode, msg: str, trailing: Iterable[tuple[str, Any]]
 
 # ---------------------------------------------------------------------- server
 class _Details(grpc.HandlerCallDetails):
-    def __init__(self, method: str, metadata: tuple) -> None:
+    """What an interceptor sees of a call: gRPC's fields, and what the bulk plane knows already:
+    ``plane`` ("bulk": the connection's own thread serves it) and the connection's ``auth_context``
+    (its client certificate), so ``Access`` admits every call before its handler runs."""
+
+    def __init__(self, method: str, metadata: tuple, auth_context: dict | None = None) -> None:
         self.method = method
         self.invocation_metadata = metadata
+        self.plane = "bulk"
+        self.auth_context = auth_context if auth_context is not None else {}
 
 
 class _Abort(Exception):
@@ -591,8 +599,8 @@ class BulkServer:
                 with self._lock:
                     self._busy -= 1
 
-    def _lookup(self, method: str, metadata: tuple) -> Any:
-        return self._service(0, _Details(method, metadata))
+    def _lookup(self, method: str, metadata: tuple, auth_context: dict | None = None) -> Any:
+        return self._service(0, _Details(method, metadata, auth_context))
 
     def _service(self, i: int, details: Any) -> Any:
         """The handler for ``details`` through interceptors i.. (the first is the outermost, as gRPC's)."""
@@ -620,7 +628,7 @@ class BulkServer:
         state = {"end": bool(first.get("end", True)), "broken": False}
         ctx = _Context(conn, conn.metadata + call_md, timeout)
         try:
-            handler = self._lookup(method, ctx.invocation_metadata())
+            handler = self._lookup(method, ctx.invocation_metadata(), ctx.auth_context())
         except Exception as e:
             log.exception("%s: looking up the handler failed", method)
             return self._finish(conn, ctx, state, _status(grpc.StatusCode.INTERNAL, f"{method}: {type(e).__name__}: {e}"))
@@ -784,11 +792,11 @@ class BulkServer:
 
 def _server_context(security: ServerSecurity) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    with _pem_file(security.tls_cert) as cert, _pem_file(security.tls_key) as key:  # type: ignore[arg-type]
+    with pem_file(security.tls_cert) as cert, pem_file(security.tls_key) as key:  # type: ignore[arg-type]
         ctx.load_cert_chain(cert, key)
     if security.mutual:
         ctx.verify_mode = ssl.CERT_REQUIRED
-        ctx.load_verify_locations(cadata=_read(security.tls_ca).decode())  # type: ignore[arg-type]
+        ctx.load_verify_locations(cadata=read_pem(security.tls_ca).decode())  # type: ignore[arg-type]
     return ctx
 
 
@@ -907,9 +915,9 @@ class BulkChannel:
         self._closed = False
         self._ssl: ssl.SSLContext | None = None
         if self._sec.tls_ca:
-            ctx = ssl.create_default_context(cadata=_read(self._sec.tls_ca).decode())
+            ctx = ssl.create_default_context(cadata=read_pem(self._sec.tls_ca).decode())
             if self._sec.tls_cert and self._sec.tls_key:
-                with _pem_file(self._sec.tls_cert) as c, _pem_file(self._sec.tls_key) as k:
+                with pem_file(self._sec.tls_cert) as c, pem_file(self._sec.tls_key) as k:
                     ctx.load_cert_chain(c, k)
             self._ssl = ctx
         self._hello = _pack({"v": 1, "md": [[TOKEN_HEADER, f"Bearer {self._sec.token}"]] if self._sec.token else []})

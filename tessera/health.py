@@ -59,11 +59,8 @@ def add_health_command(sub: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m tessera.health HOST:PORT [...]``: the same check without loading the whole command
     (no torch import: a probe every few seconds stays cheap)."""
-    from tessera.cli import (
-        Parser,  # argparse only; tessera.cli imports the parts lazily
-    )
-
-    p = Parser(prog="python -m tessera.health", description=(__doc__ or "").split("\n")[0])
+    # plain argparse: the tessera command (tessera.cli) imports this module, not the other way round
+    p = argparse.ArgumentParser(prog="python -m tessera.health", description=(__doc__ or "").split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     add_health_command(sub)
     args = p.parse_args(["health", *(sys.argv[1:] if argv is None else argv)])

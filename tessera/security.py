@@ -15,10 +15,11 @@ import datetime
 import hashlib
 import ipaddress
 import json
-import secrets
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import grpc
+
+from tessera.service.tokens import TOKEN_HEADER, new_tokens, token_from, token_metadata
 
 __all__ = [
     "TOKEN_HEADER",
@@ -30,8 +31,6 @@ __all__ = [
     "TokenAuthInterceptor",
     "self_signed_cert",
 ]
-
-TOKEN_HEADER = "authorization"
 
 
 def _digest(token: str) -> str:
@@ -81,29 +80,9 @@ def load_tokens(path: str) -> dict[str, str]:
     return out
 
 
-def new_tokens(identities: Iterable[str]) -> dict[str, str]:
-    """A fresh random 256-bit token per identity (hex: never starts with '-', so ``--token T`` parses)."""
-    return {i: secrets.token_hex(32) for i in identities}
-
-
-def token_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    """Call metadata carrying ``token`` (empty without one)."""
-    return ((TOKEN_HEADER, f"Bearer {token}"),) if token else ()
-
-
-def _token_from(metadata: Iterable[Any] | None) -> str | None:
-    for item in metadata or ():
-        key, value = item[0], item[1]
-        if key == TOKEN_HEADER:
-            if isinstance(value, bytes):
-                value = value.decode(errors="replace")
-            return value[7:] if value.startswith("Bearer ") else value
-    return None
-
-
 def identity_of(metadata: Iterable[Any] | None, table: TokenTable | None) -> str | None:
     """The identity whose token is in ``metadata`` (None when auth is off or none matches)."""
-    return None if table is None else table.lookup(_token_from(metadata))
+    return None if table is None else table.lookup(token_from(metadata))
 
 
 class TokenAuthInterceptor(grpc.ServerInterceptor):
@@ -115,10 +94,10 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
-        if handler is None or self.table.lookup(_token_from(handler_call_details.invocation_metadata)) is not None:
+        if handler is None or self.table.lookup(token_from(handler_call_details.invocation_metadata)) is not None:
             return handler
         self.refused += 1
-        has = _token_from(handler_call_details.invocation_metadata) is not None
+        has = token_from(handler_call_details.invocation_metadata) is not None
         msg = "unknown client token" if has else f"no client token ('{TOKEN_HEADER}: Bearer <token>' metadata)"
 
         def deny_unary(request: Any, context: grpc.ServicerContext) -> Any:
@@ -136,15 +115,6 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
         if handler.response_streaming:
             return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
         return grpc.unary_unary_rpc_method_handler(deny_unary, **kw)
-
-
-def _read(path_or_pem: str | bytes) -> bytes:
-    if isinstance(path_or_pem, bytes):
-        return path_or_pem
-    if path_or_pem.lstrip().startswith("-----BEGIN"):
-        return path_or_pem.encode()
-    with open(path_or_pem, "rb") as f:
-        return f.read()
 
 
 def self_signed_cert(hostnames: Sequence[str] = ("localhost", "127.0.0.1"), days: int = 30) -> tuple[bytes, bytes]:
