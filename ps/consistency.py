@@ -16,8 +16,9 @@ nothing special.
   push that had in fact arrived).
 
 A worker silent for longer than its lease is dropped from the live set; rounds
-and waits are then re-checked, so a dead worker never hangs the others. Any
-later request from it rejoins it.
+and waits are then re-checked, so a dead worker never hangs the others. Its
+next Join, Heartbeat or push rejoins it; pulls are reads: they renew a live
+member's lease (``renew``) but never add or bring back a member.
 
 Membership is bounded: a lease is capped at ``max_lease_s`` whatever a Join asks
 (a ghost that joins with a huge lease cannot stall BSP rounds for longer), at
@@ -173,6 +174,17 @@ class Membership:
                 return False
         self.join(worker, w.lease_s if w is not None else 0.0)
         return True
+
+    def renew(self, worker: str) -> bool:
+        """A read by ``worker`` (a pull): renew its lease if it is a live member. Never adds a member
+        and never brings back one whose lease ran out (that takes a Join, a Heartbeat or a push), so
+        pulls alone cannot keep a name in the live set it is not already in. Returns whether it is live."""
+        with self.cond:
+            w = self._workers.get(worker)
+            if w is None or not w.live:
+                return False
+            w.last_seen = self._now()
+            return True
 
     def leave(self, worker: str) -> None:
         with self.cond:

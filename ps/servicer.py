@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 from typing import Any, Callable, Iterator
 
 import grpc
@@ -19,7 +18,6 @@ from ps.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     MalformedMessageError,
-    ResourceExhaustedError,
     ShapeMismatchError,
     PermissionDeniedError,
     ShardUnavailableError,
@@ -42,7 +40,7 @@ from ps.wire import (
 )
 from tessera.codec import DTYPES, WIRE_FLOAT_DTYPES, CodecError, Packed, as_float32, byte_view, from_wire, to_wire
 from tessera.service import Method, guarded_handler
-from tessera.service import ANONYMOUS, Access, Caller, ClientSecurity, ServerSecurity
+from tessera.service import Access, Caller, ClientSecurity, ServerSecurity
 from tessera.v1 import ps_pb2 as pb
 
 __all__ = ["PSServicer", "STATUS_OF", "ERRORS", "SERVICE_NAME", "ROLES", "METHOD_ROLES", "WAITS"]
@@ -85,30 +83,25 @@ _ANY_ROLE = frozenset({"Role", "Attach", "Replicate", "Stats", "DescribeTable"})
 class PSServicer:
     """Handlers take (request bytes or iterator of bytes, context, caller) and return bytes.
 
-    Every call passes ``access`` first (identity, role, per-identity limits); a worker name is
-    bound to the identity that first used it (at most ``max_names`` names)."""
+    Every call passes ``access`` first (identity, role, per-identity limits). Worker names are
+    the shard's (``Shard.names``, ps.names): pinned to identities by the token file, else bound to
+    the first identity that joins or pushes with one (at most ``max_names``); pulls never bind."""
 
     def __init__(self, shard: Shard, access: Access | None = None, peer: ClientSecurity | None = None, max_names: int = 65536) -> None:
         self.shard = shard
         self.access = access or Access(ServerSecurity(), METHOD_ROLES, ROLES)
         self.peer = peer  # how this shard reaches its backup (replication)
-        self._names: dict[str, str] = {}  # worker name -> identity that owns it
-        self._names_lock = threading.Lock()
-        self.max_names = max_names
+        shard.names.max_names = max_names
+        shard.names.pins = self.access.worker_names  # the token file's workers= pins
         self.bulk_port = 0  # > 0: the same handlers are served over tessera.bulk there (advertised by Role)
 
     def _own(self, caller: Caller, worker: str) -> None:
-        """``worker`` may be used only by the identity that used it first (open servers: anyone)."""
-        if not worker or caller.identity == ANONYMOUS:
-            return
-        with self._names_lock:
-            owner = self._names.get(worker)
-            if owner is None:
-                if len(self._names) >= self.max_names:
-                    raise ResourceExhaustedError(f"worker {worker!r}: the shard knows {self.max_names} worker names already")
-                self._names[worker] = owner = caller.identity
-        if owner != caller.identity:
-            raise PermissionDeniedError(f"worker name {worker!r} belongs to identity {owner!r}, not {caller.identity!r}")
+        """``caller`` writes or joins as ``worker``: it must be its own name (Shard.claim)."""
+        self.shard.claim(caller.identity, worker)
+
+    def _pulled(self, caller: Caller, worker: str) -> None:
+        """A pull naming ``worker``: a read (Shard.pulled: no join, no binding; a reader's name is ignored)."""
+        self.shard.pulled(worker, caller.identity, caller.has("worker") or caller.has("admin"))
 
     @staticmethod
     def _client_key(caller: Caller, client: str) -> str:
@@ -384,9 +377,7 @@ class PSServicer:
         table = self.shard.dense(req.table)
         dtype = _float_dtype(req.dtype, table.spec.name, "dtype")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
-        if req.worker:
-            self._own(caller, req.worker)
-            self.shard.membership.touch(req.worker)
+        self._pulled(caller, req.worker)
         clock = self.shard.wait(req.table, policy, self._budget(context))
         version, blocks = table.snapshot()
         for k, block in enumerate(blocks):
@@ -398,9 +389,10 @@ class PSServicer:
         req, pl = self._decode(pb.StepRequest, raw)
         parts = step_parts_from_proto(req, pl.get("data", memoryview(b"")))
         dtype = req.dtype or "float32"
-        if req.worker:
-            self._own(caller, req.worker)
-            self.shard.membership.touch(req.worker)
+        if any(p.op in (PUSH_DENSE, PUSH_SPARSE) for p in parts):
+            self._own(caller, req.worker)  # its pushes join the worker (a step of pulls only is a read)
+        else:
+            self._pulled(caller, req.worker)
         outcomes = self.shard.step(parts, req.worker, self._client_key(caller, req.client), self._budget(context))
         reply = pb.StepReply()
         pieces: list[Any] = []
@@ -446,9 +438,7 @@ class PSServicer:
                 )
             known = from_wire(kv, "int64", (len(ids),), what=f"table {req.table!r}: known_versions")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
-        if req.worker:
-            self._own(caller, req.worker)
-            self.shard.membership.touch(req.worker)
+        self._pulled(caller, req.worker)
         clock = self.shard.wait(req.table, policy, self._budget(context))
         dtype = self.shard.sparse_reply_dtype(req.table, dtype)  # low-precision rows travel as stored
         # the eviction epoch before and after the read: equal, no row was dropped while the versions were

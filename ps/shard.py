@@ -32,6 +32,7 @@ from ps.errors import (
 from ps.optim import make_optimizer
 from ps.dedup import Dedup
 from ps.gate import Gate
+from ps.names import WorkerNames
 from ps.tier import ResidentBudget
 from ps.table import GRADIENT, DenseTable, DenseUpdate, PushResult, RowDelta, SparsePush, SparseTable
 
@@ -197,6 +198,7 @@ class Shard:
         )
         self.rounds: dict[str, SyncRound] = {}
         self.dedup: Dedup = Dedup()
+        self.names = WorkerNames()  # who may use which worker name (pins: set by the servicer from its token file)
         self.membership.on_change(self._recheck_rounds)
         self._closed = threading.Event()
         self._streams: dict[int, list] = {}  # id -> [last activity (monotonic), context]: pushes being received
@@ -488,6 +490,20 @@ class Shard:
         if clock > 0:
             self.membership.advance(worker, clock - 1)
         return self._view(worker, rejoined)
+
+    def claim(self, identity: str, worker: str) -> None:
+        """``identity`` writes or joins as ``worker`` (Join, Heartbeat, a push): the name must be its
+        own (pinned to it, or bound to it; a free unpinned name is bound to it now). Raises
+        PermissionDeniedError naming the owner; "" (an open server) may use any name."""
+        self.names.claim(identity, worker)
+
+    def pulled(self, worker: str, identity: str, as_worker: bool) -> None:
+        """A pull that names ``worker``. A read: it never joins a name, never binds one and never
+        brings back a member whose lease ran out. Only a caller pulling ``as_worker`` (a worker or
+        admin role) that owns the name renews the lease of that live member; a reader's worker name
+        is ignored. Raises PermissionDeniedError if a worker caller names another identity's worker."""
+        if worker and as_worker and self.names.check(identity, worker):
+            self.membership.renew(worker)
 
     def wait(self, name: str, policy: SyncPolicy, timeout: float) -> int:
         """Block until ``policy`` lets a worker read ``name`` for step ``policy.clock``; returns the table's BSP clock."""

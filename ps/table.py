@@ -920,15 +920,14 @@ class SparseTable:
 
     def _make_resident(
         self, uniq: np.ndarray, loc: np.ndarray, cold_pos: np.ndarray, new_pos: np.ndarray, seen: np.ndarray | None = None,
-    ) -> "np.ndarray | float | None":
-        """Bring the cold rows at positions ``cold_pos`` of ``uniq`` back and create rows for the
-        ids at ``new_pos`` (``seen``: their earlier sightings); ``loc`` is updated in place; returns
-        the new rows' initial values (as ``_create``; None if none were created). The
-        byte budget is asked first (nothing changes if it refuses). Rows this request already
-        found are pinned: neither LRU eviction nor demotion picks them."""
+    ) -> None:
+        """Bring the cold rows at positions ``cold_pos`` of ``uniq`` back and create rows (initial
+        values, version 0) for the ids at ``new_pos`` (``seen``: their earlier sightings); ``loc`` is
+        updated in place. The byte budget is asked first (nothing changes if it refuses). Rows this
+        request already found are pinned: neither LRU eviction nor demotion picks them."""
         n_new, n_in = new_pos.size, new_pos.size + cold_pos.size
         if not n_in:
-            return None
+            return
         cap = self.spec.eviction.max_rows
         evict = max(0, self.rows + n_new - cap) if cap else 0
         limit = self._resident_cap()
@@ -949,10 +948,8 @@ class SparseTable:
             self._demote(demote, pinned_rows=loc[loc >= 0])
         if cold_pos.size:
             loc[cold_pos] = self._promote(uniq[cold_pos], -loc[cold_pos] - 2)
-        if not n_new:
-            return None
-        loc[new_pos], init = self._create(uniq[new_pos], seen)
-        return init
+        if n_new:
+            loc[new_pos] = self._create(uniq[new_pos], seen)
 
     def _trim(self) -> None:
         """After a request larger than the resident budget (its rows were pinned while it ran):
@@ -966,17 +963,13 @@ class SparseTable:
                 return  # over the byte budget: stay resident (the next request tries again)
             self._demote(self._store.live - limit)
 
-    def _create(self, ids: np.ndarray, seen: np.ndarray | None = None) -> tuple[np.ndarray, "np.ndarray | float"]:
-        """Allocate and initialize rows for new ``ids`` (room was made); returns their row numbers and
-        initial values (fp32 (n, dim), or one float for every element)."""
+    def _create(self, ids: np.ndarray, seen: np.ndarray | None = None) -> np.ndarray:
+        """Allocate and initialize rows for new ``ids`` (room was made); returns their row numbers."""
         n = len(ids)
         rows = self._store.alloc(n)
         fill = self.spec.optimizer.hparams.get("initial_accumulator", 0.0)
-        init = self.spec.initializer
         data: dict[str, Any] = {
-            # zeros / constant: one fill, no (n, dim) temporary
-            "values": float(init.params.get("value", 0.0)) if init.name in ("zeros", "constant")
-            else init_rows(init, self._key, ids, self.dim),
+            "values": self._initial(ids),
             "version": 0, "touch": self.step, "id": ids,
             "admits": 1 if seen is None else np.minimum(seen + 1, 32767).astype(np.int16),
         }
@@ -984,7 +977,15 @@ class SparseTable:
             data[k] = float(fill) if k in ("sum", "n") else 0.0
         self._store.scatter(rows, data)
         self._index.insert(ids, rows)
-        return rows, data["values"]
+        return rows
+
+    def _uncreate(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Take back rows ``_create`` just made (a push that failed before storing anything): they
+        held their initial values at version 0, which is what a pull of an absent id reads, so no
+        caller can tell (no new eviction epoch, nothing counted)."""
+        self._moved()
+        self._index.delete(ids)
+        self._store.release(rows)
 
     def _demote(self, count: int, pinned_rows: np.ndarray | None = None) -> None:
         """Move the ``count`` least recently touched resident rows (not ``pinned_rows``) to the disk tier."""
@@ -1095,74 +1096,64 @@ class SparseTable:
         """Rows for int64 ``ids`` (any order, duplicates allowed) as stored: ((n, dim) tensor in the
         row dtype, int64 versions).
 
-        Missing rows are created with the initializer (unless admission says not yet: then the
-        initial values are returned but nothing is stored); cold rows are brought back.
-        ``checked``: the caller ran ``check_ids(ids)`` already."""
+        A read and nothing else: it creates, admits, evicts, promotes and touches no row (LRU and
+        TTL see pushes only), takes no byte of the budget and counts nothing. An id with no row here
+        (never pushed, not admitted yet, evicted) reads as its initial values at version 0,
+        deterministic per (table, id, seed): the values a push that creates the row starts from.
+        Cold rows are read from the disk tier where they lie. ``checked``: the caller ran
+        ``check_ids(ids)`` already."""
         if not checked:
             self.check_ids(ids)
         # ids sorted and unique already (what PSClient sends): no sort, no gather by inverse at the end
         unique = _sorted_unique(ids)
         uniq, inverse = (ids, None) if unique else np.unique(ids, return_inverse=True)
-        cap = self.spec.eviction.max_rows
-        if cap and len(uniq) > cap:
-            raise ResourceExhaustedError(
-                f"table {self.spec.name!r}: one pull touches {len(uniq)} distinct rows on shard {self.shard_index}, "
-                f"more than its eviction.max_rows of {cap}; split the request or raise max_rows"
-            )
+        d: dict[str, torch.Tensor] = {}
+        order = None  # where the gathered rows go, if not in the order of ``have``
         with self.lock:
             loc = self._index.lookup(uniq)
-            missing = np.flatnonzero(loc == -1)
-            cold = np.flatnonzero(loc < -1)
-            ok, seen = self._admit(uniq[missing]) if missing.size else (np.zeros(0, bool), None)
-            admitted = missing[ok]
-            init = self._make_resident(uniq, loc, cold, admitted, seen[ok] if seen is not None else None)
-            if missing.size:
-                self._sighted(uniq[missing], ok, seen)
-            if admitted.size == len(uniq):  # all new (a table filling up): the values are the initial ones
-                if isinstance(init, float):  # one value everywhere: no gather by id, calloc'd zeros need no pages yet
-                    self._remember(uniq, loc)
-                    self._trim()
-                    return _filled((len(ids), self.dim), init, self.row_dtype), np.zeros(len(ids), np.int64)
-                out_vals = self._init_values(uniq, init)
-                out_vers = np.zeros(len(uniq), np.int64)
-            else:
-                found = loc >= 0
-                if admitted.size:
-                    found[admitted] = False
-                have = np.flatnonzero(found)
-                plan = self._store.plan(loc[have])  # the rows found, in chunk order: for the gather and the touch
+            have = np.flatnonzero(loc != -1)
+            hot = bool((loc[have] >= 0).all())
+            if have.size == len(uniq) and hot:
+                self._remember(uniq, loc)  # the push of these ids (a worker pushes what it pulled) finds them here
+            if have.size and hot:
+                plan = self._store.plan(loc[have])  # the rows found, in chunk order
                 d = self._store.gather(plan.rows, ["values", "version"], plan)
-                if have.size == len(uniq) and plan.order is None:
-                    out_vals, out_vers = d["values"], d["version"].numpy()
-                else:
-                    at = have if plan.order is None else have[plan.order]  # where each gathered row goes
-                    new = np.flatnonzero(~found)  # created now, or not admitted: their initial values
-                    same = new.size == admitted.size  # every one was created (both ascending)
-                    if new.size and same and isinstance(init, float):  # one value: fill, then the rows found
-                        out_vals = torch.full((len(uniq), self.dim), init, dtype=self.row_dtype)
-                    else:
-                        out_vals = torch.empty((len(uniq), self.dim), dtype=self.row_dtype)
-                        if new.size:
-                            out_vals.index_copy_(0, torch.from_numpy(new), self._init_values(uniq[new], init if same else None))
-                    out_vals.index_copy_(0, torch.from_numpy(at), d["values"])
-                    out_vers = np.zeros(len(uniq), np.int64)
-                    out_vers[at] = d["version"].numpy()
-                if have.size and self._touches:
-                    self._store.scatter(plan.rows, {"touch": self.step}, plan)
-            if bool((loc >= 0).all()):  # every row resident now (none refused by admission)
-                self._remember(uniq, loc)
-            self._trim()
+                order = plan.order
+            elif have.size:
+                d = self._gather(loc[have], ["values", "version"])  # some cold: read in place, not brought back
+        if have.size == len(uniq) and order is None:
+            out_vals, out_vers = d["values"], d["version"].numpy()
+        else:
+            # the ids with no row: their initial values, made outside the lock
+            new = np.flatnonzero(loc == -1)
+            init = self._initial(uniq[new])
+            if not have.size and isinstance(init, float):  # one value everywhere: calloc'd zeros need no pages yet
+                return _filled((len(ids), self.dim), init, self.row_dtype), np.zeros(len(ids), np.int64)
+            if isinstance(init, float):
+                out_vals = torch.full((len(uniq), self.dim), init, dtype=self.row_dtype)
+            else:
+                out_vals = torch.empty((len(uniq), self.dim), dtype=self.row_dtype)
+                out_vals.index_copy_(0, torch.from_numpy(new), self._init_values(uniq[new], init))
+            out_vers = np.zeros(len(uniq), np.int64)
+            if have.size:
+                at = have if order is None else have[order]
+                out_vals.index_copy_(0, torch.from_numpy(at), d["values"])
+                out_vers[at] = d["version"].numpy()
         if inverse is None:
             return out_vals, out_vers  # fresh tensors (gathered or built here), one row per id already
         inv = torch.from_numpy(inverse.reshape(-1).astype(np.int64))
         return out_vals.index_select(0, inv), out_vers[inverse.reshape(-1)]
 
-    def _init_values(self, ids: np.ndarray, init: "np.ndarray | float | None") -> torch.Tensor:
-        """The initial rows of ``ids`` in the row dtype (``init``: as _create returned, or None)."""
-        if init is None:
-            spec = self.spec.initializer
-            init = float(spec.params.get("value", 0.0)) if spec.name in ("zeros", "constant") else init_rows(
-                spec, self._key, ids, self.dim)
+    def _initial(self, ids: np.ndarray) -> "np.ndarray | float":
+        """The initial values of rows ``ids``: fp32 (n, dim), or one float for every element
+        (zeros, constant: no (n, dim) temporary)."""
+        init = self.spec.initializer
+        if init.name in ("zeros", "constant"):
+            return float(init.params.get("value", 0.0))
+        return init_rows(init, self._key, ids, self.dim)
+
+    def _init_values(self, ids: np.ndarray, init: "np.ndarray | float") -> torch.Tensor:
+        """The initial rows of ``ids`` in the row dtype (``init``: ``_initial(ids)``)."""
         if isinstance(init, float):
             return torch.full((len(ids), self.dim), init, dtype=self.row_dtype)
         return torch.from_numpy(init).to(self.row_dtype)
@@ -1173,8 +1164,13 @@ class SparseTable:
         vals, vers = self.pull_rows(ids)
         return vals.float().numpy(), vers
 
-    def prepare_push(self, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None) -> "SparsePush":
-        """Validate a push and sum duplicate ids; changes nothing."""
+    def prepare_push(
+        self, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None, cap_rows: bool = True,
+    ) -> "SparsePush":
+        """Validate a push and sum duplicate ids; changes nothing. ``cap_rows``: refuse a push of more
+        distinct ids than the table's ``eviction.max_rows`` (ResourceExhaustedError: it could not keep
+        them all); a BSP round's merged push (``apply_mean``) is not refused, its rows beyond the cap
+        go at the next push."""
         name = self.spec.name
         if grads.ndim != 2 or grads.shape != (len(ids), self.dim):
             raise ShapeMismatchError(
@@ -1186,7 +1182,14 @@ class SparseTable:
         if recalled is None:
             self.check_ids(ids)
         _check_finite(self.spec, grads, "gradient")
-        if recalled is not None or _sorted_unique(ids):  # nothing to sum (what PSClient sends): one copy, no sort, no scatter-add
+        plain = recalled is not None or _sorted_unique(ids)
+        cap = self.spec.eviction.max_rows
+        if cap_rows and cap and len(ids) > cap and (plain or len(np.unique(ids)) > cap):
+            raise ResourceExhaustedError(
+                f"table {name!r}: one push touches more than {cap} distinct rows on shard {self.shard_index}, "
+                f"its eviction.max_rows; split the request or raise max_rows"
+            )
+        if plain:  # nothing to sum (what PSClient sends): one copy, no sort, no scatter-add
             base = None if base_versions is None else np.array(base_versions, np.int64)
             loc, layout = recalled if recalled is not None else (None, -1)
             return SparsePush(np.array(ids, np.int64), torch.from_numpy(np.array(grads, np.float32)), base, loc, layout)
@@ -1202,7 +1205,8 @@ class SparseTable:
     def push(
         self, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None, staleness_aware_lr: bool = False
     ) -> PushResult:
-        """Apply row gradients (duplicate ids are summed). Rows not present are dropped and counted.
+        """Apply row gradients (duplicate ids are summed). A row not present is created (initial
+        values, version 0) and updated, unless admission refuses it: then it is dropped and counted.
 
         ``staleness_aware_lr``: scale this push's lr by 1/max(1, mean staleness of its rows)."""
         return self.apply_push(self.prepare_push(ids, grads, base_versions), staleness_aware_lr)
@@ -1213,7 +1217,7 @@ class SparseTable:
         """Apply the mean over ``pushes`` (a BSP round: each worker's rows, divided by the number of workers)."""
         ids = np.concatenate([p.ids for p in pushes])
         g = torch.cat([p.grads for p in pushes]).div_(len(pushes))
-        return self.apply_push(self.prepare_push(ids, g.numpy()), before_swap=before_swap)
+        return self.apply_push(self.prepare_push(ids, g.numpy(), cap_rows=False), before_swap=before_swap)
 
     def apply_push(
         self, p: "SparsePush", staleness_aware_lr: bool = False,
@@ -1222,8 +1226,13 @@ class SparseTable:
     ) -> PushResult:
         """Apply a prepared push under the table lock. ``once()`` first (deduplication: a result it
         returns is returned as is); ``before_swap(result, delta)`` sees the rows' new state before
-        it is stored (replication); if it raises, nothing is applied (a cold row the push brought
-        back stays resident: its values are unchanged).
+        it is stored (replication); if it raises, nothing is applied: the rows it created are taken
+        back (a cold row it brought back stays resident and rows LRU eviction dropped to make room
+        stay dropped: no value changes).
+
+        Rows are created here, never by a pull: an id with no row is admitted (admission counts
+        one sighting per push that names it) and created with the initializer's values, then
+        updated like the others; one admission refuses is dropped and counted (``dropped``).
 
         The optimizer runs in fp32; the new values are rounded to the row dtype (``ps.rowdtype``)."""
         uniq, g, base = p.ids, p.grads, p.base_versions
@@ -1231,13 +1240,20 @@ class SparseTable:
             prior = once() if once is not None else None
             if prior is not None:
                 return prior
+            created = np.zeros(0, np.int64)  # positions in ``uniq`` of the rows this push creates
+            sighted: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None = None
             if p.loc is not None and p.layout == self._layout:  # the rows a pull just found: still where they were
                 loc = p.loc
             else:
                 loc = self._lookup(uniq)
+                missing = np.flatnonzero(loc == -1)
                 cold = np.flatnonzero(loc < -1)
-                if cold.size:
-                    self._make_resident(uniq, loc, cold, np.zeros(0, np.int64))
+                ok, seen = self._admit(uniq[missing]) if missing.size else (np.zeros(0, bool), None)
+                created = missing[ok]
+                # rows are made by pushes only (pulls read): with the initializer's values, then updated below
+                self._make_resident(uniq, loc, cold, created, seen[ok] if seen is not None else None)
+                if missing.size:
+                    sighted = (uniq[missing], ok, seen)
             have = np.flatnonzero(loc >= 0)
             dropped = len(uniq) - have.size
             stale = np.zeros(0, np.int64)
@@ -1273,7 +1289,14 @@ class SparseTable:
             )
             if before_swap is not None:
                 values = stored.float().numpy() if stored.dtype != torch.float32 else stored.numpy()
-                before_swap(result, RowDelta(uniq[have], values, {k: v.numpy() for k, v in state.items()}, new_versions))
+                try:
+                    before_swap(result, RowDelta(uniq[have], values, {k: v.numpy() for k, v in state.items()}, new_versions))
+                except BaseException:
+                    if created.size:
+                        self._uncreate(uniq[created], loc[created])
+                    raise
+            if sighted is not None:
+                self._sighted(*sighted)  # the ids not admitted: one more sighting each
             if have.size:
                 cols: dict[str, torch.Tensor | np.ndarray | int] = {"values": stored, **state, "version": new_versions}
                 if self._touches:

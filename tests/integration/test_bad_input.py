@@ -528,7 +528,8 @@ class TestCreateTable:
         env = make_env(2, max_bytes=limit)
         # make shard 0 hold 32 KiB more than shard 1: one row of a sparse table that lives on shard 0
         env.client.create_sparse("lopsided", 8)
-        env.client.pull_sparse("lopsided", owned_ids(1, 0, 2))
+        ids = owned_ids(1, 0, 2)
+        env.client.push_sparse("lopsided", ids, np.zeros((len(ids), 8), np.float32))  # pushes make rows (pulls read)
         held = [s.held_bytes() for s in env.shards]
         assert held[0] > held[1] + (16 << 10)
         per_shard = (2 * limit - held[0] - held[1]) // 2 // 4  # fits on shard 1, not on shard 0
@@ -1163,12 +1164,16 @@ class TestLimits:
 
     def test_sparse_rows_over_memory_budget(self, make_env: Any) -> None:
         # 1024 rows of dim 4 + adagrad state + 24 bytes of bookkeeping each (and 12 bytes of id index) fit, 2048 do not
+        # (rows are made by pushes: a pull of any number of fresh ids holds nothing)
         env = make_env(2, max_bytes=100 << 10)
         fresh = owned_ids(2048, 0, 2)
         before = env.snapshot()
-        rpc_error(lambda: env.raw[0].unary("PullSparse", sparse_pull_req(SPARSE_NAME, fresh)), EXHAUSTED, SPARSE_NAME, "bytes")
-        ps_error(lambda: env.client.pull_sparse(SPARSE_NAME, np.arange(10_000, 18_000)), ResourceExhaustedError,
-                 EXHAUSTED, SPARSE_NAME, "bytes")
+        env.raw[0].unary("PullSparse", sparse_pull_req(SPARSE_NAME, fresh))
+        env.client.pull_sparse(SPARSE_NAME, np.arange(10_000, 18_000))
+        rpc_error(lambda: env.raw[0].unary("PushSparse", sparse_push_req(SPARSE_NAME, fresh, np.ones((len(fresh), DIM)))),
+                  EXHAUSTED, SPARSE_NAME, "bytes")
+        ps_error(lambda: env.client.push_sparse(SPARSE_NAME, np.arange(10_000, 18_000), np.ones((8000, DIM), np.float32)),
+                 ResourceExhaustedError, EXHAUSTED, SPARSE_NAME, "bytes")
         env.assert_unchanged(before)
         env.assert_serves()
 

@@ -94,7 +94,7 @@ def test_bad_known_versions_is_refused_naming_the_field(inproc_cluster) -> None:
     client, name = _table(cluster)
     client.pull_sparse(name, np.arange(10, dtype=np.int64))
     rows_before = client.stats()[0].tables[0].rows
-    fresh = np.arange(100, 105, dtype=np.int64)  # not created yet: a pull would create them
+    fresh = np.arange(100, 105, dtype=np.int64)  # not created (pulls only read: they stay absent)
     head = pb.PullSparseRequest(table=name, dtype="float32")
     raw = frame(head, known_versions=np.zeros(3, np.int64), ids=fresh)
     unary = client._shards[0].replicas[0].unary["PullSparse"]
@@ -113,17 +113,15 @@ def test_bad_known_versions_is_refused_naming_the_field(inproc_cluster) -> None:
         client.pull_sparse_changed(name, np.array([1, 1, 2]), np.zeros(3, np.int64), np.zeros(3, np.int64))
     got = client.pull_sparse_changed(name, fresh, np.full(5, -1), np.zeros(5, np.int64))
     assert got.changed.all() and got.rows.shape == (5, DIM)
-    assert client.stats()[0].tables[0].rows == rows_before + 5
+    assert client.stats()[0].tables[0].rows == rows_before
 
 
 def _evict(client, name: str, how: str, rng: np.random.Generator) -> None:
     """Make the shards drop rows nobody touches now: pushes of other rows past ``ttl_steps`` (ttl), or
-    pulls of more new rows than ``max_rows`` leaves room for (LRU)."""
+    pushes of more new rows than ``max_rows`` leaves room for (LRU; pulls make no rows)."""
     for k in range(4):
         filler = np.arange(10_000 + 30 * k, 10_030 + 30 * k, dtype=np.int64)
-        client.pull_sparse(name, filler)
-        if how == "ttl":
-            client.push_sparse(name, filler, rng.standard_normal((len(filler), DIM)).astype(np.float32))
+        client.push_sparse(name, filler, rng.standard_normal((len(filler), DIM)).astype(np.float32))
 
 
 @pytest.mark.parametrize("how", ["ttl", "max_rows"])
@@ -141,7 +139,7 @@ def test_rows_evicted_and_created_again_at_the_same_version_are_sent(inproc_clus
     rng = np.random.default_rng(1)
     ids = rng.permutation(5000)[:40].astype(np.int64)
     none = np.full(len(ids), -1)
-    first = client.pull_sparse_changed(name, ids, none, np.zeros(len(ids)))  # creates them (version 0)
+    first = client.pull_sparse_changed(name, ids, none, np.zeros(len(ids)))  # initial values (version 0), nothing made
     client.push_sparse(name, ids, rng.standard_normal((len(ids), DIM)).astype(np.float32))
     held = client.pull_sparse_changed(name, ids, first.versions, first.epochs)
     assert held.changed.all() and (held.versions == 1).all()
@@ -150,7 +148,7 @@ def test_rows_evicted_and_created_again_at_the_same_version_are_sent(inproc_clus
     assert not again.changed.any() and np.array_equal(again.epochs, held.epochs)
 
     _evict(truth, name, how, rng)
-    _, v = truth.pull_sparse(name, ids, return_versions=True)  # creates the evicted ones again, version 0
+    _, v = truth.pull_sparse(name, ids, return_versions=True)  # the evicted ones read as new: version 0
     recreated = v == 0
     assert recreated.sum() >= len(ids) // 4, f"{how}: only {recreated.sum()} of {len(ids)} rows were evicted"
     truth.push_sparse(name, ids[recreated], rng.standard_normal((int(recreated.sum()), DIM)).astype(np.float32))
@@ -169,23 +167,39 @@ def test_rows_evicted_and_created_again_at_the_same_version_are_sent(inproc_clus
 
 
 def test_rows_not_admitted_yet_are_stable_at_version_zero(inproc_cluster) -> None:
-    """Admission (``min_count=3``) with a random-looking initializer and bfloat16 rows: a row the shard
-    does not store yet comes back at version 0 with its initial values, and once admitted (created) it
-    holds exactly those values at version 0, so a cached version 0 stays valid and a conditional pull
-    sends nothing for it. Reference: an unconditional pull by a second client after admission."""
+    """Admission (``min_count=3``, counted per push) with a random-looking initializer and bfloat16 rows:
+    a row the shard does not store yet reads at version 0 with its initial values, pulls do not count
+    as sightings, and pushes refused by admission change nothing, so a cached version 0 stays valid and
+    a conditional pull sends nothing for it; the third push creates the rows from exactly those values
+    and updates them (version 1), and the conditional pull sends them. Reference: an unconditional
+    pull by a second client, and one Adagrad step from the initial values."""
     cluster = inproc_cluster(2)
     client, truth = cluster.client(), cluster.client()
     name = "cond/admit"
     client.create_sparse(name, DIM, optimizer="adagrad", init="normal", admission=AdmissionSpec(min_count=3),
                          row_dtype="bfloat16", lr=0.1)
     ids = np.arange(50, 90, dtype=np.int64)
-    first = client.pull_sparse_changed(name, ids, np.full(len(ids), -1), np.zeros(len(ids)))  # sighting 1: not stored
+    first = client.pull_sparse_changed(name, ids, np.full(len(ids), -1), np.zeros(len(ids)))
     assert (first.versions == 0).all()
-    assert sum(t.rows for s in client.stats() for t in s.tables if t.name == name) == 0, "admitted on the first sighting"
-    for _ in range(2):  # sightings 2 and 3: the rows are created at the third
+
+    def rows() -> int:
+        return sum(t.rows for s in client.stats() for t in s.tables if t.name == name)
+
+    for _ in range(3):
+        client.pull_sparse(name, ids)  # reads: no sighting
+    g = np.ones((len(ids), DIM), np.float32)
+    for _ in range(2):  # sightings 1 and 2: refused by admission, nothing stored
+        client.push_sparse(name, ids, g)
         got = client.pull_sparse_changed(name, ids, first.versions, first.epochs)
-        assert not got.changed.any() and (got.versions == 0).all()
-    assert sum(t.rows for s in client.stats() for t in s.tables if t.name == name) == len(ids)
+        assert not got.changed.any() and (got.versions == 0).all() and rows() == 0
     ref_rows, ref_ver = truth.pull_sparse(name, ids, return_versions=True)
     np.testing.assert_array_equal(first.rows, ref_rows)
     assert (ref_ver == 0).all() and np.abs(ref_rows).max() > 0
+    client.push_sparse(name, ids, g)  # sighting 3: admitted, created from the initial values, updated
+    assert rows() == len(ids)
+    got = client.pull_sparse_changed(name, ids, first.versions, first.epochs)
+    ref_rows, ref_ver = truth.pull_sparse(name, ids, return_versions=True)
+    assert got.changed.all() and (got.versions == 1).all() and (ref_ver == 1).all()
+    np.testing.assert_array_equal(got.rows, ref_rows)
+    # Adagrad's first step moves each value by lr * g / |g| = 0.1 (then rounded to bfloat16)
+    np.testing.assert_allclose(ref_rows, first.rows - 0.1, atol=0.02)

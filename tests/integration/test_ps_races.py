@@ -1,7 +1,7 @@
 """Regression tests for the PS defects that lost or corrupted updates on a healthy cluster (issue 9).
 
 Each test fails on the code before the fix:
-1. LRU eviction inside one pull returned another id's row;
+1. LRU eviction inside one pull returned another id's row (rows are made by pushes now: inside one push);
 2. a stalled dense push froze its table (the lock was held from the first chunk to commit);
 3. a BSP round applied by the lease thread could kill it, and a failed apply moved the clock on;
 4. a retried push whose reply was lost was applied twice;
@@ -39,35 +39,42 @@ def _lru_table(max_rows: int = 4) -> SparseTable:
     return SparseTable(spec, 0, 1)
 
 
-def test_eviction_never_takes_a_row_the_same_pull_reads() -> None:
+def test_eviction_never_takes_a_row_the_same_push_writes() -> None:
+    """Rows are made by pushes (pulls only read): a push of a new id into a full table evicts the
+    least recently pushed row outside the push. Reference: SGD by hand from the pulled values."""
     t = _lru_table()
-    first, _ = t.pull(np.arange(4))
+    g = np.ones((4, 3), np.float32)
+    t.push(np.arange(4), g)
     # give row 0 trained values, so "id 0 came back with id 4's values" cannot hide behind the initializer
-    t.push(np.array([0]), np.ones((1, 3), np.float32))
+    t.push(np.array([0]), g[:1])
     trained0, _ = t.pull(np.array([0]))
     # make 0 the least recently used of the four, so plain LRU would pick it
-    t.pull(np.array([1, 2, 3]))
+    t.push(np.array([1, 2, 3]), g[:3])
+    init4, _ = t.pull(np.array([4]))
+    assert t.rows == 4 and t.evicted == 0  # the pull of 4 made nothing
+    t.push(np.array([0, 4]), g[:2])
     vals, vers = t.pull(np.array([0, 4]))
-    np.testing.assert_array_equal(vals[0], trained0[0])  # id 0's own (trained) row, not id 4's
-    assert vers[0] == 1
-    assert not np.array_equal(vals[1], vals[0])
+    lr = t.spec.optimizer.hparams["lr"]
+    np.testing.assert_allclose(vals[0], trained0[0] - lr, rtol=1e-6)  # id 0's own (trained) row, not id 4's
+    np.testing.assert_allclose(vals[1], init4[0] - lr, rtol=1e-6)
+    assert vers.tolist() == [3, 1]
     assert t.rows == 4 and t.evicted == 1
     ids = {i for i, _ in t.items()}
     assert 0 in ids and 4 in ids  # a row outside the request was evicted instead
-    again, _ = t.pull(np.array([0]))
-    np.testing.assert_array_equal(again[0], trained0[0])
 
 
-def test_pull_larger_than_the_row_cap_is_refused_and_changes_nothing(inproc_cluster) -> None:
+def test_push_larger_than_the_row_cap_is_refused_and_changes_nothing(inproc_cluster) -> None:
     cluster = inproc_cluster(1)
     c = cluster.client()
     c.create_sparse("emb", 3, init="uniform", seed=7, eviction=EvictionSpec(max_rows=4))
+    c.push_sparse("emb", np.arange(4), np.ones((4, 3), np.float32))
     before = c.pull_sparse("emb", np.arange(4))
+    c.pull_sparse("emb", np.arange(10, 15))  # a pull reads: any number of rows, nothing made or evicted
     with pytest.raises(ResourceExhaustedError) as e:
-        c.pull_sparse("emb", np.arange(10, 15))
+        c.push_sparse("emb", np.arange(10, 15), np.ones((5, 3), np.float32))
     msg = str(e.value)
     assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED  # type: ignore[attr-defined]
-    assert "'emb'" in msg and "5 distinct rows" in msg and "max_rows of 4" in msg
+    assert "'emb'" in msg and "more than 4 distinct rows" in msg and "max_rows" in msg
     t = cluster.shards[0].sparse("emb")
     assert t.rows == 4 and t.evicted == 0
     np.testing.assert_array_equal(c.pull_sparse("emb", np.arange(4)), before)

@@ -305,12 +305,13 @@ def test_admission_sightings_are_bounded_and_counted() -> None:
 def test_admission_still_counts_sightings_exactly_when_few() -> None:
     t = SparseTable(TableSpec("s", "sparse", dim=4, admission=AdmissionSpec(min_count=3)), 0, 1)
     ids = np.arange(100, dtype=np.int64)
-    t.pull(ids)
-    t.pull(ids[:50])
+    g = np.zeros((100, 4), np.float32)
+    t.push(ids, g)
+    t.push(ids[:50], g[:50])
     assert t.rows == 0
-    t.pull(ids)
-    assert t.rows == 50  # the ids seen 3 times
-    t.pull(ids)
+    t.push(ids, g)
+    assert t.rows == 50  # the ids seen 3 times (pushes are the sightings: pulls only read)
+    t.push(ids, g)
     assert t.rows == 100
 
 
@@ -325,13 +326,17 @@ def test_pull_reply_over_the_message_limit_is_refused_before_rows_are_made(shard
     assert vals.shape == (3000, 64)
 
 
-def test_rows_created_on_pull_are_budgeted_first(shard_factory) -> None:
+def test_rows_created_on_push_are_budgeted_first(shard_factory) -> None:
+    """Rows are made by pushes (a pull of any number of new ids holds nothing); the bytes a push's
+    new rows need are asked of the budget first: refused, nothing changes."""
     shard = shard_factory(max_bytes=64 << 10)
     shard.create_table(TableSpec("s", "sparse", dim=4, optimizer=OptimizerSpec("adagrad", {})))
-    shard.pull_sparse("s", np.arange(10, dtype=np.int64))
+    shard.push_sparse("s", np.arange(10, dtype=np.int64), np.zeros((10, 4), np.float32))
     held, rows = shard.held_bytes(), shard.sparse("s").rows
+    shard.pull_sparse("s", np.arange(100, 3000, dtype=np.int64))
+    assert shard.held_bytes() == held and shard.sparse("s").rows == rows == 10
     with pytest.raises(ResourceExhaustedError, match=r"table 's'.*bytes"):
-        shard.pull_sparse("s", np.arange(100, 3000, dtype=np.int64))
+        shard.push_sparse("s", np.arange(100, 3000, dtype=np.int64), np.zeros((2900, 4), np.float32))
     assert shard.held_bytes() == held and shard.sparse("s").rows == rows
     assert held <= 64 << 10
 

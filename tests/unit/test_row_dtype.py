@@ -63,6 +63,8 @@ def test_rows_are_stored_and_returned_in_the_row_dtype(dtype: str) -> None:
     np.testing.assert_array_equal(t.pull(ids)[0], rows.float().numpy())
     m = t.memory_stats()
     assert m.row_dtype == dtype and m.payload_bytes_per_row == 16 * 2  # sgd: no state
+    assert t.param_bytes() == 0  # pulls only read
+    t.push(ids, np.zeros((4, 16), np.float32))
     assert t.param_bytes() == 3 * 16 * 2
 
 

@@ -45,10 +45,15 @@ def _same_state(a: SparseTable, b: SparseTable) -> None:
     assert x["step"] == y["step"]
 
 
-def _traffic(fast: SparseTable, ref: SparseTable, steps: int, vocab: int, seed: int) -> int:
+def _traffic(fast: SparseTable, ref: SparseTable, steps: int, vocab: int, seed: int, prefill: bool = False) -> int:
     """Two workers, each pushing at step t the sorted unique ids it pulled at step t-1 (with the pull's
-    versions as base versions), then pulling its next ids. Returns how many pushes used a remembered pull."""
+    versions as base versions), then pulling its next ids. Returns how many pushes used a remembered pull.
+    ``prefill``: first push every id of the vocabulary once (pulls only read: a pull remembers rows
+    only where every one of them exists)."""
     rng = np.random.default_rng(seed)
+    if prefill:
+        for t in (fast, ref):
+            t.push(np.arange(vocab, dtype=np.int64), np.zeros((vocab, DIM), np.float32))
     prev: list[tuple[np.ndarray, np.ndarray] | None] = [None, None]
     hits = 0
     for _ in range(steps):
@@ -71,18 +76,30 @@ def _traffic(fast: SparseTable, ref: SparseTable, steps: int, vocab: int, seed: 
 @pytest.mark.parametrize("opt", ["adagrad", "adam", "rowwise_adagrad", "ftrl"])
 def test_push_of_pulled_ids_matches_the_lookup_path(opt: str) -> None:
     fast, ref = SparseTable(_spec(opt), 0, 1), _NoRecall(_spec(opt), 0, 1)
-    hits = _traffic(fast, ref, 40, 3000, 0)
+    hits = _traffic(fast, ref, 40, 3000, 0, prefill=True)
     assert hits == 2 * 40 - 2  # every push after the first pulls: the rows had not moved
 
 
 def test_remembered_rows_that_were_evicted_are_looked_up_again() -> None:
     """LRU eviction (max_rows) drops rows between a worker's pull and its push: the push must see
-    them gone (dropped), exactly as the lookup path does."""
+    them gone (and make them again from their initial values), exactly as the lookup path does;
+    then random traffic of two workers near the cap."""
     spec = _spec("adagrad", eviction=EvictionSpec(max_rows=150))
     fast, ref = SparseTable(spec, 0, 1), _NoRecall(spec, 0, 1)
-    hits = _traffic(fast, ref, 40, 600, 1)
-    assert fast.evicted > 0 and fast.dropped > 0 and fast.dropped == ref.dropped
-    assert hits < 2 * 40 - 2
+    mine, other = np.arange(100, dtype=np.int64), np.arange(100, 200, dtype=np.int64)
+    g = np.ones((100, DIM), np.float32)
+    for t in (fast, ref):
+        t.push(mine, g)
+    got, ver = fast.pull(mine)  # every row there: remembered
+    assert fast._recall(mine) is not None
+    np.testing.assert_array_equal(got, ref.pull(mine)[0])
+    for t in (fast, ref):
+        t.push(other, g)  # another worker's new rows evict 50 of mine
+    assert fast.evicted == ref.evicted == 50
+    assert fast.push(mine, g, base_versions=ver) == ref.push(mine, g, base_versions=ver)
+    _same_state(fast, ref)
+    _traffic(fast, ref, 40, 200, 1)
+    assert fast.evicted == ref.evicted > 50 and fast.dropped == ref.dropped == 0
 
 
 def test_remembered_rows_demoted_to_disk_and_back(tmp_path) -> None:
@@ -102,6 +119,7 @@ def test_a_remembered_pull_still_validates_the_gradient() -> None:
 
     t = SparseTable(_spec("adagrad"), 0, 1)
     ids = np.arange(10, dtype=np.int64)
+    t.push(ids, np.zeros((10, DIM), np.float32))
     t.pull(ids)
     before = t.export_state()
     g = np.ones((10, DIM), np.float32)

@@ -63,27 +63,40 @@ def test_dense_chunk_validation() -> None:
 
 
 def test_sparse_rows_are_lazy_and_deterministic() -> None:
+    """A pull reads: an id with no row reads as its initializer's values at version 0 (deterministic
+    per (table, id, seed)) and nothing is stored; a push creates the row from those values."""
     t = _sparse()
     ids = np.array([7, 3, 7], np.int64)
     vals, vers = t.pull(ids)
-    assert t.rows == 2 and vers.tolist() == [0, 0, 0]
+    assert t.rows == 0 and vers.tolist() == [0, 0, 0]
     np.testing.assert_array_equal(vals[0], vals[2])
     np.testing.assert_array_equal(vals[:2], init_rows(t.spec.initializer, table_key("s", 0), ids[:2], 4))
     r = t.push(np.array([3, 3, 99]), np.ones((3, 4), np.float32), base_versions=np.array([0, 0, 0]))
-    assert (r.applied, r.dropped) == (1, 1)  # 99 was never pulled: dropped, counted
-    _, vers = t.pull(np.array([3, 7]))
-    assert vers.tolist() == [1, 0]
+    assert (r.applied, r.dropped) == (2, 0) and t.rows == 2  # 99 was never pulled: created by the push all the same
+    after, vers = t.pull(np.array([3, 7, 99]))
+    assert vers.tolist() == [1, 0, 1]
+    np.testing.assert_array_equal(after[1], vals[0])  # 7: still not stored, still its initial values
+    # reference: one Adagrad step (lr 0.1, accumulator 0) from the initial values; 3 was pushed twice (summed)
+    init = init_rows(t.spec.initializer, table_key("s", 0), np.array([3, 99]), 4)
+    g = np.array([[2.0] * 4, [1.0] * 4], np.float32)
+    np.testing.assert_allclose(after[[0, 2]], init - 0.1 * g / (np.sqrt(g * g) + 1e-10), rtol=1e-6)
 
 
 def test_admission_min_count() -> None:
+    """Admission counts the pushes that name an id (pulls are reads: they count nothing)."""
     t = _sparse(admission=AdmissionSpec(min_count=3))
     ids = np.array([1, 2], np.int64)
+    g = np.ones((2, 4), np.float32)
+    for _ in range(5):
+        t.pull(ids)
+    assert t.rows == 0 and not t._seen.estimate(ids).any()
     for _ in range(2):
+        r = t.push(ids, g)
+        assert t.rows == 0 and r.dropped == 2  # seen, not yet admitted: nothing stored
         vals, _ = t.pull(ids)
-        assert t.rows == 0  # seen, not yet admitted: initial values served, nothing stored
     np.testing.assert_array_equal(vals, init_rows(t.spec.initializer, t._key, ids, 4))
-    t.pull(ids)
-    assert t.rows == 2
+    r = t.push(ids, g)
+    assert t.rows == 2 and (r.applied, r.dropped) == (2, 0)
 
 
 def test_admission_probability_is_deterministic_and_roughly_p() -> None:
@@ -91,7 +104,9 @@ def test_admission_probability_is_deterministic_and_roughly_p() -> None:
     b = _sparse(admission=AdmissionSpec(probability=0.25))
     ids = np.arange(4000, dtype=np.int64)
     a.pull(ids)
-    b.pull(ids)
+    assert a.rows == 0
+    a.push(ids, np.zeros((4000, 4), np.float32))
+    b.push(ids, np.zeros((4000, 4), np.float32))
     assert 800 < a.rows < 1200
     assert {i for i, _ in a.items()} == {i for i, _ in b.items()}
 
@@ -113,20 +128,21 @@ def test_eviction_lru_keeps_memory_bounded() -> None:
 
 def test_eviction_ttl() -> None:
     t = _sparse(eviction=EvictionSpec(ttl_steps=5))
-    t.pull(np.array([1], np.int64))
+    t.push(np.array([1], np.int64), np.ones((1, 4), np.float32))
     hot = np.array([2], np.int64)
     for _ in range(10):
-        t.pull(hot)
+        t.pull(np.array([1, 2], np.int64))  # pulls do not keep a row alive
         t.push(hot, np.ones((1, 4), np.float32))
     alive = {i for i, _ in t.items()}
     assert 1 not in alive and 2 in alive and t.evicted == 1
 
 
 @pytest.mark.parametrize("kind", ["lru", "ttl", "budget", "plain"])
-def test_pulls_and_pushes_refresh_the_last_touch_that_eviction_and_demotion_read(kind: str, tmp_path) -> None:
+def test_pushes_refresh_the_last_touch_that_eviction_and_demotion_read(kind: str, tmp_path) -> None:
     """LRU and TTL eviction and demotion to the disk tier pick rows by their last touch. Reference: the
-    table step of each row's last pull or push (a push touches at the step it applies, then the step
-    advances). A table that neither evicts nor has a resident budget keeps the step its rows were made at."""
+    table step of each row's last push (a push touches at the step it applies, then the step
+    advances); pulls are reads and touch nothing. A table that neither evicts nor has a resident
+    budget keeps the step its rows were made at."""
     from ps.tier import ResidentBudget
 
     kw = {"lru": {"eviction": EvictionSpec(max_rows=1000)}, "ttl": {"eviction": EvictionSpec(ttl_steps=1000)}}.get(kind, {})
@@ -134,14 +150,14 @@ def test_pulls_and_pushes_refresh_the_last_touch_that_eviction_and_demotion_read
     t = SparseTable(spec, 0, 1, resident_budget=ResidentBudget(1 << 20) if kind == "budget" else None, spill_dir=str(tmp_path))
     ids = np.arange(8, dtype=np.int64)
     g = np.ones((8, 4), np.float32)
-    t.pull(ids)  # every row made at step 0
+    t.push(ids, g)  # every row made at step 0
     for _ in range(3):
-        t.push(ids[7:], g[:1])  # touched at steps 0, 1, 2; the table is at step 3 after
-    t.pull(ids[2:4])  # step 3
-    t.push(ids[4:6], g[:2])  # step 3, then 4
-    t.pull(ids[6:7])  # step 4
+        t.push(ids[7:], g[:1])  # touched at steps 1, 2, 3; the table is at step 4 after
+    t.pull(ids[2:4])  # a read: no touch
+    t.push(ids[4:6], g[:2])  # step 4, then 5
+    t.pull(ids[6:7])
     touch = t.last_touch[t._lookup(ids)]
-    want = [0, 0, 3, 3, 3, 3, 4, 2] if kind != "plain" else [0] * 8
+    want = [0, 0, 0, 0, 4, 4, 0, 3] if kind != "plain" else [0] * 8
     assert touch.tolist() == want, (kind, touch)
 
 
@@ -194,7 +210,7 @@ def test_memory_stats_add_up_and_evicted_rows_are_reused() -> None:
     of dim 4 with Adagrad is 32 payload bytes; churn through LRU eviction reuses rows (no chunk is
     added once the table is at its max_rows)."""
     t = _sparse(eviction=EvictionSpec(max_rows=3000))
-    t.pull(np.arange(3000, dtype=np.int64))
+    t.push(np.arange(3000, dtype=np.int64), np.zeros((3000, 4), np.float32))
     m = t.memory_stats()
     assert m.rows == m.resident_rows == 3000 and m.cold_rows == 0 and m.row_dtype == "float32"
     assert m.payload_bytes_per_row == 4 * 4 * 2
@@ -203,7 +219,7 @@ def test_memory_stats_add_up_and_evicted_rows_are_reused() -> None:
     assert m.bytes_per_row == m.held_bytes / 3000
     chunks = m.chunks
     for a in range(3000, 30000, 1000):
-        t.pull(np.arange(a, a + 1000, dtype=np.int64))
+        t.push(np.arange(a, a + 1000, dtype=np.int64), np.zeros((1000, 4), np.float32))
     m2 = t.memory_stats()
     assert m2.rows == 3000 and t.evicted == 27000
     assert m2.chunks == chunks and m2.values_bytes == m.values_bytes  # evicted rows were reused

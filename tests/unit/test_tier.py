@@ -48,6 +48,12 @@ def _row_nbytes(t: SparseTable) -> int:
     return t._store.row_nbytes
 
 
+def _fill(t: SparseTable, ids: np.ndarray) -> None:
+    """Create rows ``ids`` (pulls are reads: rows are made by pushes; a zero gradient leaves the
+    initial values, Adagrad's accumulator at 0 and each row at version 1)."""
+    t.push(ids, np.zeros((len(ids), DIM), np.float32))
+
+
 def test_a_table_4x_its_budget_gives_the_same_answers_as_in_ram(tmp_path) -> None:
     ref = SparseTable(_spec(), 0, 1)
     probe = SparseTable(_spec(), 0, 1)
@@ -56,6 +62,8 @@ def test_a_table_4x_its_budget_gives_the_same_answers_as_in_ram(tmp_path) -> Non
     rng = np.random.default_rng(0)
     for a in range(0, 4000, 500):  # fill: 4x the budget
         ids = np.arange(a, a + 500, dtype=np.int64)
+        _fill(t, ids)
+        _fill(ref, ids)
         np.testing.assert_array_equal(t.pull(ids)[0], ref.pull(ids)[0])
     assert t.rows == 4000 and t.cold_rows >= 3000 and t.resident_rows <= 1000
     for _ in range(60):  # random traffic: mostly cold rows come back, others go
@@ -85,8 +93,11 @@ def test_most_recently_used_rows_stay_resident(tmp_path) -> None:
     hot = {i for i, loc in t.items() if loc >= 0}
     assert set(range(2600, 3000)) <= hot  # the last 400 touched are resident
     assert not hot & set(range(1000))
-    # a pull of cold rows brings them back, and they then stay while others go
+    # a pull reads cold rows where they lie (nothing moves); a push brings them back, and they then stay
+    before = dict(t.items())
     t.pull(np.arange(0, 50, dtype=np.int64))
+    assert dict(t.items()) == before
+    t.push(np.arange(0, 50, dtype=np.int64), np.ones((50, DIM), np.float32))
     assert {i for i, loc in t.items() if loc >= 0} >= set(range(50))
 
 
@@ -96,8 +107,8 @@ def test_tables_share_one_shard_budget(tmp_path) -> None:
     a, b = _tiered(budget, tmp_path, name="a"), _tiered(budget, tmp_path, name="b")
     for k in range(0, 2000, 250):
         ids = np.arange(k, k + 250, dtype=np.int64)
-        a.pull(ids)
-        b.pull(ids)
+        _fill(a, ids)
+        _fill(b, ids)
     assert a.resident_rows + b.resident_rows <= 1000 + 250  # each keeps within what the other leaves
     assert a.rows == b.rows == 2000
 
@@ -107,7 +118,7 @@ def test_checkpoint_of_both_tiers_loads_into_any_table(tmp_path) -> None:
     budget = ResidentBudget(300 * _row_nbytes(probe))
     t = _tiered(budget, tmp_path / "a", dtype="bfloat16")
     ids = np.arange(1200, dtype=np.int64)
-    t.pull(ids)
+    _fill(t, ids)
     t.push(ids[::3], np.ones((400, DIM), np.float32))
     snap = t.export_state()
     assert len(snap["ids"]) == 1200 and t.cold_rows > 0
@@ -143,7 +154,7 @@ def test_replicated_rows_land_in_a_tiered_backup(tmp_path) -> None:
     primary = SparseTable(_spec(), 0, 1)
     deltas = []
     ids = np.arange(900, dtype=np.int64)
-    primary.pull(ids)
+    primary.push(ids, np.zeros((900, DIM), np.float32))
     primary.track_evictions = True
     for k in range(3):
         p = primary.prepare_push(ids[k::3], np.full((300, DIM), 0.5, np.float32))
@@ -168,7 +179,7 @@ def test_export_of_a_tiered_table_is_a_frozen_stream(tmp_path) -> None:
     t = _tiered(ResidentBudget(500 * _row_nbytes(probe)), tmp_path)
     ids = np.arange(3000, dtype=np.int64)
     for tab in (t, ref):
-        tab.pull(ids)
+        _fill(tab, ids)
         tab.push(ids[::2], np.ones((1500, DIM), np.float32))
     snap, want = t.export_state(), ref.export_state()
     assert isinstance(snap["values"], TieredRows) and isinstance(snap["state"]["sum"], TieredRows)

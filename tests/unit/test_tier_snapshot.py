@@ -74,7 +74,7 @@ def _pair(tmp_path, resident_rows: int = 500) -> tuple[SparseTable, SparseTable]
 
 def _fill(tabs, ids) -> None:
     for tab in tabs:
-        tab.pull(ids)
+        tab.push(ids, np.zeros((len(ids), DIM), np.float32))  # rows are made by pushes (pulls only read)
         tab.push(ids[::2], np.ones((len(ids[::2]), DIM), np.float32))
 
 
