@@ -77,6 +77,7 @@ __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "ShardSpec",
+    "TPMultiheadAttention",
     "TensorParallelGPT",
     "TensorParallelSync",
     "VocabParallelEmbedding",
@@ -91,22 +92,26 @@ def _world(group: Any) -> int:
     return dist.get_world_size(group)
 
 
-def _gather_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """All-gather along dim 0 (the sequence), in group-rank order."""
+def _gather_seq(x: torch.Tensor, group: Any, dim: int = 0) -> torch.Tensor:
+    """All-gather along ``dim`` (the sequence), in group-rank order."""
     t = _world(group)
     if t == 1:
         return x
+    if dim:  # the collective concatenates along dim 0: gather sequence-first, then move it back
+        return _gather_seq(x.movedim(dim, 0), group).movedim(0, dim)
     x = x.contiguous()
     out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather_into_tensor(out, x, group=group)
     return out
 
 
-def _reduce_scatter_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
-    """Sum over the group, this rank keeps its chunk of dim 0 (the sequence)."""
+def _reduce_scatter_seq(x: torch.Tensor, group: Any, dim: int = 0) -> torch.Tensor:
+    """Sum over the group, this rank keeps its chunk of ``dim`` (the sequence)."""
     t = _world(group)
     if t == 1:
         return x
+    if dim:
+        return _reduce_scatter_seq(x.movedim(dim, 0), group).movedim(0, dim)
     x = x.contiguous()
     out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_tensor(out, x, group=group)
@@ -146,30 +151,44 @@ class _ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
-class _GatherFromSeq(torch.autograd.Function):
-    """SP ``f`` (outside a linear): all-gather along the sequence; reduce-scatter backward."""
+class _SplitToSeq(torch.autograd.Function):
+    """SP entry: keep this rank's chunk of ``dim`` (no communication); all-gather backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return _gather_seq(x, group)
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim
+        return x.chunk(_world(group), dim)[dist.get_rank(group)].contiguous()
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return _reduce_scatter_seq(g, ctx.group), None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return _gather_seq(g, ctx.group, ctx.dim), None, None
 
 
 class _ReduceScatterToSeq(torch.autograd.Function):
     """SP ``g``: reduce-scatter along the sequence; all-gather backward."""
 
     @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int = 0) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_seq(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return _gather_seq(g, ctx.group, ctx.dim), None, None
+
+
+class _GatherFeatures(torch.autograd.Function):
+    """A column-parallel output made whole: all-gather of the last dimension; backward keeps this
+    rank's slice of the gradient (every rank holds the whole gradient of the whole output)."""
+
+    @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
         ctx.group = group
-        return _reduce_scatter_seq(x, group)
+        return _gather_seq(x, group, x.dim() - 1)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return _gather_seq(g, ctx.group), None
+        return g.chunk(_world(ctx.group), -1)[dist.get_rank(ctx.group)].contiguous(), None
 
 
 class _ColumnLinearSP(torch.autograd.Function):
@@ -177,20 +196,20 @@ class _ColumnLinearSP(torch.autograd.Function):
     there), so the full-sequence input is not held between forward and backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.group, ctx.has_bias = group, b is not None
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, group: Any, dim: int = 0) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.has_bias, ctx.dim = group, b is not None, dim
         ctx.save_for_backward(x, w)
-        return F.linear(_gather_seq(x, group), w, b)
+        return F.linear(_gather_seq(x, group, dim), w, b)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         x, w = ctx.saved_tensors
-        full = _gather_seq(x, ctx.group)
+        full = _gather_seq(x, ctx.group, ctx.dim)
         g = g.contiguous()
-        gx = _reduce_scatter_seq(g @ w, ctx.group)
+        gx = _reduce_scatter_seq(g @ w, ctx.group, ctx.dim)
         gw = g.reshape(-1, g.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
         gb = g.reshape(-1, g.shape[-1]).sum(0) if ctx.has_bias else None
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
 
 
 # -------------------------------------------------------------------------------------------------- layers
@@ -205,12 +224,14 @@ class ShardSpec:
     dim: int | None
 
     def shard(self, full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+        """This rank's shard as a new tensor (a copy: training the shard never changes ``full``)."""
+        full = full.detach()
         if self.dim is None:
-            return full.detach().clone()
+            return full.clone()
         if self.view is None:
-            return full.detach().chunk(world, self.dim)[rank].contiguous()
-        chunk = full.detach().reshape(self.view).chunk(world, self.dim)[rank]
-        return chunk.reshape(-1, *self.full_shape[1:]).contiguous()  # the split runs inside dim 0
+            return full.chunk(world, self.dim)[rank].clone(memory_format=torch.contiguous_format)
+        chunk = full.reshape(self.view).chunk(world, self.dim)[rank]
+        return chunk.reshape(-1, *self.full_shape[1:]).clone(memory_format=torch.contiguous_format)  # the split runs inside dim 0
 
     def unshard(self, shards: list[torch.Tensor]) -> torch.Tensor:
         if self.dim is None:
@@ -222,53 +243,174 @@ class ShardSpec:
         return torch.cat([s.reshape(part) for s in shards], self.dim).reshape(self.full_shape)
 
 
-class ColumnParallelLinear(nn.Module):
-    """Output features split over the TP group: ``(S, B, in) -> (S, B, out/T)``; input replicated
-    (or, under sequence parallelism, split along the sequence and gathered here)."""
+def _param(t: torch.Tensor) -> nn.Parameter:
+    """``t`` as a parameter: a given ``nn.Parameter`` is kept as is (a tied weight stays one object)."""
+    return t if isinstance(t, nn.Parameter) else nn.Parameter(t)
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any, sequence_parallel: bool) -> None:
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split over the TP group: ``(..., in) -> (..., out/T)``; input replicated
+    (or, under sequence parallelism, split along dimension ``seq_dim`` and gathered here).
+    ``gather_output``: the output all-gathered back to ``(..., out)`` (an LM head whose loss needs
+    the whole logits; the backward keeps this rank's slice)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any, sequence_parallel: bool,
+                 seq_dim: int = 0, gather_output: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias) if bias is not None else None
+        self.weight = _param(weight)
+        self.bias = _param(bias) if bias is not None else None
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.seq_dim, self.gather_output = seq_dim, gather_output
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            return _ColumnLinearSP.apply(x, self.weight, self.bias, self.group)  # type: ignore[no-any-return]
-        return F.linear(_CopyToTP.apply(x, self.group), self.weight, self.bias)
+            y = _ColumnLinearSP.apply(x, self.weight, self.bias, self.group, self.seq_dim)
+        else:
+            y = F.linear(_CopyToTP.apply(x, self.group), self.weight, self.bias)
+        return _GatherFeatures.apply(y, self.group) if self.gather_output else y  # type: ignore[no-any-return]
 
 
 class RowParallelLinear(nn.Module):
-    """Input features split over the TP group: ``(S, B, in/T) -> (S, B, out)`` summed over the group
-    (under sequence parallelism: reduce-scattered to ``(S/T, B, out)``); the bias is replicated."""
+    """Input features split over the TP group: ``(..., in/T) -> (..., out)`` summed over the group
+    (under sequence parallelism: reduce-scattered along ``seq_dim``); the bias is replicated."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any, sequence_parallel: bool) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: Any, sequence_parallel: bool,
+                 seq_dim: int = 0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight)
-        self.bias = nn.Parameter(bias) if bias is not None else None
-        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _param(weight)
+        self.bias = _param(bias) if bias is not None else None
+        self.group, self.sequence_parallel, self.seq_dim = group, sequence_parallel, seq_dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        y = (_ReduceScatterToSeq if self.sequence_parallel else _ReduceFromTP).apply(y, self.group)
+        y = _ReduceScatterToSeq.apply(y, self.group, self.seq_dim) if self.sequence_parallel else _ReduceFromTP.apply(y, self.group)
         return y + self.bias if self.bias is not None else y
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows ``[start, start + V/T)`` of the embedding; ``(S, B)`` ids -> ``(S, B, dim)`` summed over the
-    group (under sequence parallelism reduce-scattered to ``(S/T, B, dim)``)."""
+    """Rows ``[start, start + V/T)`` of the embedding; ids ``(...)`` -> ``(..., dim)`` summed over the
+    group (under sequence parallelism reduce-scattered along dim 0: ``(S, B)`` ids -> ``(S/T, B, dim)``).
+    ``padding_idx``: the full-vocabulary padding row (its gradient stays zero), as ``nn.Embedding``'s."""
 
-    def __init__(self, weight: torch.Tensor, start: int, group: Any, sequence_parallel: bool) -> None:
+    def __init__(self, weight: torch.Tensor, start: int, group: Any, sequence_parallel: bool,
+                 padding_idx: int | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight)
+        self.weight = _param(weight)
         self.start, self.stop = start, start + weight.shape[0]
         self.group, self.sequence_parallel = group, sequence_parallel
+        self.local_padding = padding_idx - start if padding_idx is not None and start <= padding_idx < self.stop else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.start) | (ids >= self.stop)
         local = (ids - self.start).masked_fill(outside, 0)
-        e = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        e = F.embedding(local, self.weight, self.local_padding).masked_fill(outside.unsqueeze(-1), 0.0)
         return (_ReduceScatterToSeq if self.sequence_parallel else _ReduceFromTP).apply(e, self.group)  # type: ignore[no-any-return]
+
+
+class TPMultiheadAttention(nn.Module):
+    """``nn.MultiheadAttention`` with its heads split over the TP group: this rank holds heads
+    ``[r*H/T, (r+1)*H/T)`` of q, k and v (column-parallel rows of ``in_proj_weight``, or of
+    ``q/k/v_proj_weight`` when key/value dimensions differ) and the matching input columns of
+    ``out_proj`` (row-parallel, bias replicated). Same parameter names, same ``forward`` signature and
+    result as the module it replaces (``attn_mask`` 2-D or per-head 3-D, ``key_padding_mask``,
+    ``need_weights`` with averaged or per-head weights, ``is_causal``, batch-first or not, unbatched
+    inputs). Under sequence parallelism the inputs are this rank's chunk of the sequence (gathered
+    here) and the output is reduce-scattered back to a chunk. ``_qkv_same_embed_dim`` is False so
+    ``nn.TransformerEncoderLayer``'s fused inference kernel (which needs the whole ``in_proj_weight``)
+    is never taken."""
+
+    _qkv_same_embed_dim = False
+
+    def __init__(self, *, embed_dim: int, num_heads: int, in_proj_weight: torch.Tensor | None,
+                 qkv_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, in_proj_bias: torch.Tensor | None,
+                 out_weight: torch.Tensor, out_bias: torch.Tensor | None, dropout: float, batch_first: bool,
+                 group: Any, sequence_parallel: bool) -> None:
+        super().__init__()
+        t = _world(group)
+        self.embed_dim, self.num_heads, self.local_heads = embed_dim, num_heads, num_heads // t
+        self.head_dim = embed_dim // num_heads
+        self.dropout, self.batch_first, self.group, self.sequence_parallel = dropout, batch_first, group, sequence_parallel
+        if in_proj_weight is not None:
+            self.in_proj_weight: nn.Parameter | None = _param(in_proj_weight)
+        else:
+            assert qkv_weights is not None
+            self.in_proj_weight = None
+            self.q_proj_weight, self.k_proj_weight, self.v_proj_weight = (_param(w) for w in qkv_weights)
+        self.in_proj_bias = _param(in_proj_bias) if in_proj_bias is not None else None
+        # the residual stream is batch-first inside (N, L, E): the sequence is dim 1
+        self.out_proj = RowParallelLinear(out_weight, out_bias, group, sequence_parallel, seq_dim=1)
+
+    def _project(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """q (i=0), k (1) or v (2) of this rank's heads: ``(N, L, E_in) -> (N, heads, L, head_dim)``."""
+        n = self.local_heads * self.head_dim
+        w = self.in_proj_weight[i * n : (i + 1) * n] if self.in_proj_weight is not None else (
+            self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)[i]
+        b = self.in_proj_bias[i * n : (i + 1) * n] if self.in_proj_bias is not None else None
+        if self.sequence_parallel:
+            y = _ColumnLinearSP.apply(x, w, b, self.group, 1)
+        else:
+            y = F.linear(_CopyToTP.apply(x, self.group), w, b)
+        return y.unflatten(-1, (self.local_heads, self.head_dim)).transpose(1, 2)  # type: ignore[no-any-return]
+
+    def _mask(self, attn_mask: torch.Tensor | None, key_padding_mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
+        """One additive float mask ``(N or 1, heads or 1, L, S)`` (boolean True: masked out), this rank's heads."""
+        out = None
+        if attn_mask is not None:
+            m = attn_mask
+            if m.dtype == torch.bool:
+                m = torch.zeros(m.shape, dtype=q.dtype, device=q.device).masked_fill(m, float("-inf"))
+            m = m.to(q.dtype)
+            if m.dim() == 3:  # (N * H, L, S): keep this rank's heads
+                r = dist.get_rank(self.group)
+                m = m.view(-1, self.num_heads, *m.shape[1:])[:, r * self.local_heads : (r + 1) * self.local_heads]
+            out = m
+        if key_padding_mask is not None:
+            k = key_padding_mask
+            if k.dtype == torch.bool:
+                k = torch.zeros(k.shape, dtype=q.dtype, device=q.device).masked_fill(k, float("-inf"))
+            k = k.to(q.dtype)[:, None, None, :]
+            out = k if out is None else out + k
+        return out
+
+    def forward(  # noqa: D102 - nn.MultiheadAttention.forward's contract
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True, attn_mask: torch.Tensor | None = None, average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if is_causal and attn_mask is None:
+            raise RuntimeError("Need attn_mask if specifying the is_causal hint (as nn.MultiheadAttention)")
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        if unbatched or not self.batch_first:  # inputs (L, N, E): computed batch-first
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        q = self._project(query, 0)
+        k = self._project(key, 1)
+        v = self._project(value, 2)
+        mask = self._mask(attn_mask, key_padding_mask, q)
+        p = self.dropout if self.training else 0.0
+        weights = None
+        if need_weights:
+            scores = (q * (1.0 / self.head_dim) ** 0.5) @ k.transpose(-2, -1)
+            if mask is not None:
+                scores = scores + mask
+            probs = torch.softmax(scores, dim=-1)
+            a = F.dropout(probs, p) @ v if p else probs @ v
+            if average_attn_weights:
+                weights = _ReduceFromTP.apply(probs.sum(1), self.group) / self.num_heads
+            else:
+                weights = _GatherFeatures.apply(probs.movedim(1, -1), self.group).movedim(-1, 1)
+        else:
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        out = self.out_proj(a.transpose(1, 2).flatten(2))  # (N, L, E)
+        if not self.batch_first or unbatched:
+            out = out.transpose(0, 1)
+        if unbatched:
+            out = out.squeeze(1)
+            weights = weights.squeeze(0) if weights is not None else None
+        return out, weights
 
 
 class _VocabParallelCE(torch.autograd.Function):

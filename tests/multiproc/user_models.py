@@ -1,0 +1,170 @@
+"""Two user models the peer tests did not know before issue 29, as tasks (``module:function``):
+
+- ``mha_task``: a pre-norm transformer tagger written with ``nn.MultiheadAttention`` (its own block)
+  and ``nn.TransformerEncoderLayer(norm_first=True)`` layers, a learned position parameter, an untied
+  head; each position is tagged with the running maximum of the tokens so far.
+- ``gated_task``: a causal language model written with plain ``nn.Linear`` q/k/v/o projections (the
+  head count in ``n_heads``), a gated MLP ``up``/``gate``/``down`` (SiLU), RMSNorm, a ``pos``
+  embedding and a head tied to the token embedding.
+
+Batches follow the Task contract: worker i's batch at step t is slice i of the global batch of step
+t, so any data-parallel layout sees the global batch one process sees.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ps import OptimizerSpec
+from worker.tasks import Task
+
+
+class MHABlock(nn.Module):
+    """Pre-norm block written with nn.MultiheadAttention."""
+
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class MHATagger(nn.Module):
+    """(B, S) ids -> (B, S, tags) logits."""
+
+    def __init__(self, vocab: int, seq: int, dim: int, heads: int, layers: int, tags: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.position = nn.Parameter(torch.randn(1, seq, dim) * 0.02)
+        self.layers = nn.ModuleList([MHABlock(dim, heads, 2 * dim)] + [
+            nn.TransformerEncoderLayer(dim, heads, 2 * dim, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers - 1)
+        ])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, tags)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.position[:, : ids.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.q, self.k, self.v = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.o = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, self.n_heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(a.transpose(1, 2).reshape(b, s, -1))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up, self.gate, self.down = nn.Linear(dim, hidden), nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class GatedBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attn_norm, self.attn = nn.RMSNorm(dim), Attention(dim, n_heads)
+        self.mlp_norm, self.mlp = nn.RMSNorm(dim), GatedMLP(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GatedLM(nn.Module):
+    """(B, S) ids -> (B, S, vocab) next-token logits; the head shares the token embedding's weight."""
+
+    def __init__(self, vocab: int, seq: int, dim: int, n_heads: int, layers: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(GatedBlock(dim, n_heads, 3 * dim) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.tok.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.lm_head(self.norm(x))
+
+
+def _data(vocab: int, seq: int, seed: int, tagger: bool) -> Any:
+    """batches(i, n, b, start): slice i of a global batch of n*b sequences drawn for each step."""
+
+    def batches(worker_index: int, num_workers: int, batch_size: int, start_step: int) -> Iterator[torch.Tensor]:
+        step = start_step
+        while True:
+            g = torch.Generator().manual_seed(seed * 100_003 + step)
+            ids = torch.randint(0, vocab, (num_workers * batch_size, seq + 1), generator=g)
+            if tagger:  # tags: running maximum of the tokens (mod the tag count is applied by the loss)
+                ids[:, 1:] = ids[:, :-1].cummax(1).values
+            yield ids[worker_index * batch_size : (worker_index + 1) * batch_size]
+            step += 1
+
+    return batches
+
+
+def _optimizer(opt: str, lr: float) -> OptimizerSpec:
+    return OptimizerSpec("adamw", {"lr": lr, "weight_decay": 0.01}) if opt == "adamw" else OptimizerSpec(opt, {"lr": lr})
+
+
+def mha_task(seed: int = 0, vocab: int = 32, seq: int = 8, dim: int = 16, heads: int = 4, layers: int = 2,
+             dtype: str = "float32", opt: str = "sgd", lr: float = 0.1, **_: Any) -> Task:
+    torch.manual_seed(seed)
+    tags = vocab
+    model = MHATagger(vocab, seq, dim, heads, layers, tags).to(getattr(torch, dtype))
+
+    def loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        logits = m(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    return Task("mha", model, _data(vocab, seq, seed, True), loss, metric="loss", higher_is_better=False,
+                dense_optimizer=_optimizer(opt, lr))
+
+
+def gated_task(seed: int = 0, vocab: int = 32, seq: int = 8, dim: int = 16, heads: int = 4, layers: int = 2,
+               dtype: str = "float32", opt: str = "sgd", lr: float = 0.1, **_: Any) -> Task:
+    torch.manual_seed(seed)
+    model = GatedLM(vocab, seq, dim, heads, layers).to(getattr(torch, dtype))
+
+    def loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        logits = m(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+    return Task("gated", model, _data(vocab, seq, seed, False), loss, metric="loss", higher_is_better=False,
+                dense_optimizer=_optimizer(opt, lr))
+
+
+# the explicit plans the automatic one is checked against
+MHA_PLAN = {"tok": "vocab", "layers.0.attn": "colwise", "layers.0.fc1": "colwise", "layers.0.fc2": "rowwise",
+            "layers.*.self_attn": "colwise", "layers.*.linear1": "colwise", "layers.*.linear2": "rowwise",
+            "head": "vocab"}
+GATED_PLAN = {"tok": "vocab", "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
+              "blocks.*.attn.o": "rowwise", "blocks.*.mlp.up": "colwise", "blocks.*.mlp.gate": "colwise",
+              "blocks.*.mlp.down": "rowwise", "lm_head": "vocab"}
