@@ -1,0 +1,218 @@
+"""Admission before a thread is taken, played as attacks against a real shard process (TLS + tokens).
+
+Under 128 concurrent BSP-waiting pulls from one reader token, and under 64 stalled push streams
+from one worker token, an honest worker keeps at least half its unloaded steps/s in every 5 s
+window, and the admin's Stats and the gRPC health check each answer within 1 s (the calls carry
+a 1 s deadline: the README's fairness guarantee). The reference is the same worker, same shard,
+measured unloaded in the same run. Over-cap calls are refused RESOURCE_EXHAUSTED naming the
+identity and its limit."""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+
+from ps.cli import start_local_shards, stop_processes
+from ps.client import PSClient
+from ps.consistency import SyncPolicy
+from ps.wire import frame
+from tessera.health import check
+from tessera.service import ClientSecurity, client_channel, issue_cert, make_ca, write_token_file
+from tessera.v1 import ps_pb2 as pb
+
+pytestmark = pytest.mark.timeout(300)
+
+TOKENS = {"admin": "a" * 32, "w0": "b" * 32, "w1": "c" * 32, "reader": "d" * 32}
+ROLES = {"admin": ["admin"], "w0": ["worker"], "w1": ["worker"], "reader": ["reader"]}
+WINDOW_S = 5.0
+SVC = "/tessera.v1.ParameterServer/"
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory) -> Iterator[dict[str, Any]]:
+    d = tmp_path_factory.mktemp("admission")
+    ca, ca_key = make_ca()
+    cert, key = issue_cert(ca, ca_key, "127.0.0.1", ["127.0.0.1", "localhost"])
+    for name, data in (("ca.crt", ca), ("server.crt", cert), ("server.key", key)):
+        (d / name).write_bytes(data)
+    write_token_file(str(d / "tokens"), TOKENS, ROLES)
+    procs, addresses = start_local_shards(1, (
+        "--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key"), "--token-file", str(d / "tokens"),
+        "--lease", "30", "--push-idle-timeout", "60",
+    ))
+    try:
+        yield {"address": addresses[0], "ca": str(d / "ca.crt")}
+    finally:
+        stop_processes(procs)
+
+
+def _sec(s: dict[str, Any], who: str) -> ClientSecurity:
+    return ClientSecurity(tls_ca=s["ca"], token=TOKENS[who])
+
+
+def _client(s: dict[str, Any], who: str, **kw: Any) -> PSClient:
+    kw.setdefault("timeout", 10)
+    return PSClient([s["address"]], retry_timeout=0.5, security=_sec(s, who), transport="grpc", **kw)
+
+
+class Honest:
+    """Worker w0 training in BSP (it alone is the sync set): push clock t, pull clock t+1."""
+
+    def __init__(self, s: dict[str, Any]) -> None:
+        self.client = _client(s, "w0", worker="w0")
+        self.client.join(lease_s=30)
+        self.clock = self.client.pull_dense("w", return_clock=True)[1][0]
+        self.grad = np.full(1024, 1e-3, np.float32)
+
+    def steps_in(self, seconds: float) -> int:
+        end, n = time.monotonic() + seconds, 0
+        while time.monotonic() < end:
+            self.client.push_dense("w", self.grad, policy=SyncPolicy(clock=self.clock, sync=True))
+            self.clock += 1
+            self.client.pull_dense("w", policy=SyncPolicy(clock=self.clock, sync=True))
+            n += 1
+        return n
+
+
+def _admin_and_health_answer_within_1s(s: dict[str, Any], admin: PSClient) -> None:
+    t0 = time.monotonic()
+    stats = admin.stats()  # the admin client's deadline is 1 s: a queued call fails DEADLINE_EXCEEDED
+    assert stats[0].shard_index == 0, stats
+    status = check(s["address"], timeout=1.0, tls_ca=s["ca"])
+    assert status == "SERVING", status
+    print(f"admin Stats + health answered in {time.monotonic() - t0:.3f} s")
+
+
+def _windows(s: dict[str, Any], honest: Honest, base: float, label: str, n: int = 2) -> list[int]:
+    admin = _client(s, "admin", timeout=1.0, retries=0)
+    steps = []
+    try:
+        for _ in range(n):
+            _admin_and_health_answer_within_1s(s, admin)
+            k = honest.steps_in(WINDOW_S)
+            steps.append(k)
+            _admin_and_health_answer_within_1s(s, admin)
+        print(f"{label}: honest steps per {WINDOW_S:g} s window {steps} (unloaded {base * WINDOW_S:.0f})")
+        for k in steps:
+            assert k >= 0.5 * base * WINDOW_S, (label, steps, base * WINDOW_S)
+    finally:
+        admin.close()
+    return steps
+
+
+@pytest.fixture(scope="module")
+def honest(shard) -> Iterator[Honest]:
+    with _client(shard, "admin") as admin:
+        admin.create_dense("w", 1024, lr=0.1)
+        admin.create_dense("idle", 8, lr=0.1)  # nobody pushes it: a BSP pull for its clock 1 waits
+    h = Honest(shard)
+    h.steps_in(1.0)  # warm: connections, first rounds
+    yield h
+    h.client.close()
+
+
+@pytest.fixture()
+def trained(honest) -> tuple[Honest, float]:
+    """The honest worker and its unloaded steps/s, measured just before the attack (the reference)."""
+    base = honest.steps_in(WINDOW_S) / WINDOW_S
+    print(f"unloaded: {base:.1f} steps/s")
+    assert base > 0
+    return honest, base
+
+
+class _Flood:
+    """``n`` calls of one identity kept outstanding (a refused or finished one is sent again a
+    second later), until stop(); counts the refusals and their codes."""
+
+    def __init__(self, start: Any, n: int) -> None:
+        self.start, self.n = start, n
+        self.codes: dict[str, int] = {}
+        self.details: list[str] = []
+        self._stop = threading.Event()
+        self._calls: list[Any] = []
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            live = []
+            for c in self._calls:
+                if c.done():
+                    code = c.code()
+                    self.codes[code.name] = self.codes.get(code.name, 0) + 1
+                    if len(self.details) < 6 and code.name not in {d.split(":")[0] for d in self.details}:
+                        self.details.append(f"{code.name}: {c.details()}")
+                else:
+                    live.append(c)
+            while len(live) < self.n and not self._stop.is_set():
+                live.append(self.start())
+            self._calls = live
+            self._stop.wait(1.0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for c in self._calls:
+            c.cancel()
+
+
+def test_128_waiting_pulls_of_a_reader_do_not_freeze_the_shard(shard, trained) -> None:
+    honest, base = trained
+    channel = client_channel(shard["address"], _sec(shard, "reader"))
+    pull = channel.unary_stream(SVC + "PullDense")
+    # a BSP pull for the next clock of a table nobody pushes: without admission each held a server
+    # thread until its deadline (the shard's cap on waits ends them sooner now; then they are sent again)
+    req = pb.PullDenseRequest(table="idle", dtype="float32", sync=pb.SyncSpec(clock=1, sync=True)).SerializeToString()
+
+    def start() -> Any:
+        call = pull(req, timeout=120)
+        call.add_done_callback(lambda _: None)
+        return call
+
+    flood = _Flood(start, 128)
+    try:
+        time.sleep(1.0)  # every pull sent and admitted or refused
+        _windows(shard, honest, base, "128 waiting reader pulls")
+    finally:
+        flood.stop()
+        channel.close()
+    print("reader pulls ended:", flood.codes, flood.details)
+    assert set(flood.codes) == {"RESOURCE_EXHAUSTED"}, (flood.codes, flood.details)
+    assert flood.codes["RESOURCE_EXHAUSTED"] >= 100, flood.codes
+    assert any("identity 'reader'" in d and "limit" in d for d in flood.details), flood.details
+
+
+def test_64_stalled_push_streams_of_a_worker_do_not_freeze_the_shard(shard, trained) -> None:
+    honest, base = trained
+    channel = client_channel(shard["address"], _sec(shard, "w1"))
+    push = channel.stream_stream(SVC + "PushDense")
+    stall = threading.Event()
+    # the table's first chunk, valid, not the last: the shard reads on, and the client sends nothing more
+    first = frame(pb.DenseChunk(table="w", offset=0, worker="w1", dtype="float32"), data=np.zeros(1024, np.float32))
+
+    def stalled() -> Iterator[bytes]:
+        yield first
+        stall.wait(120)  # then nothing: the stream stays open
+
+    def start() -> Any:
+        call = push(stalled(), timeout=120)
+        call.add_done_callback(lambda _: None)
+        return call
+
+    flood = _Flood(start, 64)
+    try:
+        time.sleep(1.0)
+        _windows(shard, honest, base, "64 stalled push streams")
+    finally:
+        stall.set()
+        flood.stop()
+        channel.close()
+    print("stalled pushes ended:", flood.codes, flood.details)
+    assert set(flood.codes) == {"RESOURCE_EXHAUSTED"}, (flood.codes, flood.details)
+    assert flood.codes["RESOURCE_EXHAUSTED"] >= 40, flood.codes
+    assert any("identity 'w1'" in d and "limit" in d for d in flood.details), flood.details
