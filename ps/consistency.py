@@ -46,6 +46,7 @@ from ps.errors import (
     InternalError,
     InvalidArgumentError,
     ResourceExhaustedError,
+    ShardUnavailableError,
     TableNotFoundError,
 )
 
@@ -93,6 +94,14 @@ class Membership:
     (and must be >= the default), ``max_workers`` bounds the members remembered (0: no bound),
     ``forget_s``: how long a dead member is remembered by ``forget()``.
     """
+
+    # set (an Event that is set) by Shard.stop_waits(): a stopping shard ends every wait at once
+    stopping: threading.Event | None = None
+
+    def check_stopping(self) -> None:
+        """Raise ShardUnavailableError (UNAVAILABLE) if the shard is stopping: waits end, callers retry elsewhere or later."""
+        if self.stopping is not None and self.stopping.is_set():
+            raise ShardUnavailableError("the shard is stopping (SIGTERM): this wait ended; retry once it is back, or on its backup")
 
     def __init__(
         self, default_lease_s: float = 10.0, now: Callable[[], float] = time.monotonic, max_lease_s: float = math.inf,
@@ -256,6 +265,7 @@ class Membership:
                 slowest = self._min_clock()
                 if slowest < 0 or slowest >= need:
                     return time.monotonic() - t0
+                self.check_stopping()
                 left = timeout - (time.monotonic() - t0)
                 if left <= 0:
                     raise DeadlineExceededError(
@@ -444,6 +454,7 @@ class SyncRound(Generic[C]):
             while self.clock < clock:
                 if self.dropped is not None:
                     raise TableNotFoundError(self.dropped)
+                self.membership.check_stopping()
                 if self.failed is not None and not self._applying:
                     raise InternalError(f"table {self.name!r}: {self.failed}; push the step again")
                 left = timeout - (time.monotonic() - t0)

@@ -928,6 +928,16 @@ class Shard:
         for name, clock, lease_s in snap.workers:
             self.membership.join(name, lease_s, clock)
 
+    def stop_waits(self) -> None:
+        """Draining (SIGTERM): every BSP/SSP wait, now and later, ends at once with
+        ShardUnavailableError (UNAVAILABLE, "the shard is stopping"); pushes still apply."""
+        stopping = threading.Event()
+        stopping.set()
+        self.membership.stopping = stopping
+        for cond in [self.membership.cond, *(r.cond for r in list(self.rounds.values()))]:
+            with cond:
+                cond.notify_all()
+
     def save_checkpoint(self) -> str:
         """Write a checkpoint to ``config.checkpoint_dir`` now; returns its path."""
         if not self.config.checkpoint_dir:
