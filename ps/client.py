@@ -636,7 +636,8 @@ class PSClient:
     ) -> Any:
         """Rows for ``ids`` (any shape of int64 ids; result shape ids.shape + (dim,)), in the caller's order.
 
-        Missing rows are created on the shards with the table's initializer.
+        An id with no row on its shard reads as the table's initializer's values at version 0
+        (a pull creates nothing: rows are made by the first push).
         Result: numpy float32 for numpy/list ids; a torch tensor on the ids'
         device for torch ids. With ``return_versions`` also returns int64 row
         versions; with ``return_clock`` also the table's BSP clock (last).
