@@ -5,6 +5,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -21,6 +22,12 @@ from tessera.service import Access, ClientSecurity, ServerSecurity, serving_when
 __all__ = ["build_server", "restore_latest", "serve"]
 
 log = logging.getLogger(__name__)
+
+# SIGTERM: for DRAIN_NOTICE_S the server still answers, health NOT_SERVING and every new call UNAVAILABLE
+# ("... the server is stopping"), so probes and load balancers see it; then the calls in flight (their
+# waits ended) get DRAIN_GRACE_S to finish
+DRAIN_NOTICE_S = 2.0
+DRAIN_GRACE_S = 2.0
 
 
 def build_server(
@@ -39,13 +46,13 @@ def build_server(
     security, same per-call admission); the shard's Role reply advertises that port, and
     ``shard.close()`` stops it.
     """
-    server, port, shard, _ = _build(config, restore, security, peer)
+    server, port, shard, _, _ = _build(config, restore, security, peer)
     return server, port, shard
 
 
 def _build(
     config: ShardConfig, restore: bool, security: ServerSecurity | None, peer: ClientSecurity | None,
-) -> tuple[grpc.Server, int, Shard, BulkServer | None]:
+) -> tuple[grpc.Server, int, Shard, BulkServer | None, Access]:
     security = security or ServerSecurity()
     security.check(config.host)  # before anything starts
     shard = Shard(config)
@@ -85,8 +92,8 @@ def _build(
         shard.on_close.append(follower.stop)
         # health says SERVING only once the primary has installed its state here (or this backup took
         # over): a compose `service_healthy` dependency on a backup waits for a usable replica
-        serving_when(health, lambda: shard.installed.is_set() or shard.role == PRIMARY, (SERVICE_NAME,))
-    return server, port, shard, bulk
+        serving_when(health, lambda: shard.installed.is_set() or shard.role == PRIMARY, (SERVICE_NAME,), stopping=access.stopping)
+    return server, port, shard, bulk, access
 
 
 def restore_latest(shard: Shard) -> str | None:
@@ -113,11 +120,15 @@ def serve(
     """Run until SIGTERM/SIGINT. Prints one line ``tessera-ps listening on HOST:PORT`` when ready.
     ``on_shard(shard)`` runs once the shard is built and served (e.g. registers its metrics).
 
-    With a checkpoint directory, SIGTERM writes a final checkpoint after the calls in flight end."""
+    Draining on SIGTERM: the health service says NOT_SERVING at once, new calls are refused
+    (UNAVAILABLE, "... the server is stopping") and every BSP/SSP wait ends the same way, for
+    ``DRAIN_NOTICE_S``; then the calls in flight get ``DRAIN_GRACE_S`` to finish; then, with a
+    checkpoint directory, a final checkpoint (every acknowledged update is in it) and the process
+    exits (about 4 s plus the checkpoint)."""
     security = security or ServerSecurity()
     for warning in security.check(config.host):
         print(f"tessera-ps: {warning}", file=sys.stderr, flush=True)
-    server, port, shard, bulk = _build(config, restore, security, peer)
+    server, port, shard, bulk, access = _build(config, restore, security, peer)
     if on_shard is not None:
         on_shard(shard)
     stop = threading.Event()
@@ -131,9 +142,13 @@ def serve(
         with open(ready_file, "w") as f:
             f.write(f"{port}\n")
     stop.wait()
-    server.stop(grace=2).wait()
+    access.drain(f"shard {config.shard_index} received SIGTERM")  # health NOT_SERVING, new calls UNAVAILABLE
+    shard.stop_waits()  # waiting pulls end now (UNAVAILABLE): they would hold the exit for their whole wait
+    print("tessera-ps: draining (health NOT_SERVING, new calls refused, waits ended)", file=sys.stderr, flush=True)
+    time.sleep(DRAIN_NOTICE_S)
+    server.stop(grace=DRAIN_GRACE_S).wait()
     if bulk is not None:
-        bulk.stop(grace=2)  # the calls in flight end first: the final checkpoint has every applied push
+        bulk.stop(grace=DRAIN_GRACE_S)  # the calls in flight end first: the final checkpoint has every applied push
     if config.checkpoint_dir:
         try:
             print(f"tessera-ps: final checkpoint {shard.save_checkpoint()}", file=sys.stderr, flush=True)

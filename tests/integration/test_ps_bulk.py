@@ -336,7 +336,7 @@ def test_an_unreachable_bulk_port_falls_back_to_grpc(caplog) -> None:
     """The shard advertises a bulk port that cannot be reached (its bulk server stopped, gRPC still
     serving): the client's calls succeed over gRPC (reference: SGD with lr 1 on ones by hand),
     with one warning naming the port, and stay on gRPC during the cool-down."""
-    server, port, shard, bulk = _build(ShardConfig(bulk_port=0), False, None, None)
+    server, port, shard, bulk, _ = _build(ShardConfig(bulk_port=0), False, None, None)
     assert bulk is not None
     bulk.stop()
     try:
