@@ -54,11 +54,12 @@ class ServerConfig:
     is an authenticated identity with all its client ids, or without authentication one
     client id: ``federated.sampling``; a drawn identity trains one of its ids), send the
     global weights, and collect until every sampled client answered or
-    ``round_timeout`` seconds passed. Straggler rule: when the slowest answer so far took
-    ``t`` seconds, a client that has not answered ``(1 + straggler_factor) * t`` seconds
-    after its task went out is a straggler: with ``min_clients`` answers the round closes
-    without the stragglers; short of them, other participants are asked in their place
-    (participants that keep missing rounds are drawn less: ``federated.sampling``).
+    ``round_timeout`` seconds passed. Straggler rule, once at least half of the sampled
+    clients answered: when the slowest answer took ``t`` seconds, a client that has not
+    answered ``(1 + straggler_factor) * t`` seconds after its task went out is a
+    straggler; with ``min_clients`` answers the round closes without the stragglers, short
+    of them other participants are asked in their place (participants that keep missing
+    rounds are drawn less: ``federated.sampling``).
     Aggregate if at least ``min_clients`` answered, else retry the round (up to
     ``max_retries`` times in a row, waiting
     ``retry_backoff`` seconds before the first retry, doubling up to

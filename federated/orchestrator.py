@@ -154,7 +154,8 @@ class Orchestrator:
             self.clip.load_state_dict(ck.meta["clip"])
         log.info("resumed from %s after round %d", path, self.round)
 
-    def _checkpoint(self) -> None:
+    def checkpoint(self) -> None:
+        """Write the checkpoint of the last completed round (``config.checkpoint``; none: nothing)."""
         if not self.config.checkpoint:
             return
         meta: dict[str, Any] = {"strategy": self.strategy.name, "params": self.strategy.params()}
@@ -573,7 +574,7 @@ class Orchestrator:
         rec["bytes_down"] = int(sum(v[1] for v in traffic.values()))
         rec["clients"] = {k: {"up": v[0], "down": v[1]} for k, v in sorted(traffic.items())}
         self.history.append(rec)
-        self._checkpoint()
+        self.checkpoint()
         if self.on_round is not None:
             self.on_round(rec)
 

@@ -30,7 +30,7 @@ from federated.errors import (
 from federated.protocol import Answer, Blob, Task
 from federated.sampling import participant_of
 
-__all__ = ["Registry", "Node", "Pending", "Cancel", "Shutdown", "Outcome"]
+__all__ = ["Registry", "Node", "Pending", "Cancel", "Shutdown", "Stopping", "Outcome"]
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,15 @@ class Shutdown:
     reason: str
 
 
-Event = Task | Cancel | Shutdown
+@dataclass(frozen=True)
+class Stopping:
+    """Server -> node: the server is draining (e.g. SIGTERM); the stream ends UNAVAILABLE and the
+    node reconnects (to this server restarted from its checkpoint, or another)."""
+
+    reason: str
+
+
+Event = Task | Cancel | Shutdown | Stopping
 
 
 @dataclass(eq=False)
@@ -218,16 +226,19 @@ class Registry:
                 self._cond.wait(left)
             return True
 
-    def shutdown(self, reason: str) -> None:
-        """Tell every node to go and refuse new ones."""
+    def shutdown(self, reason: str, stopping: bool = False) -> None:
+        """Refuse new nodes, fail the tasks in flight and end every node's stream: with a
+        :class:`Shutdown` (the node exits: training is over), or with ``stopping`` a
+        :class:`Stopping` (the server drains; the node reconnects later)."""
         with self._cond:
             self.closed = True
             nodes = list(self._nodes.values())
-            self._fail_tasks_locked(lambda p: True, "server shutting down")
+            self._fail_tasks_locked(lambda p: True, "server stopping" if stopping else "server shutting down")
             self._cond.notify_all()
+        event = Stopping(reason) if stopping else Shutdown(reason)
         for n in nodes:
             try:
-                n.send(Shutdown(reason))
+                n.send(event)
             except Exception:  # noqa: BLE001 - a dead stream must not stop the others
                 pass
 
@@ -362,11 +373,15 @@ class Registry:
         The straggler rule (``quorum`` > 0 and ``straggler_factor`` given): when the slowest
         success took ``t`` seconds from its task's issue to its answer, an open task is a
         straggler once ``(1 + straggler_factor) * t`` seconds passed since its own issue
-        (never past ``deadline``; each slower success moves it on). When every open task is
-        a straggler with ``quorum`` successes, the open
-        tasks are closed as stragglers (error ``"straggler: ..."``) and True returned; with
-        fewer, nothing is closed or forgotten and False is returned: the caller adds tasks for
-        other clients to ``pending`` or waits on (collect again), and must collect until True."""
+        (each slower success moves it on). The rule applies once at least half of ``pending``
+        succeeded (so that one quick answer among slow starters drops nobody); when every open
+        task is then a straggler:
+
+        * with ``quorum`` successes, the open tasks are closed (error ``"straggler: ..."``)
+          and True returned;
+        * with fewer, nothing is closed or forgotten and False is returned: the caller adds
+          tasks for other clients to ``pending`` or waits on (collects again), and must
+          collect until True."""
         rule = quorum > 0 and straggler_factor is not None
         cut = deadline
         with self._cond:
@@ -375,7 +390,8 @@ class Registry:
                     break
                 now = time.monotonic()
                 cut = deadline
-                if rule:
+                answered = sum(1 for p in pending if p.ok)
+                if rule and answered >= (len(pending) + 1) // 2:
                     took = max((p.finished_at - p.issued_at for p in pending if p.ok), default=None)
                     if took is not None:
                         last = max(p.issued_at for p in pending if not p.done)

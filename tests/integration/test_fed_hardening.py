@@ -204,21 +204,21 @@ def test_submit_for_a_task_not_ones_own_is_refused_before_its_data_is_read(harne
 
 
 def test_one_identity_cannot_answer_or_fetch_anothers_task(harness) -> None:
-    tokens = {"alice": "tok-a", "bob": "tok-b"}
+    tokens = {"alice": "tok-a-0123456789abcdef", "bob": "tok-b-0123456789abcdef"}
     h = harness(tokens=tokens, min_clients=2, inline_bytes=0, insecure=True)  # both: alice is the slow one
     alice = Recording(Shift(1.0, n=1), sleep=1.0)
-    h.node(alice, [], token="tok-a")
+    h.node(alice, [], token="tok-a-0123456789abcdef")
     bob = Recording(Same())
-    h.node(bob, [], token="tok-b")
+    h.node(bob, [], token="tok-b-0123456789abcdef")
     assert wait_until(lambda: h.server.registry.num_connected() == 2)
     rounds = _run_in_thread(h)
     assert wait_until(lambda: len(alice.tasks) == 1 and len(bob.tasks) == 1)
     t = alice.tasks[0]  # suppose bob learnt alice's task and blob ids
     ch = h.channel()
     for client_id in ("bob", "alice"):
-        e = _submit(ch, t.task_id, client_id, token="tok-b")
+        e = _submit(ch, t.task_id, client_id, token="tok-b-0123456789abcdef")
         assert e is not None and e.code() == grpc.StatusCode.PERMISSION_DENIED, client_id
-        e = _fetch(ch, t.blob, t.task_id, client_id, token="tok-b")
+        e = _fetch(ch, t.blob, t.task_id, client_id, token="tok-b-0123456789abcdef")
         assert e is not None and e.code() == grpc.StatusCode.PERMISSION_DENIED, client_id
     assert "not issued to client 'bob'" in e.details() or "'bob' may not" in e.details()
     rounds.join(20)
@@ -255,30 +255,30 @@ def _refused(ch: grpc.Channel, ids: list[str], token: str) -> grpc.RpcError:
 
 
 def test_one_identity_cannot_crowd_out_the_others(harness) -> None:
-    tokens = {"alice": "tok-a", "bob": "tok-b"}
+    tokens = {"alice": "tok-a-0123456789abcdef", "bob": "tok-b-0123456789abcdef"}
     h = harness(tokens=tokens, min_clients=2, max_clients_per_identity=3, max_calls_per_identity=3,
                 insecure=True)
     ch = h.channel()
     reg = h.server.registry
-    held = [Held(ch, [f"alice/{i}"], "tok-a") for i in range(3)]  # alice at both her limits
-    e = _refused(ch, ["alice/9"], "tok-a")  # a 4th open call
+    held = [Held(ch, [f"alice/{i}"], "tok-a-0123456789abcdef") for i in range(3)]  # alice at both her limits
+    e = _refused(ch, ["alice/9"], "tok-a-0123456789abcdef")  # a 4th open call
     assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
-    assert "identity 'alice'" in e.details() and "limit is 3" in e.details() and "calls" in e.details()
+    assert "identity 'alice' has 3 calls in flight already (the limit)" in e.details()  # the runtime's Access
     held.pop().close()
     assert wait_until(lambda: reg.num_connected() == 2)
-    e = _refused(ch, ["alice/3", "alice/4"], "tok-a")  # 2 + 2 client ids > 3
+    e = _refused(ch, ["alice/3", "alice/4"], "tok-a-0123456789abcdef")  # 2 + 2 client ids > 3
     assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
     assert "identity 'alice'" in e.details() and "limit is 3" in e.details() and "client ids" in e.details()
     assert reg.num_connected() == 2  # the refused Hello registered nothing
     # a reconnect of ids alice holds already does not count twice
-    held.append(Held(ch, ["alice/0", "alice/1"], "tok-a"))
+    held.append(Held(ch, ["alice/0", "alice/1"], "tok-a-0123456789abcdef"))
     for x in held:
         x.close()
     assert wait_until(lambda: reg.num_connected() == 0)
     # bob registers and takes part while alice holds her full quota of 3 client ids
-    alice = h.node(ClientRuntime(lambda _c: Shift(1.0, 1)), ["alice/0", "alice/1", "alice/2"], token="tok-a",
+    alice = h.node(ClientRuntime(lambda _c: Shift(1.0, 1)), ["alice/0", "alice/1", "alice/2"], token="tok-a-0123456789abcdef",
                    backoff_max=0.2)
-    h.client(Shift(5.0, 1), None, token="tok-b")
+    h.client(Shift(5.0, 1), None, token="tok-b-0123456789abcdef")
     history = h.server.run()
     # one identity, one vote: the round trains one of alice's 3 ids, and bob
     trained = set(history[0]["clients"])

@@ -67,34 +67,33 @@ def mean_of(shifts: dict[float, int]) -> list[np.ndarray]:
 
 # --------------------------------------------------------------------------- tokens
 def test_unknown_token_is_refused_and_known_ones_train(harness) -> None:
-    tokens = {"alice": "tok-a", "bob": "tok-b"}
+    tokens = {"alice": "tok-a-0123456789abcdef", "bob": "tok-b-0123456789abcdef"}
     h = harness(tokens=tokens, min_clients=2, insecure=True)  # tokens over loopback plaintext
     intruder = h.client(Shift(100.0, 1), None, token="wrong")
     nobody = h.client(Shift(100.0, 1), None)
-    h.client(Shift(1.0, 1), None, token="tok-a")
-    h.client(Shift(2.0, 3), None, token="tok-b")
+    h.client(Shift(1.0, 1), None, token="tok-a-0123456789abcdef")
+    h.client(Shift(2.0, 3), None, token="tok-b-0123456789abcdef")
     history = h.server.run()
     for t in h.threads[:2]:
         t.join(10)
-    assert isinstance(h.results[0], UnauthenticatedError) and "unknown client token" in str(h.results[0])
-    assert isinstance(h.results[1], UnauthenticatedError) and "no client token" in str(h.results[1])
+    assert isinstance(h.results[0], UnauthenticatedError) and "unknown token" in str(h.results[0])
+    assert isinstance(h.results[1], UnauthenticatedError) and "no token" in str(h.results[1])
     assert intruder.stats.connects == 1 and nobody.stats.connects == 1  # refused at once, not retried
     assert set(history[0]["clients"]) == {"alice", "bob"}  # clients are named after their tokens
     for got, want in zip(h.server.weights, mean_of({1.0: 1, 2.0: 3})):
         np.testing.assert_allclose(got, want, rtol=1e-6)
-    assert h.server.interceptor is not None and h.server.interceptor.refused >= 2
 
 
 def test_a_token_may_not_act_for_another_client(harness) -> None:
-    h = harness(tokens={"alice": "tok-a", "bob": "tok-b"}, min_clients=1, wait_timeout=2, insecure=True)
-    h.client(Shift(1.0, 1), "bob", token="tok-a")
+    h = harness(tokens={"alice": "tok-a-0123456789abcdef", "bob": "tok-b-0123456789abcdef"}, min_clients=1, wait_timeout=2, insecure=True)
+    h.client(Shift(1.0, 1), "bob", token="tok-a-0123456789abcdef")
     h.threads[0].join(10)
     err = h.results[0]
     assert isinstance(err, PermissionDeniedError) and "'alice'" in str(err) and "bob" in str(err)
 
 
 def test_raw_calls_without_token_get_unauthenticated(harness) -> None:
-    h = harness(tokens={"alice": "tok-a"}, insecure=True)
+    h = harness(tokens={"alice": "tok-a-0123456789abcdef"}, insecure=True)
     ch = grpc.insecure_channel(h.address)
     fetch = ch.unary_stream("/tessera.v1.Federated/Fetch")
     submit = ch.stream_unary("/tessera.v1.Federated/Submit")
@@ -103,7 +102,7 @@ def test_raw_calls_without_token_get_unauthenticated(harness) -> None:
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with pytest.raises(grpc.RpcError) as e:
         submit(iter([b""]), timeout=5, metadata=token_metadata("nope"))
-    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "unknown client token" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "unknown token" in e.value.details()
     ch.close()
 
 
@@ -129,7 +128,7 @@ def test_tls_round_and_plaintext_client_cannot_connect(harness) -> None:
 def test_tokens_over_plaintext_and_open_non_loopback_are_refused_unless_insecure() -> None:
     """The service runtime's rules (tessera.service.ServerSecurity.check), raised as the federated
     ConfigError by FedServer before anything binds."""
-    tokens = {"alice": "tok-a"}
+    tokens = {"alice": "tok-a-0123456789abcdef"}
     with pytest.raises(ConfigError, match="tokens over plaintext") as e:
         FedServer(ServerConfig(tokens=tokens), make_strategy("fedavg"), W0)
     assert type(e.value) is ConfigError and "--insecure" in str(e.value)  # the federated class, naming the way out
@@ -213,7 +212,7 @@ def test_start_client_takes_a_client_certificate(tmp_path) -> None:
 def test_health_service_answers_serving_without_a_token(harness) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    h = harness(tokens={"alice": "tok-a"}, insecure=True)
+    h = harness(tokens={"alice": "tok-a-0123456789abcdef"}, insecure=True)
     ch = grpc.insecure_channel(h.address)
     stub = health_pb2_grpc.HealthStub(ch)
     for svc in ("", "tessera.v1.Federated"):
