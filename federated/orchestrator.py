@@ -334,22 +334,21 @@ class Orchestrator:
                 drawn = self._sample(participants, cfg.fraction, rnd, attempt, 0)
                 sample = drawn.client_ids
                 t_fit = time.monotonic()
-                tasks = [
-                    (self._task(c, rnd, FIT, blob, config, cfg.round_timeout),
-                     lambda a, rnd=rnd: accept_fit(a, rnd, weights, self.strategy, keep_delta))
-                    for c in sample
-                ]
+
+                def fit(ids: list[str]) -> list[Pending]:
+                    def accept(a: Any) -> Received:
+                        return accept_fit(a, rnd, weights, self.strategy, keep_delta)
+
+                    return self.registry.issue([(self._task(c, rnd, FIT, blob, config, cfg.round_timeout), accept)
+                                                for c in ids])
 
                 def replace(taken: set[str], n: int, attempt: int = attempt) -> list[Pending]:
                     # silent or slow participants in the draw: ask others, so that the round completes
                     # with the responsive ones (drawn from those not asked yet, responsiveness-weighted)
                     rest = {w: ids for w, ids in self.registry.participants().items() if w not in taken}
-                    more = self._sample(rest, 0.0, rnd, attempt, 2 + len(taken), min_clients=n).client_ids
-                    return self.registry.issue([
-                        (self._task(c, rnd, FIT, blob, config, cfg.round_timeout),
-                         lambda a, rnd=rnd: accept_fit(a, rnd, weights, self.strategy, keep_delta)) for c in more])
+                    return fit(self._sample(rest, 0.0, rnd, attempt, 2 + len(taken), min_clients=n).client_ids)
 
-                pending = self._collect(self.registry.issue(tasks), cfg.round_timeout, stop, cfg.min_clients, replace)
+                pending = self._collect(fit(sample), cfg.round_timeout, stop, cfg.min_clients, replace)
                 sample = [p.client_id for p in pending]
                 self._traffic(pending, traffic)
                 ok = [p for p in pending if p.ok]
