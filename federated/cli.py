@@ -8,8 +8,7 @@ import os
 import sys
 from typing import Any
 
-from tessera.addr import address_arg
-from tessera.cli import KEY_VALUE_HELP, parse_key_values
+from tessera.argtypes import KEY_VALUE_HELP, address_arg, parse_key_values
 from tessera.service import add_client_security_args, add_server_security_args
 
 __all__ = ["add_fed_commands", "explain_error", "CLI_NAMES"]

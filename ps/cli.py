@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ps.config import ShardConfig
-from tessera.addr import address_arg, shard_list_arg
+from tessera.argtypes import address_arg, shard_list_arg
 from ps.errors import (
     DeadlineExceededError,
     InvalidArgumentError,
@@ -231,17 +231,47 @@ def is_internal_table(name: str) -> bool:
     return name.endswith(("/ready", "/clock"))
 
 
-def format_stats(stats: list[ShardStats], addresses: list[str], show_all: bool = True) -> str:
+def replication_lines(s: ShardStats, members: dict[str, ShardStats | str] | None = None) -> list[str]:
+    """What ``tessera ps stats`` says of a shard's replication: its role and epoch, whether a backup
+    is attached (replication is synchronous: an attached backup took every update the primary
+    acknowledged, so attached means in sync), and for ``members`` (the other servers of a
+    replicated ``--ps`` entry, each its own stats or why it could not be asked) their role and
+    whether the primary holds them as its backup."""
+    head = f"  replication: {s.role}, epoch {s.epoch}"
+    if s.role == "backup":  # asked directly
+        head += f", mirrors {s.backup_of}"
+    elif s.backup:
+        head += f"; backup {s.backup} attached, in sync (every acknowledged update is on both)"
+    else:
+        head += "; no backup attached"
+    if s.backups_lost:
+        head += f"; backups lost: {s.backups_lost}"
+    lines = [head]
+    for addr, m in (members or {}).items():
+        if isinstance(m, str):
+            lines.append(f"  member {addr}: not reachable ({m})")
+        elif m.role == "backup":
+            state = "attached, in sync" if s.backup == addr else "not attached (attaching, or its primary lost it)"
+            lines.append(f"  member {addr}: backup of {m.backup_of}, epoch {m.epoch}, {state}")
+        else:
+            lines.append(f"  member {addr}: primary, epoch {m.epoch}" + ("" if m.epoch >= s.epoch else " (stale: a newer primary took over)"))
+    return lines
+
+
+def format_stats(stats: list[ShardStats], addresses: list[str], show_all: bool = True,
+                 members: list[dict[str, ShardStats | str]] | None = None) -> str:
     """The stats of every shard as a text table. ``show_all=False`` hides internal tables. (A
     DescribeTable that finds no table, as workers polling for worker 0's tables get, is not an
-    error on the shard, so a healthy run shows none.)"""
+    error on the shard, so a healthy run shows none.) ``members``: per shard, the stats of the
+    other servers of a replicated entry (:func:`replication_lines`)."""
     lines = []
-    for addr, s in zip(addresses, stats, strict=True):
+    for i, (addr, s) in enumerate(zip(addresses, stats, strict=True)):
         reqs = ", ".join(f"{k}={v}" for k, v in sorted(s.requests.items())) or "-"
         errs = ", ".join(f"{k}={v}" for k, v in sorted(s.errors.items())) or "-"
         lines.append(
             f"shard {s.shard_index}/{s.num_shards} at {addr}  up {s.uptime_s:.0f}s  in {s.bytes_in / 1e6:.1f} MB  out {s.bytes_out / 1e6:.1f} MB"
         )
+        lines.extend(replication_lines(s, members[i] if members else None))
         lines.append(f"  requests: {reqs}")
         lines.append(f"  errors:   {errs}")
         if s.workers:
@@ -273,11 +303,32 @@ def _stats(args: argparse.Namespace) -> int:
     wait_for_shards(addresses, security, timeout=args.wait, say=lambda text: print(f"tessera ps stats: {text}", file=sys.stderr))
     with PSClient(addresses, timeout=10, retries=2, security=security) as client:
         stats = check_shards(client, addresses)
+    members = [_members(spec, s, security) for spec, s in zip(addresses, stats, strict=True)]
     if args.json:
-        print(json.dumps([dataclasses.asdict(s) for s in stats], indent=2))
+        print(json.dumps([{**dataclasses.asdict(s), "members": {a: m if isinstance(m, str) else dataclasses.asdict(m)
+                                                                 for a, m in ms.items()}}
+                          for s, ms in zip(stats, members, strict=True)], indent=2))
     else:
-        print(format_stats(stats, addresses, show_all=args.all))
+        print(format_stats(stats, addresses, show_all=args.all, members=members))
     return 0
+
+
+def _members(spec: str, answered: ShardStats, security: ClientSecurity | None) -> dict[str, ShardStats | str]:
+    """Each server of a replicated ``--ps`` entry ``A|B``, asked on its own (Stats is answered by
+    a backup too): its stats, or why it could not be asked. {} for a single server."""
+    from ps.client import PSClient
+
+    replicas = [a for a in spec.split("|") if a]
+    out: dict[str, ShardStats | str] = {}
+    if len(replicas) < 2:
+        return out
+    for a in replicas:
+        try:
+            with PSClient([a], timeout=5, retries=1, retry_timeout=5, security=security) as one:
+                out[a] = one.stats()[0]
+        except PSError as e:
+            out[a] = " ".join(str(e).split())[:200]
+    return out
 
 
 def wait_for_shards(

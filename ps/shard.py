@@ -181,6 +181,8 @@ class ShardStats:
     backup: str = ""
     replicated: int = 0
     backups_lost: int = 0
+    epoch: int = 0  # replication epoch (+1 per takeover)
+    backup_of: str = ""  # a backup: the primary it mirrors
 
 
 class Shard:
@@ -1068,6 +1070,7 @@ class Shard:
             self.bytes_in, self.bytes_out, time.monotonic() - self._started, workers, self.membership.expired,
             self.pushes_aborted_idle, self.dedup.duplicates, self.maintenance_errors, self._view().sync_clock,
             self.checkpoints, self.last_checkpoint, self.role, self.backup, self.replicated, self.backups_lost,
+            self.epoch, self.config.backup_of if self.role == BACKUP else "",
         )
 
 

@@ -207,6 +207,8 @@ def stats_to_proto(s: ShardStats) -> pb.StatsReply:
         backup=s.backup,
         replicated=s.replicated,
         backups_lost=s.backups_lost,
+        epoch=s.epoch,
+        backup_of=s.backup_of,
     )
 
 
@@ -240,6 +242,8 @@ def stats_from_proto(msg: pb.StatsReply) -> ShardStats:
         msg.backup,
         msg.replicated,
         msg.backups_lost,
+        msg.epoch,
+        msg.backup_of,
     )
 
 

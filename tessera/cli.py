@@ -12,6 +12,8 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from tessera.argtypes import KEY_VALUE_HELP, parse_key_values  # the parts' CLIs take them from here too
+
 __all__ = ["main", "build_parser", "HelpFormatter", "Parser", "UsageError", "explain_error", "parse_key_values", "KEY_VALUE_HELP"]  # noqa: F822 (UsageError: lazy, see __getattr__)
 
 
@@ -25,29 +27,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'tessera.cli' has no attribute {name!r}")
 
 
-# what parse_key_values does with a value, as --help says it (README: "--task-opt")
-KEY_VALUE_HELP = ("VALUE is parsed as JSON when it is JSON: 3 int, 0.5 or 1e-3 float, true/false bool, null None, "
-                  "[1,2] list, {\"a\":1} dict, \"7\" the string 7; anything else is the string as written (abc, True)")
-
-
-def parse_key_values(items: Sequence[str], flag: str = "--task-opt") -> dict[str, Any]:
-    """``["k=v", ...]`` (a repeatable ``flag``) -> dict. The value is split at the first ``=``;
-    one that parses as JSON becomes that value (``3`` int, ``0.5``/``1e-3`` float, ``true``/``false``
-    bool, ``null`` None, ``[1, 2]`` list, ``{"a": 1}`` dict, ``"7"`` the string ``7``), any other
-    stays the string as written (``abc``, ``True``, ``a=b``, empty). ValueError names the flag and
-    the bad item (no ``=``, or no key)."""
-    import json
-
-    out: dict[str, Any] = {}
-    for item in items:
-        k, sep, v = item.partition("=")
-        if not sep or not k:
-            raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}")
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
 
 
 def _shows_nothing(default: Any) -> bool:

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from tessera.addr import shard_list_arg
+from tessera.argtypes import shard_list_arg
 from tessera.cli import KEY_VALUE_HELP, parse_key_values
 from tessera.service import UsageError, add_client_security_args, client_security_from
 

@@ -411,7 +411,7 @@ class TableStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., rows: _Optional[int] = ..., elements: _Optional[int] = ..., param_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., row_dtype: _Optional[str] = ..., bytes_per_row: _Optional[float] = ..., payload_bytes_per_row: _Optional[int] = ..., index_bytes: _Optional[int] = ..., metadata_bytes: _Optional[int] = ..., resident_rows: _Optional[int] = ..., cold_rows: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsReply(_message.Message):
-    __slots__ = ("shard_index", "num_shards", "tables", "requests", "errors", "bytes_in", "bytes_out", "uptime_s", "workers", "leases_expired", "pushes_aborted_idle", "duplicates", "maintenance_errors", "sync_clock", "checkpoints", "last_checkpoint", "role", "backup", "replicated", "backups_lost")
+    __slots__ = ("shard_index", "num_shards", "tables", "requests", "errors", "bytes_in", "bytes_out", "uptime_s", "workers", "leases_expired", "pushes_aborted_idle", "duplicates", "maintenance_errors", "sync_clock", "checkpoints", "last_checkpoint", "role", "backup", "replicated", "backups_lost", "epoch", "backup_of")
     class RequestsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -446,6 +446,8 @@ class StatsReply(_message.Message):
     BACKUP_FIELD_NUMBER: _ClassVar[int]
     REPLICATED_FIELD_NUMBER: _ClassVar[int]
     BACKUPS_LOST_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BACKUP_OF_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     num_shards: int
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
@@ -466,7 +468,9 @@ class StatsReply(_message.Message):
     backup: str
     replicated: int
     backups_lost: int
-    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., requests: _Optional[_Mapping[str, int]] = ..., errors: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., leases_expired: _Optional[int] = ..., pushes_aborted_idle: _Optional[int] = ..., duplicates: _Optional[int] = ..., maintenance_errors: _Optional[int] = ..., sync_clock: _Optional[int] = ..., checkpoints: _Optional[int] = ..., last_checkpoint: _Optional[str] = ..., role: _Optional[str] = ..., backup: _Optional[str] = ..., replicated: _Optional[int] = ..., backups_lost: _Optional[int] = ...) -> None: ...
+    epoch: int
+    backup_of: str
+    def __init__(self, shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., requests: _Optional[_Mapping[str, int]] = ..., errors: _Optional[_Mapping[str, int]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., uptime_s: _Optional[float] = ..., workers: _Optional[_Iterable[_Union[WorkerStats, _Mapping]]] = ..., leases_expired: _Optional[int] = ..., pushes_aborted_idle: _Optional[int] = ..., duplicates: _Optional[int] = ..., maintenance_errors: _Optional[int] = ..., sync_clock: _Optional[int] = ..., checkpoints: _Optional[int] = ..., last_checkpoint: _Optional[str] = ..., role: _Optional[str] = ..., backup: _Optional[str] = ..., replicated: _Optional[int] = ..., backups_lost: _Optional[int] = ..., epoch: _Optional[int] = ..., backup_of: _Optional[str] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("at_clock", "hold")

@@ -1,4 +1,5 @@
-"""``tessera.cli.parse_key_values``: the ``--task-opt KEY=VALUE`` parser of the worker and peer commands."""
+"""``tessera.argtypes.parse_key_values`` (also ``tessera.cli.parse_key_values``): the ``KEY=VALUE`` parser of
+``--task-opt`` (worker, peer, fed server) and ``--strategy-param``."""
 from __future__ import annotations
 
 import pytest

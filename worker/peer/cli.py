@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tessera.addr import shard_list_arg
+from tessera.argtypes import shard_list_arg
 from tessera.cli import KEY_VALUE_HELP, parse_key_values
 from worker.modes import PEER_MODES
 from worker.peer.flags import add_pipeline_args

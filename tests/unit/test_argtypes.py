@@ -1,4 +1,4 @@
-"""``tessera.addr``: the one address parser every command uses (issue 31 item 8): a malformed
+"""``tessera.argtypes``: the one address parser every command uses (issue 31 item 8): a malformed
 address is refused at once, naming the flag, never retried until a timeout."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from tessera.addr import AddressError, address_arg, parse_address, parse_shard_list, shard_list_arg
+from tessera.argtypes import AddressError, address_arg, parse_address, parse_shard_list, shard_list_arg
 
 
 @pytest.mark.parametrize("text, want", [

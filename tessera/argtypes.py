@@ -1,17 +1,20 @@
-"""Server addresses as the command lines take them: ``HOST:PORT``, and the PS's shard lists
-``HOST:PORT|HOST:PORT,HOST:PORT`` (shards in order, ``|`` between the replicas of one shard).
+"""Values every command line shares, parsed one way for all: server addresses (``HOST:PORT``, and
+the PS's shard lists ``HOST:PORT|HOST:PORT,HOST:PORT``: shards in order, ``|`` between the replicas
+of one shard) and ``KEY=VALUE`` options (``--task-opt``, ``--strategy-param``).
 
-One parser for every command (worker, peer hybrid, ``ps stats``/``checkpoint``/``serve
---backup-of``, ``fed client``), so that a malformed address (``localhost5999``, ``host:``,
-``host:99999``) is refused at once, naming the flag, instead of being retried until a timeout.
-Pure: no gRPC, no sockets (a name is not resolved here; an unreachable host is the caller's to find).
+A malformed address (``localhost5999``, ``host:``, ``host:99999``) is refused at once, naming the
+flag, instead of being retried until a timeout: worker and peer ``--ps``, ``ps stats``/``checkpoint``
+``--ps``, ``ps serve --backup-of/--advertise``, ``fed client --server``. Pure: no gRPC, no sockets,
+no part of tessera (a name is not resolved here; an unreachable host is the caller's to find).
 """
 from __future__ import annotations
 
 import argparse
-from typing import Callable
+import json
+from typing import Any, Callable, Sequence
 
-__all__ = ["AddressError", "parse_address", "parse_shard_list", "address_arg", "shard_list_arg"]
+__all__ = ["AddressError", "parse_address", "parse_shard_list", "address_arg", "shard_list_arg", "parse_key_values",
+           "KEY_VALUE_HELP"]
 
 
 class AddressError(ValueError):
@@ -90,3 +93,26 @@ def shard_list_arg(flag: str = "--ps", allow_empty: bool = False) -> Callable[[s
 
     check.__name__ = "HOST:PORT list"
     return check
+
+
+# what parse_key_values does with a value, as --help says it (README: "--task-opt")
+KEY_VALUE_HELP = ("VALUE is parsed as JSON when it is JSON: 3 int, 0.5 or 1e-3 float, true/false bool, null None, "
+                  "[1,2] list, {\"a\":1} dict, \"7\" the string 7; anything else is the string as written (abc, True)")
+
+
+def parse_key_values(items: Sequence[str], flag: str = "--task-opt") -> dict[str, Any]:
+    """``["k=v", ...]`` (a repeatable ``flag``) -> dict. The value is split at the first ``=``;
+    one that parses as JSON becomes that value (``3`` int, ``0.5``/``1e-3`` float, ``true``/``false``
+    bool, ``null`` None, ``[1, 2]`` list, ``{"a": 1}`` dict, ``"7"`` the string ``7``), any other
+    stays the string as written (``abc``, ``True``, ``a=b``, empty). ValueError names the flag and
+    the bad item (no ``=``, or no key)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        k, sep, v = item.partition("=")
+        if not sep or not k:
+            raise ValueError(f"{flag} expects KEY=VALUE, got {item!r}")
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
