@@ -205,7 +205,7 @@ def _serve(args: argparse.Namespace) -> int:
         tls_key=args.tls_key if args.tls_ca else None,
         token=(security.tokens or {}).get(args.peer_identity),
     )
-    on_shard = _watch_shard_metrics(args) if args.metrics_port else None
+    on_shard = _watch_shard_metrics(args, security) if args.metrics_port else None
     try:
         serve(cfg, ready_file=args.ready_file, restore=args.restore, security=security, peer=peer, on_shard=on_shard)
     except ConfigError as e:
@@ -214,14 +214,15 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _watch_shard_metrics(args: argparse.Namespace) -> Callable[[Any], None]:
-    """--metrics-port: serve Prometheus metrics; returns what registers the shard's own figures
+def _watch_shard_metrics(args: argparse.Namespace, security: Any) -> Callable[[Any], None]:
+    """--metrics-port: serve Prometheus metrics behind the shard's own security (TLS as the shard
+    has it; with tokens, a reader or admin token); returns what registers the shard's own figures
     (ShardCollector over Shard.stats()) once ps.server has built the shard."""
     from prometheus_client import REGISTRY
 
     from tessera.metrics import ShardCollector, start_from_args
 
-    start_from_args(args, what="tessera-ps")
+    start_from_args(args, what="tessera-ps", security=security)
     return lambda shard: REGISTRY.register(ShardCollector(shard))
 
 

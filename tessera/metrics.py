@@ -15,7 +15,16 @@
   - :class:`FedCollector`: a federated server's state: connected clients, rounds done, round
     times and the time spent waiting for clients, bytes up and down, the central evaluation.
 
-:func:`serve_metrics` starts the HTTP endpoint (``GET /metrics``) on a daemon thread.
+:func:`serve_metrics` starts the endpoint (``GET /metrics``) on a daemon thread, behind the same
+security as the server it belongs to: over TLS when that server has TLS (mutual TLS too), and with
+tokens a scrape needs ``Authorization: Bearer <token>`` of an identity with the ``reader`` (or
+``admin``) role (401 without, 403 for another role); it binds 127.0.0.1 unless ``--metrics-host``
+is given. At most 4 scrapes at once (503 beyond), 10 s per connection.
+
+Labels follow one convention: ``server`` names the server (``ps0``, ``ps0-bulk``, ``fed``) in every
+family that has one; ``identity`` (on ``tessera_rpc_requests_total``) is the caller's identity,
+bounded: the first :data:`MAX_IDENTITY_LABELS` identities seen keep their name, later ones count as
+``other`` (``anonymous`` on an open server, ``none`` when a call was refused before it had one).
 The documented names are :data:`RPC_METRICS`, :data:`SHARD_METRICS`, :data:`TRAINER_METRICS`
 and :data:`FED_METRICS`.
 """
@@ -24,25 +33,34 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
+import ssl
 import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
 from prometheus_client import (
+    CONTENT_TYPE_LATEST,
     REGISTRY,
     Counter,
     Histogram,
     disable_created_metrics,
-    start_http_server,
+    generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tessera.codec import Packed
+from tessera.service.errors import PermissionDeniedError, UnauthenticatedError
+from tessera.service.guard import end_call, new_call
+from tessera.service.tls import pem_file, read_pem
 
 __all__ = [
+    "MAX_IDENTITY_LABELS",
+    "METRICS_ROLES",
     "FED_METRICS",
     "RPC_METRICS",
     "SHARD_METRICS",
@@ -64,8 +82,7 @@ RPC_METRICS = (
 SHARD_METRICS = (
     "tessera_ps_up_seconds", "tessera_ps_sync_clock", "tessera_ps_workers_live", "tessera_ps_worker_clock",
     "tessera_ps_clock_spread", "tessera_ps_table_version", "tessera_ps_table_staleness_mean",
-    "tessera_ps_table_staleness_max", "tessera_ps_table_bytes", "tessera_ps_requests_total", "tessera_ps_errors_total",
-    "tessera_ps_received_bytes_total", "tessera_ps_sent_bytes_total", "tessera_ps_replicated_total",
+    "tessera_ps_table_staleness_max", "tessera_ps_table_bytes", "tessera_ps_received_bytes_total", "tessera_ps_sent_bytes_total", "tessera_ps_replicated_total",
     "tessera_ps_backups_lost_total", "tessera_ps_is_primary", "tessera_ps_has_backup", "tessera_ps_checkpoints_total",
     "tessera_ps_leases_expired_total",
 )
@@ -77,13 +94,35 @@ TRAINER_METRICS = (
 FED_METRICS = (
     "tessera_fed_clients_connected", "tessera_fed_rounds_total", "tessera_fed_last_round_seconds",
     "tessera_fed_round_seconds_total", "tessera_fed_wait_seconds_total", "tessera_fed_clients_answered",
-    "tessera_fed_bytes_up_total", "tessera_fed_bytes_down_total", "tessera_fed_central_loss",
+    "tessera_fed_received_bytes_total", "tessera_fed_sent_bytes_total", "tessera_fed_central_loss",
 )
 
 disable_created_metrics()  # no *_created series: they double every scrape and nobody graphs them
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, math.inf)
 
-_REQUESTS = Counter("tessera_rpc_requests", "RPCs handled, by server, method and status code", ["server", "method", "code"])
+_REQUESTS = Counter(
+    "tessera_rpc_requests", "RPCs handled (refused ones too), by server, method, status code and caller identity",
+    ["server", "method", "code", "identity"],
+)
+MAX_IDENTITY_LABELS = 32  # distinct identity label values; later identities are counted as "other"
+_identities: set[str] = set()
+_identities_lock = threading.Lock()
+
+
+def _identity_label(info: dict[str, Any] | None) -> str:
+    """The bounded ``identity`` label of a call (module doc)."""
+    who = (info or {}).get("identity")
+    if who is None:
+        return "none"
+    if who == "":
+        return "anonymous"
+    with _identities_lock:
+        if who in _identities:
+            return str(who)
+        if len(_identities) < MAX_IDENTITY_LABELS:
+            _identities.add(who)
+            return str(who)
+    return "other"
 _RECEIVED = Counter("tessera_rpc_received_bytes", "request bytes received on the wire, by server and method", ["server", "method"])
 _SENT = Counter("tessera_rpc_sent_bytes", "response bytes sent on the wire, by server and method", ["server", "method"])
 _LATENCY = Histogram(
@@ -137,29 +176,33 @@ class MetricsInterceptor(grpc.ServerInterceptor):
             sent.inc(data.nbytes if isinstance(data, Packed) else len(data))  # (Packed: tessera.bulk sends its pieces)
             return data
 
-        def finish(t0: float, context: Any, failed: bool) -> None:
+        def finish(t0: float, context: Any, failed: bool, info: dict[str, Any]) -> None:
             latency.observe(time.perf_counter() - t0)
-            _REQUESTS.labels(server, method, _code_of(context, failed)).inc()
+            _REQUESTS.labels(server, method, _code_of(context, failed), _identity_label(info)).inc()
 
         def unary(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
             def run(request: Any, context: Any) -> Any:
                 t0, failed = time.perf_counter(), True
+                info, token = new_call()  # the admission inside fills in the caller's identity
                 try:
                     out = behavior(request, context)
                     failed = False
                     return out
                 finally:
-                    finish(t0, context, failed)
+                    finish(t0, context, failed, info)
+                    end_call(token)
             return run
 
         def streaming(behavior: Callable[[Any, Any], Iterator[Any]]) -> Callable[[Any, Any], Iterator[Any]]:
             def run(request: Any, context: Any) -> Iterator[Any]:
                 t0, failed = time.perf_counter(), True
+                info, token = new_call()
                 try:
                     yield from behavior(request, context)
                     failed = False
                 finally:
-                    finish(t0, context, failed)
+                    finish(t0, context, failed, info)
+                    end_call(token)
             return run
 
         if handler.unary_unary:
@@ -189,15 +232,15 @@ class ShardCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         s = self.shard.stats()
-        shard = str(s.shard_index)
+        shard = f"ps{s.shard_index}"  # the ``server`` label, as the RPC families name this shard
 
         def gauge(name: str, doc: str, value: float, labels: dict[str, str] | None = None) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=["shard", *(labels or {})])
+            g = GaugeMetricFamily(name, doc, labels=["server", *(labels or {})])
             g.add_metric([shard, *(labels or {}).values()], value)
             return g
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(name, doc, labels=["shard"])
+            c = CounterMetricFamily(name, doc, labels=["server"])
             c.add_metric([shard], value)
             return c
 
@@ -205,16 +248,16 @@ class ShardCollector(Collector):
         yield gauge("tessera_ps_up_seconds", "seconds since the shard started", s.uptime_s)
         yield gauge("tessera_ps_sync_clock", "BSP clock every table of the shard has applied", s.sync_clock)
         yield gauge("tessera_ps_workers_live", "workers holding a live lease", len(live))
-        wc = GaugeMetricFamily("tessera_ps_worker_clock", "each worker's clock (steps it finished)", labels=["shard", "worker", "live"])
+        wc = GaugeMetricFamily("tessera_ps_worker_clock", "each worker's clock (steps it finished)", labels=["server", "worker", "live"])
         for w in s.workers:
             wc.add_metric([shard, w.name, str(w.live).lower()], w.clock)
         yield wc
         spread = (max(w.clock for w in live) - min(w.clock for w in live)) if live else 0
         yield gauge("tessera_ps_clock_spread", "fastest minus slowest live worker's clock (staleness in steps)", spread)
-        version = GaugeMetricFamily("tessera_ps_table_version", "updates applied to the table", labels=["shard", "table"])
-        st_mean = GaugeMetricFamily("tessera_ps_table_staleness_mean", "mean staleness of applied updates (versions)", labels=["shard", "table"])
-        st_max = GaugeMetricFamily("tessera_ps_table_staleness_max", "largest staleness of an applied update (versions)", labels=["shard", "table"])
-        nbytes = GaugeMetricFamily("tessera_ps_table_bytes", "bytes held by the table's slice", labels=["shard", "table", "kind"])
+        version = GaugeMetricFamily("tessera_ps_table_version", "updates applied to the table", labels=["server", "table"])
+        st_mean = GaugeMetricFamily("tessera_ps_table_staleness_mean", "mean staleness of applied updates (versions)", labels=["server", "table"])
+        st_max = GaugeMetricFamily("tessera_ps_table_staleness_max", "largest staleness of an applied update (versions)", labels=["server", "table"])
+        nbytes = GaugeMetricFamily("tessera_ps_table_bytes", "bytes held by the table's slice", labels=["server", "table", "kind"])
         for t in s.tables:
             version.add_metric([shard, t.name], t.version)
             st_mean.add_metric([shard, t.name], t.mean_staleness)
@@ -222,14 +265,7 @@ class ShardCollector(Collector):
             nbytes.add_metric([shard, t.name, "param"], t.param_bytes)
             nbytes.add_metric([shard, t.name, "state"], t.state_bytes)
         yield from (version, st_mean, st_max, nbytes)
-        req = CounterMetricFamily("tessera_ps_requests", "requests the shard handled, by method", labels=["shard", "method"])
-        for m, n in sorted(s.requests.items()):
-            req.add_metric([shard, m], n)
-        yield req
-        err = CounterMetricFamily("tessera_ps_errors", "requests the shard refused or failed, by status code", labels=["shard", "code"])
-        for c, n in sorted(s.errors.items()):
-            err.add_metric([shard, c], n)
-        yield err
+        # (requests by method and code: tessera_rpc_requests_total, counted once by the runtime)
         yield counter("tessera_ps_received_bytes", "tensor bytes received by the shard", s.bytes_in)
         yield counter("tessera_ps_sent_bytes", "tensor bytes sent by the shard", s.bytes_out)
         yield counter("tessera_ps_replicated", "mutations replicated (primary: sent to its backup; backup: applied)", s.replicated)
@@ -333,8 +369,8 @@ class FedCollector(Collector):
         yield CounterMetricFamily("tessera_fed_round_seconds", "time of every round", value=sum(float(r.get("round_s", 0.0)) for r in history))
         yield CounterMetricFamily("tessera_fed_wait_seconds", "time rounds waited for clients", value=sum(float(r.get("wait_s", 0.0)) for r in history))
         yield GaugeMetricFamily("tessera_fed_clients_answered", "clients that answered the last round", value=float(last.get("answered", 0) or 0))
-        yield CounterMetricFamily("tessera_fed_bytes_up", "update bytes clients sent", value=sum(float(r.get("bytes_up", 0)) for r in history))
-        yield CounterMetricFamily("tessera_fed_bytes_down", "bytes sent to clients", value=sum(float(r.get("bytes_down", 0)) for r in history))
+        yield CounterMetricFamily("tessera_fed_received_bytes", "update bytes clients sent", value=sum(float(r.get("bytes_up", 0)) for r in history))
+        yield CounterMetricFamily("tessera_fed_sent_bytes", "bytes sent to clients", value=sum(float(r.get("bytes_down", 0)) for r in history))
         loss = GaugeMetricFamily("tessera_fed_central_loss", "the last central evaluation's loss")
         if "central_loss" in last:
             loss.add_metric([], float(last["central_loss"]))
@@ -342,38 +378,141 @@ class FedCollector(Collector):
 
 
 # ---------------------------------------------------------------------- the endpoint
+METRICS_ROLES = frozenset({"reader", "admin"})  # who may scrape a server that has identities
+MAX_SCRAPES = 4  # scrapes served at once; more are answered 503 at once
 _served: dict[int, Any] = {}
 
 
-def serve_metrics(port: int, host: str = "127.0.0.1", collectors: Iterable[Collector] = ()) -> int:
+class _Handler(BaseHTTPRequestHandler):
+    """``GET /metrics``: the default registry in Prometheus text, for callers its Access admits."""
+
+    timeout = 10.0  # seconds per connection (a slow client cannot hold a scrape slot longer)
+    server: _MetricsServer
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+            self._reply(404, b"only /metrics here\n")
+            return
+        access = self.server.access
+        if access is not None:
+            auth: dict[str, list[bytes]] = {}
+            if isinstance(self.connection, ssl.SSLSocket):
+                subject: Any = (self.connection.getpeercert() or {}).get("subject", ())
+                cns = [str(v).encode() for rdn in subject for k, v in rdn if k == "commonName"]
+                if cns:
+                    auth["x509_common_name"] = cns
+            try:
+                caller = access.caller([("authorization", self.headers.get("Authorization", ""))], auth)
+                access.authorize("Metrics", caller)
+            except UnauthenticatedError as e:
+                self._reply(401, f"{e}\n".encode(), [("WWW-Authenticate", 'Bearer realm="tessera metrics"')])
+                return
+            except PermissionDeniedError as e:
+                self._reply(403, f"{e}\n".encode())
+                return
+        self._reply(200, generate_latest(self.server.registry), [("Content-Type", CONTENT_TYPE_LATEST)])
+
+    def _reply(self, code: int, body: bytes, headers: Iterable[tuple[str, str]] = ()) -> None:
+        self.send_response(code)
+        for k, v in headers:
+            self.send_header(k, v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - scrapes are not worth a log line
+        pass
+
+
+class _MetricsServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], tls: ssl.SSLContext | None, access: Any, registry: Any) -> None:
+        self.tls, self.access, self.registry = tls, access, registry
+        self.slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.address_family = family
+        super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            try:  # full: a short 503 without a thread (plaintext), or just closed (TLS: no handshake here)
+                if self.tls is None:
+                    request.setblocking(False)
+                    request.send(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            if self.tls is not None:  # the handshake in this connection's thread, bounded by its timeout
+                request.settimeout(_Handler.timeout)
+                try:
+                    request = self.tls.wrap_socket(request, server_side=True)
+                except (OSError, ssl.SSLError):
+                    self.shutdown_request(request)
+                    return
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1", collectors: Iterable[Collector] = (), security: Any = None) -> int:
     """Serve ``GET /metrics`` on ``host:port`` (0: a free port) from a daemon thread, with
     ``collectors`` registered on the default registry (which holds the RPC metrics). Returns the
-    bound port. Raises OSError if the port cannot be bound."""
+    bound port. Raises OSError if the port cannot be bound.
+
+    ``security`` (the server's ``tessera.service.ServerSecurity``): TLS as the server has it
+    (client certificates required under mutual TLS), and for a server with identities only
+    callers with the ``reader`` or ``admin`` role (bearer token, or certificate); None or an
+    open server: plain HTTP for anyone who can reach ``host``."""
+    from tessera.service import Access
+
     for c in collectors:
         REGISTRY.register(c)
-    server, _thread = start_http_server(port, addr=host)
-    bound = int(server.server_port)
+    tls = access = None
+    if security is not None:
+        if security.tls:
+            tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            with pem_file(security.tls_cert) as cert, pem_file(security.tls_key) as key:
+                tls.load_cert_chain(cert, key)
+            if security.mutual:
+                tls.verify_mode = ssl.CERT_REQUIRED
+                tls.load_verify_locations(cadata=read_pem(security.tls_ca).decode())
+        if not security.open:
+            access = Access(security, {"Metrics": METRICS_ROLES}, METRICS_ROLES)
+    server = _MetricsServer((host.strip("[]"), port), tls, access, REGISTRY)
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    bound = int(server.server_address[1])
     _served[bound] = server
     return bound
 
 
-def add_metrics_args(p: Any, host_default: str | None = None) -> None:
+def add_metrics_args(p: Any) -> None:
     """``--metrics-port`` (0: no endpoint) and ``--metrics-host`` on a command."""
     p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve Prometheus metrics on this port (GET /metrics; 0: no endpoint)")
-    p.add_argument("--metrics-host", default=host_default,
-                   help="address of the metrics endpoint (default: the command's --host, or 127.0.0.1)")
+                   help="serve Prometheus metrics on this port (GET /metrics; 0: no endpoint); over TLS when the "
+                        "server has TLS, for a token (or certificate) with the reader or admin role when it has identities")
+    p.add_argument("--metrics-host", default=None,
+                   help="address of the metrics endpoint (default 127.0.0.1: give it, e.g. 0.0.0.0, for a Prometheus elsewhere)")
 
 
-def start_from_args(args: Any, collectors: Iterable[Collector] = (), what: str = "tessera") -> int:
-    """Start the endpoint if ``args.metrics_port`` (prints ``WHAT metrics on HOST:PORT``);
-    returns the bound port, or 0 when off."""
+def start_from_args(args: Any, collectors: Iterable[Collector] = (), what: str = "tessera", security: Any = None) -> int:
+    """Start the endpoint if ``args.metrics_port`` (prints ``WHAT metrics on HOST:PORT``, with
+    ``(https, token)`` / ``(https)`` when secured); ``security``: the server's, see
+    :func:`serve_metrics`. Returns the bound port, or 0 when off."""
     port = int(getattr(args, "metrics_port", 0) or 0)
     if port <= 0:
         return 0
-    host = getattr(args, "metrics_host", None) or getattr(args, "host", None) or "127.0.0.1"
-    bound = serve_metrics(port, host, collectors)
-    print(f"{what} metrics on {host}:{bound}", flush=True)
+    host = getattr(args, "metrics_host", None) or "127.0.0.1"  # loopback unless asked
+    bound = serve_metrics(port, host, collectors, security)
+    how = ""
+    if security is not None and (security.tls or not security.open):
+        how = " (" + ", ".join(x for x, on in (("https", security.tls), ("reader token or certificate", not security.open)) if on) + ")"
+    print(f"{what} metrics on {host}:{bound}{how}", flush=True)
     return bound
 
 

@@ -75,6 +75,14 @@ def new_call() -> tuple[dict[str, Any], contextvars.Token]:
     return info, _CALL.set(info)
 
 
+def end_call(token: contextvars.Token) -> None:
+    """End the call record :func:`new_call` started (a generator closed elsewhere: nothing to reset)."""
+    try:
+        _CALL.reset(token)
+    except ValueError:
+        pass
+
+
 def _note(identity: str) -> None:
     info = _CALL.get()
     if info is not None:

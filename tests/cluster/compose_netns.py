@@ -322,10 +322,24 @@ class ComposeRun:
         return "\n".join(s.log.read_text(errors="replace").splitlines()[-lines:])
 
     def scrape(self, name: str, port: int = 9100) -> str:
-        """GET /metrics of a service (from the root namespace, which reaches every namespace)."""
+        """GET /metrics of a service (from the root namespace, which reaches every namespace). A
+        shard's endpoint is behind its security, scraped as deploy/prometheus.yml does: HTTPS with
+        the CA (and the client certificate under mutual TLS) and the reader token of metrics.bearer."""
+        import ssl
         import urllib.request
 
-        with urllib.request.urlopen(f"http://{self.address(name)}:{port}/metrics", timeout=5) as r:
+        cmd = [str(x) for x in self.services[name].spec.get("command") or []]
+        if not (cmd[:2] == ["ps", "serve"] and "--tls-cert" in cmd):
+            with urllib.request.urlopen(f"http://{self.address(name)}:{port}/metrics", timeout=5) as r:
+                return r.read().decode()
+        d = Path(self.model["secrets"]["tls_ca"]["file"]).parent
+        ctx = ssl.create_default_context(cafile=str(d / "ca.crt"))
+        ctx.check_hostname = False  # reached by its namespace's address; the certificate names the service
+        if "--tls-ca" in cmd:
+            ctx.load_cert_chain(str(d / "client.crt"), str(d / "client.key"))
+        req = urllib.request.Request(f"https://{self.address(name)}:{port}/metrics",
+                                     headers={"Authorization": f"Bearer {(d / 'metrics.bearer').read_text().strip()}"})
+        with urllib.request.urlopen(req, timeout=5, context=ctx) as r:
             return r.read().decode()
 
 

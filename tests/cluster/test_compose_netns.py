@@ -149,7 +149,7 @@ def test_federated_profile_finishes_its_rounds(secrets: Path, tmp_path: Path) ->
                 break
             time.sleep(0.1)
         _assert_metrics(page, RPC_METRICS + FED_METRICS, "fed-server",
-                        ("tessera_fed_rounds_total", "tessera_fed_last_round_seconds", "tessera_fed_bytes_up_total",
+                        ("tessera_fed_rounds_total", "tessera_fed_last_round_seconds", "tessera_fed_received_bytes_total",
                          "tessera_rpc_requests_total"))
         assert run.wait_exit("fed-server", 180) == 0, run.tail("fed-server")
         for c in fed[1:]:
