@@ -5,11 +5,11 @@ torch thread on CPU) in one process group:
 
 (a) All-reduce bus bandwidth at 16 and 64 MiB (``--quick``: 4 and 16 MiB): raw
     ``torch.distributed.all_reduce`` of one float32 tensor of that size, and ours on the same
-    bytes: ``AllReduceDP.allreduce_gradients`` over a flat buffer of 1 MiB parameters with the
+    bytes: ``GroupReducer.finish`` over a flat buffer of 1 MiB parameters with the
     default 25 MiB buckets (bucketing, the mean's division, the waits). Bus bandwidth =
     2 (D-1)/D x bytes / time. Repeats alternate raw and ours; min and median of the repeats.
 (b) A data-parallel training step of ``gpt`` (dim 128, 4 layers, seq 64, vocab 256, 8 sequences
-    per rank; ``--quick``: dim 64, 2 layers) with ours (``Trainer`` + ``AllReduceDP``: hooks,
+    per rank; ``--quick``: dim 64, 2 layers) with ours (``Trainer`` + ``DataParallelSync``: hooks,
     buckets, Adam) against ``torch.nn.parallel.DistributedDataParallel`` (same initial model,
     batches, bucket size 25 MiB, Adam). Rounds alternate ours and DDP; step time per step after
     warm-up, min and median.
@@ -27,8 +27,8 @@ torch thread on CPU) in one process group:
     the fraction of the step blocked in receives (waiting on the other stages), against
     (P-1)/(m+P-1); also the fraction in sends and the fraction not in forward/backward compute
     at all (bubble + communication + bookkeeping); min and median over 16 steps each.
-(g) The same gpt step with tensor parallelism T=2 (``TensorParallelSync``; D = world/2), with and
-    without sequence parallelism, against DP over all ranks (``AllReduceDP``), same global batch;
+(g) The same gpt step with tensor parallelism T=2 (``DataParallelSync`` over the mesh's DP group; D = world/2), with and
+    without sequence parallelism, against DP over all ranks (``DataParallelSync``), same global batch;
     rounds alternate the three; min and median step time.
 (h) Activation bytes per rank that autograd keeps for backward in the transformer layers (one
     batch of 8 sequences): one process (T=1), TP=2, TP=2 + SP. Megatron's per-layer formula
@@ -104,15 +104,14 @@ def bench_allreduce(mesh: Any, sizes_mib: list[int], repeats: int, bar: Any) -> 
     import torch.distributed as dist
     from torch import nn
 
-    from worker.peer import AllReduceDP
+    from worker.peer import GroupReducer
 
     out: dict[str, Any] = {}
     for mib in sizes_mib:
         n = mib * MiB // 4
         raw = torch.ones(n, device=mesh.device)
         params = nn.ParameterList([nn.Parameter(torch.ones(MiB // 4, device=mesh.device)) for _ in range(mib)])
-        ours = AllReduceDP(params, lambda p: torch.optim.SGD(p, lr=0.0), device=mesh.device)
-        ours.world = mesh.world
+        ours = GroupReducer(list(params), device=mesh.device)
         t_raw, t_ours = [], []
         for _ in range(repeats):
             dist.barrier()
@@ -121,11 +120,11 @@ def bench_allreduce(mesh: Any, sizes_mib: list[int], repeats: int, bar: Any) -> 
             dist.all_reduce(raw)
             _sync(mesh.device)
             t_raw.append(time.perf_counter() - t0)
-            ours.zero_grad()
+            ours.flat.grad.zero_()  # type: ignore[union-attr]
             dist.barrier()
             _sync(mesh.device)
             t0 = time.perf_counter()
-            ours.allreduce_gradients()
+            ours.finish()
             _sync(mesh.device)
             t_ours.append(time.perf_counter() - t0)
             bar.update(1)
@@ -153,7 +152,7 @@ def bench_dp_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from worker.peer import AllReduceDP
+    from worker.peer import DataParallelSync
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
 
@@ -164,9 +163,9 @@ def bench_dp_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, 
     t_ours: list[float] = []
     t_ddp: list[float] = []
     for r in range(rounds):
-        # ours: the trainer's step pipeline with AllReduceDP, as `tessera peer` runs it
+        # ours: the trainer's step pipeline with DataParallelSync (ZeRO stage 0), as `tessera peer` runs it
         task.model = copy.deepcopy(base)
-        sync = AllReduceDP(task.model, task.dense_optimizer, device=mesh.device, bucket_mb=25.0)
+        sync = DataParallelSync(task.model, task.dense_optimizer, device=mesh.device, bucket_mb=25.0)
         stamps: list[float] = []
         cfg = TrainConfig(
             mode="dp", steps=warmup + steps, batch_size=batch, worker_index=mesh.rank, num_workers=mesh.world,
@@ -188,7 +187,9 @@ def bench_dp_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, 
             loss = task.loss(ddp_model, b)
             loss.backward()
             ddp_opt.step()
-            float(loss.detach())
+            g = loss.detach().to(torch.float64).reshape(1)  # the global loss, as the trainer logs it
+            dist.all_reduce(g)
+            float(g)
             now = time.perf_counter()
             if s >= warmup:
                 t_ddp.append(now - last)
@@ -206,14 +207,14 @@ def bench_dp_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, 
 
 
 def bench_zero_memory(mesh: Any, quick: bool, batch: int, bar: Any) -> dict[str, Any]:
-    from worker.peer import make_sync
+    from worker.peer import SyncPlan, make_sync
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
 
     out: dict[str, Any] = {}
     for mode in ("dp", "zero1", "zero2", "zero3"):
         task = load_task("gpt", **_gpt_opts(quick))
-        sync = make_sync(mode, task.model, task.dense_optimizer, device=mesh.device)
+        sync = make_sync(SyncPlan(mode, task.dense_optimizer, device=mesh.device), task.model)
         cfg = TrainConfig(
             mode=mode, steps=2, batch_size=batch, worker_index=mesh.rank, num_workers=mesh.world,
             device=str(mesh.device), progress=False, evaluate=False, name=f"rank{mesh.rank}",
@@ -291,7 +292,7 @@ def bench_moe_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int,
     parameters per token), both through the trainer; rounds alternate; step time after warm-up."""
     import torch.distributed as dist
 
-    from worker.peer import AllReduceDP
+    from worker.peer import DataParallelSync
     from worker.peer.moe import MoESync
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
@@ -305,7 +306,7 @@ def bench_moe_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int,
             if kind == "moe":
                 sync: Any = MoESync(task.model, task.dense_optimizer, ep=mesh.world, device=mesh.device)
             else:
-                sync = AllReduceDP(task.model, task.dense_optimizer, device=mesh.device)
+                sync = DataParallelSync(task.model, task.dense_optimizer, device=mesh.device)
             info[f"{kind}_params"] = int(task.info["params"])
             info[f"{kind}_flops_per_token"] = task.info["flops_per_token"]
             stamps: list[float] = []
@@ -456,12 +457,9 @@ def bench_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch
     batch, through the trainer; (h) activation bytes per rank in the transformer layers."""
     import torch.distributed as dist
 
-    from worker.peer import AllReduceDP
+    from worker.peer import DataParallelSync, SyncPlan, make_sync
     from worker.peer.mesh import ParallelMesh
-    from worker.peer.tensor_parallel import (
-        TensorParallelSync,
-        tensor_parallel_task,
-    )
+    from worker.peer.tensor_parallel import tensor_parallel_task
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
 
@@ -473,11 +471,11 @@ def bench_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch
         for kind in ("dp", "tp", "tp_sp"):
             task = load_task("gpt", **_gpt_opts(quick))
             if kind == "dp":
-                sync: Any = AllReduceDP(task.model, task.dense_optimizer, device=mesh.device, bucket_mb=25.0)
+                sync: Any = DataParallelSync(task.model, task.dense_optimizer, device=mesh.device, bucket_mb=25.0)
                 index, workers = mesh.rank, mesh.world
             else:
                 task = tensor_parallel_task(task, pm, sequence_parallel=kind == "tp_sp")
-                sync = TensorParallelSync(task.model, task.dense_optimizer, pm)
+                sync = make_sync(SyncPlan("dp", task.dense_optimizer, sequence_parallel=kind == "tp_sp"), task.model, pm)
                 index, workers = pm.dp_idx, pm.dp
             stamps: list[float] = []
             cfg = TrainConfig(

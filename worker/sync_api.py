@@ -9,9 +9,11 @@ step, as the trainer drives it::
     start = sync.join()                  # once: tables/process group, membership; the first step
     f = sync.fetch(t, batch)             # values for step t (may block; may run in a thread if pipelined)
     sync.load(f)                         # main thread: those values into the model
-    sync.zero_grad(); forward; backward  # (micro-batches under sync.no_sync() but the last)
+    sync.zero_grad()
+    loss = sync.forward_backward(model, batch, task.loss, k)  # k micro-batches (a pipeline: its schedule)
     g = sync.gradients(t)                # main thread: step t's gradients, safe to push in the background
     sync.push(t, g)                      # send them (may run in a thread if pipelined)
+    sync.global_loss(loss)               # the step's loss, mean over the data-parallel ranks (peer: a collective)
     sync.leave()                         # once, also after an error
 
 Implementations: ``worker.paramsync.PSSync`` (the PS through ``PSClient``, over gRPC) and, in
@@ -32,22 +34,32 @@ from typing import Any
 import torch
 
 from worker.flat import FlatParams
+from worker.modes import PS_MODES, check_mode
 
-__all__ = ["PS_MODES", "Fetched", "Grads", "ParamSync", "PushResult", "check_ps_mode"]
-
-PS_MODES = ("sync", "async", "ssp", "dense-sync")
-
+__all__ = ["PS_MODES", "Fetched", "Grads", "ParamSync", "PushResult", "check_ps_mode"]  # split_batch: via worker.trainer
 
 def check_ps_mode(mode: str) -> str:
-    """``mode`` if it is a PS mode; the old name ``hybrid`` gets an error naming its new one."""
-    if mode == "hybrid":
-        raise ValueError(
-            "mode 'hybrid' was renamed 'dense-sync' (dense tables BSP, sparse tables async, both on the PS); "
-            "'hybrid' now means PS embeddings beside an all-reduced dense part (peer mode)"
-        )
-    if mode not in PS_MODES:
-        raise ValueError(f"PS mode must be one of {PS_MODES}, got {mode!r}")
-    return mode
+    """``mode`` if it is a PS mode (``worker.modes``); the old name ``hybrid`` gets an error naming its new one."""
+    return check_mode(mode, "ps").name
+
+
+def split_batch(batch: Any, k: int) -> list[Any]:
+    """``batch`` (tensors, or tuples / NamedTuples / lists / dicts of them) cut into ``k`` equal parts
+    along dimension 0; other leaves are repeated."""
+    if k == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        if batch.shape[0] % k:
+            raise ValueError(f"a batch of {batch.shape[0]} cannot be cut into {k} equal micro-batches")
+        return list(batch.chunk(k))
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return [type(batch)(*parts) for parts in zip(*(split_batch(b, k) for b in batch))]
+    if isinstance(batch, (tuple, list)):
+        return [type(batch)(parts) for parts in zip(*(split_batch(b, k) for b in batch))]
+    if isinstance(batch, dict):
+        cols = {key: split_batch(v, k) for key, v in batch.items()}
+        return [{key: cols[key][i] for key in batch} for i in range(k)]
+    return [batch] * k
 
 
 @dataclass
@@ -119,6 +131,34 @@ class ParamSync(ABC):
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Context for accumulation micro-batches: their backward sends nothing."""
         return contextlib.nullcontext()
+
+    def forward_backward(self, model: torch.nn.Module, batch: Any, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+                         micro_batches: int) -> torch.Tensor:
+        """Main thread: forward and backward of this worker's ``batch`` in ``micro_batches`` equal parts
+        (all but the last under ``no_sync()``, each loss scaled by 1/k, so the gradients are those of
+        the batch's mean loss). Returns the batch's mean loss (detached). A pipeline sync overrides it
+        with its schedule (it owns forward and backward of its micro-batches)."""
+        k = micro_batches
+        total: torch.Tensor | None = None
+        for j, micro in enumerate(split_batch(batch, k)):
+            with self.no_sync() if j < k - 1 else contextlib.nullcontext():
+                loss = loss_fn(model, micro)
+                if k > 1:
+                    loss = loss / k
+                loss.backward()
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
+        return total
+
+    def global_loss(self, loss: torch.Tensor) -> float:
+        """Main thread, after ``push``: the step's loss as one process training on the global batch
+        would report it: the mean of ``loss`` over the workers that share a step (peer mode: the
+        data-parallel ranks, a collective every rank calls). Default (the PS): this worker's own."""
+        return float(loss)
+
+    def window_metrics(self) -> dict[str, Any]:
+        """A sync's own metrics since the last call (MoE: tokens per expert, drops), for the step records."""
+        return {}
 
     @abstractmethod
     def gradients(self, step: int) -> Grads:

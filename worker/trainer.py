@@ -41,12 +41,13 @@ from typing import TYPE_CHECKING, Any, TextIO, cast
 import numpy as np
 import torch
 
+from worker.modes import PEER_MODES, PS_MODES, check_mode
 from worker.sync_api import (
-    PS_MODES,
     Fetched,
     ParamSync,
     PushResult,
     check_ps_mode,
+    split_batch,
 )
 from worker.tasks import Task, move
 
@@ -58,7 +59,6 @@ __all__ = ["MODES", "PEER_MODES", "Summary", "TrainConfig", "Trainer", "resolve_
 log = logging.getLogger(__name__)
 
 MODES = PS_MODES
-PEER_MODES = ("dp", "zero1", "zero2", "zero3", "hybrid")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -106,8 +106,7 @@ class TrainConfig:
     reset: bool = False  # PS modes: a fresh run on shards holding an earlier one (PSSync.start_fresh; every worker)
 
     def __post_init__(self) -> None:
-        if self.mode not in PEER_MODES:
-            check_ps_mode(self.mode)  # the old 'hybrid' gets an error naming 'dense-sync'
+        check_mode(self.mode)  # the registry (worker.modes) is the one place mode names are checked
         if self.staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {self.staleness}")
         if self.num_workers < 1 or not 0 <= self.worker_index < self.num_workers:
@@ -144,7 +143,7 @@ class Summary:
     examples: int
     seconds: float
     examples_per_s: float
-    loss: float  # mean loss over the last log window
+    loss: float  # mean over the last log window of each step's global loss (peer: mean over the DP ranks)
     compute_s: float
     pull_wait_s: float
     push_wait_s: float
@@ -154,31 +153,13 @@ class Summary:
     stopped_early: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
     staleness_hist: dict[int, int] = field(default_factory=dict)  # staleness of this worker's applied updates
+    last_loss: float = math.nan  # the global loss of the last step trained (independent of --log-every)
 
     @property
     def wait_fraction(self) -> float:
         """The share of step time spent waiting on fetches and pushes."""
         total = self.compute_s + self.pull_wait_s + self.push_wait_s
         return (self.pull_wait_s + self.push_wait_s) / total if total else 0.0
-
-
-def split_batch(batch: Any, k: int) -> list[Any]:
-    """``batch`` (tensors, or tuples / NamedTuples / lists / dicts of them) cut into ``k`` equal parts
-    along dimension 0; other leaves are repeated."""
-    if k == 1:
-        return [batch]
-    if isinstance(batch, torch.Tensor):
-        if batch.shape[0] % k:
-            raise ValueError(f"a batch of {batch.shape[0]} cannot be cut into {k} equal micro-batches")
-        return list(batch.chunk(k))
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return [type(batch)(*parts) for parts in zip(*(split_batch(b, k) for b in batch))]
-    if isinstance(batch, (tuple, list)):
-        return [type(batch)(parts) for parts in zip(*(split_batch(b, k) for b in batch))]
-    if isinstance(batch, dict):
-        cols = {key: split_batch(v, k) for key, v in batch.items()}
-        return [{key: cols[key][i] for key in batch} for i in range(k)]
-    return [batch] * k
 
 
 def _done(value: Any) -> Future:
@@ -227,7 +208,7 @@ class Trainer:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"{config.worker_name}-io")  # fetch + push
         self.tracer: Any = None  # a worker.peer.trace.Tracer (or anything with .span(name, cat)) for a timeline
         self.clock = 0  # the step being computed
-        self.last_loss = math.nan  # this worker's loss of the last step computed (its batch's mean)
+        self.last_loss = math.nan  # the global loss of the last step (peer: mean over the DP ranks; PS: this worker's)
         self._rng = np.random.default_rng([config.seed, config.worker_index, 99])
         self.metrics_file: TextIO | None = None
         self._t0 = time.monotonic()
@@ -340,20 +321,12 @@ class Trainer:
             t0 = time.perf_counter()
             batch = to_dev(f.batch, self.device)
             s.zero_grad()
-            loss_sum: torch.Tensor | None = None
             with self._span("compute", "compute", step=step):
-                for j, micro in enumerate(split_batch(batch, k)):
-                    with s.no_sync() if j < k - 1 else contextlib.nullcontext():
-                        loss = task.loss(model, micro)
-                        if k > 1:
-                            loss = loss / k
-                        loss.backward()
-                    loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+                loss_t = s.forward_backward(model, batch, task.loss, k)
                 grads = s.gradients(step)
             self._perturb(time.perf_counter() - t0)
             if push_fut is not None:  # the window: the previous push must be done before this one starts
                 t0 += finish_push(push_fut)
-            last_loss = self.last_loss = float(loss_sum) if loss_sum is not None else math.nan
             compute += (c := time.perf_counter() - t0)
             window["compute"] += c
             if lookahead:
@@ -365,12 +338,14 @@ class Trainer:
                 fut = ahead.popleft() if ahead else None
             else:
                 push_fut = self._submit(s.push, step, grads)
-            losses.append(last_loss)
             if not overlap:
                 finish_push(push_fut)
                 push_fut = None
                 if step + 1 < cfg.steps and not lookahead:
                     fut = self._submit(s.fetch, step + 1, next(data))
+            # after the push (nothing of the sync's in flight): the step's loss over the data-parallel ranks
+            last_loss = self.last_loss = s.global_loss(loss_t)
+            losses.append(last_loss)
             if self.on_step is not None:
                 self.on_step(step, self)
             step += 1
@@ -384,12 +359,12 @@ class Trainer:
                 mean_loss = float(np.mean(losses[-int(window["n"]) :]))
                 st = float(np.mean(stale_all[-50:])) if stale_all else 0.0
                 # a sync's own per-window metrics (MoE: tokens per expert, drops, all-to-all time and bytes)
-                extra = s.window_metrics() if hasattr(s, "window_metrics") else {}
+                extra = s.window_metrics()
                 if bar is not None:
                     bar.set_postfix(loss=f"{mean_loss:.4f}", eps=f"{eps:,.0f}", stale=f"{st:.1f}",
                                     **{key: f"{v:.3g}" for key, v in extra.items() if isinstance(v, float)})
                 self._record(
-                    kind="step", step=step, loss=mean_loss, examples_per_s=eps, staleness=st,
+                    kind="step", step=step, loss=mean_loss, last_loss=last_loss, examples_per_s=eps, staleness=st,
                     compute_s=window["compute"], pull_wait_s=window["pull"], push_wait_s=window["push"], **extra,
                 )
                 window = dict(t=now, n=0, compute=0.0, pull=0.0, push=0.0)
@@ -410,6 +385,7 @@ class Trainer:
             compute, pull_wait, push_wait,
             float(np.mean(stale_all)) if stale_all else 0.0, max(stale_all, default=0), late, stopped_early, metrics,
             {int(k): int(v) for k, v in zip(*np.unique(np.asarray(stale_all, np.int64), return_counts=True))},
+            losses[-1] if losses else math.nan,
         )
         self._record(kind="summary", **{k: v for k, v in asdict(summary).items() if k != "metrics"}, **summary.metrics, **s.stats())
         return summary

@@ -141,15 +141,15 @@ def gloo_group() -> Iterator[None]:
     dist.destroy_process_group()
 
 
-class TestAllReduceDP(ParamSyncContract):
+class TestDataParallelSync(ParamSyncContract):
     @pytest.fixture(autouse=True)
     def _group(self, gloo_group: None) -> None:
         return None
 
     def make(self, model: nn.Module, spec: OptimizerSpec) -> ParamSync:
-        from worker.peer import AllReduceDP
+        from worker.peer import DataParallelSync
 
-        return AllReduceDP(model, spec, bucket_mb=1e-4)
+        return DataParallelSync(model, spec, bucket_mb=1e-4)
 
 
 class _Zero(ParamSyncContract):
@@ -160,9 +160,9 @@ class _Zero(ParamSyncContract):
         return None
 
     def make(self, model: nn.Module, spec: OptimizerSpec) -> ParamSync:
-        from worker.peer import ZeroSync
+        from worker.peer import DataParallelSync
 
-        return ZeroSync(model, spec, stage=self.stage)
+        return DataParallelSync(model, spec, stage=self.stage)
 
 
 class TestZero1(_Zero):

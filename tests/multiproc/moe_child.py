@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ps import OptimizerSpec
 from worker.peer import init_mesh, shutdown_group
 from worker.peer.mesh import ParallelMesh
-from worker.peer.moe import MoESync, MoETensorParallelSync, moe_layers
+from worker.peer.moe import MoESync, moe_layers
 from worker.peer.tensor_parallel import tensor_parallel_task
 from worker.tasks import Task, load_task
 from worker.trainer import TrainConfig, Trainer
@@ -57,7 +57,7 @@ def reference(task: Task, world: int, steps: int) -> list[tuple[float, torch.Ten
 
 def train(task: Task, ep: int, world: int, rank: int, steps: int, ckpt: tuple[str, int] | None = None, mode: str = "dp"):
     """The same list from this rank's peer run with ``MoESync(ep, mode)`` (drops: this rank's sequences)."""
-    sync = MoESync(task.model, task.dense_optimizer, ep=ep, mode=mode)
+    sync = MoESync(task.model, task.dense_optimizer, ep=ep, stage=0 if mode == "dp" else int(mode[-1]))
     if ckpt:
         sync.set_checkpointing(*ckpt)
     seen: list[tuple[float, torch.Tensor, list[torch.Tensor]]] = []
@@ -76,12 +76,12 @@ def train(task: Task, ep: int, world: int, rank: int, steps: int, ckpt: tuple[st
 
 def train_tp(task: Task, ep: int, tp: int, rank: int, steps: int, ckpt: tuple[str, int] | None = None):
     """The same list from this rank's EP x TP run: a (world/tp, tp, 1) mesh, the gpt model split by
-    ``tensor_parallel_task`` (experts by hidden), ``MoETensorParallelSync(ep)``; each replica reads
+    ``tensor_parallel_task`` (experts by hidden), ``MoESync(mesh, ep)``; each replica reads
     ``B * tp`` sequences, so the global batch is the other checks' (drops: this replica's sequences)."""
     world = dist.get_world_size()
     mesh = ParallelMesh.build(world // tp, tp, 1, seed=0)
     tt = tensor_parallel_task(task, mesh)
-    sync = MoETensorParallelSync(tt.model, tt.dense_optimizer, mesh, ep=ep)
+    sync = MoESync(tt.model, tt.dense_optimizer, mesh, ep=ep)
     if ckpt:
         sync.set_checkpointing(*ckpt)
     seen: list[tuple[float, torch.Tensor, list[torch.Tensor]]] = []

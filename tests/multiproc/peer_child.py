@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from worker.peer import init_mesh, make_sync, shutdown_group
+from worker.peer import SyncPlan, init_mesh, make_sync, shutdown_group
 from worker.tasks import Task, load_task
 from worker.trainer import TrainConfig, Trainer
 
@@ -73,7 +73,7 @@ def train(task: Task, mode: str, world: int, rank: int, batch: int, steps: int, 
     """[(global loss, flat params after the step)] of this rank in peer ``mode``, and the sync."""
     accumulate = kw.pop("accumulate", 1)
     ckpt = kw.pop("checkpoint", None)
-    sync = make_sync(mode, task.model, task.dense_optimizer, device="cpu", **kw)
+    sync = make_sync(SyncPlan(mode, task.dense_optimizer, **kw), task.model)
     if ckpt:
         sync.set_checkpointing(*ckpt)
     seen: list[tuple[float, torch.Tensor]] = []
@@ -210,9 +210,9 @@ def main(checks: list[str]) -> None:
             # faults injected by subclassing (rank 1 only): an extra collective the others do not issue,
             # or a stall longer than the checker's 2 s; with --debug-collectives on, the ranks must name
             # rank and op (the test reads the CollectiveMismatchError on stderr)
-            from worker.peer import AllReduceDP, debug
+            from worker.peer import DataParallelSync, debug
 
-            class ExtraCollective(AllReduceDP):
+            class ExtraCollective(DataParallelSync):
                 def push(self, step: int, grads: Any) -> Any:
                     if step == 1:
                         t = torch.ones(1)
@@ -220,7 +220,7 @@ def main(checks: list[str]) -> None:
                         dist.all_reduce(t)
                     return super().push(step, grads)
 
-            class Stall(AllReduceDP):
+            class Stall(DataParallelSync):
                 calls = 0
 
                 def zero_grad(self) -> None:
@@ -231,7 +231,7 @@ def main(checks: list[str]) -> None:
 
             debug.enable(rank, world, timeout_s=2)
             task = tiny_task()
-            cls = AllReduceDP if rank == 0 else (ExtraCollective if check == "debug-mismatch" else Stall)
+            cls = DataParallelSync if rank == 0 else (ExtraCollective if check == "debug-mismatch" else Stall)
             sync = cls(task.model, task.dense_optimizer, bucket_mb=1e-6)
             cfg = TrainConfig(mode="dp", steps=STEPS, batch_size=B, worker_index=rank, num_workers=world, progress=False,
                               evaluate=False, name=f"rank{rank}")

@@ -76,7 +76,7 @@ def test_moe_flags_metrics_and_start_checks(tmp_path) -> None:
 def test_moe_tensor_parallel_flags(tmp_path) -> None:
     """``python -m worker.peer --moe-experts 4 --tp 2 --ep 2`` on 4 ranks (D=2 x T=2): trains, reports
     the layout, and its metrics file's step records carry the MoE fields (all-to-all bytes > 0: EP
-    is on); ``--tp 2 --ep 2`` on 2 ranks (D=1) and ``--mode zero1`` with MoE layers under ``--tp``
+    is on); ``--tp 2 --ep 2`` on 2 ranks (D=1) and ``--sequence-parallel`` with MoE layers under ``--tp``
     stop every rank at start with one message (exit 2)."""
     import json
 
@@ -96,6 +96,6 @@ def test_moe_tensor_parallel_flags(tmp_path) -> None:
         assert rec["a2a_mb"] > 0, rec
     assert next(r for r in recs if r["kind"] == "summary")["ep"] == 2
     for extra, msg in ((["--ep", "2"], "--ep 2 does not divide the 1 data-parallel replicas"),
-                       (["--mode", "zero1"], "MoE layers with --tp/--dp: dp mode without --sequence-parallel only")):
+                       (["--sequence-parallel"], "sequence parallelism with MoE layers: not supported")):
         for r, (rc, _, se) in enumerate(tpe.run_ranks(2, [*flags, *extra], module=True, timeout=90)):
             assert rc == 2 and msg in se, (r, extra, rc, se[-2000:])

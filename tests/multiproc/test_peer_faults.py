@@ -132,7 +132,7 @@ def test_debug_collectives_names_the_rank_and_the_op(fault: str) -> None:
     (rc0, _, err0), _ = run_ranks(2, [fault], timeout=100, only_rank0=True)
     assert rc0 != 0
     if fault == "debug-mismatch":
-        assert re.search(r"CollectiveMismatchError: collective #\d+ differs between ranks: rank 0: all_reduce float32\[\d+\]; "
+        assert re.search(r"CollectiveMismatchError: collective #\d+ differs between ranks: rank 0: all_reduce float(32|64)\[\d+\]; "
                          r"rank 1: all_reduce float32\[1\]", err0), err0[-3000:]
     else:
         assert re.search(r"CollectiveMismatchError: collective #\d+ \(all_reduce float32\[\d+\]\): rank 1 did not reach it "

@@ -83,22 +83,23 @@ def _ckpt(out: str, kind: str, mode: str) -> tuple[float, list[float]]:
 def d2t2(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[tuple[int, str, str]]]:
     """One (D,T,P) = (2,2,1) launch: its checks, then 4 TP steps with a checkpoint after step 3."""
     d = str(tmp_path_factory.mktemp("tp") / "ckpt")
-    return d, run_mesh(2, 2, 1, [*D2T2_CHECKS, f"ckpt-save:{d}:tp", f"ckpt-save:{d}-zero1:tpzero1"])
+    return d, run_mesh(2, 2, 1, [*D2T2_CHECKS, f"ckpt-save:{d}:tp", f"ckpt-save:{d}-zero2:tpzero2"])
 
 
-D2T2_CHECKS = ["mesh", "tp", "tp-sp", "tp-zero1"]
+D2T2_CHECKS = ["mesh", "tp", "tp-sp", "tp-zero1", "tp-zero2", "tp-zero3"]
 
 
 @pytest.mark.timeout(300)
-def test_d2_t2_tp_sp_and_zero1_match_one_process(d2t2) -> None:
+def test_d2_t2_tp_sp_and_zero1_2_3_match_one_process(d2t2) -> None:
     """(D,T,P) = (2,2,1): 4 ranks, the DP all-reduce over dp_group composed with TP (and SP, whose
     replicated gradients are also summed over tp_group) == one process with the global batch; so
-    does ZeRO-1 on the DP dimension with SP (momentum SGD, each rank holding half the momentum)."""
+    do ZeRO-1, -2 and -3 on the DP dimension with SP and 2 micro-batches (momentum SGD, each rank
+    holding half the momentum)."""
     d, results = d2t2
-    _check(results, [*D2T2_CHECKS, f"ckpt-save:{d}:tp", f"ckpt-save:{d}-zero1:tpzero1"])
+    _check(results, [*D2T2_CHECKS, f"ckpt-save:{d}:tp", f"ckpt-save:{d}-zero2:tpzero2"])
     assert sorted(os.listdir(d)) == ["step-3"]
-    # the ZeRO-1 run (optimizer state split over the DP group) saved the same step as plain TP
-    torch.testing.assert_close(torch.tensor(_ckpt(results[0][1], "ckpt-save", "tpzero1")[1]),
+    # the ZeRO-2 run (optimizer state and gradients split over the DP group) saved the same step as plain TP
+    torch.testing.assert_close(torch.tensor(_ckpt(results[0][1], "ckpt-save", "tpzero2")[1]),
                                torch.tensor(_ckpt(results[0][1], "ckpt-save", "tp")[1]), rtol=1e-5, atol=1e-6)
 
 
@@ -109,26 +110,28 @@ def test_t2_tp_sp_fp64_accumulation_vocab_ce_activations_dropout_and_resharded_c
     2 accumulation micro-batches == one process; SP keeps no full-sequence activation outside the TP
     regions and fewer bytes per rank; replicated dropout masks agree across TP ranks.
     Checkpoints (momentum SGD, so the optimizer state matters): the (2,2,1) TP checkpoint resumed at
-    (1,2,1) and in plain DP over 2 ranks, a DP checkpoint of 2 ranks resumed at (1,2,1), a TP + ZeRO-1
-    checkpoint of (2,2,1) (momentum gathered over the DP group) resumed at (1,2,1) with ZeRO-1; reference
+    (1,2,1) and in plain DP over 2 ranks, a DP checkpoint of 2 ranks resumed at (1,2,1), a TP + ZeRO-2
+    checkpoint of (2,2,1) (momentum gathered over the DP group) resumed at (1,2,1) with ZeRO-1 and in
+    DP over 2 ranks with ZeRO-3; reference
     for each resumed step: the run that saved it, which went on past its checkpoint (step 3's global
     loss and the parameters after it, rtol 1e-5)."""
     d, saved = d2t2
     d_dp = str(tmp_path / "dp")
     checks = ["mesh", "vocab-ce", "tp", "tp-sp", "tp64", "tp-accum", "sp-activations", "dropout",
               f"ckpt-load:{d}:tp", f"ckpt-load:{d}:dp", f"ckpt-save:{d_dp}:dp", f"ckpt-load:{d_dp}:tp",
-              f"ckpt-load:{d}-zero1:tpzero1"]
+              f"ckpt-load:{d}-zero2:tpzero1", f"ckpt-load:{d}-zero2:zero3"]
     results = run_mesh(1, 2, 1, checks)
     _check(results, checks)
     want = _ckpt(saved[0][1], "ckpt-save", "tp")
     want_dp = _ckpt(results[0][1], "ckpt-save", "dp")
-    want_zero1 = _ckpt(saved[0][1], "ckpt-save", "tpzero1")
+    want_zero2 = _ckpt(saved[0][1], "ckpt-save", "tpzero2")
     for r in range(2):
         for (loss, params), (wl, wp), what in [
             (_ckpt(results[r][1], "ckpt-load", "tp"), want, "TP (2,2,1) -> TP (1,2,1)"),
             (_ckpt(results[r][1], "ckpt-load", "dp"), want, "TP (2,2,1) -> DP 2 ranks"),
             (_last_load(results[r][1]), want_dp, "DP 2 ranks -> TP (1,2,1)"),
-            (_ckpt(results[r][1], "ckpt-load", "tpzero1"), want_zero1, "TP+ZeRO-1 (2,2,1) -> TP+ZeRO-1 (1,2,1)"),
+            (_ckpt(results[r][1], "ckpt-load", "tpzero1"), want_zero2, "TP+ZeRO-2 (2,2,1) -> TP+ZeRO-1 (1,2,1)"),
+            (_ckpt(results[r][1], "ckpt-load", "zero3"), want_zero2, "TP+ZeRO-2 (2,2,1) -> DP+ZeRO-3 2 ranks"),
         ]:
             assert loss == pytest.approx(wl, rel=1e-5), what
             torch.testing.assert_close(torch.tensor(params), torch.tensor(wp), rtol=1e-5, atol=1e-6, msg=what)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ps import OptimizerSpec
-from worker.peer import shutdown_group
+from worker.peer import DataParallelSync, SyncPlan, make_sync, shutdown_group
 from worker.peer.mesh import ParallelMesh, PeerConfigError, RNGStreams, init_mesh
 from worker.peer.pipeline import (
     PipelineEngine,
@@ -30,7 +30,6 @@ from worker.peer.pipeline import (
 )
 from worker.peer.tensor_parallel import (
     TensorParallelGPT,
-    TensorParallelSync,
     activation_bytes,
     tensor_parallel_task,
     vocab_parallel_cross_entropy,
@@ -82,7 +81,7 @@ def run(task: Task, sync: Any, mesh: ParallelMesh, index: int, workers: int, bat
 def train(task: Task, mesh: ParallelMesh, sp: bool, global_batch: int, steps: int, accumulate: int = 1, checkpoint=None,
           zero: int = 0):
     tt = tensor_parallel_task(task, mesh, sequence_parallel=sp)
-    sync: Any = TensorParallelSync(tt.model, tt.dense_optimizer, mesh, zero=zero)
+    sync: Any = make_sync(SyncPlan(f"zero{zero}" if zero else "dp", tt.dense_optimizer, sequence_parallel=sp), tt.model, mesh)
     if checkpoint:
         sync.set_checkpointing(*checkpoint)
     return run(tt, sync, mesh, mesh.dp_idx, mesh.dp, global_batch // mesh.dp, steps, accumulate), sync
@@ -154,17 +153,21 @@ def main(dp: int, tp: int, pp: int, checks: list[str]) -> None:
             tol = (1e-12, 1e-12) if check == "tp64" else (1e-5, 1e-6)
             compare(check, got, want, *tol)
             print(f"OK {check} {sync.stats()}", flush=True)
-        elif check == "tp-zero1":  # ZeRO-1 over the DP group (momentum SGD: per-element optimizer state)
+        elif check in ("tp-zero1", "tp-zero2", "tp-zero3"):
+            # ZeRO-k over the DP group with TP and SP (momentum SGD: per-element optimizer state;
+            # 2 micro-batches: gradients reduce-scattered once, after the last)
+            stage = int(check[-1])
             task = load_task("gpt", **GPT)
             task.dense_optimizer = OptimizerSpec("momentum", {"lr": 0.3, "momentum": 0.9})
             gb = 4 * dp
             want = reference(task, lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9), gb, STEPS)
-            got, sync = train(task, mesh, True, gb, STEPS, zero=1)
+            got, sync = train(task, mesh, True, gb, STEPS, zero=stage, accumulate=2)
             compare(check, got, want, 1e-5, 1e-6)
             mem = sync.memory()
-            full = sync.flat.nbytes()
-            assert mem["state_bytes"] == -(-sync.flat.numel // dp) * 4, (mem, full)  # one momentum buffer, 1/D of it
-            print(f"OK tp-zero1 {mem}", flush=True)
+            n, shard = sum(p.numel() for p in sync.opt.params), sync.opt.shard.numel()
+            # one momentum buffer over this rank's shard: 1/D of its TP shards (each unit padded to D)
+            assert mem["state_bytes"] == shard * 4 and shard * dp - n < dp * len(sync.opt.units), (mem, n, shard)
+            print(f"OK {check} {mem}", flush=True)
         elif check == "sp-activations":
             # bytes autograd keeps for backward per rank, in the transformer layers (as Megatron counts
             # them), with and without SP. Megatron's formula per layer (no attention-score term):
@@ -195,12 +198,10 @@ def main(dp: int, tp: int, pp: int, checks: list[str]) -> None:
             task = load_task("gpt", **GPT)
             task.dense_optimizer = OptimizerSpec("momentum", {"lr": 0.3, "momentum": 0.9})
             gb = 8
-            if mode in ("tp", "tpzero1"):
-                got, sync = train(task, mesh, False, gb, 4, checkpoint=(directory, 3), zero=int(mode == "tpzero1"))
+            if mode.startswith("tp"):
+                got, sync = train(task, mesh, False, gb, 4, checkpoint=(directory, 3), zero=int(mode[-1]) if mode != "tp" else 0)
             else:
-                from worker.peer import AllReduceDP
-
-                dsync = AllReduceDP(task.model, task.dense_optimizer)
+                dsync = DataParallelSync(task.model, task.dense_optimizer, stage=int(mode[-1]) if mode != "dp" else 0)
                 dsync.set_checkpointing(directory, 3)
                 got, sync = run(task, dsync, mesh, mesh.rank, mesh.world, gb // mesh.world, 4), dsync
             if kind == "ckpt-load":
@@ -219,7 +220,8 @@ def main(dp: int, tp: int, pp: int, checks: list[str]) -> None:
                 task = load_task("gpt", **GPT_SELECTIVE)
                 tt = tensor_parallel_task(task, mesh, sp, dropout=0.1, attention_dropout=0.1, recompute=rec,
                                           rng=RNGStreams(0, mesh.tp_idx, mesh.pp_idx))
-                got[rec] = run(tt, TensorParallelSync(tt.model, tt.dense_optimizer, mesh), mesh, mesh.dp_idx, mesh.dp, 4, STEPS)
+                got[rec] = run(tt, make_sync(SyncPlan("dp", tt.dense_optimizer, sequence_parallel=sp), tt.model, mesh), mesh,
+                               mesh.dp_idx, mesh.dp, 4, STEPS)
                 batch = next(task.batches(0, 1, 4, 0))
                 x = tt.model.tok(batch[:, :-1].t()).detach().requires_grad_(True)
                 with activation_bytes(tt.model) as ab:
@@ -237,7 +239,8 @@ def main(dp: int, tp: int, pp: int, checks: list[str]) -> None:
             task.dense_optimizer = OptimizerSpec("sgd", {"lr": 0.5})
             want = reference(task, lambda p: torch.optim.SGD(p, lr=0.5), 4 * dp, STEPS)
             tt = tensor_parallel_task(task, mesh, sp, recompute="selective")
-            got_sel = run(tt, TensorParallelSync(tt.model, tt.dense_optimizer, mesh), mesh, mesh.dp_idx, mesh.dp, 4, STEPS)
+            got_sel = run(tt, make_sync(SyncPlan("dp", tt.dense_optimizer, sequence_parallel=sp), tt.model, mesh), mesh,
+                          mesh.dp_idx, mesh.dp, 4, STEPS)
             compare(check, got_sel, want, 1e-5, 1e-6)
             print(f"OK {check}", flush=True)
         elif check == "full-dropout":

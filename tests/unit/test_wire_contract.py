@@ -96,7 +96,7 @@ def test_nothing_unpickles(pkg: str) -> None:
 # What a peer rank imports (worker/peer/cli.py's run_rank and the modules it reaches); HybridSync,
 # the one peer ParamSync with PS embeddings, is left out: it needs the PS client.
 _PEER_RANK = ["worker.peer", "worker.peer.cli", "worker.peer.mesh", "worker.peer.moe", "worker.peer.pipeline",
-              "worker.peer.tensor_parallel", "worker.peer.zero", "worker.peer.data_parallel", "worker.peer.trace",
+              "worker.peer.tensor_parallel", "worker.peer.core", "worker.peer.sync_plan", "worker.modes", "worker.peer.data_parallel", "worker.peer.trace",
               "worker.peer.debug", "worker.peer.checkpoint", "worker.sync_api", "worker.tasks", "worker.trainer"]
 
 

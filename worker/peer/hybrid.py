@@ -3,7 +3,7 @@
 A model's ``PSEmbedding`` rows live on the parameter server and go through a ``PSSync`` built
 with ``dense=False`` (rows pulled for the batch's ids, row gradients pushed; ``sparse_mode``
 ``async`` by default, so a rank never waits for the others' rows: huge tables, loose
-consistency), while its dense parameters are an ``AllReduceDP`` (bucketed all-reduce from the
+consistency), while its dense parameters are a ``DataParallelSync`` (bucketed all-reduce from the
 backward hooks, the optimizer on every rank: synchronous). With ``sparse_mode="sync"`` the rows
 are BSP on the PS too and the run equals one process with the global batch.
 """
@@ -19,7 +19,7 @@ from torch import nn
 
 from ps import PSClient
 from worker.paramsync import Fetched, Grads, ParamSync, PSSync, PushResult
-from worker.peer.data_parallel import AllReduceDP
+from worker.peer.data_parallel import DataParallelSync
 from worker.peer.mesh import PeerConfigError
 
 __all__ = ["HybridSync"]
@@ -27,7 +27,7 @@ __all__ = ["HybridSync"]
 
 class HybridSync(ParamSync):
     """``PSEmbedding`` rows through ``client`` (tables ``{prefix}/...`` as the model names them),
-    dense parameters through ``AllReduceDP``. ``rank``/``world`` are the worker's index and count
+    dense parameters through ``DataParallelSync`` (ZeRO stage 0: bucketed all-reduce). ``rank``/``world`` are the worker's index and count
     on the PS (the peer group's). Collectives on the main thread (``pipelined`` False)."""
 
     pipelined = False
@@ -41,7 +41,7 @@ class HybridSync(ParamSync):
         if sparse_mode not in ("async", "sync", "ssp"):
             raise PeerConfigError(f"hybrid sparse mode must be async, ssp or sync, got {sparse_mode!r}")
         self.name = "hybrid"
-        self.dense = AllReduceDP(
+        self.dense = DataParallelSync(
             model, optimizer, device=device, bucket_mb=bucket_mb, compress=compress,
             settings={**(settings or {}), "sparse_mode": sparse_mode}, name="hybrid",
         )
@@ -105,6 +105,9 @@ class HybridSync(ParamSync):
         for m in self.sparse.embeddings.values():
             m.policy = None  # evaluation reads the rows as they are
         return fn(), {}
+
+    def global_loss(self, loss: torch.Tensor) -> float:
+        return self.dense.global_loss(loss)
 
     def stats(self) -> dict[str, Any]:
         return {**self.dense.stats(), **self.sparse.stats()}

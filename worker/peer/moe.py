@@ -22,14 +22,13 @@ A layer sends each kept assignment to the rank holding its expert with
 of the per-expert counts), the experts run on what they received, and a second all-to-all brings
 the outputs back (backward: the same two exchanges reversed). Expert gradients are summed over
 the ranks holding the same experts (one rank per EP group) and divided by the world size; the
-other parameters (embeddings, attention, router, norms) go through ``AllReduceDP`` (or
-``ZeroSync``, stage 1-3) over all ranks as in plain data parallelism.
+other parameters (embeddings, attention, router, norms) go through ``DataParallelSync`` (ZeRO
+stage 0-3) over the DP ranks as in plain data parallelism.
 """
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -38,16 +37,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from worker.flat import FlatParams
 from worker.peer.checkpoint import (
     Checkpointing,
     CheckpointReader,
     Piece,
-    load_whole_params,
-    optimizer_pieces,
-    state_keys,
+    read_whole_tensors,
+    whole_tensor_pieces,
 )
-from worker.peer.mesh import PeerConfigError, torch_optimizer
+from worker.peer.mesh import PeerConfigError
 from worker.sync_api import Fetched, Grads, ParamSync, PushResult
 
 __all__ = [
@@ -56,7 +53,6 @@ __all__ = [
     "MoE",
     "MoEConfig",
     "MoESync",
-    "MoETensorParallelSync",
     "Router",
     "aux_loss",
     "expert_groups",
@@ -418,94 +414,66 @@ def expert_groups(ep: int, world: int | None = None, rank: int | None = None, dp
     return ExpertGroups(ep, pos % ep, mine, replicas, groups)
 
 
-class _Subset(nn.Module):
-    """The model seen through some of its parameters (what ``AllReduceDP`` / ``ZeroSync`` sync): named
-    as in the model; ``modules()`` leaves out the experts' modules."""
-
-    def __init__(self, model: nn.Module, names: set[str]) -> None:
-        super().__init__()
-        object.__setattr__(self, "_model", model)  # not a submodule: its other parameters stay out
-        self._model: nn.Module
-        self._names = names
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
-        for n, p in self._model.named_parameters():
-            if n in self._names:
-                yield n, p
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        for _, p in self.named_parameters():
-            yield p
-
-    def modules(self, remove_duplicate: bool = True) -> Iterator[nn.Module]:
-        """The model's modules outside the experts (ZeRO's units)."""
-        experts = {id(m) for layer in self._model.modules() if isinstance(layer, MoE) for m in layer.experts.modules()}
-        for m in self._model.modules():
-            if id(m) not in experts:
-                yield m
-
-    def to(self, *args: Any, **kwargs: Any) -> _Subset:  # type: ignore[override]
-        self._model.to(*args, **kwargs)
-        return self
-
-
 class MoESync(ParamSync, Checkpointing):
-    """Peer-mode sync of a model with MoE layers: the experts split over ``ep`` ranks (expert
-    parallelism; 1: every rank holds every expert), the other parameters through the sync of
-    peer ``mode`` over all ranks: ``dp`` (``AllReduceDP``) or ``zero1``/``zero2``/``zero3``
-    (``ZeroSync``; the experts are never sharded by ZeRO, they are already split by EP).
+    """The ``ParamSync`` of a model with MoE layers, in any layout: the experts split over ``ep``
+    data-parallel ranks (expert parallelism; 1: every rank holds every expert), composed of the
+    core's two objects (``worker.peer.core``):
+
+    - the non-expert parameters (embeddings, attention, router, norms): a ``DataParallelSync`` over
+      the DP group at ZeRO ``stage`` 0-3 (without a mesh: every rank; with a ``ParallelMesh``: its
+      DP dimension, the model a tensor-parallel one whose experts are split by hidden over TP);
+    - the experts: a ``ShardedOptimizer`` at stage 0 over the ranks holding the same experts (same
+      EP index, same TP index), gradients summed there and divided by the DP size (each expert saw
+      the tokens of its whole EP group). ZeRO never shards experts: EP already splits them.
 
     ``model``'s MoE layers are sharded here (every rank builds the same full model first, so the
-    experts a rank keeps start from the same values as the single-process model's).
-    ``parameters()`` is the whole model, experts gathered, in the unsharded model's order.
-    """
+    experts a rank keeps start from the single-process model's values). ``parameters()`` and
+    checkpoints give the plain model's tensors whole, in its order and under its names (gathered
+    over TP, experts over EP): a checkpoint of any layout loads into any other."""
 
     pipelined = False
 
     def __init__(
-        self, model: nn.Module, optimizer: Any, *, ep: int = 1, mode: str = "dp", device: torch.device | str = "cpu",
-        bucket_mb: float = 25.0, compress: str | None = None, settings: dict[str, Any] | None = None,
+        self, model: nn.Module, optimizer: Any, mesh: Any = None, *, ep: int = 1, stage: int = 0,
+        device: torch.device | str = "cpu", bucket_mb: float = 25.0, compress: str | None = None,
+        settings: dict[str, Any] | None = None,
     ) -> None:
-        from worker.peer.data_parallel import AllReduceDP
-        from worker.peer.zero import ZeroSync
-
-        if mode not in ("dp", "zero1", "zero2", "zero3"):
-            raise PeerConfigError(f"MoE models train in peer mode dp, zero1, zero2 or zero3, not {mode!r}")
-        if mode != "dp" and compress not in (None, "none"):
-            raise PeerConfigError("gradient compression is implemented for dp only, not ZeRO")
+        from worker.peer.core import ALONE, ShardedOptimizer
+        from worker.peer.data_parallel import DataParallelSync, whole_specs
 
         self.name = "moe"
         self.layers = moe_layers(model)
         if not self.layers:
             raise PeerConfigError("the model has no MoE layers (use --moe-experts E with the gpt task)")
-        experts = self.layers[0][1].num_experts
-        self.global_names = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.groups = expert_groups(ep)
+        if mesh is not None and getattr(model, "sequence_parallel", False):
+            raise PeerConfigError("sequence parallelism with MoE layers: not supported (the router needs every position)")
+        self.model, self.mesh = model, mesh
+        self.device = torch.device(mesh.device if mesh is not None else device)
+        self.order = [s.name for s, _ in whole_specs(model)]  # the plain model's order, before sharding
+        self.groups = expert_groups(ep) if mesh is None else mesh_expert_groups(mesh, ep)
         for _, layer in self.layers:
             layer.shard(self.groups.group, ep, self.groups.rank)
+        specs = whole_specs(model, list(model.parameters()))  # this rank's (experts: the local ones only)
         expert_ids = {id(p) for _, m in self.layers for p in m.experts.parameters()}
-        dense_names = {n for n, p in model.named_parameters() if id(p) not in expert_ids}
-        agree = {**(settings or {}), "ep": ep, "experts": experts}
-        self.dense: Any
-        if mode == "dp":
-            self.dense = AllReduceDP(
-                _Subset(model, dense_names), optimizer, device=device, bucket_mb=bucket_mb, compress=compress,
-                settings=agree, name="moe",
-            )
-            self.dense_order = list(self.dense.names)
-        else:
-            self.dense = ZeroSync(_Subset(model, dense_names), optimizer, stage=int(mode[-1]), device=device, settings=agree)
-            self.dense_order = [self.dense._names[id(p)] for p in self.dense.params]
-        self.mode = mode
-        self.model = model
-        self.device = self.dense.device
+        self.expert_specs = [(s, p) for s, p in specs if id(p) in expert_ids]
+        dense_specs = [(s, p) for s, p in specs if id(p) not in expert_ids]
+        dp = mesh.dp if mesh is not None else dist.get_world_size()
+        self.tp = mesh.tp if mesh is not None else 1
+        self.tp_group = mesh.tp_group if mesh is not None and mesh.tp > 1 else None
+        agree = {**(settings or {}), "ep": ep, "experts": self.layers[0][1].num_experts}
+        self.dense = DataParallelSync(
+            model, optimizer, stage=stage, group=mesh.dp_group if mesh is not None else None, device=self.device,
+            bucket_mb=bucket_mb, compress=compress, overlap=mesh is None, params=[p for _, p in dense_specs], specs=dense_specs,
+            tp_group=self.tp_group, settings=agree, name="moe",
+        )
+        self.experts = ShardedOptimizer(
+            model, optimizer, self.groups.replicas if self.groups.replicas is not None else ALONE, stage=0,
+            params=[p for _, p in self.expert_specs], device=self.device, overlap=False, divide_by=dp,
+        )
         self.flat = self.dense.flat
-        named = [(n, p) for n, p in model.named_parameters() if id(p) in expert_ids]
-        self.expert_names = [n for n, _ in named]
-        self.experts = FlatParams([p for _, p in named], self.device)
-        self.expert_optimizer = torch_optimizer(optimizer)(self.experts.params)
+        first_tp = mesh is None or mesh.tp_idx == 0
+        self.expert_writer = first_tp and (mesh.dp_idx if mesh is not None else dist.get_rank()) < self.groups.size
         self._window_steps = 0  # steps since the last window_metrics
-        self.world = 1
 
     @property
     def tracer(self) -> Any:
@@ -516,15 +484,14 @@ class MoESync(ParamSync, Checkpointing):
         self.dense.tracer = value
 
     def join(self) -> int:
-        """The dense part's join (agreement, rank 0's values), then the experts: each replica group
-        takes its first member's values."""
-        self.world = dist.get_world_size()
+        """The dense part's join (agreement, the DP group's first values), then the experts: each
+        replica group takes its first member's values; then the newest checkpoint, if any."""
         start = self.dense.join()
-        if self.groups.replicas is not None:
-            src = dist.get_global_rank(self.groups.replicas, 0) if self.groups.replicas is not dist.group.WORLD else 0
-            dist.broadcast(self.experts.data, src, group=self.groups.replicas)
-        resumed = self._resume()
-        return max(start, resumed)
+        self.experts.broadcast()
+        return max(start, self._resume())
+
+    def leave(self) -> None:
+        self.dense.leave()
 
     def fetch(self, step: int, batch: Any) -> Fetched:
         return Fetched(step, batch, step)
@@ -533,9 +500,6 @@ class MoESync(ParamSync, Checkpointing):
         self.dense.zero_grad()
         self.experts.zero_grad()
 
-    def evaluate(self, step: int, final: bool, fn: Any) -> tuple[dict[str, float], dict[str, Any]]:
-        return self.dense.evaluate(step, final, fn)  # type: ignore[no-any-return]
-
     def no_sync(self) -> Any:
         return self.dense.no_sync()
 
@@ -543,21 +507,18 @@ class MoESync(ParamSync, Checkpointing):
         return Grads(None)
 
     def push(self, step: int, grads: Grads) -> PushResult:
-        """Expert gradients summed over the replica group (divided by the world size), the dense
-        part's all-reduce, both optimizers."""
-        g = self.experts.grad
-        work = dist.all_reduce(g, group=self.groups.replicas, async_op=True) if self.groups.replicas is not None else None
-        self.dense.push(step, grads)  # its reduction and optimizer step (it saves no checkpoint of its own)
-        if work is not None:
-            work.wait()
-        g.div_(self.world)
-        self.expert_optimizer.step()
+        """The dense part's reduction and step, the experts' (summed over replicas, / DP size)."""
+        self.dense.push(step, grads)  # it saves no checkpoint of its own
+        self.experts.step()
         self._window_steps += 1
         self._maybe_save(step + 1)
         return PushResult()
 
-    def leave(self) -> None:
-        self.dense.leave()
+    def global_loss(self, loss: torch.Tensor) -> float:
+        return self.dense.global_loss(loss)
+
+    def evaluate(self, step: int, final: bool, fn: Any) -> tuple[dict[str, float], dict[str, Any]]:
+        return self.dense.evaluate(step, final, fn)
 
     def window_metrics(self) -> dict[str, Any]:
         """MoE metrics since the last call, per step (see ``window_metrics``)."""
@@ -565,73 +526,58 @@ class MoESync(ParamSync, Checkpointing):
         return window_metrics([m for _, m in self.layers], steps)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.dense.stats(), "ep": self.groups.size, "expert_params": self.experts.numel}
+        n = sum(p.numel() for p in self.experts.params)
+        return {**self.dense.stats(), "ep": self.groups.size, "expert_params": n,
+                **({"tp": self.mesh.tp, "dp": self.mesh.dp} if self.mesh is not None else {})}
 
-    # ------------------------------------------------------------------ whole-model views
-    def _gathered_experts(self) -> dict[str, torch.Tensor]:
-        """Every expert parameter of every layer by global name (a collective over the EP group)."""
-        out: dict[str, torch.Tensor] = {}
+    def memory(self) -> dict[str, int]:
+        m, e = self.dense.memory(), self.experts.memory()
+        return {k: m[k] + e[k] for k in ("param_bytes", "grad_bytes", "state_bytes")} | {"peak_grad_bytes": m["peak_grad_bytes"]}
+
+    # ------------------------------------------------------------------ whole tensors
+    def _whole(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``tensors`` (this rank's whole-over-TP tensors by plain name, experts: the local ones) with
+        every layer's other experts gathered over the EP group (a collective on every rank)."""
+        out = dict(tensors)
+        if self.groups.size == 1:
+            return out
         for name, layer in self.layers:
-            local: list[tuple[str, nn.Module]] = [(f"{name}.experts.{e}", layer.experts[str(e)]) for e in layer.local_experts]
-            subs = [n for n, _ in local[0][1].named_parameters()]
-            flat = torch.cat([p.detach().reshape(-1) for _, m in local for p in m.parameters()])
-            if self.groups.size > 1:
-                allv = flat.new_empty(self.groups.size * flat.numel())
-                gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-                gather(allv, flat, group=self.groups.group)
-            else:
-                allv = flat
-            per_expert = allv.numel() // layer.num_experts
-            shapes = [p.shape for p in local[0][1].parameters()]
-            for e in range(layer.num_experts):
-                chunk, off = allv[e * per_expert : (e + 1) * per_expert], 0
-                for sub, shape in zip(subs, shapes):
-                    n = math.prod(shape)
-                    out[f"{name}.experts.{e}.{sub}"] = chunk[off : off + n].view(shape)
-                    off += n
+            local = list(layer.local_experts)
+            subs = [n for n, _ in layer.experts[str(local[0])].named_parameters()]
+            flat = torch.cat([tensors[f"{name}.experts.{e}.{sub}"].reshape(-1) for e in local for sub in subs])
+            allv = flat.new_empty(self.groups.size * flat.numel())
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(allv, flat, group=self.groups.group)
+            off = 0
+            for j in range(self.groups.size):  # EP rank j's experts, in its order
+                for i in range(len(local)):
+                    for sub in subs:
+                        like = tensors[f"{name}.experts.{local[0]}.{sub}"]
+                        out[f"{name}.experts.{j * len(local) + i}.{sub}"] = allv[off : off + like.numel()].view(like.shape)
+                        off += like.numel()
         return out
 
     def parameters(self) -> torch.Tensor:
-        """The whole model's parameters, flat, in the unsharded model's order (every rank calls it)."""
-        experts = self._gathered_experts()
-        dense = self.dense.parameters()  # a collective under ZeRO (its order: dense_order)
-        shapes = dict(self.model.named_parameters())
-        own, off = {}, 0
-        for n in self.dense_order:
-            k = shapes[n].numel()
-            own[n] = dense[off : off + k]
-            off += k
-        return torch.cat([(experts[n] if n in experts else own[n]).reshape(-1) for n in self.global_names])
+        """The plain model's parameters, whole, in its order (a collective)."""
+        with self.dense.whole():
+            mine = {s.name: self.dense._tp_gather(s, p) for s, p in self.dense.specs + self.expert_specs}
+        whole = self._whole(mine)
+        return torch.cat([whole[n].reshape(-1) for n in self.order])
 
-    # ------------------------------------------------------------------ checkpoints
     def checkpoint_pieces(self) -> tuple[list[Piece], dict[str, float]]:
-        """Dense pieces from rank 0 (``AllReduceDP``), expert pieces (by global name, with their
-        optimizer state) from the ranks of the first EP group: any EP size can read them back."""
+        """The dense part's pieces; the experts whole (over TP), with their optimizer state, from the
+        TP-first ranks of the first EP group: any layout can read them back."""
         pieces, scalars = self.dense.checkpoint_pieces()
-        if dist.get_rank() < self.groups.size:
-            for p, n in zip(self.experts.params, self.expert_names):
-                pieces.append(Piece(f"param/{n}", 0, p.detach().reshape(-1)))
-                ps, sc = optimizer_pieces(self.expert_optimizer.state.get(p, {}), n, p.numel(), 0, p.numel(), 0)
-                pieces += ps
-                scalars.update(sc)
-        return pieces, scalars
+        ps, sc = whole_tensor_pieces(self.expert_specs, self.experts.local_states(), self.dense._tp_gather, self.expert_writer)
+        return pieces + ps, {**scalars, **sc}
 
     def load_checkpoint(self, reader: CheckpointReader) -> None:
+        for s, _ in self.expert_specs:
+            if not reader.has(f"param/{s.name}"):
+                raise PeerConfigError(f"checkpoint {reader.path} has no {s.name!r}: saved from another model (experts?)")
         self.dense.load_checkpoint(reader)
-        for n in self.expert_names:
-            if not reader.has(f"param/{n}"):
-                raise PeerConfigError(f"checkpoint {reader.path} has no {n!r}: saved from another model (experts?)")
-        load_whole_params(reader, self.experts.params, self.expert_names, self.expert_optimizer)
-
-    def memory(self) -> dict[str, int]:
-        m = self.dense.memory()
-        return {
-            **m, "param_bytes": m["param_bytes"] + self.experts.nbytes(), "grad_bytes": m["grad_bytes"] + self.experts.nbytes(),
-            "state_bytes": m["state_bytes"] + sum(
-                v.numel() * v.element_size() for s in self.expert_optimizer.state.values() for v in s.values()
-                if isinstance(v, torch.Tensor)
-            ),
-        }
+        state = read_whole_tensors(reader, self.expert_specs, self.mesh.tp_idx if self.mesh is not None else 0, self.tp)
+        self.experts.load_states(state, {k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()})
 
 
 # ---------------------------------------------------------------------- expert x tensor parallelism
@@ -662,177 +608,3 @@ def mesh_expert_groups(mesh: Any, ep: int) -> ExpertGroups:
                 if t == mesh.tp_idx and j == mesh.dp_idx % ep:
                     replicas = pg
     return ExpertGroups(ep, mesh.dp_idx % ep, mine, replicas, groups)
-
-
-class MoETensorParallelSync(ParamSync, Checkpointing):
-    """The ``ParamSync`` of an MoE ``gpt`` under tensor x expert parallelism (``--tp T --ep P``, dp
-    mode, no sequence parallelism): ``model`` is a ``TensorParallelGPT`` whose MoE layers' experts
-    are split by hidden over the TP group; here they are also split over ``ep`` DP replicas
-    (``mesh_expert_groups``). After backward: the non-expert parameters (TP shards and replicated
-    ones: router, norms) are averaged over the DP group, as ``TensorParallelSync`` does without
-    sequence parallelism (the replicated gradients are equal on every TP rank); the expert shards
-    are summed over their replicas (same experts, same TP index) and divided by D. Two optimizers.
-
-    ``parameters()`` and checkpoints give the plain model's tensors whole, in its order and under
-    its names (gathered over TP, and experts over EP): the format of ``MoESync``/``TensorParallelSync``,
-    so an EP x TP checkpoint loads at EP=1 / TP=1 (or any layout) and back."""
-
-    pipelined = False
-
-    def __init__(self, model: Any, optimizer: Any, mesh: Any, *, ep: int = 1, settings: dict[str, Any] | None = None) -> None:
-        if model.sequence_parallel:
-            raise PeerConfigError("sequence parallelism with MoE layers: not supported")
-        self.model, self.mesh, self.device = model, mesh, mesh.device
-        self.layers = moe_layers(model)
-        if not self.layers:
-            raise PeerConfigError("the model has no MoE layers (use --moe-experts E with the gpt task)")
-        self.settings = dict(settings or {})
-        self.groups = mesh_expert_groups(mesh, ep)
-        for _, layer in self.layers:
-            layer.shard(self.groups.group, ep, self.groups.rank)
-        local = {id(p) for _, p in model.named_parameters()}
-        self.specs = [(s, p) for s, p in model.specs if id(p) in local]  # this rank's (experts: local ones only)
-        expert_ids = {id(p) for _, m in self.layers for p in m.experts.parameters()}
-        self._is_expert = {s.name: id(p) in expert_ids for s, p in self.specs}
-        model.to(self.device)
-        self.flat = FlatParams([p for p in model.parameters() if id(p) not in expert_ids], self.device)
-        self.experts = FlatParams([p for p in model.parameters() if id(p) in expert_ids], self.device)
-        self.optimizer = torch_optimizer(optimizer)(self.flat.params)
-        self.expert_optimizer = torch_optimizer(optimizer)(self.experts.params)
-        self._window_steps = 0
-        self.bytes_reduced = 0
-
-    def join(self) -> int:
-        from worker.peer.mesh import check_agreement
-
-        check_agreement({"mode": "tp-moe", "dp": self.mesh.dp, "tp": self.mesh.tp, "ep": self.groups.size,
-                         "numel": self.flat.numel, "expert_numel": self.experts.numel, **self.settings},
-                        self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
-        if self.mesh.dp > 1:  # the replicas of one shard start equal
-            dist.broadcast(self.flat.data, self.mesh.dp_ranks[0], group=self.mesh.dp_group)
-        if self.groups.replicas is not None:
-            dist.broadcast(self.experts.data, dist.get_global_rank(self.groups.replicas, 0), group=self.groups.replicas)
-        return self._resume()
-
-    def leave(self) -> None:
-        pass
-
-    def fetch(self, step: int, batch: Any) -> Fetched:
-        return Fetched(step, batch, step)
-
-    def gradients(self, step: int) -> Grads:
-        return Grads(None)
-
-    def zero_grad(self) -> None:
-        self.flat.zero_grad()
-        self.experts.zero_grad()
-
-    def push(self, step: int, grads: Grads) -> PushResult:
-        """Expert shards' gradients summed over their replicas, the rest over the DP group; both / D."""
-        g = self.experts.grad
-        work = dist.all_reduce(g, group=self.groups.replicas, async_op=True) if self.groups.replicas is not None else None
-        if self.mesh.dp > 1:
-            dist.all_reduce(self.flat.grad, group=self.mesh.dp_group)
-            self.bytes_reduced += self.flat.grad.numel() * self.flat.grad.element_size()
-        if work is not None:
-            work.wait()
-            self.bytes_reduced += g.numel() * g.element_size()
-        self.flat.grad.div_(self.mesh.dp)
-        g.div_(self.mesh.dp)
-        self.optimizer.step()
-        self.expert_optimizer.step()
-        self._window_steps += 1
-        self._maybe_save(step + 1)
-        return PushResult()
-
-    def window_metrics(self) -> dict[str, Any]:
-        steps, self._window_steps = self._window_steps, 0
-        return window_metrics([m for _, m in self.layers], steps)
-
-    def stats(self) -> dict[str, Any]:
-        return {"bytes_reduced": self.bytes_reduced, "tp": self.mesh.tp, "dp": self.mesh.dp, "ep": self.groups.size,
-                "expert_params": self.experts.numel}
-
-    def memory(self) -> dict[str, int]:
-        nb = self.flat.nbytes() + self.experts.nbytes()
-        state = sum(v.numel() * v.element_size() for o in (self.optimizer, self.expert_optimizer) for st in o.state.values()
-                    for v in st.values() if isinstance(v, torch.Tensor))
-        return {"param_bytes": nb, "grad_bytes": nb, "state_bytes": state}
-
-    # ------------------------------------------------------------------ whole tensors
-    def _tp_gather(self, spec: Any, local: torch.Tensor) -> torch.Tensor:
-        if spec.dim is None or self.mesh.tp == 1:
-            return spec.unshard([local.detach()])  # type: ignore[no-any-return]
-        shards = [torch.empty_like(local) for _ in range(self.mesh.tp)]
-        dist.all_gather(shards, local.detach().contiguous(), group=self.mesh.tp_group)
-        return spec.unshard(shards)  # type: ignore[no-any-return]
-
-    def _whole(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``tensors`` (this rank's whole-over-TP tensors by plain name, experts: the local ones) with
-        every layer's other experts gathered over the EP group (a collective on every rank)."""
-        out = dict(tensors)
-        if self.groups.size == 1:
-            return out
-        for name, layer in self.layers:
-            local = list(layer.local_experts)
-            subs = [n for n, _ in layer.experts[str(local[0])].named_parameters()]
-            flat = torch.cat([tensors[f"{name}.experts.{e}.{sub}"].reshape(-1) for e in local for sub in subs])
-            allv = flat.new_empty(self.groups.size * flat.numel())
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            gather(allv, flat, group=self.groups.group)
-            off = 0
-            for j in range(self.groups.size):  # EP rank j's experts, in its order
-                for i in range(len(local)):
-                    for sub in subs:
-                        like = tensors[f"{name}.experts.{local[0]}.{sub}"]
-                        out[f"{name}.experts.{j * len(local) + i}.{sub}"] = allv[off : off + like.numel()].view(like.shape)
-                        off += like.numel()
-        return out
-
-    def parameters(self) -> torch.Tensor:
-        """The plain model's parameters, whole, in its order (a collective)."""
-        whole = self._whole({s.name: self._tp_gather(s, p) for s, p in self.specs})
-        return torch.cat([whole[s.name].reshape(-1) for s, _ in self.model.specs])
-
-    # ------------------------------------------------------------------ checkpoints
-    def checkpoint_pieces(self) -> tuple[list[Piece], dict[str, float]]:
-        """Every plain tensor whole (gathered over TP) with its optimizer state: the dense ones from
-        the first rank of the first replica, the experts from the TP-first ranks of the first EP group."""
-        pieces: list[Piece] = []
-        scalars: dict[str, float] = {}
-        first_tp = self.mesh.tp_idx == 0
-        for spec, p in self.specs:
-            expert = self._is_expert[spec.name]
-            opt = self.expert_optimizer if expert else self.optimizer
-            full = self._tp_gather(spec, p)
-            whole = {k: self._tp_gather(spec, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-                     for k, v in sorted(opt.state.get(p, {}).items())}
-            if first_tp and (self.mesh.dp_idx < self.groups.size if expert else self.mesh.dp_idx == 0):
-                pieces.append(Piece(f"param/{spec.name}", 0, full.reshape(-1)))
-                ps, sc = optimizer_pieces(whole, spec.name, full.numel(), 0, full.numel(), 0)
-                pieces += ps
-                scalars.update(sc)
-        return pieces, scalars
-
-    def load_checkpoint(self, reader: CheckpointReader) -> None:
-        """This rank's shards (and optimizer state) from whole tensors of any layout."""
-        states: dict[bool, dict[int, dict[str, torch.Tensor]]] = {False: {}, True: {}}
-        index = {**{id(p): i for i, p in enumerate(self.flat.params)}, **{id(p): i for i, p in enumerate(self.experts.params)}}
-        tp, r = self.mesh.tp, self.mesh.tp_idx
-        with torch.no_grad():
-            for spec, p in self.specs:
-                if not reader.has(f"param/{spec.name}"):
-                    raise PeerConfigError(f"checkpoint {reader.path} has no {spec.name!r}: saved from another model (experts?)")
-                n = math.prod(spec.full_shape)
-                p.copy_(spec.shard(reader.read(f"param/{spec.name}", 0, n).view(spec.full_shape), r, tp).to(p))
-                keys = state_keys(reader, spec.name)
-                if keys:
-                    states[self._is_expert[spec.name]][index[id(p)]] = {
-                        k: spec.shard(reader.read(f"state/{k}/{spec.name}", 0, n).view(spec.full_shape), r, tp).to(p) for k in keys
-                    }
-        scalars = {k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()}
-        for expert, opt in ((False, self.optimizer), (True, self.expert_optimizer)):
-            if states[expert]:
-                sd = opt.state_dict()
-                opt.load_state_dict({"state": {i: {**st, **scalars} for i, st in states[expert].items()},
-                                     "param_groups": sd["param_groups"]})

@@ -28,7 +28,7 @@ Activations are kept sequence-first ``(S, B, H)`` inside the model, as Megatron 
 split along the sequence is a contiguous chunk for the collectives.
 
 Why hand-written rather than ``torch.distributed.tensor`` (DTensor) with its ``parallelize_module``
-plans: (1) our ZeRO (worker/peer/zero.py) and the ``ParamSync`` seam work on plain tensors in a
+plans: (1) our ZeRO (worker/peer/core.py) and the ``ParamSync`` seam work on plain tensors in a
 ``FlatParams`` buffer; DTensor parameters would need every one of them to learn DTensor's
 placements, and mixing a flat-buffer view with a DTensor is not supported; (2) the vocab-parallel
 cross-entropy and the sequence-parallel linear that re-gathers its input in backward are not
@@ -55,23 +55,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from worker.flat import FlatParams
-from worker.peer.checkpoint import (
-    Checkpointing,
-    CheckpointReader,
-    Piece,
-    load_per_param_state,
-    read_whole_tensors,
-    whole_tensor_pieces,
-)
 from worker.peer.mesh import (
     ParallelMesh,
     PeerConfigError,
-    check_agreement,
     check_divisibility,
-    torch_optimizer,
 )
-from worker.sync_api import Fetched, Grads, ParamSync, PushResult
 
 __all__ = [
     "ColumnParallelLinear",
@@ -79,7 +67,6 @@ __all__ = [
     "ShardSpec",
     "TPMultiheadAttention",
     "TensorParallelGPT",
-    "TensorParallelSync",
     "VocabParallelEmbedding",
     "activation_bytes",
     "tensor_parallel_task",
@@ -675,187 +662,6 @@ class TensorParallelGPT(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------- training
-class TensorParallelSync(ParamSync, Checkpointing):
-    """The ``ParamSync`` of a TP (x DP) run: after backward, the replicated parameters' gradients are
-    summed over the TP group (sequence parallelism only: each rank saw S/T positions), every gradient
-    is averaged over the DP group (one all-reduce of the flat gradient), and ``optimizer`` steps
-    this rank's shards. ``parameters()`` gathers the full model (plain order) for comparisons.
-
-    ``zero=1``: ZeRO-1 on the DP dimension. The flat buffer of this rank's TP shards is cut into D
-    equal chunks (the last padded); the gradient is reduce-scattered over the DP group, the
-    optimizer keeps state for and steps this replica's chunk only, and the updated chunks are
-    all-gathered over the DP group: optimizer state per rank / D.
-
-    Checkpoints (``set_checkpointing``): the plain model's tensors, whole, under their plain names
-    (``param/<name>``, ``state/<key>/<name>``), gathered over the TP group (and under ZeRO-1 over the
-    DP group) and written by the first rank of the first replica: the format DP and ZeRO write, so
-    a checkpoint of any (D, T) layout loads into any other, with or without ZeRO-1, or into DP /
-    ZeRO at any world size, and back (each rank reads the whole tensors and keeps its shard)."""
-
-    pipelined = False
-
-    def __init__(
-        self, model: TensorParallelGPT, optimizer: Any, mesh: ParallelMesh, settings: dict[str, Any] | None = None,
-        zero: int = 0,
-    ) -> None:
-        if zero not in (0, 1):
-            raise PeerConfigError(f"tensor parallelism composes with ZeRO stage 1 only (or 0), got {zero}")
-        self.model, self.mesh, self.zero = model, mesh, zero
-        self.device = mesh.device
-        self.flat = FlatParams.of(model, self.device)
-        self.settings = dict(settings or {})
-        self._repl = model.replicated_parameters() if model.sequence_parallel else []
-        self._index = {id(p): i for i, p in enumerate(self.flat.params)}
-        self.bytes_reduced = 0
-        n, d = self.flat.numel, mesh.dp
-        self._chunk = -(-n // d) if n else 0
-        self._lo = min(mesh.dp_idx * self._chunk, n)
-        self._hi = min(self._lo + self._chunk, n)
-        if zero:
-            self.shard = nn.Parameter(torch.zeros(self._chunk, dtype=self.flat.dtype, device=self.device))
-            self.shard.grad = torch.zeros_like(self.shard)
-            self._buf = torch.zeros(self._chunk * d, dtype=self.flat.dtype, device=self.device)
-            self._pull_shard()
-            self.optimizer = torch_optimizer(optimizer)([self.shard])
-        else:
-            self.optimizer = torch_optimizer(optimizer)(self.flat.params)
-
-    def _pull_shard(self) -> None:
-        """The ZeRO-1 shard <- this replica's chunk of the flat parameters."""
-        with torch.no_grad():
-            self.shard.data.zero_()
-            self.shard.data[: self._hi - self._lo].copy_(self.flat.data[self._lo : self._hi])
-
-    def join(self) -> int:
-        check_agreement({"mode": "tp", "dp": self.mesh.dp, "tp": self.mesh.tp, "pp": self.mesh.pp, "zero": self.zero,
-                         "sequence_parallel": self.model.sequence_parallel, "numel": self.flat.numel, **self.settings},
-                        self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
-        if self.mesh.dp > 1:  # the replicas of one shard start equal
-            dist.broadcast(self.flat.data, self.mesh.dp_ranks[0], group=self.mesh.dp_group)
-        if self.zero:
-            self._pull_shard()
-        return self._resume()
-
-    def leave(self) -> None:
-        pass
-
-    def fetch(self, step: int, batch: Any) -> Fetched:
-        return Fetched(step, batch, step)
-
-    def gradients(self, step: int) -> Grads:
-        return Grads(None)
-
-    def reduce_gradients(self) -> None:
-        """Sum the replicated parameters' gradients over TP (under SP); average all over DP (ZeRO-1:
-        reduce-scatter, this replica's chunk into ``shard.grad``)."""
-        if self._repl and self.mesh.tp > 1:
-            buf = torch.cat([p.grad.reshape(-1) for p in self._repl])  # type: ignore[union-attr]
-            dist.all_reduce(buf, group=self.mesh.tp_group)
-            self.bytes_reduced += buf.numel() * buf.element_size()
-            off = 0
-            for p in self._repl:
-                n = p.numel()
-                p.grad.copy_(buf[off : off + n].view_as(p))  # type: ignore[union-attr]
-                off += n
-        if self.zero:
-            self._buf.zero_()
-            self._buf[: self.flat.numel].copy_(self.flat.grad).div_(self.mesh.dp)
-            assert self.shard.grad is not None
-            if self.mesh.dp > 1:
-                dist.reduce_scatter_tensor(self.shard.grad, self._buf, group=self.mesh.dp_group)
-                self.bytes_reduced += self._buf.numel() * self._buf.element_size()
-            else:
-                self.shard.grad.copy_(self._buf)
-        elif self.mesh.dp > 1:
-            self.flat.grad.div_(self.mesh.dp)
-            dist.all_reduce(self.flat.grad, group=self.mesh.dp_group)
-            self.bytes_reduced += self.flat.grad.numel() * self.flat.grad.element_size()
-
-    def push(self, step: int, grads: Grads) -> PushResult:
-        self.reduce_gradients()
-        self.optimizer.step()
-        if self.zero:
-            with torch.no_grad():
-                if self.mesh.dp > 1:
-                    dist.all_gather_into_tensor(self._buf, self.shard.data, group=self.mesh.dp_group)
-                else:
-                    self._buf.copy_(self.shard.data)
-                self.flat.data.copy_(self._buf[: self.flat.numel])
-        self._maybe_save(step + 1)
-        return PushResult()
-
-    def parameters(self) -> torch.Tensor:
-        return torch.cat([p.reshape(-1) for p in self.model.full_parameters()])
-
-    def stats(self) -> dict[str, Any]:
-        return {"bytes_reduced": self.bytes_reduced, "tp": self.mesh.tp, "dp": self.mesh.dp, "zero": self.zero,
-                "sequence_parallel": self.model.sequence_parallel}
-
-    def memory(self) -> dict[str, int]:
-        """Bytes this rank keeps between steps: parameters, gradients (its TP shards), optimizer state."""
-        nb = self.flat.nbytes()
-        state = sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
-                    if isinstance(v, torch.Tensor))
-        return {"param_bytes": nb, "grad_bytes": nb, "state_bytes": state}
-
-    # ------------------------------------------------------------------ checkpoints
-    def _gather(self, spec: ShardSpec, local: torch.Tensor) -> torch.Tensor:
-        if spec.dim is None or self.model.tp == 1:
-            return spec.unshard([local.detach()])
-        shards = [torch.empty_like(local) for _ in range(self.model.tp)]
-        dist.all_gather(shards, local.detach().contiguous(), group=self.model.group)
-        return spec.unshard(shards)
-
-    def _local_states(self) -> dict[int, dict[str, Any]]:
-        """Optimizer state per local parameter (by id), whole on this rank (ZeRO-1: gathered over DP)."""
-        if not self.zero:
-            return {id(p): dict(self.optimizer.state.get(p, {})) for p in self.flat.params}
-        st = self.optimizer.state.get(self.shard, {})
-        flat: dict[str, Any] = {}
-        for k, v in sorted(st.items()):
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                full = torch.empty(self._chunk * self.mesh.dp, dtype=v.dtype, device=v.device)
-                if self.mesh.dp > 1:
-                    dist.all_gather_into_tensor(full, v.contiguous(), group=self.mesh.dp_group)
-                else:
-                    full.copy_(v)
-                flat[k] = full[: self.flat.numel]
-            else:
-                flat[k] = v
-        out = {}
-        for p, seg in zip(self.flat.params, self.flat.segments):
-            out[id(p)] = {k: (v[seg.offset : seg.offset + seg.numel].view(seg.shape) if isinstance(v, torch.Tensor) and v.dim() > 0
-                              else v) for k, v in flat.items()}
-        return out
-
-    def checkpoint_pieces(self) -> tuple[list[Piece], dict[str, float]]:
-        """Every plain tensor whole (a gather over the TP group); the first rank of the first
-        replica keeps them, the others return nothing."""
-        writer = self.mesh.dp_idx == 0 and self.mesh.tp_idx == 0
-        return whole_tensor_pieces(self.model.specs, self._local_states(), self._gather, writer)
-
-    def load_checkpoint(self, reader: CheckpointReader) -> None:
-        """This rank's shards of every parameter and (if saved) of its optimizer state."""
-        state = read_whole_tensors(reader, self.model.specs, self.model.tp_rank, self.model.tp)
-        scalars = {k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()}
-        if not self.zero:
-            load_per_param_state(self.optimizer, self._index, state, scalars)
-            return
-        sd = self.optimizer.state_dict()
-        self._pull_shard()
-        if not state:
-            return
-        keys = sorted({k for st in state.values() for k in st})
-        chunk: dict[str, torch.Tensor] = {}
-        for k in keys:
-            flat = torch.zeros(self._chunk * self.mesh.dp, dtype=self.flat.dtype, device=self.device)
-            for p, seg in zip(self.flat.params, self.flat.segments):
-                if k in state.get(id(p), {}):
-                    flat[seg.offset : seg.offset + seg.numel].copy_(state[id(p)][k].reshape(-1))
-            chunk[k] = flat[self.mesh.dp_idx * self._chunk : (self.mesh.dp_idx + 1) * self._chunk].clone()
-        self.optimizer.load_state_dict({"state": {0: {**chunk, **scalars}}, "param_groups": sd["param_groups"]})
-
-
 def tensor_parallel_task(
     task: Any, mesh: ParallelMesh, sequence_parallel: bool = False, dropout: float = 0.0, attention_dropout: float = 0.0,
     recompute: str = "none", rng: Any = None,

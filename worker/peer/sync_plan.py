@@ -1,0 +1,110 @@
+"""One way to choose a peer ``ParamSync``: ``make_sync(plan, model, mesh_or_client)``.
+
+The mode (``plan.mode``) is looked up in the registry (``worker.modes``); the rest of the plan says
+how the mode's dense parameters meet the layout: over every rank (no mesh), over the DP dimension
+of a ``ParallelMesh`` (tensor parallelism: the model is a tensor-parallel one, its ``specs`` and
+``replicated_parameters()`` say what is split), or beside PS embeddings (``hybrid``, given a
+``PSClient``). What a plan cannot run raises ``PeerConfigError`` with one line saying what and why,
+the same on every rank (nothing collective happens before it).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from worker.modes import check_mode
+from worker.peer.mesh import PeerConfigError
+from worker.sync_api import ParamSync
+
+__all__ = ["SyncPlan", "make_sync"]
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """How a run synchronises. ``mode``: a peer mode of ``worker.modes`` (dp, zero1-3, hybrid).
+    ``optimizer``: a task's ``OptimizerSpec`` or a factory ``params -> torch.optim.Optimizer``.
+    ``bucket_mb``/``compress``: the all-reduce's buckets and 16-bit transport (ZeRO stage 0 only).
+    ``sequence_parallel``: the TP model's replicated parameters' gradients are partial per TP rank.
+    ``ep``: expert-parallel ranks (models with MoE layers). ``sparse_mode``/``sparse_ids``: hybrid's
+    PS side. ``device``; ``settings``: fields every rank must agree on."""
+
+    mode: str = "dp"
+    optimizer: Any = None
+    bucket_mb: float = 25.0
+    compress: str | None = None
+    sequence_parallel: bool = False
+    ep: int = 1
+    device: Any = "cpu"
+    sparse_mode: str = "async"
+    sparse_ids: Any = None
+    prefix: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        try:
+            m = check_mode(self.mode, "peer")
+        except ValueError as e:
+            raise PeerConfigError(str(e)) from None
+        if self.compress not in (None, "none", "bf16", "fp16"):
+            raise PeerConfigError(f"compress must be one of none, bf16, fp16, got {self.compress!r}")
+        if self.compress not in (None, "none") and m.stage:
+            raise PeerConfigError("gradient compression is implemented for dp only, not ZeRO")
+        if self.ep < 1:
+            raise PeerConfigError(f"--ep must be >= 1, got {self.ep}")
+
+    @property
+    def stage(self) -> int:
+        """The ZeRO stage of the dense parameters."""
+        return int(check_mode(self.mode).stage or 0)
+
+
+def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None) -> ParamSync:
+    """The ``ParamSync`` of ``plan`` for ``model``: ``mesh_or_client`` None (every rank one data-parallel
+    replica), a ``ParallelMesh`` (DP x TP; ``model`` its tensor-parallel model) or a ``PSClient``
+    (``hybrid``: PS embeddings, all-reduced dense part). The process group must be initialised."""
+    from worker.peer.data_parallel import DataParallelSync
+    from worker.peer.moe import moe_layers
+
+    compress = None if plan.compress == "none" else plan.compress
+    client_mod = sys.modules.get("ps.client")
+    is_client = client_mod is not None and isinstance(mesh_or_client, client_mod.PSClient)
+    # a model with PSEmbedding layers has imported worker.binding (which loads the PS client, so grpc):
+    # look the class up only then, so a dense model's rank never imports it
+    binding = sys.modules.get("worker.binding")
+    has_rows = binding is not None and any(isinstance(m, binding.PSEmbedding) for m in model.modules())
+    if plan.mode == "hybrid" or is_client:
+        if plan.mode != "hybrid" or not is_client:
+            raise PeerConfigError("--mode hybrid needs --ps HOST:PORT,... (the shards holding the embeddings), and a PS client needs --mode hybrid")
+        import torch.distributed as dist
+
+        from worker.peer.hybrid import HybridSync
+
+        return HybridSync(model, mesh_or_client, plan.prefix, plan.optimizer, rank=dist.get_rank(), world=dist.get_world_size(),
+                          device=plan.device, bucket_mb=plan.bucket_mb, compress=compress, sparse_mode=plan.sparse_mode,
+                          sparse_ids=plan.sparse_ids, settings=plan.settings)
+    if has_rows:
+        raise PeerConfigError("the model has PSEmbedding layers (rows on a PS): use --mode hybrid with --ps")
+    if moe_layers(model):
+        from worker.peer.moe import MoESync
+
+        if mesh_or_client is not None and compress is not None:
+            raise PeerConfigError("--compress with --tp/--dp is not supported (dp mode without a mesh only)")
+        return MoESync(model, plan.optimizer, mesh_or_client, ep=plan.ep, stage=plan.stage, device=plan.device,
+                       bucket_mb=plan.bucket_mb, compress=compress, settings=plan.settings)
+    if plan.ep > 1:
+        raise PeerConfigError(f"--ep {plan.ep} needs a model with MoE layers: add --moe-experts E (gpt)")
+    if mesh_or_client is None:
+        return DataParallelSync(model, plan.optimizer, stage=plan.stage, device=plan.device, bucket_mb=plan.bucket_mb,
+                                compress=compress, settings=plan.settings)
+    mesh = mesh_or_client
+    if compress is not None:
+        raise PeerConfigError("--compress with --tp/--dp is not supported (dp mode without a mesh only)")
+    replicated = model.replicated_parameters() if plan.sequence_parallel and hasattr(model, "replicated_parameters") else []  # type: ignore[operator]
+    return DataParallelSync(
+        model, plan.optimizer, stage=plan.stage, group=mesh.dp_group, device=mesh.device, overlap=False,
+        tp_group=mesh.tp_group if mesh.tp > 1 else None, tp_replicated=replicated,
+        settings={"pp": mesh.pp, "sequence_parallel": plan.sequence_parallel, **plan.settings},
+    )
