@@ -56,8 +56,8 @@ class ServerConfig:
     global weights, and collect until every sampled client answered or
     ``round_timeout`` seconds passed. Straggler rule, once at least half of the sampled
     clients answered: when the slowest answer took ``t`` seconds, a client that has not
-    answered ``(1 + straggler_factor) * t`` seconds after its task went out is a
-    straggler; with ``min_clients`` answers the round closes without the stragglers, short
+    answered ``(1 + straggler_factor) * max(t, straggler_min_s)`` seconds after its task
+    went out is a straggler; with ``min_clients`` answers the round closes without the stragglers, short
     of them other participants are asked in their place (participants that keep missing
     rounds are drawn less: ``federated.sampling``).
     Aggregate if at least ``min_clients`` answered, else retry the round (up to
@@ -94,6 +94,7 @@ class ServerConfig:
     min_available: int = 0  # 0: min_clients
     round_timeout: float = 60.0
     straggler_factor: float = 1.0  # a client (1 + this) x slower than the slowest answer is a straggler
+    straggler_min_s: float = 0.1  # ... but never before (1 + straggler_factor) x this: ms-scale jitter drops nobody
     eval_fraction: float = 1.0
     eval_every: int = 1
     eval_timeout: float = 0.0  # 0: round_timeout
@@ -138,8 +139,9 @@ class ServerConfig:
             raise ConfigError(f"min available ({self.min_available}) must be >= min clients ({self.min_clients})")
         if not self.round_timeout > 0:
             raise ConfigError(f"round timeout must be > 0, got {self.round_timeout}")
-        if not self.straggler_factor >= 0:
-            raise ConfigError(f"straggler factor must be >= 0, got {self.straggler_factor}")
+        if not self.straggler_factor >= 0 or not self.straggler_min_s >= 0:
+            raise ConfigError(f"straggler factor and minimum must be >= 0, got {self.straggler_factor}, "
+                              f"{self.straggler_min_s}")
         if self.retry_backoff < 0 or self.retry_backoff_max < self.retry_backoff:
             raise ConfigError("need 0 <= retry_backoff <= retry_backoff_max")
         if self.eval_every < 0 or self.max_retries < 0:

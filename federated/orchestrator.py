@@ -208,7 +208,7 @@ class Orchestrator:
         every task of the phase and notes who answered and who timed out."""
         deadline = time.monotonic() + timeout
         factor: float | None = self.config.straggler_factor
-        while not self.registry.collect(pending, deadline, stop, quorum, factor):
+        while not self.registry.collect(pending, deadline, stop, quorum, factor, self.config.straggler_min_s):
             taken = {participant_of(p.node.identity, p.client_id) for p in pending}
             extra = replace(taken, quorum - sum(1 for p in pending if p.ok)) if replace is not None else []
             if not extra:

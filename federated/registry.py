@@ -365,15 +365,15 @@ class Registry:
         return p
 
     def collect(self, pending: Sequence[Pending], deadline: float, stop: threading.Event | None = None,
-                quorum: int = 0, straggler_factor: float | None = None) -> bool:
+                quorum: int = 0, straggler_factor: float | None = None, straggler_min_s: float = 0.0) -> bool:
         """Wait for the tasks in ``pending`` until every one is done, ``deadline``
         (time.monotonic()) passes or ``stop`` is set; then close the open ones (error
         ``"deadline passed"``), tell their nodes to cancel, forget every task and return True.
 
         The straggler rule (``quorum`` > 0 and ``straggler_factor`` given): when the slowest
         success took ``t`` seconds from its task's issue to its answer, an open task is a
-        straggler once ``(1 + straggler_factor) * t`` seconds passed since its own issue
-        (each slower success moves it on). The rule applies once at least half of ``pending``
+        straggler once ``(1 + straggler_factor) * max(t, straggler_min_s)`` seconds passed
+        since its own issue (each slower success moves it on). The rule applies once at least half of ``pending``
         succeeded (so that one quick answer among slow starters drops nobody); when every open
         task is then a straggler:
 
@@ -394,6 +394,7 @@ class Registry:
                 if rule and answered >= (len(pending) + 1) // 2:
                     took = max((p.finished_at - p.issued_at for p in pending if p.ok), default=None)
                     if took is not None:
+                        took = max(took, straggler_min_s)
                         last = max(p.issued_at for p in pending if not p.done)
                         cut = min(deadline, last + (1.0 + straggler_factor) * took)  # type: ignore[operator]
                 if cut <= now:

@@ -140,8 +140,8 @@ def test_ten_thousand_silent_ids_neither_fail_nor_slow_the_rounds(harness, fract
                retry_backoff=0.0, retry_backoff_max=0.0)
 
     def honest(h: Harness) -> None:
-        h.client(Shift(1.0, sleep=0.05), "h1", token=TOKENS["h1"])
-        h.client(Shift(3.0, sleep=0.05), "h2", token=TOKENS["h2"])
+        h.client(Shift(1.0, sleep=0.15), "h1", token=TOKENS["h1"])
+        h.client(Shift(3.0, sleep=0.15), "h2", token=TOKENS["h2"])
 
     base = harness(**cfg)
     honest(base)
@@ -166,7 +166,8 @@ def test_ten_thousand_silent_ids_neither_fail_nor_slow_the_rounds(harness, fract
     # eve timed out, so she is drawn less: at most half the rounds asked any of her ids
     assert 1 <= eve.tasks <= rounds // 2, eve.tasks
     # the median round, robust to the load of a shared machine (one round stalled by a busy CPU
-    # would move a total); a round eve was asked in takes about 2x (the straggler rule), the rest 1x
+    # would move a total); a round eve was asked in takes about 2x (the straggler rule; the honest fits
+    # take 0.15 s, above ServerConfig.straggler_min_s), the rest 1x. Measured: median 1.0x, total 1.3-1.5x
     ratio_median = statistics.median(flood_s) / statistics.median(base_s)
     assert ratio_median <= 2.0, (base_s, flood_s)
     assert max(flood_s) < cfg["round_timeout"] / 4, flood_s  # no round waited for eve's ids until its timeout
