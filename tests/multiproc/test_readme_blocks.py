@@ -39,6 +39,9 @@ SKIP = {
         "200 gpt steps under torchrun take minutes on 2 CPU cores; tests/multiproc/test_pipeline_cli.py runs "
         "`tessera peer --pp 2 --schedule 1f1b --recompute` (and the start check), tests/unit/test_planner.py this "
         "`tessera plan` line",
+    "# in the directory holding my_lm.py":
+        "needs the README's my_lm.py beside it; tests/multiproc/test_readme_peer_user_model.py saves that block "
+        "and runs these commands as written (3 steps), and compares the TP=2 x PP=2 one with one process",
     "tessera experiment consistency":
         "takes minutes even with --quick; the command runs in tests/multiproc/test_experiment.py",
     "# checkpoints: on request":

@@ -49,3 +49,34 @@ def test_tp2_x_pp2_matches_one_process() -> None:
 @pytest.mark.timeout(400)
 def test_dp2_x_tp2_matches_one_process() -> None:
     _launch(4, ["2,2,1"])
+
+
+BAD = {
+    "plan names no module": (2, ["--tp", "2", "--tp-plan", '{"blocks.*.attn.nope": "colwise"}'],
+                             "tensor-parallel plan: 'blocks.*.attn.nope' names no module of the model"),
+    "heads not divisible": (2, ["--tp", "2", "--tp-plan", '{"blocks.*.attn.q": "colwise"}', "--task-opt", "heads=3",
+                                "--task-opt", "dim=18"], "blocks.0.attn.n_heads = 3 heads not divisible by tp 2"),
+    "split after the last layer": (2, ["--pp", "2", "--pp-split", "blocks.9"],
+                                   "pipeline split point 'blocks.9': not a module the model's forward calls at the top level"),
+    "world not the layout's product": (3, ["--tp", "2"], "world size 3 is not divisible by tp 2 x pp 1"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_one_line_on_every_rank_exit_2(case: str) -> None:
+    """Through `tessera peer` (torchrun): every rank prints one line naming the module or number, exit 2."""
+    import subprocess
+    import sys
+
+    world, flags, message = BAD[case]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "multiproc")]),
+           "PYTHONWARNINGS": "ignore::FutureWarning", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", str(world), "--task",
+                        "user_models:gated_task", "--steps", "1", "--global-batch", "12", "--no-progress", *flags],
+                       env=env, cwd=ROOT, capture_output=True, text=True, timeout=110)
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    for r in range(world):
+        lines = [line for line in p.stderr.splitlines() if line.startswith(f"tessera peer: rank {r}: ")]
+        assert len(lines) == 1 and message in lines[0], (r, p.stderr[-3000:])

@@ -29,8 +29,8 @@ import user_models  # type: ignore[import-not-found]
 from worker.peer import shutdown_group
 from worker.peer.mesh import ParallelMesh, init_mesh, torch_optimizer
 from worker.peer.parallelize import parallelize
-from worker.peer.pipeline import PipelineEngine, partition
-from worker.peer.split import act_shapes, layer_costs, pipeline_io, pipeline_layers
+from worker.peer.pipeline import PipelineEngine
+from worker.peer.split import pipeline_source, shared_parameters
 
 STEPS, GLOBAL_BATCH, MICRO = 2, 8, 2
 CONFIGS = [("float64", "sgd", 0.1, 1e-10), ("float64", "adamw", 1e-2, 1e-10), ("float32", "sgd", 0.1, 1e-5)]
@@ -72,27 +72,19 @@ def train(task: Any, mesh: ParallelMesh, plan: Any, steps: int) -> tuple[list[fl
         opt = torch_optimizer(task.dense_optimizer)(mine)
         step_fn = None
     else:
-        pieces = pipeline_layers(m)
-        inputs, loss_fn = pipeline_io(task.loss)
-        costs = layer_costs(pieces)
-        eng = PipelineEngine(pieces, pp_ranks=mesh.pp_ranks, kind="1f1b", micro_batches=MICRO, pp_group=mesh.pp_group,
-                             dp_group=mesh.dp_group, dp_size=mesh.dp, loss_fn=loss_fn, costs=costs, reduce_grads=False)
+        first = next(task.batches(0, 1, per_rank // MICRO, 0))
+        src = pipeline_source(task.loss, m, mesh.pp, first)
+        eng = PipelineEngine(src.layers, pp_ranks=mesh.pp_ranks, kind="1f1b", micro_batches=MICRO, pp_group=mesh.pp_group,
+                             dp_group=mesh.dp_group, dp_size=mesh.dp, loss_fn=src.loss_fn, costs=src.costs, reduce_grads=False)
         # a weight two stages share (the tied embedding and head): its gradient summed over the pipeline
-        holders: dict[int, set[int]] = {}
-        for s, (a, b) in enumerate(partition(costs, mesh.pp)):
-            for piece in pieces[a:b]:
-                for p in piece.parameters():
-                    holders.setdefault(id(p), set()).add(s)
-        shared = [p for p in m.parameters() if len(holders.get(id(p), ())) > 1]
+        shared = shared_parameters(src.layers, eng.bounds)
         mine = eng.parameters()
         opt = torch_optimizer(task.dense_optimizer)(mine)
-        first = next(task.batches(0, 1, per_rank // MICRO, 0))
-        (shape, dtype), = set(act_shapes(pieces, inputs(first)))
 
         def step_fn(batch: torch.Tensor) -> float:
             mbs = list(batch.chunk(MICRO))
             eng.zero_grad()
-            loss = eng.step([inputs(b) for b in mbs], mbs, shape, dtype)
+            loss = eng.step([src.inputs(b) for b in mbs], mbs, src.act_shape, src.act_dtype)
             for p in shared:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

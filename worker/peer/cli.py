@@ -44,7 +44,13 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="dp", choices=list(PEER_MODES),
                    help="data parallel, a ZeRO stage, or hybrid (PSEmbedding rows on the PS given by --ps, dense all-reduced)")
     p.add_argument("--dp", type=int, default=0, help="data-parallel replicas (0: world size / (tp x pp))")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica (gpt task; ranks r..r+T-1 share a layer)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica (ranks r..r+T-1 share a layer)")
+    p.add_argument("--tp-plan", default="",
+                   help="how --tp splits the model: auto (found by structure and name, printed), a JSON file or inline JSON "
+                        "{module or pattern: colwise|rowwise|vocab|sequence|replicate} (empty: auto; the gpt task: its built-in split)")
+    p.add_argument("--pp-split", default="",
+                   help="with --pp: module names where stages start, comma-separated, e.g. blocks.2,blocks.4 "
+                        "(empty: balanced by parameter count)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="with --tp: LayerNorm/dropout regions split along the sequence (all-gather/reduce-scatter)")
     p.add_argument("--ps", default="", type=shard_list_arg(allow_empty=True),  # malformed: refused at once
@@ -191,8 +197,16 @@ def run_rank(args: argparse.Namespace) -> int:
 
             if not args.ps:
                 raise PeerConfigError("--mode hybrid needs --ps HOST:PORT,... (the shards holding the embeddings)")
+            from ps.cli import wait_for_shards
+            from tessera.service import ServerUnreachableError
+
+            try:  # as the worker: rank 0 says every 5 s which shard it waits for and why; then one line per rank
+                wait_for_shards(args.ps.split(","), None, timeout=60, say=lambda text: rank == 0 and print(
+                    f"tessera peer: rank 0: {text}", file=sys.stderr, flush=True))
+            except ServerUnreachableError as e:
+                print(f"tessera peer: rank {rank}: {e}", file=sys.stderr, flush=True)
+                return 1
             client = where = PSClient(args.ps.split(","), timeout=max(60.0, args.timeout))
-            client.wait_ready(timeout=60)
         sync: Any = make_sync(plan, task.model, where)
         if args.checkpoint_dir:
             if args.mode == "hybrid":
@@ -271,23 +285,37 @@ def run_rank(args: argparse.Namespace) -> int:
 
 def _mesh(args: argparse.Namespace, task: Any, dp: int, device: Any) -> tuple[Any, Any]:
     """The (D, T, P) mesh of this run, checked on every rank, and the task with its tensor-parallel
-    model: (mesh, task). The sync over it comes from ``make_sync``."""
+    model: (mesh, task). The sync over it comes from ``make_sync``. The model is split by
+    ``worker.peer.parallelize`` with ``--tp-plan`` (default auto) for any task; the gpt task without
+    ``--tp-plan`` keeps its built-in split (``TensorParallelGPT``: vocab-parallel loss, dropout,
+    selective recompute, MoE layers)."""
     from worker.peer import PeerConfigError
     from worker.peer.mesh import ParallelMesh
-    from worker.peer.tensor_parallel import tensor_parallel_task
 
     pp = getattr(args, "pp", 1)
     if pp > 1:
         raise PeerConfigError("--pp > 1 runs through worker.peer.pipeline.run_pipeline_rank, not the trainer's mesh path")
-    m = task.model
-    if not all(hasattr(m, a) for a in ("tok", "pos", "blocks", "ln", "head")) or not len(m.blocks):
-        raise PeerConfigError(f"--tp/--sequence-parallel split the gpt task's model; task {args.task!r} is not one")
-    check = {"heads": m.blocks[0].heads, "dim": m.tok.embedding_dim, "layers": len(m.blocks), "vocab": m.tok.num_embeddings,
-             "seq": m.pos.num_embeddings,
-             "global_batch": args.global_batch, "micro_batches": args.accumulate,
-             "sequence_parallel": args.sequence_parallel}
+    check = {"global_batch": args.global_batch, "micro_batches": args.accumulate}
+    if args.task == "gpt" and not args.tp_plan:
+        from worker.peer.tensor_parallel import tensor_parallel_task
+
+        m = task.model
+        check.update(heads=m.blocks[0].heads, dim=m.tok.embedding_dim, layers=len(m.blocks), vocab=m.tok.num_embeddings,
+                     seq=m.pos.num_embeddings, sequence_parallel=args.sequence_parallel)
+        mesh = ParallelMesh.build(dp, args.tp, pp, device=device, seed=args.seed, check=check)
+        return mesh, tensor_parallel_task(task, mesh, sequence_parallel=args.sequence_parallel)
+    from dataclasses import replace
+
+    from worker.peer.moe import moe_layers
+    from worker.peer.parallelize import parallelize, plan_arg, resolve_plan
+
+    if moe_layers(task.model):
+        raise PeerConfigError("--tp with MoE layers: the gpt task's built-in split only (leave out --tp-plan)")
+    plan = plan_arg(args.tp_plan or "auto")
+    resolve_plan(task.model, plan, args.tp, args.sequence_parallel)  # every size checked before any collective
     mesh = ParallelMesh.build(dp, args.tp, pp, device=device, seed=args.seed, check=check)
-    return mesh, tensor_parallel_task(task, mesh, sequence_parallel=args.sequence_parallel)
+    model = parallelize(task.model, mesh, plan, sequence_parallel=args.sequence_parallel).to(device)
+    return mesh, replace(task, model=model)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

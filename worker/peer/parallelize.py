@@ -60,7 +60,7 @@ from worker.peer.tensor_parallel import (
     _SplitToSeq,
 )
 
-__all__ = ["STYLES", "TPLayout", "auto_plan", "load_plan", "parallelize", "resolve_plan"]
+__all__ = ["STYLES", "TPLayout", "auto_plan", "describe", "load_plan", "parallelize", "plan_arg", "resolve_plan"]
 
 STYLES = ("colwise", "rowwise", "vocab", "sequence", "replicate", "attention")
 HEAD_ATTRS = ("heads", "n_heads", "num_heads", "n_head", "nhead", "num_attention_heads")
@@ -512,7 +512,7 @@ def describe(layout: TPLayout, auto: bool = False) -> str:
     return "\n".join(lines)
 
 
-def plan_from_env(value: str) -> Mapping[str, str] | str | None:
+def plan_arg(value: str) -> Mapping[str, str] | str | None:
     """``--tp-plan`` as given on the command line: ``auto``, a JSON file, or inline JSON."""
     if value.strip().startswith("{"):
         try:

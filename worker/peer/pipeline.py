@@ -58,14 +58,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from worker.peer.checkpoint import (
-    Checkpointing,
-    CheckpointReader,
-    Piece,
-    load_per_param_state,
-    read_whole_tensors,
-    whole_tensor_pieces,
-)
+from worker.modes import check_mode
+from worker.sync_api import Grads
+
 from worker.peer.flags import (
     KINDS,
     PRECISIONS,
@@ -82,9 +77,7 @@ __all__ = [
     "Action",
     "PipelineEngine",
     "ScheduleError",
-    "StageOptimizer",
     "add_pipeline_args",
-    "allreduce_grads",
     "bubble_theory",
     "gpt_layer_costs",
     "gpt_layers",
@@ -96,6 +89,7 @@ __all__ = [
     "schedule",
     "simulate",
     "stage_specs",
+    "stage_sync",
     "takes_pipeline_path",
     "tp_gpt_layers",
     "tp_gpt_loss",
@@ -418,7 +412,7 @@ def tp_gpt_layers(model: Any) -> list[nn.Module]:
     stages is the residual stream ``(S, B, H)``, whole on every TP rank of the stage (under sequence
     parallelism: this rank's ``(S/T, B, H)`` chunk); each stage rank sends it to the next stage's rank
     with the same TP index. Under sequence parallelism the replicated parameters' gradients are
-    partial per TP rank: ``StageOptimizer(sequence_parallel=True)`` sums them over the TP group."""
+    partial per TP rank: ``stage_sync(sequence_parallel=True)`` sums them over the TP group."""
     return [_TPEmbed(model), *model.blocks, _TPHead(model)]
 
 
@@ -477,189 +471,6 @@ class _Stage(nn.Module):
 # ---------------------------------------------------------------- the executor
 
 
-def allreduce_grads(params: Sequence[nn.Parameter], group: Any, size: int, bucket_bytes: int = 25 * 2**20) -> None:
-    """Mean of the parameters' gradients over ``group`` (``size`` ranks): flat all-reduces of
-    buckets of about ``bucket_bytes`` (the only extra memory: one bucket)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if size <= 1 or not grads:
-        return
-    bucket: list[torch.Tensor] = []
-    nbytes = 0
-    for i, g in enumerate(grads):
-        bucket.append(g)
-        nbytes += g.numel() * g.element_size()
-        if nbytes >= bucket_bytes or i == len(grads) - 1:
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            dist.all_reduce(flat, group=group)
-            flat.div_(size)
-            off = 0
-            for t in bucket:
-                t.copy_(flat[off : off + t.numel()].view_as(t))
-                off += t.numel()
-            bucket, nbytes = [], 0
-
-
-class StageOptimizer(Checkpointing):
-    """The optimizer of one pipeline rank's stages, in a (D, T, P) mesh, and its checkpoints.
-
-    ``named``: ``(ShardSpec, parameter)`` for every parameter this rank holds (the plain model's
-    name, and how the plain tensor maps to this rank's TP shard; ``dim=None``: held whole).
-    ``step()`` after ``PipelineEngine.step`` (built with ``reduce_grads=False``): the gradients,
-    summed over the micro-batches, are averaged over the DP group and the optimizer steps.
-    ``zero=0``: an all-reduce of the gradients and a whole optimizer on every replica. ``zero=1``
-    (ZeRO-1 on the DP dimension): this rank's parameters, flat, cut into D equal chunks (the last
-    padded); the gradient is reduce-scattered over the DP group, the optimizer keeps state for and
-    steps replica ``dp_idx``'s chunk only (optimizer state 1/D per stage), and the updated chunks
-    are all-gathered back into the parameters.
-
-    Checkpoints: the format of DP, ZeRO and TP runs (worker/peer/checkpoint.py): every plain tensor
-    whole under its plain name (``param/<name>``, ``state/<key>/<name>``), gathered over the TP
-    group (and under ZeRO-1 the state over the DP group) and written by the (dp 0, tp 0) rank of
-    each stage; so a checkpoint of any (D, T, P) loads into any other, or into the DP/ZeRO/TP
-    trainer's runs, and back (each rank reads the whole tensors of its stages and keeps its shard)."""
-
-    def __init__(
-        self, named: Sequence[tuple[Any, nn.Parameter]], optimizer: Any, *, dp_group: Any = None, dp_size: int = 1,
-        dp_idx: int = 0, tp_group: Any = None, tp_size: int = 1, tp_rank: int = 0, zero: int = 0,
-        sequence_parallel: bool = False,
-    ) -> None:
-        from worker.peer.mesh import PeerConfigError, torch_optimizer
-
-        if zero not in (0, 1):
-            raise PeerConfigError(f"pipeline parallelism composes with ZeRO stage 1 only (or 0), got {zero}")
-        self.named = list(named)
-        self.params = [p for _, p in self.named]
-        self.dp_group, self.D, self.dp_idx = dp_group, dp_size, dp_idx
-        self.tp_group, self.T, self.tp_rank, self.zero = tp_group, tp_size, tp_rank, zero
-        self.numel = sum(p.numel() for p in self.params)
-        # under sequence parallelism each TP rank saw S/T positions: the replicated parameters'
-        # gradients are partial sums, added up over the TP group before the DP reduction
-        self._repl = [p for s, p in self.named if s.dim is None] if sequence_parallel and tp_size > 1 else []
-        self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._chunk = -(-self.numel // dp_size) if self.numel else 0
-        ref = self.params[0] if self.params else torch.zeros(())
-        self.dtype, self.device = ref.dtype, ref.device
-        if zero:
-            self._buf = torch.zeros(self._chunk * dp_size, dtype=self.dtype, device=self.device)
-            self.shard = nn.Parameter(torch.zeros(self._chunk, dtype=self.dtype, device=self.device))
-            self.shard.grad = torch.zeros_like(self.shard)
-            self._pull_shard()
-            self.optimizer = torch_optimizer(optimizer)([self.shard])
-        else:
-            self.optimizer = torch_optimizer(optimizer)(self.params)
-
-    def _flat(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0, dtype=self.dtype)
-
-    def _pull_shard(self) -> None:
-        with torch.no_grad():
-            self._buf.zero_()
-            self._buf[: self.numel].copy_(self._flat([p.detach() for p in self.params]))
-            lo = self.dp_idx * self._chunk
-            self.shard.data.copy_(self._buf[lo : lo + self._chunk])
-
-    def step(self) -> None:
-        """Average the gradients over DP and step (ZeRO-1: reduce-scatter, step the chunk, all-gather)."""
-        if self._repl:
-            grads = [p.grad for p in self._repl if p.grad is not None]
-            if grads:
-                buf = torch.cat([g.reshape(-1) for g in grads])
-                dist.all_reduce(buf, group=self.tp_group)
-                off = 0
-                for g in grads:
-                    g.copy_(buf[off : off + g.numel()].view_as(g))
-                    off += g.numel()
-        if not self.zero:
-            allreduce_grads(self.params, self.dp_group, self.D)
-            self.optimizer.step()
-            return
-        assert self.shard.grad is not None
-        with torch.no_grad():
-            self._buf.zero_()
-            self._buf[: self.numel].copy_(self._flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]))
-            self._buf.div_(self.D)
-            if self.D > 1:
-                dist.reduce_scatter_tensor(self.shard.grad, self._buf, group=self.dp_group)
-            else:
-                self.shard.grad.copy_(self._buf)
-        self.optimizer.step()
-        with torch.no_grad():
-            if self.D > 1:
-                dist.all_gather_into_tensor(self._buf, self.shard.data, group=self.dp_group)
-            else:
-                self._buf.copy_(self.shard.data)
-            off = 0
-            for p in self.params:
-                p.copy_(self._buf[off : off + p.numel()].view_as(p))
-                off += p.numel()
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank (ZeRO-1: about 1/D of the stage's)."""
-        return sum(v.numel() * v.element_size() for st in self.optimizer.state.values() for v in st.values()
-                   if isinstance(v, torch.Tensor))
-
-    # ------------------------------------------------------------------ checkpoints
-    def _gather_tp(self, spec: Any, local: torch.Tensor) -> torch.Tensor:
-        if spec.dim is None or self.T == 1:
-            return spec.unshard([local.detach()])  # type: ignore[no-any-return]
-        shards = [torch.empty_like(local) for _ in range(self.T)]
-        dist.all_gather(shards, local.detach().contiguous(), group=self.tp_group)
-        return spec.unshard(shards)  # type: ignore[no-any-return]
-
-    def _local_states(self) -> dict[int, dict[str, Any]]:
-        if not self.zero:
-            return {id(p): dict(self.optimizer.state.get(p, {})) for p in self.params}
-        st = self.optimizer.state.get(self.shard, {})
-        flat: dict[str, Any] = {}
-        for k, v in sorted(st.items()):
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                full = torch.empty(self._chunk * self.D, dtype=v.dtype, device=v.device)
-                if self.D > 1:
-                    dist.all_gather_into_tensor(full, v.contiguous(), group=self.dp_group)
-                else:
-                    full.copy_(v)
-                flat[k] = full
-            else:
-                flat[k] = v
-        out, off = {}, 0
-        for p in self.params:
-            out[id(p)] = {k: (v[off : off + p.numel()].view_as(p) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
-                          for k, v in flat.items()}
-            off += p.numel()
-        return out
-
-    def checkpoint_pieces(self) -> tuple[list[Piece], dict[str, float]]:
-        return whole_tensor_pieces(self.named, self._local_states(), self._gather_tp, self.dp_idx == 0 and self.tp_rank == 0)
-
-    def load_checkpoint(self, reader: CheckpointReader) -> None:
-        state = read_whole_tensors(reader, self.named, self.tp_rank, self.T)
-        scalars = {k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()}
-        if not self.zero:
-            load_per_param_state(self.optimizer, self._index, state, scalars)
-            return
-        sd = self.optimizer.state_dict()
-        self._pull_shard()
-        if not state:
-            return
-        chunk: dict[str, torch.Tensor] = {}
-        for k in sorted({k for st in state.values() for k in st}):
-            flat = torch.zeros(self._chunk * self.D, dtype=self.dtype, device=self.device)
-            off = 0
-            for p in self.params:
-                if k in state.get(id(p), {}):
-                    flat[off : off + p.numel()].copy_(state[id(p)][k].reshape(-1))
-                off += p.numel()
-            chunk[k] = flat[self.dp_idx * self._chunk : (self.dp_idx + 1) * self._chunk].clone()
-        self.optimizer.load_state_dict({"state": {0: {**chunk, **scalars}}, "param_groups": sd["param_groups"]})
-
-    def resume(self) -> int:
-        """Load the newest checkpoint under the checkpoint directory (collective); its step or 0."""
-        return self._resume()
-
-    def maybe_save(self, steps_done: int) -> None:
-        self._maybe_save(steps_done)
-
-
 class PipelineEngine:
     """This rank's stages of a pipeline and the executor of its schedule.
 
@@ -684,6 +495,7 @@ class PipelineEngine:
         if precision not in PRECISIONS:
             raise ScheduleError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.reduce_grads, self.precision = reduce_grads, precision
+        self._reducer: Any = None  # reduce_grads: a GroupReducer over the DP group (made on first use)
         self.P, self.m, self.V = len(pp_ranks), micro_batches, virtual
         me = dist.get_rank() if dist.is_initialized() else 0
         if me not in pp_ranks:
@@ -812,8 +624,12 @@ class PipelineEngine:
         # the loss lives on the last stage's rank: broadcast it over the pipeline, average over DP
         if self.P > 1:
             dist.broadcast(total, src=self.pp_ranks[(self.S - 1) % self.P], group=self.pp_group)
-        if self.reduce_grads:
-            allreduce_grads(self.params, self.dp_group, self.dp_size)
+        if self.reduce_grads and self.dp_size > 1:
+            if self._reducer is None:
+                from worker.peer.core import GroupReducer
+
+                self._reducer = GroupReducer(self.params, self.dp_group, own=False)
+            self._reducer.finish()
         if self.dp_size > 1:
             dist.all_reduce(total, group=self.dp_group)
             total /= self.dp_size
@@ -856,12 +672,10 @@ def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int
     T = int(getattr(args, "tp", 1) or 1)
     m = int(args.micro_batches) or 2 * P
     V = int(args.virtual_stages) if args.schedule == "interleaved" else 1
-    if args.task != "gpt":
-        raise PeerConfigError(f"--pp, --recompute and --precision use the gpt task's layers; task {args.task!r} has no layer list")
-    if args.mode not in ("dp", "zero1"):
-        raise PeerConfigError(
-            f"--pp, --recompute and --precision run with --mode dp or zero1 (ZeRO-1 over the DP dimension), got {args.mode}"
-        )
+    if user_pipeline(args) and recompute_mode(args) == "selective":
+        raise PeerConfigError("--recompute selective is the gpt task's built-in split's (without --tp-plan/--pp-split); use full")
+    if args.mode == "hybrid":
+        raise PeerConfigError("--pp, --recompute and --precision run with --mode dp or zero1-3 (ZeRO over the DP dimension), not hybrid")
     if getattr(args, "sequence_parallel", False) and T == 1:
         raise PeerConfigError("--sequence-parallel needs --tp > 1")
     if getattr(args, "ep", 1) > 1 or getattr(args, "moe_experts", 0):
@@ -902,6 +716,30 @@ def stage_specs(model: Any, params: Sequence[nn.Parameter]) -> list[tuple[Any, n
     return [(s, p) for s, p in pairs if id(p) in mine]
 
 
+def stage_sync(
+    model: Any, eng: PipelineEngine, optimizer: Any, *, stage: int = 0, dp_group: Any = None, tp_group: Any = None,
+    sequence_parallel: bool = False,
+) -> Any:
+    """The optimizer of this pipeline rank's stages (``eng``, built with ``reduce_grads=False``) in a
+    (D, T, P) mesh: the data-parallel core's ``DataParallelSync`` over ``dp_group`` at ZeRO ``stage``
+    0-3 (gradients reduced once per step, after the last micro-batch; stage 3 gathers the stages'
+    parameters at ``zero_grad`` and keeps them across the micro-batches), the TP-replicated
+    parameters' gradients summed over ``tp_group`` first under sequence parallelism. ``model``: the
+    plain or tensor-parallel model the layers come from (its ``specs`` name the tensors). Per step:
+    ``zero_grad()``, ``eng.step(...)``, ``push(step, Grads(None))`` (reduce, step, checkpoint if due);
+    ``join()`` once first (replicas start equal; returns the step of the newest checkpoint). The
+    checkpoint format is every layout's (whole plain tensors), so any (D, T, P, ZeRO) loads any other."""
+    from worker.peer.data_parallel import DataParallelSync
+
+    params = eng.parameters()
+    specs = stage_specs(model, params)
+    return DataParallelSync(
+        nn.ModuleList(eng.stages.values()), optimizer, stage=stage, group=dp_group, device=eng.device, overlap=False,
+        params=params, specs=specs, tp_group=tp_group,
+        tp_replicated=[p for s, p in specs if s.dim is None] if sequence_parallel else [], agree=False, name=f"pp-zero{stage}",
+    )
+
+
 def run_pipeline_rank(args: argparse.Namespace) -> int:
     """One rank of ``tessera peer --pp P [--tp T] [--dp D]`` (or ``--recompute`` / ``--precision bf16``, at any
     P): D data-parallel pipelines of P stages, each stage's layers tensor-parallel over T ranks (the
@@ -919,6 +757,9 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
     try:
         P, D, T, m, V = pipeline_config(args, mesh0.world)
         opts = _kv(args.task_opt)
+        if user_pipeline(args):  # any task: stages cut by worker.peer.split, TP by worker.peer.parallelize
+            ok = _run_user_pipeline(args, mesh0, P, D, T, m, V, opts)
+            return 0
         task = load_task("gpt", seed=args.seed, **opts)
         plain: Any = task.model
         layers = gpt_layers(plain)
@@ -950,13 +791,10 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
             dp_group=mesh.dp_group, dp_size=D, recompute=recompute == "full", device=mesh.device, loss_fn=loss_fn, costs=costs,
             reduce_grads=False, precision=args.precision, rng=mesh.rng if split else None,
         )
-        opt = StageOptimizer(
-            stage_specs(model, eng.parameters()), task.dense_optimizer, dp_group=mesh.dp_group, dp_size=D, dp_idx=mesh.dp_idx,
-            tp_group=mesh.tp_group, tp_size=T, tp_rank=mesh.tp_idx, zero=int(args.mode == "zero1"),
-            sequence_parallel=bool(args.sequence_parallel),
-        )
+        opt = stage_sync(model, eng, task.dense_optimizer, stage=check_mode(args.mode).stage or 0, dp_group=mesh.dp_group,
+                         tp_group=mesh.tp_group if T > 1 else None, sequence_parallel=bool(args.sequence_parallel))
         opt.set_checkpointing(args.checkpoint_dir, args.checkpoint_every)
-        start = opt.resume()
+        start = opt.join()
         per_rank = args.global_batch // D
         batches = task.batches(mesh.dp_idx, D, per_rank, start)
         seq = int(plain.pos.num_embeddings)
@@ -973,10 +811,9 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
             if batch.shape[1] - 1 != seq:
                 raise PeerConfigError(f"batch sequence length {batch.shape[1] - 1} is not the model's {seq}")
             mbs = list(batch.chunk(m))
-            eng.zero_grad()
+            opt.zero_grad()
             loss = eng.step([b[:, :-1] for b in mbs], [b[:, 1:] for b in mbs], act_shape, tracer=tracer)
-            opt.step()
-            opt.maybe_save(step + 1)
+            opt.push(step, Grads(None))
             losses.append(loss)
             if mesh.rank == 0 and args.log_every and (step + 1) % args.log_every == 0 and not args.no_progress:
                 print(f"step {step + 1} loss {loss:.4f}", file=sys.stderr, flush=True)
@@ -993,8 +830,9 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
                 "sequence_parallel": bool(args.sequence_parallel),
                 "steps": steps, "start_step": start, "seconds": round(seconds, 3), "loss": loss, "losses": losses,
                 "tokens_per_s": tokens / seconds if seconds else 0.0, "bubble_theory": bubble_theory(P, m, V),
-                "stages": [list(b) for b in eng.bounds], "optimizer_state_bytes": opt.state_bytes(),
+                "stages": [list(b) for b in eng.bounds], "optimizer_state_bytes": opt.memory()["state_bytes"],
             }), flush=True)
+        opt.leave()
         ok = True
         return 0
     except PeerConfigError as e:
@@ -1002,3 +840,77 @@ def run_pipeline_rank(args: argparse.Namespace) -> int:
         return 2
     finally:
         shutdown_group(barrier=ok)
+
+
+def user_pipeline(args: argparse.Namespace) -> bool:
+    """Whether a pipeline run cuts the task's model by ``worker.peer.split`` (any task but gpt, or gpt
+    with ``--tp-plan``/``--pp-split``) rather than the gpt task's own layer list."""
+    return args.task != "gpt" or bool(getattr(args, "tp_plan", "")) or bool(getattr(args, "pp_split", ""))
+
+
+def _run_user_pipeline(args: argparse.Namespace, mesh0: Any, P: int, D: int, T: int, m: int, V: int,
+                       opts: dict[str, Any]) -> bool:
+    """``run_pipeline_rank`` for any task: the model split over T by ``parallelize`` (``--tp-plan``), cut
+    into P x V stages by ``pipeline_source`` (``--pp-split``, or balanced by parameter count), the
+    task's loss on the last stage; a weight two stages share (a tied head) has its gradient summed over
+    the pipeline group. Prints the same JSON report; returns True once trained."""
+    from worker.peer.mesh import ParallelMesh, PeerConfigError, check_agreement
+    from worker.peer.parallelize import parallelize, plan_arg, resolve_plan
+    from worker.peer.split import pipeline_source, shared_parameters
+    from worker.tasks import load_task
+
+    task = load_task(args.task, seed=args.seed, **opts)
+    split = [s for s in args.pp_split.split(",") if s] if getattr(args, "pp_split", "") else None
+    if split is not None and len(split) != P * V - 1:
+        raise PeerConfigError(f"--pp-split names {len(split)} split points; {P * V} stages need {P * V - 1}")
+    plan = plan_arg(args.tp_plan or "auto") if T > 1 else None
+    if T > 1:
+        resolve_plan(task.model, plan, T, bool(args.sequence_parallel))  # every size checked before any collective
+    check_agreement({"task": args.task, "task_opts": json.dumps(opts, sort_keys=True), "pp": P, "tp": T,
+                     "schedule": args.schedule, "m": m, "V": V, "global_batch": args.global_batch, "steps": args.steps,
+                     "seed": args.seed, "mode": args.mode, "precision": args.precision, "recompute": recompute_mode(args),
+                     "tp_plan": args.tp_plan, "pp_split": args.pp_split})
+    mesh = ParallelMesh.build(D, T, P, device=mesh0.device, seed=args.seed,
+                              check={"global_batch": args.global_batch, "micro_batches": m})
+    if mesh.device.type == "cpu" and args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    model = (parallelize(task.model, mesh, plan, sequence_parallel=bool(args.sequence_parallel)) if T > 1 else task.model)
+    model = model.to(mesh.device)
+    per_rank = args.global_batch // D
+    sample = task.to_device(next(task.batches(0, 1, per_rank // m, 0)), mesh.device) if task.to_device else \
+        next(task.batches(0, 1, per_rank // m, 0))
+    src = pipeline_source(task.loss, model, P * V, sample, split)
+    eng = PipelineEngine(
+        src.layers, pp_ranks=mesh.pp_ranks, kind=args.schedule, micro_batches=m, virtual=V, pp_group=mesh.pp_group,
+        dp_group=mesh.dp_group, dp_size=D, recompute=recompute_mode(args) == "full", device=mesh.device,
+        loss_fn=src.loss_fn, costs=src.costs, reduce_grads=False, precision=args.precision, rng=mesh.rng if T > 1 else None,
+    )
+    shared = shared_parameters(src.layers, eng.bounds)
+    opt = stage_sync(model, eng, task.dense_optimizer, stage=check_mode(args.mode).stage or 0, dp_group=mesh.dp_group,
+                     tp_group=mesh.tp_group if T > 1 else None, sequence_parallel=bool(args.sequence_parallel))
+    opt.set_checkpointing(args.checkpoint_dir, args.checkpoint_every)
+    start = opt.join()
+    batches = task.batches(mesh.dp_idx, D, per_rank, start)
+    t0, loss, losses = time.perf_counter(), float("nan"), []
+    for step in range(start, args.steps):
+        mbs = list(next(batches).chunk(m))
+        opt.zero_grad()
+        loss = eng.step([src.inputs(b) for b in mbs], mbs, src.act_shape, src.act_dtype)
+        for p in shared:  # ranks that do not hold it add zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=mesh.pp_group)
+        opt.push(step, Grads(None))
+        losses.append(loss)
+        if mesh.rank == 0 and args.log_every and (step + 1) % args.log_every == 0 and not args.no_progress:
+            print(f"step {step + 1} loss {loss:.4f}", file=sys.stderr, flush=True)
+    seconds = time.perf_counter() - t0
+    if mesh.rank == 0:
+        print(json.dumps({
+            "rank": 0, "world": mesh.world, "mode": args.mode, "pp": P, "dp": D, "tp": T, "schedule": args.schedule,
+            "micro_batches": m, "virtual_stages": V, "task": args.task, "steps": args.steps - start, "start_step": start,
+            "seconds": round(seconds, 3), "loss": loss, "losses": losses, "bubble_theory": bubble_theory(P, m, V),
+            "stages": [list(b) for b in eng.bounds], "optimizer_state_bytes": opt.memory()["state_bytes"],
+        }), flush=True)
+    opt.leave()
+    return True

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,7 +34,8 @@ from torch import nn
 
 from worker.peer.mesh import PeerConfigError
 
-__all__ = ["act_shapes", "layer_costs", "pipeline_io", "pipeline_layers", "split_points"]
+__all__ = ["PipelineSource", "act_shapes", "layer_costs", "pipeline_io", "pipeline_layers", "pipeline_source",
+           "shared_parameters", "split_points"]
 
 
 class _TopLevel(fx.Tracer):
@@ -257,3 +259,51 @@ def pipeline_io(loss: Callable[[nn.Module, Any], torch.Tensor]) -> tuple[Callabl
         return loss(_Returns(out), batch)
 
     return inputs, loss_fn
+
+
+@dataclass
+class PipelineSource:
+    """What a pipeline needs from a task, for any model: ``layers`` (the pieces; the engine balances
+    its P x V stages over them by ``costs``), ``inputs(batch)`` (the first stage's input),
+    ``loss_fn(output, batch)`` (the last stage's loss; give the engine the micro-batches as targets),
+    and the activation one stage sends the next (``act_shape``, ``act_dtype``: one micro-batch's)."""
+
+    layers: list[nn.Module]
+    costs: list[float]
+    inputs: Callable[[Any], torch.Tensor]
+    loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]
+    act_shape: tuple[int, ...]
+    act_dtype: torch.dtype
+
+
+def pipeline_source(loss: Callable[[nn.Module, Any], torch.Tensor], model: nn.Module, stages: int,
+                    sample: Any, split: Sequence[str] | None = None) -> PipelineSource:
+    """The ``PipelineSource`` of ``model`` (plain or ``parallelize()``d) trained with the task's ``loss``,
+    for ``stages`` pipeline stages; ``sample``: one micro-batch (for the activation's shape: one forward
+    without gradients, every rank together). ``split``: ``stages - 1`` module names where stages start
+    (None: every cut, balanced by parameter count). Raises ``PeerConfigError`` naming what does not fit."""
+    layers = pipeline_layers(model, split)
+    if split and len(layers) != stages:
+        raise PeerConfigError(f"--pp-split gives {len(layers)} stages ({len(split)} split points), but the pipeline has {stages}")
+    if len(layers) < stages:
+        raise PeerConfigError(f"the model cuts into {len(layers)} pieces ({', '.join(split_points(model))}): too few for {stages} stages")
+    inputs, loss_fn = pipeline_io(loss)
+    shapes = set(act_shapes(layers, inputs(sample)))
+    if len(shapes) != 1:
+        raise PeerConfigError("pipeline: the pieces pass activations of different shapes "
+                              f"({', '.join(str(tuple(s)) for s, _ in shapes)}): give --pp-split where the same activation flows")
+    (shape, dtype), = shapes
+    return PipelineSource(layers, layer_costs(layers), inputs, loss_fn, tuple(shape), dtype)
+
+
+def shared_parameters(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]]) -> list[nn.Parameter]:
+    """Parameters two or more stages hold (a head tied to the embedding): after backward each holder
+    has a partial gradient, to be summed over the pipeline group (ranks not holding one add zeros)."""
+    holders: dict[int, set[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for s, (a, b) in enumerate(bounds):
+        for piece in layers[a:b]:
+            for p in piece.parameters():
+                holders.setdefault(id(p), set()).add(s)
+                params[id(p)] = p
+    return [params[i] for i, h in holders.items() if len(h) > 1]

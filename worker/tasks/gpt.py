@@ -78,10 +78,13 @@ class Block(nn.Module):
             self.out = nn.Linear(4 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        # shapes from the projections, not from x: split by worker.peer.parallelize, qkv holds this rank's
+        # heads (self.heads is divided by T) and, under sequence parallelism, the whole sequence
+        y = self.qkv(self.ln1(x))
+        b, t = y.shape[:2]
+        q, k, v = y.view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
         if self.mlp is not None:
             return x + self.mlp(self.ln2(x))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
