@@ -45,6 +45,7 @@ from ps.errors import (
     with_table,
 )
 from ps.consistency import SyncPolicy
+from ps.outages import ShardWatch
 from ps.partition import SlotMap
 from ps.shard import MembershipView, ShardStats, TableInfo
 from ps.stub import CallPolicy, ShardStub
@@ -196,7 +197,13 @@ class PSClient:
         opts = channel_options()
         self.security = security
         policy = CallPolicy(timeout, retries, retry_timeout)
-        self._shards = [ShardStub(i, a, opts, policy, interceptors, security, transport == "auto") for i, a in enumerate(self.addresses)]
+        # says when a shard becomes unreachable, while it stays so, and when it is back (set its ``say``,
+        # ``doing`` and ``on_back`` to take part)
+        self.watch = ShardWatch(retry_timeout)
+        self._shards = [
+            ShardStub(i, a, opts, policy, interceptors, security, transport == "auto", watch=self.watch)
+            for i, a in enumerate(self.addresses)
+        ]
         # BSP/SSP pulls block in these threads while the shards wait: leave room for the pushes that unblock them
         self._pool = ThreadPoolExecutor(max_workers=max(16, 8 * self.num_shards), thread_name_prefix="psclient")
         self._dense: dict[str, _Dense] = {}
@@ -209,6 +216,7 @@ class PSClient:
     def close(self) -> None:
         """Close every shard channel (idempotent); the client is unusable afterwards."""
         self._pool.shutdown(wait=False)
+        self.watch.close()
         for s in self._shards:
             s.close()
 
@@ -1095,11 +1103,14 @@ class PSClient:
         raws = self._fan_out([lambda i=i: self._call(i, "Join", req) for i in range(self.num_shards)])
         return [membership_from_proto(unframe(pb.MembershipReply, r)[0]) for r in raws]
 
-    def heartbeat(self, clock: int = 0, leave: bool = False) -> list[MembershipView]:
-        """Renew this worker's lease on every shard (``leave``: leave the live set instead)."""
+    def heartbeat(self, clock: int = 0, leave: bool = False, shards: Sequence[int] | None = None) -> list[MembershipView]:
+        """Renew this worker's lease on every shard (``leave``: leave the live set instead); one view
+        per shard. ``shards``: only these (a view each, in that order), so an unreachable shard does
+        not hold up the others' leases."""
         self._need_worker("heartbeat")
         req = pb.HeartbeatRequest(worker=self.worker, clock=clock, leave=leave).SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, "Heartbeat", req) for i in range(self.num_shards)])
+        which = range(self.num_shards) if shards is None else shards
+        raws = self._fan_out([lambda i=i: self._call(i, "Heartbeat", req) for i in which])
         return [membership_from_proto(unframe(pb.MembershipReply, r)[0]) for r in raws]
 
     def leave(self) -> None:

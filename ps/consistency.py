@@ -312,6 +312,7 @@ class SyncRound(Generic[C]):
         self._apply = apply
         self.clock = 0
         self.late = 0
+        self.withdrawn = 0  # held contributions dropped because their worker went back to an older clock
         self.failed: str | None = None  # why the last round at ``clock`` failed to apply
         self._pending: dict[str, C] = {}
         self._applying = False
@@ -348,12 +349,19 @@ class SyncRound(Generic[C]):
                     "of a run must push with the same value"
                 )
             if clock < self.clock or worker in self._pending or (self._applying and clock == self.clock):
+                if clock < self.clock and self._pending.pop(worker, None) is not None:
+                    # the worker went back to an older clock (another shard came back from an older
+                    # checkpoint: every worker continues from the shards' common clock): what it holds
+                    # for this round was computed from parameters that no longer exist. It pushes this
+                    # round again when it gets here
+                    self.withdrawn += 1
                 self.late += 1
                 return LATE
             if clock > self.clock:
                 raise FailedPreconditionError(
-                    f"table {self.name!r}: push for clock {clock}, but the table is at clock {self.clock} "
-                    "(pull before pushing: a BSP worker computes step c from the parameters of clock c)"
+                    f"table {self.name!r}: push for clock {clock}, but the table is at clock {self.clock}: "
+                    "this shard is behind the worker (restarted from an older checkpoint?); the worker must "
+                    "continue from the shards' common clock (a BSP worker computes step c from the parameters of clock c)"
                 )
             if self._on_hold is not None:
                 self._on_hold(worker, clock, value, backup_workers)
@@ -445,12 +453,22 @@ class SyncRound(Generic[C]):
         if batch is not None:
             self._run(batch)
 
-    def wait_clock(self, clock: int, timeout: float) -> float:
+    def wait_clock(self, clock: int, timeout: float, pull: bool = False) -> float:
         """Block until this table applied every clock below ``clock``. Returns seconds waited.
 
-        Raises InternalError if the round this wait needs failed to apply."""
+        Raises InternalError if the round this wait needs failed to apply. ``pull`` (a worker's BSP
+        pull for step ``clock``): FailedPreconditionError at once for a clock more than one round ahead
+        of the table: a worker pulls step c after it read step c - 1 from every shard, so the table
+        was at c - 1 or later and has gone back since (restarted from an older checkpoint); no round
+        brings it there before the worker goes back."""
         t0 = time.monotonic()
         with self.cond:
+            if pull and clock > self.clock + 1:
+                raise FailedPreconditionError(
+                    f"table {self.name!r}: pull for clock {clock}, but the table is at clock {self.clock}: this shard "
+                    "is behind the worker (restarted from an older checkpoint?); the worker must continue from the "
+                    "shards' common clock"
+                )
             while self.clock < clock:
                 if self.dropped is not None:
                     raise TableNotFoundError(self.dropped)

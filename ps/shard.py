@@ -512,7 +512,7 @@ class Shard:
         self.table(name)
         r = self._round(name)
         if policy.sync and policy.clock >= 0:
-            r.wait_clock(policy.clock, timeout)
+            r.wait_clock(policy.clock, timeout, pull=True)
         elif policy.ssp:
             self.membership.wait_ssp(policy.clock, policy.staleness, timeout)
         return r.clock

@@ -46,6 +46,9 @@ SERVICE = "/tessera.v1.ParameterServer/"
 # safe: pushes carry (client, seq) and are applied at most once; a retried BSP push is "late".
 _RETRIED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
+# a shard that answered: anything but these came from the server (DEADLINE_EXCEEDED may be a cut link)
+_NOT_AN_ANSWER = _RETRIED | {grpc.StatusCode.DEADLINE_EXCEEDED}
+
 _UNARY = ("CreateTable", "DescribeTable", "DropTable", "Stats", "PullSparse", "PushSparse", "Join", "Heartbeat", "Checkpoint", "Role", "Step")
 
 
@@ -161,9 +164,13 @@ class ShardStub:
 
     def __init__(
         self, index: int, spec: str, options: list, policy: CallPolicy = CallPolicy(), interceptors: Sequence[Any] = (),
-        security: ClientSecurity | None = None, bulk: bool = True,
+        security: ClientSecurity | None = None, bulk: bool = True, watch: Any = None,
     ) -> None:
         self.index = index
+        # told of every retried UNAVAILABLE (``watch.unreachable(stub, error)``) and of every answer
+        # (``watch.reached(stub)``, also an error reply): ``ps.client.ShardWatch`` says when a shard
+        # becomes unreachable, while it stays so, and when it is back
+        self.watch = watch
         self.replicas = [_Replica(a, options, interceptors, security, bulk) for a in spec.split("|") if a]
         if not self.replicas:
             raise ValueError(f"shard {index}: no address in {spec!r}")
@@ -224,9 +231,14 @@ class ShardStub:
             try:
                 replica.resolve(self.policy.timeout)
                 gen = replica.gen  # the generation this attempt's calls use
-                return attempt()
+                out = attempt()
             except grpc.RpcError as e:
                 code = e.code() if hasattr(e, "code") else None
+                if self.watch is not None:
+                    if code == grpc.StatusCode.UNAVAILABLE:
+                        self.watch.unreachable(self, e)
+                    elif code not in _NOT_AN_ANSWER:
+                        self.watch.reached(self)
                 if code not in _RETRIED or (self.policy.retries is not None and n >= self.policy.retries):
                     raise
                 # a restarted server may serve bulk on another port: ask again, once per generation
@@ -244,6 +256,10 @@ class ShardStub:
                     raise
                 time.sleep(delay)
                 n += 1
+            else:
+                if self.watch is not None:
+                    self.watch.reached(self)
+                return out
 
     def failover(self, timeout: float = 1.0) -> bool:
         """Point at the replica that says it is primary with the highest epoch; True if one does."""

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import functools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from ps import PSClient, SyncPolicy
-from ps.errors import TableNotFoundError
+from ps.errors import FailedPreconditionError, ShardUnavailableError, TableNotFoundError
 from worker.binding import PSEmbedding, _Rows
 from worker.flat import FlatParams
 from worker.sync_api import (
@@ -41,6 +43,30 @@ WAIT_NOTE_S = 5.0  # seconds between 'still waiting' messages at the start of a 
 _SYNC_DENSE = ("sync", "dense-sync")
 
 
+def say_line(line: str) -> None:
+    """A plain line on stderr (through ``tqdm.write``, so a progress bar on stderr stays whole)."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
+
+
+@dataclass
+class _Rewind:
+    """A shard came back at an older clock: this worker went back to ``clock``, the shards' common
+    clock, from step ``left``; the shards in ``ahead`` (index -> their clock) drop its pushes as late
+    until it reaches their clock. ``late``: the pushes dropped so far."""
+
+    clock: int
+    left: int
+    ahead: dict[int, int]
+    behind: list[int]
+    late: int = 0
+
+    @property
+    def until(self) -> int:
+        return max(self.ahead.values(), default=self.clock)
+
+
 class PSSync(ParamSync):
     """The parameter server through ``PSClient``: BSP (``sync``), ASP (``async``), SSP, or
     ``dense-sync`` (dense tables BSP, sparse tables async).
@@ -51,7 +77,22 @@ class PSSync(ParamSync):
     one Step call per shard per step. ``fetch`` (the first steps) pulls the dense values and the
     batch's rows (concurrently, one thread per table), ``push`` sends the dense gradient and the
     sparse row gradients. All may run in background threads (``pipelined``). Membership: join every shard, renew the lease with
-    heartbeats from a thread, leave at the end.
+    heartbeats (one thread per shard, so an unreachable shard never lets the others' leases run out),
+    leave at the end.
+
+    Shard outages: every call retries an unreachable shard (``PSClient(retry_timeout=...)``); the
+    client's ``ShardWatch`` says so through ``say`` (default: plain lines on stderr): when a shard
+    becomes unreachable, every 5 s while it stays so (since when, the step training waits at), and
+    when it is back. A BSP shard (``sync``, the dense table of ``dense-sync``) that comes back at an
+    older clock (restarted from an older checkpoint) refuses the worker's push or pull for its step;
+    the worker then goes back to the shards' *common clock*, the lowest BSP clock any shard holds
+    (``MembershipView.sync_clock``: where a worker started afresh would start), and answers the
+    trainer's fetch with ``Fetched(step=common clock, batch=None)``: the trainer goes back to that step
+    and fetches it with its batch. From there every step is pushed to every shard; the shards still
+    ahead drop the pushes for clocks they applied already as *late* (counted, said once when this
+    worker has caught up with them), the one behind applies them. The result is that of every
+    worker restarted at the common clock. Async and SSP pushes apply wherever they land: a restored
+    shard goes on from its older values; SSP waits there catch up with the next heartbeat.
     """
 
     pipelined = True
@@ -62,7 +103,7 @@ class PSSync(ParamSync):
         worker_name: str = "", lease_s: float = 10.0, start_timeout_s: float = 300.0,
         dense_optimizer: Any = None, device: torch.device | str = "cpu", stop: threading.Event | None = None,
         sparse_ids: Callable[[Any], dict[str, torch.Tensor]] | None = None, dense: bool = True,
-        steps: int | None = None, reset: bool = False,
+        steps: int | None = None, reset: bool = False, say: Callable[[str], None] | None = say_line,
     ) -> None:
         self.mode = check_ps_mode(mode)
         self.name = mode
@@ -98,7 +139,17 @@ class PSSync(ParamSync):
         self._fetch_pool = ThreadPoolExecutor(max_workers=per, thread_name_prefix=f"{client.worker}-fetch")
         self._push_pool = ThreadPoolExecutor(max_workers=per, thread_name_prefix=f"{client.worker}-push")
         self._hb_stop = threading.Event()
-        self._hb: threading.Thread | None = None
+        self._hb_wake = [threading.Event() for _ in range(client.num_shards)]  # set: heartbeat that shard now
+        self._hb: list[threading.Thread] = []
+        # shard outages, said in plain lines (``say`` None: the ps.outages logger)
+        self.say = say
+        self._doing: tuple[int, int] | None = None  # (step, next step) of the training call under way
+        self._rewind: _Rewind | None = None
+        self._rewind_lock = threading.Lock()
+        self._reread_clock = False  # a shard came back: the clock row may be an older one
+        client.watch.say = self._say if say is not None else None
+        client.watch.doing = self._doing_text
+        client.watch.on_back.append(self._shard_back)
         self.committed = 0  # steps whose pushes have completed (what heartbeats report)
         self._versions: tuple[int, ...] = ()  # of the values loaded last
         self._left = False
@@ -291,8 +342,14 @@ class PSSync(ParamSync):
             if start:
                 self.client.heartbeat(start)  # the shards count this worker from its start, for SSP waits
         self.committed = start
-        self._hb = threading.Thread(target=self._heartbeats, name=f"{self.client.worker}-heartbeat", daemon=True)
-        self._hb.start()
+        self._hb = [
+            threading.Thread(target=self._heartbeats, args=(i,), name=f"{self.client.worker}-heartbeat{i}", daemon=True)
+            for i in range(self.client.num_shards)
+        ]
+        if not self.dense_sync:
+            self._hb.append(threading.Thread(target=self._clock_records, name=f"{self.client.worker}-clock", daemon=True))
+        for t in self._hb:
+            t.start()
         return start
 
     @property
@@ -319,6 +376,11 @@ class PSSync(ParamSync):
         """Async/SSP: raise this worker's row of the clock table to ``committed`` (heartbeats and leave)."""
         if self.dense_sync or self._recorded < 0:
             return
+        if self._reread_clock:  # its shard may have come back from an older checkpoint
+            self._reread_clock = False
+            self.resume_clock()
+            if self._recorded < 0:
+                return
         done = self.committed
         if done > self._recorded:
             grad = np.array([[-(done - self._recorded)]], np.float32)  # SGD lr 1: the row rises by the increase
@@ -332,22 +394,108 @@ class PSSync(ParamSync):
         me = self.client.worker
         return any(v.min_clock > 0 or (v.sync_clock > 0 and any(w != me for w in v.live)) for v in views)
 
-    def _heartbeats(self) -> None:
+    def _heartbeats(self, shard: int) -> None:
+        """Renew the lease on ``shard`` every lease/4 s, and at once when it is back from an outage."""
         period = self.lease_s / 4
-        while not self._hb_stop.wait(period):
+        wake = self._hb_wake[shard]
+        while True:
+            wake.wait(period)
+            wake.clear()
+            if self._hb_stop.is_set():
+                return
             try:
-                self.client.heartbeat(self.committed)
-                self._record_clock()
+                self.client.heartbeat(self.committed, shards=[shard])
+            except ShardUnavailableError as e:  # the shard watch has said so; the next one retries
+                log.debug("heartbeat to shard %d failed: %s", shard, e)
             except Exception as e:  # noqa: BLE001 - a missed heartbeat is retried; the lease absorbs it
-                log.warning("heartbeat failed: %s", e)
+                log.warning("heartbeat to shard %d failed: %s", shard, e)
+
+    def _clock_records(self) -> None:
+        """Async/SSP: record this worker's clock on the shards every lease/4 s."""
+        while not self._hb_stop.wait(self.lease_s / 4):
+            try:
+                self._record_clock()
+            except Exception as e:  # noqa: BLE001 - the next one records the whole increase
+                log.debug("recording the clock failed: %s", e)
+
+    # ------------------------------------------------------------------ shard outages
+    def _say(self, text: str) -> None:
+        if self.say is not None:
+            self.say(f"{self.client.worker}: {text}")
+
+    def _doing_text(self) -> str:
+        d = self._doing
+        if d is None:
+            return ""
+        step, nxt = d
+        if nxt < 0:
+            return f"training waits at step {step} (its push)"
+        if nxt == step:
+            return f"training waits at step {step} (its pull)"
+        return f"training waits at step {step} (push of step {step}, pull for step {nxt})"
+
+    def _shard_back(self, shard: int, down_s: float) -> None:
+        """A shard answers again: renew the lease there now (and with it this worker's clock, which a
+        restored shard's SSP waits need); async/SSP: re-read this worker's clock row before the next record."""
+        self._reread_clock = True
+        if shard < len(self._hb_wake):
+            self._hb_wake[shard].set()
+
+    def _went_back(self, step: int) -> int | None:
+        """A BSP call for ``step`` was refused FAILED_PRECONDITION. If a shard came back at an older
+        clock, the shards' common clock (< ``step``) this worker now continues from; otherwise None
+        (the error stands). Waits (up to two leases) until every shard has the same live workers, so
+        a restarted shard that forgot a worker does not apply a round without it."""
+        if not self.dense_sync:
+            return None
+        views = self.client.heartbeat(0)  # (0: no clock declared; a shard that forgot this worker rejoins it)
+        common = min(v.sync_clock for v in views)
+        if common >= step:
+            return None
+        with self._rewind_lock:
+            if self._rewind is None or self._rewind.clock != common:
+                rw = _Rewind(common, step, {v.shard_index: v.sync_clock for v in views if v.sync_clock > common},
+                             [v.shard_index for v in views if v.sync_clock == common])
+                self._rewind, self.committed = rw, common
+                ahead = ", ".join(f"{i} at clock {c}" for i, c in sorted(rw.ahead.items())) or "none"
+                self._say(
+                    f"shard {', '.join(map(str, rw.behind))} came back at clock {common} (restarted from an older "
+                    f"checkpoint), behind step {step} of this worker (shards ahead: {ahead}): going back to the "
+                    f"shards' common clock {common} and training on from there; the shards ahead drop this worker's "
+                    "pushes for the clocks they applied already (late)"
+                )
+        deadline = time.monotonic() + 2 * self.lease_s
+        while len({v.live for v in views}) > 1 and time.monotonic() < deadline and not self.stop.wait(0.1):
+            views = self.client.heartbeat(0)
+        return common
+
+    def _pushed(self, step: int, late: int) -> None:
+        """After going back: count the shards' late drops; once caught up with them, say so (once)."""
+        rw = self._rewind
+        if rw is None:
+            return
+        rw.late += late
+        if step + 1 >= rw.until:
+            with self._rewind_lock:
+                if self._rewind is not rw:
+                    return
+                self._rewind = None
+            ahead = ", ".join(str(i) for i in sorted(rw.ahead)) or "none"
+            self._say(
+                f"caught up at clock {step + 1} (went back from step {rw.left} to clock {rw.clock}): shard {ahead} "
+                f"dropped {rw.late} of this worker's pushes as late (clocks {rw.clock}..{rw.until - 1}, applied there "
+                "before the restart); training goes on"
+            )
 
     def leave(self) -> None:
         if self._left:
             return
         self._left = True
         self._hb_stop.set()
-        if self._hb is not None:
-            self._hb.join()  # its clock record must not race the final one
+        for e in self._hb_wake:
+            e.set()
+        for t in self._hb:
+            t.join()  # the clock record must not race the final one
         try:
             self._record_clock()
         except Exception as e:  # noqa: BLE001 - a restart then repeats the steps since the last record
@@ -363,7 +511,19 @@ class PSSync(ParamSync):
 
     # ------------------------------------------------------------------ steps
     def fetch(self, step: int, batch: Any) -> Fetched:
-        """Dense parameters (into a staging buffer) and the batch's sparse rows for ``step``: the tables concurrently."""
+        """Dense parameters (into a staging buffer) and the batch's sparse rows for ``step``: the tables
+        concurrently. A shard that came back at an older clock: ``Fetched(common clock, None, ...)``
+        (the trainer goes back there, see the class docstring)."""
+        self._doing = (step, step)
+        try:
+            return self._fetch(step, batch)
+        except FailedPreconditionError:
+            common = self._went_back(step)
+            if common is None:
+                raise
+            return Fetched(common, None, common, None)
+
+    def _fetch(self, step: int, batch: Any) -> Fetched:
         clock, versions = 0, ()
         futs = {}
         policy = self.sparse_policy(step)
@@ -412,7 +572,19 @@ class PSSync(ParamSync):
 
     def push(self, step: int, grads: Grads) -> PushResult:
         """Dense gradient and sparse row gradients, the tables concurrently (blocking; BSP: until the
-        shards have it, not until the round completes)."""
+        shards have it, not until the round completes). A shard that came back at an older clock:
+        nothing more is pushed (this worker goes back, and its next fetch says where)."""
+        self._doing = (step, -1)
+        try:
+            pushed = self._push(step, grads)
+        except FailedPreconditionError:
+            if self._went_back(step) is None:
+                raise
+            return PushResult([], 0)
+        self._pushed(step, pushed.late)
+        return pushed
+
+    def _push(self, step: int, grads: Grads) -> PushResult:
         jobs: list[Callable[[], Any]] = []
         dense, versions = grads.dense, grads.state
         if dense is not None:
@@ -469,12 +641,20 @@ class PSSync(ParamSync):
                 wanted[name] = (ids, uniq, inverse.reshape(tuple(ids.shape)))
                 pull_sparse[table] = uniq
                 pull_policy[table] = self.sparse_policy(next_step)
-        res = self.client.step(
-            push_dense=push_dense, push_sparse=push_sparse, pull_dense=pull_dense, pull_sparse=pull_sparse,
-            policy=policy, pull_policy=pull_policy, base_versions={self.dense_table: versions or -1} if push_dense else None,
-        )
+        self._doing = (step, next_step if next_step is not None else -1)
+        try:
+            res = self.client.step(
+                push_dense=push_dense, push_sparse=push_sparse, pull_dense=pull_dense, pull_sparse=pull_sparse,
+                policy=policy, pull_policy=pull_policy, base_versions={self.dense_table: versions or -1} if push_dense else None,
+            )
+        except FailedPreconditionError:
+            common = self._went_back(step)
+            if common is None:
+                raise
+            return PushResult([], 0), (Fetched(common, None, common, None) if next_step is not None else None)
         self.committed = max(self.committed, step + 1)
         pushed = self._push_result(list(res.pushed.values()))
+        self._pushed(step, pushed.late)
         if next_step is None:
             return pushed, None
         clock = res.clock.get(self.dense_table, 0) if self.flat.numel else 0

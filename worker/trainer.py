@@ -302,6 +302,11 @@ class Trainer:
             f: Fetched = _fetched(fut.result())
             pull_wait += (w := time.perf_counter() - t0)
             window["pull"] += w
+            while f.step < step:  # the sync went back (a BSP shard restored at an older clock): train on from there
+                step, data = f.step, task.batches(cfg.worker_index, cfg.num_workers, cfg.batch_size, f.step)
+                f = _fetched(s.fetch(step, next(data)))
+                if bar is not None:
+                    bar.n = step
             # the step may be later than planned: a worker dropped and rejoined (BSP) catches up
             step = max(step, f.clock)
             self.clock = step
