@@ -123,6 +123,23 @@ def test_median_of_honest_clients_holds_against_one_identity_with_three_ids(harn
             assert np.all(got == 100.0)
 
 
+def test_min_clients_counts_identities_not_client_ids(harness) -> None:
+    """3 client ids of one token are one participant: a server needing 2 keeps waiting for a second
+    identity (and gives up after wait_timeout), then trains once one joins."""
+    from federated.orchestrator import RoundFailedError
+
+    h = harness(tokens=TOKENS, insecure=True, min_clients=2, wait_timeout=1.0)
+    eve = Silent(h.address, ["eve/0", "eve/1", "eve/2"], TOKENS["eve"])
+    try:
+        assert wait_until(lambda: h.server.registry.num_connected() == 3)
+        assert h.server.registry.num_participants() == 1
+        with pytest.raises(RoundFailedError, match="only 1 of the 2 clients needed connected"):
+            h.server.run()
+        assert any("waiting for clients (1/2 connected)" in line for _, line in h.status)
+    finally:
+        eve.close()
+
+
 def _rounds(h: Harness, rounds: int) -> list[float]:
     history = h.server.run()
     assert len(history) == rounds
