@@ -38,6 +38,9 @@ class Shift(Client):
             time.sleep(self.sleep)
         return [w + self.shift for w in weights], 10, {}
 
+    def evaluate(self, weights, config):
+        return float(self.shift), 10, {}
+
 
 class Constant(Client):
     """fit: every weight set to ``value`` (the attacker's update)."""
@@ -138,6 +141,23 @@ def test_min_clients_counts_identities_not_client_ids(harness) -> None:
         assert any("waiting for clients (1/2 connected)" in line for _, line in h.status)
     finally:
         eve.close()
+
+
+def test_silent_ids_do_not_stall_client_evaluation(harness) -> None:
+    """Evaluation samples identities too, and closes without the stragglers once half answered."""
+    h = harness(tokens=TOKENS, insecure=True, min_clients=2, rounds=3, eval_every=1, eval_fraction=1.0,
+                round_timeout=20)
+    eve = Silent(h.address, [f"eve/{i}" for i in range(100)], TOKENS["eve"])
+    try:
+        h.client(Shift(1.0, sleep=0.15), "h1", token=TOKENS["h1"])
+        h.client(Shift(3.0, sleep=0.15), "h2", token=TOKENS["h2"])
+        assert wait_until(lambda: h.server.registry.num_connected() == 102)
+        history = h.server.run()
+    finally:
+        eve.close()
+    assert [r["eval_clients"] for r in history] == [2, 2, 2]
+    assert all(r["loss"] == 2.0 for r in history)  # the mean of the honest clients' losses 1 and 3
+    assert max(r["eval_s"] for r in history) < 20 / 4, history  # none waited for eve until the timeout
 
 
 def _rounds(h: Harness, rounds: int) -> list[float]:
