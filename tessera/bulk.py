@@ -26,7 +26,8 @@ Wire (no pickle). Every frame is ``struct "<IQ"`` (header length, body length), 
 * A frame over the limits or with an unparsable header gets a status frame (RESOURCE_EXHAUSTED /
   INVALID_ARGUMENT naming what was wrong) and the connection is closed; the server serves others.
 
-Threads: one accept thread and one per connection (at most ``max_connections``; one more is told
+Threads: one accept thread and one per connection (at most ``max_connections``, of which one identity
+holds at most ``max_connections_per_identity``; one more is told
 RESOURCE_EXHAUSTED in plaintext, closed at once over TLS: UNAVAILABLE). A connection has
 ``handshake_timeout_s`` for its whole handshake (TLS, hello, authentication), however it trickles;
 a body's memory is allocated as its bytes arrive (4 MiB at once, then at most doubling). A client's
@@ -314,6 +315,7 @@ class _Conn:
         self.alive = True
         self.metadata: tuple = ()
         self.auth: dict[str, list[bytes]] = {}
+        self.identity: str | None = None  # once authenticated (an identity's connections are counted)
 
     def kill(self) -> None:
         self.alive = False
@@ -418,6 +420,7 @@ class BulkServer:
         self, handlers: Sequence[grpc.GenericRpcHandler], listener: socket.socket, security: ServerSecurity,
         authenticate: Callable[[Any, Any], Any], max_message_bytes: int, max_connections: int,
         idle_timeout_s: float, handshake_timeout_s: float, name: str, interceptors: Sequence[grpc.ServerInterceptor] = (),
+        max_connections_per_identity: int = 0,
     ) -> None:
         self._handlers = tuple(handlers)
         self._interceptors = tuple(interceptors)
@@ -426,6 +429,9 @@ class BulkServer:
         self._auth = authenticate
         self._max_body = max_message_bytes
         self._max_conns = max_connections
+        # one identity cannot take every connection (thread) of the endpoint: by default an eighth
+        self._max_per_identity = max_connections_per_identity or max(4, max_connections // 8)
+        self._per_identity: dict[str, int] = {}
         self._idle = idle_timeout_s
         self._hs_timeout = handshake_timeout_s
         self._name = name
@@ -520,6 +526,12 @@ class BulkServer:
                 conn.sock.close()
             with self._lock:
                 self._conns.pop(me, None)
+                if conn.identity is not None:
+                    n = self._per_identity.get(conn.identity, 1) - 1
+                    if n > 0:
+                        self._per_identity[conn.identity] = n
+                    else:
+                        self._per_identity.pop(conn.identity, None)
 
     def _serve_conn(self, conn: _Conn) -> None:
         # the whole handshake (TLS included) within handshake_timeout_s: a client trickling bytes
@@ -565,7 +577,7 @@ class BulkServer:
             log.info("%s: no handshake from %s: %s", self._name, conn.peer, e)
             return False
         try:
-            self._auth(conn.metadata, conn.auth)
+            caller = self._auth(conn.metadata, conn.auth)
         except UnauthenticatedError as e:
             self.refused += 1
             _close_after_error(conn.sock, _status(grpc.StatusCode.UNAUTHENTICATED, str(e), [(ERROR_CLASS_HEADER, type(e).__name__)]))
@@ -574,6 +586,19 @@ class BulkServer:
             log.exception("%s: authenticating %s failed", self._name, conn.peer)
             _close_after_error(conn.sock, _status(grpc.StatusCode.INTERNAL, f"authentication failed: {type(e).__name__}: {e}"))
             return False
+        who = getattr(caller, "identity", None)
+        if who:  # a named identity holds at most max_connections_per_identity connections (threads) here
+            with self._lock:
+                full = self._per_identity.get(who, 0) >= self._max_per_identity
+                if not full:
+                    self._per_identity[who] = self._per_identity.get(who, 0) + 1
+                    conn.identity = who
+            if full:
+                self.refused += 1
+                msg = (f"identity {who!r} has {self._max_per_identity} bulk connections already "
+                       "(max_connections_per_identity); close one or use gRPC")
+                _close_after_error(conn.sock, _status(grpc.StatusCode.RESOURCE_EXHAUSTED, msg))
+                return False
         return True
 
     def _serve_calls(self, conn: _Conn) -> None:
@@ -804,14 +829,17 @@ def serve_bulk(
     handlers: Sequence[grpc.GenericRpcHandler], host: str, port: int, security: ServerSecurity,
     authenticate: Callable[[Any, Any], Any], *, max_message_bytes: int = 64 << 20, max_connections: int = 256,
     idle_timeout_s: float = 300.0, handshake_timeout_s: float = 5.0, name: str = "bulk",
-    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    interceptors: Sequence[grpc.ServerInterceptor] = (), max_connections_per_identity: int = 0,
 ) -> BulkServer:
     """Serve ``handlers`` (the ``grpc.GenericRpcHandler``s given to ``build_server``) on
     ``host:port`` (0 picks a port) over the bulk wire (module doc). ``authenticate(metadata,
     auth_context)`` (e.g. ``Access.caller``) runs at each connection's handshake and refuses it by
     raising ``UnauthenticatedError``. ``interceptors``: gRPC server interceptors, applied to every
-    call as a gRPC server applies them (e.g. ``tessera.metrics.MetricsInterceptor``). Raises
-    ``ConfigError`` (``security.check``) or ``BindError``."""
+    call as a gRPC server applies them (e.g. ``tessera.metrics.MetricsInterceptor``, and
+    ``Access.interceptor()``: the same admission as the gRPC server's). An identity
+    ``authenticate`` names (its result's ``identity``) holds at most ``max_connections_per_identity``
+    connections (default max(4, max_connections / 8)); one more is refused RESOURCE_EXHAUSTED at the
+    handshake. Raises ``ConfigError`` (``security.check``) or ``BindError``."""
     security.check(host)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
@@ -830,7 +858,7 @@ def serve_bulk(
     listener.settimeout(0.5)
     return BulkServer(
         handlers, listener, security, authenticate, max_message_bytes, max_connections, idle_timeout_s,
-        handshake_timeout_s, name, interceptors,
+        handshake_timeout_s, name, interceptors, max_connections_per_identity,
     )
 
 

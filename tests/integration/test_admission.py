@@ -43,7 +43,7 @@ def shard(tmp_path_factory) -> Iterator[dict[str, Any]]:
     write_token_file(str(d / "tokens"), TOKENS, ROLES)
     procs, addresses = start_local_shards(1, (
         "--tls-cert", str(d / "server.crt"), "--tls-key", str(d / "server.key"), "--token-file", str(d / "tokens"),
-        "--lease", "30", "--push-idle-timeout", "60",
+        "--lease", "30", "--push-idle-timeout", "60", "--bulk-port", "0",
     ))
     try:
         yield {"address": addresses[0], "ca": str(d / "ca.crt")}
@@ -57,14 +57,16 @@ def _sec(s: dict[str, Any], who: str) -> ClientSecurity:
 
 def _client(s: dict[str, Any], who: str, **kw: Any) -> PSClient:
     kw.setdefault("timeout", 10)
-    return PSClient([s["address"]], retry_timeout=0.5, security=_sec(s, who), transport="grpc", **kw)
+    kw.setdefault("transport", "grpc")
+    return PSClient([s["address"]], retry_timeout=0.5, security=_sec(s, who), **kw)
 
 
 class Honest:
-    """Worker w0 training in BSP (it alone is the sync set): push clock t, pull clock t+1."""
+    """Worker w0 training in BSP (it alone is the sync set): push clock t, pull clock t+1
+    (over gRPC, or with ``transport="auto"`` over the shard's bulk port)."""
 
-    def __init__(self, s: dict[str, Any]) -> None:
-        self.client = _client(s, "w0", worker="w0")
+    def __init__(self, s: dict[str, Any], transport: str = "grpc") -> None:
+        self.client = _client(s, "w0", worker="w0", transport=transport)
         self.client.join(lease_s=30)
         self.clock = self.client.pull_dense("w", return_clock=True)[1][0]
         self.grad = np.full(1024, 1e-3, np.float32)
@@ -216,3 +218,82 @@ def test_64_stalled_push_streams_of_a_worker_do_not_freeze_the_shard(shard, trai
     assert set(flood.codes) == {"RESOURCE_EXHAUSTED"}, (flood.codes, flood.details)
     assert flood.codes["RESOURCE_EXHAUSTED"] >= 40, flood.codes
     assert any("identity 'w1'" in d and "limit" in d for d in flood.details), flood.details
+
+
+def test_128_waiting_pulls_of_a_reader_on_the_bulk_plane(shard, honest) -> None:
+    """The same attack on the bulk port: the reader gets at most an eighth of the endpoint's
+    connections and 8 waiting calls (its gRPC and bulk calls share its limits); the honest worker,
+    also on the bulk port, keeps at least half its unloaded steps/s."""
+    from tessera.bulk import BulkChannel
+
+    bulk_honest = Honest(shard, transport="auto")
+    try:
+        bulk_honest.steps_in(1.0)  # warm: the client learns the bulk port (Role) and connects
+        assert bulk_honest.client._shards[0].replicas[0].bulk is not None  # noqa: SLF001 - the honest worker is on the bulk port
+        base = bulk_honest.steps_in(WINDOW_S) / WINDOW_S
+        print(f"unloaded (bulk): {base:.1f} steps/s")
+        channel = BulkChannel(f"127.0.0.1:{_bulk_port(shard)}", _sec(shard, "reader"), pool_size=0)
+        pull = channel.unary_stream(SVC + "PullDense")
+        req = pb.PullDenseRequest(table="idle", dtype="float32", sync=pb.SyncSpec(clock=1, sync=True)).SerializeToString()
+        codes: dict[str, int] = {}
+        details: list[str] = []
+        stop = threading.Event()
+
+        def attacker() -> None:
+            while not stop.is_set():
+                try:
+                    for _ in pull(req, timeout=30):
+                        pass
+                    codes["OK"] = codes.get("OK", 0) + 1
+                except grpc.RpcError as e:
+                    name = e.code().name if e.code() else "NONE"
+                    codes[name] = codes.get(name, 0) + 1
+                    if len(details) < 20:
+                        details.append(f"{name}: {e.details()}")
+                    stop.wait(3.0)  # (each try over TLS costs both sides a handshake: ~40 per second in all)
+
+        threads = [threading.Thread(target=attacker, daemon=True) for _ in range(128)]
+        for t in threads:
+            t.start()
+        try:
+            time.sleep(2.0)
+            _windows(shard, bulk_honest, base, "128 waiting reader pulls on the bulk port")
+        finally:
+            stop.set()
+            channel.close()
+            for t in threads:
+                t.join(40)
+        print("bulk reader pulls ended:", codes, details[:1])
+        assert codes.get("RESOURCE_EXHAUSTED", 0) >= 100, codes
+        assert any("identity 'reader'" in d and "waiting calls in flight" in d for d in details), details
+        # connections (each a server thread): one identity holds at most an eighth of the endpoint's
+        # (ps serve: 4 x --threads 64 = 256 connections, 32 per identity); the next is refused at its handshake
+        held: list[Any] = []
+        refusal = None
+        try:
+            for _ in range(40):
+                ch = BulkChannel(f"127.0.0.1:{_bulk_port(shard)}", _sec(shard, "reader"))
+                held.append(ch)
+                try:
+                    ch.connect(10)
+                except grpc.RpcError as e:
+                    refusal = e
+                    break
+        finally:
+            for ch in held:
+                ch.close()
+        assert refusal is not None and refusal.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refusal
+        assert "identity 'reader' has 32 bulk connections already" in refusal.details(), refusal.details()
+        assert len(held) == 33
+    finally:
+        bulk_honest.client.close()
+
+
+def _bulk_port(s: dict[str, Any]) -> int:
+    """The shard's advertised bulk port (its Role reply)."""
+    channel = client_channel(s["address"], _sec(s, "reader"))
+    try:
+        raw = channel.unary_unary(SVC + "Role")(pb.RoleRequest().SerializeToString(), timeout=10)
+        return int(pb.RoleReply.FromString(raw).bulk_port)
+    finally:
+        channel.close()
