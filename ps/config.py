@@ -236,8 +236,11 @@ class ShardConfig:
     """One shard server, with the bounds that keep what a request can make it hold finite.
 
     - ``max_bytes`` (default 8 GiB): everything the tables hold on this shard: params, optimizer
-      state, rows allocated but free, the id index, slot maps and admission sketches. A request
-      that would go beyond it is refused (RESOURCE_EXHAUSTED). 0 lifts the bound (explicitly).
+      state, dense spare blocks, sparse row chunks as allocated (rows free included) and their
+      free lists, the id index, slot maps and admission sketches. A request that would go beyond
+      it is refused (RESOURCE_EXHAUSTED); the check and the allocation it allows are one step for
+      all the shard's tables, so the tables never hold more. Pulls hold nothing. 0 lifts the bound
+      (explicitly).
     - ``max_resident_bytes`` (default 0: no disk tier): the RAM the sparse tables' rows may take
       (resident chunks); rows beyond it live in a file-backed tier under ``spill_dir``, the most
       recently used stay resident (ps.tier). ``max_bytes`` does not count the tier's disk bytes.

@@ -15,7 +15,11 @@ a file (:class:`FileBacking`: memory-mapped segments of one unlinked temporary f
 tier of ``ps.tier``).
 
 Rows released (eviction, demotion to the disk tier) go on a free stack and are handed out again
-before any fresh row: a table whose row count stays bounded never allocates another chunk.
+before any fresh row: a table whose row count stays bounded never allocates another chunk. The
+free stack has one slot per row of capacity, allocated with the chunks (zeroed pages: they cost
+RSS only once rows are released), so releasing rows never allocates: what a store holds
+(``nbytes``: its chunk buffers as allocated, alignment included, and the free stack) changes only
+when chunks are added, by exactly ``grow_bytes`` (a byte budget asked before growth holds).
 
 Not thread-safe: the owning table's lock guards it. Pure torch/numpy.
 """
@@ -280,14 +284,25 @@ class RowStore:
         return len(self._chunks)
 
     def column_nbytes(self, names: Sequence[str] | None = None) -> int:
-        """Bytes the allocated chunks hold for ``names`` (default: every column)."""
+        """Bytes the allocated chunks hold for ``names`` (default: every column), each column's
+        alignment padding included (every column of every chunk: ``nbytes`` less the free stack)."""
         names = list(self.columns) if names is None else names
-        return self.capacity * sum(self.columns[n].row_nbytes for n in names)
+        cols = [self.columns[n] for n in names]
+        return sum(-(-(ch.rows * c.row_nbytes) // _ALIGN) * _ALIGN for ch in self._chunks for c in cols)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the allocated chunks (plus the free stack)."""
-        return self.capacity * self.row_nbytes + self._free.nbytes
+        """Bytes the store holds: its chunk buffers as allocated (alignment included) and the free stack."""
+        return sum(self._chunk_nbytes(ch.rows) for ch in self._chunks) + self._free.nbytes
+
+    @property
+    def free_nbytes(self) -> int:
+        """Bytes of the free stack (RAM, whatever the backing)."""
+        return int(self._free.nbytes)
+
+    def _chunk_nbytes(self, rows: int) -> int:
+        """Bytes a chunk of ``rows`` rows takes from its backing (``_new_chunk``)."""
+        return max(self._layout(rows)[0], 1)
 
     def _layout(self, rows: int) -> tuple[int, list[tuple[Column, int]]]:
         off, out = 0, []
@@ -297,8 +312,7 @@ class RowStore:
         return off, out
 
     def _new_chunk(self, rows: int) -> _Chunk:
-        total, _ = self._layout(rows)
-        return self._carve(self.backing.allocate(max(total, 1)), rows)
+        return self._carve(self.backing.allocate(self._chunk_nbytes(rows)), rows)
 
     def _carve(self, buf: torch.Tensor, rows: int) -> _Chunk:
         _, layout = self._layout(rows)
@@ -310,11 +324,22 @@ class RowStore:
         return _Chunk(buf, cols, rows)
 
     def grow_bytes(self, fresh: int) -> int:
-        """Bytes that handing out ``fresh`` rows never used before allocates (0 if they fit)."""
+        """Bytes by which ``nbytes`` grows when ``fresh`` rows never used before are handed out (0 if
+        they fit): the new chunks' buffers (chunk 0 regrown: the new buffer less the old one) and
+        the free stack's slots for the new rows of capacity."""
+        chunk_bytes, capacity = self._grown(fresh)
+        return chunk_bytes + 8 * (capacity - self.capacity)
+
+    def free_grow_bytes(self, fresh: int) -> int:
+        """The free stack's part of ``grow_bytes(fresh)`` (RAM even when the chunks are in a file)."""
+        return 8 * (self._grown(fresh)[1] - self.capacity)
+
+    def _grown(self, fresh: int) -> tuple[int, int]:
+        """(bytes of chunk buffers added, capacity after) when ``fresh`` unused rows are handed out."""
         need = self.n_alloc + fresh
         have = self.capacity
         if need <= have:
-            return 0
+            return 0, have
         extra = 0
         if not self._chunks or (len(self._chunks) == 1 and self._chunks[0].rows < self.chunk_rows):
             cap0 = self._chunks[0].rows if self._chunks else 0
@@ -322,16 +347,22 @@ class RowStore:
             while new0 < min(need, self.chunk_rows):
                 new0 *= 2
             new0 = min(new0, self.chunk_rows)
-            extra += (new0 - cap0) * self.row_nbytes
+            if new0 > cap0:
+                extra += self._chunk_nbytes(new0) - (self._chunk_nbytes(cap0) if cap0 else 0)
             have = new0
         if need > have:
             chunks = -(-(need - have) // self.chunk_rows)
-            extra += chunks * self.chunk_rows * self.row_nbytes
-        return extra
+            extra += chunks * self._chunk_nbytes(self.chunk_rows)
+            have += chunks * self.chunk_rows
+        return extra, have
 
     def alloc_bytes(self, n: int) -> int:
-        """Bytes ``alloc(n)`` would allocate."""
-        return self.grow_bytes(max(0, n - (self._n_free if self.reuse else 0)))
+        """Bytes ``alloc(n)`` would allocate (``nbytes`` grows by exactly this much)."""
+        return self.grow_bytes(self.fresh_for(n))
+
+    def fresh_for(self, n: int) -> int:
+        """Rows never used before that ``alloc(n)`` hands out (the rest come from the free stack)."""
+        return max(0, n - (self._n_free if self.reuse else 0))
 
     def _ensure(self, need: int) -> None:
         if need <= self.capacity:
@@ -354,6 +385,15 @@ class RowStore:
                     self._chunks.append(ch)
         while self.capacity < need:
             self._chunks.append(self._new_chunk(self.chunk_rows))
+        self._size_free_stack()
+
+    def _size_free_stack(self) -> None:
+        """One free-stack slot per row of capacity (so release never allocates)."""
+        cap = self.capacity
+        if len(self._free) != cap:
+            grown = np.zeros(cap, np.int64)  # calloc: pages cost nothing until rows are released
+            grown[: self._n_free] = self._free[: self._n_free]
+            self._free = grown
 
     # ------------------------------------------------------------------ rows
     def alloc(self, n: int) -> np.ndarray:
@@ -373,10 +413,7 @@ class RowStore:
         """Give ``rows`` back (each live, no duplicates); alloc hands them out again."""
         rows = np.asarray(rows, np.int64)
         need = self._n_free + len(rows)
-        if need > len(self._free):
-            grown = np.zeros(max(need, 2 * len(self._free), 1024), np.int64)
-            grown[: self._n_free] = self._free[: self._n_free]
-            self._free = grown
+        assert need <= len(self._free), "more rows released than handed out"
         self._free[self._n_free : need] = rows
         self._n_free = need
 

@@ -201,6 +201,9 @@ class Shard:
         self.rounds: dict[str, SyncRound] = {}
         self.dedup: Dedup = Dedup()
         self.names = WorkerNames()  # who may use which worker name (pins: set by the servicer from its token file)
+        # the byte budget: held from a check to the allocation it allowed (every table of the shard)
+        self._growth = threading.Lock()
+        self._pending = 0  # bytes granted to tables being created, not yet in self.tables
         self.membership.on_change(self._recheck_rounds)
         self._closed = threading.Event()
         self._streams: dict[int, list] = {}  # id -> [last activity (monotonic), context]: pushes being received
@@ -338,31 +341,37 @@ class Shard:
                 )
             if spec.kind == DENSE:
                 length = -(-spec.numel // self.config.num_shards)
-                per_elem = 4 * (1 + _state_per_elem(spec))
-                self._reserve(length * per_elem, spec.name)
-                if validate_only:
-                    return True, None
-                table: DenseTable | SparseTable = DenseTable(
-                    spec, self.config.shard_index, self.config.num_shards, self.config.chunk_elems
-                )
+                extra = length * 4 * (1 + _state_per_elem(spec))
             else:
-                self._reserve(SparseTable.fixed_bytes(spec), spec.name)  # slot map, index, admission sketch
+                extra = SparseTable.fixed_bytes(spec)  # the admission sketch (index and chunks come with rows)
+            with self._growth:
+                self._reserve(extra, spec.name)
                 if validate_only:
                     return True, None
-                table = SparseTable(
-                    spec,
-                    self.config.shard_index,
-                    self.config.num_shards,
-                    max_bytes_fn=functools.partial(self._reserve, name=spec.name),
-                    resident_budget=self.resident_budget, spill_dir=self.config.spill_dir or None,
-                )
-            with self.gate.shared():
-                self._replicate({"k": "create", "spec": spec_to_dict(spec)})
-                self.tables[spec.name] = table
-                self.rounds[spec.name] = SyncRound(
-                    spec.name, self.membership, functools.partial(self._apply_round, spec.name),
-                    on_hold=functools.partial(self._replicate_contribution, spec.name),
-                )
+                self._pending += extra  # counted until the table is in self.tables (it counts itself then)
+            try:
+                budget = functools.partial(self._reserve, name=spec.name)
+                if spec.kind == DENSE:
+                    table: DenseTable | SparseTable = DenseTable(
+                        spec, self.config.shard_index, self.config.num_shards, self.config.chunk_elems,
+                        max_bytes_fn=budget, growth_lock=self._growth,
+                    )
+                else:
+                    table = SparseTable(
+                        spec, self.config.shard_index, self.config.num_shards, max_bytes_fn=budget,
+                        resident_budget=self.resident_budget, spill_dir=self.config.spill_dir or None,
+                        growth_lock=self._growth, chunk_bytes=_chunk_bytes(self.config.max_bytes),
+                    )
+                with self.gate.shared():
+                    self._replicate({"k": "create", "spec": spec_to_dict(spec)})
+                    self.tables[spec.name] = table
+                    self.rounds[spec.name] = SyncRound(
+                        spec.name, self.membership, functools.partial(self._apply_round, spec.name),
+                        on_hold=functools.partial(self._replicate_contribution, spec.name),
+                    )
+            finally:
+                with self._growth:
+                    self._pending -= extra
         return True, self.info(spec.name)
 
     def drop_tables(self, names: Sequence[str], missing_ok: bool = False) -> tuple[list[str], str]:
@@ -1023,13 +1032,19 @@ class Shard:
 
     # ------------------------------------------------------------------ memory
     def held_bytes(self) -> int:
-        return sum(t.held_bytes() for t in self._tables())
+        """What the tables hold (``config.max_bytes`` bounds it), and what tables being created were
+        granted. Takes no lock: tables ask the budget while holding their own lock and ``_growth``
+        (list() of a dict's values is one step under the GIL)."""
+        return sum(t.held_bytes() for t in list(self.tables.values())) + self._pending
 
     def _tables(self) -> list[DenseTable | SparseTable]:
         with self._lock:
             return list(self.tables.values())
 
     def _reserve(self, extra: int, name: str) -> None:
+        """Raise ResourceExhaustedError if ``extra`` more bytes would take the tables over
+        ``config.max_bytes``. Callers hold ``_growth`` from this check until the bytes are
+        allocated (and counted by ``held_bytes``), so concurrent growth cannot overshoot."""
         limit = self.config.max_bytes
         if limit and self.held_bytes() + extra > limit:
             raise ResourceExhaustedError(
@@ -1072,6 +1087,13 @@ class Shard:
             self.checkpoints, self.last_checkpoint, self.role, self.backup, self.replicated, self.backups_lost,
             self.epoch, self.config.backup_of if self.role == BACKUP else "",
         )
+
+
+def _chunk_bytes(max_bytes: int) -> int:
+    """Bytes of a sparse table's row chunk under a byte budget: 64 MiB, at most an eighth of the
+    budget (a table grows a chunk at a time: a 128 MiB budget in 64 MiB chunks would leave most of
+    its last chunk's worth unusable), at least 256 KiB."""
+    return 64 << 20 if not max_bytes else max(256 << 10, min(64 << 20, max_bytes // 8))
 
 
 def _state_per_elem(spec: TableSpec) -> int:

@@ -167,11 +167,20 @@ class DenseTable:
     holding the table's lock, so no reader can take it meanwhile. Otherwise (and for a push that
     computes early) the new block goes into a spare one (a block retired by an earlier push that
     no reader holds any more, else a fresh allocation), swapped in at commit; at most
-    ``spare_generations`` retired blocks are kept per block."""
+    ``spare_generations`` retired blocks are kept per block.
+
+    Memory: ``held_bytes()`` counts every block the table owns (current, spare, computed by a push
+    not yet committed); a fresh block asks ``max_bytes_fn(bytes)`` first (holding ``growth_lock``,
+    shared by a shard's tables), which raises ResourceExhaustedError over budget: the push is
+    refused, nothing applied. A spare a reader still holds is let go before a fresh one is made
+    (it could not be reused; the reader's reply keeps it until sent)."""
 
     spare_generations = 1
 
-    def __init__(self, spec: TableSpec, shard_index: int, num_shards: int, chunk_elems: int) -> None:
+    def __init__(
+        self, spec: TableSpec, shard_index: int, num_shards: int, chunk_elems: int,
+        max_bytes_fn: Callable[[int], None] = lambda extra: None, growth_lock: "threading.Lock | threading.RLock | None" = None,
+    ) -> None:
         self.spec = spec
         self.start, self.stop = dense_range(spec.numel, shard_index, num_shards)
         self.length = self.stop - self.start
@@ -192,6 +201,9 @@ class DenseTable:
         self.lock = threading.Lock()
         self.write_lock = threading.Lock()  # serializes commits (held while one push computes)
         self._spares: list[list[_Block]] = [[] for _ in self._blocks]
+        self._reserve = max_bytes_fn
+        self._growth = growth_lock if growth_lock is not None else threading.Lock()
+        self._extra_bytes = 0  # blocks owned beyond the current ones: spares and pushes' computed blocks
         self._early: weakref.ref[DenseUpdate] | None = None  # the push computing as its chunks arrive
         self.blocks_allocated = 0  # fresh blocks a commit had to allocate (no spare was free)
         self.blocks_reused = 0  # spare blocks a commit wrote into
@@ -212,8 +224,13 @@ class DenseTable:
         return sum(v.numel() * v.element_size() for b in self._blocks for v in b.state.values())
 
     def held_bytes(self) -> int:
-        """Memory this table holds on the shard (params + optimizer state; not the spare blocks)."""
-        return self.param_bytes() + self.state_bytes()
+        """Memory this table holds on the shard: params + optimizer state, and the spare blocks and
+        blocks computed by pushes not yet committed (lock-free: a budget check reads it while other
+        tables' locks are held)."""
+        return self.param_bytes() + self.state_bytes() + self._extra_bytes
+
+    def _block_nbytes(self, k: int) -> int:
+        return 4 * self.block_len(k) * (1 + len(self._state_names))
 
     def spare_blocks(self) -> int:
         """Retired blocks kept for reuse (at most ``spare_generations`` per block)."""
@@ -332,9 +349,17 @@ class DenseTable:
             if _unreferenced(spares, i):
                 self.blocks_reused += 1
                 return spares.pop(i)
-        self.blocks_allocated += 1
+        nbytes = self._block_nbytes(k)
+        while spares:  # held by readers: not reusable now, and the budget should not count them twice
+            spares.pop()
+            self._extra_bytes -= nbytes
         n = self.block_len(k)
-        return _Block(torch.empty(n), {name: torch.empty(n) for name in self._state_names})
+        with self._growth:
+            self._reserve(nbytes)
+            block = _Block(torch.empty(n), {name: torch.empty(n) for name in self._state_names})
+            self._extra_bytes += nbytes
+        self.blocks_allocated += 1
+        return block
 
     def _keep_spare(self, k: int, block: _Block) -> None:
         """Keep ``block`` (retired from, or never part of, the table) for reuse; call with ``lock`` held.
@@ -343,8 +368,11 @@ class DenseTable:
         while spares and len(spares) >= self.spare_generations:
             busy = [i for i in range(len(spares)) if not _unreferenced(spares, i)]
             spares.pop(busy[0] if busy else 0)
+            self._extra_bytes -= self._block_nbytes(k)
         if self.spare_generations > 0:
             spares.append(block)
+        else:
+            self._extra_bytes -= self._block_nbytes(k)
 
     def _compute(self, k: int, base: _Block, data: np.ndarray, op: str, opt: Optimizer, step: int, out: _Block) -> None:
         """Block ``k``'s next value from ``base`` and the pushed chunk ``data``, written into ``out``."""
@@ -467,11 +495,12 @@ class DenseUpdate:
 
         Under the table's write lock: ``once()`` first (deduplication: a result it returns is
         returned as is, nothing applied); then the blocks a reader holds are computed into spares
-        (unless computed early from the blocks still current); then ``before_swap(result, self)``
-        runs (replication, the dedup record: it reads the staged chunks, not the new values); if it
-        raises, nothing is applied. Last, under the table's lock, the other blocks are computed in
-        place and the new ones swapped in: no reader sees a block change, or the table half pushed
-        (pulls wait meanwhile). The chunks were validated when staged, so the in-place step cannot
+        (unless computed early from the blocks still current; a fresh spare the byte budget refuses:
+        ResourceExhaustedError, nothing applied); then, under the table's lock (pulls wait), the
+        blocks readers took meanwhile likewise, ``before_swap(result, self)`` (replication, the
+        dedup record: it reads the staged chunks, not the new values; if it raises, nothing is
+        applied), the other blocks computed in place and the new ones swapped in: no reader sees a
+        block change, or the table half pushed. The chunks were validated when staged, so the in-place step cannot
         fail on the data; only memory running out inside the optimizer could stop it midway, and
         then the blocks before it would stay applied."""
         t = self.table
@@ -499,19 +528,21 @@ class DenseUpdate:
                     self._into_spare(k, t._blocks[k], opt, version + 1)
                 new_version = version + (1 if self.op == GRADIENT else 0)
                 result = PushResult(t.num_blocks, 0, float(staleness), staleness, new_version)
-                if before_swap is not None:
-                    before_swap(result, self)
                 with t.lock:  # no reader can take a block until the swap
+                    for k in self.staged:  # taken by a reader since the check above: into a spare too
+                        if k not in self._computed and not _unreferenced(t._blocks, k):
+                            self._into_spare(k, t._blocks[k], opt, version + 1, locked=True)
+                    # every block still to compute is now the table's alone: nothing below allocates (or
+                    # fails for want of bytes) once before_swap has forwarded the push
+                    if before_swap is not None:
+                        before_swap(result, self)
                     for k in self.staged:
                         if k in self._computed:  # early, or held above
                             continue
-                        if _unreferenced(t._blocks, k):
-                            stale = self._out.pop(k, None)  # computed early from a replaced base
-                            if stale is not None:
-                                t._keep_spare(k, stale)
-                            t._compute_in_place(k, self.staged[k], self.op, opt, version + 1)
-                        else:  # taken by a reader since the check above
-                            self._into_spare(k, t._blocks[k], opt, version + 1, locked=True)
+                        stale = self._out.pop(k, None)  # computed early from a replaced base
+                        if stale is not None:
+                            t._keep_spare(k, stale)
+                        t._compute_in_place(k, self.staged[k], self.op, opt, version + 1)
                     t._swap(self._out, new_version)
                 self._out = {}
                 self.early_final = early_final
@@ -547,7 +578,8 @@ class TableMemory:
     ``payload_bytes_per_row``: what a row *is* (values in the row dtype + optimizer state);
     ``bytes_per_row``: RAM held per live row, every overhead included (held_bytes / rows);
     ``values_bytes`` / ``state_bytes`` / ``metadata_bytes``: the resident chunks' columns, allocated
-    rows (live or free) — metadata is version, last touch, id and admission count, plus the cold
+    rows (live or free), each column's alignment padding included — metadata is version, last
+    touch, id and admission count, the free stack (8 bytes per row of capacity), plus the cold
     rows' metadata; ``index_bytes``: the id index; ``other_bytes``: slot map and admission sketch;
     ``disk_bytes``: the disk tier's file."""
 
@@ -676,10 +708,12 @@ class SparseTable:
     of a cold row brings it back (demoting others). Index locations: row >= 0 resident, -1
     absent, <= -2 cold slot ``-loc - 2``.
 
-    Memory: ``held_bytes()`` counts everything the table allocates in RAM (resident chunks, free
-    rows included; the id index; cold rows' metadata; the slot map; the admission sketch), and
-    every allocation that grows it asks ``max_bytes_fn(extra)`` first (which raises
-    ResourceExhaustedError when over budget), so a refused request allocated nothing.
+    Memory: ``held_bytes()`` counts everything the table allocates in RAM (resident chunks as
+    allocated, free rows and the free stack included; the id index; cold rows' metadata; the slot
+    map; the admission sketch), and every allocation that grows it asks ``max_bytes_fn(extra)``
+    first, for exactly what it adds (which raises ResourceExhaustedError when over budget), holding
+    ``growth_lock`` (shared by a shard's tables) from the question to the allocation: a refused
+    request allocated nothing, and what the tables hold never exceeds the budget.
     ``fixed_bytes(spec)``: what the constructor allocates (the caller reserves it).
     ``memory_stats()``: the breakdown.
 
@@ -689,6 +723,7 @@ class SparseTable:
     def __init__(
         self, spec: TableSpec, shard_index: int, num_shards: int, max_bytes_fn: Callable[[int], None] = lambda extra: None,
         *, resident_budget: ResidentBudget | None = None, spill_dir: str | None = None, chunk_bytes: int = 64 << 20,
+        growth_lock: "threading.Lock | threading.RLock | None" = None,
     ) -> None:
         limit_heap_retention()  # the process holds sparse rows: freed temporaries go back to the kernel
         self.spec = spec
@@ -698,6 +733,9 @@ class SparseTable:
         self.optimizer = make_optimizer(spec.optimizer.name, spec.optimizer.hparams)
         self._key = table_key(spec.name, spec.seed)
         self._reserve = max_bytes_fn  # raises ResourceExhaustedError when growth is over budget
+        # held from a budget check to the allocation it allowed: shared by a shard's tables, so two
+        # tables growing at once cannot both be granted the same headroom
+        self._growth = growth_lock if growth_lock is not None else threading.Lock()
         self._index = IdIndex()
         self.row_dtype = ROW_DTYPES[spec.dtype]
         opt = self.optimizer
@@ -714,7 +752,7 @@ class SparseTable:
         if self._budget is not None:  # a chunk is the budget's granularity: keep it well below the budget
             chunk_bytes = max(256 << 10, min(chunk_bytes, self._budget.limit // 8))
         self._chunk_rows = chunk_rows_for(row_nbytes, chunk_bytes, lo=64)
-        self._store = RowStore(self._payload + list(_META), self._chunk_rows, first_rows=min(1024, self._chunk_rows))
+        self._store = RowStore(self._payload + list(_META), self._chunk_rows, first_rows=min(1024, max(64, self._chunk_rows // 8)))
         self._spill_dir = spill_dir
         self._cold: ColdTier | None = None
         self._budget_handle = 0
@@ -846,7 +884,7 @@ class SparseTable:
         """Where this table's bytes are (a snapshot; see TableMemory)."""
         with self.lock:
             st = self._store
-            meta = st.column_nbytes(_META_NAMES) + (self._cold.ram_bytes if self._cold is not None else 0)
+            meta = st.column_nbytes(_META_NAMES) + st.free_nbytes + (self._cold.ram_bytes if self._cold is not None else 0)
             held = self.held_bytes()
             rows = self.rows
             return TableMemory(
@@ -928,27 +966,40 @@ class SparseTable:
         n_new, n_in = new_pos.size, new_pos.size + cold_pos.size
         if not n_in:
             return
+        st = self._store
         cap = self.spec.eviction.max_rows
-        evict = max(0, self.rows + n_new - cap) if cap else 0
+        # what eviction and demotion will free, known before anything moves: the budget is asked for
+        # exactly what this allocates (rows they free are reused before any new chunk)
+        victims = self._lru_victims(self.rows + n_new - cap, pinned_ids=uniq[loc != -1]) if cap else None
+        v_hot = int(np.count_nonzero(victims[1] >= 0)) if victims is not None else 0
+        v_cold = len(victims[1]) - v_hot if victims is not None else 0
+        pinned = loc[loc >= 0]
         limit = self._resident_cap()
         demote = 0
         if limit >= 0:
-            excess = self._store.live + n_in - evict - limit
-            if excess > 0:
-                demote = excess + limit // 8  # some slack: demotion is batched, not one row per pull
-        fresh = max(0, n_in - evict - demote - (self._store.capacity - self._store.live))
-        need = self._store.grow_bytes(fresh) + self._index.grow_bytes(n_new)
+            excess = st.live - v_hot + n_in - limit
+            if excess > 0:  # some slack: demotion is batched, not one row per push
+                demote = min(excess + limit // 8, max(0, st.live - v_hot - pinned.size))
+        need = st.alloc_bytes(max(0, n_in - v_hot - demote)) + self._index.grow_bytes(n_new)
         if demote:
             cold = self._cold_tier()
-            need += cold.meta.alloc_bytes(demote)
-        self._reserve(need)
-        if evict:
-            self._evict_lru(evict, pinned_ids=uniq[loc != -1])
+            need += cold.ram_alloc_bytes(max(0, demote - (v_cold if cold.meta.reuse else 0)))
+        with self._growth:  # shard-wide: no other table grows between this check and the allocation
+            self._reserve(need)
+            self._grow_resident(uniq, loc, cold_pos, new_pos, seen, victims, demote, pinned)
+
+    def _grow_resident(
+        self, uniq: np.ndarray, loc: np.ndarray, cold_pos: np.ndarray, new_pos: np.ndarray, seen: np.ndarray | None,
+        victims: tuple[np.ndarray, np.ndarray] | None, demote: int, pinned: np.ndarray,
+    ) -> None:
+        """_make_resident's changes, the budget granted."""
+        if victims is not None and len(victims[0]):
+            self._drop(*victims)
         if demote:
-            self._demote(demote, pinned_rows=loc[loc >= 0])
+            self._demote(demote, pinned_rows=pinned)
         if cold_pos.size:
             loc[cold_pos] = self._promote(uniq[cold_pos], -loc[cold_pos] - 2)
-        if n_new:
+        if new_pos.size:
             loc[new_pos] = self._create(uniq[new_pos], seen)
 
     def _trim(self) -> None:
@@ -956,12 +1007,12 @@ class SparseTable:
         demote the surplus, least recently touched first."""
         limit = self._resident_cap()
         if limit >= 0 and self._store.live > limit:
-            need = self._cold_tier().meta.alloc_bytes(self._store.live - limit)
-            try:
-                self._reserve(need)
-            except ResourceExhaustedError:
-                return  # over the byte budget: stay resident (the next request tries again)
-            self._demote(self._store.live - limit)
+            with self._growth:
+                try:
+                    self._reserve(self._cold_tier().ram_alloc_bytes(self._store.live - limit))
+                except ResourceExhaustedError:
+                    return  # over the byte budget: stay resident (the next request tries again)
+                self._demote(self._store.live - limit)
 
     def _create(self, ids: np.ndarray, seen: np.ndarray | None = None) -> np.ndarray:
         """Allocate and initialize rows for new ``ids`` (room was made); returns their row numbers."""
@@ -1067,17 +1118,22 @@ class SparseTable:
         if count:
             self.evicted += len(ids)
 
-    def _evict_lru(self, count: int, pinned_ids: np.ndarray | None = None) -> None:
+    def _lru_victims(self, count: int, pinned_ids: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, locations) of the ``count`` least recently touched rows of both tiers, ``pinned_ids``
+        left out (fewer if there are not that many). Changes nothing."""
+        empty = np.zeros(0, np.int64)
+        if count <= 0:
+            return empty, empty
         loc, d = self._live(["id", "touch"])
         ids, touch = d["id"].numpy(), d["touch"].numpy()
         if pinned_ids is not None and pinned_ids.size:
             keep = ~np.isin(ids, pinned_ids)
             loc, ids, touch = loc[keep], ids[keep], touch[keep]
-        if count <= 0 or not loc.size:
-            return
+        if not loc.size:
+            return empty, empty
         count = min(count, loc.size)
         pick = np.argpartition(touch, count - 1)[:count]
-        self._drop(ids[pick], loc[pick])
+        return ids[pick], loc[pick]
 
     def evict_expired(self) -> int:
         """Drop rows untouched for more than ttl_steps table updates; returns how many."""
@@ -1384,19 +1440,19 @@ class SparseTable:
         new = np.flatnonzero(loc == -1)
         if new.size:
             limit = self._resident_cap()
-            free = self._store.capacity - self._store.live
             hot = new.size if limit < 0 else min(new.size, max(0, limit - self._store.live))
             cold_n = new.size - hot
-            need = self._store.grow_bytes(max(0, hot - free)) + self._index.grow_bytes(new.size)
+            need = self._store.alloc_bytes(hot) + self._index.grow_bytes(new.size)
             if cold_n:
-                need += self._cold_tier().meta.alloc_bytes(cold_n)
-            self._reserve(need)  # the budget first
-            rows = self._store.alloc(hot)
-            loc[new[:hot]] = rows
-            if cold_n:
-                slots = self._cold_tier().alloc(cold_n)
-                loc[new[hot:]] = -slots - 2
-            self._index.insert(ids[new], loc[new])
+                need += self._cold_tier().ram_alloc_bytes(cold_n)
+            with self._growth:
+                self._reserve(need)  # the budget first
+                rows = self._store.alloc(hot)
+                loc[new[:hot]] = rows
+                if cold_n:
+                    slots = self._cold_tier().alloc(cold_n)
+                    loc[new[hot:]] = -slots - 2
+                self._index.insert(ids[new], loc[new])
         data: dict[str, Any] = {"values": values, "version": np.asarray(versions, np.int64), "id": ids}
         for k in self._state_names:
             data[k] = torch.from_numpy(np.ascontiguousarray(state[k], np.float32))

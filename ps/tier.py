@@ -131,8 +131,15 @@ class ColdTier:
 
     @property
     def ram_bytes(self) -> int:
-        """RAM the tier holds (metadata of cold rows; the payload is on disk)."""
-        return self.meta.nbytes
+        """RAM the tier holds: the cold rows' metadata and the payload store's free stack (the payload
+        itself is on disk)."""
+        return self.meta.nbytes + self.payload.free_nbytes
+
+    def ram_alloc_bytes(self, n: int) -> int:
+        """Bytes by which ``ram_bytes`` grows when ``n`` slots are allocated (``alloc(n)``, ``put``)."""
+        self._sync()
+        fresh = self.meta.fresh_for(n)
+        return self.meta.grow_bytes(fresh) + self.payload.free_grow_bytes(fresh)
 
     @property
     def disk_bytes(self) -> int:

@@ -221,7 +221,7 @@ def test_a_reader_naming_a_worker_binds_nothing_and_the_real_worker_joins(serve,
 
 def test_a_workers_pull_of_an_unknown_name_joins_nothing(serve, files) -> None:
     """Pulls are reads for workers too: a worker token's pull naming a name nobody joined adds no
-    member and binds nothing; its Join does both."""
+    member and binds nothing; its Join does both; afterwards its pulls renew that live name's lease."""
     address, sh = serve()
     with _client(files, address, "admin") as admin:
         admin.create_sparse("emb", DIM, "sgd")
@@ -231,6 +231,10 @@ def test_a_workers_pull_of_an_unknown_name_joins_nothing(serve, files) -> None:
         assert _state(sh) == before
         w.join()
         assert "w5" in sh.membership.live() and sh.names.bindings() == {"w5": "w1"}
+        seen = next(m.last_seen for m in sh.membership.workers() if m.name == "w5")
+        time.sleep(0.05)
+        w.pull_sparse("emb", np.arange(4))  # its own live name: the pull renews its lease
+        assert next(m.last_seen for m in sh.membership.workers() if m.name == "w5") > seen
 
 
 def test_bsp_rounds_are_not_held_by_a_reader_pulling_with_a_dead_workers_name(serve, files) -> None:

@@ -215,7 +215,8 @@ def test_memory_stats_add_up_and_evicted_rows_are_reused() -> None:
     assert m.rows == m.resident_rows == 3000 and m.cold_rows == 0 and m.row_dtype == "float32"
     assert m.payload_bytes_per_row == 4 * 4 * 2
     assert m.values_bytes + m.state_bytes + m.metadata_bytes + m.index_bytes + m.other_bytes == m.held_bytes
-    assert m.metadata_bytes <= (8 + 8 + 8 + 2) * (3000 + m.free_rows) + 4 * 64  # version, touch, id, admits
+    # version, touch, id, admits, a free-stack slot; each column of a chunk aligned to 64 bytes
+    assert m.metadata_bytes <= (8 + 8 + 8 + 2 + 8) * (3000 + m.free_rows) + 4 * 64
     assert m.bytes_per_row == m.held_bytes / 3000
     chunks = m.chunks
     for a in range(3000, 30000, 1000):
