@@ -14,9 +14,11 @@ state (shard 0's checkpoint at clock 10, written while the workers waited for sh
 checkpoint at clock 7), and two fresh worker processes with the same arguments, which start at the
 common clock 7. The final dense parameters are equal bit for bit.
 
-Async: the same outage, with the progress lines each worker prints on stderr asserted: one when
-shard 1 becomes unreachable, one while it waits (every 5 s: since when, the step training waits
-at), one when it is back; no traceback.
+Async and SSP: the same outage, with the progress lines each worker prints on stderr asserted (one
+worker with its progress bar, one without): one when shard 1 becomes unreachable, one while it
+waits (every 5 s: since when, the step training waits at), one when it is back; no traceback. The
+workers' lease (4 s) is shorter than the outage: shard 0 never drops them (leases are renewed per
+shard).
 """
 from __future__ import annotations
 
@@ -78,8 +80,8 @@ class Run:
         p.send_signal(signal.SIGKILL)
         p.wait(DEADLINE)
 
-    def workers(self, mode: str, steps: int, *extra: str) -> list["Worker"]:
-        return [Worker(self, i, mode, steps, *extra) for i in range(2)]
+    def workers(self, mode: str, steps: int, *extra: str, progress: tuple[bool, bool] = (False, False)) -> list["Worker"]:
+        return [Worker(self, i, mode, steps, *extra, progress=progress[i]) for i in range(2)]
 
     def one(self, i: int) -> PSClient:
         """A client of shard ``i`` alone (its Stats and Checkpoint calls)."""
@@ -103,10 +105,11 @@ class Run:
 class Worker:
     """A ``tessera worker`` process; its stderr lines are collected as they come."""
 
-    def __init__(self, run: Run, index: int, mode: str, steps: int, *extra: str) -> None:
+    def __init__(self, run: Run, index: int, mode: str, steps: int, *extra: str, progress: bool = False) -> None:
         cmd = [sys.executable, "-m", "tessera.cli", "worker", "--ps", ",".join(run.addresses), "--task", "digits",
                "--mode", mode, "--steps", str(steps), "--batch-size", "16", "--num-workers", "2", "--worker-index",
-               str(index), "--no-progress", "--torch-threads", "1", "--seed", "3", "--retry-timeout", "120", *extra]
+               str(index), "--torch-threads", "1", "--seed", "3", "--retry-timeout", "120", *extra,
+               *([] if progress else ["--no-progress"])]
         self.p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         run.procs.append(self.p)
         self.lines: list[str] = []
@@ -217,13 +220,16 @@ def test_sync_workers_go_back_to_the_common_clock_and_match_a_restarted_run(proc
     np.testing.assert_array_equal(live, ref.dense())
 
 
-def test_async_workers_say_when_a_shard_is_unreachable_while_they_wait_and_when_it_is_back(procs, tmp_path) -> None:
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_workers_say_when_a_shard_is_unreachable_while_they_wait_and_when_it_is_back(procs, tmp_path, mode: str) -> None:
     run = Run(procs, tmp_path)
     ck = [tmp_path / "ck0", tmp_path / "ck1"]
     for i in range(2):
         run.shard(i, ck[i])
     steps = 200
-    workers = run.workers("async", steps, "--jitter-ms", "10")
+    # a lease shorter than the outage: leases are renewed per shard, so shard 0 never drops the workers.
+    # Worker 1 draws its progress bar: the lines come with or without one
+    workers = run.workers(mode, steps, "--jitter-ms", "10", "--lease", "4", progress=(False, True))
 
     def version(i: int) -> int:
         return max((t.version for t in run.stats(i).tables if t.name == "digits/dense"), default=0)
@@ -247,3 +253,4 @@ def test_async_workers_say_when_a_shard_is_unreachable_while_they_wait_and_when_
         assert first < wait_at < back, text[-3000:]
         assert sum(bool(re.search(since, line)) for line in lines) == 1, text[-3000:]  # one line when it goes
         assert _summary(text) == (steps, 0, steps)
+    assert run.stats(0).leases_expired == 0
