@@ -61,6 +61,7 @@ def _build(
     # one admission path for both planes: per-identity shares of the handler threads, waits capped
     access = Access(security, METHOD_ROLES, ROLES, waits=WAITS, pool=config.workers)
     servicer = PSServicer(shard, access, peer)
+    _protect_live_workers(shard, access)
     try:
         server, port, health = service.build_server(
             (servicer.handlers(),), config.host, config.port, security, max_workers=config.workers,
@@ -94,6 +95,25 @@ def _build(
         # over): a compose `service_healthy` dependency on a backup waits for a usable replica
         serving_when(health, lambda: shard.installed.is_set() or shard.role == PRIMARY, (SERVICE_NAME,), stopping=access.stopping)
     return server, port, shard, bulk, access
+
+
+def _protect_live_workers(shard: Shard, access: Access, every: float = 1.0) -> None:
+    """Keep the identities of the shard's live workers protected (Access.protect: a few handler
+    threads each that no other identity may take), refreshed every ``every`` seconds until the
+    shard closes."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(every):
+            try:
+                bound = shard.names.bindings()
+                owners = {access.worker_names.owner(w) or bound.get(w) for w in shard.membership.live()}
+                access.protect(o for o in owners if o)
+            except Exception:  # noqa: BLE001 - a missed refresh keeps the previous set
+                log.exception("shard %d: refreshing the protected identities failed", shard.config.shard_index)
+
+    threading.Thread(target=loop, name=f"ps{shard.config.shard_index}-protect", daemon=True).start()
+    shard.on_close.append(stop.set)
 
 
 def restore_latest(shard: Shard) -> str | None:

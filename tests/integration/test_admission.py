@@ -297,3 +297,30 @@ def _bulk_port(s: dict[str, Any]) -> int:
         return int(pb.RoleReply.FromString(raw).bulk_port)
     finally:
         channel.close()
+
+
+def test_live_workers_identities_are_protected() -> None:
+    """The shard keeps its live workers' identities protected (Access.protect: slots no other
+    identity may take), refreshed every second from its members and their names' owners."""
+    from ps.config import ShardConfig
+    from ps.server import _build
+    from tessera.service import ServerSecurity
+
+    sec = ServerSecurity(tokens={"w0": TOKENS["w0"], "reader": TOKENS["reader"]}, roles={"w0": ["worker"], "reader": ["reader"]},
+                         insecure=True)
+    server, port, shard, _, access = _build(ShardConfig(), False, sec, None)
+    try:
+        with PSClient([f"127.0.0.1:{port}"], worker="w0", transport="grpc", security=ClientSecurity(token=TOKENS["w0"])) as c:
+            c.join(lease_s=30)
+            deadline = time.monotonic() + 10
+            while "w0" not in access._protected and time.monotonic() < deadline:  # noqa: SLF001
+                time.sleep(0.1)
+            assert access._protected == {"w0"}  # noqa: SLF001 - the reader is no worker
+            c.leave()
+            deadline = time.monotonic() + 10
+            while access._protected and time.monotonic() < deadline:  # noqa: SLF001
+                time.sleep(0.1)
+            assert access._protected == frozenset()  # noqa: SLF001
+    finally:
+        server.stop(0)
+        shard.close()
