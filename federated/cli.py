@@ -334,7 +334,7 @@ def _write_private(path: str, data: bytes) -> None:
 
 def _tokens(args: argparse.Namespace) -> int:
     """``tessera fed tokens``: one fresh random token per identity, written 0600."""
-    from tessera.security import new_tokens
+    from tessera.service import new_tokens
     from tessera.service import write_token_file
 
     tokens = new_tokens(args.identities)
@@ -345,7 +345,7 @@ def _tokens(args: argparse.Namespace) -> int:
 
 def _cert(args: argparse.Namespace) -> int:
     """``tessera fed cert``: a self-signed server certificate and key (for trials)."""
-    from tessera.security import self_signed_cert
+    from tessera.service import self_signed_cert
 
     os.makedirs(args.out_dir, exist_ok=True)
     cert, key = self_signed_cert(tuple(args.host or ["localhost", "127.0.0.1"]))

@@ -35,7 +35,7 @@ from federated.protocol import EVALUATE, Task
 from federated.runtime import Client, ClientRuntime
 from federated.wire import ERRORS, answer_chunks, blob_from_chunks, decode_message, task_from_proto
 from tessera.rpc import channel_options
-from tessera.security import token_metadata
+from tessera.service import token_metadata
 from tessera.service import ClientSecurity, TransportSecurityError, client_channel, diagnose, load_token_file
 from tessera.v1 import fed_pb2 as pb
 

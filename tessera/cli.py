@@ -174,7 +174,7 @@ def _cert(args: argparse.Namespace) -> int:
 
 def _tokens(args: argparse.Namespace) -> int:
     from tessera.service import write_token_file
-    from tessera.security import new_tokens
+    from tessera.service import new_tokens
 
     spec = [(i.partition(":")[0], [r for r in i.partition(":")[2].split(",") if r]) for i in args.identities]
     tokens = new_tokens(name for name, _ in spec)

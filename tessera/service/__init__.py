@@ -26,7 +26,7 @@ from tessera.service.args import (
     client_security_from,
     server_security_from,
 )
-from tessera.service.certs import issue_cert, make_ca
+from tessera.service.certs import issue_cert, make_ca, self_signed_cert
 from tessera.service.client import client_channel, wait_for_server
 from tessera.service.diagnose import Diagnosis, ServerUnreachableError, diagnose
 from tessera.service.errors import (
@@ -64,7 +64,7 @@ __all__ = [
     "ErrorTable", "ERROR_CLASS_HEADER", "Identities", "TokenFile", "WorkerNames", "read_token_file", "load_token_file",
     "write_token_file", "new_tokens", "token_metadata", "token_from", "TOKEN_HEADER",
     "ServerSecurity", "ClientSecurity", "Caller", "Access", "Limits", "Method", "guarded_handler",
-    "build_server", "client_channel", "make_ca", "issue_cert", "is_loopback", "read_pem", "pem_file", "ANONYMOUS",
+    "build_server", "client_channel", "make_ca", "issue_cert", "self_signed_cert", "is_loopback", "read_pem", "pem_file", "ANONYMOUS",
     "add_server_security_args", "add_client_security_args", "server_security_from", "client_security_from",
     "FailedCall", "TransportSecurityError", "ServerUnreachableError", "Diagnosis", "diagnose", "wait_for_server", "BindError",
     "UsageError", "serving_when",

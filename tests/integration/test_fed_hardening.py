@@ -21,7 +21,7 @@ from federated.runtime import Client, ClientRuntime
 from federated.secagg import decode_fixed, encode_fixed
 from federated.secure_round import secagg_config_for
 from tessera.codec import pack
-from tessera.security import token_metadata
+from tessera.service import token_metadata
 from tessera.v1 import fed_pb2 as pb
 
 W0 = [np.linspace(-1, 1, 24, dtype=np.float32).reshape(4, 6), np.zeros(6, np.float32)]

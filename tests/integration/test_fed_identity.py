@@ -18,7 +18,7 @@ import pytest
 from fed_harness import Harness, harnesses, wait_until
 
 from federated.runtime import Client, ClientRuntime
-from tessera.security import token_metadata
+from tessera.service import token_metadata
 from tessera.v1 import fed_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)

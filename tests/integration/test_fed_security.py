@@ -32,7 +32,7 @@ from federated.protocol import FIT, Answer, Task
 from federated.runtime import Client, ClientRuntime
 from federated.server import FedServer
 from federated.strategy import make_strategy
-from tessera.security import self_signed_cert, token_metadata
+from tessera.service import self_signed_cert, token_metadata
 from tessera.service import issue_cert, make_ca
 from tessera.v1 import fed_pb2 as pb
 

@@ -20,7 +20,7 @@ from federated.privacy import DPConfig
 from federated.registry import Registry
 from federated.secagg import PRIME, SecAggClient, SecAggConfig, SecAggError, SecAggServer, encode_fixed
 from federated.strategy import make_strategy
-from tessera.security import load_tokens
+from tessera.service import load_token_file
 
 W0 = [np.zeros((3, 4), np.float32)]
 IDS = [f"c{i:02d}" for i in range(20)]
@@ -141,14 +141,14 @@ def test_token_file_is_owner_only_from_its_first_byte(tmp_path) -> None:
         # never readable by others, not even between creating and chmod-ing it
         assert all(m == 0o600 for _, m in seen), seen
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        tokens = load_tokens(path)
+        tokens, _ = load_token_file(path)
         assert sorted(tokens) == ["alice", "bob"] and all(len(t) == 64 for t in tokens.values())
         # an existing world-readable file is made private too, and its old content replaced
         with open(path, "w") as f:
             f.write("mallory x\n" * 100)
         os.chmod(path, 0o644)
         assert _fed("tokens", "carol", "--out", path) == 0
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and list(load_tokens(path)) == ["carol"]
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600 and list(load_token_file(path)[0]) == ["carol"]
         # the TLS key of `tessera fed cert` as well
         assert _fed("cert", "--out-dir", str(tmp_path / "tls")) == 0
         assert stat.S_IMODE(os.stat(tmp_path / "tls" / "server.key").st_mode) == 0o600
