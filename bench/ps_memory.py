@@ -11,7 +11,7 @@ table's and nothing else's:
     ~1.0); ``sparse_vs_raw_ratio`` = table growth / raw growth. Also bf16 rows with row-wise
     Adagrad over the same fp32 payload (``bf16_rowwise_bytes_per_row_ratio``) and the peak RSS
     growth seen while filling over the final one (``*_peak_over_final``, sampled every 10 ms).
-(b) ``populate_rows_per_s``: rows created per second by ``SparseTable.pull`` of fresh ids in
+(b) ``populate_rows_per_s``: rows created per second by ``SparseTable.push`` of fresh ids (zero gradients) in
     batches of 65536 (zeros initializer; ``populate_uniform_rows_per_s``: the uniform one,
     whose counter-based hash costs more), best (min time) and median of repeats over fresh
     tables, and per CPU second of the process (``populate_rows_per_cpu_s``: what a busy machine's
@@ -21,7 +21,7 @@ table's and nothing else's:
 (c) ``tier_resident_pull_ratio``: pulls of 4096 random resident ids (a hot set that fits the
     budget) from a table 4x its ``max_resident_bytes`` (disk tier on), over the same pulls from
     the same table all in RAM, interleaved, min and median of repeats. ``tier_cold_pull_rows_per_s``:
-    pulls of rows that are on disk (each brings its rows back and demotes others).
+    pulls of rows that are on disk (read where they lie: a pull moves nothing).
 
 Run::
 
@@ -85,7 +85,8 @@ class _Sampler(threading.Thread):
 
 # ======================================================================== children (fresh processes)
 def child_rows(rows: int, dtype: str, optimizer: str, init: str) -> dict[str, Any]:
-    """Fill a SparseTable with ``rows`` fresh ids; RSS growth, peak and time (pulls of BATCH ids)."""
+    """Fill a SparseTable with ``rows`` fresh ids; RSS growth, peak and time (pushes of BATCH ids: rows
+    are made by pushes, pulls only read; a zero gradient, so the rows keep their initial values)."""
     import numpy as np
 
     from ps.config import InitializerSpec, OptimizerSpec, TableSpec
@@ -94,13 +95,15 @@ def child_rows(rows: int, dtype: str, optimizer: str, init: str) -> dict[str, An
     t = SparseTable(TableSpec("e", "sparse", dim=DIM, dtype=dtype, optimizer=OptimizerSpec(optimizer, {}),
                               initializer=InitializerSpec(init)), 0, 1)
     ids = np.random.default_rng(0).permutation(np.arange(rows, dtype=np.int64)) * 7919 + 13
-    t.pull(ids[:16])  # warm: the first chunk, numpy/torch code paths
+    zeros = np.zeros((BATCH, DIM), np.float32)
+    t.push(ids[:16], zeros[:16])  # warm: the first chunk, numpy/torch code paths
     start = _rss()
     s = _Sampler()
     s.start()
     t0, c0 = time.perf_counter(), time.process_time()
     for a in range(16, rows, BATCH):
-        t.pull(ids[a : a + BATCH])
+        b = ids[a : a + BATCH]
+        t.push(b, zeros[: len(b)])
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     time.sleep(0.05)
     s.stop.set()
@@ -143,15 +146,18 @@ def child_tier(rows: int, repeats: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         tier = SparseTable(spec, 0, 1, resident_budget=budget, spill_dir=d)
         ids = np.arange(rows, dtype=np.int64) * 7919 + 13
-        for a in range(0, rows, BATCH):
-            ram.pull(ids[a : a + BATCH])
-            tier.pull(ids[a : a + BATCH])
+        zeros = np.zeros((BATCH, DIM), np.float32)
+        for a in range(0, rows, BATCH):  # rows are made by pushes (pulls only read)
+            b = ids[a : a + BATCH]
+            ram.push(b, zeros[: len(b)])
+            tier.push(b, zeros[: len(b)])
         # the hot set: an eighth of the ids, drawn at random (scattered over the RAM table's chunks,
-        # as a real working set is); pulled once more, so it is resident in the tiered table
+        # as a real working set is); pushed once more, so it is resident in the tiered table
         hot = np.random.default_rng(2).choice(ids, rows // 8, replace=False)
         for a in range(0, len(hot), BATCH):
-            tier.pull(hot[a : a + BATCH])
-            ram.pull(hot[a : a + BATCH])
+            b = np.unique(hot[a : a + BATCH])
+            tier.push(b, zeros[: len(b)])
+            ram.push(b, zeros[: len(b)])
         assert tier._lookup(np.unique(hot)).min() >= 0, "the hot set must be resident"
         rng = np.random.default_rng(1)
         times: dict[str, list[float]] = {"ram": [], "tier": []}

@@ -332,7 +332,7 @@ def test_backup_worker_round_is_the_mean_of_the_first_two(inproc_cluster, kind: 
     else:
         setup.create_sparse("b/t", DIM, "sgd", lr=LR, init="normal", seed=3)
         _spread(IDS)
-        init = setup.pull_sparse("b/t", IDS)  # creates the rows (pushes to missing rows are dropped)
+        init = setup.pull_sparse("b/t", IDS)  # the initial rows (the round's push creates them from these values)
         shape = (len(IDS), DIM)
         # a and b push overlapping subsets of the rows: each row's mean counts both workers
         ids = {"a": IDS[:8], "b": IDS[4:], "c": IDS}

@@ -169,14 +169,14 @@ def _evicting_run(cluster, cache_rows: int, device: str):
     def push(which: np.ndarray) -> None:
         other.push_sparse(name, which, rng.standard_normal((len(which), dim)).astype(np.float32))
 
-    read(0)  # creates the rows (version 0); the cache admits them
+    read(0)  # the rows' initial values (version 0; pulls create nothing); the cache admits them
     push(ids)
     read(1)  # version 1: the cache refreshes them
     for k in range(4):  # the other worker trains other rows: ours expire and are dropped
         filler = np.arange(10_000 + 40 * k, 10_040 + 40 * k, dtype=np.int64)
         other.pull_sparse(name, filler)
         push(filler)
-    _, v = other.pull_sparse(name, ids, return_versions=True)  # created again, version 0
+    _, v = other.pull_sparse(name, ids, return_versions=True)  # evicted: they read as new rows, version 0
     assert (v == 0).all(), "the rows were not evicted"
     push(ids)  # version 1 again, other values
     read(2)  # the cache holds version 1 from read 1: it must not serve it

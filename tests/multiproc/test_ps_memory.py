@@ -190,6 +190,11 @@ class Attacker:
     def pull(self, path: str, table: str, ids: np.ndarray) -> str:
         return self.call(path, "PullSparse", pack(pb.PullSparseRequest(table=table), {15: np.ascontiguousarray(ids, np.int64)}))
 
+    def push(self, path: str, table: str, ids: np.ndarray, dim: int) -> str:
+        """Rows are made by pushes (pulls only read): zero gradients for fresh ``ids``."""
+        head = pb.PushSparseRequest(table=table, dim=dim)
+        return self.call(path, "PushSparse", pack(head, {14: np.ascontiguousarray(ids, np.int64), 15: np.zeros((len(ids), dim), np.float32)}))
+
     def push_stream(self, path: str, chunks: list[bytes], allowed: frozenset[str] = CLEAN_CODES) -> str:
         try:
             for _ in self.push_dense_stub(iter(chunks), timeout=CALL_TIMEOUT_S):
@@ -237,16 +242,18 @@ class Attacker:
         self.create("huge_tables", spec)
 
     def rows(self) -> None:
-        """Sparse rows under fresh ids until the budget refuses (then every such pull is refused)."""
+        """Sparse rows under fresh ids until the budget refuses (then every such push is refused; pulls
+        of fresh ids hold nothing)."""
+        self.push("rows", "a-rows", self.fresh_ids(20_000), 64)
+        self.push("rows", "a-rows-sgd", self.fresh_ids(50_000), 16)
+        self.push("rows", "a-rows-d1", self.fresh_ids(250_000), 1)
+        self.push("rows", "a-evict", self.fresh_ids(20_000), 32)  # recycled by LRU: bounded by max_rows
         self.pull("rows", "a-rows", self.fresh_ids(20_000))
-        self.pull("rows", "a-rows-sgd", self.fresh_ids(50_000))
-        self.pull("rows", "a-rows-d1", self.fresh_ids(250_000))
-        self.pull("rows", "a-evict", self.fresh_ids(20_000))  # recycled by LRU: bounded by max_rows
 
     def sightings(self) -> None:
         """Never-seen ids on admission tables: counted in the fixed sketch, few (or no) rows made."""
-        self.pull("sightings", "a-adm", self.fresh_ids(100_000))
-        self.pull("sightings", "a-admp", self.fresh_ids(50_000))
+        self.push("sightings", "a-adm", self.fresh_ids(100_000), 32)
+        self.push("sightings", "a-admp", self.fresh_ids(50_000), 32)
 
     def joins(self) -> None:
         """Members under fresh names until refused (max_workers; dead ones make room), and bad names."""
@@ -267,7 +274,7 @@ class Attacker:
         self.pull("big_pulls", "a-rows", self.fresh_ids((1 << 20) + 1))  # 8 MiB of ids
         self.pull("big_pulls", "a-rows", self.fresh_ids(300_000))  # a 79 MB reply
         self.pull("big_pulls", "a-wide", self.fresh_ids(1))  # one row of 4 TiB
-        self.pull("big_pulls", "a-evict", self.fresh_ids(20_001))  # beyond eviction.max_rows
+        self.push("big_pulls", "a-evict", self.fresh_ids(20_001), 32)  # a push beyond eviction.max_rows
 
     def big_messages(self) -> None:
         """A request over the shard's 64 MiB message limit (gRPC refuses it)."""
@@ -361,7 +368,7 @@ def test_shard_memory_stays_within_budget_under_attack() -> None:
             admin.create_dense("good_w", (CHUNK + 1000,), "adam", lr=1e-3)
             admin.create_sparse("good_e", 16, "adagrad", lr=0.1)
             good_ids = np.arange(0, 2560, 10, dtype=np.int64)
-            admin.pull_sparse("good_e", good_ids)
+            admin.push_sparse("good_e", good_ids, np.zeros((len(good_ids), 16), np.float32))
         worker = Worker(address, good_ids)
         worker.start()
         deadline = time.monotonic() + 10
@@ -477,7 +484,8 @@ def test_sparse_rows_grow_a_shard_process_by_their_bytes(row_dtype: str, optimiz
                          initializer=InitializerSpec("zeros"))
         client.create_table(spec)
         ids = np.random.default_rng(0).permutation(np.arange(ROWS_2M, dtype=np.int64)) * 7919 + 13
-        client.pull_sparse("rows", ids[:4096])  # warm: server threads, channel buffers, the first chunk
+        zeros = np.zeros((POPULATE_BATCH, ROW_DIM), np.float32)  # rows are made by pushes (pulls only read)
+        client.push_sparse("rows", ids[:4096], zeros[:4096])  # warm: server threads, channel buffers, the first chunk
         pid = procs[0].pid
         time.sleep(0.2)
         start = rss_bytes(pid)
@@ -489,8 +497,8 @@ def test_sparse_rows_grow_a_shard_process_by_their_bytes(row_dtype: str, optimiz
             sampler.start()
             t0 = time.monotonic()
             for a in range(4096, ROWS_2M, POPULATE_BATCH):
-                rows = client.pull_sparse("rows", ids[a : a + POPULATE_BATCH])
-                assert rows.shape == (min(POPULATE_BATCH, ROWS_2M - a), ROW_DIM)
+                b = ids[a : a + POPULATE_BATCH]
+                client.push_sparse("rows", b, zeros[: len(b)])
             fill_s = time.monotonic() - t0
             time.sleep(0.3)
         finally:

@@ -42,6 +42,7 @@ def test_sparse_initial_rows_do_not_depend_on_shard_count(proc_cluster) -> None:
             for init in ("normal", "uniform"):
                 c.create_sparse(f"emb-{init}", 16, "adagrad", init=init, seed=42)
             rows.append([c.pull_sparse(f"emb-{init}", ids) for init in ("normal", "uniform")])
+            c.push_sparse("emb-normal", ids, np.zeros((len(ids), 16), np.float32))  # pushes make rows (pulls read)
             stats = c.stats()
         assert sum(next(t for t in s.tables if t.name == "emb-normal").rows for s in stats) == len(ids)
         if len(addresses) == 4:  # every shard got a share of the ids
