@@ -130,7 +130,9 @@ class InitializerSpec:
 
 @dataclass(frozen=True)
 class AdmissionSpec:
-    """Create a sparse row only after ``min_count`` sightings, or with ``probability`` per sighting."""
+    """Create a sparse row only after ``min_count`` sightings, or with ``probability`` per sighting.
+    A sighting is a push that names the id (a BSP round's push counts once); pulls are reads and
+    count nothing (an id not admitted yet reads as its initial values)."""
 
     min_count: int = 0
     probability: float = 0.0
@@ -151,7 +153,9 @@ class AdmissionSpec:
 
 @dataclass(frozen=True)
 class EvictionSpec:
-    """Evict rows untouched for ``ttl_steps`` table updates, and/or beyond ``max_rows`` (LRU)."""
+    """Evict rows not pushed for ``ttl_steps`` table updates, and/or beyond ``max_rows`` (least
+    recently pushed first; pulls touch nothing). A push of more than ``max_rows`` distinct ids is
+    refused (RESOURCE_EXHAUSTED)."""
 
     ttl_steps: int = 0
     max_rows: int = 0
