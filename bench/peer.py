@@ -74,7 +74,7 @@ if ROOT not in sys.path:
 
 MiB = 2**20
 QUIET_RUNQUEUE = 0.02  # pipeline bubble: a step is quiet if no rank waited > 2% of it on a CPU run queue
-PARTS = ("allreduce", "dp", "zero", "alltoall", "moe", "pipeline", "tp")
+PARTS = ("allreduce", "dp", "zero", "alltoall", "moe", "pipeline", "tp", "auto_tp")
 
 
 def _bus_gbps(nbytes: int, seconds: float, world: int) -> float:
@@ -496,6 +496,50 @@ def bench_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch
     return out
 
 
+def bench_auto_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch: int, bar: Any) -> dict[str, Any]:
+    """(i) A user transformer (tests/multiproc/user_models.py's gated LM: plain nn.Linear q/k/v/o, an
+    up/gate/down MLP, a tied head) split over T=2 by ``parallelize(plan="auto")`` against the same model
+    split by its hand-written plan, through the trainer and the same sync; rounds alternate; step time.
+    The goal is <= 1.02: the automatic plan costs nothing once chosen."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "multiproc"))
+    import user_models  # type: ignore[import-not-found]
+
+    from worker.peer import SyncPlan, make_sync
+    from worker.peer.mesh import ParallelMesh
+    from worker.peer.parallelize import parallelize
+    from worker.trainer import TrainConfig, Trainer
+
+    tp = 2
+    pm = ParallelMesh.build(mesh.world // tp, tp, 1, device=mesh.device, seed=0)
+    gb = batch * mesh.world
+    opts = dict(vocab=256, seq=64, dim=64 if quick else 128, heads=4, layers=2 if quick else 4, opt="adam", lr=1e-3)
+    times: dict[str, list[float]] = {"auto": [], "hand": []}
+    for _ in range(rounds):
+        for kind in ("auto", "hand"):
+            task = user_models.gated_task(**opts)
+            model = parallelize(task.model, pm, "auto" if kind == "auto" else user_models.GATED_PLAN, verbose=False)
+            task.model = model.to(mesh.device)
+            sync = make_sync(SyncPlan("dp", task.dense_optimizer), task.model, pm)
+            cfg = TrainConfig(
+                mode="dp", steps=warmup + steps, batch_size=gb // pm.dp, worker_index=pm.dp_idx, num_workers=pm.dp,
+                device=str(mesh.device), progress=False, evaluate=False, name=f"rank{mesh.rank}",
+            )
+            stamps: list[float] = []
+            dist.barrier()
+            t0 = time.perf_counter()
+            Trainer(task, sync, cfg, on_step=functools.partial(_stamp, stamps)).run()
+            stamps.insert(0, t0)
+            times[kind] += [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])]
+            bar.update(1)
+    out: dict[str, Any] = {"tp": tp, "global_batch": gb}
+    for kind, ts in times.items():
+        out[f"{kind}_ms_min"], out[f"{kind}_ms_med"] = 1e3 * min(ts), 1e3 * statistics.median(ts)
+    out["ratio"] = out["auto_ms_med"] / out["hand_ms_med"]
+    return out
+
+
 ACT_VARIANTS = (  # name, T, sequence parallel, recompute
     ("t1", 1, False, "none"), ("tp", 2, False, "none"), ("tp_sp", 2, True, "none"),
     ("tp_sel", 2, False, "selective"), ("tp_sp_sel", 2, True, "selective"),
@@ -571,7 +615,7 @@ def rank_main(args: argparse.Namespace) -> None:
     pipe_repeats = 3 if quick else 24
     parts = set(args.parts.split(","))
     total = sum(n for part, n in (("allreduce", len(sizes) * repeats), ("dp", 2 * rounds), ("zero", 4), ("alltoall", repeats),
-                                  ("moe", 2 * rounds), ("pipeline", 2 * (pipe_repeats + 1)), ("tp", 3 * rounds + 1)) if part in parts)
+                                  ("moe", 2 * rounds), ("pipeline", 2 * (pipe_repeats + 1)), ("tp", 3 * rounds + 1), ("auto_tp", 2 * rounds)) if part in parts)
     bar = tqdm(total=total, desc="bench/peer", disable=mesh.rank != 0 or args.no_progress, file=sys.stderr, mininterval=0.5)
     t0 = time.time()
     res: dict[str, Any] = {}
@@ -589,6 +633,8 @@ def rank_main(args: argparse.Namespace) -> None:
         res["pipeline"] = bench_pipeline_bubble(mesh, quick, pipe_repeats, bar)
     if "tp" in parts:
         res["tp"] = bench_tp(mesh, quick, rounds, steps, warmup, batch, bar)
+    if "auto_tp" in parts:
+        res["auto_tp"] = bench_auto_tp(mesh, quick, rounds, steps, warmup, batch, bar)
     bar.close()
     if mesh.rank == 0:
         result = {"world": mesh.world, "backend": mesh.backend, "device": str(mesh.device), "quick": quick, **res,
@@ -639,6 +685,9 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         figures.update(moe_figures(res))
     if "tp" in res:
         figures.update(tp_figures(res))
+    if "auto_tp" in res:
+        figures["auto_tp_step_ratio"] = res["auto_tp"]["ratio"]
+        figures["auto_tp_step_ms"], figures["hand_tp_step_ms"] = res["auto_tp"]["auto_ms_med"], res["auto_tp"]["hand_ms_med"]
     figures.update({
         "world": res["world"], "backend": res["backend"], "device": res["device"], "quick": res["quick"],
         "seconds": round(res["seconds"], 1), "loadavg": list(os.getloadavg()),

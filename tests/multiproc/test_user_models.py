@@ -7,7 +7,8 @@ Each launch starts one rank process per rank running tests/multiproc/user_child.
 layouts. Reference: one process training a deep copy of the same source model with torch.optim on
 the global batch: losses at every step and parameters after every step within 1e-10 relative (fp64,
 SGD and AdamW) and 1e-5 (fp32, SGD); the auto plan ends at the same parameters as the explicit plan;
-the source model is unchanged by training its split copy.
+the source model is unchanged by training its split copy; with T > 1 sequence parallelism (the auto
+plan's blocks and final norm on a chunk of the sequence) matches the same reference (fp64 AdamW).
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def _launch(world: int, layouts: list[str]) -> None:
             for model in ("mha", "gated"):
                 for c in CONFIGS:
                     assert f"OK {layout} {model} {c}" in so, f"rank {r}: {layout} {model} {c} not OK:\n{so}\n{se[-2000:]}"
+                if t > 1:
+                    assert f"OK {layout} {model} sequence-parallel" in so
                 if t > 1 and p == 1:
                     assert f"OK {layout} {model} auto-vs-explicit" in so
 

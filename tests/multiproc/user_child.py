@@ -61,9 +61,10 @@ def _mean_over(params: list[torch.nn.Parameter], group: Any, size: int) -> None:
             p.grad.div_(size)
 
 
-def train(task: Any, mesh: ParallelMesh, plan: Any, steps: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    """[global loss per step], [{source name: whole tensor after the step}] (with P > 1: this rank's stages')."""
-    m = parallelize(task.model, mesh, plan, verbose=False)
+def train(task: Any, mesh: ParallelMesh, plan: Any, steps: int, sp: bool = False) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """[global loss per step], [{source name: whole tensor after the step}] (with P > 1: this rank's stages').
+    ``sp``: sequence parallelism (the auto plan's blocks and final norm run on a chunk of the sequence)."""
+    m = parallelize(task.model, mesh, plan, sequence_parallel=sp, verbose=False)
     per_rank = GLOBAL_BATCH // mesh.dp
     data = task.batches(mesh.dp_idx, mesh.dp, per_rank, 0)
     losses, params = [], []
@@ -105,8 +106,9 @@ def train(task: Any, mesh: ParallelMesh, plan: Any, steps: int) -> tuple[list[fl
             loss_v = float(total) / mesh.dp
         else:
             loss_v = step_fn(batch)
-        for p in m.tp_sum_parameters():
-            dist.all_reduce(p.grad, group=mesh.tp_group)
+        for p in m.tp_sum_parameters():  # sequence parallelism: partial sums over the TP ranks (this rank's stages)
+            if id(p) in own:
+                dist.all_reduce(p.grad, group=mesh.tp_group)
         _mean_over(mine, mesh.dp_group, mesh.dp)
         opt.step()
         losses.append(loss_v)
@@ -137,6 +139,15 @@ def check(layout: str, mesh: ParallelMesh) -> None:
             for n, p in task.model.named_parameters():
                 assert torch.equal(p.detach(), before[n]), f"{layout} {name}: training the split copy changed source parameter {n}"
             print(f"OK {layout} {name} {dtype} {opt}", flush=True)
+        if mesh.tp > 1:  # sequence parallelism: the same reference
+            task = make(dtype="float64", opt="adamw", lr=1e-2)
+            ref_losses, ref_params = reference(task, STEPS)
+            losses, params = train(task, mesh, "auto", STEPS, sp=True)
+            for step, (a, b) in enumerate(zip(losses, ref_losses)):
+                assert abs(a - b) <= 1e-10 * abs(b), f"{layout} {name} SP: step {step} loss {a!r} vs one process {b!r}"
+            for n, t in params[-1].items():
+                close(t, ref_params[-1][n], 1e-10, f"{layout} {name} SP: parameter {n}")
+            print(f"OK {layout} {name} sequence-parallel", flush=True)
         if mesh.tp > 1 and mesh.pp == 1:
             task = make(dtype="float64", opt="sgd", lr=0.1)
             _, auto = train(task, mesh, "auto", STEPS)

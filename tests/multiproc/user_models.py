@@ -69,8 +69,9 @@ class Attention(nn.Module):
         self.o = nn.Linear(dim, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, self.n_heads, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        b, s = q.shape[:2]  # from the projection: under sequence parallelism x holds a chunk of the sequence
+        q, k, v = (t.view(b, s, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(a.transpose(1, 2).reshape(b, s, -1))
 

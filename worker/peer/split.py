@@ -288,7 +288,22 @@ def pipeline_source(loss: Callable[[nn.Module, Any], torch.Tensor], model: nn.Mo
     if len(layers) < stages:
         raise PeerConfigError(f"the model cuts into {len(layers)} pieces ({', '.join(split_points(model))}): too few for {stages} stages")
     inputs, loss_fn = pipeline_io(loss)
-    shapes = set(act_shapes(layers, inputs(sample)))
+    cut = act_shapes(layers, inputs(sample))
+    if not split and len(set(cut)) > 1:
+        # the finest cut: keep the cuts that pass the most common activation (under sequence parallelism the
+        # stream is whole before the first split region and a chunk after it); merge the pieces around the others
+        common = max(set(cut), key=cut.count)
+        merged: list[list[nn.Module]] = [[layers[0]]]
+        for piece, shape in zip(layers[1:], cut):
+            if shape == common:
+                merged.append([piece])
+            else:
+                merged[-1].append(piece)
+        layers = [group[0] if len(group) == 1 else nn.Sequential(*group) for group in merged]
+        cut = [common] * (len(layers) - 1)
+        if len(layers) < stages:
+            raise PeerConfigError(f"the model cuts into {len(layers)} pieces that pass one activation shape: too few for {stages} stages")
+    shapes = set(cut)
     if len(shapes) != 1:
         raise PeerConfigError("pipeline: the pieces pass activations of different shapes "
                               f"({', '.join(str(tuple(s)) for s, _ in shapes)}): give --pp-split where the same activation flows")
