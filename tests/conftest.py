@@ -1,9 +1,11 @@
-"""Shared fixtures: real shard servers, in this process or as child processes."""
+"""Shared fixtures: real shard servers, in this process or as child processes; and how the suite is
+spread over pytest-xdist's workers (README "Test it": ``-n 4 --dist loadgroup``)."""
 from __future__ import annotations
 
 import os
 import subprocess
 import threading
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -13,6 +15,65 @@ from ps.client import PSClient
 from ps.config import ShardConfig
 from ps.server import build_server
 from ps.shard import Shard
+
+
+TESTS = Path(__file__).resolve().parent
+
+# Long multi-process runs (30 s or more each on a quiet 2-core machine): marked `slow` and started
+# first, so under xdist they overlap one another and the many short tests fill in behind them (the
+# longest-first rule for a short makespan). CI runs all of them. Paths relative to tests/; a module
+# path marks every test in it.
+SLOW = (
+    "cluster/test_compose_netns.py",
+    "bench/",
+    "multiproc/test_ps_faults.py",
+    "multiproc/test_peer_faults.py",
+    "multiproc/test_peer_equivalence.py",
+    "multiproc/test_pipeline_",
+    "multiproc/test_tensor_parallel",
+    "multiproc/test_moe.py",
+    "multiproc/test_worker_faults.py",
+    "multiproc/test_worker_restart.py",
+    "multiproc/test_shard_restart.py",
+    "multiproc/test_demo.py",
+    "multiproc/test_experiment.py",
+    "multiproc/test_readme_blocks.py",
+    "multiproc/test_ps_memory.py",
+    "integration/test_ps_bulk.py::test_the_bad_input_step_and_fused_push_suites_pass_over_bulk",
+)
+
+# Modules whose tests must not run at the same time as each other on different workers: the tc
+# netem link's subnet is chosen from the process id, one link at a time per process.
+SERIAL_MODULES = ("multiproc/test_netem.py",)
+
+_SHARED_SCOPES = ("module", "class", "package")
+
+
+def _shares_a_fixture(item: pytest.Item) -> bool:
+    """Whether the test uses a fixture wider than a test (module, class, package): one xdist worker
+    then runs the whole module, so that fixture (a 4-rank process group, a PKI, shard processes) is
+    made once, not once per worker."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    return any(defs[-1].scope in _SHARED_SCOPES for defs in info.name2fixturedefs.values() if defs)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark the long runs `slow` and put them first (a stable sort: otherwise the collection order),
+    and give each module that shares a fixture, or must run serially, an ``xdist_group`` (honoured
+    by ``--dist loadgroup``; without xdist the marks change nothing)."""
+    for item in items:
+        try:
+            rel = item.path.resolve().relative_to(TESTS).as_posix()
+        except ValueError:  # a test file outside tests/ (named on the command line)
+            continue
+        node = rel + item.nodeid.partition("::")[1] + item.nodeid.partition("::")[2]
+        if any(node.startswith(p) for p in SLOW):
+            item.add_marker(pytest.mark.slow)
+        if rel in SERIAL_MODULES or _shares_a_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(rel))
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 # TESSERA_TEST_BULK=1: every in-process shard also serves its bulk port, so the same tests run the

@@ -16,6 +16,7 @@ from worker.netem import namespaces_available
 __all__ = ["Fabric", "namespaces_available"]
 
 _counter = itertools.count()
+_SLOTS = 200  # fabrics at once on one machine: subnets 10.215.20-219.0/24
 
 
 class Fabric:
@@ -26,11 +27,16 @@ class Fabric:
         why = namespaces_available()
         if why:
             raise RuntimeError(f"network namespaces: {why}")
-        n = (os.getpid() * 7 + next(_counter)) % 200 + 20
+        self.hosts = list(hosts)
+        self._use_slot((os.getpid() * 7 + next(_counter)) % _SLOTS)
+
+    def _use_slot(self, slot: int) -> None:
+        """Names and addresses of slot ``slot``: one bridge name and one subnet per slot."""
+        self._slot = slot % _SLOTS
+        n = self._slot + 20
         self.tag = f"tf{n}"
         self.subnet = f"10.215.{n}"
         self.bridge = f"{self.tag}br"
-        self.hosts = list(hosts)
         self._addr = {h: f"{self.subnet}.{i + 2}" for i, h in enumerate(self.hosts)}
         self._ns = {h: f"{self.tag}-{h}" for h in self.hosts}
         self._root_end = {h: f"{self.tag}r{i}" for i, h in enumerate(self.hosts)}
@@ -41,8 +47,18 @@ class Fabric:
         subprocess.run(cmd, check=True, capture_output=True, text=True)
 
     def __enter__(self) -> "Fabric":
+        # Claim a free slot: the kernel refuses a second link of one name, so creating the bridge is
+        # the lock (another Fabric on this machine, e.g. one of a parallel test run, may hold this one).
+        for _ in range(_SLOTS):
+            r = subprocess.run(["ip", "link", "add", self.bridge, "type", "bridge"], capture_output=True, text=True)
+            if r.returncode == 0:
+                break
+            if "File exists" not in r.stderr:
+                raise RuntimeError(f"could not build the host fabric: ip link add {self.bridge}: {r.stderr.strip()}")
+            self._use_slot(self._slot + 1)
+        else:
+            raise RuntimeError(f"could not build the host fabric: all {_SLOTS} bridge names are taken")
         try:
-            self._run("ip", "link", "add", self.bridge, "type", "bridge")
             self._run("ip", "addr", "add", f"{self.subnet}.1/24", "dev", self.bridge)
             self._run("ip", "link", "set", self.bridge, "up")
             for h in self.hosts:

@@ -11,6 +11,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+from bench_run import DEADLINE_S, TEST_TIMEOUT_S
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = [
     "raw_grpc_gbps", "raw_tcp_gbps", "dense_pushpull_gbps", "dense_ratio", "sparse_rows_per_s", "sparse_gbps",
@@ -25,11 +28,12 @@ def close(a: float, b: float, rel: float = 0.02) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b)) + 1e-4
 
 
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_ps_throughput_quick(tmp_path) -> None:
     out = tmp_path / "r.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "ps_throughput.py"), "--quick", "--repeats", "2", "--json-out", str(out)],
-        capture_output=True, text=True, timeout=110,
+        capture_output=True, text=True, timeout=DEADLINE_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])  # the last line is the JSON figures

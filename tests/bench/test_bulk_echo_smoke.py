@@ -9,15 +9,16 @@ import subprocess
 import sys
 
 import pytest
+from bench_run import DEADLINE_S, TEST_TIMEOUT_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_bulk_echo_bench_reports_both_transports() -> None:
     proc = subprocess.run(
         [sys.executable, os.path.join("bench", "bulk_echo.py"), "--sizes", "16B,1MiB", "--repeats", "0.05"],
-        capture_output=True, text=True, timeout=80, cwd=ROOT, check=False, env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True, text=True, timeout=DEADLINE_S, cwd=ROOT, check=False, env={**os.environ, "PYTHONPATH": ROOT},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -9,16 +9,17 @@ import subprocess
 import sys
 
 import pytest
+from bench_run import DEADLINE_S, TEST_TIMEOUT_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_dense_push_ab_reports_the_fused_ratios_per_side() -> None:
     proc = subprocess.run(
         [sys.executable, os.path.join("bench", "dense_push_ab.py"), "--before", ROOT, "--mib", "2", "--repeats", "2",
          "--shards", "2", "--ways", "fused,pull", "--echo"],
-        capture_output=True, text=True, timeout=140, cwd=ROOT, check=False, env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True, text=True, timeout=DEADLINE_S, cwd=ROOT, check=False, env={**os.environ, "PYTHONPATH": ROOT},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from bench_run import DEADLINE_S, TEST_TIMEOUT_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEYS = ["s_per_round", "startup_s", "agg_mbps", "fedavg_acc", "fedprox_acc", "secagg_overhead", "secagg_bytes_ratio",
@@ -20,11 +21,11 @@ KEYS = ["s_per_round", "startup_s", "agg_mbps", "fedavg_acc", "fedprox_acc", "se
         "client_import_s", "client_import_mb", "round_overhead_ratio", "inproc_s_per_round"]
 
 
-@pytest.mark.timeout(220)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_fed_bench_quick(tmp_path) -> None:
     out = tmp_path / "fed.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "fed.py"), "--quick", "--json-out", str(out)],
-                          capture_output=True, text=True, timeout=210, cwd=ROOT)
+                          capture_output=True, text=True, timeout=DEADLINE_S, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])
     assert last == json.loads(out.read_text())

@@ -5,11 +5,13 @@ Speed is not asserted: only that the run succeeds, the last stdout line is the J
 (recomputed from the examples/s the JSON holds beside them)."""
 from __future__ import annotations
 
-from bench_run import run_quick
+import pytest
+from bench_run import TEST_TIMEOUT_S, run_quick
 
 
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_gpu_worker_quick(tmp_path) -> None:
-    last, stdout = run_quick("gpu_worker.py", str(tmp_path / "r.json"), timeout=110)
+    last, stdout = run_quick("gpu_worker.py", str(tmp_path / "r.json"))
     R = last["rows"][0]
     assert last["quick"] is True and last["device"] in ("cpu", "cuda")
     for way in ("ceiling", "ps", "ps+cache"):

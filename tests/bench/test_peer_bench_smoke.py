@@ -9,7 +9,8 @@ of Megatron's formula counts them, and that no process is left behind.
 """
 from __future__ import annotations
 
-from bench_run import run_quick
+import pytest
+from bench_run import TEST_TIMEOUT_S, run_quick
 
 KEYS = [
     "allreduce_ratio", "dp_step_ratio", "zero1_state_ratio", "zero2_grad_ratio", "zero3_param_ratio",
@@ -21,9 +22,10 @@ KEYS = [
 ]
 
 
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_peer_bench_quick(tmp_path) -> None:
     out = tmp_path / "peer.json"
-    last, stdout = run_quick("peer.py", str(out), timeout=150)
+    last, stdout = run_quick("peer.py", str(out))
     for k in KEYS:
         assert k in last, k
         assert last[k] > 0, (k, last[k])

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench_run import run_quick
+from bench_run import TEST_TIMEOUT_S, run_quick
 
 KEYS = [
     "sparse_bytes_per_row_ratio", "sparse_bytes_per_row", "raw_bytes_per_row_ratio", "sparse_vs_raw_ratio",
@@ -22,9 +22,9 @@ def close(a: float, b: float, rel: float = 0.01) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b)) + 1e-3
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_ps_memory_quick(tmp_path) -> None:
-    last, stdout = run_quick("ps_memory.py", str(tmp_path / "m.json"), timeout=140)
+    last, stdout = run_quick("ps_memory.py", str(tmp_path / "m.json"))
     for k in KEYS:
         assert last[k] > 0, k
     assert last["payload_bytes_per_row"] == 64 * 4 * 2

@@ -8,17 +8,18 @@ import subprocess
 import sys
 
 import pytest
+from bench_run import DEADLINE_S, TEST_TIMEOUT_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_ps_throughput_only_dense(tmp_path) -> None:
     out = tmp_path / "r.json"
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "ps_throughput.py"), "--quick", "--only", "dense", "--repeats", "1",
          "--dense-mib", "2", "--shards", "1", "--json-out", str(out)],
-        check=False, capture_output=True, text=True, timeout=110,
+        check=False, capture_output=True, text=True, timeout=DEADLINE_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -9,13 +9,14 @@ import subprocess
 import sys
 
 import pytest
+from bench_run import DEADLINE_S, TEST_TIMEOUT_S
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(TEST_TIMEOUT_S)
 
 
-def _run(*args: str, timeout: float) -> dict:
+def _run(*args: str, timeout: float = DEADLINE_S) -> dict:
     proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -23,7 +24,7 @@ def _run(*args: str, timeout: float) -> dict:
 
 
 def test_ps_shard_cpu_reports_every_workload_and_path() -> None:
-    r = _run(os.path.join("bench", "ps_shard_cpu.py"), "--steps", "8", "--warmup", "2", timeout=150)
+    r = _run(os.path.join("bench", "ps_shard_cpu.py"), "--steps", "8", "--warmup", "2")
     for w in ("ctr_shard_step", "ctr_servicer_step", "sparse_shard_step", "sparse_servicer_step"):
         assert 0 < r[f"{w}_ms_min"] <= r[f"{w}_ms_median"], w
         assert r[f"{w}_ms_min"] <= r[f"{w}_ms_mean"] and r[f"{w}_faults"] >= 0, w
@@ -33,7 +34,7 @@ def test_ps_shard_cpu_reports_every_workload_and_path() -> None:
 
 
 def test_ps_throughput_sparse_only() -> None:
-    r = _run(os.path.join("bench", "ps_throughput.py"), "--quick", "--repeats", "1", "--only", "sparse", timeout=170)
+    r = _run(os.path.join("bench", "ps_throughput.py"), "--quick", "--repeats", "1", "--only", "sparse")
     assert r["sparse_only"] is True and r["sparse_table_rows"] == 100_000
     close = lambda a, b: abs(a - b) <= 0.02 * max(abs(a), abs(b)) + 1e-4
     # both transports (gRPC's keys unsuffixed, the bulk port's with _bulk): the best of the four ways

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import math
 
-from bench_run import run_quick
+import pytest
+from bench_run import TEST_TIMEOUT_S, run_quick
 
 
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_tp_overhead_quick(tmp_path) -> None:
-    last, stdout = run_quick("tp_overhead.py", str(tmp_path / "r.json"), timeout=110)
+    last, stdout = run_quick("tp_overhead.py", str(tmp_path / "r.json"))
     assert last["device"] == "cpu"
     for path in ("tp", "pp"):
         assert math.isclose(last[f"loss_{path}"], last["loss_plain"], rel_tol=1e-5), (path, last)

@@ -8,7 +8,8 @@ processes behind.
 """
 from __future__ import annotations
 
-from bench_run import run_quick
+import pytest
+from bench_run import TEST_TIMEOUT_S, run_quick
 
 KEYS = [
     "sync_eps", "ssp_eps", "async_eps", "local_eps", "sync_noov_eps", "ssp_noov_eps", "async_noov_eps",
@@ -23,9 +24,10 @@ def close(a: float, b: float, rel: float = 0.02) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b)) + 1e-3
 
 
+@pytest.mark.timeout(TEST_TIMEOUT_S)
 def test_worker_step_quick(tmp_path) -> None:
     out = tmp_path / "r.json"
-    last, stdout = run_quick("worker_step.py", str(out), timeout=110, extra=("--emb-cache-rows", "2000"))
+    last, stdout = run_quick("worker_step.py", str(out), extra=("--emb-cache-rows", "2000"))
     for k in KEYS:
         assert k in last, k
         assert last[k] > 0, (k, last[k])
