@@ -150,3 +150,17 @@ def test_row_dtype_is_checked() -> None:
     with pytest.raises(InvalidArgumentError, match="dense tables store float32"):
         TableSpec("d", "dense", shape=(4,), dtype="bfloat16")
     assert TableSpec("e", "sparse", dim=4, dtype="float16").row_dtype == "float16"
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_pull_of_an_absent_row_reads_what_its_creating_push_starts_from(dtype: str) -> None:
+    """Pulls only read: an absent row reads as its initial values in the row dtype; the push that
+    creates it starts from exactly those (a zero SGD gradient leaves them, bit for bit, at version 1)."""
+    t = SparseTable(TableSpec("s", "sparse", dim=8, dtype=dtype, optimizer=OptimizerSpec("sgd", {"lr": 0.1}),
+                              initializer=InitializerSpec("normal")), 0, 1)
+    ids = np.arange(100, dtype=np.int64)
+    before, _ = t.pull_rows(ids)
+    assert t.rows == 0
+    t.push(ids, np.zeros((100, 8), np.float32))
+    after, vers = t.pull_rows(ids)
+    assert torch.equal(before, after) and (vers == 1).all()
