@@ -256,13 +256,15 @@ def test_a_failing_request_iterator_fails_the_call(pair: Any) -> None:
 
 
 def test_deadline(pair: Any) -> None:
-    """A handler sleeping past the call's timeout: DEADLINE_EXCEEDED at about the timeout."""
+    """A handler sleeping past the call's timeout: DEADLINE_EXCEEDED at the timeout (0.5 s), not when
+    the handler returns (8 s: the bound below is a deadline with room for a loaded machine, not a speed
+    check)."""
     _, _, b, _ = pair
     t0 = time.monotonic()
     with pytest.raises(BulkCallError) as be:
-        b.unary_unary(_m("Sleep"))(b"2.0", timeout=0.5)
+        b.unary_unary(_m("Sleep"))(b"8", timeout=0.5)
     assert be.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - t0 < 1.5
+    assert time.monotonic() - t0 < 4
     assert bytes(b.unary_unary(_m("Sleep"))(b"0", timeout=5)) == b"slept"
 
 
@@ -336,9 +338,9 @@ def test_tokens_over_tls(pki: dict[str, bytes]) -> None:
             assert be.value.code() == grpc.StatusCode.UNIMPLEMENTED and "TLS" in be.value.details()
         t0 = time.monotonic()
         with BulkChannel(addr) as c, pytest.raises(BulkCallError) as be:
-            c.unary_unary(_m("WhoAmI"))(b"", timeout=5)
+            c.unary_unary(_m("WhoAmI"))(b"", timeout=60)
         assert be.value.code() == grpc.StatusCode.UNAVAILABLE and "TLS" in be.value.details()
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 20  # at once, not at the call's 60 s deadline
         assert _wait_for(lambda: bulk.connections == 0)
     finally:
         bulk.stop()
@@ -349,9 +351,9 @@ def test_tls_client_to_a_plaintext_server(pair: Any, pki: dict[str, bytes]) -> N
     _, _, _, bulk = pair
     t0 = time.monotonic()
     with BulkChannel(f"127.0.0.1:{bulk.port}", ClientSecurity(tls_ca=pki["ca"])) as c, pytest.raises(BulkCallError) as be:
-        c.unary_unary(_m("Echo"))(b"", timeout=5)
+        c.unary_unary(_m("Echo"))(b"", timeout=60)
     assert be.value.code() == grpc.StatusCode.UNAVAILABLE and "does not speak TLS" in be.value.details()
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 20  # at once, not at the call's 60 s deadline
 
 
 def test_mutual_tls_identity_from_the_certificate(pki: dict[str, bytes]) -> None:
@@ -514,7 +516,8 @@ def test_a_declared_body_pins_memory_only_as_it_arrives() -> None:
 def test_a_trickled_handshake_does_not_hold_a_slot() -> None:
     """max_connections=2, handshake_timeout_s=0.5: two clients trickle a handshake one byte every
     0.2 s (each read is within the timeout); both are closed once the handshake's 0.5 s are over,
-    and a good client is served within 1.5 s (before the fix they held both slots for good)."""
+    and a good client is served (before the fix they held both slots for good; the 30 s below is a
+    deadline for that, not a speed check)."""
     sec = ServerSecurity()
     access = _access(sec)
     bulk = serve_bulk((Handlers(access).generic(),), "127.0.0.1", 0, sec, access.caller, max_connections=2,
@@ -542,9 +545,8 @@ def test_a_trickled_handshake_does_not_hold_a_slot() -> None:
                     break
                 except BulkCallError as e:
                     assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
-                    assert time.monotonic() - t0 < 1.5, "still refused after 1.5 s"
+                    assert time.monotonic() - t0 < 30, "still refused after 30 s"
                     time.sleep(0.05)
-        assert time.monotonic() - t0 < 1.5
     finally:
         stop.set()
         t.join(5)
@@ -638,7 +640,8 @@ def test_pooled_connections_are_reused_with_descriptors_over_1024(pair: Any) -> 
 
 def test_the_timeout_bounds_the_whole_call_not_each_read() -> None:
     """A server that answers a reply's 8 body bytes one every 0.3 s (each read is quick): a call
-    with timeout=1.0 fails DEADLINE_EXCEEDED after about 1 s (before the fix: 2.4 s, then OK)."""
+    with timeout=1.0 fails DEADLINE_EXCEEDED, not before its 1 s (before the fix: 2.4 s, then OK: the
+    code tells the two apart without a bound on how long a loaded machine takes)."""
     ls = socket.socket()
     ls.bind(("127.0.0.1", 0))
     ls.listen()
@@ -670,7 +673,7 @@ def test_the_timeout_bounds_the_whole_call_not_each_read() -> None:
                 c.unary_unary(_m("Echo"))(b"hi", timeout=1.0)
             took = time.monotonic() - t0
         assert be.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert 0.9 < took < 1.6, took
+        assert took > 0.9, took
     finally:
         t.join(5)
         ls.close()
@@ -802,7 +805,7 @@ def test_a_socket_timeout_bounds_a_packed_send_as_a_whole() -> None:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError):
             _send(a, {}, Packed([np.zeros(1 << 20, np.uint8).data] * 64))
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 30  # a deadline for the ~100 s of per-write timeouts, not a speed check
     finally:
         stop.set()
         reader.join(5)
