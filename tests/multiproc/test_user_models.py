@@ -83,3 +83,26 @@ def test_bad_input_one_line_on_every_rank_exit_2(case: str) -> None:
     for r in range(world):
         lines = [line for line in p.stderr.splitlines() if line.startswith(f"tessera peer: rank {r}: ")]
         assert len(lines) == 1 and message in lines[0], (r, p.stderr[-3000:])
+
+
+@pytest.mark.timeout(200)
+def test_gpt_split_by_the_auto_plan_equals_its_built_in_split() -> None:
+    """The built-in gpt task as a user of parallelize: `--tp 2 --tp-plan auto` (qkv colwise:3, proj
+    rowwise, fc/out, vocab embedding and head: printed) reports the same loss after 3 fp64 steps as
+    `--tp 2` with its built-in TensorParallelGPT (both equal one process: test_tensor_parallel.py)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore::FutureWarning", "OMP_NUM_THREADS": "1"}
+    losses = []
+    for extra in ([], ["--tp-plan", "auto"]):
+        p = subprocess.run([sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", "2", "--task", "gpt", "--tp", "2",
+                            "--steps", "3", "--global-batch", "8", "--task-opt", "dtype=float64", "--task-opt", "seq=16",
+                            "--task-opt", "vocab=64", "--no-progress", "--no-eval", *extra],
+                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=190)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        losses.append(json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])["loss"])
+        if extra:
+            assert "blocks.1.qkv: colwise:3" in p.stderr and "head: vocab" in p.stderr, p.stderr[-2000:]
+    assert abs(losses[0] - losses[1]) <= 1e-10 * abs(losses[0]), losses

@@ -141,8 +141,9 @@ def make_task(
         own = getattr(m, "loss", None)
         if callable(own):  # a split model (worker.peer.tensor_parallel) computes its own, vocab-parallel
             return own(batch)  # type: ignore[no-any-return]
-        logits = m(batch[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
+        logits = m(batch[:, :-1])  # in fp32 at least (a float64 model keeps float64)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
     def loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         ce = cross_entropy(m, batch)
