@@ -82,7 +82,9 @@ def test_unknown_table_is_not_found_naming_it_and_nothing_is_dropped(inproc_clus
 
 def test_a_bsp_waiter_on_a_dropped_table_is_told_at_once(inproc_cluster) -> None:
     cluster = inproc_cluster(1)
-    a, b = cluster.client(worker="a"), cluster.client(worker="b", timeout=30.0)
+    # the waiter's own deadline is 120 s: told "at once" means far before it (the 60 s bound below is a
+    # deadline a loaded machine cannot reach, not a speed check)
+    a, b = cluster.client(worker="a", timeout=120.0), cluster.client(worker="b", timeout=30.0)
     a.create_dense("t", 8, lr=1.0)
     a.join()
     b.join()
@@ -100,8 +102,8 @@ def test_a_bsp_waiter_on_a_dropped_table_is_told_at_once(inproc_cluster) -> None
     time.sleep(0.3)
     t0 = time.monotonic()
     cluster.client().drop_table("t")
-    t.join(10)
-    assert time.monotonic() - t0 < 5 and len(got) == 1 and isinstance(got[0], TableNotFoundError), got
+    t.join(90)
+    assert time.monotonic() - t0 < 60 and len(got) == 1 and isinstance(got[0], TableNotFoundError), got
     assert "'t' was dropped" in str(got[0])
     with pytest.raises(TableNotFoundError):
         b.push_dense("t", np.ones(8, np.float32), policy=SyncPolicy(clock=0, sync=True))
