@@ -49,6 +49,6 @@ def test_gives_up_with_a_typed_error() -> None:
         t0 = time.monotonic()
         with pytest.raises(ShardUnavailableError, match="UNAVAILABLE"):
             client.create_dense("w", (4,), "sgd")
-        assert time.monotonic() - t0 < 10
+        assert time.monotonic() - t0 < 60  # it gives up (2 retries of 2 s calls): a deadline, not a speed check
     finally:
         client.close()
