@@ -47,15 +47,16 @@ def run(strategy: str, rounds: int, **params) -> tuple[FedServer, float]:
 
 
 def test_fedbuff_aggregates_every_k_arrivals_without_waiting_for_the_slow_client() -> None:
-    srv, took_buff = run("fedbuff", 8, buffer_size=3)
+    srv, _ = run("fedbuff", 8, buffer_size=3)
     h = srv.history
     assert len(h) == 8 and all(r["answered"] == 3 for r in h)
     stale = [s for r in h for s in r["staleness"]]
-    assert max(stale) >= 1  # the slow client's updates arrive after newer versions
+    # the slow client's updates arrive after newer versions: steps were aggregated without waiting for
+    # it (which of the two runs below is faster in wall time is bench/fed.py's fedbuff_speedup, not a
+    # check: load on a shared machine can reorder them)
+    assert max(stale) >= 1
     # every update is "+1 from its base", so each step moves w by mean_k s(tau_k) <= 1 and >= 1/sqrt(1+max tau)
     steps = [1.0 / len(r["staleness"]) * sum(1 / np.sqrt(1 + t) for t in r["staleness"]) for r in h]
     np.testing.assert_allclose(srv.weights[1], np.full(3, sum(steps)), rtol=1e-9)
     _, took_avg = run("fedavg", 4)
-    # 8 FedBuff steps take less wall time than 4 FedAvg rounds, each of which waits for the slow client
-    assert took_buff < took_avg, (took_buff, took_avg)
-    assert took_avg >= 4 * 0.4
+    assert took_avg >= 4 * 0.4  # each FedAvg round waits for the slow client
