@@ -106,3 +106,48 @@ def test_gpt_split_by_the_auto_plan_equals_its_built_in_split() -> None:
         if extra:
             assert "blocks.1.qkv: colwise:3" in p.stderr and "head: vocab" in p.stderr, p.stderr[-2000:]
     assert abs(losses[0] - losses[1]) <= 1e-10 * abs(losses[0]), losses
+
+
+def _reference_losses(steps: int) -> list[float]:
+    """One process: the gated user model in fp64, AdamW, the global batch of 8."""
+    import copy
+
+    import user_models  # type: ignore[import-not-found]
+
+    from worker.peer.mesh import torch_optimizer
+
+    task = user_models.gated_task(dtype="float64", opt="adamw", lr=0.01)
+    model = copy.deepcopy(task.model)
+    opt = torch_optimizer(task.dense_optimizer)(model.parameters())
+    data, out = task.batches(0, 1, 8, 0), []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = task.loss(model, next(data))
+        loss.backward()
+        opt.step()
+        out.append(float(loss.detach()))
+    return out
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("mode", ["zero1", "zero2", "zero3"])
+def test_cli_dp2_x_tp2_with_zero_equals_one_process(mode: str, tmp_path) -> None:
+    """`tessera peer --task user_models:gated_task --tp 2 --mode zeroK` on 4 ranks (DP=2 x TP=2, the
+    sync side's ZeRO over the DP dimension of the parallelize()d model): the global loss of every step
+    (--metrics-out, --log-every 1) equals one process within 1e-10 (fp64, AdamW)."""
+    import json
+    import subprocess
+    import sys
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "multiproc"))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "multiproc")]),
+           "PYTHONWARNINGS": "ignore::FutureWarning", "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", "4", "--task", "user_models:gated_task",
+                        "--tp", "2", "--mode", mode, "--steps", "3", "--global-batch", "8", "--task-opt", "dtype=float64",
+                        "--task-opt", "opt=adamw", "--task-opt", "lr=0.01", "--log-every", "1", "--no-progress", "--no-eval",
+                        "--metrics-out", str(tmp_path)], env=env, cwd=ROOT, capture_output=True, text=True, timeout=190)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    steps = [json.loads(line) for line in open(tmp_path / "rank0.jsonl") if '"kind": "step"' in line]
+    got = [r["loss"] for r in steps]
+    want = _reference_losses(3)
+    assert len(got) == 3 and all(abs(a - b) <= 1e-10 * abs(b) for a, b in zip(got, want)), (got, want)
