@@ -38,7 +38,9 @@ torch thread on CPU) in one process group:
 Output: a table, then a final line of JSON (also written to ``--json-out``) with
 ``allreduce_ratio`` (ours / raw bus bandwidth, the smaller of the two sizes' median ratios),
 ``dp_step_ratio`` (ours / DDP median step time), ``zero1_state_ratio``, ``zero2_grad_ratio``,
-``zero3_param_ratio`` (each against plain DP per rank), ``alltoall_ratio`` (ours / raw all-to-all
+``zero3_param_ratio`` (each against plain DP per rank), ``zero3_pp_state_ratio`` (per-rank
+optimizer state under PP=2 x DP=2 with ZeRO-3 on DP against PP=2 x DP=2 without ZeRO: its own
+4-rank launch, goal <= 0.55), ``alltoall_ratio`` (ours / raw all-to-all
 bus bandwidth, medians), ``moe_step_ratio`` (MoE / dense median step time), ``bubble_measured``
 (1F1B, median of the blocked-in-receives fraction) and ``bubble_theory``, ``tp_vs_dp_step_ratio``
 (TP=2 / DP median step time), ``sp_activation_ratio`` (activation bytes with SP / without, both at
@@ -74,7 +76,8 @@ if ROOT not in sys.path:
 
 MiB = 2**20
 QUIET_RUNQUEUE = 0.02  # pipeline bubble: a step is quiet if no rank waited > 2% of it on a CPU run queue
-PARTS = ("allreduce", "dp", "zero", "alltoall", "moe", "pipeline", "tp", "auto_tp")
+PARTS = ("allreduce", "dp", "zero", "alltoall", "moe", "pipeline", "tp", "pp_zero", "auto_tp")
+PP_ZERO_WORLD = 4  # the pp_zero part's own launch: PP=2 x DP=2, whatever --world is
 
 
 def _bus_gbps(nbytes: int, seconds: float, world: int) -> float:
@@ -325,6 +328,45 @@ def bench_moe_step(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int,
         "moe_ms_min": 1e3 * min(times["moe"]), "moe_ms_med": 1e3 * statistics.median(times["moe"]),
         "ratio": statistics.median(times["moe"]) / statistics.median(times["dense"]),
     }
+
+
+def bench_pp_zero(mesh: Any, quick: bool, bar: Any) -> dict[str, Any]:
+    """Per-rank optimizer state of the gpt task (Adam) under PP=2 x DP=2, ZeRO-3 on the DP dimension
+    against no ZeRO: the same pipeline (1F1B, 4 micro-batches) and steps, the state each rank holds
+    after 2 steps; the largest over the ranks (the stage with more parameters decides the memory)."""
+    import torch
+    import torch.distributed as dist
+
+    from worker.peer.mesh import ParallelMesh
+    from worker.peer.pipeline import PipelineEngine, gpt_layers, stage_sync
+    from worker.sync_api import Grads
+    from worker.tasks import load_task
+
+    pm = ParallelMesh.build(mesh.world // 2, 1, 2, device=mesh.device, seed=0)
+    opts = {**_gpt_opts(quick), "layers": 4}
+    m, per_rank = 4, 8
+    out: dict[str, Any] = {"layout": f"PP=2 x DP={pm.dp}"}
+    for stage in (0, 3):
+        task = load_task("gpt", **opts)
+        eng = PipelineEngine(gpt_layers(task.model), pp_ranks=pm.pp_ranks, kind="1f1b", micro_batches=m, pp_group=pm.pp_group,
+                             dp_group=pm.dp_group, dp_size=pm.dp, device=pm.device, reduce_grads=False)
+        sync = stage_sync(task.model, eng, task.dense_optimizer, stage=stage, dp_group=pm.dp_group)
+        sync.join()
+        data = task.batches(pm.dp_idx, pm.dp, per_rank, 0)
+        seq = task.model.pos.num_embeddings
+        for step in range(2):
+            mbs = list(next(data).to(pm.device).chunk(m))
+            sync.zero_grad()
+            eng.step([x[:, :-1] for x in mbs], [x[:, 1:] for x in mbs], (per_rank // m, seq, task.model.tok.embedding_dim))
+            sync.push(step, Grads(None))
+        mine = torch.tensor([sync.memory()["state_bytes"]], dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(mesh.world)]
+        dist.all_gather(every, mine)
+        out[f"zero{stage}_state_bytes"] = [int(t) for t in every]
+        sync.leave()
+        bar.update(1)
+    out["ratio"] = max(out["zero3_state_bytes"]) / max(out["zero0_state_bytes"])
+    return out
 
 
 def bench_pipeline_bubble(mesh: Any, quick: bool, repeats: int, bar: Any) -> dict[str, Any]:
@@ -615,7 +657,8 @@ def rank_main(args: argparse.Namespace) -> None:
     pipe_repeats = 3 if quick else 24
     parts = set(args.parts.split(","))
     total = sum(n for part, n in (("allreduce", len(sizes) * repeats), ("dp", 2 * rounds), ("zero", 4), ("alltoall", repeats),
-                                  ("moe", 2 * rounds), ("pipeline", 2 * (pipe_repeats + 1)), ("tp", 3 * rounds + 1), ("auto_tp", 2 * rounds)) if part in parts)
+                                  ("moe", 2 * rounds), ("pipeline", 2 * (pipe_repeats + 1)), ("tp", 3 * rounds + 1), ("auto_tp", 2 * rounds),
+                                  ("pp_zero", 2)) if part in parts)
     bar = tqdm(total=total, desc="bench/peer", disable=mesh.rank != 0 or args.no_progress, file=sys.stderr, mininterval=0.5)
     t0 = time.time()
     res: dict[str, Any] = {}
@@ -635,6 +678,8 @@ def rank_main(args: argparse.Namespace) -> None:
         res["tp"] = bench_tp(mesh, quick, rounds, steps, warmup, batch, bar)
     if "auto_tp" in parts:
         res["auto_tp"] = bench_auto_tp(mesh, quick, rounds, steps, warmup, batch, bar)
+    if "pp_zero" in parts:
+        res["pp_zero"] = bench_pp_zero(mesh, quick, bar)
     bar.close()
     if mesh.rank == 0:
         result = {"world": mesh.world, "backend": mesh.backend, "device": str(mesh.device), "quick": quick, **res,
@@ -688,6 +733,8 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
     if "auto_tp" in res:
         figures["auto_tp_step_ratio"] = res["auto_tp"]["ratio"]
         figures["auto_tp_step_ms"], figures["hand_tp_step_ms"] = res["auto_tp"]["auto_ms_med"], res["auto_tp"]["hand_ms_med"]
+    if "pp_zero" in res:
+        figures["zero3_pp_state_ratio"] = res["pp_zero"]["ratio"]
     figures.update({
         "world": res["world"], "backend": res["backend"], "device": res["device"], "quick": res["quick"],
         "seconds": round(res["seconds"], 1), "loadavg": list(os.getloadavg()),
@@ -803,6 +850,10 @@ def print_pipeline(pb: dict[str, Any]) -> None:
 
 def print_table(res: dict[str, Any]) -> None:
     print(f"peer mode, world {res['world']}, {res['backend']} on {res['device']}")
+    if "pp_zero" in res:
+        pz = res["pp_zero"]
+        print(f"optimizer state per rank, {pz['layout']} (gpt, Adam): no ZeRO {pz['zero0_state_bytes']}, "
+              f"ZeRO-3 on DP {pz['zero3_state_bytes']}: ratio of the largest {pz['ratio']:.3f}")
     if "allreduce" in res:
         ar = res["allreduce"]
         print(f"{'all-reduce':<14}{'raw GB/s med/max':>20}{'ours GB/s med/max':>20}{'raw ms min/med':>18}{'ours ms min/med':>18}{'ratio':>8}")
@@ -851,41 +902,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.rank >= 0:
         rank_main(args)
         return 0
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        result = os.path.join(tmp, "result.json")
-        port = _free_port()
-        procs = []
-        for r in range(args.world):
-            env = dict(
-                os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(args.world), LOCAL_WORLD_SIZE=str(args.world),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-            )
-            cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(r), "--result", result,
-                   "--backend", args.backend, "--device", args.device]
-            cmd += ["--quick"] if args.quick else []
-            cmd += ["--parts", args.parts]
-            cmd += ["--no-progress"] if args.no_progress else []
-            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
-        deadline = time.monotonic() + args.timeout
-        try:
-            for proc in procs:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            print(f"bench/peer: ranks did not finish in {args.timeout:.0f} s", file=sys.stderr)
-            return 1
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        bad = [r for r, proc in enumerate(procs) if proc.returncode != 0]
-        if bad or not os.path.exists(result):
-            print(f"bench/peer: ranks {bad} failed", file=sys.stderr)
-            return 1
-        with open(result) as f:
-            res = json.load(f)
+    parts = args.parts.split(",")
+    main_parts = [x for x in parts if x != "pp_zero"]
+    res = _launch(args, args.world, main_parts) if main_parts else {"world": args.world, "seconds": 0.0}
+    if res is not None and "pp_zero" in parts:  # its own PP=2 x DP=2 launch
+        pp = _launch(args, PP_ZERO_WORLD, ["pp_zero"])
+        res = None if pp is None else {**pp, **res, "pp_zero": pp["pp_zero"], "seconds": res["seconds"] + pp["seconds"]}
+    if res is None:
+        return 1
     print_table(res)
     figures = summarize(res)
     if args.json_out:
@@ -894,6 +918,45 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(figures, f)
     print(json.dumps(figures))
     return 0
+
+
+def _launch(args: argparse.Namespace, world: int, parts: list[str]) -> dict[str, Any] | None:
+    """``world`` rank processes running ``parts``; their result, or None (said on stderr) if they failed."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "result.json")
+        port = _free_port()
+        procs = []
+        for r in range(world):
+            env = dict(
+                os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+            )
+            cmd = [sys.executable, os.path.abspath(__file__), "--rank", str(r), "--result", result,
+                   "--backend", args.backend, "--device", args.device]
+            cmd += ["--quick"] if args.quick else []
+            cmd += ["--parts", ",".join(parts)]
+            cmd += ["--no-progress"] if args.no_progress else []
+            procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
+        deadline = time.monotonic() + args.timeout
+        try:
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            print(f"bench/peer: ranks did not finish in {args.timeout:.0f} s", file=sys.stderr)
+            return None
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        bad = [r for r, proc in enumerate(procs) if proc.returncode != 0]
+        if bad or not os.path.exists(result):
+            print(f"bench/peer: ranks {bad} failed", file=sys.stderr)
+            return None
+        with open(result) as f:
+            return json.load(f)  # type: ignore[no-any-return]
 
 
 if __name__ == "__main__":

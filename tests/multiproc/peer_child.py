@@ -79,9 +79,8 @@ def train(task: Task, mode: str, world: int, rank: int, batch: int, steps: int, 
     seen: list[tuple[float, torch.Tensor]] = []
 
     def on_step(step: int, tr: Trainer) -> None:
-        loss = torch.tensor([tr.last_loss], dtype=torch.float64)
-        dist.all_reduce(loss)  # the global batch's mean loss: the mean of the ranks' means
-        seen.append((float(loss) / world, tr.flat))
+        # the trainer's loss is the global batch's mean loss (the mean of the DP ranks' means)
+        seen.append((tr.last_loss, tr.flat))
 
     cfg = TrainConfig(
         mode=mode, steps=steps, batch_size=batch, worker_index=rank, num_workers=world, progress=False,

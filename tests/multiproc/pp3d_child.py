@@ -10,7 +10,7 @@ group, by their plain names). fp32: rtol 1e-5. Pipeline stages are tensor-parall
 (worker.peer.pipeline.tp_gpt_layers), and the optimizer is worker.peer.pipeline.StageOptimizer.
 
 Checks: ``<schedule>[-v<V>][-recompute][-zero1][-bf16][-sp]``. ``-sp``: sequence-parallel stages
-(T > 1; activations between stages are (S/T, B, H) chunks), against the same reference. ``-zero1``: ZeRO-1 over the DP group, and
+(T > 1; activations between stages are (S/T, B, H) chunks), against the same reference. ``-zeroK``: ZeRO stage K over the DP group, and
 the momentum state per rank is ceil(n/D) elements. ``-bf16``: autocast bf16 compute; the master
 weights and their gradients stay fp32, and the loss and parameters are close to the fp32 reference
 (loss rtol 2e-3, parameters rtol/atol 1e-2: bf16 keeps 8 significant bits, a relative rounding of
@@ -32,14 +32,15 @@ from worker.peer import init_mesh
 from worker.peer.mesh import ParallelMesh, shutdown_group
 from worker.peer.pipeline import (
     PipelineEngine,
-    StageOptimizer,
     gpt_layers,
     gpt_loss,
     stage_specs,
+    stage_sync,
     tp_gpt_layers,
     tp_gpt_loss,
 )
 from worker.peer.tensor_parallel import TensorParallelGPT
+from worker.sync_api import Grads
 from worker.tasks import load_task
 
 M, STEPS, G = 4, 3, 8  # micro-batches, steps, global batch
@@ -61,7 +62,8 @@ def run(check: str, mesh: ParallelMesh) -> torch.Tensor:
     for part in parts[1:]:
         if part.startswith("v"):
             V = int(part[1:])
-    recompute, zero, bf16, sp = "recompute" in parts, int("zero1" in parts), "bf16" in parts, "sp" in parts
+    zero = next((int(p[4:]) for p in parts if p.startswith("zero")), 0)  # ZeRO stage on the DP dimension
+    recompute, bf16, sp = "recompute" in parts, "bf16" in parts, "sp" in parts
     D, T = mesh.dp, mesh.tp
     fp64 = "fp64" in parts
     task = load_task("gpt", seed=0, dtype="float64" if fp64 else "float32", **OPTS)
@@ -80,13 +82,15 @@ def run(check: str, mesh: ParallelMesh) -> torch.Tensor:
                          dp_group=mesh.dp_group, dp_size=D, recompute=recompute, loss_fn=loss_fn, costs=costs,
                          reduce_grads=False, precision="bf16" if bf16 else "fp32")
     named = stage_specs(model, eng.parameters())
-    opt = StageOptimizer(named, make, dp_group=mesh.dp_group, dp_size=D, dp_idx=mesh.dp_idx, tp_group=mesh.tp_group,
-                         tp_size=T, tp_rank=mesh.tp_idx, zero=zero, sequence_parallel=sp)
+    opt = stage_sync(model, eng, make, stage=zero, dp_group=mesh.dp_group, tp_group=mesh.tp_group if T > 1 else None,
+                     sequence_parallel=sp)
+    opt.join()
     per_rank = G // D
     local, glob = task.batches(mesh.dp_idx, D, per_rank, 0), task.batches(0, 1, G, 0)
     act = (SEQ // T if sp else SEQ, per_rank // M, DIM) if T > 1 else (per_rank // M, SEQ, DIM)
     rtol, ltol = (1e-2, 2e-3) if bf16 else (1e-12, 1e-12) if fp64 else (1e-5, 1e-5)
-    before = {s.name: opt._gather_tp(s, p).clone() for s, p in named}
+    with opt.whole():
+        before = {s.name: opt._tp_gather(s, p) for s, p in named}
     loss_err = 0.0
     for step in range(STEPS):
         gb = next(glob)
@@ -98,18 +102,20 @@ def run(check: str, mesh: ParallelMesh) -> torch.Tensor:
         ref_opt.step()
         b = next(local)
         mbs = list(b.chunk(M))
-        eng.zero_grad()
+        opt.zero_grad()
         loss = eng.step([x[:, :-1] for x in mbs], [x[:, 1:] for x in mbs], act,
                         act_dtype=torch.float64 if fp64 else torch.float32)
         if bf16:
             assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in eng.parameters()), "bf16: gradients not fp32"
-        opt.step()
+        opt.push(step, Grads(None))
         loss_err = max(loss_err, abs(loss - float(ref_loss)) / abs(float(ref_loss)))
         assert loss_err <= ltol, f"{check} step {step}: loss {loss} vs reference {float(ref_loss)}"
     refp = dict(ref.named_parameters())
     worst = 0.0
+    with opt.whole():
+        after = {s.name: opt._tp_gather(s, p) for s, p in named}
     for s, p in named:
-        full = opt._gather_tp(s, p)
+        full = after[s.name]
 
         def msg(m: str, n: str = s.name) -> str:
             return f"{check}: {n}: {m}"
@@ -126,11 +132,12 @@ def run(check: str, mesh: ParallelMesh) -> torch.Tensor:
     if zero and not fp64:  # (plain SGD, the fp64 check's, keeps no state)
         n = sum(p.numel() for p in eng.parameters())
         held = sum(v.numel() for st in opt.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim())
-        assert held == -(-n // D), f"{check}: ZeRO-1 holds {held} state elements of {n} at D={D}"
+        units = len(opt.opt.units)  # each unit (a module's parameters) is padded to a multiple of D
+        assert held == opt.opt.shard.numel() and held * D - n < D * units, f"{check}: ZeRO-{zero} holds {held} state elements of {n} at D={D}"
         detail += f" state {held}/{n}"
     print(f"OK {check} stages {eng.bounds} params {len(named)} max_abs_err {worst:.2e} loss {loss:.6f}{detail}", flush=True)
     # the whole model on every rank (each stage's owner contributes its tensors once), to compare schedules
-    mine = {s.name: opt._gather_tp(s, p) for s, p in named}
+    mine = after
     full = torch.cat([mine.get(n, torch.zeros_like(q)).reshape(-1) for n, q in plain.named_parameters()])
     if mesh.pp > 1:
         torch.distributed.all_reduce(full, group=mesh.pp_group)

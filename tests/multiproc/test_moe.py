@@ -43,7 +43,8 @@ def test_moe_expert_parallel_equals_one_process(monkeypatch: pytest.MonkeyPatch)
 def test_moe_flags_metrics_and_start_checks(tmp_path) -> None:
     """``python -m worker.peer --moe-experts 4 --ep 2 --accumulate 2`` (2 ranks): trains, and the
     metrics file's step records carry tokens per expert (per step, not per micro-batch), the dropped
-    share, the balance loss and all-to-all time and bytes; ``--ep 3`` on 2 ranks stops every rank at start with one message (exit 2)."""
+    share, the balance loss and all-to-all time and bytes, and the same (global) loss on both ranks;
+    ``--ep 3`` on 2 ranks stops every rank at start with one message (exit 2)."""
     import json
 
     flags = ["--task", "gpt", "--task-opt", "dim=16", "--task-opt", "seq=16", "--task-opt", "vocab=32", "--moe-experts", "4",
@@ -63,6 +64,12 @@ def test_moe_flags_metrics_and_start_checks(tmp_path) -> None:
         assert all(abs(sum(c) - 2 * 16 * 2) < 1e-6 for c in tpe_), rec
         assert 0 <= rec["moe_dropped"] < 1 and rec["moe_balance_loss"] > 0 and rec["a2a_ms"] > 0 and rec["a2a_mb"] > 0, rec
     assert next(r for r in recs if r["kind"] == "summary")["ep"] == 2
+    # the logged loss is the global one (mean over the DP ranks): both ranks' records carry the same,
+    # though each rank computed a different batch; the printed report is it too
+    recs0 = [json.loads(line) for line in (tmp_path / "rank0.jsonl").read_text().splitlines()]
+    pick = [(r["kind"], r.get("loss"), r.get("last_loss")) for r in recs0 if r["kind"] in ("step", "summary")]
+    assert pick == [(r["kind"], r.get("loss"), r.get("last_loss")) for r in recs if r["kind"] in ("step", "summary")], pick
+    assert summary["loss"] == pick[-1][1], (summary, pick)
     bad = tpe.run_ranks(2, [*flags, "--ep", "3"], module=True, timeout=120)
     for r, (rc, _, se) in enumerate(bad):
         assert rc == 2 and "--ep 3 does not divide the 2 data-parallel ranks" in se, (r, rc, se[-2000:])

@@ -30,7 +30,7 @@ def run_mesh(dp: int, tp: int, pp: int, checks: list[str], timeout: float = 240.
 
 
 CHECKS_TP2_PP2 = ["1f1b", "gpipe", "interleaved-v2", "1f1b-recompute", "same", "1f1b-bf16", "1f1b-sp", "interleaved-v2-recompute-sp"]
-CHECKS_DP2_PP2 = ["1f1b-zero1", "gpipe-recompute-zero1", "1f1b", "same"]
+CHECKS_DP2_PP2 = ["1f1b-zero1", "gpipe-recompute-zero1", "1f1b-zero2", "gpipe-zero3", "1f1b", "same"]
 
 
 @pytest.mark.timeout(300)
@@ -41,17 +41,19 @@ def test_tp2_pp2_equals_one_process() -> None:
 
 @pytest.mark.timeout(300)
 def test_dp2_pp2_zero1_equals_one_process() -> None:
-    """(D, T, P) = (2, 1, 2): ZeRO-1 over the DP pairs of each stage, with and without recompute."""
+    """(D, T, P) = (2, 1, 2): ZeRO-1, -2 and -3 over the DP pairs of each stage (gradients reduce-scattered
+    once per step after the last micro-batch; ZeRO-3 gathers a stage's parameters per step), with and
+    without recompute."""
     _check(run_mesh(2, 1, 2, CHECKS_DP2_PP2), CHECKS_DP2_PP2)
 
 
-CHECKS_DP2_TP2_PP2 = ["1f1b", "interleaved-v2", "1f1b-recompute-zero1", "same", "1f1b-bf16", "gpipe-zero1-fp64"]
+CHECKS_DP2_TP2_PP2 = ["1f1b", "interleaved-v2", "1f1b-recompute-zero1", "same", "1f1b-bf16", "gpipe-zero3-fp64", "1f1b-zero2-sp"]
 
 
 @pytest.mark.timeout(400)
 def test_dp2_tp2_pp2_equals_one_process() -> None:
-    """(D, T, P) = (2, 2, 2): 8 processes (about 25 s on 2 busy cores); ZeRO-1 over DP with TP stages;
-    float64 with SGD lr=1 equal to one process to rtol 1e-12."""
+    """(D, T, P) = (2, 2, 2): 8 processes (about 25 s on 2 busy cores); ZeRO-1 over DP with TP stages,
+    ZeRO-2 with sequence parallelism; ZeRO-3 in float64 with SGD lr=1 equal to one process to rtol 1e-12."""
     _check(run_mesh(2, 2, 2, CHECKS_DP2_TP2_PP2, timeout=360), CHECKS_DP2_TP2_PP2)
 
 

@@ -23,8 +23,7 @@ from worker.peer import DataParallelSync, SyncPlan, make_sync, shutdown_group
 from worker.peer.mesh import ParallelMesh, PeerConfigError, RNGStreams, init_mesh
 from worker.peer.pipeline import (
     PipelineEngine,
-    StageOptimizer,
-    stage_specs,
+    stage_sync,
     tp_gpt_layers,
     tp_gpt_loss,
 )
@@ -34,6 +33,7 @@ from worker.peer.tensor_parallel import (
     tensor_parallel_task,
     vocab_parallel_cross_entropy,
 )
+from worker.sync_api import Grads
 from worker.tasks import Task, load_task
 from worker.trainer import TrainConfig, Trainer
 
@@ -253,14 +253,15 @@ def main(dp: int, tp: int, pp: int, checks: list[str]) -> None:
                 model = TensorParallelGPT(task.model, mesh.tp_group, True, rng, dropout=0.1, attention_dropout=0.1)
                 eng = PipelineEngine(tp_gpt_layers(model), pp_ranks=[mesh.rank], kind="1f1b", micro_batches=2, recompute=rec,
                                      loss_fn=tp_gpt_loss(model), rng=rng)
-                opt = StageOptimizer(stage_specs(model, eng.parameters()), task.dense_optimizer, tp_group=mesh.tp_group,
-                                     tp_size=tp, tp_rank=mesh.tp_idx, sequence_parallel=True)
+                opt = stage_sync(model, eng, task.dense_optimizer, dp_group=mesh.dp_group, tp_group=mesh.tp_group,
+                                 sequence_parallel=True)
+                opt.join()
                 data, seen = task.batches(0, 1, 4, 0), []
                 for _ in range(STEPS):
                     mbs = list(next(data).chunk(2))
-                    eng.zero_grad()
+                    opt.zero_grad()
                     eng.step([b[:, :-1] for b in mbs], [b[:, 1:] for b in mbs], (GPT_SELECTIVE["seq"] // tp, 2, GPT_SELECTIVE["dim"]))
-                    opt.step()
+                    opt.push(0, Grads(None))
                     seen.append((0.0, torch.cat([p.reshape(-1) for p in model.full_parameters()])))
                 got_full[rec] = seen
             compare(check, got_full[True], got_full[False], 1e-5, 1e-6)

@@ -109,8 +109,9 @@ def test_pipeline_config_start_checks() -> None:
     assert cfg("--global-batch", "16") == (2, 2, 1, 4, 1)  # (P, D, T, m, V); m defaults to 2 x P
     assert cfg("--schedule", "interleaved", "--micro-batches", "4", "--global-batch", "8") == (2, 2, 1, 4, 2)
     assert cfg("--tp", "2", "--mode", "zero1", "--global-batch", "8", world=8) == (2, 2, 2, 4, 1)
+    assert cfg("--mode", "zero3", "--global-batch", "16") == (2, 2, 1, 4, 1)  # ZeRO-2/3 compose with PP
     for argv, world, msg in [
-        (["--mode", "zero2"], 4, "run with --mode dp or zero1"),
+        (["--mode", "hybrid"], 4, "run with --mode dp or zero1-3"),
         (["--task", "digits"], 4, "use the gpt task's layers"),
         ([], 3, "world size 3 is not divisible by --tp 1 x --pp 2"),
         (["--tp", "2"], 6, "world size 6 is not divisible by --tp 2 x --pp 2"),

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
         shutdown_group,
         torch_optimizer,
     )
+    from worker.peer.parallelize import parallelize
     from worker.peer.sync_plan import SyncPlan, make_sync
 
 # every name is loaded on first use: ``tessera`` builds its parser (worker.peer.cli) without torch,
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "GroupReducer": "worker.peer.core", "ShardedOptimizer": "worker.peer.core",
     "DataParallelSync": "worker.peer.data_parallel", "HybridSync": "worker.peer.hybrid",
-    "SyncPlan": "worker.peer.sync_plan", "make_sync": "worker.peer.sync_plan",
+    "SyncPlan": "worker.peer.sync_plan", "make_sync": "worker.peer.sync_plan", "parallelize": "worker.peer.parallelize",
     **{n: "worker.peer.mesh" for n in ("Mesh", "PeerConfigError", "PeerError", "check_agreement", "init_mesh",
                                        "shutdown_group", "torch_optimizer")},
 }
@@ -48,6 +49,7 @@ __all__ = [
     "check_agreement",
     "init_mesh",
     "make_sync",
+    "parallelize",
     "shutdown_group",
     "torch_optimizer",
 ]

@@ -87,6 +87,24 @@ def optimizer_state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
 
 
+class _Gated:
+    """``no_sync()``: while inside, the backward hooks launch nothing (accumulation micro-batches:
+    gradients add up locally; the last micro-batch, outside it, communicates)."""
+
+    _syncing = True
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self._gate()
+
+    @contextlib.contextmanager
+    def _gate(self) -> Iterator[None]:
+        self._syncing = False
+        try:
+            yield
+        finally:
+            self._syncing = True
+
+
 # ---------------------------------------------------------------------------------------------- reducer
 @dataclass
 class Bucket:
@@ -129,7 +147,7 @@ def make_buckets(sizes: Sequence[int], elem: int, bucket_bytes: int, first_bytes
     return out
 
 
-class GroupReducer:
+class GroupReducer(_Gated):
     """The sum of ``params``' gradients over ``group`` (None: the default group; ``ALONE``: none),
     divided by ``divide_by`` (default: the group size, so the mean; 1: the sum), in buckets of about
     ``bucket_mb``; see the module docstring. Blocking calls are
@@ -154,7 +172,6 @@ class GroupReducer:
         self._bucket_of = {i: b for b in self.buckets for i in b.params}
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._hooks: list[Any] = []
-        self._syncing = True
         self._next = 0  # the next bucket to launch (launches go in bucket order on every rank)
         self.tracer: Any = None  # a worker.peer.trace.Tracer: each bucket's collective on the timeline
         self.launched_in_backward = 0  # buckets launched by the hooks (not by finish): the overlap
@@ -176,15 +193,6 @@ class GroupReducer:
         for b in self.buckets:
             b.pending, b.launched, b.works, b.staged = len(b.params), False, [], None
         self._next = 0
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Accumulation micro-batches: gradients add up locally, nothing is sent."""
-        self._syncing = False
-        try:
-            yield
-        finally:
-            self._syncing = True
 
     def _ready(self, p: torch.Tensor) -> None:
         if not self._syncing:
@@ -305,7 +313,7 @@ def _alloc(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(want)
 
 
-class ShardedOptimizer:
+class ShardedOptimizer(_Gated):
     """ZeRO ``stage`` 0-3 of ``params`` (default: ``model``'s trainable parameters; ``model`` gives
     the units and, at stage 3, the forward hooks) over ``group``; see the module docstring.
 
@@ -334,7 +342,6 @@ class ShardedOptimizer:
         self.tracer: Any = None
         self.comm_wait_s = 0.0
         self.peak_grad_bytes = 0
-        self._syncing = True
         self._hooks: list[Any] = []
         self.reducer: GroupReducer | None = None
         self.units: list[_Unit] = []
@@ -528,18 +535,9 @@ class ShardedOptimizer:
             u.pending, u.works = len(u.params), []
         self._inflight = []
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulation micro-batches: full gradients add up locally (stage 2/3 keep them for the step)."""
-        if self.reducer is not None:
-            with self.reducer.no_sync():
-                yield
-            return
-        self._syncing = False
-        try:
-            yield
-        finally:
-            self._syncing = True
+        return self.reducer.no_sync() if self.reducer is not None else super().no_sync()
 
     def _ready(self, p: torch.Tensor) -> None:
         u = self._unit_of[id(p)]

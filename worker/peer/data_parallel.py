@@ -32,7 +32,7 @@ from worker.peer.core import GroupReducer, ShardedOptimizer, group_rank, group_s
 from worker.peer.mesh import check_agreement
 from worker.sync_api import Fetched, Grads, ParamSync, PushResult
 
-__all__ = ["DataParallelSync", "whole_specs"]
+__all__ = ["DataParallelSync", "WrapsDense", "whole_specs"]
 
 
 def whole_specs(model: nn.Module, params: Sequence[nn.Parameter] | None = None) -> list[tuple[Any, nn.Parameter]]:
@@ -49,6 +49,22 @@ def whole_specs(model: nn.Module, params: Sequence[nn.Parameter] | None = None) 
     return [(s, p) for s, p in pairs if id(p) in mine]
 
 
+class WrapsDense:
+    """Mixin of syncs built around a ``DataParallelSync`` named ``dense`` (MoE, the PS hybrid): their
+    timeline tracer is the dense part's."""
+
+    dense: DataParallelSync
+
+    @property
+    def tracer(self) -> Any:
+        """A ``worker.peer.trace.Tracer`` (or None): the dense part's collectives on the timeline."""
+        return self.dense.tracer
+
+    @tracer.setter
+    def tracer(self, value: Any) -> None:
+        self.dense.tracer = value
+
+
 class DataParallelSync(ParamSync, Checkpointing):
     """ZeRO ``stage`` (0: plain DP, bucketed all-reduce) of ``model``'s parameters (or ``params``)
     over ``group`` (None: every rank), as a ``ParamSync``.
@@ -59,7 +75,8 @@ class DataParallelSync(ParamSync, Checkpointing):
     ``(ShardSpec, param)`` pairs of a tensor-parallel model (default: ``model.specs`` or every
     parameter whole), ``tp_group`` the group they are split over, ``tp_replicated`` the parameters
     whose gradients are summed over it before the DP reduction (sequence parallelism).
-    ``settings``: fields every rank must agree on (checked in ``join``). Collectives on the main
+    ``settings``: fields every rank must agree on (checked in ``join``; ``agree=False``: the caller
+    checks, e.g. pipeline stages, whose sizes differ by design). Collectives on the main
     thread (``pipelined`` False), the same order on every rank."""
 
     pipelined = False
@@ -69,6 +86,7 @@ class DataParallelSync(ParamSync, Checkpointing):
         bucket_mb: float = 25.0, compress: str | None = None, overlap: bool = True, params: Sequence[nn.Parameter] | None = None,
         specs: Sequence[tuple[Any, nn.Parameter]] | None = None, tp_group: Any = None,
         tp_replicated: Sequence[nn.Parameter] = (), settings: dict[str, Any] | None = None, name: str | None = None,
+        agree: bool = True,
     ) -> None:
         self.name = name or ("dp" if stage == 0 else f"zero{stage}")
         self.model, self.device, self.group = model, torch.device(device), group
@@ -82,6 +100,7 @@ class DataParallelSync(ParamSync, Checkpointing):
         self.optimizer = self.opt.optimizer
         self.flat = self.opt.reducer.flat if self.opt.reducer is not None else None  # type: ignore[assignment]
         self.writer = group_rank(group) == 0 and (tp_group is None or group_rank(tp_group) == 0)
+        self.agree = agree
 
     @property
     def tracer(self) -> Any:
@@ -98,8 +117,9 @@ class DataParallelSync(ParamSync, Checkpointing):
     def join(self) -> int:
         """Check that every rank agrees, start the replicas equal (the group's first rank's values),
         resume from the newest checkpoint if checkpointing is on, register the hooks."""
-        check_agreement({"mode": self.name, "dp": group_size(self.group), "tp": self.tp, **self.opt.agreement(), **self.settings},
-                        self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
+        if self.agree:
+            check_agreement({"mode": self.name, "dp": group_size(self.group), "tp": self.tp, **self.opt.agreement(), **self.settings},
+                            self.device if dist.get_backend() == "nccl" else torch.device("cpu"))
         self.opt.broadcast()
         start = self._resume()
         self.opt.attach()

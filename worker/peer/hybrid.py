@@ -19,13 +19,13 @@ from torch import nn
 
 from ps import PSClient
 from worker.paramsync import Fetched, Grads, ParamSync, PSSync, PushResult
-from worker.peer.data_parallel import DataParallelSync
+from worker.peer.data_parallel import DataParallelSync, WrapsDense
 from worker.peer.mesh import PeerConfigError
 
 __all__ = ["HybridSync"]
 
 
-class HybridSync(ParamSync):
+class HybridSync(WrapsDense, ParamSync):
     """``PSEmbedding`` rows through ``client`` (tables ``{prefix}/...`` as the model names them),
     dense parameters through ``DataParallelSync`` (ZeRO stage 0: bucketed all-reduce). ``rank``/``world`` are the worker's index and count
     on the PS (the peer group's). Collectives on the main thread (``pipelined`` False)."""
@@ -52,15 +52,6 @@ class HybridSync(ParamSync):
         if not self.sparse.embeddings:
             raise PeerConfigError("hybrid mode needs a model with PSEmbedding layers (use dp for a dense model)")
         self.flat = self.dense.flat
-
-    @property
-    def tracer(self) -> Any:
-        """The dense part's timeline tracer (``worker.peer.trace.Tracer`` or None)."""
-        return self.dense.tracer
-
-    @tracer.setter
-    def tracer(self, value: Any) -> None:
-        self.dense.tracer = value
 
     def join(self) -> int:
         """The PS first (worker 0 creates the tables; everyone waits for all ranks), then the peer group."""

@@ -44,6 +44,7 @@ from worker.peer.checkpoint import (
     read_whole_tensors,
     whole_tensor_pieces,
 )
+from worker.peer.data_parallel import WrapsDense
 from worker.peer.mesh import PeerConfigError
 from worker.sync_api import Fetched, Grads, ParamSync, PushResult
 
@@ -414,7 +415,7 @@ def expert_groups(ep: int, world: int | None = None, rank: int | None = None, dp
     return ExpertGroups(ep, pos % ep, mine, replicas, groups)
 
 
-class MoESync(ParamSync, Checkpointing):
+class MoESync(WrapsDense, ParamSync, Checkpointing):
     """The ``ParamSync`` of a model with MoE layers, in any layout: the experts split over ``ep``
     data-parallel ranks (expert parallelism; 1: every rank holds every expert), composed of the
     core's two objects (``worker.peer.core``):
@@ -474,14 +475,6 @@ class MoESync(ParamSync, Checkpointing):
         first_tp = mesh is None or mesh.tp_idx == 0
         self.expert_writer = first_tp and (mesh.dp_idx if mesh is not None else dist.get_rank()) < self.groups.size
         self._window_steps = 0  # steps since the last window_metrics
-
-    @property
-    def tracer(self) -> Any:
-        return self.dense.tracer
-
-    @tracer.setter
-    def tracer(self, value: Any) -> None:
-        self.dense.tracer = value
 
     def join(self) -> int:
         """The dense part's join (agreement, the DP group's first values), then the experts: each

@@ -102,7 +102,12 @@ def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None) -> P
     mesh = mesh_or_client
     if compress is not None:
         raise PeerConfigError("--compress with --tp/--dp is not supported (dp mode without a mesh only)")
-    replicated = model.replicated_parameters() if plan.sequence_parallel and hasattr(model, "replicated_parameters") else []  # type: ignore[operator]
+    # the gradients to sum over the TP group: a parallelize()d model says which; the gpt task's split, under SP,
+    # its replicated parameters (each TP rank saw S/T positions)
+    if hasattr(model, "tp_sum_parameters"):
+        replicated = model.tp_sum_parameters()  # type: ignore[operator]
+    else:
+        replicated = model.replicated_parameters() if plan.sequence_parallel and hasattr(model, "replicated_parameters") else []  # type: ignore[operator]
     return DataParallelSync(
         model, plan.optimizer, stage=plan.stage, group=mesh.dp_group, device=mesh.device, overlap=False,
         tp_group=mesh.tp_group if mesh.tp > 1 else None, tp_replicated=replicated,
