@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 from typing import Any, Callable, Sequence
 
 from tessera.argtypes import KEY_VALUE_HELP, parse_key_values  # the parts' CLIs take them from here too
@@ -227,6 +228,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:  # say it as the subcommand that was given them, so that "see: ..." names its --help
         _chosen(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    prog = getattr(args, "_prog", "tessera")
+    ended = _quiet_background_threads(prog, debug)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -238,8 +241,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         message, code = explain_error(e)
         message = " ".join(message.split())  # one line, whatever the error carried
-        print(f"{getattr(args, '_prog', 'tessera')}: error: {message}", file=sys.stderr)
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
         return code
+    finally:
+        ended.set()
+
+
+def _quiet_background_threads(prog: str, debug: bool) -> threading.Event:
+    """Keep a command's output to its own lines: an exception in a background thread (a gRPC
+    channel's connectivity poller, a pool's worker) is one warning line while the command runs,
+    and nothing once it has ended (its one error line is out and the process is exiting: the
+    thread died of the teardown, e.g. a channel closed under it). ``--debug`` keeps Python's
+    tracebacks. Returns the event to set when the command has ended."""
+    ended = threading.Event()
+    if debug:
+        return ended
+    default_thread_hook, default_unraisable = threading.excepthook, sys.unraisablehook
+
+    def thread_hook(a: Any) -> None:
+        if a.exc_type is SystemExit or ended.is_set():
+            return
+        try:
+            name = a.thread.name if a.thread is not None else "?"
+            print(f"{prog}: warning: background thread {name} failed: {a.exc_type.__name__}: "
+                  f"{' '.join(str(a.exc_value).split())[:300]} (--debug shows the traceback)", file=sys.stderr, flush=True)
+        except Exception:  # noqa: BLE001 - stderr gone at exit: nothing more to say
+            default_thread_hook(a)
+
+    def unraisable_hook(u: Any) -> None:
+        if not ended.is_set():  # e.g. a __del__ failing while the command runs: Python's own report
+            default_unraisable(u)
+
+    threading.excepthook = thread_hook
+    sys.unraisablehook = unraisable_hook
+    return ended
 
 
 if __name__ == "__main__":

@@ -125,3 +125,28 @@ def test_older_flag_names_still_parse() -> None:
     assert s.token_file == "t.txt" and not s.insecure
     c = build_parser().parse_args(["fed", "client", "--server", "h:1", "--partition", "0/1", "--root-cert", "ca.pem"])
     assert c.tls_ca == "ca.pem" and c.tls_cert is None and c.token_file is None
+
+
+def test_unreachable_server_one_plain_line_every_5_s_then_one_error_line_exit_1() -> None:
+    """README (Federated mode): a client whose server is unreachable says so every 5 s, one plain
+    line each (no log timestamps), then gives up after --reconnect-timeout with one error line
+    and exit 1 (as its --help says)."""
+    import re
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    p = tessera("fed", "client", "--server", dead, "--partition", "0/2", "--reconnect-timeout", "11",
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    _, err = p.communicate(timeout=120)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert p.returncode == 1 and "Traceback" not in err, err
+    assert lines[-1] == f"tessera fed client: error: server {dead} unreachable for 11 s; giving up", lines
+    waits = [int(m.group(1)) for ln in lines[:-1] if (m := re.match(rf"tessera fed client: server {dead} not reachable for "
+                                                                    r"(\d+) s \(UNAVAILABLE: .*\); retrying until 11 s", ln))]
+    assert len(waits) == len(lines) - 1 >= 2, lines  # nothing else: no WARNING, no timestamps; said again
+    assert all(w >= 5 * k for k, w in enumerate(waits)), waits  # every 5 s, never more often
+    help_text = " ".join(subprocess.run([sys.executable, "-m", "tessera.cli", "fed", "client", "--help"], capture_output=True,
+                                        text=True, timeout=60).stdout.split())
+    assert "give up (exit 1) after this many seconds without reaching the server" in help_text
