@@ -142,7 +142,7 @@ def test_failover_loses_no_acknowledged_update(group) -> None:
             failover_s = time.monotonic() - t0
             _pushes(ref, 5, seed=2)
             assert g.bshard.role == PRIMARY and g.bshard.epoch == 1
-            assert failover_s < 10
+            assert failover_s < 60  # within the client's retries: a deadline, not a speed check (bench/faults.py measures it)
             np.testing.assert_array_equal(c.pull_dense("w"), ref.pull_dense("w"))
             np.testing.assert_array_equal(c.pull_sparse("emb", np.arange(40)), ref.pull_sparse("emb", np.arange(40)))
             assert c._shards[0].failovers == 1
