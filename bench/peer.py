@@ -538,20 +538,35 @@ def bench_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch
     return out
 
 
+def step_times(task: Any, sync: Any, mesh: Any, batch_size: int, index: int, workers: int, warmup: int, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` trainer steps after ``warmup`` (every rank starts together)."""
+    import torch.distributed as dist
+
+    from worker.trainer import TrainConfig, Trainer
+
+    cfg = TrainConfig(
+        mode="dp", steps=warmup + steps, batch_size=batch_size, worker_index=index, num_workers=workers,
+        device=str(mesh.device), progress=False, evaluate=False, name=f"rank{mesh.rank}",
+    )
+    stamps: list[float] = []
+    dist.barrier()
+    t0 = time.perf_counter()
+    Trainer(task, sync, cfg, on_step=functools.partial(_stamp, stamps)).run()
+    stamps.insert(0, t0)
+    return [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])]
+
+
 def bench_auto_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, batch: int, bar: Any) -> dict[str, Any]:
     """(i) A user transformer (tests/multiproc/user_models.py's gated LM: plain nn.Linear q/k/v/o, an
     up/gate/down MLP, a tied head) split over T=2 by ``parallelize(plan="auto")`` against the same model
     split by its hand-written plan, through the trainer and the same sync; rounds alternate; step time.
     The goal is <= 1.02: the automatic plan costs nothing once chosen."""
-    import torch.distributed as dist
-
     sys.path.insert(0, os.path.join(ROOT, "tests", "multiproc"))
     import user_models  # type: ignore[import-not-found]
 
     from worker.peer import SyncPlan, make_sync
     from worker.peer.mesh import ParallelMesh
     from worker.peer.parallelize import parallelize
-    from worker.trainer import TrainConfig, Trainer
 
     tp = 2
     pm = ParallelMesh.build(mesh.world // tp, tp, 1, device=mesh.device, seed=0)
@@ -564,16 +579,7 @@ def bench_auto_tp(mesh: Any, quick: bool, rounds: int, steps: int, warmup: int, 
             model = parallelize(task.model, pm, "auto" if kind == "auto" else user_models.GATED_PLAN, verbose=False)
             task.model = model.to(mesh.device)
             sync = make_sync(SyncPlan("dp", task.dense_optimizer), task.model, pm)
-            cfg = TrainConfig(
-                mode="dp", steps=warmup + steps, batch_size=gb // pm.dp, worker_index=pm.dp_idx, num_workers=pm.dp,
-                device=str(mesh.device), progress=False, evaluate=False, name=f"rank{mesh.rank}",
-            )
-            stamps: list[float] = []
-            dist.barrier()
-            t0 = time.perf_counter()
-            Trainer(task, sync, cfg, on_step=functools.partial(_stamp, stamps)).run()
-            stamps.insert(0, t0)
-            times[kind] += [b - a for a, b in zip(stamps[warmup:], stamps[warmup + 1 :])]
+            times[kind] += step_times(task, sync, mesh, gb // pm.dp, pm.dp_idx, pm.dp, warmup, steps)
             bar.update(1)
     out: dict[str, Any] = {"tp": tp, "global_batch": gb}
     for kind, ts in times.items():
