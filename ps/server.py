@@ -17,7 +17,7 @@ from ps.servicer import METHOD_ROLES, ROLES, SERVICE_NAME, WAITS, PSServicer
 from ps.shard import PRIMARY, Shard
 from tessera import service
 from tessera.bulk import BulkServer, serve_bulk
-from tessera.service import Access, ClientSecurity, ServerSecurity, serving_when
+from tessera.service import Access, ClientSecurity, Limits, ServerSecurity, serving_when
 
 __all__ = ["build_server", "restore_latest", "serve"]
 
@@ -59,7 +59,8 @@ def _build(
     if restore:
         restore_latest(shard)
     # one admission path for both planes: per-identity shares of the handler threads, waits capped
-    access = Access(security, METHOD_ROLES, ROLES, waits=WAITS, pool=config.workers)
+    # (a replica, the shard's own peer, is not capped per identity: the primary forwards every concurrent mutation)
+    access = Access(security, METHOD_ROLES, ROLES, waits=WAITS, pool=config.workers, limits=Limits(peer_roles=frozenset({"replica"})))
     servicer = PSServicer(shard, access, peer)
     _protect_live_workers(shard, access)
     try:

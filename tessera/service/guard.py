@@ -111,6 +111,9 @@ class Limits:
     per_protected: int = 2
     max_wait_s: float = 60.0
     start_timeout_s: float = 30.0
+    # roles whose callers have no per-identity cap and may use the admin reserve: a service's own
+    # peers (the PS's replica: a primary forwards each of its concurrent mutations to its backup)
+    peer_roles: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -280,7 +283,7 @@ class Access:
                 return t
             who = caller.identity
             waits = method in self.waits
-            per_identity = who != ANONYMOUS
+            per_identity = who != ANONYMOUS and not (caller.roles & lim.peer_roles)
             if per_identity:
                 if self._in_flight[who] >= s.max_concurrent:
                     raise self._refuse("identity", RateLimitedError(
@@ -322,7 +325,7 @@ class Access:
         mine = who in self._protected and self._in_flight[who] < per
         if self._used["general"] + kept < self.general or (mine and self._used["general"] < self.general):
             return "general"
-        if caller.has("admin") and self._used["admin"] < self.limits.admin_reserve:
+        if (caller.has("admin") or caller.roles & self.limits.peer_roles) and self._used["admin"] < self.limits.admin_reserve:
             return "admin"
         return None
 

@@ -8,6 +8,10 @@ measured unloaded in the same run. Over-cap calls are refused RESOURCE_EXHAUSTED
 identity and its limit."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +24,6 @@ import pytest
 from ps.cli import start_local_shards, stop_processes
 from ps.client import PSClient
 from ps.consistency import SyncPolicy
-from ps.wire import frame
 from tessera.health import check
 from tessera.service import ClientSecurity, client_channel, issue_cert, make_ca, write_token_file
 from tessera.v1 import ps_pb2 as pb
@@ -30,6 +33,7 @@ pytestmark = pytest.mark.timeout(300)
 TOKENS = {"admin": "a" * 32, "w0": "b" * 32, "w1": "c" * 32, "reader": "d" * 32}
 ROLES = {"admin": ["admin"], "w0": ["worker"], "w1": ["worker"], "reader": ["reader"]}
 WINDOW_S = 5.0
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SVC = "/tessera.v1.ParameterServer/"
 
 
@@ -128,96 +132,52 @@ def trained(honest) -> tuple[Honest, float]:
 
 
 class _Flood:
-    """``n`` calls of one identity kept outstanding (a refused or finished one is sent again a
-    second later), until stop(); counts the refusals and their codes."""
+    """The attacker in its own process (admission_attacker.py): ``n`` calls of ``who`` kept
+    outstanding until stop(), which returns their final codes and one detail per code."""
 
-    def __init__(self, start: Any, n: int) -> None:
-        self.start, self.n = start, n
-        self.codes: dict[str, int] = {}
-        self.details: list[str] = []
-        self._stop = threading.Event()
-        self._calls: list[Any] = []
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+    def __init__(self, s: dict[str, Any], kind: str, who: str, n: int) -> None:
+        script = os.path.join(os.path.dirname(__file__), "admission_attacker.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, script, kind, s["address"], s["ca"], TOKENS[who], str(n)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])},
+        )
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            live = []
-            for c in self._calls:
-                if c.done():
-                    code = c.code()
-                    self.codes[code.name] = self.codes.get(code.name, 0) + 1
-                    if len(self.details) < 6 and code.name not in {d.split(":")[0] for d in self.details}:
-                        self.details.append(f"{code.name}: {c.details()}")
-                else:
-                    live.append(c)
-            while len(live) < self.n and not self._stop.is_set():
-                live.append(self.start())
-            self._calls = live
-            self._stop.wait(1.0)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        for c in self._calls:
-            c.cancel()
+    def stop(self) -> tuple[dict[str, int], dict[str, str]]:
+        out, _ = self.proc.communicate("", timeout=60)
+        result = json.loads(out.strip().splitlines()[-1])
+        return result["codes"], result["details"]
 
 
 def test_128_waiting_pulls_of_a_reader_do_not_freeze_the_shard(shard, trained) -> None:
+    """BSP pulls for the next clock of a table nobody pushes: without admission each held a server
+    thread until its deadline (the shard's cap on waits ends them sooner now; then they are sent again)."""
     honest, base = trained
-    channel = client_channel(shard["address"], _sec(shard, "reader"))
-    pull = channel.unary_stream(SVC + "PullDense")
-    # a BSP pull for the next clock of a table nobody pushes: without admission each held a server
-    # thread until its deadline (the shard's cap on waits ends them sooner now; then they are sent again)
-    req = pb.PullDenseRequest(table="idle", dtype="float32", sync=pb.SyncSpec(clock=1, sync=True)).SerializeToString()
-
-    def start() -> Any:
-        call = pull(req, timeout=120)
-        call.add_done_callback(lambda _: None)
-        return call
-
-    flood = _Flood(start, 128)
+    flood = _Flood(shard, "pull", "reader", 128)
     try:
-        time.sleep(1.0)  # every pull sent and admitted or refused
+        time.sleep(2.0)  # every pull sent and admitted or refused
         _windows(shard, honest, base, "128 waiting reader pulls")
     finally:
-        flood.stop()
-        channel.close()
-    print("reader pulls ended:", flood.codes, flood.details)
-    assert set(flood.codes) == {"RESOURCE_EXHAUSTED"}, (flood.codes, flood.details)
-    assert flood.codes["RESOURCE_EXHAUSTED"] >= 100, flood.codes
-    assert any("identity 'reader'" in d and "limit" in d for d in flood.details), flood.details
+        codes, details = flood.stop()
+    print("reader pulls ended:", codes, details)
+    assert set(codes) == {"RESOURCE_EXHAUSTED"}, (codes, details)
+    assert codes["RESOURCE_EXHAUSTED"] >= 100, codes
+    assert "identity 'reader' has 8 waiting calls in flight already" in details["RESOURCE_EXHAUSTED"], details
 
 
 def test_64_stalled_push_streams_of_a_worker_do_not_freeze_the_shard(shard, trained) -> None:
+    """Push streams that send their first chunk and then nothing (until the shard's push-idle timeout)."""
     honest, base = trained
-    channel = client_channel(shard["address"], _sec(shard, "w1"))
-    push = channel.stream_stream(SVC + "PushDense")
-    stall = threading.Event()
-    # the table's first chunk, valid, not the last: the shard reads on, and the client sends nothing more
-    first = frame(pb.DenseChunk(table="w", offset=0, worker="w1", dtype="float32"), data=np.zeros(1024, np.float32))
-
-    def stalled() -> Iterator[bytes]:
-        yield first
-        stall.wait(120)  # then nothing: the stream stays open
-
-    def start() -> Any:
-        call = push(stalled(), timeout=120)
-        call.add_done_callback(lambda _: None)
-        return call
-
-    flood = _Flood(start, 64)
+    flood = _Flood(shard, "push", "w1", 64)
     try:
-        time.sleep(1.0)
+        time.sleep(2.0)
         _windows(shard, honest, base, "64 stalled push streams")
     finally:
-        stall.set()
-        flood.stop()
-        channel.close()
-    print("stalled pushes ended:", flood.codes, flood.details)
-    assert set(flood.codes) == {"RESOURCE_EXHAUSTED"}, (flood.codes, flood.details)
-    assert flood.codes["RESOURCE_EXHAUSTED"] >= 40, flood.codes
-    assert any("identity 'w1'" in d and "limit" in d for d in flood.details), flood.details
+        codes, details = flood.stop()
+    print("stalled pushes ended:", codes, details)
+    assert set(codes) == {"RESOURCE_EXHAUSTED"}, (codes, details)
+    assert codes["RESOURCE_EXHAUSTED"] >= 40, codes
+    assert "identity 'w1' has 8 waiting calls in flight already" in details["RESOURCE_EXHAUSTED"], details
 
 
 def test_128_waiting_pulls_of_a_reader_on_the_bulk_plane(shard, honest) -> None:

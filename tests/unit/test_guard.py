@@ -128,3 +128,14 @@ def test_token_file_pins_and_certificate_lines(tmp_path) -> None:
     (tmp_path / "bad2").write_text("w0 " + "a" * 32 + " worker workers=a*b\n")
     with pytest.raises(ConfigError, match="only at the end"):
         read_token_file(str(tmp_path / "bad2"))
+
+
+def test_peer_roles_are_not_capped_per_identity() -> None:
+    """The PS's replica (its backup's peer) forwards every concurrent mutation: no per-identity cap,
+    and it may use the admin reserve; the server-wide shares still bound it."""
+    security = ServerSecurity(tokens={"replica": "r" * 16}, insecure=True)
+    a = Access(security, {"Replicate": {"replica"}}, ("replica",), pool=64, limits=Limits(peer_roles=frozenset({"replica"})))
+    for _ in range(56):  # 52 shared + 4 of the admin reserve
+        a.acquire("Replicate", _c("replica", "replica"))
+    with pytest.raises(RateLimitedError, match="shared call slots"):
+        a.acquire("Replicate", _c("replica", "replica"))
