@@ -60,7 +60,9 @@ def _build(
         restore_latest(shard)
     # one admission path for both planes: per-identity shares of the handler threads, waits capped
     # (a replica, the shard's own peer, is not capped per identity: the primary forwards every concurrent mutation)
-    access = Access(security, METHOD_ROLES, ROLES, waits=WAITS, pool=config.workers, limits=Limits(peer_roles=frozenset({"replica"})))
+    # a wait ends by 3 x the longest lease (180 s by default): a dead worker leaves the BSP set by then
+    limits = Limits(peer_roles=frozenset({"replica"}), max_wait_s=max(60.0, 3 * config.max_lease_s))
+    access = Access(security, METHOD_ROLES, ROLES, waits=WAITS, pool=config.workers, limits=limits)
     servicer = PSServicer(shard, access, peer)
     _protect_live_workers(shard, access)
     try:
