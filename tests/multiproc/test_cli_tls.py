@@ -66,12 +66,13 @@ def plain_shard():
 
 
 def _fails_fast(address: str, security: ClientSecurity | None, match: str) -> None:
-    """A PSClient that would retry UNAVAILABLE for 60 s fails in seconds, with the cause named."""
+    """A PSClient that would retry UNAVAILABLE for 10 minutes fails at once, with the cause named (the
+    120 s bound is a deadline far from the wrong behaviour, not a speed check)."""
     t0 = time.monotonic()
-    with PSClient([address], timeout=10, retry_timeout=60, security=security) as c:
+    with PSClient([address], timeout=10, retry_timeout=600, security=security) as c:
         with pytest.raises(UnauthenticatedError, match=match):
             c.create_dense("w", 4)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 120
 
 
 def test_plaintext_client_to_tls_server_fails_fast_naming_tls(tls_shard) -> None:
@@ -120,8 +121,8 @@ def test_wait_for_server_says_why_and_is_bounded(tls_shard) -> None:
     address, _ = tls_shard
     t0 = time.monotonic()
     with pytest.raises(TransportSecurityError, match="speaks TLS"):
-        wait_for_server(address, None, timeout=30)
-    assert time.monotonic() - t0 < 5
+        wait_for_server(address, None, timeout=600)
+    assert time.monotonic() - t0 < 120  # at once, not after waiting 10 minutes
     heard = []
     import socket
 
@@ -131,7 +132,7 @@ def test_wait_for_server_says_why_and_is_bounded(tls_shard) -> None:
     t0 = time.monotonic()
     with pytest.raises(ServerUnreachableError, match="nothing is listening"):
         wait_for_server(free, None, timeout=2.5, on_wait=lambda t, d: heard.append(d.kind), every=1.0)
-    assert 2.0 < time.monotonic() - t0 < 8
+    assert 2.0 < time.monotonic() - t0 < 60  # it waited its 2.5 s, then gave up (60: a deadline, not a speed check)
     assert heard and set(heard) == {"refused"}
 
 
@@ -141,10 +142,10 @@ def _tessera(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 def test_cli_stats_and_worker_without_certificate_are_one_line(tls_shard) -> None:
     address, _ = tls_shard
-    for args in (["ps", "stats", "--ps", address], ["worker", "--ps", address, "--steps", "2"]):
+    for args in (["ps", "stats", "--ps", address, "--wait", "600"], ["worker", "--ps", address, "--steps", "2", "--retry-timeout", "600"]):
         t0 = time.monotonic()
-        r = _tessera(*args)
-        assert time.monotonic() - t0 < 30  # the worker's --retry-timeout is 60 s: it did not wait it out
+        r = _tessera(*args, timeout=300)
+        assert time.monotonic() - t0 < 120  # both would wait 10 minutes for a shard: they did not wait it out
         assert r.returncode == 2, r.stderr
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
