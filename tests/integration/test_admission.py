@@ -270,6 +270,8 @@ def test_live_workers_identities_are_protected() -> None:
                          insecure=True)
     server, port, shard, _, access = _build(ShardConfig(), False, sec, None)
     try:
+        # (and README: a wait ends by 3 x --max-lease, 180 s by default, whatever deadline the caller sent)
+        assert access.limits.max_wait_s == 3 * ShardConfig().max_lease_s == 180.0
         with PSClient([f"127.0.0.1:{port}"], worker="w0", transport="grpc", security=ClientSecurity(token=TOKENS["w0"])) as c:
             c.join(lease_s=30)
             deadline = time.monotonic() + 10
