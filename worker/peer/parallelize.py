@@ -474,8 +474,8 @@ def parallelize(model: nn.Module, mesh: Any, plan: Mapping[str, str] | str | Non
 
         mod.register_forward_pre_hook(split)
         mine = {id(p) for _, p in made.values()}
-        for n in regions:  # replicated parameters run on a chunk of the sequence: partial gradients
-            for p in new.get_submodule(n).parameters():
+        for region in regions:  # replicated parameters run on a chunk of the sequence: partial gradients
+            for p in new.get_submodule(region).parameters():
                 if id(p) not in mine and all(p is not q for q in tp_sum):
                     tp_sum.append(p)
     params = dict(new.named_parameters(remove_duplicate=False))

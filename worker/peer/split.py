@@ -306,9 +306,9 @@ def pipeline_source(loss: Callable[[nn.Module, Any], torch.Tensor], model: nn.Mo
     shapes = set(cut)
     if len(shapes) != 1:
         raise PeerConfigError("pipeline: the pieces pass activations of different shapes "
-                              f"({', '.join(str(tuple(s)) for s, _ in shapes)}): give --pp-split where the same activation flows")
-    (shape, dtype), = shapes
-    return PipelineSource(layers, layer_costs(layers), inputs, loss_fn, tuple(shape), dtype)
+                              f"({', '.join(str(tuple(sh)) for sh, _ in shapes)}): give --pp-split where the same activation flows")
+    (size, dtype), = shapes
+    return PipelineSource(layers, layer_costs(layers), inputs, loss_fn, tuple(size), dtype)
 
 
 def shared_parameters(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]]) -> list[nn.Parameter]:
