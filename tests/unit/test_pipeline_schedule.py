@@ -112,7 +112,7 @@ def test_pipeline_config_start_checks() -> None:
     assert cfg("--mode", "zero3", "--global-batch", "16") == (2, 2, 1, 4, 1)  # ZeRO-2/3 compose with PP
     for argv, world, msg in [
         (["--mode", "hybrid"], 4, "run with --mode dp or zero1-3"),
-        (["--task", "digits"], 4, "use the gpt task's layers"),
+        (["--task", "digits", "--recompute", "selective"], 4, "--recompute selective is the gpt task's built-in split's"),
         ([], 3, "world size 3 is not divisible by --tp 1 x --pp 2"),
         (["--tp", "2"], 6, "world size 6 is not divisible by --tp 2 x --pp 2"),
         (["--tp", "2", "--dp", "2"], 4, "--dp 2 x --tp 2 x --pp 2 is not the world size 4"),
