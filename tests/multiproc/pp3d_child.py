@@ -34,7 +34,6 @@ from worker.peer.pipeline import (
     PipelineEngine,
     gpt_layers,
     gpt_loss,
-    stage_specs,
     stage_sync,
     tp_gpt_layers,
     tp_gpt_loss,
@@ -81,10 +80,10 @@ def run(check: str, mesh: ParallelMesh) -> torch.Tensor:
     eng = PipelineEngine(layers, pp_ranks=mesh.pp_ranks, kind=kind, micro_batches=M, virtual=V, pp_group=mesh.pp_group,
                          dp_group=mesh.dp_group, dp_size=D, recompute=recompute, loss_fn=loss_fn, costs=costs,
                          reduce_grads=False, precision="bf16" if bf16 else "fp32")
-    named = stage_specs(model, eng.parameters())
     opt = stage_sync(model, eng, make, stage=zero, dp_group=mesh.dp_group, tp_group=mesh.tp_group if T > 1 else None,
                      sequence_parallel=sp)
     opt.join()
+    named = opt.specs  # (ShardSpec, parameter) of this rank's stages
     per_rank = G // D
     local, glob = task.batches(mesh.dp_idx, D, per_rank, 0), task.batches(0, 1, G, 0)
     act = (SEQ // T if sp else SEQ, per_rank // M, DIM) if T > 1 else (per_rank // M, SEQ, DIM)

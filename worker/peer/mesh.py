@@ -419,25 +419,17 @@ class ParallelMesh:
                         dev if dist.get_backend() == "nccl" else torch.device("cpu"))
         d_i, t_i, p_i = cls.coords(rank, dp, tp, pp)
         groups: dict[str, tuple[Any, list[int]]] = {}
-        # creation order: every TP group, then every DP group, then every PP group (same on all ranks)
-        for p in range(pp):
-            for d in range(dp):
-                ranks = [cls.rank_of(d, t, p, dp, tp) for t in range(tp)]
-                g = dist.new_group(ranks)
-                if rank in ranks:
-                    groups["tp"] = (g, ranks)
-        for p in range(pp):
-            for t in range(tp):
-                ranks = [cls.rank_of(d, t, p, dp, tp) for d in range(dp)]
-                g = dist.new_group(ranks)
-                if rank in ranks:
-                    groups["dp"] = (g, ranks)
-        for d in range(dp):
-            for t in range(tp):
-                ranks = [cls.rank_of(d, t, p, dp, tp) for p in range(pp)]
-                g = dist.new_group(ranks)
-                if rank in ranks:
-                    groups["pp"] = (g, ranks)
+        # creation order: every TP group, then every DP group, then every PP group (same on all ranks);
+        # each group: the ranks along one axis, the other two coordinates fixed
+        sizes = {"dp": dp, "tp": tp, "pp": pp}
+        for axis, (outer, inner) in (("tp", ("pp", "dp")), ("dp", ("pp", "tp")), ("pp", ("dp", "tp"))):
+            for a in range(sizes[outer]):
+                for b in range(sizes[inner]):
+                    at = {f"{outer}_idx": a, f"{inner}_idx": b}
+                    ranks = [cls.rank_of(**{**at, f"{axis}_idx": i}, dp=dp, tp=tp) for i in range(sizes[axis])]
+                    g = dist.new_group(ranks)
+                    if rank in ranks:
+                        groups[axis] = (g, ranks)
         rng = RNGStreams(seed, t_i, p_i, dev) if seed is not None else None
         return cls(
             dp, tp, pp, rank, world, d_i, t_i, p_i, groups["tp"][0], groups["dp"][0], groups["pp"][0],

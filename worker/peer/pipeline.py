@@ -88,7 +88,6 @@ __all__ = [
     "run_pipeline_rank",
     "schedule",
     "simulate",
-    "stage_specs",
     "stage_sync",
     "takes_pipeline_path",
     "tp_gpt_layers",
@@ -703,19 +702,6 @@ def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int
     return P, D, T, m, V
 
 
-def stage_specs(model: Any, params: Sequence[nn.Parameter]) -> list[tuple[Any, nn.Parameter]]:
-    """``(ShardSpec, parameter)`` of ``params`` in ``model``'s order: a ``TensorParallelGPT``'s own
-    specs, or for a plain model every parameter whole under its name."""
-    from worker.peer.tensor_parallel import ShardSpec
-
-    mine = {id(p) for p in params}
-    if hasattr(model, "specs"):
-        pairs = list(model.specs)
-    else:
-        pairs = [(ShardSpec(n, tuple(p.shape), None, None), p) for n, p in model.named_parameters()]
-    return [(s, p) for s, p in pairs if id(p) in mine]
-
-
 def stage_sync(
     model: Any, eng: PipelineEngine, optimizer: Any, *, stage: int = 0, dp_group: Any = None, tp_group: Any = None,
     sequence_parallel: bool = False,
@@ -729,10 +715,10 @@ def stage_sync(
     ``zero_grad()``, ``eng.step(...)``, ``push(step, Grads(None))`` (reduce, step, checkpoint if due);
     ``join()`` once first (replicas start equal; returns the step of the newest checkpoint). The
     checkpoint format is every layout's (whole plain tensors), so any (D, T, P, ZeRO) loads any other."""
-    from worker.peer.data_parallel import DataParallelSync
+    from worker.peer.data_parallel import DataParallelSync, whole_specs
 
     params = eng.parameters()
-    specs = stage_specs(model, params)
+    specs = whole_specs(model, params)
     return DataParallelSync(
         nn.ModuleList(eng.stages.values()), optimizer, stage=stage, group=dp_group, device=eng.device, overlap=False,
         params=params, specs=specs, tp_group=tp_group,
