@@ -8,7 +8,9 @@ layouts. Reference: one process training a deep copy of the same source model wi
 the global batch: losses at every step and parameters after every step within 1e-10 relative (fp64,
 SGD and AdamW) and 1e-5 (fp32, SGD); the auto plan ends at the same parameters as the explicit plan;
 the source model is unchanged by training its split copy; with T > 1 sequence parallelism (the auto
-plan's blocks and final norm on a chunk of the sequence) matches the same reference (fp64 AdamW).
+plan's blocks and final norm on a chunk of the sequence) matches the same reference (fp64 AdamW); and
+TPMultiheadAttention equals nn.MultiheadAttention on a sequence-first nn.TransformerDecoderLayer (masks,
+cross-attention) and with other key/value widths returning per-head and averaged weights.
 """
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ def _launch(world: int, layouts: list[str]) -> None:
     for r, (_, so, se) in enumerate(results):
         for layout in layouts:
             d, t, p = (int(x) for x in layout.split(","))
+            if t > 1 and p == 1:  # TPMultiheadAttention's other paths against nn.MultiheadAttention
+                for case in ("decoder", "weights"):
+                    assert f"OK {layout} attention-{case}" in so, f"rank {r}: {layout} attention-{case} not OK:\n{se[-2000:]}"
             for model in ("mha", "gated"):
                 for c in CONFIGS:
                     assert f"OK {layout} {model} {c}" in so, f"rank {r}: {layout} {model} {c} not OK:\n{so}\n{se[-2000:]}"

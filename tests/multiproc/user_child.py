@@ -31,6 +31,7 @@ from worker.peer.mesh import ParallelMesh, init_mesh, torch_optimizer
 from worker.peer.parallelize import parallelize
 from worker.peer.pipeline import PipelineEngine
 from worker.peer.split import pipeline_source, shared_parameters
+from worker.peer.tensor_parallel import TPMultiheadAttention
 
 STEPS, GLOBAL_BATCH, MICRO = 2, 8, 2
 CONFIGS = [("float64", "sgd", 0.1, 1e-10), ("float64", "adamw", 1e-2, 1e-10), ("float32", "sgd", 0.1, 1e-5)]
@@ -157,13 +158,77 @@ def check(layout: str, mesh: ParallelMesh) -> None:
             print(f"OK {layout} {name} auto-vs-explicit", flush=True)
 
 
+class _Wrap(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+
+def _grads(m: Any) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient, whole (gathered over the TP group by the layout's specs)."""
+    out = {}
+    for s, p in m.specs:
+        g = p.grad.detach()
+        if s.dim is not None:
+            parts = [torch.empty_like(g) for _ in range(m.tp)]
+            dist.all_gather(parts, g.contiguous(), group=m.group)
+            g = s.unshard(parts)
+        out[s.name] = g
+    return out
+
+
+def check_attention_variants(layout: str, mesh: ParallelMesh) -> None:
+    """TPMultiheadAttention against nn.MultiheadAttention where the user models do not go: a
+    sequence-first nn.TransformerDecoderLayer (self- and cross-attention, a causal boolean mask, a key
+    padding mask on the memory), and a batch-first attention with other key/value widths returning
+    per-head and averaged weights under a per-head float mask: outputs, weights and every gradient
+    (parameters and inputs) within 1e-10 in fp64."""
+    torch.manual_seed(1)
+    s, b, e = 6, 4, 16
+    dec = _Wrap(torch.nn.TransformerDecoderLayer(e, 4, 32, dropout=0.0)).double()
+    tgt, mem = torch.randn(s, b, e, dtype=torch.float64), torch.randn(s + 2, b, e, dtype=torch.float64)
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
+    pad = torch.zeros(b, s + 2, dtype=torch.bool)
+    pad[0, -2:] = True
+    attn = _Wrap(torch.nn.MultiheadAttention(e, 4, kdim=8, vdim=12, batch_first=True)).double()
+    q, k, v = (torch.randn(b, n, w, dtype=torch.float64) for n, w in ((s, e), (s + 1, 8), (s + 1, 12)))
+    mask = torch.randn(b * 4, s, s + 1, dtype=torch.float64)
+    cases = [
+        ("decoder", dec, lambda m, x: m(x[0], x[1], tgt_mask=causal, memory_key_padding_mask=pad), [tgt, mem]),
+        ("weights", attn, lambda m, x: torch.cat([m(*x, attn_mask=mask, average_attn_weights=False)[1].flatten(),
+                                                  m(*x, attn_mask=mask)[0].flatten(), m(*x)[1].flatten()]), [q, k, v]),
+    ]
+    for name, model, call, inputs in cases:
+        split = parallelize(model, mesh, "auto", verbose=False)
+        assert any(isinstance(x, TPMultiheadAttention) for x in split.modules()), name
+        outs = []
+        for m in (model, split):
+            xs = [x.clone().requires_grad_() for x in inputs]
+            y = call(m, xs)
+            (y * torch.linspace(0.5, 1.5, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+            outs.append((y.detach(), [x.grad for x in xs]))
+        close(outs[1][0], outs[0][0], 1e-10, f"{layout} {name}: output")
+        for a, bb in zip(outs[1][1], outs[0][1]):
+            close(a, bb, 1e-10, f"{layout} {name}: input gradient")
+        want = {n: p.grad for n, p in model.named_parameters()}
+        for n, g in _grads(split).items():
+            close(g, want[n], 1e-10, f"{layout} {name}: gradient of {n}")
+        print(f"OK {layout} attention-{name}", flush=True)
+
+
 def main(layouts: list[str]) -> None:
     base = init_mesh("gloo", "cpu", 120.0)
     torch.set_num_threads(1)
     try:
         for layout in layouts:
             d, t, p = (int(x) for x in layout.split(","))
-            check(layout, ParallelMesh.build(d, t, p, seed=0))
+            mesh = ParallelMesh.build(d, t, p, seed=0)
+            if t > 1 and p == 1:
+                check_attention_variants(layout, mesh)
+            check(layout, mesh)
     finally:
         shutdown_group(barrier=False)
     del base
