@@ -27,11 +27,9 @@ __all__ = [
     "PeerConfigError",
     "PeerError",
     "RNGStreams",
-    "all_gather_into",
     "check_agreement",
     "check_divisibility",
     "init_mesh",
-    "reduce_scatter_into",
     "torch_optimizer",
 ]
 
@@ -176,18 +174,6 @@ def torch_optimizer(spec: Any) -> Callable[[Iterable[nn.Parameter]], torch.optim
         raise PeerConfigError(f"optimizer {name!r} has no torch.optim equivalent here: use one of {sorted(_TORCH_OPTIMIZERS)}")
     make = _TORCH_OPTIMIZERS[name]
     return lambda params: make(params, h)
-
-
-def all_gather_into(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False) -> Any:
-    """``out`` (world * len(inp)) <- every rank's ``inp`` in rank order."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, async_op=async_op)
-
-
-def reduce_scatter_into(out: torch.Tensor, inp: torch.Tensor, async_op: bool = False) -> Any:
-    """``out`` (len(inp) / world) <- this rank's chunk of the sum of every rank's ``inp``."""
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return fn(out, inp, async_op=async_op)
 
 
 class Liveness:
