@@ -37,9 +37,11 @@ def test_rpcs_from_the_namespace_cross_the_link(delay_ms: int) -> None:
             address = f"{link.host_address}:{port}"
             with PSClient([address], timeout=10) as c:  # from the host: no delay
                 c.stats()
-                t = time.perf_counter()
-                c.stats()
-                direct = time.perf_counter() - t
+                direct = []  # the best of 5: one call can meet a busy CPU, not five
+                for _ in range(5):
+                    t = time.perf_counter()
+                    c.stats()
+                    direct.append(time.perf_counter() - t)
             out = subprocess.run(link.prefix() + [sys.executable, "-c", PROBE, address], capture_output=True, text=True, timeout=60)
             assert out.returncode == 0, out.stderr[-2000:]
             delayed = float(out.stdout.split()[-1])
@@ -47,4 +49,5 @@ def test_rpcs_from_the_namespace_cross_the_link(delay_ms: int) -> None:
             server.stop(0)
             shard.close()
     assert delayed >= delay_ms / 1000, delayed  # one round trip: the request leaves through the link
-    assert direct < 0.030, direct
+    if delay_ms:  # the host's own calls do not cross the link: faster than its delay
+        assert min(direct) < delay_ms / 1000, direct
