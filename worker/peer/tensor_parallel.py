@@ -38,9 +38,15 @@ we created, which the peer debug fingerprints and traces already understand, and
 forward/backward is ~15 collectives per layer anyone can read. The cost is that each layer type
 must be written by hand (four linears, an embedding, a loss).
 
-A TP model is built from a plain ``worker.tasks.gpt.GPT``'s weights (``TensorParallelGPT``): every
-rank slices the same full model, so the single-process reference is that very model, and
-``full_parameters()`` gathers the shards back in the plain model's parameter order.
+- ``TPMultiheadAttention``: ``nn.MultiheadAttention`` with its heads split (same parameter names,
+  forward signature and results), what ``worker.peer.parallelize`` puts in its place.
+
+These layers serve two users: ``worker.peer.parallelize`` (any model, split by a plan: the layers
+work on any layout, the sequence dimension given as ``seq_dim``, batch-first there) and
+``TensorParallelGPT``, the ``gpt`` task's hand-written split, built from a plain
+``worker.tasks.gpt.GPT``'s weights: every rank slices the same full model (copies, never views), so
+the single-process reference is that very model, and ``full_parameters()`` gathers the shards back
+in the plain model's parameter order.
 """
 from __future__ import annotations
 
