@@ -74,14 +74,14 @@ def train(task: Task, ep: int, world: int, rank: int, steps: int, ckpt: tuple[st
     return seen, sync
 
 
-def train_tp(task: Task, ep: int, tp: int, rank: int, steps: int, ckpt: tuple[str, int] | None = None):
+def train_tp(task: Task, ep: int, tp: int, rank: int, steps: int, ckpt: tuple[str, int] | None = None, stage: int = 0):
     """The same list from this rank's EP x TP run: a (world/tp, tp, 1) mesh, the gpt model split by
     ``tensor_parallel_task`` (experts by hidden), ``MoESync(mesh, ep)``; each replica reads
     ``B * tp`` sequences, so the global batch is the other checks' (drops: this replica's sequences)."""
     world = dist.get_world_size()
     mesh = ParallelMesh.build(world // tp, tp, 1, seed=0)
     tt = tensor_parallel_task(task, mesh)
-    sync = MoESync(tt.model, tt.dense_optimizer, mesh, ep=ep)
+    sync = MoESync(tt.model, tt.dense_optimizer, mesh, ep=ep, stage=stage)  # ZeRO-stage on the non-expert params
     if ckpt:
         sync.set_checkpointing(*ckpt)
     seen: list[tuple[float, torch.Tensor, list[torch.Tensor]]] = []
@@ -166,11 +166,15 @@ def main(checks: list[str]) -> None:
             dist.all_reduce(total)
             assert int(total) > 0, f"{check}: capacity 0.5 dropped nothing"
             print(f"OK {check} dropped={int(total)}", flush=True)
-        elif check.startswith("eptp-") and check != "eptp-ckpt":  # EP x TP: eptp-<ep>-<tp>-<capacity factor>; a tight capacity drops
-            ep, tp, cap = int(check.split("-")[1]), int(check.split("-")[2]), float(check.split("-")[3])
+        elif check.startswith("eptp-") and check != "eptp-ckpt":
+            # EP x TP: eptp-<ep>-<tp>-<capacity factor>[-zero<k>]; a tight capacity drops; zero<k>: ZeRO-k on the
+            # non-expert parameters over the DP dimension
+            f = check.split("-")
+            ep, tp, cap = int(f[1]), int(f[2]), float(f[3])
+            stage = int(f[4][4:]) if len(f) > 4 else 0
             task = make(capacity=cap)
             want = reference(task, world, STEPS)
-            got, sync, mesh = train_tp(task, ep, tp, rank, STEPS)
+            got, sync, mesh = train_tp(task, ep, tp, rank, STEPS, stage=stage)
             dropped = compare(check, got, want, mesh.dp_idx, per=B * tp)
             total = torch.tensor([dropped])
             dist.all_reduce(total)

@@ -30,7 +30,7 @@ import test_peer_equivalence as tpe  # type: ignore[import-not-found]
 
 CHILD = os.path.join(tpe.ROOT, "tests", "multiproc", "moe_child.py")
 
-CHECKS = ["ep1", "ep2", "ep4", "drop-2-2", "drop-2-4", "drop-1-4", "zero2-ep2", "zero3-ep4", "eptp-2-2-2.0", "eptp-2-2-0.5", "eptp-1-2-2.0", "eptp-ckpt", "metrics", "ckpt", "balance"]
+CHECKS = ["ep1", "ep2", "ep4", "drop-2-2", "drop-2-4", "drop-1-4", "zero2-ep2", "zero3-ep4", "eptp-2-2-2.0", "eptp-2-2-0.5", "eptp-1-2-2.0", "eptp-2-2-2.0-zero2", "eptp-ckpt", "metrics", "ckpt", "balance"]
 
 
 @pytest.mark.timeout(300)
