@@ -373,10 +373,13 @@ def test_ids_chosen_to_collide_under_mix64_cost_the_index_what_any_ids_cost() ->
         idx = IdIndex()
         idx.insert(batch, np.arange(len(batch)))
         np.testing.assert_array_equal(idx.lookup(batch), np.arange(len(batch)))
-        t = time.perf_counter()
-        for _ in range(20):
-            idx.lookup(batch)
-        costs.append(time.perf_counter() - t)
+        best = float("inf")  # the best of 5 repeats: a busy CPU can stretch one, not all five
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(20):
+                idx.lookup(batch)
+            best = min(best, time.perf_counter() - t)
+        costs.append(best)
     assert costs[0] < 5 * costs[1] + 0.01, costs
 
 
