@@ -204,7 +204,7 @@ def run(steps: int, warmup: int) -> dict[str, Any]:
     shard = Shard(ShardConfig(shard_index=0, num_shards=1))
     shard.create_table(TableSpec("s", "sparse", dim=64, optimizer=OptimizerSpec("adagrad", {"lr": 0.01})))
     rows = 100_000
-    shard.sparse("s").pull(np.arange(rows))
+    shard.sparse("s").push(np.arange(rows), np.zeros((rows, 64), np.float32))  # rows are made by pushes
     handlers = PSServicer(shard).handlers()
     step_fn = next(h for k, h in handlers._method_handlers.items() if k.endswith("/Step")).unary_unary  # type: ignore[attr-defined]
     g = rng.standard_normal((4096, 64), dtype=np.float32) * np.float32(1e-2)

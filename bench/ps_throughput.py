@@ -472,8 +472,9 @@ def bench_sparse(
         c0.create_sparse(name, dim, "adagrad", lr=0.01)
         t0 = time.perf_counter()
         step = 1 << 17
-        for lo in range(0, table_rows if populate else 0, step):
-            c0.pull_sparse(name, np.arange(lo, min(table_rows, lo + step), dtype=np.int64))
+        for lo in range(0, table_rows if populate else 0, step):  # rows are made by pushes (pulls only read)
+            fill = np.arange(lo, min(table_rows, lo + step), dtype=np.int64)
+            c0.push_sparse(name, fill, np.zeros((len(fill), dim), np.float32))
         populate_s = time.perf_counter() - t0
         rows = sum(t.rows for s in c0.stats() for t in s.tables if t.name == name)
         if populate and rows != table_rows:

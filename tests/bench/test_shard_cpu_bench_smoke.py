@@ -28,7 +28,7 @@ def test_ps_shard_cpu_reports_every_workload_and_path() -> None:
     for w in ("ctr_shard_step", "ctr_servicer_step", "sparse_shard_step", "sparse_servicer_step"):
         assert 0 < r[f"{w}_ms_min"] <= r[f"{w}_ms_median"], w
         assert r[f"{w}_ms_min"] <= r[f"{w}_ms_mean"] and r[f"{w}_faults"] >= 0, w
-    # shard 0 of 2 holds about half of a step's ~5,400 unique ids; every pulled id made a row
+    # shard 0 of 2 holds about half of a step's ~5,400 unique ids; every pushed id made a row
     assert 2000 < r["ctr_ids_per_step"] < 3500
     assert r["ctr_table_rows"] >= r["ctr_ids_per_step"] * 8
 
