@@ -42,15 +42,14 @@ def report(p: subprocess.CompletedProcess[str]) -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_readme_user_model_under_tessera_peer_and_torchrun(tmp_path) -> None:
+@pytest.mark.parametrize("which", [0, 2], ids=["tessera-peer", "torchrun"])
+def test_readme_user_model_under_tessera_peer_and_torchrun(tmp_path, which: int) -> None:
     (tmp_path / "my_lm.py").write_text(block("python", "my_lm.py:"))
-    tp, _, torchrun = commands()
-    for cmd in (tp, torchrun):
-        p = run(cmd, str(tmp_path))
-        rec = report(p)
-        assert rec["tp"] == 2 and rec["steps"] == 3, rec
-        assert "tensor-parallel plan (auto, tp=2)" in p.stderr and "pos: replicated (a position embedding)" in p.stderr
-        assert "blocks.0.attn.q: colwise" in p.stderr and "blocks.3.down: rowwise" in p.stderr
+    p = run(commands()[which], str(tmp_path))
+    rec = report(p)
+    assert rec["tp"] == 2 and rec["steps"] == 3, rec
+    assert "tensor-parallel plan (auto, tp=2)" in p.stderr and "pos: replicated (a position embedding)" in p.stderr
+    assert "blocks.0.attn.q: colwise" in p.stderr and "blocks.3.down: rowwise" in p.stderr
 
 
 @pytest.mark.timeout(300)
