@@ -58,6 +58,8 @@ from worker.peer.tensor_parallel import (
     TPMultiheadAttention,
     VocabParallelEmbedding,
     _SplitToSeq,
+    gather_whole,
+    load_whole,
 )
 
 __all__ = ["STYLES", "TPLayout", "auto_plan", "describe", "load_plan", "parallelize", "plan_arg", "resolve_plan"]
@@ -349,21 +351,11 @@ class TPLayout:
     def full_parameters(self) -> list[torch.Tensor]:
         """The source model's tensors, gathered over the TP group, in its order (a collective); new
         tensors, never views of the parameters."""
-        out = []
-        for s, p in self.specs:
-            if s.dim is None or self.tp == 1:
-                out.append(s.unshard([p.detach().clone()]))
-                continue
-            shards = [torch.empty_like(p) for _ in range(self.tp)]
-            dist.all_gather(shards, p.detach().contiguous(), group=self.group)
-            out.append(s.unshard(shards))
-        return out
+        return gather_whole(self.specs, self.group, self.tp)
 
     def load_full(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Set this rank's shards from the source model's whole tensors, by name."""
-        with torch.no_grad():
-            for s, p in self.specs:
-                p.copy_(s.shard(tensors[s.name].to(p), self.tp_rank, self.tp))
+        load_whole(self.specs, tensors, self.tp_rank, self.tp)
 
 
 def _tp_of(mesh: Any) -> tuple[Any, int, int]:

@@ -650,21 +650,32 @@ class TensorParallelGPT(nn.Module):
 
     def full_parameters(self) -> list[torch.Tensor]:
         """The plain model's parameters, gathered from the TP group, in its order (a collective)."""
-        out = []
-        for s, p in self.specs:
-            if s.dim is None or self.tp == 1:
-                out.append(s.unshard([p.detach()]))
-                continue
-            shards = [torch.empty_like(p) for _ in range(self.tp)]
-            dist.all_gather(shards, p.detach().contiguous(), group=self.group)
-            out.append(s.unshard(shards))
-        return out
+        return gather_whole(self.specs, self.group, self.tp)
 
     def load_full(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set this rank's shards from the plain model's named parameters."""
-        with torch.no_grad():
-            for s, p in self.specs:
-                p.copy_(s.shard(tensors[s.name].to(p), self.tp_rank, self.tp))
+        load_whole(self.specs, tensors, self.tp_rank, self.tp)
+
+
+def gather_whole(specs: list[tuple[ShardSpec, nn.Parameter]], group: Any, tp: int) -> list[torch.Tensor]:
+    """The plain model's tensors from this rank's ``(ShardSpec, parameter)`` pairs, gathered over the TP
+    ``group`` (``tp`` ranks), in the pairs' order: new tensors, never views of the parameters (a collective)."""
+    out = []
+    for s, p in specs:
+        if s.dim is None or tp == 1:
+            out.append(s.unshard([p.detach().clone()]))
+            continue
+        shards = [torch.empty_like(p) for _ in range(tp)]
+        dist.all_gather(shards, p.detach().contiguous(), group=group)
+        out.append(s.unshard(shards))
+    return out
+
+
+def load_whole(specs: list[tuple[ShardSpec, nn.Parameter]], tensors: Any, rank: int, tp: int) -> None:
+    """Set each parameter of ``specs`` to rank ``rank``'s shard of the whole tensor ``tensors[name]``."""
+    with torch.no_grad():
+        for s, p in specs:
+            p.copy_(s.shard(tensors[s.name].to(p), rank, tp))
 
 
 # ---------------------------------------------------------------------------------------------- training
