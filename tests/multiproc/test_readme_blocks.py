@@ -47,7 +47,7 @@ SKIP = {
     "# checkpoints: on request":
         "names hosts 10.0.0.1-10.0.0.4 and a placeholder ([--restore]); checkpoints, resharding and replication "
         "are tests/multiproc/test_ps_faults.py and tests/integration/test_ps_replication.py",
-    "tessera fed cert --out-dir tls/":
+    "# everything goes into fed-demo/":
         "the federated quick start: run as written (30 rounds cut to 3) by the federated tests "
         "(tests/multiproc/test_readme_fed_*.py)",
     "tessera fed server --task my_task:make":
