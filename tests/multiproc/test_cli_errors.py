@@ -61,6 +61,18 @@ def test_bad_flags_and_bad_settings_are_one_line(tmp_path) -> None:
          ("tessera tokens: error:", "no such file or directory")),
         (("cert", "--out-dir", str(tmp_path / "pki"), "--days", "soon"), ("tessera cert: error:", "--days: invalid int value")),
         (("ps", "serve", "--port", "-3"), ("tessera ps serve: error:",)),
+        # issue 31 item 8: a mistyped flag points at its own subcommand's --help; malformed addresses
+        # are refused at once in every command that takes one (one parser: tessera.argtypes)
+        (("peer", "--stepz", "3"), ("tessera peer: error:", "unrecognized arguments: --stepz 3", "(see: tessera peer --help)")),
+        (("fed", "client", "--server", "a:1", "--partition", "0/2", "--zz"),
+         ("tessera fed client: error:", "unrecognized arguments: --zz", "(see: tessera fed client --help)")),
+        (("worker", "--ps", "localhost5999"), ("tessera worker: error:", "'localhost5999' is not HOST:PORT")),
+        (("worker", "--ps", "127.0.0.1:5000,,127.0.0.1:5001"), ("tessera worker: error:", "shard 1 is empty")),
+        (("ps", "stats", "--ps", "127.0.0.1:99999"), ("tessera ps stats: error:", "the port must be a number 1..65535")),
+        (("ps", "checkpoint", "--ps", "host:"), ("tessera ps checkpoint: error:", "the port must be a number")),
+        (("ps", "serve", "--backup-of", "primary"), ("tessera ps serve: error:", "'primary' is not HOST:PORT")),
+        (("fed", "client", "--server", "localhost5999", "--partition", "0/2"), ("tessera fed client: error:", "is not HOST:PORT")),
+        (("peer", "--mode", "hybrid", "--ps", "localhost5999"), ("tessera peer: error:", "is not HOST:PORT")),
     ]
     with ThreadPoolExecutor(4) as pool:  # independent commands: run them side by side
         results = list(pool.map(lambda c: _tessera(*c[0]), cases))
