@@ -20,7 +20,7 @@ from federated.errors import MalformedMessageError, ResourceExhaustedError
 from federated.protocol import Task
 from federated.registry import Cancel, Registry, Shutdown, Stopping
 from federated.wire import ERRORS, answer_from_chunks, blob_chunks, decode_message, task_to_proto
-from tessera.service import ANONYMOUS, Access, Caller, Method, ServerStoppingError, guarded_handler
+from tessera.service import ANONYMOUS, Access, Caller, Method, ServerSecurity, ServerStoppingError, guarded_handler
 from tessera.v1 import fed_pb2 as pb
 
 __all__ = ["FedServicer", "STATUS_OF", "SERVICE_NAME", "ROLES", "METHOD_ROLES", "WAITS"]
@@ -49,9 +49,9 @@ class FedServicer:
     Counters (``requests``, ``errors``, ``bytes_in``, ``bytes_out``) are for stats.
     """
 
-    def __init__(self, registry: Registry, access: Access, chunk_bytes: int = 1 << 20, max_nodes: int = 256) -> None:
+    def __init__(self, registry: Registry, access: Access | None = None, chunk_bytes: int = 1 << 20, max_nodes: int = 256) -> None:
         self.registry = registry
-        self.access = access
+        self.access = access or Access(ServerSecurity(), METHOD_ROLES, ROLES, waits=WAITS)
         self.max_nodes = max_nodes
         self.nodes = 0
         self.chunk_bytes = chunk_bytes

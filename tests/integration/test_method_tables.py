@@ -53,8 +53,9 @@ def test_servicers_serve_exactly_the_proto_and_clients_call_only_it(which: str) 
         assert {"PushDense", "PullDense", "Role", "Step"} <= _called("ps/stub.py")
     else:
         from federated.registry import Registry
-        from federated.servicer import SERVICE_NAME as FED, FedServicer
+        from federated.servicer import METHOD_ROLES as FED_ROLES, SERVICE_NAME as FED, FedServicer
 
         proto = set(fed_pb2.DESCRIPTOR.services_by_name["Federated"].methods_by_name)
         assert _served(FedServicer(Registry()).handlers(), FED, proto) == proto
+        assert set(FED_ROLES) == proto
         assert _called("federated/client.py") <= proto and _called("federated/client.py")
