@@ -271,7 +271,7 @@ def _client(args: argparse.Namespace) -> int:
     task = get_task(args.task)
     parts = task.partitions(n, args.split, args.seed)
     client = task.client(parts[i], seed=args.seed * 1_000_003 + i, shared_model=False)
-    who = args.client_id or args.identity or "(token identity)"
+    who = args.client_id or args.identity or ("(the token's identity)" if token else "(id given by the server)")
     print(f"tessera fed client {who}: {len(parts[i])} examples of {args.task}, connecting to {args.server}", flush=True)
 
     def say(line: str) -> None:  # while the server is unreachable: a plain line every 5 s
