@@ -25,7 +25,7 @@ README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
 # first line of the block (a prefix) -> why it is not run here, and where what it shows is tested
 SKIP = {
-    "deploy/make-secrets.sh":
+    "sudo deploy/make-secrets.sh":
         "needs a Docker engine (none here); tests/cluster/test_compose_netns.py runs docker-compose.yml's services "
         "with these secrets in network namespaces",
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e . && tessera demo":
