@@ -143,8 +143,9 @@ class RowwiseAdagrad(Optimizer):
     def update(self, param, grad, state, step):
         g = _decayed(grad, param, self.h["weight_decay"])
         acc = state["sum"]
-        acc.add_(g.square().mean(dim=1))
-        param.sub_(g / (acc.sqrt().add(self.h["eps"]))[:, None] * self.h["lr"])
+        acc.add_(torch.linalg.vector_norm(g, dim=1).square_().div_(g.shape[1]) if g.shape[1] else 0.0)
+        # no (rows, dim) temporary: p -= g * (lr / (sqrt(acc) + eps)) per row
+        param.addcmul_(g, acc.sqrt().add_(self.h["eps"]).reciprocal_().mul_(self.h["lr"])[:, None], value=-1.0)
 
 
 # the CPU kernel behind torch.optim.Adam(fused=True) (torch >= 2.4)

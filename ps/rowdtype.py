@@ -50,17 +50,24 @@ def _noise16(row_keys: np.ndarray, dim: int) -> torch.Tensor:
     return (x & 0xFFFF).to(torch.int32)
 
 
+_ROUND_BLOCK = 4096  # rows per block: the int64 hash temporaries stay ~2 MiB whatever the push size
+
+
 def stochastic_round_bf16(x: torch.Tensor, row_keys: np.ndarray) -> torch.Tensor:
     """``x`` (n, dim) float32 rounded stochastically to bfloat16 (see the module doc); ``row_keys``:
-    n uint64 keys, one per row (the randomness)."""
+    n uint64 keys, one per row (the randomness). Works block by block of rows, so its temporaries
+    do not grow with ``n``."""
     x = x.contiguous()
-    bits = x.view(torch.int32)
-    noisy = (bits + _noise16(row_keys, x.shape[1])) & ~0xFFFF
-    out = noisy.view(torch.float32)
-    nan = torch.isnan(x)
-    if bool(nan.any()):
-        out = torch.where(nan, x, out)
-    return out.to(torch.bfloat16)
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    for a in range(0, x.shape[0], _ROUND_BLOCK):
+        xs = x[a : a + _ROUND_BLOCK]
+        noisy = _noise16(row_keys[a : a + _ROUND_BLOCK], x.shape[1]).add_(xs.view(torch.int32)).bitwise_and_(~0xFFFF)
+        rounded = noisy.view(torch.float32)
+        nan = torch.isnan(xs)
+        if bool(nan.any()):
+            rounded = torch.where(nan, xs, rounded)
+        out[a : a + _ROUND_BLOCK] = rounded  # exactly representable: the cast only drops zero bits
+    return out
 
 
 def row_keys(table_key: np.uint64, ids: np.ndarray, versions: np.ndarray) -> np.ndarray:

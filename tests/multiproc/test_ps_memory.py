@@ -546,11 +546,13 @@ row_nbytes = SparseTable(spec, 0, 1)._store.row_nbytes
 budget = ResidentBudget(rows // 4 * row_nbytes)
 with tempfile.TemporaryDirectory() as d:
     t = SparseTable(spec, 0, 1, resident_budget=budget, spill_dir=d)
-    t.pull(np.arange(16, dtype=np.int64))
+    t.push(np.arange(16, dtype=np.int64), np.zeros((16, dim), np.float32))
     start = peak = rss()
     ids = np.random.default_rng(0).permutation(np.arange(rows, dtype=np.int64)) * 7919 + 13
-    for a in range(0, rows, 1 << 15):
-        t.pull(ids[a : a + (1 << 15)])
+    fill = np.zeros((1 << 15, dim), np.float32)
+    for a in range(0, rows, 1 << 15):  # pushes create rows (a pull is a read): a zero gradient leaves Adagrad's rows at init
+        b = ids[a : a + (1 << 15)]
+        t.push(b, fill[: len(b)])
         peak = max(peak, rss())
     rng = np.random.default_rng(1)
     for _ in range(30):  # training-like traffic over the whole table: most pulls hit the disk tier
