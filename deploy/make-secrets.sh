@@ -26,7 +26,10 @@ tessera cert --out-dir "$out" --clients client --hosts "$hosts" > /dev/null
 # the report only reads, and so does Prometheus (`metrics`: deploy/prometheus.yml reads its token
 # from metrics.bearer, the token alone)
 tessera tokens --out "$out/ps.tokens" w0:admin,worker w1:worker replica:replica report:reader metrics:reader > /dev/null
-tessera tokens --out "$out/fed.tokens" c0 c1 c2 > /dev/null
+# federated clients; `metrics` (reader: /metrics only, never a client) with the PS's metrics token,
+# so that Prometheus scrapes every server with the one metrics.bearer
+tessera fed tokens --out "$out/fed.tokens" c0 c1 c2 > /dev/null
+grep "^metrics " "$out/ps.tokens" >> "$out/fed.tokens"
 for id in w0 w1 report; do grep "^$id " "$out/ps.tokens" > "$out/$id.token"; done
 for id in c0 c1 c2; do grep "^$id " "$out/fed.tokens" > "$out/$id.token"; done
 grep "^metrics " "$out/ps.tokens" | cut -d " " -f 2 > "$out/metrics.bearer"

@@ -106,8 +106,11 @@ def add_fed_commands(sub: Any) -> None:
     m.add_argument("--no-progress", action="store_true", help="no progress bar")
     m.set_defaults(func=_simulate)
 
-    t = fed.add_parser("tokens", help="write a token file with a fresh random token per identity")
-    t.add_argument("identities", nargs="+", help="client identities, one token each")
+    t = fed.add_parser("tokens", help="write a token file with a fresh random token per identity: IDENTITY[:ROLE,...] ...")
+    t.add_argument("identities", nargs="+", metavar="IDENTITY[:ROLE,...]",
+                   help="one token each. An identity without roles is a client (joins rounds); NAME:reader may only "
+                        "read the server's /metrics (--metrics-port), never join a round, e.g. metrics:reader for "
+                        "Prometheus (roles: client, reader, admin; e.g. c0 c1 c2 metrics:reader)")
     t.add_argument("--out", required=True, help="token file to write (mode 0600)")
     t.set_defaults(func=_tokens)
 
@@ -159,15 +162,15 @@ def _server(args: argparse.Namespace) -> int:
     from tessera import service
 
     try:
-        # identity -> token; a role column (tessera tokens) is read and ignored here
-        tokens = service.load_token_file(args.token_file)[0] if args.token_file else None
+        # identities, tokens and roles (a line without roles is a client; reader: /metrics only)
+        token_file = service.read_token_file(args.token_file) if args.token_file else None
     except (OSError, ValueError) as e:  # service.ConfigError is a ValueError
         _reraise_if_debug(args)
         print(f"tessera-fed: {e}", file=sys.stderr, flush=True)
         return 2
     try:
         task = load_server_task(args.task, seed=args.seed, **parse_key_values(args.task_opt))
-        server, strategy = _build_server(args, task, tokens)
+        server, strategy = _build_server(args, task, token_file)
     except ConfigError as e:
         _reraise_if_debug(args)
         print(f"tessera-fed: {e}", file=sys.stderr, flush=True)
@@ -175,7 +178,8 @@ def _server(args: argparse.Namespace) -> int:
     if args.metrics_port:
         from tessera.metrics import FedCollector, start_from_args
 
-        start_from_args(args, [FedCollector(server)], what="tessera-fed")
+        # behind the gRPC port's security: TLS (mutual too), and the reader or admin role
+        start_from_args(args, [FedCollector(server)], what="tessera-fed", security=server.security)
     code, failure = 0, None
     try:
         history = serve(server, ready_file=args.ready_file)
@@ -191,11 +195,17 @@ def _server(args: argparse.Namespace) -> int:
     return code
 
 
-def _build_server(args: argparse.Namespace, task: Any, tokens: dict[str, str] | None) -> tuple[Any, Any]:
-    """(FedServer, its strategy) from the command line; ConfigError for a refused setup."""
+def _build_server(args: argparse.Namespace, task: Any, token_file: Any) -> tuple[Any, Any]:
+    """(FedServer, its strategy) from the command line and the parsed ``--token-file``
+    (``tessera.service.TokenFile``, or None); ConfigError for a refused setup."""
     from federated.config import SecAggSettings, ServerConfig
     from federated.server import FedServer
     from federated.strategy import make_strategy
+    from tessera.service import TokenFile
+
+    tf = token_file or TokenFile()
+    # a file of certificate identities only (every token '-'): no bearer tokens, roles by certificate
+    tokens = tf.tokens if token_file is not None and (tf.tokens or not tf.certificates) else None
 
     cfg = ServerConfig(
         host=args.host, port=args.port, rounds=args.rounds, fraction=args.fraction if args.fraction is not None else 1.0,
@@ -205,7 +215,8 @@ def _build_server(args: argparse.Namespace, task: Any, tokens: dict[str, str] | 
         eval_fraction=args.eval_fraction, eval_every=args.eval_every, seed=args.seed, checkpoint=args.checkpoint,
         compress=args.compress, client_config=_client_config(args, task), dp=_dp(args),
         secagg=SecAggSettings(enabled=args.secagg, threshold=args.secagg_threshold),
-        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, tokens=tokens, insecure=args.insecure,
+        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, tokens=tokens, roles=tf.roles,
+        certificates=tf.certificates, insecure=args.insecure,
     )
     strategy = make_strategy(args.strategy, **parse_key_values(args.strategy_param or [], "--strategy-param"))
 
@@ -333,13 +344,30 @@ def _write_private(path: str, data: bytes) -> None:
 
 
 def _tokens(args: argparse.Namespace) -> int:
-    """``tessera fed tokens``: one fresh random token per identity, written 0600."""
-    from tessera.service import new_tokens
-    from tessera.service import write_token_file
+    """``tessera fed tokens``: one fresh random token per ``IDENTITY[:ROLE,...]`` (as ``tessera
+    tokens``; no roles: a client), written 0600. UsageError (exit 2, nothing written) for an
+    empty, repeated or malformed identity, an unknown role, or no client at all."""
+    from federated.config import DEFAULT_ROLES, ROLES
+    from tessera.service import UsageError, new_tokens, write_token_file
 
-    tokens = new_tokens(args.identities)
-    write_token_file(args.out, tokens)  # the kernel's format: what the server and start_client(token_file=) read
-    print(f"wrote {len(args.identities)} tokens to {args.out}; give each client its line's token")
+    roles: dict[str, list[str]] = {}
+    for spec in args.identities:
+        name, _, listed = spec.partition(":")
+        if not name or any(c.isspace() or c in "#=" for c in name):
+            raise UsageError(f"identity {spec!r}: expected IDENTITY[:ROLE,...] (no spaces, '#' or '=' in IDENTITY)")
+        if name in roles:
+            raise UsageError(f"identity {name!r} given twice")
+        roles[name] = [r for r in listed.split(",") if r]
+        unknown = sorted(set(roles[name]) - set(ROLES))
+        if unknown:
+            raise UsageError(f"identity {name!r}: unknown role {', '.join(map(repr, unknown))} "
+                             f"(a federated identity's roles: {', '.join(ROLES)})")
+    if not any("client" in (r or DEFAULT_ROLES) for r in roles.values()):
+        raise UsageError("no client identity (one without roles, or with the client role): no client could join")
+    tokens = new_tokens(roles)
+    # the kernel's format: what the server and start_client(token_file=) read
+    write_token_file(args.out, tokens, {name: r for name, r in roles.items() if r})
+    print(f"wrote {len(tokens)} tokens to {args.out}; give each client its line's token")
     return 0
 
 

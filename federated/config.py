@@ -5,13 +5,18 @@ The ``tessera fed`` CLI only fills these in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from federated.compress import parse_compression
 from federated.errors import ConfigError
 from federated.privacy import DPConfig
 
-__all__ = ["ServerConfig", "NodeConfig", "SecAggSettings"]
+__all__ = ["ServerConfig", "NodeConfig", "SecAggSettings", "ROLES", "DEFAULT_ROLES"]
+
+# the roles a federated identity may have: ``client`` joins rounds (Connect, Fetch, Submit);
+# ``reader`` and ``admin`` may scrape the server's /metrics and nothing else (neither joins a round)
+ROLES = ("client", "reader", "admin")
+DEFAULT_ROLES = ("client",)  # an identity whose token file line lists no roles
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,11 @@ class ServerConfig:
     Security: ``tls_cert``/``tls_key`` serve TLS (PEM files or bytes); ``tls_ca`` also
     requires client certificates signed by that CA (mutual TLS; without ``tokens`` a
     client is then named by its certificate's common name). ``tokens``: identity ->
-    bearer token. The service runtime's rules (``tessera.service.ServerSecurity.check``,
+    bearer token. ``roles``: identity -> its roles (:data:`ROLES`); an identity not listed is a
+    ``client``, one listed has exactly its roles (``{"metrics": ["reader"]}``: may read
+    /metrics, may not join a round, so it is never connected, sampled or counted).
+    ``certificates``: identities named by their client certificate's common name (mutual TLS
+    with tokens; a token file's ``-`` token). The service runtime's rules (``tessera.service.ServerSecurity.check``,
     applied by ``FedServer``): tokens over plaintext, and an open server (no tokens, no
     mutual TLS) on a non-loopback address, are refused unless ``insecure``.
     """
@@ -113,6 +122,8 @@ class ServerConfig:
     tls_key: str | bytes | None = None
     tls_ca: str | bytes | None = None  # require client certificates signed by this CA (mutual TLS)
     tokens: Mapping[str, str] | None = None  # identity -> token; None: no authentication
+    roles: Mapping[str, Sequence[str]] = field(default_factory=dict)  # identity -> roles (not listed: client)
+    certificates: frozenset[str] = frozenset()  # certificate identities (mutual TLS; token file token '-')
     insecure: bool = False  # allow tokens over plaintext / an open non-loopback server (experiments only)
     max_nodes: int = 256  # concurrent Connect streams (one thread each)
     max_clients: int = 1_000_000
@@ -154,6 +165,16 @@ class ServerConfig:
             raise ConfigError("mutual TLS (tls_ca) needs the server's own tls_cert and tls_key")
         if self.tokens is not None and not self.tokens:
             raise ConfigError("an empty token list would refuse every client")
+        for identity, roles in self.roles.items():
+            unknown = sorted(set(roles) - set(ROLES))
+            if unknown:
+                raise ConfigError(f"identity {identity!r}: unknown role {', '.join(map(repr, unknown))} "
+                                  f"(a federated identity's roles: {', '.join(ROLES)})")
+        if self.tokens is not None and not any(
+            "client" in (self.roles.get(i) or DEFAULT_ROLES) for i in (*self.tokens, *self.certificates)
+        ):
+            raise ConfigError("no identity of the token list has the client role: no client could join "
+                              "(a line without roles is a client)")
         for name in ("max_nodes", "max_clients", "max_clients_per_identity", "max_calls_per_identity",
                      "max_num_examples"):
             if getattr(self, name) < 1:

@@ -10,11 +10,11 @@ from typing import Any, Callable
 
 import grpc
 
-from federated.config import ServerConfig
+from federated.config import DEFAULT_ROLES, ROLES, ServerConfig
 from federated.errors import ConfigError
 from federated.orchestrator import EvaluateFn, Orchestrator, RoundFailedError, StatusFn
 from federated.registry import Registry
-from federated.servicer import METHOD_ROLES, ROLES, SERVICE_NAME, WAITS, FedServicer
+from federated.servicer import METHOD_ROLES, SERVICE_NAME, WAITS, FedServicer
 from federated.strategy import Strategy, Weights
 from tessera import service
 
@@ -38,7 +38,8 @@ def server_security(config: ServerConfig) -> tuple[service.ServerSecurity, list[
     address, unless ``config.insecure``."""
     sec = service.ServerSecurity(
         tls_cert=config.tls_cert, tls_key=config.tls_key, tls_ca=config.tls_ca,  # type: ignore[arg-type]  # PEM bytes work too
-        tokens=config.tokens, default_roles=ROLES, insecure=config.insecure,
+        tokens=config.tokens, roles=config.roles, certificates=config.certificates, default_roles=DEFAULT_ROLES,
+        insecure=config.insecure,
         # a node's Connect stream is a waiting call: an identity may hold as many as it may hold calls
         max_concurrent=config.max_calls_per_identity, max_waiting=config.max_calls_per_identity,
     )
@@ -67,8 +68,12 @@ class FedServer:
     is built by the kernel's service runtime (``tessera.service.build_server``): TLS or
     mutual TLS, the gRPC health service (``""`` and ``tessera.v1.Federated`` SERVING), and
     one admission path (``tessera.service.Access``, as the PS's): a token's identity (or a
-    client certificate's name) with role ``client``, per-identity shares of the server's
-    threads (``max_calls_per_identity``), and draining (:meth:`drain`).
+    client certificate's name) with its roles (``config.roles``; ``client`` when it lists
+    none: only clients may join), per-identity shares of the server's threads
+    (``max_calls_per_identity``), and draining (:meth:`drain`). Prometheus metrics go through
+    the same security: ``tessera.metrics.serve_metrics(port, host, [FedCollector(server)],
+    security=server.security)`` (as ``tessera fed server --metrics-port`` does) serves them over
+    TLS when the server has TLS and, when it has identities, to ``reader``/``admin`` ones only.
     """
 
     def __init__(

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator
 
 import grpc
 
+from federated.config import ROLES
 from federated.errors import MalformedMessageError, ResourceExhaustedError
 from federated.protocol import Task
 from federated.registry import Cancel, Registry, Shutdown, Stopping
@@ -31,9 +32,9 @@ SERVICE_NAME = "tessera.v1.Federated"
 
 STATUS_OF = ERRORS.codes
 
-# who may call what: every federated identity is a client (a token without roles gets "client")
-ROLES = ("client",)
-METHOD_ROLES: dict[str, frozenset[str]] = {m: frozenset(ROLES) for m in ("Connect", "Fetch", "Submit", "SubmitOne")}
+# who may call what: a client's calls need the client role (a token file line without roles gets
+# it); reader and admin identities may scrape /metrics only (ROLES: federated.config)
+METHOD_ROLES: dict[str, frozenset[str]] = {m: frozenset({"client"}) for m in ("Connect", "Fetch", "Submit", "SubmitOne")}
 # calls that hold a server thread for long: a node's Connect stream, and an upload the client feeds
 WAITS = frozenset({"Connect", "Submit"})
 

@@ -323,13 +323,14 @@ class ComposeRun:
 
     def scrape(self, name: str, port: int = 9100) -> str:
         """GET /metrics of a service (from the root namespace, which reaches every namespace). A
-        shard's endpoint is behind its security, scraped as deploy/prometheus.yml does: HTTPS with
-        the CA (and the client certificate under mutual TLS) and the reader token of metrics.bearer."""
+        shard's or the federated server's endpoint is behind its security, scraped as
+        deploy/prometheus.yml does: HTTPS with the CA (and the client certificate under mutual TLS)
+        and the reader token of metrics.bearer."""
         import ssl
         import urllib.request
 
         cmd = [str(x) for x in self.services[name].spec.get("command") or []]
-        if not (cmd[:2] == ["ps", "serve"] and "--tls-cert" in cmd):
+        if not (cmd[:2] in (["ps", "serve"], ["fed", "server"]) and "--tls-cert" in cmd):
             with urllib.request.urlopen(f"http://{self.address(name)}:{port}/metrics", timeout=5) as r:
                 return r.read().decode()
         d = Path(self.model["secrets"]["tls_ca"]["file"]).parent
