@@ -17,9 +17,10 @@ step, as the trainer drives it::
     sync.leave()                         # once, also after an error
 
 Implementations: ``worker.paramsync.PSSync`` (the PS through ``PSClient``, over gRPC) and, in
-``worker.peer``, the all-reduce data parallelism, ZeRO, tensor parallelism and MoE (collectives
-over ``torch.distributed``). This module imports no grpc and no ``ps`` client, so a peer rank,
-which imports it through ``worker.peer`` and ``worker.trainer``, never loads grpc
+``worker.peer``, the all-reduce data parallelism, ZeRO, tensor parallelism, MoE and pipeline
+parallelism (collectives over ``torch.distributed``; ``PipelineSync``'s ``forward_backward`` runs
+the pipeline's schedule over the step's micro-batches). This module imports no grpc and no ``ps``
+client, so a peer rank, which imports it through ``worker.peer`` and ``worker.trainer``, never loads grpc
 (``tests/unit/test_wire_contract.py`` checks that). ``worker.paramsync`` re-exports every name here.
 ``tests/integration/test_paramsync_contract.py`` is the one contract suite all implementations pass.
 """
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from worker.flat import FlatParams
 from worker.modes import PS_MODES, check_mode
@@ -155,6 +157,18 @@ class ParamSync(ABC):
         would report it: the mean of ``loss`` over the workers that share a step (peer mode: the
         data-parallel ranks, a collective every rank calls). Default (the PS): this worker's own."""
         return float(loss)
+
+    def agree_stop(self, stop: bool) -> bool:
+        """Main thread, before a step, when the run may end early (``--max-seconds``): whether to stop,
+        decided alike by the workers that must (a sync whose push is a collective, ``pipelined``
+        False: stop if any rank would, an all-reduce over every rank, so none waits in a collective
+        the others left). Default for a pipelined sync (the PS): this worker's own ``stop``."""
+        if self.pipelined or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+            return stop
+        nccl = dist.get_backend() == "nccl"
+        flag = torch.tensor([int(stop)], device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def window_metrics(self) -> dict[str, Any]:
         """A sync's own metrics since the last call (MoE: tokens per expert, drops), for the step records."""

@@ -75,7 +75,8 @@ class TrainConfig:
     """One worker's run. ``steps``: the clock the run trains to (a worker that joins late runs fewer).
 
     ``batch_size`` is this worker's batch per step; with ``accumulate`` = k it is cut into k equal
-    micro-batches whose gradients are summed (scaled by 1/k) before the one push of the step.
+    micro-batches whose gradients are summed (scaled by 1/k) before the one push of the step (a
+    pipeline's sync runs its schedule over them: k is its number of micro-batches).
     """
 
     mode: str = "async"
@@ -314,7 +315,9 @@ class Trainer:
             if step >= cfg.steps:  # caught up to a clock past the end (a straggler that skipped ahead)
                 s.discard()
                 break
-            over = cfg.max_seconds and time.monotonic() - t_start > cfg.max_seconds
+            over = bool(cfg.max_seconds) and time.monotonic() - t_start > cfg.max_seconds
+            if cfg.max_seconds:  # ranks running collectives stop at the same step (any rank over: all stop)
+                over = s.agree_stop(over)
             if over or self.stop.is_set():
                 stopped_early = True
                 s.discard()

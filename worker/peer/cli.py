@@ -8,9 +8,9 @@
 - ``--dp D --tp T [--sequence-parallel] [--mode zero1]`` (world = D x T x P): the gpt model split over
   T ranks (Megatron tensor parallelism, ``worker.peer.tensor_parallel``), D replicas averaged by
   all-reduce (``zero1``: reduce-scatter, optimizer state split over the D replicas).
-- ``--pp P`` (with any ``--tp``/``--dp``), ``--recompute`` or ``--precision bf16``: the run goes to
-  ``worker.peer.pipeline.run_pipeline_rank`` (P stages of tensor-parallel layers, D pipelines, ZeRO-1
-  over D with ``--mode zero1``, bf16 compute with fp32 master weights, plain-name checkpoints).
+- ``--pp P`` (with any ``--tp``/``--dp``), ``--recompute`` or ``--precision bf16``: a pipeline
+  (``worker.peer.pipeline``: P stages of tensor-parallel layers, D pipelines, ZeRO 0-3 over D, bf16
+  compute with fp32 master weights), its schedule run by the ``PipelineSync`` inside the same trainer.
 
 Each rank joins the group, checks that every rank agrees on the run (one clear message on every
 rank otherwise), and trains with the trainer's step pipeline and the mode's ``ParamSync``.
@@ -24,6 +24,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tessera.argtypes import shard_list_arg
@@ -141,12 +142,10 @@ def run_rank(args: argparse.Namespace) -> int:
     )
     from worker.peer.mesh import Liveness
     from worker.peer.moe import moe_layers
-    from worker.peer.pipeline import run_pipeline_rank, takes_pipeline_path
+    from worker.peer.pipeline import pipeline_config, pipeline_layout, recompute_mode, takes_pipeline_path
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
 
-    if takes_pipeline_path(args):  # --pp > 1, --recompute, --precision bf16 (with any --tp/--dp): worker.peer.pipeline
-        return run_pipeline_rank(args)
     mesh = init_mesh(args.backend, args.device, args.timeout)
     rank, world = mesh.rank, mesh.world
     client: Any = None
@@ -159,14 +158,18 @@ def run_rank(args: argparse.Namespace) -> int:
         # checks every rank makes alike, before any collective of training: one message everywhere
         if args.world_size and args.world_size != world:
             raise PeerConfigError(f"world size is {world} but --world-size {args.world_size} was asked for")
-        pp = getattr(args, "pp", 1)  # --pp is worker.peer.pipeline's flag (its runs take their own path)
+        # --pp > 1, --recompute, --precision bf16 (with any --tp/--dp): a pipeline, checked by its own rules first
+        piped = takes_pipeline_path(args)
+        if piped:
+            pipeline_config(args, world)
+        pp = getattr(args, "pp", 1)
         split = args.tp * pp
         if args.tp < 1 or pp < 1 or args.dp < 0:
             raise PeerConfigError(f"--dp must be >= 0, --tp and --pp >= 1 (got dp={args.dp} tp={args.tp} pp={pp})")
         if world % split:
             raise PeerConfigError(f"world size {world} is not divisible by tp {args.tp} x pp {pp}")
         dp = args.dp or world // split
-        meshed = split > 1 or args.sequence_parallel or dp != world
+        meshed = split > 1 or args.sequence_parallel or dp != world or piped
         if args.global_batch % (dp * args.accumulate):
             raise PeerConfigError(
                 f"global batch {args.global_batch} is not divisible by {'dp' if meshed else 'world size'} {dp} x "
@@ -189,7 +192,12 @@ def run_rank(args: argparse.Namespace) -> int:
             raise PeerConfigError(f"--moe-experts: task {args.task!r} has no MoE layers (the gpt task builds them)")
         worker_index = rank
         where: Any = None
-        if meshed:
+        pipeline: Any = None
+        if piped:  # the mesh, the task's (tensor-parallel) model and its stages: make_sync builds a PipelineSync
+            where, task, pipeline = pipeline_layout(args, task, world, mesh.device)
+            plan = replace(plan, pipeline=pipeline)
+            worker_index = where.dp_idx
+        elif meshed:
             where, task = _mesh(args, task, dp, mesh.device)
             worker_index = where.dp_idx
         elif args.mode == "hybrid":
@@ -222,7 +230,8 @@ def run_rank(args: argparse.Namespace) -> int:
             print(f"tessera peer: rank {rank} metrics on {args.metrics_host}:{port}", file=sys.stderr, flush=True)
         cfg = TrainConfig(
             mode=args.mode, steps=args.steps, batch_size=per_rank, worker_index=worker_index, num_workers=dp,
-            device=str(mesh.device), accumulate=args.accumulate, eval_every=args.eval_every, log_every=args.log_every,
+            device=str(mesh.device), accumulate=pipeline.micro_batches if pipeline is not None else args.accumulate,
+            eval_every=args.eval_every, log_every=args.log_every,
             max_seconds=args.max_seconds, seed=args.seed, progress=rank == 0 and not args.no_progress,
             metrics_out=metrics_out, name=f"rank{rank}", evaluate=not args.no_eval,
         )
@@ -231,7 +240,8 @@ def run_rank(args: argparse.Namespace) -> int:
 
             debug.enable(rank, world, timeout_s=min(30.0, args.timeout))
         liveness = Liveness(rank, world)
-        trainer = Trainer(task, sync, cfg)
+        losses: list[float] = []  # the global loss of every step, for the report
+        trainer = Trainer(task, sync, cfg, on_step=lambda step, t: losses.append(t.last_loss))
         if args.trace:
             from worker.peer.trace import Tracer
 
@@ -256,11 +266,13 @@ def run_rank(args: argparse.Namespace) -> int:
         tokens = task.info.get("tokens_per_example", 0.0)
         report: dict[str, Any] = {
             "rank": rank, "world": world, "mode": args.mode, "steps": summary.steps, "seconds": round(summary.seconds, 3),
-            "loss": summary.loss, **summary.metrics,
-            "examples_per_s": summary.examples_per_s * dp,
+            "loss": summary.loss, "last_loss": summary.last_loss, "losses": losses, "start_step": summary.start_clock,
+            **summary.metrics, "examples_per_s": summary.examples_per_s * dp,
         }
         if meshed:
             report.update(dp=dp, tp=args.tp, pp=pp, sequence_parallel=args.sequence_parallel)
+        if pipeline is not None:
+            report.update(sync.describe(), recompute=recompute_mode(args) != "none", recompute_mode=recompute_mode(args))
         if tokens:
             tps = summary.examples_per_s * dp * tokens
             report["tokens_per_s"] = tps
@@ -292,9 +304,7 @@ def _mesh(args: argparse.Namespace, task: Any, dp: int, device: Any) -> tuple[An
     from worker.peer import PeerConfigError
     from worker.peer.mesh import ParallelMesh
 
-    pp = getattr(args, "pp", 1)
-    if pp > 1:
-        raise PeerConfigError("--pp > 1 runs through worker.peer.pipeline.run_pipeline_rank, not the trainer's mesh path")
+    pp = 1  # a pipeline's mesh is worker.peer.pipeline.pipeline_layout's
     check = {"global_batch": args.global_batch, "micro_batches": args.accumulate}
     if args.task == "gpt" and not args.tp_plan:
         from worker.peer.tensor_parallel import tensor_parallel_task
@@ -304,8 +314,6 @@ def _mesh(args: argparse.Namespace, task: Any, dp: int, device: Any) -> tuple[An
                      seq=m.pos.num_embeddings, sequence_parallel=args.sequence_parallel)
         mesh = ParallelMesh.build(dp, args.tp, pp, device=device, seed=args.seed, check=check)
         return mesh, tensor_parallel_task(task, mesh, sequence_parallel=args.sequence_parallel)
-    from dataclasses import replace
-
     from worker.peer.moe import moe_layers
     from worker.peer.parallelize import parallelize, plan_arg, resolve_plan
 

@@ -46,8 +46,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -58,8 +56,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from worker.modes import check_mode
-from worker.sync_api import Grads
+from worker.peer.data_parallel import WrapsDense
+from worker.sync_api import Fetched, Grads, ParamSync, PushResult, split_batch
 
 from worker.peer.flags import (
     KINDS,
@@ -76,6 +74,8 @@ __all__ = [
     "RECOMPUTE_MODES",
     "Action",
     "PipelineEngine",
+    "PipelinePlan",
+    "PipelineSync",
     "ScheduleError",
     "add_pipeline_args",
     "bubble_theory",
@@ -84,8 +84,8 @@ __all__ = [
     "layout_groups",
     "partition",
     "pipeline_config",
+    "pipeline_layout",
     "recompute_mode",
-    "run_pipeline_rank",
     "schedule",
     "simulate",
     "stage_sync",
@@ -592,7 +592,8 @@ class PipelineEngine:
                     assert targets is not None
                     if self.precision == "bf16":
                         out = out.float()
-                    loss = self.loss_fn(out, targets[a.mb].to(self.device)) * scale
+                    target = targets[a.mb]
+                    loss = self.loss_fn(out, target.to(self.device) if isinstance(target, torch.Tensor) else target) * scale
                     total += loss.detach().to(total.dtype)
                     saved[key] = (x, loss)
                 else:
@@ -659,6 +660,163 @@ def layout_groups(P: int, D: int = 1, T: int = 1) -> tuple[list[int], Any, list[
     return pp_ranks, pp_mine, dp_ranks, dp_mine
 
 
+# ---------------------------------------------------------------- the pipeline as a ParamSync
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """How a run is pipelined (``SyncPlan.pipeline``; ``make_sync`` builds a ``PipelineSync`` from it):
+    ``source`` (``worker.peer.split.PipelineSource``: the layers, the first stage's input and the last
+    stage's loss of one micro-batch, the activation between stages), the schedule ``kind`` over
+    ``micro_batches`` with ``virtual_stages`` per rank (interleaved), ``recompute`` (per layer),
+    ``precision`` (``bf16``: autocast compute, fp32 master weights) and ``rng`` (the mesh's random
+    streams, replayed in a recomputation, when the layers draw dropout masks from them)."""
+
+    source: Any
+    kind: str = "1f1b"
+    micro_batches: int = 1
+    virtual_stages: int = 1
+    recompute: bool = False
+    precision: str = "fp32"
+    rng: Any = None
+
+
+class PipelineSync(WrapsDense, ParamSync):
+    """This rank's stages of a (D, T, P) pipeline as a ``ParamSync``: the trainer's one loop runs it as
+    any other sync. ``forward_backward`` runs the schedule (``PipelineEngine``) over the step's
+    micro-batches; ``push`` sums the gradients of weights two stages share (a tied head) over the
+    pipeline, then the stages' ``DataParallelSync`` (``stage_sync``: ZeRO 0-3 over ``dp_group``, the
+    TP sum under sequence parallelism) reduces, steps and checkpoints. ``model``: the plain or
+    tensor-parallel model the source's layers come from (its ``specs`` name the tensors of checkpoints
+    and evaluations). Collectives on the main thread, the same order on every rank."""
+
+    pipelined = False
+
+    def __init__(self, plan: PipelinePlan, model: nn.Module, mesh: Any, optimizer: Any, *, stage: int = 0,
+                 sequence_parallel: bool = False) -> None:
+        from worker.peer.split import shared_parameters
+
+        src = plan.source
+        self.plan, self.model, self.name = plan, model, f"pp-zero{stage}"
+        self.engine = PipelineEngine(
+            src.layers, pp_ranks=mesh.pp_ranks, kind=plan.kind, micro_batches=plan.micro_batches, virtual=plan.virtual_stages,
+            pp_group=mesh.pp_group, dp_group=mesh.dp_group, dp_size=mesh.dp, loss_fn=src.loss_fn, costs=src.costs,
+            recompute=plan.recompute, device=mesh.device, reduce_grads=False, precision=plan.precision, rng=plan.rng,
+        )
+        self.dense = stage_sync(model, self.engine, optimizer, stage=stage, dp_group=mesh.dp_group,
+                                tp_group=mesh.tp_group if mesh.tp > 1 else None, sequence_parallel=sequence_parallel)
+        self.shared = shared_parameters(src.layers, self.engine.bounds)  # ranks that do not hold one add zeros
+        # every stage's parameters, in the same order on every rank of the pipeline: what an evaluation shares
+        self._stage_params = [list(dict.fromkeys(p for layer in src.layers[a:b] for p in layer.parameters()))
+                              for a, b in self.engine.bounds]
+
+    @property
+    def flat(self) -> Any:  # type: ignore[override]
+        return self.dense.flat
+
+    def set_checkpointing(self, directory: str | None, every: int) -> None:
+        """Checkpoints of the stages' tensors in every layout's format (``DataParallelSync``'s)."""
+        self.dense.set_checkpointing(directory, every)
+
+    def join(self) -> int:
+        return self.dense.join()
+
+    def leave(self) -> None:
+        self.dense.leave()
+
+    def fetch(self, step: int, batch: Any) -> Fetched:
+        return Fetched(step, batch, step)  # the parameters are local and current
+
+    def zero_grad(self) -> None:
+        self.dense.zero_grad()  # not the engine's: ZeRO-2/3 free the gradient buffers
+
+    def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                         micro_batches: int) -> torch.Tensor:
+        """This rank's part of the schedule over ``batch`` cut into the plan's micro-batches
+        (``micro_batches`` must be that number): the first stage takes ``source.inputs`` of each, the
+        last computes ``source.loss_fn`` (the task's loss, from which the plan was made: ``model`` and
+        ``loss_fn`` are those the source's layers and loss came from). Gradients accumulate into the
+        stages' parameters (each micro-batch's loss scaled by 1/m). Returns the step's global loss (a
+        collective: the last stage's mean over the micro-batches, broadcast over the pipeline and
+        averaged over the D pipelines), the same on every rank."""
+        if micro_batches != self.engine.m:
+            raise ScheduleError(f"the pipeline runs {self.engine.m} micro-batches per step, asked for {micro_batches}")
+        src = self.plan.source
+        mbs = split_batch(batch, micro_batches)
+        loss = self.engine.step([src.inputs(b) for b in mbs], mbs, src.act_shape, src.act_dtype, tracer=self.tracer)
+        return torch.tensor(loss, dtype=torch.float64)
+
+    def global_loss(self, loss: torch.Tensor) -> float:
+        """``forward_backward``'s loss is global already (reduced over the pipeline and the DP group)."""
+        return float(loss)
+
+    def gradients(self, step: int) -> Grads:
+        return Grads(None)
+
+    def push(self, step: int, grads: Grads) -> PushResult:
+        """Shared weights' gradients summed over the pipeline, then the stages' optimizer step over the
+        DP group (and a checkpoint if one is due)."""
+        for p in self.shared:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=self.engine.pp_group)
+        return self.dense.push(step, grads)
+
+    def evaluate(self, step: int, final: bool, fn: Callable[[], dict[str, float]]) -> tuple[dict[str, float], dict[str, Any]]:
+        """``fn()`` on the whole model on every rank: each stage's parameters (gathered over the DP
+        group under ZeRO-3) broadcast from its pipeline rank to the others, which hold the rest of the
+        model's (tensor-parallel shards of their TP index) stale; then every rank evaluates it."""
+        with self.dense.whole():
+            for s, params in enumerate(self._stage_params):
+                owner = self.engine.pp_ranks[s % self.engine.P]
+                for p in params:
+                    dist.broadcast(p.data, src=owner, group=self.engine.pp_group)
+            return fn(), {}
+
+    def parameters(self) -> torch.Tensor:
+        """This rank's stages' parameters, whole over TP and DP, in the model's order (a collective)."""
+        return self.dense.parameters()
+
+    def stats(self) -> dict[str, Any]:
+        return self.dense.stats()
+
+    def memory(self) -> dict[str, int]:
+        return self.dense.memory()
+
+    def describe(self) -> dict[str, Any]:
+        """The pipeline's side of the run's report: schedule, micro-batches, virtual stages, the layer
+        range of each stage, the theoretical bubble, this rank's optimizer state bytes."""
+        e = self.engine
+        return {"schedule": e.kind, "micro_batches": e.m, "virtual_stages": e.V, "stages": [list(b) for b in e.bounds],
+                "bubble_theory": bubble_theory(e.P, e.m, e.V), "precision": e.precision,
+                "optimizer_state_bytes": self.dense.memory()["state_bytes"]}
+
+
+def stage_sync(
+    model: Any, eng: PipelineEngine, optimizer: Any, *, stage: int = 0, dp_group: Any = None, tp_group: Any = None,
+    sequence_parallel: bool = False,
+) -> Any:
+    """The optimizer of this pipeline rank's stages (``eng``, built with ``reduce_grads=False``) in a
+    (D, T, P) mesh: the data-parallel core's ``DataParallelSync`` over ``dp_group`` at ZeRO ``stage``
+    0-3 (gradients reduced once per step, after the last micro-batch; stage 3 gathers the stages'
+    parameters at ``zero_grad`` and keeps them across the micro-batches), the TP-replicated
+    parameters' gradients summed over ``tp_group`` first under sequence parallelism. ``model``: the
+    plain or tensor-parallel model the layers come from (its ``specs`` name the tensors). Per step:
+    ``zero_grad()``, ``eng.step(...)``, ``push(step, Grads(None))`` (reduce, step, checkpoint if due);
+    ``join()`` once first (replicas start equal; returns the step of the newest checkpoint). The
+    checkpoint format is every layout's (whole plain tensors), so any (D, T, P, ZeRO) loads any other.
+    ``PipelineSync`` is the trainer's user of it."""
+    from worker.peer.data_parallel import DataParallelSync, whole_specs
+
+    params = eng.parameters()
+    specs = whole_specs(model, params)
+    return DataParallelSync(
+        nn.ModuleList(eng.stages.values()), optimizer, stage=stage, group=dp_group, device=eng.device, overlap=False,
+        params=params, specs=specs, tp_group=tp_group,
+        tp_replicated=[p for s, p in specs if s.dim is None] if sequence_parallel else [], agree=False, name=f"pp-zero{stage}",
+    )
+
+
 # ---------------------------------------------------------------- command line glue
 
 
@@ -690,213 +848,83 @@ def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int
         schedule(args.schedule, P, m, V)
     except ScheduleError as e:
         raise PeerConfigError(str(e)) from None
-    unsupported = [flag for flag, v, default in [
-        ("--accumulate", args.accumulate, 1), ("--compress", args.compress, "none"),
-        ("--metrics-out", args.metrics_out, None), ("--metrics-port", args.metrics_port, 0), ("--eval-every", args.eval_every, 0),
-        ("--max-seconds", args.max_seconds, 0.0), ("--debug-collectives", args.debug_collectives, False),
-    ] if v != default]
+    unsupported = [flag for flag, v, default in [("--accumulate", args.accumulate, 1), ("--compress", args.compress, "none")]
+                   if v != default]
     if unsupported:
         raise PeerConfigError(
-            f"not supported with --pp/--recompute/--precision yet: {', '.join(unsupported)} (--micro-batches replaces --accumulate)"
+            f"not supported with --pp/--recompute/--precision: {', '.join(unsupported)} (--micro-batches replaces --accumulate)"
         )
     return P, D, T, m, V
 
 
-def stage_sync(
-    model: Any, eng: PipelineEngine, optimizer: Any, *, stage: int = 0, dp_group: Any = None, tp_group: Any = None,
-    sequence_parallel: bool = False,
-) -> Any:
-    """The optimizer of this pipeline rank's stages (``eng``, built with ``reduce_grads=False``) in a
-    (D, T, P) mesh: the data-parallel core's ``DataParallelSync`` over ``dp_group`` at ZeRO ``stage``
-    0-3 (gradients reduced once per step, after the last micro-batch; stage 3 gathers the stages'
-    parameters at ``zero_grad`` and keeps them across the micro-batches), the TP-replicated
-    parameters' gradients summed over ``tp_group`` first under sequence parallelism. ``model``: the
-    plain or tensor-parallel model the layers come from (its ``specs`` name the tensors). Per step:
-    ``zero_grad()``, ``eng.step(...)``, ``push(step, Grads(None))`` (reduce, step, checkpoint if due);
-    ``join()`` once first (replicas start equal; returns the step of the newest checkpoint). The
-    checkpoint format is every layout's (whole plain tensors), so any (D, T, P, ZeRO) loads any other."""
-    from worker.peer.data_parallel import DataParallelSync, whole_specs
+def pipeline_layout(args: argparse.Namespace, task: Any, world: int, device: torch.device) -> tuple[Any, Any, PipelinePlan]:
+    """A pipeline-path run's (mesh, task, plan) on this rank (after ``pipeline_config``'s checks, which
+    it repeats): the (D, T, P) ``ParallelMesh`` (every rank agreeing on the run first), the task with
+    its model tensor-parallel over T (the gpt task's built-in ``TensorParallelGPT``, or ``parallelize``
+    by ``--tp-plan`` for any task) and the ``PipelinePlan`` whose source cuts that model into P x V
+    stages (the gpt task's layer list, or ``worker.peer.split`` by ``--pp-split``, balanced by
+    parameter count without it). ``make_sync`` turns the plan into this rank's ``PipelineSync``."""
+    from dataclasses import replace
 
-    params = eng.parameters()
-    specs = whole_specs(model, params)
-    return DataParallelSync(
-        nn.ModuleList(eng.stages.values()), optimizer, stage=stage, group=dp_group, device=eng.device, overlap=False,
-        params=params, specs=specs, tp_group=tp_group,
-        tp_replicated=[p for s, p in specs if s.dim is None] if sequence_parallel else [], agree=False, name=f"pp-zero{stage}",
-    )
-
-
-def run_pipeline_rank(args: argparse.Namespace) -> int:
-    """One rank of ``tessera peer --pp P [--tp T] [--dp D]`` (or ``--recompute`` / ``--precision bf16``, at any
-    P): D data-parallel pipelines of P stages, each stage's layers tensor-parallel over T ranks (the
-    mesh rank = pp*(D*T) + dp*T + tp), the gpt task's optimizer on each rank's stages (``--mode
-    zero1``: its state split over D), checkpoints in the plain-name format; rank 0 prints a JSON
-    report (loss, tokens/s, bubble theory). ``--trace DIR``: each forward, backward, send and
-    receive as a span per rank."""
-    from worker.peer import PeerConfigError, init_mesh
     from worker.peer.cli import _kv
-    from worker.peer.mesh import ParallelMesh, check_agreement, shutdown_group
-    from worker.tasks import load_task
+    from worker.peer.mesh import ParallelMesh, PeerConfigError, check_agreement
+    from worker.peer.split import PipelineSource
 
-    mesh0 = init_mesh(args.backend, args.device, args.timeout)
-    ok = False
-    try:
-        P, D, T, m, V = pipeline_config(args, mesh0.world)
-        opts = _kv(args.task_opt)
-        if user_pipeline(args):  # any task: stages cut by worker.peer.split, TP by worker.peer.parallelize
-            ok = _run_user_pipeline(args, mesh0, P, D, T, m, V, opts)
-            return 0
-        task = load_task("gpt", seed=args.seed, **opts)
-        plain: Any = task.model
-        layers = gpt_layers(plain)
-        if len(layers) < P * V:
-            raise PeerConfigError(f"the model has {len(layers)} layers (embeddings, {len(layers) - 2} blocks, head): too few for {P * V} stages")
-        check = {"heads": plain.blocks[0].heads, "dim": plain.tok.embedding_dim, "vocab": plain.tok.num_embeddings,
-                 "global_batch": args.global_batch, "micro_batches": m, "seq": plain.pos.num_embeddings,
-                 "sequence_parallel": bool(args.sequence_parallel)}
-        check_agreement({"task_opts": json.dumps(opts, sort_keys=True), "pp": P, "tp": T, "schedule": args.schedule, "m": m,
-                         "V": V, "global_batch": args.global_batch, "steps": args.steps, "seed": args.seed, "mode": args.mode,
-                         "precision": args.precision, "recompute": recompute_mode(args)})
-        mesh = ParallelMesh.build(D, T, P, device=mesh0.device, seed=args.seed, check=check)
-        if mesh.device.type == "cpu" and args.torch_threads:
-            torch.set_num_threads(args.torch_threads)
-        costs = [float(sum(p.numel() for p in layer.parameters())) for layer in layers]
-        dim = int(plain.tok.embedding_dim)
-        model: Any = plain
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gpt_loss
-        recompute = recompute_mode(args)
-        split = T > 1 or recompute == "selective"  # selective recompute lives in the TP model's blocks (at T=1 too)
-        if split:
-            from worker.peer.tensor_parallel import TensorParallelGPT
+    P, D, T, m, V = pipeline_config(args, world)
+    opts = _kv(args.task_opt)
+    recompute = recompute_mode(args)
+    agree = {"task": args.task, "task_opts": json.dumps(opts, sort_keys=True), "pp": P, "tp": T, "schedule": args.schedule,
+             "m": m, "V": V, "global_batch": args.global_batch, "steps": args.steps, "seed": args.seed, "mode": args.mode,
+             "precision": args.precision, "recompute": recompute, "tp_plan": args.tp_plan, "pp_split": args.pp_split}
+    per_rank = args.global_batch // D
+    if user_pipeline(args):
+        from worker.peer.parallelize import parallelize, plan_arg, resolve_plan
+        from worker.peer.split import pipeline_source
 
-            model = TensorParallelGPT(plain, mesh.tp_group, bool(args.sequence_parallel), mesh.rng,
-                                      recompute="selective" if recompute == "selective" else "none").to(mesh.device)
-            layers, loss_fn = tp_gpt_layers(model), tp_gpt_loss(model)
-        eng = PipelineEngine(
-            layers, pp_ranks=mesh.pp_ranks, kind=args.schedule, micro_batches=m, virtual=V, pp_group=mesh.pp_group,
-            dp_group=mesh.dp_group, dp_size=D, recompute=recompute == "full", device=mesh.device, loss_fn=loss_fn, costs=costs,
-            reduce_grads=False, precision=args.precision, rng=mesh.rng if split else None,
-        )
-        opt = stage_sync(model, eng, task.dense_optimizer, stage=check_mode(args.mode).stage or 0, dp_group=mesh.dp_group,
-                         tp_group=mesh.tp_group if T > 1 else None, sequence_parallel=bool(args.sequence_parallel))
-        opt.set_checkpointing(args.checkpoint_dir, args.checkpoint_every)
-        start = opt.join()
-        per_rank = args.global_batch // D
-        batches = task.batches(mesh.dp_idx, D, per_rank, start)
-        seq = int(plain.pos.num_embeddings)
-        act_shape = ((seq // T if args.sequence_parallel else seq), per_rank // m, dim) if split else (per_rank // m, seq, dim)
-        t0, loss = time.perf_counter(), float("nan")
-        tracer = None
-        if args.trace:
-            from worker.peer.trace import Tracer
+        split = [s for s in args.pp_split.split(",") if s] if args.pp_split else None
+        if split is not None and len(split) != P * V - 1:
+            raise PeerConfigError(f"--pp-split names {len(split)} split points; {P * V} stages need {P * V - 1}")
+        tp_plan = plan_arg(args.tp_plan or "auto") if T > 1 else None
+        if T > 1:
+            resolve_plan(task.model, tp_plan, T, bool(args.sequence_parallel))  # every size checked before any collective
+        check_agreement(agree)
+        mesh = ParallelMesh.build(D, T, P, device=device, seed=args.seed, check={"global_batch": args.global_batch, "micro_batches": m})
+        model = parallelize(task.model, mesh, tp_plan, sequence_parallel=bool(args.sequence_parallel)) if T > 1 else task.model
+        task = replace(task, model=model.to(mesh.device))
+        first = next(task.batches(0, 1, per_rank // m, 0))
+        src = pipeline_source(task.loss, task.model, P * V, task.to_device(first, mesh.device) if task.to_device else first, split)
+        return mesh, task, PipelinePlan(src, args.schedule, m, V, recompute == "full", args.precision, mesh.rng if T > 1 else None)
+    plain: Any = task.model
+    layers = gpt_layers(plain)
+    if len(layers) < P * V:
+        raise PeerConfigError(f"the model has {len(layers)} layers (embeddings, {len(layers) - 2} blocks, head): too few for {P * V} stages")
+    seq, dim = int(plain.pos.num_embeddings), int(plain.tok.embedding_dim)
+    check = {"heads": plain.blocks[0].heads, "dim": dim, "vocab": plain.tok.num_embeddings, "global_batch": args.global_batch,
+             "micro_batches": m, "seq": seq, "sequence_parallel": bool(args.sequence_parallel)}
+    check_agreement(agree)
+    mesh = ParallelMesh.build(D, T, P, device=device, seed=args.seed, check=check)
+    costs = [float(sum(p.numel() for p in layer.parameters())) for layer in layers]  # of the plain layers, at any T
+    act_dtype = next(plain.parameters()).dtype
+    split_model = T > 1 or recompute == "selective"  # selective recompute lives in the TP model's blocks (at T=1 too)
+    if split_model:
+        from worker.peer.tensor_parallel import tensor_parallel_task
 
-            tracer = Tracer(mesh.rank)
-        losses = []
-        for step in range(start, args.steps):
-            batch = next(batches)
-            if batch.shape[1] - 1 != seq:
-                raise PeerConfigError(f"batch sequence length {batch.shape[1] - 1} is not the model's {seq}")
-            mbs = list(batch.chunk(m))
-            opt.zero_grad()
-            loss = eng.step([b[:, :-1] for b in mbs], [b[:, 1:] for b in mbs], act_shape, tracer=tracer)
-            opt.push(step, Grads(None))
-            losses.append(loss)
-            if mesh.rank == 0 and args.log_every and (step + 1) % args.log_every == 0 and not args.no_progress:
-                print(f"step {step + 1} loss {loss:.4f}", file=sys.stderr, flush=True)
-        seconds = time.perf_counter() - t0
-        if tracer is not None:
-            tracer.save(os.path.join(args.trace, f"trace-rank{mesh.rank}.json"))
-        steps = args.steps - start
-        tokens = steps * args.global_batch * task.info["tokens_per_example"]
-        if mesh.rank == 0:
-            print(json.dumps({
-                "rank": 0, "world": mesh.world, "mode": args.mode, "pp": P, "dp": D, "tp": T, "schedule": args.schedule,
-                "micro_batches": m, "virtual_stages": V, "recompute": recompute != "none", "recompute_mode": recompute,
-                "precision": args.precision,
-                "sequence_parallel": bool(args.sequence_parallel),
-                "steps": steps, "start_step": start, "seconds": round(seconds, 3), "loss": loss, "losses": losses,
-                "tokens_per_s": tokens / seconds if seconds else 0.0, "bubble_theory": bubble_theory(P, m, V),
-                "stages": [list(b) for b in eng.bounds], "optimizer_state_bytes": opt.memory()["state_bytes"],
-            }), flush=True)
-        opt.leave()
-        ok = True
-        return 0
-    except PeerConfigError as e:
-        print(f"tessera peer: rank {mesh0.rank}: {e}", file=sys.stderr, flush=True)
-        return 2
-    finally:
-        shutdown_group(barrier=ok)
+        task = tensor_parallel_task(task, mesh, bool(args.sequence_parallel), recompute="selective" if recompute == "selective" else "none")
+        layers, stage_loss = tp_gpt_layers(task.model), tp_gpt_loss(task.model)
+        act: tuple[int, ...] = ((seq // T if args.sequence_parallel else seq), per_rank // m, dim)
+    else:
+        stage_loss, act = gpt_loss, (per_rank // m, seq, dim)
+
+    def inputs(b: torch.Tensor) -> torch.Tensor:
+        if b.shape[1] - 1 != seq:
+            raise PeerConfigError(f"batch sequence length {b.shape[1] - 1} is not the model's {seq}")
+        return b[:, :-1]
+
+    src = PipelineSource(layers, costs, inputs, lambda out, b: stage_loss(out, b[:, 1:]), act, act_dtype)
+    return mesh, task, PipelinePlan(src, args.schedule, m, V, recompute == "full", args.precision, mesh.rng if split_model else None)
 
 
 def user_pipeline(args: argparse.Namespace) -> bool:
     """Whether a pipeline run cuts the task's model by ``worker.peer.split`` (any task but gpt, or gpt
     with ``--tp-plan``/``--pp-split``) rather than the gpt task's own layer list."""
     return args.task != "gpt" or bool(getattr(args, "tp_plan", "")) or bool(getattr(args, "pp_split", ""))
-
-
-def _run_user_pipeline(args: argparse.Namespace, mesh0: Any, P: int, D: int, T: int, m: int, V: int,
-                       opts: dict[str, Any]) -> bool:
-    """``run_pipeline_rank`` for any task: the model split over T by ``parallelize`` (``--tp-plan``), cut
-    into P x V stages by ``pipeline_source`` (``--pp-split``, or balanced by parameter count), the
-    task's loss on the last stage; a weight two stages share (a tied head) has its gradient summed over
-    the pipeline group. Prints the same JSON report; returns True once trained."""
-    from worker.peer.mesh import ParallelMesh, PeerConfigError, check_agreement
-    from worker.peer.parallelize import parallelize, plan_arg, resolve_plan
-    from worker.peer.split import pipeline_source, shared_parameters
-    from worker.tasks import load_task
-
-    task = load_task(args.task, seed=args.seed, **opts)
-    split = [s for s in args.pp_split.split(",") if s] if getattr(args, "pp_split", "") else None
-    if split is not None and len(split) != P * V - 1:
-        raise PeerConfigError(f"--pp-split names {len(split)} split points; {P * V} stages need {P * V - 1}")
-    plan = plan_arg(args.tp_plan or "auto") if T > 1 else None
-    if T > 1:
-        resolve_plan(task.model, plan, T, bool(args.sequence_parallel))  # every size checked before any collective
-    check_agreement({"task": args.task, "task_opts": json.dumps(opts, sort_keys=True), "pp": P, "tp": T,
-                     "schedule": args.schedule, "m": m, "V": V, "global_batch": args.global_batch, "steps": args.steps,
-                     "seed": args.seed, "mode": args.mode, "precision": args.precision, "recompute": recompute_mode(args),
-                     "tp_plan": args.tp_plan, "pp_split": args.pp_split})
-    mesh = ParallelMesh.build(D, T, P, device=mesh0.device, seed=args.seed,
-                              check={"global_batch": args.global_batch, "micro_batches": m})
-    if mesh.device.type == "cpu" and args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
-    model = (parallelize(task.model, mesh, plan, sequence_parallel=bool(args.sequence_parallel)) if T > 1 else task.model)
-    model = model.to(mesh.device)
-    per_rank = args.global_batch // D
-    sample = task.to_device(next(task.batches(0, 1, per_rank // m, 0)), mesh.device) if task.to_device else \
-        next(task.batches(0, 1, per_rank // m, 0))
-    src = pipeline_source(task.loss, model, P * V, sample, split)
-    eng = PipelineEngine(
-        src.layers, pp_ranks=mesh.pp_ranks, kind=args.schedule, micro_batches=m, virtual=V, pp_group=mesh.pp_group,
-        dp_group=mesh.dp_group, dp_size=D, recompute=recompute_mode(args) == "full", device=mesh.device,
-        loss_fn=src.loss_fn, costs=src.costs, reduce_grads=False, precision=args.precision, rng=mesh.rng if T > 1 else None,
-    )
-    shared = shared_parameters(src.layers, eng.bounds)
-    opt = stage_sync(model, eng, task.dense_optimizer, stage=check_mode(args.mode).stage or 0, dp_group=mesh.dp_group,
-                     tp_group=mesh.tp_group if T > 1 else None, sequence_parallel=bool(args.sequence_parallel))
-    opt.set_checkpointing(args.checkpoint_dir, args.checkpoint_every)
-    start = opt.join()
-    batches = task.batches(mesh.dp_idx, D, per_rank, start)
-    t0, loss, losses = time.perf_counter(), float("nan"), []
-    for step in range(start, args.steps):
-        mbs = list(next(batches).chunk(m))
-        opt.zero_grad()
-        loss = eng.step([src.inputs(b) for b in mbs], mbs, src.act_shape, src.act_dtype)
-        for p in shared:  # ranks that do not hold it add zeros
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=mesh.pp_group)
-        opt.push(step, Grads(None))
-        losses.append(loss)
-        if mesh.rank == 0 and args.log_every and (step + 1) % args.log_every == 0 and not args.no_progress:
-            print(f"step {step + 1} loss {loss:.4f}", file=sys.stderr, flush=True)
-    seconds = time.perf_counter() - t0
-    if mesh.rank == 0:
-        print(json.dumps({
-            "rank": 0, "world": mesh.world, "mode": args.mode, "pp": P, "dp": D, "tp": T, "schedule": args.schedule,
-            "micro_batches": m, "virtual_stages": V, "task": args.task, "steps": args.steps - start, "start_step": start,
-            "seconds": round(seconds, 3), "loss": loss, "losses": losses, "bubble_theory": bubble_theory(P, m, V),
-            "stages": [list(b) for b in eng.bounds], "optimizer_state_bytes": opt.memory()["state_bytes"],
-        }), flush=True)
-    opt.leave()
-    return True

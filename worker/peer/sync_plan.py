@@ -3,8 +3,9 @@
 The mode (``plan.mode``) is looked up in the registry (``worker.modes``); the rest of the plan says
 how the mode's dense parameters meet the layout: over every rank (no mesh), over the DP dimension
 of a ``ParallelMesh`` (tensor parallelism: the model is a tensor-parallel one, its ``specs`` and
-``replicated_parameters()`` say what is split), or beside PS embeddings (``hybrid``, given a
-``PSClient``). What a plan cannot run raises ``PeerConfigError`` with one line saying what and why,
+``replicated_parameters()`` say what is split; pipeline parallelism: ``plan.pipeline`` names the
+stages, and the sync runs their schedule inside the trainer's loop), or beside PS embeddings
+(``hybrid``, given a ``PSClient``). What a plan cannot run raises ``PeerConfigError`` with one line saying what and why,
 the same on every rank (nothing collective happens before it).
 """
 from __future__ import annotations
@@ -29,7 +30,9 @@ class SyncPlan:
     ``bucket_mb``/``compress``: the all-reduce's buckets and 16-bit transport (ZeRO stage 0 only).
     ``sequence_parallel``: the TP model's replicated parameters' gradients are partial per TP rank.
     ``ep``: expert-parallel ranks (models with MoE layers). ``sparse_mode``/``sparse_ids``: hybrid's
-    PS side. ``device``; ``settings``: fields every rank must agree on."""
+    PS side. ``device``; ``settings``: fields every rank must agree on. ``pipeline``: a
+    ``worker.peer.pipeline.PipelinePlan`` (stages, schedule, micro-batches) for a pipeline over the
+    mesh's PP dimension (None: no pipeline)."""
 
     mode: str = "dp"
     optimizer: Any = None
@@ -42,6 +45,7 @@ class SyncPlan:
     sparse_ids: Any = None
     prefix: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
+    pipeline: Any = None
 
     def __post_init__(self) -> None:
         try:
@@ -54,6 +58,8 @@ class SyncPlan:
             raise PeerConfigError("gradient compression is implemented for dp only, not ZeRO")
         if self.ep < 1:
             raise PeerConfigError(f"--ep must be >= 1, got {self.ep}")
+        if self.pipeline is not None and (m.name == "hybrid" or self.ep > 1 or self.compress not in (None, "none")):
+            raise PeerConfigError("a pipeline runs with --mode dp or zero1-3, without --ep or --compress")
 
     @property
     def stage(self) -> int:
@@ -63,8 +69,9 @@ class SyncPlan:
 
 def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None) -> ParamSync:
     """The ``ParamSync`` of ``plan`` for ``model``: ``mesh_or_client`` None (every rank one data-parallel
-    replica), a ``ParallelMesh`` (DP x TP; ``model`` its tensor-parallel model) or a ``PSClient``
-    (``hybrid``: PS embeddings, all-reduced dense part). The process group must be initialised."""
+    replica), a ``ParallelMesh`` (DP x TP (x PP with ``plan.pipeline``: a ``PipelineSync`` over this
+    rank's stages); ``model`` its tensor-parallel model) or a ``PSClient`` (``hybrid``: PS embeddings,
+    all-reduced dense part). The process group must be initialised."""
     from worker.peer.data_parallel import DataParallelSync
     from worker.peer.moe import moe_layers
 
@@ -87,6 +94,13 @@ def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None) -> P
                           sparse_ids=plan.sparse_ids, settings=plan.settings)
     if has_rows:
         raise PeerConfigError("the model has PSEmbedding layers (rows on a PS): use --mode hybrid with --ps")
+    if plan.pipeline is not None:
+        from worker.peer.pipeline import PipelineSync
+
+        if mesh_or_client is None:
+            raise PeerConfigError("a pipeline needs its ParallelMesh (the PP, DP and TP groups)")
+        return PipelineSync(plan.pipeline, model, mesh_or_client, plan.optimizer, stage=plan.stage,
+                            sequence_parallel=plan.sequence_parallel)
     if moe_layers(model):
         from worker.peer.moe import MoESync
 
