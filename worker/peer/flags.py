@@ -44,6 +44,6 @@ def recompute_mode(args: argparse.Namespace) -> str:
 
 
 def takes_pipeline_path(args: argparse.Namespace) -> bool:
-    """Whether ``tessera peer`` runs this through ``run_pipeline_rank`` (--pp > 1, --recompute or --precision bf16)."""
+    """Whether ``tessera peer`` runs this as a pipeline, a ``PipelineSync`` (--pp > 1, --recompute or --precision bf16)."""
     return (int(getattr(args, "pp", 1) or 1) > 1 or recompute_mode(args) != "none"
             or getattr(args, "precision", "fp32") != "fp32")

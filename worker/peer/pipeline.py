@@ -879,11 +879,13 @@ def pipeline_layout(args: argparse.Namespace, task: Any, world: int, device: tor
     per_rank = args.global_batch // D
     if user_pipeline(args):
         from worker.peer.parallelize import parallelize, plan_arg, resolve_plan
-        from worker.peer.split import pipeline_source
+        from worker.peer.split import pipeline_layers, pipeline_source
 
         split = [s for s in args.pp_split.split(",") if s] if args.pp_split else None
-        if split is not None and len(split) != P * V - 1:
-            raise PeerConfigError(f"--pp-split names {len(split)} split points; {P * V} stages need {P * V - 1}")
+        if split is not None:
+            if len(split) != P * V - 1:
+                raise PeerConfigError(f"--pp-split names {len(split)} split points; {P * V} stages need {P * V - 1}")
+            pipeline_layers(task.model, split)  # the split points, checked on the plain model before any collective
         tp_plan = plan_arg(args.tp_plan or "auto") if T > 1 else None
         if T > 1:
             resolve_plan(task.model, tp_plan, T, bool(args.sequence_parallel))  # every size checked before any collective
