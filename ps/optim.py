@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Union
 
+import numpy as np
 import torch
 
 __all__ = ["Optimizer", "make_optimizer", "scaled_lr"]
@@ -144,8 +145,11 @@ class RowwiseAdagrad(Optimizer):
         g = _decayed(grad, param, self.h["weight_decay"])
         acc = state["sum"]
         acc.add_(torch.linalg.vector_norm(g, dim=1).square_().div_(g.shape[1]) if g.shape[1] else 0.0)
-        # no (rows, dim) temporary: p -= g * (lr / (sqrt(acc) + eps)) per row
-        param.addcmul_(g, acc.sqrt().add_(self.h["eps"]).reciprocal_().mul_(self.h["lr"])[:, None], value=-1.0)
+        # no (rows, dim) temporary: p -= g * (lr / (sqrt(acc) + eps)) per row. The square root is numpy's,
+        # correctly rounded: torch's goes to MKL's vector math (within an ulp, not correctly rounded, and
+        # its code path depends on the CPU), which no other implementation (ps/_rowkernel.c) can match
+        root = torch.from_numpy(np.sqrt(acc.numpy(force=True)))
+        param.addcmul_(g, root.add_(self.h["eps"]).reciprocal_().mul_(self.h["lr"])[:, None], value=-1.0)
 
 
 # the CPU kernel behind torch.optim.Adam(fused=True) (torch >= 2.4)

@@ -258,6 +258,7 @@ class RowStore:
         self.first_rows = max(1, min(first_rows, chunk_rows))
         self.backing = backing or RamBacking()
         self._chunks: list[_Chunk] = []
+        self._pointers: dict[str, np.ndarray] = {}  # pointers(): made once per chunk list
         self.n_alloc = 0  # rows [0, n_alloc) were handed out at least once
         self.reuse = True  # alloc hands out released rows again (False: only fresh ones)
         self._free = np.zeros(0, np.int64)  # a stack of released rows
@@ -385,6 +386,7 @@ class RowStore:
                     self._chunks.append(ch)
         while self.capacity < need:
             self._chunks.append(self._new_chunk(self.chunk_rows))
+        self._pointers = {}
         self._size_free_stack()
 
     def _size_free_stack(self) -> None:
@@ -597,6 +599,15 @@ class RowStore:
         self._free[:n] = np.arange(n - 1, -1, -1, dtype=np.int64)  # alloc hands out row 0 first
         self._n_free = n
 
+    def pointers(self, name: str) -> np.ndarray:
+        """Column ``name``'s base address in each chunk (int64, chunk order): what the row kernel
+        (``ps.rowkernel``) indexes by ``row >> shift``. Valid until the store grows (``alloc``) or closes."""
+        p = self._pointers.get(name)
+        if p is None:
+            p = self._pointers[name] = np.array([ch.cols[name].data_ptr() for ch in self._chunks], np.int64)
+        return p
+
     def close(self) -> None:
         self._chunks.clear()
+        self._pointers = {}
         self.backing.close()

@@ -30,7 +30,8 @@ from ps.config import TableSpec
 from ps.errors import NonFiniteError, ResourceExhaustedError, ShapeMismatchError, WrongShardError
 from ps.index import IdIndex
 from ps.initializers import init_dense, init_rows, table_key, uniform01
-from ps.optim import Optimizer, make_optimizer, scaled_lr
+from ps import rowkernel
+from ps.optim import Adagrad, Optimizer, make_optimizer, scaled_lr
 from ps.partition import SlotMap, dense_range, slot_of
 from ps.rowdtype import ROW_DTYPES, from_storage_array, round_rows, row_keys, to_storage_array
 from ps.rowstore import Column, RowStore, chunk_rows_for, limit_heap_retention
@@ -599,6 +600,8 @@ class TableMemory:
     disk_bytes: int
     chunks: int
     chunk_rows: int
+    # how pushes update rows: "kernel" (ps.rowkernel: one compiled pass, GIL released) or "numpy (<why not>)"
+    row_path: str = ""
 
 
 class _ColumnView:
@@ -717,13 +720,18 @@ class SparseTable:
     ``fixed_bytes(spec)``: what the constructor allocates (the caller reserves it).
     ``memory_stats()``: the breakdown.
 
+    Row kernel: pushes of the optimizers and row dtypes ``ps.rowkernel`` covers, and every pull of
+    resident rows, go through one compiled pass that releases the GIL (the table's lock is held);
+    ``row_path`` (and ``memory_stats().row_path``) says which path pushes take and why.
+    ``row_kernel=False`` keeps the table on the numpy/torch path, the reference it matches bit for bit.
+
     Thread-safety: ``lock`` guards everything; public methods take it themselves.
     """
 
     def __init__(
         self, spec: TableSpec, shard_index: int, num_shards: int, max_bytes_fn: Callable[[int], None] = lambda extra: None,
         *, resident_budget: ResidentBudget | None = None, spill_dir: str | None = None, chunk_bytes: int = 64 << 20,
-        growth_lock: "threading.Lock | threading.RLock | None" = None,
+        growth_lock: "threading.Lock | threading.RLock | None" = None, row_kernel: bool = True,
     ) -> None:
         limit_heap_retention()  # the process holds sparse rows: freed temporaries go back to the kernel
         self.spec = spec
@@ -731,6 +739,13 @@ class SparseTable:
         self.shard_index = shard_index
         self.slots = SlotMap(spec.num_slots, num_shards)
         self.optimizer = make_optimizer(spec.optimizer.name, spec.optimizer.hparams)
+        # pushes through the compiled row kernel where it covers the optimizer and row dtype (it gives the
+        # torch path's floats bit for bit); ``row_path`` says which path and, for numpy, why
+        self.row_path = rowkernel.path_of(spec.optimizer.name, spec.optimizer.hparams, spec.dtype) if row_kernel else "numpy (asked for)"
+        self._gather_kernel = rowkernel.KERNEL if row_kernel else None  # pulls: any optimizer, any row dtype
+        if self.row_path == "kernel" and isinstance(self.optimizer, Adagrad) and not self.optimizer.fused:
+            self.row_path = "numpy (adagrad's torch path unfused: the kernel matches the fused one)"
+        self._kernel = rowkernel.kernel_for(spec.optimizer.name, spec.optimizer.hparams, spec.dtype) if self.row_path == "kernel" else None
         self._key = table_key(spec.name, spec.seed)
         self._reserve = max_bytes_fn  # raises ResourceExhaustedError when growth is over budget
         # held from a budget check to the allocation it allowed: shared by a shard's tables, so two
@@ -894,7 +909,7 @@ class SparseTable:
                 state_bytes=st.column_nbytes(self._state_names), metadata_bytes=meta, index_bytes=self._index.nbytes,
                 other_bytes=self.slots.nbytes + (self._seen.nbytes if self._seen is not None else 0), held_bytes=held,
                 disk_bytes=self._cold.disk_bytes if self._cold is not None else 0, chunks=st.num_chunks,
-                chunk_rows=st.chunk_rows,
+                chunk_rows=st.chunk_rows, row_path=self.row_path,
             )
 
     @classmethod
@@ -1160,6 +1175,8 @@ class SparseTable:
         ``check_ids(ids)`` already."""
         if not checked:
             self.check_ids(ids)
+        if not len(ids):
+            return torch.empty((0, self.dim), dtype=self.row_dtype), np.zeros(0, np.int64)
         # ids sorted and unique already (what PSClient sends): no sort, no gather by inverse at the end
         unique = _sorted_unique(ids)
         uniq, inverse = (ids, None) if unique else np.unique(ids, return_inverse=True)
@@ -1171,7 +1188,16 @@ class SparseTable:
             hot = bool((loc[have] >= 0).all())
             if have.size == len(uniq) and hot:
                 self._remember(uniq, loc)  # the push of these ids (a worker pushes what it pulled) finds them here
-            if have.size and hot:
+            if have.size and hot and self._gather_kernel is not None:  # one compiled pass, in the ids' order
+                rows = np.ascontiguousarray(loc[have])
+                vals = torch.empty((have.size, self.dim), dtype=self.row_dtype)
+                vers = np.empty(have.size, np.int64)
+                st = self._store
+                self._gather_kernel.gather(
+                    self.dim * vals.element_size(), st.shift, rows, st.pointers("values"), st.pointers("version"), vals, vers
+                )
+                d = {"values": vals, "version": torch.from_numpy(vers)}
+            elif have.size and hot:
                 plan = self._store.plan(loc[have])  # the rows found, in chunk order
                 d = self._store.gather(plan.rows, ["values", "version"], plan)
                 order = plan.order
@@ -1290,7 +1316,9 @@ class SparseTable:
         one sighting per push that names it) and created with the initializer's values, then
         updated like the others; one admission refuses is dropped and counted (``dropped``).
 
-        The optimizer runs in fp32; the new values are rounded to the row dtype (``ps.rowdtype``)."""
+        The optimizer runs in fp32; the new values are rounded to the row dtype (``ps.rowdtype``).
+        Where ``row_path`` is "kernel", one compiled pass (``ps.rowkernel``, the GIL released) updates
+        the rows, bit for bit as the torch path would."""
         uniq, g, base = p.ids, p.grads, p.base_versions
         with self.lock:
             prior = once() if once is not None else None
@@ -1312,58 +1340,139 @@ class SparseTable:
                     sighted = (uniq[missing], ok, seen)
             have = np.flatnonzero(loc >= 0)
             dropped = len(uniq) - have.size
-            stale = np.zeros(0, np.int64)
-            # rows in chunk order (one index op per chunk and column, for the gather and the scatter)
-            plan = self._store.plan(loc[have])
-            if plan.order is not None:
-                have = have[plan.order]
-            every = have.size == len(uniq) and plan.order is None  # the push's rows, in the push's order
-            d = self._store.gather(plan.rows, ["values", "version", *self._state_names], plan)
-            versions = d["version"].numpy()
-            if have.size and base is not None:
-                b = base[have]
-                stale = np.where(b >= 0, versions - b, -1)
-                self.staleness.add(stale)
-            opt = self.optimizer
-            measured = stale[stale >= 0]
-            if staleness_aware_lr and measured.size and measured.mean() > 1:
-                opt = scaled_lr(opt, 1.0 / float(measured.mean()))
-            param = d["values"].float() if self.row_dtype != torch.float32 else d["values"]
-            state = {k: d[k] for k in self._state_names}
-            new_versions = versions + 1
-            stored = param
-            if have.size:
-                step = torch.from_numpy(new_versions).to(torch.float64)[:, None]
-                opt.update(param, g if every else g.index_select(0, torch.from_numpy(have)), state, step)
-                if self.row_dtype != torch.float32:
-                    keys = row_keys(self._key, uniq[have], new_versions) if self.row_dtype == torch.bfloat16 else None
-                    stored = round_rows(param, self.row_dtype, keys)
-            valid = stale[stale >= 0]
-            result = PushResult(
-                int(have.size), dropped, float(valid.mean()) if valid.size else -1.0, int(valid.max()) if valid.size else -1,
-                self.step + 1,
-            )
-            if before_swap is not None:
-                values = stored.float().numpy() if stored.dtype != torch.float32 else stored.numpy()
-                try:
-                    before_swap(result, RowDelta(uniq[have], values, {k: v.numpy() for k, v in state.items()}, new_versions))
-                except BaseException:
-                    if created.size:
-                        self._uncreate(uniq[created], loc[created])
-                    raise
-            if sighted is not None:
-                self._sighted(*sighted)  # the ids not admitted: one more sighting each
-            if have.size:
-                cols: dict[str, torch.Tensor | np.ndarray | int] = {"values": stored, **state, "version": new_versions}
-                if self._touches:
-                    cols["touch"] = self.step
-                self._store.scatter(plan.rows, cols, plan)
+            update = self._kernel_update if self._kernel is not None else self._torch_update
+            result = update(uniq, g, base, loc, have, dropped, staleness_aware_lr, before_swap, created, sighted)
             self._trim()
             self.step += 1
             self.updates += int(have.size)
             self.dropped += dropped
         if self.spec.eviction.ttl_steps:
             self.evict_expired()
+        return result
+
+    def _staleness(self, base: np.ndarray | None, have: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        """Staleness of the rows at ``have`` (-1 where not measured), counted in ``staleness``."""
+        if not have.size or base is None:
+            return np.zeros(0, np.int64)
+        b = base[have]
+        stale = np.where(b >= 0, versions - b, -1)
+        self.staleness.add(stale)
+        return stale
+
+    def _result(self, have: np.ndarray, dropped: int, stale: np.ndarray) -> PushResult:
+        valid = stale[stale >= 0]
+        return PushResult(
+            int(have.size), dropped, float(valid.mean()) if valid.size else -1.0, int(valid.max()) if valid.size else -1,
+            self.step + 1,
+        )
+
+    def _commit_check(
+        self, before_swap: "Callable[[PushResult, RowDelta], None] | None", result: PushResult, delta: "Callable[[], RowDelta] | None",
+        uniq: np.ndarray, loc: np.ndarray, created: np.ndarray, sighted: "tuple[np.ndarray, np.ndarray, np.ndarray | None] | None",
+    ) -> None:
+        """``before_swap`` on the push's delta (the rows it created taken back if it raises), then the
+        admission sightings: what every push does between computing rows and storing them."""
+        if before_swap is not None and delta is not None:
+            try:
+                before_swap(result, delta())
+            except BaseException:
+                if created.size:
+                    self._uncreate(uniq[created], loc[created])
+                raise
+        if sighted is not None:
+            self._sighted(*sighted)  # the ids not admitted: one more sighting each
+
+    def _kernel_update(
+        self, uniq: np.ndarray, g: torch.Tensor, base: np.ndarray | None, loc: np.ndarray, have: np.ndarray, dropped: int,
+        staleness_aware_lr: bool, before_swap: "Callable[[PushResult, RowDelta], None] | None", created: np.ndarray,
+        sighted: "tuple[np.ndarray, np.ndarray, np.ndarray | None] | None",
+    ) -> PushResult:
+        """apply_push's update through the row kernel (caller holds the lock): in place, or with
+        ``before_swap`` computed into buffers that the kernel stores once it returned."""
+        k = self._kernel
+        assert k is not None
+        st = self._store
+        rows = np.ascontiguousarray(loc[have])
+        n = rows.size
+        stale = np.zeros(0, np.int64)
+        cols: dict[str, np.ndarray | None] = {}
+        if n:
+            cols = {
+                "values": st.pointers("values"), "version": st.pointers("version"),
+                "s0": st.pointers(k.s0) if k.s0 else None, "s1": st.pointers(k.s1) if k.s1 else None,
+                "touch": st.pointers("touch") if self._touches else None,
+            }
+            if base is not None:
+                versions = np.empty(n, np.int64)
+                k.kernel.gather(8, st.shift, rows, cols["version"], None, torch.from_numpy(versions), None)
+                stale = self._staleness(base, have, versions)
+        h = self.optimizer.h
+        measured = stale[stale >= 0]
+        if staleness_aware_lr and measured.size and measured.mean() > 1:
+            h = {**h, "lr": h["lr"] * (1.0 / float(measured.mean()))}  # as scaled_lr
+        grad = g if g.dtype == torch.float32 and g.is_contiguous() else g.float().contiguous()
+        grad_idx = None if n == len(uniq) else have
+        result = self._result(have, dropped, stale)
+        if before_swap is None:
+            self._commit_check(None, result, None, uniq, loc, created, sighted)
+            if n:
+                k.kernel.push(k.opt, h, self.dim, st.shift, rows, grad, grad_idx, cols, self.step)
+            return result
+        out: dict[str, np.ndarray | None] = {
+            "values": np.empty((n, self.dim), np.float32), "version": np.empty(n, np.int64),
+            "s0": np.empty((n, self.dim), np.float32) if k.s0 else None, "s1": np.empty(n, np.float32) if k.s1 else None,
+        }
+        if n:
+            k.kernel.push(k.opt, h, self.dim, st.shift, rows, grad, grad_idx, cols, self.step, out=out)
+        state = {name: a for name, a in ((k.s0, out["s0"]), (k.s1, out["s1"])) if name is not None and a is not None}
+        assert out["values"] is not None and out["version"] is not None
+        values, versions = out["values"], out["version"]
+        self._commit_check(before_swap, result, lambda: RowDelta(uniq[have], values, state, versions), uniq, loc, created, sighted)
+        if n:
+            k.kernel.scatter(self.dim, st.shift, rows, out, cols, self.step)
+        return result
+
+    def _torch_update(
+        self, uniq: np.ndarray, g: torch.Tensor, base: np.ndarray | None, loc: np.ndarray, have: np.ndarray, dropped: int,
+        staleness_aware_lr: bool, before_swap: "Callable[[PushResult, RowDelta], None] | None", created: np.ndarray,
+        sighted: "tuple[np.ndarray, np.ndarray, np.ndarray | None] | None",
+    ) -> PushResult:
+        """apply_push's update through ps.optim's torch ops (caller holds the lock): the reference,
+        and the path of what the row kernel does not cover."""
+        # rows in chunk order (one index op per chunk and column, for the gather and the scatter)
+        plan = self._store.plan(loc[have])
+        if plan.order is not None:
+            have = have[plan.order]
+        every = have.size == len(uniq) and plan.order is None  # the push's rows, in the push's order
+        d = self._store.gather(plan.rows, ["values", "version", *self._state_names], plan)
+        versions = d["version"].numpy()
+        stale = self._staleness(base, have, versions)
+        opt = self.optimizer
+        measured = stale[stale >= 0]
+        if staleness_aware_lr and measured.size and measured.mean() > 1:
+            opt = scaled_lr(opt, 1.0 / float(measured.mean()))
+        param = d["values"].float() if self.row_dtype != torch.float32 else d["values"]
+        state = {k: d[k] for k in self._state_names}
+        new_versions = versions + 1
+        stored = param
+        if have.size:
+            step = torch.from_numpy(new_versions).to(torch.float64)[:, None]
+            opt.update(param, g if every else g.index_select(0, torch.from_numpy(have)), state, step)
+            if self.row_dtype != torch.float32:
+                keys = row_keys(self._key, uniq[have], new_versions) if self.row_dtype == torch.bfloat16 else None
+                stored = round_rows(param, self.row_dtype, keys)
+        result = self._result(have, dropped, stale)
+
+        def delta() -> RowDelta:
+            values = stored.float().numpy() if stored.dtype != torch.float32 else stored.numpy()
+            return RowDelta(uniq[have], values, {k: v.numpy() for k, v in state.items()}, new_versions)
+
+        self._commit_check(before_swap, result, delta, uniq, loc, created, sighted)
+        if have.size:
+            cols: dict[str, torch.Tensor | np.ndarray | int] = {"values": stored, **state, "version": new_versions}
+            if self._touches:
+                cols["touch"] = self.step
+            self._store.scatter(plan.rows, cols, plan)
         return result
 
     def export_state(self, along: Callable[[], Any] | None = None) -> dict[str, Any]:

@@ -1,0 +1,242 @@
+"""The sparse table's row kernel (issue 32) against today's path and plain torch, in one process.
+
+Workload (the issue's): a 1M x 64 float32 table with row-wise Adagrad, batches of 4,096 Zipf(1.1) ids
+(about 1,760 unique rows each). One op = what a shard does for one worker's step of that batch: pull
+the batch's unique rows, then push one summed gradient row per unique id (PSClient sums duplicates
+before it sends). Variants, interleaved so that load from elsewhere hits them alike:
+
+* ``kernel``: ``SparseTable`` on the row kernel (ps/_rowkernel.c: one compiled pass per request);
+* ``numpy``: the same table with ``row_kernel=False`` (today's numpy/torch path, the reference);
+* ``torch``: plain torch on one (1M, 64) tensor and a (1M,) accumulator: ``index_select``, the
+  row-wise Adagrad update, ``index_copy_`` (one thread: a shard's handler runs on one core);
+* ``fbgemm``: FBGEMM's fused CPU table-batched-embedding kernel (``fbgemm-gpu-cpu``, exact row-wise
+  Adagrad, forward + backward of the same ids; skipped with the reason where it does not import).
+
+Every table starts from the same rows (all 1M created before timing) and the kernel and numpy tables
+are checked bit-identical at the end. ``--ab``: also the kernel's C loop against the same loop
+compiled by numba (where numba imports), on raw arrays: the tooling choice of the README's
+Dependencies section.
+
+Run (about a minute): ``python bench/ps_kernel.py`` (``--quick``: 100k rows, fewer repeats). Prints
+a table (min and median ms per batch) and, as its last line, one line of JSON with ``kernel_vs_numpy``
+(kernel / numpy time, min; < 1 is faster), ``kernel_vs_torch``, and ``kernel_vs_fbgemm`` where FBGEMM ran.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+DIM = 64
+LR, EPS = 0.01, 1e-8
+
+
+def batches(rows: int, batch: int, count: int, seed: int = 7) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """(ids with repeats, unique sorted ids, one summed gradient row per unique id) per batch."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        ids = (rng.zipf(1.1, batch) - 1) % rows
+        g = rng.standard_normal((batch, DIM), dtype=np.float32) * np.float32(1e-2)
+        uniq, inv = np.unique(ids, return_inverse=True)
+        summed = np.zeros((len(uniq), DIM), np.float32)
+        np.add.at(summed, inv, g)
+        out.append((ids.astype(np.int64), uniq.astype(np.int64), summed))
+    return out
+
+
+def interleaved(fns: dict[str, Callable[[int], object]], repeats: int, warmup: int) -> dict[str, list[float]]:
+    for i in range(warmup):
+        for fn in fns.values():
+            fn(i)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(warmup, warmup + repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn(i)
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def table_variants(rows: int, data: list) -> tuple[dict[str, Callable[[int], object]], Callable[[], None], str]:
+    from ps import rowkernel
+    from ps.config import InitializerSpec, OptimizerSpec, TableSpec
+    from ps.table import SparseTable
+
+    spec = TableSpec("emb", "sparse", dim=DIM, optimizer=OptimizerSpec("rowwise_adagrad", {"lr": LR, "eps": EPS}),
+                     initializer=InitializerSpec("uniform"), seed=1, num_slots=4096)
+    tables = {}
+    for name, on in (("kernel", True), ("numpy", False)):
+        if on and rowkernel.KERNEL is None:
+            continue
+        t = SparseTable(spec, 0, 1, row_kernel=on)
+        step = 1 << 17
+        for lo in range(0, rows, step):  # rows are made by pushes
+            ids = np.arange(lo, min(rows, lo + step), dtype=np.int64)
+            t.push(ids, np.zeros((len(ids), DIM), np.float32))
+        tables[name] = t
+
+    def op(t: SparseTable) -> Callable[[int], object]:
+        def run(i: int) -> None:
+            _, uniq, summed = data[i]
+            t.pull_rows(uniq, checked=True)
+            t.push(uniq, summed)
+        return run
+
+    def check() -> None:
+        if len(tables) < 2:
+            return
+        a, b = tables["kernel"].export_state(), tables["numpy"].export_state()
+        same = np.array_equal(a["values"], b["values"]) and np.array_equal(a["versions"], b["versions"]) and all(
+            np.array_equal(a["state"][k], b["state"][k]) for k in a["state"])
+        if not same:
+            raise SystemExit("bench/ps_kernel.py: error: the kernel's table differs from the numpy path's")
+
+    why = "" if "kernel" in tables else f"kernel unavailable: {rowkernel.UNAVAILABLE}"
+    return {k: op(t) for k, t in tables.items()}, check, why
+
+
+def torch_variant(rows: int, data: list) -> Callable[[int], object]:
+    import torch
+
+    w = torch.rand(rows, DIM) * 0.1
+    acc = torch.zeros(rows)
+
+    def run(i: int) -> None:
+        _, uniq, summed = data[i]
+        idx = torch.from_numpy(uniq)
+        w.index_select(0, idx)  # the pull's reply
+        g = torch.from_numpy(summed)
+        r = w.index_select(0, idx)
+        a = acc.index_select(0, idx).add_(g.square().mean(1))
+        r.addcmul_(g, a.sqrt().add_(EPS).reciprocal_().mul_(LR)[:, None], value=-1.0)
+        w.index_copy_(0, idx, r)
+        acc.index_copy_(0, idx, a)
+    return run
+
+
+def fbgemm_variant(rows: int, data: list) -> tuple[Callable[[int], object] | None, str]:
+    try:
+        import torch
+        from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
+        from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+        from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
+    except Exception as e:  # noqa: BLE001 - any import failure means: not here
+        return None, f"fbgemm_gpu does not import: {type(e).__name__}: {str(e)[:120]}"
+    emb = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=OptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=LR, eps=EPS, pooling_mode=PoolingMode.NONE,
+    )
+    offs = {len(d[0]): torch.arange(len(d[0]) + 1, dtype=torch.int64) for d in data}
+
+    def run(i: int) -> None:
+        ids, _, _ = data[i]
+        idx = torch.from_numpy(ids)
+        out = emb(idx, offs[len(ids)])
+        out.backward(torch.full_like(out, 1e-2))
+    return run, ""
+
+
+def ab_numba(rows: int, data: list, repeats: int) -> dict[str, object]:
+    """The row-wise Adagrad push loop in C (the built kernel, via ctypes) and in numba, on raw arrays."""
+    import ctypes
+
+    try:
+        import numba
+    except ImportError as e:
+        return {"ab": f"skipped: numba does not import ({e})"}
+    from ps import rowkernel
+
+    if rowkernel.KERNEL is None:
+        return {"ab": f"skipped: kernel unavailable ({rowkernel.UNAVAILABLE})"}
+
+    @numba.njit(nogil=True, cache=False, fastmath=False)
+    def nb_push(rows_, grad, values, acc, version, lr, eps):  # pragma: no cover - compiled
+        dim = values.shape[1]
+        for i in range(rows_.shape[0]):
+            r = rows_[i]
+            s = np.float32(0.0)
+            for d in range(dim):
+                s += grad[i, d] * grad[i, d]
+            a = acc[r] + s / np.float32(dim)
+            acc[r] = a
+            scale = np.float32(lr) / (np.sqrt(a) + np.float32(eps))
+            for d in range(dim):
+                values[r, d] -= grad[i, d] * scale
+            version[r] += 1
+
+    values = np.random.default_rng(0).random((rows, DIM), dtype=np.float32)
+    acc = np.zeros(rows, np.float32)
+    version = np.zeros(rows, np.int64)
+    t0 = time.perf_counter()
+    nb_push(data[0][1], data[0][2], values, acc, version, LR, EPS)
+    compile_s = time.perf_counter() - t0
+    import torch
+
+    k = rowkernel.KERNEL
+    shift = 40  # one chunk: the whole array
+    cols = {"values": np.array([values.ctypes.data], np.int64), "version": np.array([version.ctypes.data], np.int64),
+            "s1": np.array([acc.ctypes.data], np.int64)}
+    del ctypes
+    fns = {
+        "c_ctypes": lambda i: k.push("rowwise_adagrad", {"lr": LR, "eps": EPS}, DIM, shift, data[i][1], torch.from_numpy(data[i][2]), None, cols, 0),
+        "numba": lambda i: nb_push(data[i][1], data[i][2], values, acc, version, LR, EPS),
+    }
+    t = interleaved(fns, repeats, 3)
+    return {"ab": {k2: {"min_ms": round(min(v) * 1e3, 4), "median_ms": round(statistics.median(v) * 1e3, 4)} for k2, v in t.items()},
+            "numba_compile_s": round(compile_s, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="100k rows, fewer repeats (a smoke run)")
+    ap.add_argument("--ab", action="store_true", help="also the C kernel against numba (where numba imports)")
+    ap.add_argument("--repeats", type=int, default=0)
+    args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(1)  # a shard's handler: one core per request
+    rows = 100_000 if args.quick else 1_000_000
+    repeats = args.repeats or (20 if args.quick else 150)
+    warmup = 5
+    data = batches(rows, 4096, warmup + repeats)
+    fns, check, why = table_variants(rows, data)
+    fns["torch"] = torch_variant(rows, data)
+    fb, fb_why = fbgemm_variant(rows, data)
+    if fb is not None:
+        fns["fbgemm"] = fb
+    t = interleaved(fns, repeats, warmup)
+    check()
+    uniq = statistics.mean(len(d[1]) for d in data)
+    print(f"{'variant':<10} {'min ms':>9} {'median ms':>10}   ({rows} x {DIM} fp32, row-wise Adagrad, 4096 Zipf(1.1) ids, ~{uniq:.0f} unique, pull + push)")
+    for k, v in t.items():
+        print(f"{k:<10} {min(v) * 1e3:9.3f} {statistics.median(v) * 1e3:10.3f}")
+    out: dict[str, object] = {k: {"min_ms": round(min(v) * 1e3, 4), "median_ms": round(statistics.median(v) * 1e3, 4)} for k, v in t.items()}
+    out["unique_rows_per_batch"] = round(uniq, 1)
+    if why:
+        out["kernel"] = why
+    if "kernel" in t:
+        out["kernel_vs_numpy"] = round(min(t["kernel"]) / min(t["numpy"]), 4)
+        out["kernel_vs_numpy_median"] = round(statistics.median(t["kernel"]) / statistics.median(t["numpy"]), 4)
+        out["kernel_vs_torch"] = round(min(t["kernel"]) / min(t["torch"]), 4)
+        if "fbgemm" in t:
+            out["kernel_vs_fbgemm"] = round(min(t["kernel"]) / min(t["fbgemm"]), 4)
+            out["kernel_vs_fbgemm_median"] = round(statistics.median(t["kernel"]) / statistics.median(t["fbgemm"]), 4)
+    if fb is None:
+        out["fbgemm"] = f"skipped: {fb_why}"
+    if args.ab:
+        out.update(ab_numba(rows, data, repeats))
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

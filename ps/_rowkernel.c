@@ -1,0 +1,227 @@
+/* The sparse table's row kernel: one pass over a request's rows (ps/rowkernel.py loads it with ctypes,
+ * which releases the GIL for the call).
+ *
+ * Rows live in a RowStore: row r is in chunk r >> shift at offset r & mask, each chunk holding one
+ * array per column. A column is passed as a table of per-chunk base pointers.
+ *
+ * Bitwise contract: for what it covers, tk_push gives exactly the floats of ps/optim.py's torch path
+ * on this machine. Every multiply-add that torch's vectorized CPU kernels fuse (Vectorized::fmadd in
+ * add/add_ with alpha, the fused Adagrad kernel's and the vector_norm reduction's multiply-adds as GCC
+ * contracts them) is an explicit fmaf here, and nothing else is contracted (built with
+ * -ffp-contract=off); the row-wise norm sums in torch's vector width (``lanes``) and order.
+ * tests/unit/test_rowkernel.py checks this against the torch path.
+ *
+ * Plain C, no Python.h: a build needs a C compiler only. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define TK_SGD 0
+#define TK_MOMENTUM 1
+#define TK_NESTEROV 2
+#define TK_ADAGRAD 3
+#define TK_ROWWISE_ADAGRAD 4
+
+#define TK_MAX_LANES 16
+
+/* hparams, already cast to float the way torch casts a Python scalar for a float32 tensor */
+typedef struct {
+    float lr, weight_decay, eps, momentum;
+} tk_hparams;
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+/* one build, each CPU's widest vector units (the arithmetic is the same: fmaf is exact either way) */
+#define TK_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TK_CLONES
+#endif
+
+static inline float *f32_at(float *const *chunks, int64_t r, int shift, int64_t mask, int64_t width) {
+    return chunks[r >> shift] + (r & mask) * width;
+}
+
+/* Random rows miss every cache: ask for the row TK_AHEAD places ahead while this one computes (the
+ * update's dependency chain keeps the CPU from running far enough ahead by itself). */
+#define TK_AHEAD 16
+
+static inline void prefetch_bytes(const void *p, int64_t nbytes, int write) {
+    const char *c = (const char *)p;
+    for (int64_t b = 0; b < nbytes; b += 64) {
+        if (write)
+            __builtin_prefetch(c + b, 1, 3);
+        else
+            __builtin_prefetch(c + b, 0, 3);
+    }
+}
+
+/* p: the row's fp32 values (updated in place), g: its gradient, s0/s1: elementwise state rows, a:
+ * the row-wise accumulator */
+static inline __attribute__((always_inline)) void update_row(int opt, int lanes, int64_t dim, const tk_hparams *h, float *restrict p, const float *restrict g,
+                       float *restrict s0, float *restrict a) {
+    const float lr = h->lr, wd = h->weight_decay;
+    switch (opt) {
+    case TK_SGD: /* param.add_(grad (+ wd*param), alpha=-lr) */
+        for (int64_t d = 0; d < dim; d++) {
+            float gd = wd != 0.0f ? fmaf(p[d], wd, g[d]) : g[d];
+            p[d] = fmaf(gd, -lr, p[d]);
+        }
+        break;
+    case TK_MOMENTUM:
+    case TK_NESTEROV: /* buf.mul_(mu).add_(g); param.add_(buf or g + mu*buf, alpha=-lr) */
+        for (int64_t d = 0; d < dim; d++) {
+            float gd = wd != 0.0f ? fmaf(p[d], wd, g[d]) : g[d];
+            float b = s0[d] * h->momentum + gd;
+            s0[d] = b;
+            float step = opt == TK_NESTEROV ? fmaf(b, h->momentum, gd) : b;
+            p[d] = fmaf(step, -lr, p[d]);
+        }
+        break;
+    case TK_ADAGRAD: /* torch._fused_adagrad_ (lr_decay 0): sum += g*g; p -= lr*g / (sqrt(sum) + eps) */
+        for (int64_t d = 0; d < dim; d++) {
+            float gd = wd != 0.0f ? fmaf(p[d], wd, g[d]) : g[d];
+            float s = fmaf(gd, gd, s0[d]);
+            s0[d] = s;
+            float std = sqrtf(s) + h->eps;
+            p[d] = p[d] - (lr * gd) / std;
+        }
+        break;
+    case TK_ROWWISE_ADAGRAD: { /* acc += vector_norm(g)^2 / dim; p -= g * (lr / (sqrt(acc) + eps)) */
+        float acc[TK_MAX_LANES] = {0};
+        int64_t d = 0;
+        int64_t whole = dim - dim % lanes;
+        if (wd != 0.0f) {
+            /* g (+ wd*p) is needed twice: the norm first, then the update; rows are short (dim floats) */
+            float gw[dim > 0 ? dim : 1];
+            for (int64_t e = 0; e < dim; e++)
+                gw[e] = fmaf(p[e], wd, g[e]);
+            for (; d < whole; d += lanes)
+                for (int j = 0; j < lanes; j++)
+                    acc[j] = acc[j] + gw[d + j] * gw[d + j];
+            float sum = acc[0];
+            for (int j = 1; j < lanes; j++)
+                sum = sum + acc[j];
+            for (; d < dim; d++)
+                sum = fmaf(gw[d], gw[d], sum);
+            float norm = sqrtf(sum);
+            *a = *a + (norm * norm) / (float)dim;
+            float scale = (1.0f / (sqrtf(*a) + h->eps)) * lr;
+            for (int64_t e = 0; e < dim; e++)
+                p[e] = fmaf(-gw[e], scale, p[e]);
+            break;
+        }
+        for (; d < whole; d += lanes)
+            for (int j = 0; j < lanes; j++)
+                acc[j] = acc[j] + g[d + j] * g[d + j];
+        float sum = acc[0];
+        for (int j = 1; j < lanes; j++)
+            sum = sum + acc[j];
+        for (; d < dim; d++)
+            sum = fmaf(g[d], g[d], sum);
+        float norm = sqrtf(sum);
+        if (dim)
+            *a = *a + (norm * norm) / (float)dim;
+        float scale = (1.0f / (sqrtf(*a) + h->eps)) * lr;
+        for (int64_t e = 0; e < dim; e++)
+            p[e] = fmaf(-g[e], scale, p[e]);
+        break;
+    }
+    }
+}
+
+/* Apply one push to n rows (unique). Row i is store row rows[i]; its gradient is grad row
+ * (grad_idx ? grad_idx[i] : i) of the (*, dim) fp32 ``grad``. Per row: the optimizer on values and
+ * state, version + 1, touch = touch_val (if ``touch``).
+ *
+ * out_values == NULL: in place. Otherwise the store is only read: the new values, state and versions
+ * go to row i of out_values (n, dim), out_s0 (n, dim) / out_s1 (n) and out_versions (n), for
+ * tk_scatter to store once the caller commits.
+ *
+ * Returns 0, or -1 for an optimizer it does not know (nothing written). */
+TK_CLONES
+int tk_push(int opt, int lanes, int64_t n, int64_t dim, int shift, int64_t mask, const tk_hparams *h,
+            const int64_t *rows, const float *grad, const int64_t *grad_idx,
+            float *const *values, float *const *s0, float *const *s1, int64_t *const *version,
+            int64_t *const *touch, int64_t touch_val,
+            float *out_values, float *out_s0, float *out_s1, int64_t *out_versions) {
+    if (opt < TK_SGD || opt > TK_ROWWISE_ADAGRAD || lanes < 1 || lanes > TK_MAX_LANES)
+        return -1;
+    int has_s0 = opt == TK_MOMENTUM || opt == TK_NESTEROV || opt == TK_ADAGRAD;
+    int has_s1 = opt == TK_ROWWISE_ADAGRAD;
+    for (int64_t i = 0; i < n; i++) {
+        if (i + TK_AHEAD < n) {
+            int64_t ra = rows[i + TK_AHEAD], ka = ra >> shift, oa = ra & mask;
+            prefetch_bytes(values[ka] + oa * dim, dim * (int64_t)sizeof(float), 1);
+            if (has_s0)
+                prefetch_bytes(s0[ka] + oa * dim, dim * (int64_t)sizeof(float), 1);
+            if (has_s1)
+                __builtin_prefetch(s1[ka] + oa, 1, 3);
+            __builtin_prefetch(version[ka] + oa, 1, 3);
+        }
+        int64_t r = rows[i];
+        int64_t k = r >> shift, off = r & mask;
+        float *p = values[k] + off * dim;
+        const float *g = grad + (grad_idx ? grad_idx[i] : i) * dim;
+        float *st = has_s0 ? s0[k] + off * dim : NULL;
+        float *acc = has_s1 ? s1[k] + off : NULL;
+        if (out_values) {
+            float *op = out_values + i * dim;
+            memcpy(op, p, (size_t)dim * sizeof(float));
+            p = op;
+            if (has_s0) {
+                memcpy(out_s0 + i * dim, st, (size_t)dim * sizeof(float));
+                st = out_s0 + i * dim;
+            }
+            if (has_s1) {
+                out_s1[i] = *acc;
+                acc = out_s1 + i;
+            }
+            out_versions[i] = version[k][off] + 1;
+        } else {
+            version[k][off] += 1;
+            if (touch)
+                touch[k][off] = touch_val;
+        }
+        update_row(opt, lanes, dim, h, p, g, st, acc);
+    }
+    return 0;
+}
+
+/* Store what tk_push computed into out_* (row i -> store row rows[i]), touch = touch_val (if ``touch``). */
+TK_CLONES
+void tk_scatter(int64_t n, int64_t dim, int shift, int64_t mask, const int64_t *rows, int has_s0, int has_s1,
+                const float *new_values, const float *new_s0, const float *new_s1, const int64_t *new_versions,
+                float *const *values, float *const *s0, float *const *s1, int64_t *const *version,
+                int64_t *const *touch, int64_t touch_val) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        int64_t k = r >> shift, off = r & mask;
+        memcpy(values[k] + off * dim, new_values + i * dim, (size_t)dim * sizeof(float));
+        if (has_s0)
+            memcpy(s0[k] + off * dim, new_s0 + i * dim, (size_t)dim * sizeof(float));
+        if (has_s1)
+            s1[k][off] = new_s1[i];
+        version[k][off] = new_versions[i];
+        if (touch)
+            touch[k][off] = touch_val;
+    }
+}
+
+/* Pull: row i of ``out`` (n, row_bytes) = the row_bytes-byte values of store row rows[i] (any dtype),
+ * out_versions[i] = its version. */
+TK_CLONES
+void tk_gather(int64_t n, int64_t row_bytes, int shift, int64_t mask, const int64_t *rows, char *const *values,
+               int64_t *const *version, char *out, int64_t *out_versions) {
+    for (int64_t i = 0; i < n; i++) {
+        if (i + TK_AHEAD < n) {
+            int64_t ra = rows[i + TK_AHEAD], ka = ra >> shift, oa = ra & mask;
+            prefetch_bytes(values[ka] + oa * row_bytes, row_bytes, 0);
+            if (out_versions)
+                __builtin_prefetch(version[ka] + oa, 0, 3);
+        }
+        int64_t r = rows[i];
+        int64_t k = r >> shift, off = r & mask;
+        memcpy(out + i * row_bytes, values[k] + off * row_bytes, (size_t)row_bytes);
+        if (out_versions)
+            out_versions[i] = version[k][off];
+    }
+}

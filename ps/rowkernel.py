@@ -1,0 +1,214 @@
+"""The compiled row kernel behind ``SparseTable`` (``ps/_rowkernel.c``), loaded with ctypes.
+
+One C pass over a request's rows: a push applies the optimizer to each row and its state in place
+(or into buffers, for a push whose new rows a backup must see before they are stored) and bumps its
+version; a pull copies each row into the reply. ctypes releases the GIL for the call, so a shard's
+handler threads run requests of different tables in parallel.
+
+``pip install`` builds the library (setup.py: an optional extension, plain C, no Python headers);
+where it could not be built (no C compiler), or ``TESSERA_ROW_KERNEL=0`` is set, or the self-check
+at load finds it would not give the torch path's floats bit for bit on this machine, tables use the
+numpy/torch path (``ps.optim``), which stays the reference: ``path_of(spec)`` says which a table
+uses and why, and ``SparseTable.memory_stats().row_path`` reports it.
+
+Covered: float32 rows with sgd, momentum, nesterov, adagrad (lr_decay 0) and rowwise_adagrad;
+everything else (fp16/bf16 rows, Adam, AdamW, FTRL, Adagrad with lr_decay) takes the torch path.
+Pure ctypes/numpy/torch: no grpc.
+"""
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import torch
+
+__all__ = ["KERNEL", "RowKernel", "UNAVAILABLE", "kernel_for", "path_of"]
+
+_OPT_CODES = {"sgd": 0, "momentum": 1, "nesterov": 2, "adagrad": 3, "rowwise_adagrad": 4}
+_STATE = {  # (elementwise state name, row-wise state name) the kernel updates, in ps.optim's names
+    "sgd": (None, None), "momentum": ("momentum_buffer", None), "nesterov": ("momentum_buffer", None),
+    "adagrad": ("sum", None), "rowwise_adagrad": (None, "sum"),
+}
+
+
+class _Hparams(ctypes.Structure):
+    _fields_ = [("lr", ctypes.c_float), ("weight_decay", ctypes.c_float), ("eps", ctypes.c_float), ("momentum", ctypes.c_float)]
+
+
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+
+
+def _library_path() -> Path | None:
+    """The built library next to this file (``ps/_rowkernel<extension suffix>``), or None."""
+    here = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        p = here / f"_rowkernel{suffix}"
+        if p.is_file():
+            return p
+    return None
+
+
+def _lanes() -> int | None:
+    """Floats per vector in torch's CPU kernels (the order of the row-wise norm's sum), or None where
+    it is not known here (then the self-check decides nothing: the kernel is not used)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None
+    # torch's vector_norm over the last dim sums in 8 lanes under both (its reduction kernels stop at AVX2)
+    return {"AVX512": 8, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability())
+
+
+def _ptr(a: np.ndarray | torch.Tensor | None) -> int | None:
+    if a is None:
+        return None
+    return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
+
+
+class RowKernel:
+    """The loaded library. Methods take the store's per-chunk column pointer tables
+    (``RowStore.pointers``) and contiguous numpy/torch buffers; callers hold the table's lock."""
+
+    def __init__(self, lib: ctypes.CDLL, lanes: int) -> None:
+        self.lanes = lanes
+        self._push = lib.tk_push
+        self._push.restype = ctypes.c_int
+        self._push.argtypes = [
+            ctypes.c_int, ctypes.c_int, _I64, _I64, ctypes.c_int, _I64, ctypes.POINTER(_Hparams),
+            _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P,
+        ]
+        self._scatter = lib.tk_scatter
+        self._scatter.restype = None
+        self._scatter.argtypes = [_I64, _I64, ctypes.c_int, _I64, _P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64]
+        self._gather = lib.tk_gather
+        self._gather.restype = None
+        self._gather.argtypes = [_I64, _I64, ctypes.c_int, _I64, _P, _P, _P, _P, _P]
+
+    def push(
+        self, opt: str, hparams: Mapping[str, float], dim: int, shift: int, rows: np.ndarray, grad: torch.Tensor,
+        grad_idx: np.ndarray | None, cols: Mapping[str, np.ndarray | None], touch: int,
+        out: Mapping[str, np.ndarray | None] | None = None,
+    ) -> None:
+        """Apply ``opt`` to store rows ``rows`` (int64, unique) with gradient rows ``grad[grad_idx]``
+        (fp32 (m, dim) contiguous; ``grad_idx`` None: row i). ``cols``: pointer tables of "values",
+        "s0", "s1", "version", "touch" (None where absent). ``out`` (keys "values", "s0", "s1",
+        "version": buffers of len(rows) rows): compute into them, leaving the store as it is."""
+        h = _Hparams(float(hparams["lr"]), float(hparams.get("weight_decay", 0.0)), float(hparams.get("eps", 0.0)),
+                     float(hparams.get("momentum", 0.0)))
+        o = out or {}
+        rc = self._push(
+            _OPT_CODES[opt], self.lanes, len(rows), dim, shift, (1 << shift) - 1, ctypes.byref(h),
+            _ptr(rows), _ptr(grad), _ptr(grad_idx), _ptr(cols["values"]), _ptr(cols.get("s0")), _ptr(cols.get("s1")),
+            _ptr(cols["version"]), _ptr(cols.get("touch")), touch,
+            _ptr(o.get("values")), _ptr(o.get("s0")), _ptr(o.get("s1")), _ptr(o.get("version")),
+        )
+        assert rc == 0, f"row kernel refused optimizer {opt!r}"
+
+    def scatter(
+        self, dim: int, shift: int, rows: np.ndarray, new: Mapping[str, np.ndarray | None], cols: Mapping[str, np.ndarray | None], touch: int,
+    ) -> None:
+        """Store rows computed by ``push(..., out=new)``."""
+        self._scatter(
+            len(rows), dim, shift, (1 << shift) - 1, _ptr(rows), new.get("s0") is not None, new.get("s1") is not None,
+            _ptr(new["values"]), _ptr(new.get("s0")), _ptr(new.get("s1")), _ptr(new["version"]),
+            _ptr(cols["values"]), _ptr(cols.get("s0")), _ptr(cols.get("s1")), _ptr(cols["version"]), _ptr(cols.get("touch")), touch,
+        )
+
+    def gather(
+        self, row_bytes: int, shift: int, rows: np.ndarray, values: np.ndarray, versions: np.ndarray | None,
+        out: torch.Tensor, out_versions: np.ndarray | None,
+    ) -> None:
+        """Copy the ``row_bytes``-byte values of store rows ``rows`` into ``out`` (contiguous, one row
+        per entry) and their versions into ``out_versions``."""
+        self._gather(len(rows), row_bytes, shift, (1 << shift) - 1, _ptr(rows), _ptr(values), _ptr(versions), _ptr(out), _ptr(out_versions))
+
+
+def _self_check(k: RowKernel) -> str:
+    """'' if the kernel gives the torch path's floats bit for bit on random rows, else what differs."""
+    from ps.optim import make_optimizer
+
+    gen = torch.Generator().manual_seed(12345)
+    n, dim = 37, 67  # a tail past every vector width
+    for opt, h in (
+        ("sgd", {"lr": 0.05, "weight_decay": 0.01}), ("momentum", {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}),
+        ("nesterov", {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}),
+        ("adagrad", {"lr": 0.1, "lr_decay": 0.0, "eps": 1e-10, "weight_decay": 0.01, "initial_accumulator": 0.1}),
+        ("rowwise_adagrad", {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.0}),
+        ("rowwise_adagrad", {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.01}),
+    ):
+        o = make_optimizer(opt, h)
+        p = torch.randn(n, dim, generator=gen)
+        g = torch.randn(n, dim, generator=gen)
+        s0n, s1n = _STATE[opt]
+        state = o.init_state(p)
+        for v in state.values():
+            v.add_(torch.rand(v.shape, generator=gen))
+        ref_p, ref_s = p.clone(), {key: v.clone() for key, v in state.items()}
+        o.update(ref_p, g, ref_s, torch.ones(n, 1, dtype=torch.float64))
+        kp, ks = p.clone(), {key: v.clone() for key, v in state.items()}
+        ver = np.zeros(n, np.int64)
+        cols = {
+            "values": np.array([kp.data_ptr()], np.int64), "version": np.array([ver.ctypes.data], np.int64),
+            "s0": np.array([ks[s0n].data_ptr()], np.int64) if s0n else None,
+            "s1": np.array([ks[s1n].data_ptr()], np.int64) if s1n else None,
+        }
+        k.push(opt, h, dim, 20, np.arange(n, dtype=np.int64), g, None, cols, 0)
+        if not torch.equal(kp, ref_p) or any(not torch.equal(ks[key], ref_s[key]) for key in ref_s) or not (ver == 1).all():
+            return f"{opt} differs from ps.optim's torch path on this machine"
+    return ""
+
+
+def _load() -> tuple[RowKernel | None, str]:
+    if os.environ.get("TESSERA_ROW_KERNEL", "1") == "0":
+        return None, "TESSERA_ROW_KERNEL=0"
+    path = _library_path()
+    if path is None:
+        return None, "not built (no C compiler at install: pip install -e . with one builds it)"
+    lanes = _lanes()
+    if lanes is None:
+        return None, f"torch's vector width on {platform.machine()} / {torch.backends.cpu.get_cpu_capability()} is not known to it"
+    try:
+        k = RowKernel(ctypes.CDLL(str(path)), lanes)
+    except (OSError, AttributeError) as e:
+        return None, f"could not load {path.name}: {e}"
+    bad = _self_check(k)
+    return (None, bad) if bad else (k, "")
+
+
+KERNEL, UNAVAILABLE = _load()
+
+
+@dataclass(frozen=True)
+class _Binding:
+    kernel: RowKernel
+    opt: str
+    s0: str | None
+    s1: str | None
+
+
+def path_of(opt: str, hparams: Mapping[str, float], row_dtype: str) -> str:
+    """``"kernel"`` if a table of this optimizer and row dtype runs on the row kernel, else
+    ``"numpy (<why>)"``."""
+    if KERNEL is None:
+        return f"numpy ({UNAVAILABLE})"
+    if row_dtype != "float32":
+        return f"numpy ({row_dtype} rows: the kernel covers float32)"
+    if opt not in _OPT_CODES:
+        return f"numpy ({opt}: not in the kernel)"
+    if opt == "adagrad" and float(hparams.get("lr_decay", 0.0)) != 0.0:
+        return "numpy (adagrad with lr_decay: not in the kernel)"
+    return "kernel"
+
+
+def kernel_for(opt: str, hparams: Mapping[str, float], row_dtype: str) -> _Binding | None:
+    """The kernel bound to a table's optimizer, or None where ``path_of`` says numpy."""
+    if path_of(opt, hparams, row_dtype) != "kernel":
+        return None
+    assert KERNEL is not None
+    s0, s1 = _STATE[opt]
+    return _Binding(KERNEL, opt, s0, s1)

@@ -1,0 +1,193 @@
+"""The compiled row kernel (ps/_rowkernel.c via ps.rowkernel) against the numpy/torch path it replaces.
+
+Reference: the same ``SparseTable`` built with ``row_kernel=False`` (ps.optim's torch ops, the path
+every table took before the kernel), given the same requests. Rows, optimizer state, versions, the
+table step, every pull's reply and every push's result must be bit-identical, over random request
+sequences (hypothesis) with duplicate ids, rows created, evicted (LRU) and created again, base versions
+with staleness-aware lr, and pushes whose ``before_swap`` (replication) sees the delta or raises; and
+concurrent pushes from threads against the same pushes applied one after another.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ps import rowkernel
+from ps.config import EvictionSpec, InitializerSpec, OptimizerSpec, TableSpec
+from ps.table import PushResult, RowDelta, SparseTable
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(rowkernel.KERNEL is None, reason=f"row kernel unavailable: {rowkernel.UNAVAILABLE}"),
+]
+
+DIM = 19  # a tail past every vector width
+
+OPTIMIZERS = {
+    "sgd": {"lr": 0.1, "weight_decay": 0.0},
+    "sgd_wd": {"lr": 0.1, "weight_decay": 0.01},
+    "momentum": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01},
+    "nesterov": {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0},
+    "adagrad": {"lr": 0.1, "lr_decay": 0.0, "eps": 1e-10, "weight_decay": 0.0, "initial_accumulator": 0.1},
+    "rowwise_adagrad": {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.0},
+    "rowwise_adagrad_wd": {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.02},
+}
+
+
+def _spec(opt: str, dim: int = DIM, max_rows: int = 0) -> TableSpec:
+    name = opt.removesuffix("_wd")
+    return TableSpec(
+        "emb", "sparse", dim=dim, optimizer=OptimizerSpec(name, OPTIMIZERS[opt]), initializer=InitializerSpec("uniform"),
+        seed=5, num_slots=64, eviction=EvictionSpec(max_rows=max_rows),
+    )
+
+
+def _pair(opt: str, dim: int = DIM, max_rows: int = 0) -> tuple[SparseTable, SparseTable]:
+    fast = SparseTable(_spec(opt, dim, max_rows), 0, 1)
+    ref = SparseTable(_spec(opt, dim, max_rows), 0, 1, row_kernel=False)
+    assert fast.row_path == "kernel" and fast.memory_stats().row_path == "kernel"
+    assert ref.row_path.startswith("numpy")
+    return fast, ref
+
+
+def _same_state(a: SparseTable, b: SparseTable) -> None:
+    x, y = a.export_state(), b.export_state()
+    for k in ("ids", "values", "versions"):
+        np.testing.assert_array_equal(np.asarray(x[k]), np.asarray(y[k]), err_msg=k, strict=True)
+    assert x["state"].keys() == y["state"].keys()
+    for k in x["state"]:
+        np.testing.assert_array_equal(np.asarray(x["state"][k]), np.asarray(y["state"][k]), err_msg=k, strict=True)
+    assert (x["step"], a.updates, a.dropped, a.evicted) == (y["step"], b.updates, b.dropped, b.evicted)
+    assert (a.staleness.count, a.staleness.total, a.staleness.max) == (b.staleness.count, b.staleness.total, b.staleness.max)
+
+
+def _by_id(d: RowDelta) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], np.ndarray]:
+    o = np.argsort(d.ids)
+    return d.ids[o], d.values[o], {k: np.asarray(v)[o] for k, v in d.state.items()}, d.versions[o]
+
+
+_request = st.tuples(
+    st.sampled_from(["push", "push", "pull", "push_base", "push_replicated", "push_refused"]),
+    st.lists(st.integers(0, 40), min_size=0, max_size=24),  # duplicates likely: 41 ids
+    st.integers(0, 2**31 - 1),
+)
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(_request, min_size=1, max_size=12), max_rows=st.sampled_from([0, 12]))
+def test_kernel_matches_the_torch_path_bitwise(opt: str, requests, max_rows: int) -> None:
+    fast, ref = _pair(opt, max_rows=max_rows)
+    for kind, ids_list, seed in requests:
+        ids = np.array(ids_list, np.int64)
+        rng = np.random.default_rng(seed)
+        if kind == "pull":
+            (va, ve), (vb, vf) = fast.pull_rows(ids), ref.pull_rows(ids)
+            assert torch.equal(va, vb) and np.array_equal(ve, vf)
+            continue
+        grads = rng.standard_normal((len(ids), DIM)).astype(np.float32)
+        if max_rows and len(np.unique(ids)) > max_rows:
+            ids, grads = ids[:max_rows], grads[:max_rows]  # a push of more distinct rows than the cap is refused
+        base = rng.integers(-1, 4, len(ids)) if kind == "push_base" else None
+        pa, pb = fast.prepare_push(ids, grads, base), ref.prepare_push(ids, grads, base)
+        if kind in ("push", "push_base"):
+            ra, rb = fast.apply_push(pa, staleness_aware_lr=True), ref.apply_push(pb, staleness_aware_lr=True)
+            assert ra == rb
+        elif kind == "push_replicated":
+            seen: list[tuple[PushResult, RowDelta]] = []
+            ra = fast.apply_push(pa, before_swap=lambda r, d: seen.append((r, d)))
+            rb = ref.apply_push(pb, before_swap=lambda r, d: seen.append((r, d)))
+            assert ra == rb == seen[0][0] == seen[1][0]
+            da, db = _by_id(seen[0][1]), _by_id(seen[1][1])
+            for x, y in zip((da[0], da[1], da[3]), (db[0], db[1], db[3]), strict=True):
+                np.testing.assert_array_equal(x, y, strict=True)
+            assert da[2].keys() == db[2].keys()
+            for k in da[2]:
+                np.testing.assert_array_equal(da[2][k], db[2][k], strict=True)
+        else:  # before_swap refuses: no row changes on either path (rows LRU eviction dropped stay dropped)
+            before = fast.export_state()
+
+            def refuse(r: PushResult, d: RowDelta) -> None:
+                raise RuntimeError("backup gone")
+
+            for t, p in ((fast, pa), (ref, pb)):
+                with pytest.raises(RuntimeError, match="backup gone"):
+                    t.apply_push(p, before_swap=refuse)
+            after = fast.export_state()
+            kept = np.isin(before["ids"], after["ids"])
+            assert np.isin(after["ids"], before["ids"]).all()
+            np.testing.assert_array_equal(before["values"][kept], after["values"], strict=True)
+            np.testing.assert_array_equal(before["versions"][kept], after["versions"], strict=True)
+        _same_state(fast, ref)
+
+
+@pytest.mark.parametrize("opt", ["rowwise_adagrad", "adagrad", "sgd"])
+def test_kernel_matches_on_the_benchmark_shape(opt: str) -> None:
+    """dim 64 (whole vectors, no tail), Zipf ids with repeats, rows created as they come."""
+    fast, ref = _pair(opt, dim=64)
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        ids = np.minimum(rng.zipf(1.1, 512), 5000).astype(np.int64)
+        g = rng.standard_normal((len(ids), 64)).astype(np.float32)
+        assert fast.push(ids, g) == ref.push(ids, g)
+        u = np.unique(ids)
+        (va, ve), (vb, vf) = fast.pull_rows(u), ref.pull_rows(u)
+        assert torch.equal(va, vb) and np.array_equal(ve, vf)
+    _same_state(fast, ref)
+
+
+def test_concurrent_pushes_match_the_same_pushes_in_turn() -> None:
+    """Four threads push to one kernel table at once (disjoint ids per thread, duplicates within a push,
+    so each row's update order is its thread's order) while a fifth pulls; the reference applies the
+    same pushes one thread after another. Every row and version equal; every pull saw whole rows."""
+    fast, ref = _pair("rowwise_adagrad", dim=64)
+    pushes = []
+    for w in range(4):
+        rng = np.random.default_rng(100 + w)
+        mine = np.arange(w, 4000, 4, dtype=np.int64)
+        pushes.append([(ids := rng.choice(mine, 300), rng.standard_normal((300, 64)).astype(np.float32)) for _ in range(30)])
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def run(w: int) -> None:
+        try:
+            for ids, g in pushes[w]:
+                fast.push(ids, g)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    def read() -> None:
+        try:
+            while not stop.is_set():
+                vals, vers = fast.pull_rows(np.arange(0, 4000, 7, dtype=np.int64))
+                assert torch.isfinite(vals).all() and (vers >= 0).all()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in range(4)]
+    reader = threading.Thread(target=read)
+    reader.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    stop.set()
+    reader.join(timeout=120)
+    assert not errors, errors
+    for w in range(4):
+        for ids, g in pushes[w]:
+            ref.push(ids, g)
+    _same_state(fast, ref)
+
+
+def test_paths_not_covered_say_why() -> None:
+    assert rowkernel.path_of("adam", {"lr": 0.1}, "float32").startswith("numpy (adam")
+    assert rowkernel.path_of("sgd", {"lr": 0.1}, "bfloat16").startswith("numpy (bfloat16 rows")
+    assert rowkernel.path_of("adagrad", {"lr": 0.1, "lr_decay": 0.01}, "float32").startswith("numpy (adagrad with lr_decay")
+    t = SparseTable(TableSpec("e", "sparse", dim=4, optimizer=OptimizerSpec("adam", {"lr": 0.1})), 0, 1)
+    assert t.memory_stats().row_path.startswith("numpy (adam")
