@@ -225,3 +225,39 @@ void tk_gather(int64_t n, int64_t row_bytes, int shift, int64_t mask, const int6
             out_versions[i] = version[k][off];
     }
 }
+
+/* Index lookup (ps/index.py's sorted runs): for each ids[i] found in keys[0..nkeys) (sorted
+ * ascending, unique) with a value other than ``tomb``, out[i] = that value; out is left as it is
+ * elsewhere. Branch-free binary searches TK_GROUP at a time in lockstep, each probe's two possible
+ * successors prefetched: a group's cache misses overlap instead of following one another. */
+#define TK_GROUP 64
+
+TK_CLONES
+void tk_lookup(const int64_t *keys, const int32_t *vals, int64_t nkeys, int32_t tomb, const int64_t *ids, int64_t n,
+               int64_t *out) {
+    if (nkeys <= 0)
+        return;
+    for (int64_t g0 = 0; g0 < n; g0 += TK_GROUP) {
+        int m = n - g0 < TK_GROUP ? (int)(n - g0) : TK_GROUP;
+        const int64_t *q = ids + g0;
+        int64_t base[TK_GROUP] = {0};
+        int64_t len = nkeys;
+        while (len > 1) {
+            int64_t half = len / 2;
+            for (int j = 0; j < m; j++) {
+                __builtin_prefetch(keys + base[j] + half / 2, 0, 3);
+                __builtin_prefetch(keys + base[j] + half + half / 2, 0, 3);
+            }
+            for (int j = 0; j < m; j++)
+                base[j] = keys[base[j] + half] <= q[j] ? base[j] + half : base[j];
+            len -= half;
+        }
+        for (int j = 0; j < m; j++) {
+            if (keys[base[j]] == q[j]) {
+                int32_t v = vals[base[j]];
+                if (v != tomb)
+                    out[g0 + j] = v;
+            }
+        }
+    }
+}

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ps import rowkernel
+
 __all__ = ["BYTES_PER_ENTRY", "VALUE_MAX", "VALUE_MIN", "IdIndex"]
 
 # The int32 value also marks deleted entries; values are rows (>= 0) or a table's negative
@@ -29,7 +31,11 @@ MIN_DELTA = 4096  # the delta is merged into the base once it holds more than ma
 
 
 class IdIndex:
-    def __init__(self) -> None:
+    """``kernel``: look ids up with the row kernel's batched binary search (``ps.rowkernel``, where it
+    loaded; same answers as ``np.searchsorted``, its cache misses overlapped); False: numpy only."""
+
+    def __init__(self, kernel: bool = True) -> None:
+        self._kernel = rowkernel.KERNEL if kernel else None
         self._bk = np.empty(0, np.int64)  # base: sorted keys, their values
         self._bv = np.empty(0, np.int32)
         self._dk = np.empty(0, np.int64)  # delta: the same, small
@@ -67,6 +73,12 @@ class IdIndex:
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Value of each id (int64; any order, duplicates allowed), -1 where absent."""
         ids = np.ascontiguousarray(ids, np.int64)
+        if self._kernel is not None:
+            out = np.full(len(ids), -1, np.int64)
+            for keys, vals in ((self._bk, self._bv), (self._dk, self._dv)):  # an id is in one run at most
+                if len(keys):
+                    self._kernel.lookup(keys, vals, int(_TOMB), ids, out)
+            return out
         pb, hb, pd, hd = self._find(ids)
         out = np.full(len(ids), -1, np.int64)
         out[hb] = self._bv[pb[hb]]

@@ -21,6 +21,7 @@ import ctypes
 import importlib.machinery
 import os
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -28,7 +29,7 @@ from typing import Mapping
 import numpy as np
 import torch
 
-__all__ = ["KERNEL", "RowKernel", "UNAVAILABLE", "kernel_for", "path_of"]
+__all__ = ["KERNEL", "RowKernel", "UNAVAILABLE", "kernel_for", "path_of", "say_once"]
 
 _OPT_CODES = {"sgd": 0, "momentum": 1, "nesterov": 2, "adagrad": 3, "rowwise_adagrad": 4}
 _STATE = {  # (elementwise state name, row-wise state name) the kernel updates, in ps.optim's names
@@ -88,6 +89,9 @@ class RowKernel:
         self._gather = lib.tk_gather
         self._gather.restype = None
         self._gather.argtypes = [_I64, _I64, ctypes.c_int, _I64, _P, _P, _P, _P, _P]
+        self._lookup = lib.tk_lookup
+        self._lookup.restype = None
+        self._lookup.argtypes = [_P, _P, _I64, ctypes.c_int32, _P, _I64, _P]
 
     def push(
         self, opt: str, hparams: Mapping[str, float], dim: int, shift: int, rows: np.ndarray, grad: torch.Tensor,
@@ -126,6 +130,13 @@ class RowKernel:
         """Copy the ``row_bytes``-byte values of store rows ``rows`` into ``out`` (contiguous, one row
         per entry) and their versions into ``out_versions``."""
         self._gather(len(rows), row_bytes, shift, (1 << shift) - 1, _ptr(rows), _ptr(values), _ptr(versions), _ptr(out), _ptr(out_versions))
+
+
+    def lookup(self, keys: np.ndarray, vals: np.ndarray, tomb: int, ids: np.ndarray, out: np.ndarray) -> None:
+        """``out[i] = vals[j]`` where ``keys[j] == ids[i]`` and ``vals[j] != tomb`` (``keys``: sorted
+        unique int64, ``vals``: int32, both contiguous; ``ids``, ``out``: contiguous int64); ``out``
+        unchanged elsewhere."""
+        self._lookup(_ptr(keys), _ptr(vals), len(keys), tomb, _ptr(ids), len(ids), _ptr(out))
 
 
 def _self_check(k: RowKernel) -> str:
@@ -181,6 +192,15 @@ def _load() -> tuple[RowKernel | None, str]:
 
 
 KERNEL, UNAVAILABLE = _load()
+_said = False
+
+
+def say_once() -> None:
+    """Print, once per process, the line a shard starts with when its tables cannot use the kernel."""
+    global _said
+    if KERNEL is None and not _said:
+        _said = True
+        print(f"tessera ps: row kernel not in use ({UNAVAILABLE}); sparse tables run the numpy path", file=sys.stderr, flush=True)
 
 
 @dataclass(frozen=True)

@@ -743,6 +743,8 @@ class SparseTable:
         # torch path's floats bit for bit); ``row_path`` says which path and, for numpy, why
         self.row_path = rowkernel.path_of(spec.optimizer.name, spec.optimizer.hparams, spec.dtype) if row_kernel else "numpy (asked for)"
         self._gather_kernel = rowkernel.KERNEL if row_kernel else None  # pulls: any optimizer, any row dtype
+        if row_kernel:
+            rowkernel.say_once()  # a shard without the kernel says so once, when its first sparse table is made
         if self.row_path == "kernel" and isinstance(self.optimizer, Adagrad) and not self.optimizer.fused:
             self.row_path = "numpy (adagrad's torch path unfused: the kernel matches the fused one)"
         self._kernel = rowkernel.kernel_for(spec.optimizer.name, spec.optimizer.hparams, spec.dtype) if self.row_path == "kernel" else None
@@ -751,7 +753,7 @@ class SparseTable:
         # held from a budget check to the allocation it allowed: shared by a shard's tables, so two
         # tables growing at once cannot both be granted the same headroom
         self._growth = growth_lock if growth_lock is not None else threading.Lock()
-        self._index = IdIndex()
+        self._index = IdIndex(kernel=self._gather_kernel is not None)
         self.row_dtype = ROW_DTYPES[spec.dtype]
         opt = self.optimizer
         self._state_names = list(opt.elementwise_state) + list(opt.rowwise_state)
@@ -1530,7 +1532,7 @@ class SparseTable:
         with self.lock:
             self._moved()
             self.eviction_epoch += 1  # every row replaced: versions read before name other values
-            self._index = IdIndex()
+            self._index = IdIndex(kernel=self._gather_kernel is not None)
             self._store.clear()
             if self._cold is not None:
                 if self._cold.held:  # a snapshot still reads its file: leave it that file, start a new one

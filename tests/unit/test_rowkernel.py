@@ -191,3 +191,62 @@ def test_paths_not_covered_say_why() -> None:
     assert rowkernel.path_of("adagrad", {"lr": 0.1, "lr_decay": 0.01}, "float32").startswith("numpy (adagrad with lr_decay")
     t = SparseTable(TableSpec("e", "sparse", dim=4, optimizer=OptimizerSpec("adam", {"lr": 0.1})), 0, 1)
     assert t.memory_stats().row_path.startswith("numpy (adam")
+
+
+def test_index_lookup_matches_numpy_searchsorted() -> None:
+    """IdIndex's kernel lookup against its numpy path (``kernel=False``): the same inserts and deletes
+    (base and delta runs, tombstones, revived ids), then lookups of present, deleted and absent ids,
+    unsorted and with duplicates, including ids below and above every key."""
+    from ps.index import IdIndex
+
+    rng = np.random.default_rng(9)
+    fast, ref = IdIndex(), IdIndex(kernel=False)
+    assert fast._kernel is not None and ref._kernel is None
+    pool = rng.choice(1 << 40, 30_000, replace=False).astype(np.int64)
+    live: set[int] = set()
+    for step in range(12):
+        new = np.array([i for i in rng.choice(pool, 4000) if int(i) not in live], np.int64)
+        new = np.unique(new)
+        rows = rng.integers(-1000, 1 << 30, len(new))
+        rows[rows == -1] = 5
+        for t in (fast, ref):
+            t.insert(new, rows)
+        live.update(new.tolist())
+        gone = rng.choice(np.array(sorted(live), np.int64), 500, replace=False)
+        for t in (fast, ref):
+            t.delete(gone)
+        live.difference_update(gone.tolist())
+        q = np.concatenate([rng.choice(pool, 3000), rng.integers(-5, 1 << 41, 500), [np.iinfo(np.int64).min, np.iinfo(np.int64).max]])
+        np.testing.assert_array_equal(fast.lookup(q), ref.lookup(q), strict=True)
+        np.testing.assert_array_equal(fast.lookup(np.sort(q)), ref.lookup(np.sort(q)), strict=True)
+    assert len(fast) == len(ref) == len(live)
+    assert fast.lookup(np.zeros(0, np.int64)).shape == (0,)
+    assert (IdIndex().lookup(np.array([1, 2], np.int64)) == -1).all()
+
+
+def test_without_the_kernel_a_process_says_so_once_and_runs_the_numpy_path() -> None:
+    """TESSERA_ROW_KERNEL=0 (as where no compiler built it): tables report the numpy path and why, the
+    first sparse table prints one line on stderr, and pushes and pulls give the kernel's results."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np\n"
+        "from ps.config import OptimizerSpec, TableSpec\n"
+        "from ps.table import SparseTable\n"
+        "ts = [SparseTable(TableSpec(n, 'sparse', dim=8, optimizer=OptimizerSpec('rowwise_adagrad', {'lr': 0.1})), 0, 1) for n in 'ab']\n"
+        "ids = np.array([3, 1, 3, 7], np.int64)\n"
+        "ts[0].push(ids, np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8))\n"
+        "print(ts[0].memory_stats().row_path)\n"
+        "print(ts[0].pull_rows(np.array([1, 3, 7], np.int64))[0].numpy().tobytes().hex())\n"
+    )
+    env = {**os.environ, "TESSERA_ROW_KERNEL": "0"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    path, rows = r.stdout.splitlines()
+    assert path == "numpy (TESSERA_ROW_KERNEL=0)"
+    assert r.stderr.count("tessera ps: row kernel not in use (TESSERA_ROW_KERNEL=0)") == 1
+    t = SparseTable(TableSpec("a", "sparse", dim=8, optimizer=OptimizerSpec("rowwise_adagrad", {"lr": 0.1})), 0, 1)
+    assert t.row_path == "kernel"
+    t.push(np.array([3, 1, 3, 7], np.int64), np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8))
+    assert t.pull_rows(np.array([1, 3, 7], np.int64))[0].numpy().tobytes().hex() == rows
