@@ -1,7 +1,8 @@
 """A pipeline runs inside the trainer's one loop (``PipelineSync``): what every other layout gets
 from the trainer, a pipeline gets too.
 
-`tessera peer --pp 2 --dp 2 --mode zero3` (4 ranks, the gpt task in float64, Adam) with
+`tessera peer --pp 2 --dp 2 --mode zero3 --schedule interleaved` (4 ranks, two model chunks per rank,
+the gpt task in float64, Adam) with
 ``--metrics-out --log-every 1 --eval-every 2``: every rank's step records carry the step's global
 loss (the last stage's mean over the micro-batches, averaged over the two pipelines), the same on
 every rank; the evaluation at step 2 and the final one at step 4 run the whole model (each stage's
@@ -65,7 +66,8 @@ def _close(a: float, b: float, rel: float = 1e-10) -> bool:
 
 @pytest.mark.timeout(300)
 def test_pipeline_zero3_metrics_and_evaluation_come_from_the_trainer(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    p = _peer(4, ["--pp", "2", "--dp", "2", "--mode", "zero3", "--micro-batches", "2", "--global-batch", "8", "--steps", "4",
+    p = _peer(4, ["--pp", "2", "--dp", "2", "--mode", "zero3", "--schedule", "interleaved", "--virtual-stages", "2",
+                  "--micro-batches", "2", "--global-batch", "8", "--steps", "4",
                   "--log-every", "1", "--eval-every", "2", "--metrics-out", str(tmp_path)], timeout=280)
     assert p.returncode == 0, p.stderr[-3000:]
     want, tests = _reference(4, [2, 4])
@@ -80,7 +82,8 @@ def test_pipeline_zero3_metrics_and_evaluation_come_from_the_trainer(tmp_path) -
         summary = [x for x in recs if x["kind"] == "summary"]
         assert len(summary) == 1 and _close(summary[0]["last_loss"], want[-1]), (r, summary)
     report = json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])
-    assert (report["pp"], report["dp"], report["micro_batches"]) == (2, 2, 2), report
+    assert (report["pp"], report["dp"], report["micro_batches"], report["virtual_stages"]) == (2, 2, 2, 2), report
+    assert len(report["stages"]) == 4, report  # 2 x 2 virtual stages over the 5 layers
     assert _close(report["test_loss"], tests[4]) and _close(report["last_loss"], want[-1]), report
 
 

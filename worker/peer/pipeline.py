@@ -698,10 +698,11 @@ class PipelineSync(WrapsDense, ParamSync):
 
         src = plan.source
         self.plan, self.model, self.name = plan, model, f"pp-zero{stage}"
+        # no DP group for the engine: the stages' DataParallelSync reduces the gradients, global_loss the loss
         self.engine = PipelineEngine(
             src.layers, pp_ranks=mesh.pp_ranks, kind=plan.kind, micro_batches=plan.micro_batches, virtual=plan.virtual_stages,
-            pp_group=mesh.pp_group, dp_group=mesh.dp_group, dp_size=mesh.dp, loss_fn=src.loss_fn, costs=src.costs,
-            recompute=plan.recompute, device=mesh.device, reduce_grads=False, precision=plan.precision, rng=plan.rng,
+            pp_group=mesh.pp_group, loss_fn=src.loss_fn, costs=src.costs, recompute=plan.recompute, device=mesh.device,
+            reduce_grads=False, precision=plan.precision, rng=plan.rng,
         )
         self.dense = stage_sync(model, self.engine, optimizer, stage=stage, dp_group=mesh.dp_group,
                                 tp_group=mesh.tp_group if mesh.tp > 1 else None, sequence_parallel=sequence_parallel)
@@ -736,9 +737,9 @@ class PipelineSync(WrapsDense, ParamSync):
         (``micro_batches`` must be that number): the first stage takes ``source.inputs`` of each, the
         last computes ``source.loss_fn`` (the task's loss, from which the plan was made: ``model`` and
         ``loss_fn`` are those the source's layers and loss came from). Gradients accumulate into the
-        stages' parameters (each micro-batch's loss scaled by 1/m). Returns the step's global loss (a
-        collective: the last stage's mean over the micro-batches, broadcast over the pipeline and
-        averaged over the D pipelines), the same on every rank."""
+        stages' parameters (each micro-batch's loss scaled by 1/m). Returns this pipeline's loss: the
+        last stage's mean over the micro-batches, broadcast over the pipeline (a collective), the same
+        on every rank of the pipeline."""
         if micro_batches != self.engine.m:
             raise ScheduleError(f"the pipeline runs {self.engine.m} micro-batches per step, asked for {micro_batches}")
         src = self.plan.source
@@ -747,8 +748,8 @@ class PipelineSync(WrapsDense, ParamSync):
         return torch.tensor(loss, dtype=torch.float64)
 
     def global_loss(self, loss: torch.Tensor) -> float:
-        """``forward_backward``'s loss is global already (reduced over the pipeline and the DP group)."""
-        return float(loss)
+        """The mean of the pipelines' losses over the DP group (a collective), as every layout reports it."""
+        return self.dense.global_loss(loss)
 
     def gradients(self, step: int) -> Grads:
         return Grads(None)
