@@ -119,8 +119,9 @@ def test_pipeline_config_start_checks() -> None:
         (["--sequence-parallel"], 4, "--sequence-parallel needs --tp > 1"),
         (["--global-batch", "12"], 4, "global batch 12 is not divisible by D 2 x micro-batches 4"),
         (["--schedule", "interleaved", "--micro-batches", "3", "--global-batch", "6"], 2, "micro-batches divisible by pipeline ranks"),
-        (["--global-batch", "16", "--accumulate", "2", "--compress", "bf16", "--eval-every", "3"], 4,
-         r"not supported with --pp/--recompute/--precision: --accumulate, --compress \(--micro-batches replaces --accumulate\)"),
+        (["--global-batch", "16", "--accumulate", "2", "--compress", "bf16", "--eval-every", "3", "--max-seconds", "5",
+          "--metrics-out", "m", "--debug-collectives"], 4,
+         r"not supported with --pp/--recompute/--precision: --accumulate, --compress, --debug-collectives \(--micro-batches"),
     ]:
         with pytest.raises(PeerConfigError, match=msg):
             cfg(*argv, world=world)

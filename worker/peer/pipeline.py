@@ -849,8 +849,9 @@ def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int
         schedule(args.schedule, P, m, V)
     except ScheduleError as e:
         raise PeerConfigError(str(e)) from None
-    unsupported = [flag for flag, v, default in [("--accumulate", args.accumulate, 1), ("--compress", args.compress, "none")]
-                   if v != default]
+    # --debug-collectives compares every rank's collectives world-wide: the stages' differ in shape by design
+    unsupported = [flag for flag, v, default in [("--accumulate", args.accumulate, 1), ("--compress", args.compress, "none"),
+                                                 ("--debug-collectives", args.debug_collectives, False)] if v != default]
     if unsupported:
         raise PeerConfigError(
             f"not supported with --pp/--recompute/--precision: {', '.join(unsupported)} (--micro-batches replaces --accumulate)"
