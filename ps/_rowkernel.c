@@ -86,71 +86,170 @@ static inline __attribute__((always_inline)) void update_row(int opt, int lanes,
         }
         break;
     case TK_ROWWISE_ADAGRAD: { /* acc += vector_norm(g)^2 / dim; p -= g * (lr / (sqrt(acc) + eps)) */
+        /* g (+ wd*p) is needed twice, for the norm and for the update: with decay, kept here (rows are short) */
+        float gw[wd != 0.0f && dim > 0 ? dim : 1];
+        const float *gg = g;
+        if (wd != 0.0f) {
+            for (int64_t e = 0; e < dim; e++)
+                gw[e] = fmaf(p[e], wd, g[e]);
+            gg = gw;
+        }
         float acc[TK_MAX_LANES] = {0};
         int64_t d = 0;
         int64_t whole = dim - dim % lanes;
-        if (wd != 0.0f) {
-            /* g (+ wd*p) is needed twice: the norm first, then the update; rows are short (dim floats) */
-            float gw[dim > 0 ? dim : 1];
-            for (int64_t e = 0; e < dim; e++)
-                gw[e] = fmaf(p[e], wd, g[e]);
-            for (; d < whole; d += lanes)
-                for (int j = 0; j < lanes; j++)
-                    acc[j] = acc[j] + gw[d + j] * gw[d + j];
-            float sum = acc[0];
-            for (int j = 1; j < lanes; j++)
-                sum = sum + acc[j];
-            for (; d < dim; d++)
-                sum = fmaf(gw[d], gw[d], sum);
-            float norm = sqrtf(sum);
-            *a = *a + (norm * norm) / (float)dim;
-            float scale = (1.0f / (sqrtf(*a) + h->eps)) * lr;
-            for (int64_t e = 0; e < dim; e++)
-                p[e] = fmaf(-gw[e], scale, p[e]);
-            break;
-        }
         for (; d < whole; d += lanes)
             for (int j = 0; j < lanes; j++)
-                acc[j] = acc[j] + g[d + j] * g[d + j];
+                acc[j] = acc[j] + gg[d + j] * gg[d + j];
         float sum = acc[0];
         for (int j = 1; j < lanes; j++)
             sum = sum + acc[j];
         for (; d < dim; d++)
-            sum = fmaf(g[d], g[d], sum);
+            sum = fmaf(gg[d], gg[d], sum);
         float norm = sqrtf(sum);
         if (dim)
             *a = *a + (norm * norm) / (float)dim;
         float scale = (1.0f / (sqrtf(*a) + h->eps)) * lr;
         for (int64_t e = 0; e < dim; e++)
-            p[e] = fmaf(-g[e], scale, p[e]);
+            p[e] = fmaf(-gg[e], scale, p[e]);
         break;
     }
     }
 }
 
-/* Apply one push to n rows (unique). Row i is store row rows[i]; its gradient is grad row
- * (grad_idx ? grad_idx[i] : i) of the (*, dim) fp32 ``grad``. Per row: the optimizer on values and
- * state, version + 1, touch = touch_val (if ``touch``).
+/* Row dtypes: values are stored as float32, float16 (round to nearest even on the way back) or
+ * bfloat16 (stochastic rounding, ps/rowdtype.py: a hash of (table key, row id, new version, column));
+ * the optimizer always runs in fp32. float16 needs the compiler's _Float16 (tk_features says). */
+#define TK_F32 0
+#define TK_F16 1
+#define TK_BF16 2
+
+#ifdef __FLT16_MAX__
+#define TK_HAVE_F16 1
+#else
+#define TK_HAVE_F16 0
+#endif
+
+/* bit 0: float16 rows supported */
+int tk_features(void) { return TK_HAVE_F16; }
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint64_t mix64(uint64_t z) { /* splitmix64's finalizer, as ps.partition.mix64 */
+    z ^= z >> 30;
+    z *= 0xBF58476D1CE4E5B9ULL;
+    z ^= z >> 27;
+    z *= 0x94D049BB133111EBULL;
+    z ^= z >> 31;
+    return z;
+}
+
+/* ps.rowdtype.stochastic_round_bf16 of one row: row key = mix64(id ^ table_key ^ version * golden),
+ * 16 noise bits per column (lowbias32), added to the fp32 bits, low half dropped */
+static inline void round_bf16_row(const float *x, uint16_t *out, int64_t dim, uint64_t table_key, int64_t id, int64_t version) {
+    uint64_t key = mix64((uint64_t)id ^ table_key ^ ((uint64_t)version * 0x9E3779B97F4A7C15ULL));
+    uint32_t k32 = (uint32_t)key;
+    for (int64_t d = 0; d < dim; d++) {
+        uint32_t z = k32 + (uint32_t)d * 0x9E3779B9u;
+        z ^= z >> 16;
+        z *= 0x7FEB352Du;
+        z ^= z >> 15;
+        z *= 0x846CA68Bu;
+        z ^= z >> 16;
+        uint32_t b;
+        memcpy(&b, &x[d], 4);
+        if (isnan(x[d]))
+            out[d] = 0xFFFF; /* what torch's vectorized fp32 -> bf16 conversion makes of a NaN (the self-check confirms) */
+        else
+            out[d] = (uint16_t)((b + (z & 0xFFFFu)) >> 16);
+    }
+}
+
+/* widen a stored row into p (fp32) */
+static inline void load_row(int vdtype, const char *src, float *p, int64_t dim) {
+    if (vdtype == TK_F32) {
+        memcpy(p, src, (size_t)dim * 4);
+    } else if (vdtype == TK_BF16) {
+        const uint16_t *b = (const uint16_t *)src;
+        for (int64_t d = 0; d < dim; d++)
+            p[d] = bf16_to_f32(b[d]);
+    } else {
+#if TK_HAVE_F16
+        const _Float16 *hf = (const _Float16 *)src;
+        for (int64_t d = 0; d < dim; d++)
+            p[d] = (float)hf[d];
+#endif
+    }
+}
+
+/* p (fp32, exactly representable in the row dtype already for f16/bf16 when ``exact``) into a stored row */
+static inline void store_row(int vdtype, const float *p, char *dst, int64_t dim) {
+    if (vdtype == TK_F32) {
+        memcpy(dst, p, (size_t)dim * 4);
+    } else if (vdtype == TK_BF16) {
+        uint16_t *b = (uint16_t *)dst;
+        for (int64_t d = 0; d < dim; d++) {
+            uint32_t u;
+            memcpy(&u, &p[d], 4);
+            b[d] = (uint16_t)(u >> 16); /* exact: the low half is zero (or a NaN made 0xFFFF0000) */
+        }
+    } else {
+#if TK_HAVE_F16
+        _Float16 *hf = (_Float16 *)dst;
+        for (int64_t d = 0; d < dim; d++)
+            hf[d] = (_Float16)p[d];
+#endif
+    }
+}
+
+/* the new fp32 values p rounded to the row dtype, in place (then exactly representable) */
+static inline void round_row(int vdtype, float *p, int64_t dim, uint64_t table_key, int64_t id, int64_t version) {
+    if (vdtype == TK_BF16) {
+        uint16_t tmp[dim > 0 ? dim : 1];
+        round_bf16_row(p, tmp, dim, table_key, id, version);
+        for (int64_t d = 0; d < dim; d++)
+            p[d] = bf16_to_f32(tmp[d]);
+    } else if (vdtype == TK_F16) {
+#if TK_HAVE_F16
+        for (int64_t d = 0; d < dim; d++)
+            p[d] = (float)(_Float16)p[d];
+#endif
+    }
+}
+
+static inline int64_t itemsize(int vdtype) { return vdtype == TK_F32 ? 4 : 2; }
+
+/* Apply one push to n rows (unique). Row i is store row rows[i] (row id ids[i]); its gradient is
+ * grad row (grad_idx ? grad_idx[i] : i) of the (*, dim) fp32 ``grad``. Per row: widen the values,
+ * the optimizer on them and the state, round back to the row dtype (``vdtype``), version + 1,
+ * touch = touch_val (if ``touch``).
  *
- * out_values == NULL: in place. Otherwise the store is only read: the new values, state and versions
- * go to row i of out_values (n, dim), out_s0 (n, dim) / out_s1 (n) and out_versions (n), for
- * tk_scatter to store once the caller commits.
+ * out_values == NULL: in place. Otherwise the store is only read: the new values (fp32, already
+ * rounded to the row dtype), state and versions go to row i of out_values (n, dim), out_s0 (n, dim) /
+ * out_s1 (n) and out_versions (n), for tk_scatter to store once the caller commits.
  *
- * Returns 0, or -1 for an optimizer it does not know (nothing written). */
+ * Returns 0, or -1 for what it does not know (nothing written). */
 TK_CLONES
-int tk_push(int opt, int lanes, int64_t n, int64_t dim, int shift, int64_t mask, const tk_hparams *h,
-            const int64_t *rows, const float *grad, const int64_t *grad_idx,
-            float *const *values, float *const *s0, float *const *s1, int64_t *const *version,
+int tk_push(int opt, int lanes, int vdtype, uint64_t table_key, int64_t n, int64_t dim, int shift, int64_t mask,
+            const tk_hparams *h, const int64_t *rows, const int64_t *ids, const float *grad, const int64_t *grad_idx,
+            char *const *values, float *const *s0, float *const *s1, int64_t *const *version,
             int64_t *const *touch, int64_t touch_val,
             float *out_values, float *out_s0, float *out_s1, int64_t *out_versions) {
-    if (opt < TK_SGD || opt > TK_ROWWISE_ADAGRAD || lanes < 1 || lanes > TK_MAX_LANES)
+    if (opt < TK_SGD || opt > TK_ROWWISE_ADAGRAD || lanes < 1 || lanes > TK_MAX_LANES || vdtype < TK_F32 || vdtype > TK_BF16 ||
+        (vdtype == TK_F16 && !TK_HAVE_F16) || (vdtype == TK_BF16 && !ids))
         return -1;
     int has_s0 = opt == TK_MOMENTUM || opt == TK_NESTEROV || opt == TK_ADAGRAD;
     int has_s1 = opt == TK_ROWWISE_ADAGRAD;
+    int64_t row_bytes = dim * itemsize(vdtype);
+    float buf[dim > 0 ? dim : 1];
     for (int64_t i = 0; i < n; i++) {
         if (i + TK_AHEAD < n) {
             int64_t ra = rows[i + TK_AHEAD], ka = ra >> shift, oa = ra & mask;
-            prefetch_bytes(values[ka] + oa * dim, dim * (int64_t)sizeof(float), 1);
+            prefetch_bytes(values[ka] + oa * row_bytes, row_bytes, 1);
             if (has_s0)
                 prefetch_bytes(s0[ka] + oa * dim, dim * (int64_t)sizeof(float), 1);
             if (has_s1)
@@ -159,14 +258,16 @@ int tk_push(int opt, int lanes, int64_t n, int64_t dim, int shift, int64_t mask,
         }
         int64_t r = rows[i];
         int64_t k = r >> shift, off = r & mask;
-        float *p = values[k] + off * dim;
+        char *row = values[k] + off * row_bytes;
         const float *g = grad + (grad_idx ? grad_idx[i] : i) * dim;
         float *st = has_s0 ? s0[k] + off * dim : NULL;
         float *acc = has_s1 ? s1[k] + off : NULL;
+        int64_t new_version = version[k][off] + 1;
+        /* fp32 in place: the row itself; otherwise a widened copy (the out row, or buf) */
+        float *p = out_values ? out_values + i * dim : (vdtype == TK_F32 ? (float *)row : buf);
+        if (p != (float *)row)
+            load_row(vdtype, row, p, dim);
         if (out_values) {
-            float *op = out_values + i * dim;
-            memcpy(op, p, (size_t)dim * sizeof(float));
-            p = op;
             if (has_s0) {
                 memcpy(out_s0 + i * dim, st, (size_t)dim * sizeof(float));
                 st = out_s0 + i * dim;
@@ -175,27 +276,33 @@ int tk_push(int opt, int lanes, int64_t n, int64_t dim, int shift, int64_t mask,
                 out_s1[i] = *acc;
                 acc = out_s1 + i;
             }
-            out_versions[i] = version[k][off] + 1;
+            out_versions[i] = new_version;
         } else {
-            version[k][off] += 1;
+            version[k][off] = new_version;
             if (touch)
                 touch[k][off] = touch_val;
         }
         update_row(opt, lanes, dim, h, p, g, st, acc);
+        if (vdtype != TK_F32) {
+            round_row(vdtype, p, dim, table_key, ids ? ids[i] : 0, new_version);
+            if (!out_values)
+                store_row(vdtype, p, row, dim);
+        }
     }
     return 0;
 }
 
 /* Store what tk_push computed into out_* (row i -> store row rows[i]), touch = touch_val (if ``touch``). */
 TK_CLONES
-void tk_scatter(int64_t n, int64_t dim, int shift, int64_t mask, const int64_t *rows, int has_s0, int has_s1,
+void tk_scatter(int vdtype, int64_t n, int64_t dim, int shift, int64_t mask, const int64_t *rows, int has_s0, int has_s1,
                 const float *new_values, const float *new_s0, const float *new_s1, const int64_t *new_versions,
-                float *const *values, float *const *s0, float *const *s1, int64_t *const *version,
+                char *const *values, float *const *s0, float *const *s1, int64_t *const *version,
                 int64_t *const *touch, int64_t touch_val) {
+    int64_t row_bytes = dim * itemsize(vdtype);
     for (int64_t i = 0; i < n; i++) {
         int64_t r = rows[i];
         int64_t k = r >> shift, off = r & mask;
-        memcpy(values[k] + off * dim, new_values + i * dim, (size_t)dim * sizeof(float));
+        store_row(vdtype, new_values + i * dim, values[k] + off * row_bytes, dim);
         if (has_s0)
             memcpy(s0[k] + off * dim, new_s0 + i * dim, (size_t)dim * sizeof(float));
         if (has_s1)

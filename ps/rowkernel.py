@@ -11,8 +11,9 @@ at load finds it would not give the torch path's floats bit for bit on this mach
 numpy/torch path (``ps.optim``), which stays the reference: ``path_of(spec)`` says which a table
 uses and why, and ``SparseTable.memory_stats().row_path`` reports it.
 
-Covered: float32 rows with sgd, momentum, nesterov, adagrad (lr_decay 0) and rowwise_adagrad;
-everything else (fp16/bf16 rows, Adam, AdamW, FTRL, Adagrad with lr_decay) takes the torch path.
+Covered: sgd, momentum, nesterov, adagrad (lr_decay 0) and rowwise_adagrad on float32, bfloat16
+(stochastic rounding, as ``ps.rowdtype``) and float16 rows (where the compiler has ``_Float16``);
+Adam, AdamW, FTRL and Adagrad with lr_decay take the torch path.
 Pure ctypes/numpy/torch: no grpc.
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 __all__ = ["KERNEL", "RowKernel", "UNAVAILABLE", "kernel_for", "path_of", "say_once"]
 
+_DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
 _OPT_CODES = {"sgd": 0, "momentum": 1, "nesterov": 2, "adagrad": 3, "rowwise_adagrad": 4}
 _STATE = {  # (elementwise state name, row-wise state name) the kernel updates, in ps.optim's names
     "sgd": (None, None), "momentum": ("momentum_buffer", None), "nesterov": ("momentum_buffer", None),
@@ -80,12 +82,14 @@ class RowKernel:
         self._push = lib.tk_push
         self._push.restype = ctypes.c_int
         self._push.argtypes = [
-            ctypes.c_int, ctypes.c_int, _I64, _I64, ctypes.c_int, _I64, ctypes.POINTER(_Hparams),
-            _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, _I64, _I64, ctypes.c_int, _I64, ctypes.POINTER(_Hparams),
+            _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P,
         ]
         self._scatter = lib.tk_scatter
         self._scatter.restype = None
-        self._scatter.argtypes = [_I64, _I64, ctypes.c_int, _I64, _P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64]
+        self._scatter.argtypes = [ctypes.c_int, _I64, _I64, ctypes.c_int, _I64, _P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64]
+        lib.tk_features.restype = ctypes.c_int
+        self.row_dtypes = ("float32", "bfloat16", "float16") if lib.tk_features() & 1 else ("float32", "bfloat16")
         self._gather = lib.tk_gather
         self._gather.restype = None
         self._gather.argtypes = [_I64, _I64, ctypes.c_int, _I64, _P, _P, _P, _P, _P]
@@ -96,29 +100,33 @@ class RowKernel:
     def push(
         self, opt: str, hparams: Mapping[str, float], dim: int, shift: int, rows: np.ndarray, grad: torch.Tensor,
         grad_idx: np.ndarray | None, cols: Mapping[str, np.ndarray | None], touch: int,
-        out: Mapping[str, np.ndarray | None] | None = None,
+        out: Mapping[str, np.ndarray | None] | None = None, row_dtype: str = "float32", ids: np.ndarray | None = None,
+        table_key: int = 0,
     ) -> None:
-        """Apply ``opt`` to store rows ``rows`` (int64, unique) with gradient rows ``grad[grad_idx]``
-        (fp32 (m, dim) contiguous; ``grad_idx`` None: row i). ``cols``: pointer tables of "values",
-        "s0", "s1", "version", "touch" (None where absent). ``out`` (keys "values", "s0", "s1",
-        "version": buffers of len(rows) rows): compute into them, leaving the store as it is."""
+        """Apply ``opt`` to store rows ``rows`` (int64, unique; their ids ``ids``, needed for bfloat16)
+        with gradient rows ``grad[grad_idx]`` (fp32 (m, dim) contiguous; ``grad_idx`` None: row i).
+        ``cols``: pointer tables of "values", "s0", "s1", "version", "touch" (None where absent).
+        ``out`` (keys "values", "s0", "s1", "version": buffers of len(rows) rows, values fp32): compute
+        into them, leaving the store as it is. Values are stored as ``row_dtype`` (bfloat16 rounded
+        stochastically with ``table_key``, as ``ps.rowdtype``)."""
         h = _Hparams(float(hparams["lr"]), float(hparams.get("weight_decay", 0.0)), float(hparams.get("eps", 0.0)),
                      float(hparams.get("momentum", 0.0)))
         o = out or {}
         rc = self._push(
-            _OPT_CODES[opt], self.lanes, len(rows), dim, shift, (1 << shift) - 1, ctypes.byref(h),
-            _ptr(rows), _ptr(grad), _ptr(grad_idx), _ptr(cols["values"]), _ptr(cols.get("s0")), _ptr(cols.get("s1")),
+            _OPT_CODES[opt], self.lanes, _DTYPE_CODES[row_dtype], int(table_key), len(rows), dim, shift, (1 << shift) - 1,
+            ctypes.byref(h), _ptr(rows), _ptr(ids), _ptr(grad), _ptr(grad_idx), _ptr(cols["values"]), _ptr(cols.get("s0")), _ptr(cols.get("s1")),
             _ptr(cols["version"]), _ptr(cols.get("touch")), touch,
             _ptr(o.get("values")), _ptr(o.get("s0")), _ptr(o.get("s1")), _ptr(o.get("version")),
         )
-        assert rc == 0, f"row kernel refused optimizer {opt!r}"
+        assert rc == 0, f"row kernel refused optimizer {opt!r} on {row_dtype} rows"
 
     def scatter(
         self, dim: int, shift: int, rows: np.ndarray, new: Mapping[str, np.ndarray | None], cols: Mapping[str, np.ndarray | None], touch: int,
+        row_dtype: str = "float32",
     ) -> None:
         """Store rows computed by ``push(..., out=new)``."""
         self._scatter(
-            len(rows), dim, shift, (1 << shift) - 1, _ptr(rows), new.get("s0") is not None, new.get("s1") is not None,
+            _DTYPE_CODES[row_dtype], len(rows), dim, shift, (1 << shift) - 1, _ptr(rows), new.get("s0") is not None, new.get("s1") is not None,
             _ptr(new["values"]), _ptr(new.get("s0")), _ptr(new.get("s1")), _ptr(new["version"]),
             _ptr(cols["values"]), _ptr(cols.get("s0")), _ptr(cols.get("s1")), _ptr(cols["version"]), _ptr(cols.get("touch")), touch,
         )
@@ -139,9 +147,15 @@ class RowKernel:
         self._lookup(_ptr(keys), _ptr(vals), len(keys), tomb, _ptr(ids), len(ids), _ptr(out))
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a float tensor (NaNs compare equal when their bits do)."""
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
 def _self_check(k: RowKernel) -> str:
     """'' if the kernel gives the torch path's floats bit for bit on random rows, else what differs."""
     from ps.optim import make_optimizer
+    from ps.rowdtype import ROW_DTYPES, round_rows, row_keys
 
     gen = torch.Generator().manual_seed(12345)
     n, dim = 37, 67  # a tail past every vector width
@@ -152,15 +166,21 @@ def _self_check(k: RowKernel) -> str:
         ("rowwise_adagrad", {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.0}),
         ("rowwise_adagrad", {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.01}),
     ):
+      for dtype in k.row_dtypes:
         o = make_optimizer(opt, h)
-        p = torch.randn(n, dim, generator=gen)
+        rd = ROW_DTYPES[dtype]
+        p = (torch.randn(n, dim, generator=gen) * 1e3).to(rd)  # row dtype overflow and NaN rows included
+        if dtype != "float32":
+            p[0, :3] = torch.tensor([float("nan"), float("inf"), 6e4]).to(rd)
         g = torch.randn(n, dim, generator=gen)
         s0n, s1n = _STATE[opt]
-        state = o.init_state(p)
+        state = o.init_state(p.float())
         for v in state.values():
             v.add_(torch.rand(v.shape, generator=gen))
-        ref_p, ref_s = p.clone(), {key: v.clone() for key, v in state.items()}
+        ids = torch.randint(0, 1 << 40, (n,), generator=gen).numpy()
+        ref_p, ref_s = p.float().clone(), {key: v.clone() for key, v in state.items()}
         o.update(ref_p, g, ref_s, torch.ones(n, 1, dtype=torch.float64))
+        ref = round_rows(ref_p, rd, row_keys(np.uint64(77), ids, np.ones(n, np.int64)) if dtype == "bfloat16" else None)
         kp, ks = p.clone(), {key: v.clone() for key, v in state.items()}
         ver = np.zeros(n, np.int64)
         cols = {
@@ -168,9 +188,10 @@ def _self_check(k: RowKernel) -> str:
             "s0": np.array([ks[s0n].data_ptr()], np.int64) if s0n else None,
             "s1": np.array([ks[s1n].data_ptr()], np.int64) if s1n else None,
         }
-        k.push(opt, h, dim, 20, np.arange(n, dtype=np.int64), g, None, cols, 0)
-        if not torch.equal(kp, ref_p) or any(not torch.equal(ks[key], ref_s[key]) for key in ref_s) or not (ver == 1).all():
-            return f"{opt} differs from ps.optim's torch path on this machine"
+        k.push(opt, h, dim, 20, np.arange(n, dtype=np.int64), g, None, cols, 0, row_dtype=dtype, ids=ids, table_key=77)
+        same = torch.equal(_bits(kp), _bits(ref)) and all(torch.equal(_bits(ks[key]), _bits(ref_s[key])) for key in ref_s)
+        if not same or not (ver == 1).all():
+            return f"{opt} on {dtype} rows differs from ps.optim's torch path on this machine"
     return ""
 
 
@@ -216,8 +237,8 @@ def path_of(opt: str, hparams: Mapping[str, float], row_dtype: str) -> str:
     ``"numpy (<why>)"``."""
     if KERNEL is None:
         return f"numpy ({UNAVAILABLE})"
-    if row_dtype != "float32":
-        return f"numpy ({row_dtype} rows: the kernel covers float32)"
+    if row_dtype not in KERNEL.row_dtypes:
+        return f"numpy ({row_dtype} rows: this build of the kernel has no {row_dtype})"
     if opt not in _OPT_CODES:
         return f"numpy ({opt}: not in the kernel)"
     if opt == "adagrad" and float(hparams.get("lr_decay", 0.0)) != 0.0:

@@ -1406,7 +1406,7 @@ class SparseTable:
             }
             if base is not None:
                 versions = np.empty(n, np.int64)
-                k.kernel.gather(8, st.shift, rows, cols["version"], None, torch.from_numpy(versions), None)
+                k.kernel.gather(8, st.shift, rows, st.pointers("version"), None, torch.from_numpy(versions), None)
                 stale = self._staleness(base, have, versions)
         h = self.optimizer.h
         measured = stale[stale >= 0]
@@ -1414,24 +1414,28 @@ class SparseTable:
             h = {**h, "lr": h["lr"] * (1.0 / float(measured.mean()))}  # as scaled_lr
         grad = g if g.dtype == torch.float32 and g.is_contiguous() else g.float().contiguous()
         grad_idx = None if n == len(uniq) else have
+        ids = np.ascontiguousarray(uniq[have])  # bf16's stochastic rounding hashes (id, version)
+        dtype, key = self.spec.dtype, int(self._key)
         result = self._result(have, dropped, stale)
         if before_swap is None:
             self._commit_check(None, result, None, uniq, loc, created, sighted)
             if n:
-                k.kernel.push(k.opt, h, self.dim, st.shift, rows, grad, grad_idx, cols, self.step)
+                k.kernel.push(k.opt, h, self.dim, st.shift, rows, grad, grad_idx, cols, self.step, row_dtype=dtype, ids=ids, table_key=key)
             return result
         out: dict[str, np.ndarray | None] = {
             "values": np.empty((n, self.dim), np.float32), "version": np.empty(n, np.int64),
             "s0": np.empty((n, self.dim), np.float32) if k.s0 else None, "s1": np.empty(n, np.float32) if k.s1 else None,
         }
         if n:
-            k.kernel.push(k.opt, h, self.dim, st.shift, rows, grad, grad_idx, cols, self.step, out=out)
+            k.kernel.push(
+                k.opt, h, self.dim, st.shift, rows, grad, grad_idx, cols, self.step, out=out, row_dtype=dtype, ids=ids, table_key=key
+            )
         state = {name: a for name, a in ((k.s0, out["s0"]), (k.s1, out["s1"])) if name is not None and a is not None}
         assert out["values"] is not None and out["version"] is not None
         values, versions = out["values"], out["version"]
         self._commit_check(before_swap, result, lambda: RowDelta(uniq[have], values, state, versions), uniq, loc, created, sighted)
         if n:
-            k.kernel.scatter(self.dim, st.shift, rows, out, cols, self.step)
+            k.kernel.scatter(self.dim, st.shift, rows, out, cols, self.step, row_dtype=self.spec.dtype)
         return result
 
     def _torch_update(
