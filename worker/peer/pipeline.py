@@ -697,7 +697,7 @@ class PipelineSync(WrapsDense, ParamSync):
         from worker.peer.split import shared_parameters
 
         src = plan.source
-        self.plan, self.model, self.name = plan, model, f"pp-zero{stage}"
+        self.plan, self.name = plan, f"pp-zero{stage}"
         # no DP group for the engine: the stages' DataParallelSync reduces the gradients, global_loss the loss
         self.engine = PipelineEngine(
             src.layers, pp_ranks=mesh.pp_ranks, kind=plan.kind, micro_batches=plan.micro_batches, virtual=plan.virtual_stages,
