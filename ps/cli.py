@@ -307,6 +307,7 @@ def format_stats(stats: list[ShardStats], addresses: list[str], show_all: bool =
                     f"index {t.index_bytes / 1e6:.2f} MB, metadata {t.metadata_bytes / 1e6:.2f} MB, held {t.held_bytes / 1e6:.2f} MB; "
                     f"resident {t.resident_rows} rows, cold {t.cold_rows} rows, disk {t.disk_bytes / 1e6:.2f} MB"
                 )
+                lines.append(f"    pushes: {t.row_path}")
     lines.append("version: updates applied to the table (staleness counts these versions, not steps)")
     lines.append("memory: B/row held = RAM the table holds per live row, every overhead included; payload = values + optimizer state")
     return "\n".join(lines)

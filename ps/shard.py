@@ -85,6 +85,7 @@ class TableStats:
     cold_rows: int = 0
     disk_bytes: int = 0
     held_bytes: int = 0
+    row_path: str = ""  # sparse: "kernel" (ps.rowkernel) or "numpy (<why>)"
 
 
 @dataclass(frozen=True)
@@ -1073,7 +1074,7 @@ class Shard:
                         mean_staleness=t.staleness.mean, max_staleness=t.staleness.max,
                         row_dtype=m.row_dtype, bytes_per_row=m.bytes_per_row, payload_bytes_per_row=m.payload_bytes_per_row,
                         index_bytes=m.index_bytes, metadata_bytes=m.metadata_bytes, resident_rows=m.resident_rows,
-                        cold_rows=m.cold_rows, disk_bytes=m.disk_bytes, held_bytes=m.held_bytes,
+                        cold_rows=m.cold_rows, disk_bytes=m.disk_bytes, held_bytes=m.held_bytes, row_path=m.row_path,
                     )
                 )
         # bounded: max_workers members with names of <= 256 characters; beyond _STATS_WORKERS, the

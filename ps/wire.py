@@ -186,7 +186,7 @@ def stats_to_proto(s: ShardStats) -> pb.StatsReply:
                 mean_staleness=t.mean_staleness, max_staleness=t.max_staleness, row_dtype=t.row_dtype,
                 bytes_per_row=t.bytes_per_row, payload_bytes_per_row=t.payload_bytes_per_row, index_bytes=t.index_bytes,
                 metadata_bytes=t.metadata_bytes, resident_rows=t.resident_rows, cold_rows=t.cold_rows,
-                disk_bytes=t.disk_bytes, held_bytes=t.held_bytes,
+                disk_bytes=t.disk_bytes, held_bytes=t.held_bytes, row_path=t.row_path,
             )
             for t in s.tables
         ],
@@ -221,7 +221,7 @@ def stats_from_proto(msg: pb.StatsReply) -> ShardStats:
                 t.name, _KIND_FROM_PB.get(t.kind, "?"), t.rows, t.elements, t.param_bytes, t.state_bytes, t.version,
                 t.offset, t.length, t.evicted, t.dropped, t.rejected, t.mean_staleness, t.max_staleness,
                 t.row_dtype, t.bytes_per_row, t.payload_bytes_per_row, t.index_bytes, t.metadata_bytes,
-                t.resident_rows, t.cold_rows, t.disk_bytes, t.held_bytes,
+                t.resident_rows, t.cold_rows, t.disk_bytes, t.held_bytes, t.row_path,
             )
             for t in msg.tables
         ],

@@ -361,7 +361,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "kind", "rows", "elements", "param_bytes", "state_bytes", "version", "offset", "length", "evicted", "dropped", "rejected", "mean_staleness", "max_staleness", "row_dtype", "bytes_per_row", "payload_bytes_per_row", "index_bytes", "metadata_bytes", "resident_rows", "cold_rows", "disk_bytes", "held_bytes")
+    __slots__ = ("name", "kind", "rows", "elements", "param_bytes", "state_bytes", "version", "offset", "length", "evicted", "dropped", "rejected", "mean_staleness", "max_staleness", "row_dtype", "bytes_per_row", "payload_bytes_per_row", "index_bytes", "metadata_bytes", "resident_rows", "cold_rows", "disk_bytes", "held_bytes", "row_path")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +385,7 @@ class TableStats(_message.Message):
     COLD_ROWS_FIELD_NUMBER: _ClassVar[int]
     DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
     HELD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROW_PATH_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: TableKind
     rows: int
@@ -408,7 +409,8 @@ class TableStats(_message.Message):
     cold_rows: int
     disk_bytes: int
     held_bytes: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., rows: _Optional[int] = ..., elements: _Optional[int] = ..., param_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., row_dtype: _Optional[str] = ..., bytes_per_row: _Optional[float] = ..., payload_bytes_per_row: _Optional[int] = ..., index_bytes: _Optional[int] = ..., metadata_bytes: _Optional[int] = ..., resident_rows: _Optional[int] = ..., cold_rows: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ...) -> None: ...
+    row_path: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[TableKind, str]] = ..., rows: _Optional[int] = ..., elements: _Optional[int] = ..., param_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., version: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., evicted: _Optional[int] = ..., dropped: _Optional[int] = ..., rejected: _Optional[int] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., row_dtype: _Optional[str] = ..., bytes_per_row: _Optional[float] = ..., payload_bytes_per_row: _Optional[int] = ..., index_bytes: _Optional[int] = ..., metadata_bytes: _Optional[int] = ..., resident_rows: _Optional[int] = ..., cold_rows: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., held_bytes: _Optional[int] = ..., row_path: _Optional[str] = ...) -> None: ...
 
 class StatsReply(_message.Message):
     __slots__ = ("shard_index", "num_shards", "tables", "requests", "errors", "bytes_in", "bytes_out", "uptime_s", "workers", "leases_expired", "pushes_aborted_idle", "duplicates", "maintenance_errors", "sync_clock", "checkpoints", "last_checkpoint", "role", "backup", "replicated", "backups_lost", "epoch", "backup_of")

@@ -257,3 +257,22 @@ def test_without_the_kernel_a_process_says_so_once_and_runs_the_numpy_path() -> 
     assert t.row_path == "kernel"
     t.push(np.array([3, 1, 3, 7], np.int64), np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8))
     assert t.pull_rows(np.array([1, 3, 7], np.int64))[0].numpy().tobytes().hex() == rows
+
+
+def test_ps_stats_says_which_path_each_table_takes() -> None:
+    """Shard.stats() carries each sparse table's row_path through the StatsReply message, and
+    `tessera ps stats` prints it (ps.cli.format_stats, the command's formatter)."""
+    from ps.cli import format_stats
+    from ps.config import ShardConfig
+    from ps.shard import Shard
+    from ps.wire import stats_from_proto, stats_to_proto
+
+    sh = Shard(ShardConfig())
+    sh.create_table(TableSpec("fast", "sparse", dim=8, optimizer=OptimizerSpec("rowwise_adagrad", {"lr": 0.1})))
+    sh.create_table(TableSpec("slow", "sparse", dim=8, optimizer=OptimizerSpec("adam", {"lr": 0.1})))
+    got = stats_from_proto(stats_to_proto(sh.stats()))
+    paths = {t.name: t.row_path for t in got.tables}
+    assert paths["fast"] == "kernel"
+    assert paths["slow"].startswith("numpy (adam")
+    text = format_stats([got], ["127.0.0.1:1"])
+    assert "    pushes: kernel" in text and f"    pushes: {paths['slow']}" in text
