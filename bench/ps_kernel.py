@@ -17,7 +17,8 @@ are checked bit-identical at the end. ``--ab``: also the kernel's C loop against
 compiled by numba (where numba imports), on raw arrays: the tooling choice of the README's
 Dependencies section.
 
-Run (about a minute): ``python bench/ps_kernel.py`` (``--quick``: 100k rows, fewer repeats). Prints
+Run (about 20 s; a minute on a loaded machine): ``python bench/ps_kernel.py`` (``--quick``: 100k rows,
+fewer repeats; ``--json-out FILE``). Prints
 a table (min and median ms per batch) and, as its last line, one line of JSON with ``kernel_vs_numpy``
 (kernel / numpy time, min; < 1 is faster), ``kernel_vs_torch``, and ``kernel_vs_fbgemm`` where FBGEMM ran.
 """
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="100k rows, fewer repeats (a smoke run)")
     ap.add_argument("--ab", action="store_true", help="also the C kernel against numba (where numba imports)")
     ap.add_argument("--repeats", type=int, default=0)
+    ap.add_argument("--json-out", default="", help="also write the final JSON line to this file")
     args = ap.parse_args(argv)
     import torch
 
@@ -236,7 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         out["fbgemm"] = f"skipped: {fb_why}"
     if args.ab:
         out.update(ab_numba(rows, data, repeats))
-    print(json.dumps(out))
+    line = json.dumps(out)
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(line + "\n")
+    print(line)
     return 0
 
 
