@@ -83,7 +83,7 @@ def test_tessera_plan_measure_runs_the_top_candidates() -> None:
 def test_plan_measure_runs_tensor_parallel_layouts(capsys: pytest.CaptureFixture[str]) -> None:
     """``--measure`` runs every layout ``tessera peer`` runs: here the T=2 candidates (plain, with
     sequence parallelism, with recompute through the pipeline path, ZeRO-1) on 2 ranks; each one
-    reports a measured step time, and ZeRO-2 with TP is not offered (tessera peer refuses it)."""
+    reports a measured step time; ZeRO-2/3 with TP or PP are offered too (tessera peer runs them)."""
     from worker.peer.planner import (
         Hardware,
         Layout,
@@ -97,7 +97,7 @@ def test_plan_measure_runs_tensor_parallel_layouts(capsys: pytest.CaptureFixture
     hw = Hardware(gpus=2, gpu_mem_gib=1, precision="fp32")
     lays = [Layout(T=2, m=1), Layout(T=2, m=1, sequence_parallel=True), Layout(T=2, m=2, recompute=True),
             Layout(T=2, zero=1, m=1)]
-    assert all(runnable(lay) for lay in lays) and not runnable(Layout(T=2, zero=2))
+    assert all(runnable(lay) for lay in lays) and runnable(Layout(T=2, zero=2)) and runnable(Layout(P=2, zero=3, recompute=True))
     plans = [estimate(spec, lay, hw) for lay in lays]
     assert measure(spec, plans, gpus=2, top=len(plans), steps=2, device="cpu") is not None
     out = capsys.readouterr().out

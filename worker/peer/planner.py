@@ -403,11 +403,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def runnable(lay: Layout) -> bool:
-    """Whether ``tessera peer`` runs this layout today: any D x T x P with ZeRO 0/1, sequence
-    parallelism and recompute; ZeRO-2/3 only in plain data parallelism (no TP, pipeline or recompute)."""
-    if lay.sequence_parallel and lay.T == 1:
-        return False
-    return lay.zero <= 1 or (lay.T == 1 and lay.P == 1 and lay.recompute_name() == "none")
+    """Whether ``tessera peer`` runs this layout today: any D x T x P with ZeRO 0-3, recompute,
+    and sequence parallelism where there is TP to shard the sequence over."""
+    return not (lay.sequence_parallel and lay.T == 1)
 
 
 def peer_argv(spec: ModelSpec, lay: Layout, steps: int) -> list[str]:
@@ -420,7 +418,7 @@ def peer_argv(spec: ModelSpec, lay: Layout, steps: int) -> list[str]:
     if lay.P > 1 or lay.recompute_name() != "none":
         argv += ["--pp", str(lay.P), "--schedule", lay.schedule, "--micro-batches", str(lay.m), "--virtual-stages", str(lay.V)]
         argv += ["--recompute", lay.recompute_name()] if lay.recompute_name() != "none" else []
-        argv += ["--mode", "zero1"] if lay.zero == 1 else []
+        argv += ["--mode", f"zero{lay.zero}"] if lay.zero else []
     else:
         argv += ["--mode", "dp" if lay.zero == 0 else f"zero{lay.zero}", "--accumulate", str(lay.m)]
     return argv
