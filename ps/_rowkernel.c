@@ -333,21 +333,33 @@ void tk_gather(int64_t n, int64_t row_bytes, int shift, int64_t mask, const int6
     }
 }
 
-/* Index lookup (ps/index.py's sorted runs): for each ids[i] found in keys[0..nkeys) (sorted
- * ascending, unique) with a value other than ``tomb``, out[i] = that value; out is left as it is
- * elsewhere. Branch-free binary searches TK_GROUP at a time in lockstep, each probe's two possible
- * successors prefetched: a group's cache misses overlap instead of following one another. */
+/* Index lookup (ps/index.py's sorted runs). For i < n, the id q = ids[at(i)] with at(i) = idx ? idx[i] : i:
+ * where q is in keys[0..nkeys) (sorted ascending, unique) with a value other than ``tomb``,
+ * out[at(i)] = that value; out is left as it is elsewhere. Where q is not among the keys at all, at(i)
+ * is appended to ``miss`` (if given): the ids to look for in the next run (an id is in one run at
+ * most). Returns how many were appended. Branch-free binary searches TK_GROUP at a time in
+ * lockstep, each probe's two possible successors prefetched: a group's cache misses overlap
+ * instead of following one another. */
 #define TK_GROUP 64
 
 TK_CLONES
-void tk_lookup(const int64_t *keys, const int32_t *vals, int64_t nkeys, int32_t tomb, const int64_t *ids, int64_t n,
-               int64_t *out) {
-    if (nkeys <= 0)
-        return;
+int64_t tk_lookup(const int64_t *keys, const int32_t *vals, int64_t nkeys, int32_t tomb, const int64_t *ids,
+                  const int64_t *idx, int64_t n, int64_t *out, int64_t *miss) {
+    int64_t missed = 0;
+    if (nkeys <= 0) {
+        if (miss)
+            for (int64_t i = 0; i < n; i++)
+                miss[missed++] = idx ? idx[i] : i;
+        return missed;
+    }
     for (int64_t g0 = 0; g0 < n; g0 += TK_GROUP) {
         int m = n - g0 < TK_GROUP ? (int)(n - g0) : TK_GROUP;
-        const int64_t *q = ids + g0;
-        int64_t base[TK_GROUP] = {0};
+        int64_t at[TK_GROUP], q[TK_GROUP], base[TK_GROUP];
+        for (int j = 0; j < m; j++) {
+            at[j] = idx ? idx[g0 + j] : g0 + j;
+            q[j] = ids[at[j]];
+            base[j] = 0;
+        }
         int64_t len = nkeys;
         while (len > 1) {
             int64_t half = len / 2;
@@ -363,8 +375,11 @@ void tk_lookup(const int64_t *keys, const int32_t *vals, int64_t nkeys, int32_t 
             if (keys[base[j]] == q[j]) {
                 int32_t v = vals[base[j]];
                 if (v != tomb)
-                    out[g0 + j] = v;
+                    out[at[j]] = v;
+            } else if (miss) {
+                miss[missed++] = at[j];
             }
         }
     }
+    return missed;
 }

@@ -75,9 +75,8 @@ class IdIndex:
         ids = np.ascontiguousarray(ids, np.int64)
         if self._kernel is not None:
             out = np.full(len(ids), -1, np.int64)
-            for keys, vals in ((self._bk, self._bv), (self._dk, self._dv)):  # an id is in one run at most
-                if len(keys):
-                    self._kernel.lookup(keys, vals, int(_TOMB), ids, out)
+            # an id is in one run at most: the delta is searched only for the ids the base lacks
+            self._kernel.lookup([(self._bk, self._bv), (self._dk, self._dv)], int(_TOMB), ids, out)
             return out
         pb, hb, pd, hd = self._find(ids)
         out = np.full(len(ids), -1, np.int64)
