@@ -3,8 +3,8 @@
 Reference: the same ``SparseTable`` built with ``row_kernel=False`` (ps.optim's torch ops, the path
 every table took before the kernel), given the same requests. Rows, optimizer state, versions, the
 table step, every pull's reply and every push's result must be bit-identical, over random request
-sequences (hypothesis; fp32, fp16 and bf16 rows) with duplicate ids, rows created, evicted (LRU)
-and created again, base versions with staleness-aware lr, and pushes whose ``before_swap`` (replication) sees the delta or raises; and
+sequences (hypothesis; fp32, fp16 and bf16 rows) with duplicate ids, rows created, refused by
+admission, evicted (LRU) and created again, base versions with staleness-aware lr, and pushes whose ``before_swap`` (replication) sees the delta or raises; and
 concurrent pushes from threads against the same pushes applied one after another.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ps import rowkernel
-from ps.config import EvictionSpec, InitializerSpec, OptimizerSpec, TableSpec
+from ps.config import AdmissionSpec, EvictionSpec, InitializerSpec, OptimizerSpec, TableSpec
 from ps.table import PushResult, RowDelta, SparseTable
 
 pytestmark = [
@@ -39,17 +39,17 @@ OPTIMIZERS = {
 }
 
 
-def _spec(opt: str, dim: int = DIM, max_rows: int = 0, dtype: str = "float32") -> TableSpec:
+def _spec(opt: str, dim: int = DIM, max_rows: int = 0, dtype: str = "float32", admit: int = 0) -> TableSpec:
     name = opt.removesuffix("_wd")
     return TableSpec(
         "emb", "sparse", dim=dim, dtype=dtype, optimizer=OptimizerSpec(name, OPTIMIZERS[opt]), initializer=InitializerSpec("uniform"),
-        seed=5, num_slots=64, eviction=EvictionSpec(max_rows=max_rows),
+        seed=5, num_slots=64, eviction=EvictionSpec(max_rows=max_rows), admission=AdmissionSpec(min_count=admit),
     )
 
 
-def _pair(opt: str, dim: int = DIM, max_rows: int = 0, dtype: str = "float32") -> tuple[SparseTable, SparseTable]:
-    fast = SparseTable(_spec(opt, dim, max_rows, dtype), 0, 1)
-    ref = SparseTable(_spec(opt, dim, max_rows, dtype), 0, 1, row_kernel=False)
+def _pair(opt: str, dim: int = DIM, max_rows: int = 0, dtype: str = "float32", admit: int = 0) -> tuple[SparseTable, SparseTable]:
+    fast = SparseTable(_spec(opt, dim, max_rows, dtype, admit), 0, 1)
+    ref = SparseTable(_spec(opt, dim, max_rows, dtype, admit), 0, 1, row_kernel=False)
     assert fast.row_path == "kernel" and fast.memory_stats().row_path == "kernel"
     assert ref.row_path.startswith("numpy")
     return fast, ref
@@ -86,9 +86,10 @@ CASES = [(o, "float32") for o in sorted(OPTIMIZERS)] + [
 
 @pytest.mark.parametrize(("opt", "dtype"), CASES)
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=st.lists(_request, min_size=1, max_size=12), max_rows=st.sampled_from([0, 12]))
-def test_kernel_matches_the_torch_path_bitwise(opt: str, dtype: str, requests, max_rows: int) -> None:
-    fast, ref = _pair(opt, max_rows=max_rows, dtype=dtype)
+@given(requests=st.lists(_request, min_size=1, max_size=12), max_rows=st.sampled_from([0, 12]), admit=st.sampled_from([0, 2]))
+def test_kernel_matches_the_torch_path_bitwise(opt: str, dtype: str, requests, max_rows: int, admit: int) -> None:
+    """``admit`` 2: a row is created at its second sighting (pushes with rows dropped: a gradient subset)."""
+    fast, ref = _pair(opt, max_rows=max_rows, dtype=dtype, admit=admit)
     for kind, ids_list, seed in requests:
         ids = np.array(ids_list, np.int64)
         rng = np.random.default_rng(seed)
