@@ -11,17 +11,21 @@ FROM python:${PYTHON}-slim AS build
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# a C compiler for the sparse table's row kernel (ps/_rowkernel.c, built by setup.py; without it the
+# shards run the numpy path). Only in this stage: the runtime image gets the built library, not gcc.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/tessera
 ENV PATH=/opt/tessera/bin:$PATH
 WORKDIR /src
 # torch first, from the chosen index (CPU or a CUDA build), so the project's range installs nothing more
 RUN pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY tessera ./tessera
 COPY ps ./ps
 COPY worker ./worker
 COPY federated ./federated
-RUN pip install . && python -c "import tessera.cli, prometheus_client, grpc_health"
+RUN pip install . && python -c "import tessera.cli, prometheus_client, grpc_health; from ps import rowkernel; assert rowkernel.KERNEL is not None, rowkernel.UNAVAILABLE"
 
 FROM python:${PYTHON}-slim AS runtime
 LABEL org.opencontainers.image.title="tessera" \
