@@ -454,7 +454,7 @@ def test_shard_memory_stays_within_budget_under_attack() -> None:
 # ====================================================================== issue 18: bytes per sparse row
 ROWS_2M = 2_000_000
 ROW_DIM = 64
-POPULATE_BATCH = 1 << 16  # ids per pull while filling (a 16 MiB fp32 reply)
+POPULATE_BATCH = 1 << 15  # ids per push while filling (an 8 MiB fp32 request: its temporaries stay well under 10% of the table)
 FAST_RSS_SAMPLE_S = 0.02  # spikes are short: sample often while the table fills
 # what a row of the fp32 reference is: 64 fp32 values + 64 fp32 Adagrad accumulators
 PAYLOAD_FP32_ADAGRAD = ROWS_2M * ROW_DIM * 4 * 2
