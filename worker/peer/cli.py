@@ -208,9 +208,12 @@ def run_rank(args: argparse.Namespace) -> int:
             from ps.cli import wait_for_shards
             from tessera.service import ServerUnreachableError
 
-            try:  # as the worker: rank 0 says every 5 s which shard it waits for and why; then one line per rank
-                wait_for_shards(args.ps.split(","), None, timeout=60, say=lambda text: rank == 0 and print(
-                    f"tessera peer: rank 0: {text}", file=sys.stderr, flush=True))
+            def say(text: str) -> None:  # as the worker: rank 0 says every 5 s which shard it waits for and why
+                if rank == 0:
+                    print(f"tessera peer: rank 0: {text}", file=sys.stderr, flush=True)
+
+            try:  # then one line per rank if they never come
+                wait_for_shards(args.ps.split(","), None, timeout=60, say=say)
             except ServerUnreachableError as e:
                 print(f"tessera peer: rank {rank}: {e}", file=sys.stderr, flush=True)
                 return 1
