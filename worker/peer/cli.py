@@ -56,6 +56,9 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help="with --tp: LayerNorm/dropout regions split along the sequence (all-gather/reduce-scatter)")
     p.add_argument("--ps", default="", type=shard_list_arg(allow_empty=True),  # malformed: refused at once
                    help="hybrid: HOST:PORT,... of every PS shard, in shard order")
+    p.add_argument("--retry-timeout", type=float, default=60.0,
+                   help="hybrid: seconds to wait for the PS shards to come up (rank 0 says every 5 s what it waits for), "
+                        "then one line per rank and exit 1 (default 60)")
     p.add_argument("--sparse-mode", default="async", choices=["async", "ssp", "sync"], help="hybrid: the rows' consistency on the PS")
     p.add_argument("--moe-experts", type=int, default=0, help="gpt: experts per MoE layer (0: dense MLPs)")
     p.add_argument("--moe-top-k", type=int, default=2, choices=[1, 2], help="experts per token")
@@ -213,7 +216,7 @@ def run_rank(args: argparse.Namespace) -> int:
                     print(f"tessera peer: rank 0: {text}", file=sys.stderr, flush=True)
 
             try:  # then one line per rank if they never come
-                wait_for_shards(args.ps.split(","), None, timeout=60, say=say)
+                wait_for_shards(args.ps.split(","), None, timeout=args.retry_timeout, say=say)
             except ServerUnreachableError as e:
                 print(f"tessera peer: rank {rank}: {e}", file=sys.stderr, flush=True)
                 return 1
