@@ -28,6 +28,7 @@ SLOW = (
     "bench/",
     "multiproc/test_ps_faults.py",
     "multiproc/test_peer_faults.py",
+    "multiproc/test_peer_hybrid_wait.py",
     "multiproc/test_peer_equivalence.py",
     "multiproc/test_pipeline_",
     "multiproc/test_tensor_parallel",
