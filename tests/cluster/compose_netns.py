@@ -190,7 +190,8 @@ class ComposeRun:
                 target = name if isinstance(item, str) else item.get("target", name)
                 src = Path(self.model["secrets"][name]["file"])
                 src = src if src.is_absolute() else (self.compose.parent / src)
-                shutil.copyfile(src, d / target)
+                if not (d / target).exists():  # a health probe runs this again: never rewrite a file a service reads
+                    shutil.copyfile(src, d / target)
             binds.append((str(d), "/run/secrets"))
         for v in s.spec.get("volumes") or []:
             src, _, dst = v.partition(":")
@@ -260,11 +261,14 @@ class ComposeRun:
         if argv and argv[0] == "tessera":
             argv = [*ENTRYPOINT, *argv[1:]]
         try:
+            # at least 30 s: Docker's probe timeout assumes the container's own CPU, while here the probe (a
+            # Python start, TLS) shares 2 cores with the whole suite (5 s probes timed out at load 12)
             r = subprocess.run(self._argv(s, argv), check=False, capture_output=True, text=True, env=self._env(s),
-                               timeout=_seconds(hc.get("timeout"), 30))
+                               timeout=max(30.0, _seconds(hc.get("timeout"), 30)))
             s.health_checks.append((r.stdout + r.stderr).strip())
             return r.returncode == 0
         except subprocess.TimeoutExpired:
+            s.health_checks.append("(the probe timed out)")
             return False
 
     def wait_healthy(self, name: str, timeout: float) -> None:
@@ -278,7 +282,7 @@ class ComposeRun:
                 s.healthy = True
                 return
             time.sleep(interval)
-        raise TimeoutError(f"{name} not healthy within {timeout:.0f} s; log:\n{self.tail(name)}")
+        raise TimeoutError(f"{name} not healthy within {timeout:.0f} s; last probes: {s.health_checks[-3:]}; log:\n{self.tail(name)}")
 
     def wait_exit(self, name: str, timeout: float) -> int:
         """Wait for the service's (last) process to exit with 0 (restarting on failure meanwhile)."""
