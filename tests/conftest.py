@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
+import torch.distributed as dist
 
 from ps.cli import start_local_shards, stop_processes
 from ps.client import PSClient
@@ -178,3 +179,15 @@ def train_workers() -> Callable[..., dict[int, Any]]:
         return results
 
     return run
+
+
+@pytest.fixture(scope="module")
+def gloo_group() -> Iterator[None]:
+    """A real Gloo process group of one rank in this process."""
+    if dist.is_initialized():
+        yield
+        return
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -128,17 +127,6 @@ class TestPSSync(ParamSyncContract):
         self.n += 1  # a fresh table prefix per sync
         return PSSync(model, self.cluster.client(timeout=30), f"m{self.n}", mode="sync", dense_optimizer=spec, lease_s=30)
 
-
-@pytest.fixture(scope="module")
-def gloo_group() -> Iterator[None]:
-    """A real Gloo process group of one rank in this process."""
-    if dist.is_initialized():
-        yield
-        return
-    store = dist.TCPStore("127.0.0.1", 0, 1, True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class TestDataParallelSync(ParamSyncContract):

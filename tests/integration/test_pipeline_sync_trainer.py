@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -27,17 +26,6 @@ from worker.trainer import TrainConfig, Trainer
 
 STEPS = 3
 
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    """A real Gloo process group of one rank in this process."""
-    if dist.is_initialized():
-        yield
-        return
-    store = dist.TCPStore("127.0.0.1", 0, 1, True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _batch(step: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +79,7 @@ def _close(a: torch.Tensor | float, b: torch.Tensor | float) -> bool:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["dp", "zero3"])
 @pytest.mark.parametrize("m", [1, 4])
-def test_trainer_runs_the_pipeline_like_one_process(one_rank: None, mode: str, m: int) -> None:
+def test_trainer_runs_the_pipeline_like_one_process(gloo_group: None, mode: str, m: int) -> None:
     from worker.peer.pipeline import PipelineSync
 
     task = _task()
@@ -123,7 +111,7 @@ def test_trainer_runs_the_pipeline_like_one_process(one_rank: None, mode: str, m
 
 
 @pytest.mark.timeout(60)
-def test_other_micro_batch_count_is_refused(one_rank: None) -> None:
+def test_other_micro_batch_count_is_refused(gloo_group: None) -> None:
     from worker.peer.pipeline import ScheduleError
 
     task = _task()
