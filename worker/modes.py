@@ -1,6 +1,8 @@
 """The registry of training modes: every ``--mode`` name, its family (the PS or peer mode), what
 builds its ``ParamSync`` and what it needs. The one place a mode name is validated (the worker
-and peer command lines, ``TrainConfig``, ``Trainer`` and ``worker.peer.make_sync`` all ask here).
+and peer command lines, ``TrainConfig``, ``Trainer`` and ``worker.peer.make_sync`` all ask here),
+with peer mode's ZeRO stage (``--zero N``): ``dp`` with ``--zero N`` is the entry ``zeroN``, and
+``--mode zeroN`` is an alias of ``--zero N`` (a ``--zero`` that contradicts it is refused).
 
 Pure Python (no torch, no grpc): the ``tessera`` command builds its parsers from it.
 """
@@ -42,9 +44,11 @@ PS_MODES = tuple(m.name for m in _ALL if m.family == "ps")
 PEER_MODES = tuple(m.name for m in _ALL if m.family == "peer")
 
 
-def check_mode(name: str, family: str | None = None) -> Mode:
-    """The mode ``name`` (of ``family`` if given), or ``ValueError`` naming the choices. The old PS
-    mode name ``hybrid`` asked of the PS gets an error naming its new one."""
+def check_mode(name: str, family: str | None = None, zero: int | None = None) -> Mode:
+    """The mode ``name`` (of ``family`` if given) at ZeRO stage ``zero`` (None: the mode's own), or
+    ``ValueError`` with one line naming what is wrong: an unknown name (the choices), a stage not
+    0-3, ``--zero`` with a PS mode or with ``hybrid``, or a ``zeroK`` name with another ``--zero``.
+    The old PS mode name ``hybrid`` asked of the PS gets an error naming its new one."""
     if family == "ps" and name == "hybrid":
         raise ValueError(
             "mode 'hybrid' was renamed 'dense-sync' (dense tables BSP, sparse tables async, both on the PS); "
@@ -54,4 +58,12 @@ def check_mode(name: str, family: str | None = None) -> Mode:
     if mode is None or (family is not None and mode.family != family):
         names = PS_MODES if family == "ps" else PEER_MODES if family == "peer" else tuple(MODES)
         raise ValueError(f"{family + ' ' if family else ''}mode must be one of {', '.join(names)}, got {name!r}")
-    return mode
+    if zero is None or zero == mode.stage:
+        return mode
+    if zero not in (0, 1, 2, 3):
+        raise ValueError(f"--zero must be 0, 1, 2 or 3, got {zero}")
+    if mode.name == "dp":
+        return MODES["dp" if zero == 0 else f"zero{zero}"]
+    if mode.family != "peer" or mode.name == "hybrid":
+        raise ValueError(f"--zero {zero} with --mode {name}: ZeRO is peer mode's data-parallel sharding (--mode dp)")
+    raise ValueError(f"--mode {name} (ZeRO stage {mode.stage}) and --zero {zero} contradict: give --zero {zero} alone")

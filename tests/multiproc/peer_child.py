@@ -137,12 +137,15 @@ def main(checks: list[str]) -> None:
             got, _ = train(task, mode, world, rank, 2 * B, STEPS, accumulate=2)
             compare(check, got, want, 1e-5, 1e-6)
             print(f"OK {check}", flush=True)
-        elif check == "bf16":  # 16-bit transport, fp32 sums: close, not exact (SGD: the error stays linear)
+        elif check in ("bf16", "bf16-zero2"):  # 16-bit transport, fp32 sums: close, not exact (SGD: the error stays linear)
             task = tiny_task(optimizer=OptimizerSpec("sgd", {"lr": 0.1}))
             want = reference(task, lambda p: torch.optim.SGD(p, lr=0.1), world, B, STEPS)
-            got, _ = train(task, "dp", world, rank, B, STEPS, compress="bf16", bucket_mb=1e-6)
-            compare("bf16", got, want, 2e-2, 2e-3)
-            print("OK bf16", flush=True)
+            # ZeRO-2: each unit's 16-bit reduce-scatter launched from the backward hooks
+            got, sync = train(task, "zero2" if check == "bf16-zero2" else "dp", world, rank, B, STEPS, compress="bf16",
+                              bucket_mb=1e-6)
+            compare(check, got, want, 2e-2, 2e-3)
+            assert sync.stats()["compress"] == "bf16" and not torch.equal(got[-1][1], want[-1][1]), check  # it ran 16-bit
+            print(f"OK {check}", flush=True)
         elif check == "gpt-zero3":  # the transformer, per-layer gathers, against the reference
             # SGD, not Adam: the key bias's gradient is zero in exact arithmetic (softmax ignores a shift),
             # and Adam would turn the rounding noise there into steps of up to lr in either direction

@@ -4,7 +4,7 @@ Each test starts D rank processes (RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, as t
 them) running tests/multiproc/peer_child.py, which runs several checks in one process group and
 compares, at every step, the global loss and the parameters with a reference computed in the
 same process: a deep copy of the same initial model trained with ``torch.optim`` on the global
-batch (fp32: rtol 1e-5; fp64 SGD lr=1: rtol 1e-12; bf16 transport: rtol 2e-2). A ZeRO-3
+batch (fp32: rtol 1e-5; fp64 SGD lr=1: rtol 1e-12; bf16 transport, DP and ZeRO-2: rtol 2e-2). A ZeRO-3
 checkpoint saved at D=4 is resumed at D=2 (in ZeRO-1 and in DP) with the same next step.
 Two process groups in all (one D=4, one D=2), to keep the suite fast on 2 cores.
 """
@@ -71,7 +71,7 @@ def _check(results: list[tuple[int, str, str]], checks: list[str]) -> None:
             assert f"OK {c}" in so, f"rank {r}: check {c} did not report OK:\n{so}\n{se[-2000:]}"
 
 
-D2_CHECKS = ["dp", "dp64", "zero1", "zero2", "zero3", "accum-dp", "accum-zero2", "accum-zero3", "bf16", "gpt-zero3"]
+D2_CHECKS = ["dp", "dp64", "zero1", "zero2", "zero3", "accum-dp", "accum-zero2", "accum-zero3", "bf16", "bf16-zero2", "gpt-zero3"]
 D4_CHECKS = ["dp", "dp64", "zero3"]
 
 

@@ -110,8 +110,13 @@ def test_pipeline_config_start_checks() -> None:
     assert cfg("--schedule", "interleaved", "--micro-batches", "4", "--global-batch", "8") == (2, 2, 1, 4, 2)
     assert cfg("--tp", "2", "--mode", "zero1", "--global-batch", "8", world=8) == (2, 2, 2, 4, 1)
     assert cfg("--mode", "zero3", "--global-batch", "16") == (2, 2, 1, 4, 1)  # ZeRO-2/3 compose with PP
+    # --accumulate k is the pipeline's k micro-batches; 16-bit transport and the collective checks compose
+    assert cfg("--accumulate", "8", "--global-batch", "16", "--compress", "bf16", "--debug-collectives") == (2, 2, 1, 8, 1)
+    assert cfg("--accumulate", "4", "--micro-batches", "4", "--global-batch", "16") == (2, 2, 1, 4, 1)
     for argv, world, msg in [
-        (["--mode", "hybrid"], 4, "run with --mode dp or zero1-3"),
+        (["--mode", "hybrid"], 4, r"run with --mode dp \(any --zero"),
+        (["--accumulate", "2", "--micro-batches", "4", "--global-batch", "16"], 4,
+         "--accumulate 2 and --micro-batches 4 contradict: a pipeline's micro-batches are its accumulation"),
         (["--task", "digits", "--recompute", "selective"], 4, "--recompute selective is the gpt task's built-in split's"),
         ([], 3, "world size 3 is not divisible by --tp 1 x --pp 2"),
         (["--tp", "2"], 6, "world size 6 is not divisible by --tp 2 x --pp 2"),
@@ -119,9 +124,6 @@ def test_pipeline_config_start_checks() -> None:
         (["--sequence-parallel"], 4, "--sequence-parallel needs --tp > 1"),
         (["--global-batch", "12"], 4, "global batch 12 is not divisible by D 2 x micro-batches 4"),
         (["--schedule", "interleaved", "--micro-batches", "3", "--global-batch", "6"], 2, "micro-batches divisible by pipeline ranks"),
-        (["--global-batch", "16", "--accumulate", "2", "--compress", "bf16", "--eval-every", "3", "--max-seconds", "5",
-          "--metrics-out", "m", "--debug-collectives"], 4,
-         r"not supported with --pp/--recompute/--precision: --accumulate, --compress, --debug-collectives \(--micro-batches"),
     ]:
         with pytest.raises(PeerConfigError, match=msg):
             cfg(*argv, world=world)

@@ -29,7 +29,7 @@ from typing import Any
 
 from tessera.argtypes import shard_list_arg
 from tessera.cli import KEY_VALUE_HELP, parse_key_values
-from worker.modes import PEER_MODES
+from worker.modes import PEER_MODES, check_mode
 from worker.peer.flags import add_pipeline_args
 
 __all__ = ["add_peer_commands", "add_train_args", "launcher_argv", "main", "run_rank"]
@@ -43,7 +43,11 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE",
                    help=f"option for the task (repeatable; {KEY_VALUE_HELP})")
     p.add_argument("--mode", default="dp", choices=list(PEER_MODES),
-                   help="data parallel, a ZeRO stage, or hybrid (PSEmbedding rows on the PS given by --ps, dense all-reduced)")
+                   help="dp (data parallel; its ZeRO stage from --zero) or hybrid (PSEmbedding rows on the PS given by --ps, "
+                        "dense all-reduced); zero1-3: aliases of --zero 1-3")
+    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="ZeRO stage over the data-parallel ranks (of every layout): 0 all-reduce, 1 optimizer state "
+                        "sharded, 2 and gradients, 3 and parameters (default: 0, or the stage --mode zeroK names)")
     p.add_argument("--dp", type=int, default=0, help="data-parallel replicas (0: world size / (tp x pp))")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica (ranks r..r+T-1 share a layer)")
     p.add_argument("--tp-plan", default="",
@@ -130,6 +134,13 @@ def peak_tflops(device: Any, dtype: Any, given: float = 0.0) -> tuple[float, str
     return 2 * n**3 / best / 1e12, "measured 512x512 matmul"
 
 
+def resolve_mode(args: argparse.Namespace) -> None:
+    """``args.mode`` the registry's entry of ``--mode`` at ``--zero`` (``dp`` with ``--zero 2``: ``zero2``),
+    ``args.zero`` its stage; ``ValueError`` (one line) for a contradicting pair (``--mode zero1 --zero 3``)."""
+    mode = check_mode(args.mode, "peer", zero=args.zero)
+    args.mode, args.zero = mode.name, mode.stage
+
+
 def run_rank(args: argparse.Namespace) -> int:
     """One rank: join, check, train, report. Returns the exit code."""
     import torch
@@ -159,6 +170,10 @@ def run_rank(args: argparse.Namespace) -> int:
         if mesh.device.type == "cpu":
             torch.set_num_threads(threads)
         # checks every rank makes alike, before any collective of training: one message everywhere
+        try:
+            resolve_mode(args)
+        except ValueError as e:
+            raise PeerConfigError(str(e)) from None
         if args.world_size and args.world_size != world:
             raise PeerConfigError(f"world size is {world} but --world-size {args.world_size} was asked for")
         # --pp > 1, --recompute, --precision bf16 (with any --tp/--dp): a pipeline, checked by its own rules first
@@ -271,7 +286,7 @@ def run_rank(args: argparse.Namespace) -> int:
                 trainer.tracer.save(os.path.join(args.trace, f"trace-rank{rank}.json"))
         tokens = task.info.get("tokens_per_example", 0.0)
         report: dict[str, Any] = {
-            "rank": rank, "world": world, "mode": args.mode, "steps": summary.steps, "seconds": round(summary.seconds, 3),
+            "rank": rank, "world": world, "mode": args.mode, "zero": args.zero, "steps": summary.steps, "seconds": round(summary.seconds, 3),
             "loss": summary.loss, "last_loss": summary.last_loss, "losses": losses, "start_step": summary.start_clock,
             **summary.metrics, "examples_per_s": summary.examples_per_s * dp,
         }
@@ -284,7 +299,7 @@ def run_rank(args: argparse.Namespace) -> int:
             report["tokens_per_s"] = tps
             flops = task.info.get("flops_per_token", 0.0)
             if flops:
-                dtype = next(task.model.parameters()).dtype if args.mode != "zero3" else torch.float32
+                dtype = next(task.model.parameters()).dtype if args.zero != 3 else torch.float32
                 peak, source = peak_tflops(mesh.device, dtype, args.peak_tflops)
                 report["mfu"] = tps * flops / (peak * 1e12 * world)
                 report["peak_tflops"], report["peak_source"] = peak, source
@@ -404,6 +419,7 @@ def _peer(args: argparse.Namespace) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
+    resolve_mode(args)  # a contradicting --mode/--zero: one line (tessera peer: error: ...), exit 2, no rank started
     argv = launcher_argv(args)
     try:
         torchrun(argv)

@@ -22,7 +22,9 @@ gets one flat buffer, padded to a multiple of the group size and split evenly; r
 of every unit, and its chunks, concatenated, are one ``nn.Parameter`` (the shard) that any
 ``torch.optim`` optimizer steps: optimizer state is 1/D at every stage. Gradients are
 reduce-scattered (mean) into the shard's gradient, the shard steps, and the updated chunks are
-all-gathered (stage 1/2) or gathered just in time (stage 3). Stage 2 keeps a unit's full gradient
+all-gathered (stage 1/2) or gathered just in time (stage 3). Compressed (``bf16``/``fp16``), the
+reduce-scatter is the first half of the reducer's: an all-to-all of 16-bit chunks and an fp32 sum
+per rank (the updated values are all-gathered at full width). Stage 2 keeps a unit's full gradient
 only from its backward to its reduce-scatter; stage 3 keeps only the shard between steps.
 With ``overlap=True`` (plain DP/ZeRO) a unit's reduce-scatter launches from its gradient hooks and
 stage 3 gathers each unit before its forward and backward; with ``overlap=False`` (TP, PP, MoE
@@ -222,7 +224,7 @@ class GroupReducer(_Gated):
         b.launched = True
         self.bytes_reduced += g.numel() * g.element_size()
         if self.compress is None:
-            fingerprint("all_reduce", g)
+            fingerprint("all_reduce", g, group=self.group)
             b.works = [dist.all_reduce(g, group=self.group, async_op=True)]
             b.staged = g
             if self.tracer is not None:
@@ -233,7 +235,7 @@ class GroupReducer(_Gated):
         send = torch.zeros(n, dtype=self.compress, device=g.device)
         send[: b.numel].copy_(g)
         recv = torch.empty_like(send)
-        fingerprint("all_to_all", send)
+        fingerprint("all_to_all", send, group=self.group)
         b.works = [dist.all_to_all_single(recv, send, group=self.group, async_op=True)]
         if self.tracer is not None:
             self.tracer.work(f"all_to_all bucket {b.index}", b.works[0], bytes=send.numel() * send.element_size())
@@ -250,7 +252,7 @@ class GroupReducer(_Gated):
             chunk = send.numel() // self.size
             summed = recv.view(self.size, chunk).to(torch.float32).sum(0)  # fp32 accumulation
             gathered = torch.empty_like(send)
-            fingerprint("all_gather", gathered)
+            fingerprint("all_gather", gathered, group=self.group)
             _all_gather(gathered, summed.to(self.compress), self.group)  # phase 2: everyone's summed chunk
             out = gathered[: b.numel]
         b.staged = None
@@ -299,6 +301,7 @@ class _Unit:
     grad: torch.Tensor  # size * chunk: the unit's gradients (views into it)
     pending: int = 0
     works: list[Any] = field(default_factory=list)
+    staged: Any = None  # compressed: (sent, received) 16-bit chunks until the all-to-all is done
     gathered: bool = True
     grad_alive: bool = True
 
@@ -318,8 +321,8 @@ class ShardedOptimizer(_Gated):
     the units and, at stage 3, the forward hooks) over ``group``; see the module docstring.
 
     ``optimizer``: a task's ``OptimizerSpec`` or a factory ``params -> torch.optim.Optimizer`` (stage
-    0: called with the parameters; 1-3: with the one shard parameter). ``bucket_mb``/``compress``:
-    stage 0's buckets (compression only there). Call ``attach()`` once the replicas hold equal
+    0: called with the parameters; 1-3: with the one shard parameter). ``bucket_mb``: stage 0's
+    buckets; ``compress``: 16-bit gradients on the wire at every stage. Call ``attach()`` once the replicas hold equal
     values (``broadcast()``), ``zero_grad()`` before each step, ``step()`` after its backward.
     Collectives on the calling thread, in the same order on every rank. Not thread-safe."""
 
@@ -330,11 +333,12 @@ class ShardedOptimizer(_Gated):
     ) -> None:
         if stage not in (0, 1, 2, 3):
             raise PeerConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-        if stage and compress not in (None, "none"):
-            raise PeerConfigError("gradient compression is implemented for dp (ZeRO stage 0) only, not ZeRO")
+        if compress not in COMPRESS:
+            raise PeerConfigError(f"compress must be one of none, bf16, fp16, got {compress!r}")
         if stage and divide_by is not None:
             raise PeerConfigError("a divisor other than the group size is for ZeRO stage 0 only")
         self.stage, self.group, self.overlap = stage, group, overlap
+        self.compress, self.compress_name = COMPRESS[compress], compress or "none"
         self.size, self.rank = group_size(group), group_rank(group)
         self.device = torch.device(device)
         model.to(self.device)
@@ -387,9 +391,9 @@ class ShardedOptimizer(_Gated):
 
     def agreement(self) -> dict[str, Any]:
         """What every rank of the group must agree on (for ``check_agreement``)."""
-        out: dict[str, Any] = {"stage": self.stage, "numel": self.numel, "params": len(self.params)}
+        out: dict[str, Any] = {"stage": self.stage, "numel": self.numel, "params": len(self.params), "compress": self.compress_name}
         if self.reducer is not None:
-            out.update(bucket_bytes=self.reducer.bucket_bytes, compress=self.reducer.compress_name)
+            out.update(bucket_bytes=self.reducer.bucket_bytes)
         else:
             out.update(units=len(self.units), shard=self.shard.numel())
         return out
@@ -402,11 +406,11 @@ class ShardedOptimizer(_Gated):
         with torch.no_grad():
             if self.reducer is not None:
                 assert self.reducer.flat is not None
-                fingerprint("broadcast", self.reducer.flat.data)
+                fingerprint("broadcast", self.reducer.flat.data, group=self.group)
                 dist.broadcast(self.reducer.flat.data, src, group=self.group)
                 return
             for u in self.units:
-                fingerprint("broadcast", u.full)
+                fingerprint("broadcast", u.full, group=self.group)
                 dist.broadcast(u.full, src, group=self.group)
         self.pull_shard()
 
@@ -456,7 +460,7 @@ class ShardedOptimizer(_Gated):
         if u.gathered:
             return
         _alloc(u.full)
-        fingerprint("all_gather", u.full)
+        fingerprint("all_gather", u.full, group=self.group)
         with torch.no_grad(), self._span("all_gather unit"):
             _all_gather(u.full, self.shard.data[u.offset : u.offset + u.chunk], self.group)
         u.gathered = True
@@ -532,7 +536,7 @@ class ShardedOptimizer(_Gated):
 
     def _reset(self) -> None:
         for u in self.units:
-            u.pending, u.works = len(u.params), []
+            u.pending, u.works, u.staged = len(u.params), [], None
         self._inflight = []
 
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -552,10 +556,16 @@ class ShardedOptimizer(_Gated):
         if not u.grad_alive:  # no gradient reached it this step (stage 2/3): zeros, still exchanged
             self._grad_alloc(u)
         u.grad.div_(self.size)
-        fingerprint("reduce_scatter", u.grad)
-        u.works = [_reduce_scatter(self.shard_grad[u.offset : u.offset + u.chunk], u.grad, self.group, async_op=True)]
+        if self.compress is None:
+            fingerprint("reduce_scatter", u.grad, group=self.group)
+            u.works = [_reduce_scatter(self.shard_grad[u.offset : u.offset + u.chunk], u.grad, self.group, async_op=True)]
+        else:  # rank r receives chunk r of every rank's gradient, 16-bit; summed in fp32 by _wait
+            send = u.grad.to(self.compress)
+            u.staged = (send, torch.empty_like(send))
+            fingerprint("all_to_all", send, group=self.group)
+            u.works = [dist.all_to_all_single(u.staged[1], send, group=self.group, async_op=True)]
         if self.tracer is not None:
-            self.tracer.work("reduce_scatter unit", u.works[0], bytes=u.grad.numel() * u.grad.element_size())
+            self.tracer.work("reduce_scatter unit", u.works[0], bytes=u.staged[0].nbytes if u.staged else u.grad.nbytes)
         if self.overlap:
             self._release(u)  # stage 3: its values are not needed again until the next forward
         u.pending = -1  # launched
@@ -565,10 +575,18 @@ class ShardedOptimizer(_Gated):
             while len(self._inflight) > 2:
                 self._retire(self._inflight.pop(0))
 
-    def _retire(self, u: _Unit) -> None:
+    def _wait(self, u: _Unit) -> None:
+        """The unit's reduce-scatter done: its mean gradient chunk in the shard's gradient."""
         for w in u.works:
             w.wait()
         u.works = []
+        if u.staged is not None:
+            chunks = u.staged[1].view(self.size, u.chunk).to(torch.float32)
+            self.shard_grad[u.offset : u.offset + u.chunk].copy_(chunks.sum(0))  # fp32 accumulation
+            u.staged = None
+
+    def _retire(self, u: _Unit) -> None:
+        self._wait(u)
         if self._syncing and u.grad_alive:
             _free(u.grad)
             u.grad_alive = False
@@ -584,9 +602,7 @@ class ShardedOptimizer(_Gated):
                 if u.pending != -1:
                     self._launch(u)
             for u in self.units:
-                for w in u.works:
-                    w.wait()
-                u.works = []
+                self._wait(u)
                 if self.stage >= 2 and u.grad_alive:
                     _free(u.grad)
                     u.grad_alive = False
@@ -605,7 +621,7 @@ class ShardedOptimizer(_Gated):
                 if self.stage == 3:
                     self._release(u)
                 elif u.gathered:
-                    fingerprint("all_gather", u.full)
+                    fingerprint("all_gather", u.full, group=self.group)
                     _all_gather(u.full, self.shard.data[u.offset : u.offset + u.chunk], self.group)
 
     # ------------------------------------------------------------------ whole values and state
@@ -689,7 +705,7 @@ class ShardedOptimizer(_Gated):
         }
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"stage": self.stage, "comm_wait_s": self.comm_wait_s}
+        out: dict[str, Any] = {"stage": self.stage, "comm_wait_s": self.comm_wait_s, "compress": self.compress_name}
         if self.reducer is not None:
             out.update(self.reducer.stats())
         else:

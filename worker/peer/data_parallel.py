@@ -70,7 +70,8 @@ class DataParallelSync(ParamSync, Checkpointing):
     over ``group`` (None: every rank), as a ``ParamSync``.
 
     ``optimizer``: a task's ``OptimizerSpec`` or a factory ``params -> torch.optim.Optimizer``.
-    ``bucket_mb``/``compress``: stage 0's buckets and 16-bit transport. ``overlap``: reduce from
+    ``bucket_mb``: stage 0's buckets; ``compress``: 16-bit gradients on the wire (any stage; the TP
+    sum of replicated gradients stays exact). ``overlap``: reduce from
     backward hooks (False in meshes: once per step, after the last micro-batch). ``specs``: the
     ``(ShardSpec, param)`` pairs of a tensor-parallel model (default: ``model.specs`` or every
     parameter whole), ``tp_group`` the group they are split over, ``tp_replicated`` the parameters
@@ -155,7 +156,7 @@ class DataParallelSync(ParamSync, Checkpointing):
         if group_size(self.group) == 1:
             return float(loss)
         t = loss.detach().to(self.device, torch.float64).reshape(1)
-        fingerprint("all_reduce", t)
+        fingerprint("all_reduce", t, group=self.group)
         dist.all_reduce(t, group=self.group)
         return float(t) / group_size(self.group)
 

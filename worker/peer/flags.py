@@ -21,7 +21,7 @@ def add_pipeline_args(p: argparse.ArgumentParser) -> None:
     if "--schedule" not in have:
         p.add_argument("--schedule", default="1f1b", choices=list(KINDS), help="pipeline schedule")
     if "--micro-batches" not in have:
-        p.add_argument("--micro-batches", type=int, default=0, help="micro-batches per step in the pipeline (0: 2 x pp)")
+        p.add_argument("--micro-batches", type=int, default=0, help="micro-batches per step in the pipeline (0: --accumulate if given, else 2 x pp)")
     if "--virtual-stages" not in have:
         p.add_argument("--virtual-stages", type=int, default=2, help="interleaved: model chunks per pipeline rank")
     if "--recompute" not in have:

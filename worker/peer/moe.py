@@ -469,7 +469,7 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
         )
         self.experts = ShardedOptimizer(
             model, optimizer, self.groups.replicas if self.groups.replicas is not None else ALONE, stage=0,
-            params=[p for _, p in self.expert_specs], device=self.device, overlap=False, divide_by=dp,
+            params=[p for _, p in self.expert_specs], device=self.device, overlap=False, divide_by=dp, compress=compress,
         )
         self.flat = self.dense.flat
         first_tp = mesh is None or mesh.tp_idx == 0

@@ -693,7 +693,7 @@ class PipelineSync(WrapsDense, ParamSync):
     pipelined = False
 
     def __init__(self, plan: PipelinePlan, model: nn.Module, mesh: Any, optimizer: Any, *, stage: int = 0,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, compress: str | None = None) -> None:
         from worker.peer.split import shared_parameters
 
         src = plan.source
@@ -705,7 +705,8 @@ class PipelineSync(WrapsDense, ParamSync):
             reduce_grads=False, precision=plan.precision, rng=plan.rng,
         )
         self.dense = stage_sync(model, self.engine, optimizer, stage=stage, dp_group=mesh.dp_group,
-                                tp_group=mesh.tp_group if mesh.tp > 1 else None, sequence_parallel=sequence_parallel)
+                                tp_group=mesh.tp_group if mesh.tp > 1 else None, sequence_parallel=sequence_parallel,
+                                compress=compress)
         self.shared = shared_parameters(src.layers, self.engine.bounds)  # ranks that do not hold one add zeros
         # every stage's parameters, in the same order on every rank of the pipeline: what an evaluation shares
         self._stage_params = [list(dict.fromkeys(p for layer in src.layers[a:b] for p in layer.parameters()))
@@ -795,13 +796,14 @@ class PipelineSync(WrapsDense, ParamSync):
 
 def stage_sync(
     model: Any, eng: PipelineEngine, optimizer: Any, *, stage: int = 0, dp_group: Any = None, tp_group: Any = None,
-    sequence_parallel: bool = False,
+    sequence_parallel: bool = False, compress: str | None = None,
 ) -> Any:
     """The optimizer of this pipeline rank's stages (``eng``, built with ``reduce_grads=False``) in a
     (D, T, P) mesh: the data-parallel core's ``DataParallelSync`` over ``dp_group`` at ZeRO ``stage``
     0-3 (gradients reduced once per step, after the last micro-batch; stage 3 gathers the stages'
     parameters at ``zero_grad`` and keeps them across the micro-batches), the TP-replicated
-    parameters' gradients summed over ``tp_group`` first under sequence parallelism. ``model``: the
+    parameters' gradients summed over ``tp_group`` first under sequence parallelism; ``compress``:
+    16-bit gradients on the DP group's wire. ``model``: the
     plain or tensor-parallel model the layers come from (its ``specs`` name the tensors). Per step:
     ``zero_grad()``, ``eng.step(...)``, ``push(step, Grads(None))`` (reduce, step, checkpoint if due);
     ``join()`` once first (replicas start equal; returns the step of the newest checkpoint). The
@@ -813,7 +815,7 @@ def stage_sync(
     specs = whole_specs(model, params)
     return DataParallelSync(
         nn.ModuleList(eng.stages.values()), optimizer, stage=stage, group=dp_group, device=eng.device, overlap=False,
-        params=params, specs=specs, tp_group=tp_group,
+        compress=compress, params=params, specs=specs, tp_group=tp_group,
         tp_replicated=[p for s, p in specs if s.dim is None] if sequence_parallel else [], agree=False, name=f"pp-zero{stage}",
     )
 
@@ -828,12 +830,16 @@ def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int
 
     P = int(args.pp)
     T = int(getattr(args, "tp", 1) or 1)
-    m = int(args.micro_batches) or 2 * P
+    acc, m = int(getattr(args, "accumulate", 1) or 1), int(args.micro_batches)
+    if acc > 1 and m and m != acc:
+        raise PeerConfigError(f"--accumulate {acc} and --micro-batches {m} contradict: a pipeline's micro-batches are its "
+                              "accumulation (give one)")
+    m = m or (acc if acc > 1 else 2 * P)
     V = int(args.virtual_stages) if args.schedule == "interleaved" else 1
     if user_pipeline(args) and recompute_mode(args) == "selective":
         raise PeerConfigError("--recompute selective is the gpt task's built-in split's (without --tp-plan/--pp-split); use full")
     if args.mode == "hybrid":
-        raise PeerConfigError("--pp, --recompute and --precision run with --mode dp or zero1-3 (ZeRO over the DP dimension), not hybrid")
+        raise PeerConfigError("--pp, --recompute and --precision run with --mode dp (any --zero: ZeRO over the DP dimension), not hybrid")
     if getattr(args, "sequence_parallel", False) and T == 1:
         raise PeerConfigError("--sequence-parallel needs --tp > 1")
     if getattr(args, "ep", 1) > 1 or getattr(args, "moe_experts", 0):
@@ -849,13 +855,6 @@ def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int
         schedule(args.schedule, P, m, V)
     except ScheduleError as e:
         raise PeerConfigError(str(e)) from None
-    # --debug-collectives compares every rank's collectives world-wide: the stages' differ in shape by design
-    unsupported = [flag for flag, v, default in [("--accumulate", args.accumulate, 1), ("--compress", args.compress, "none"),
-                                                 ("--debug-collectives", args.debug_collectives, False)] if v != default]
-    if unsupported:
-        raise PeerConfigError(
-            f"not supported with --pp/--recompute/--precision: {', '.join(unsupported)} (--micro-batches replaces --accumulate)"
-        )
     return P, D, T, m, V
 
 

@@ -418,10 +418,9 @@ def peer_argv(spec: ModelSpec, lay: Layout, steps: int) -> list[str]:
     if lay.P > 1 or lay.recompute_name() != "none":
         argv += ["--pp", str(lay.P), "--schedule", lay.schedule, "--micro-batches", str(lay.m), "--virtual-stages", str(lay.V)]
         argv += ["--recompute", lay.recompute_name()] if lay.recompute_name() != "none" else []
-        argv += ["--mode", f"zero{lay.zero}"] if lay.zero else []
     else:
-        argv += ["--mode", "dp" if lay.zero == 0 else f"zero{lay.zero}", "--accumulate", str(lay.m)]
-    return argv
+        argv += ["--accumulate", str(lay.m)]
+    return argv + ["--zero", str(lay.zero)]
 
 
 def measure(spec: ModelSpec, plans: list[Plan], gpus: int, top: int, steps: int, device: str = "auto") -> Plan | None:

@@ -27,7 +27,8 @@ __all__ = ["SyncPlan", "make_sync"]
 class SyncPlan:
     """How a run synchronises. ``mode``: a peer mode of ``worker.modes`` (dp, zero1-3, hybrid).
     ``optimizer``: a task's ``OptimizerSpec`` or a factory ``params -> torch.optim.Optimizer``.
-    ``bucket_mb``/``compress``: the all-reduce's buckets and 16-bit transport (ZeRO stage 0 only).
+    ``bucket_mb``/``compress``: the all-reduce's buckets and 16-bit gradients on the wire (every
+    stage and layout).
     ``sequence_parallel``: the TP model's replicated parameters' gradients are partial per TP rank.
     ``ep``: expert-parallel ranks (models with MoE layers). ``sparse_mode``/``sparse_ids``: hybrid's
     PS side. ``device``; ``settings``: fields every rank must agree on. ``pipeline``: a
@@ -54,12 +55,10 @@ class SyncPlan:
             raise PeerConfigError(str(e)) from None
         if self.compress not in (None, "none", "bf16", "fp16"):
             raise PeerConfigError(f"compress must be one of none, bf16, fp16, got {self.compress!r}")
-        if self.compress not in (None, "none") and m.stage:
-            raise PeerConfigError("gradient compression is implemented for dp only, not ZeRO")
         if self.ep < 1:
             raise PeerConfigError(f"--ep must be >= 1, got {self.ep}")
-        if self.pipeline is not None and (m.name == "hybrid" or self.ep > 1 or self.compress not in (None, "none")):
-            raise PeerConfigError("a pipeline runs with --mode dp or zero1-3, without --ep or --compress")
+        if self.pipeline is not None and (m.name == "hybrid" or self.ep > 1):
+            raise PeerConfigError("a pipeline runs with --mode dp (any --zero), without --ep")
 
     @property
     def stage(self) -> int:
@@ -100,12 +99,10 @@ def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None) -> P
         if mesh_or_client is None:
             raise PeerConfigError("a pipeline needs its ParallelMesh (the PP, DP and TP groups)")
         return PipelineSync(plan.pipeline, model, mesh_or_client, plan.optimizer, stage=plan.stage,
-                            sequence_parallel=plan.sequence_parallel)
+                            sequence_parallel=plan.sequence_parallel, compress=compress)
     if moe_layers(model):
         from worker.peer.moe import MoESync
 
-        if mesh_or_client is not None and compress is not None:
-            raise PeerConfigError("--compress with --tp/--dp is not supported (dp mode without a mesh only)")
         return MoESync(model, plan.optimizer, mesh_or_client, ep=plan.ep, stage=plan.stage, device=plan.device,
                        bucket_mb=plan.bucket_mb, compress=compress, settings=plan.settings)
     if plan.ep > 1:
@@ -114,8 +111,6 @@ def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None) -> P
         return DataParallelSync(model, plan.optimizer, stage=plan.stage, device=plan.device, bucket_mb=plan.bucket_mb,
                                 compress=compress, settings=plan.settings)
     mesh = mesh_or_client
-    if compress is not None:
-        raise PeerConfigError("--compress with --tp/--dp is not supported (dp mode without a mesh only)")
     # the gradients to sum over the TP group: a parallelize()d model says which; the gpt task's split, under SP,
     # its replicated parameters (each TP rank saw S/T positions)
     if hasattr(model, "tp_sum_parameters"):
@@ -123,7 +118,7 @@ def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None) -> P
     else:
         replicated = model.replicated_parameters() if plan.sequence_parallel and hasattr(model, "replicated_parameters") else []  # type: ignore[operator]
     return DataParallelSync(
-        model, plan.optimizer, stage=plan.stage, group=mesh.dp_group, device=mesh.device, overlap=False,
+        model, plan.optimizer, stage=plan.stage, group=mesh.dp_group, device=mesh.device, overlap=False, compress=compress,
         tp_group=mesh.tp_group if mesh.tp > 1 else None, tp_replicated=replicated,
         settings={"pp": mesh.pp, "sequence_parallel": plan.sequence_parallel, **plan.settings},
     )
