@@ -31,6 +31,7 @@ SLOW = (
     "multiproc/test_peer_faults.py",
     "multiproc/test_peer_hybrid_wait.py",
     "multiproc/test_peer_equivalence.py",
+    "multiproc/test_peer_flags.py",
     "multiproc/test_pipeline_",
     "multiproc/test_tensor_parallel",
     "multiproc/test_moe.py",
