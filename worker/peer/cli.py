@@ -5,9 +5,11 @@
   no endpoint is given), which starts N ranks of ``python -m worker.peer ...`` on this node.
 - ``torchrun --nproc-per-node N -m worker.peer --task gpt ...`` is the same rank program under a
   torchrun you start yourself.
-- ``--dp D --tp T [--sequence-parallel] [--mode zero1]`` (world = D x T x P): the gpt model split over
-  T ranks (Megatron tensor parallelism, ``worker.peer.tensor_parallel``), D replicas averaged by
-  all-reduce (``zero1``: reduce-scatter, optimizer state split over the D replicas).
+- ``--zero N`` (0-3; ``--mode zeroN`` is an alias): the ZeRO stage over the data-parallel ranks of
+  any layout (``resolve_mode``: checked by the mode registry, a contradicting pair refused).
+- ``--dp D --tp T [--sequence-parallel]`` (world = D x T x P): any task's model split over T ranks
+  by a plan (``worker.peer.parallelize``; the gpt task's built-in Megatron split without
+  ``--tp-plan``), D replicas averaged over their DP group.
 - ``--pp P`` (with any ``--tp``/``--dp``), ``--recompute`` or ``--precision bf16``: a pipeline
   (``worker.peer.pipeline``: P stages of tensor-parallel layers, D pipelines, ZeRO 0-3 over D, bf16
   compute with fp32 master weights), its schedule run by the ``PipelineSync`` inside the same trainer.
