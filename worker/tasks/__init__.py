@@ -132,7 +132,13 @@ def _gpt(**kw: Any) -> Task:
     return make_task(**kw)
 
 
-TASKS: dict[str, Callable[..., Task]] = {"ctr": _ctr, "digits": _digits, "gpt": _gpt}
+def _mf(**kw: Any) -> Task:
+    from worker.tasks.mf import make_task
+
+    return make_task(**kw)
+
+
+TASKS: dict[str, Callable[..., Task]] = {"ctr": _ctr, "digits": _digits, "gpt": _gpt, "mf": _mf}
 
 
 class TaskLoadError(ValueError):
