@@ -17,6 +17,11 @@ are checked bit-identical at the end. ``--ab``: also the kernel's C loop against
 compiled by numba (where numba imports), on raw arrays: the tooling choice of the README's
 Dependencies section.
 
+``--optimizer adam`` (or ``adamw``, ``ftrl``): the same workload on a table of that optimizer (lazy:
+a row's moments and bias correction advance when it is pushed); ``torch`` is then plain torch's
+lazy update of that optimizer on whole tensors (as ``ps.optim`` on the gathered rows), and FBGEMM
+(row-wise Adagrad only) is skipped.
+
 Run (about 20 s; a minute on a loaded machine): ``python bench/ps_kernel.py`` (``--quick``: 100k rows,
 fewer repeats; ``--json-out FILE``). Prints
 a table (min and median ms per batch) and, as its last line, one line of JSON with ``kernel_vs_numpy``
@@ -38,6 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DIM = 64
 LR, EPS = 0.01, 1e-8
+OPTIMIZERS = {  # the table's optimizer and hyperparameters (--optimizer)
+    "rowwise_adagrad": {"lr": LR, "eps": EPS},
+    "adam": {"lr": LR, "eps": EPS},
+    "adamw": {"lr": LR, "eps": EPS, "weight_decay": 0.01},
+    "ftrl": {"lr": LR, "l1": 1e-4, "l2": 1e-4},
+}
 
 
 def batches(rows: int, batch: int, count: int, seed: int = 7) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -67,18 +78,24 @@ def interleaved(fns: dict[str, Callable[[int], object]], repeats: int, warmup: i
     return times
 
 
-def table_variants(rows: int, data: list) -> tuple[dict[str, Callable[[int], object]], Callable[[], None], str]:
+def table_variants(rows: int, data: list, opt: str = "rowwise_adagrad") -> tuple[dict[str, Callable[[int], object]], Callable[[], None], str]:
     from ps import rowkernel
     from ps.config import InitializerSpec, OptimizerSpec, TableSpec
     from ps.table import SparseTable
 
-    spec = TableSpec("emb", "sparse", dim=DIM, optimizer=OptimizerSpec("rowwise_adagrad", {"lr": LR, "eps": EPS}),
+    spec = TableSpec("emb", "sparse", dim=DIM, optimizer=OptimizerSpec(opt, OPTIMIZERS[opt]),
                      initializer=InitializerSpec("uniform"), seed=1, num_slots=4096)
     tables = {}
+    why = ""
     for name, on in (("kernel", True), ("numpy", False)):
         if on and rowkernel.KERNEL is None:
+            why = f"kernel unavailable: {rowkernel.UNAVAILABLE}"
             continue
         t = SparseTable(spec, 0, 1, row_kernel=on)
+        if on and t.row_path != "kernel":
+            why = f"kernel not used: {t.row_path}"
+            t.close()
+            continue
         step = 1 << 17
         for lo in range(0, rows, step):  # rows are made by pushes
             ids = np.arange(lo, min(rows, lo + step), dtype=np.int64)
@@ -101,12 +118,14 @@ def table_variants(rows: int, data: list) -> tuple[dict[str, Callable[[int], obj
         if not same:
             raise SystemExit("bench/ps_kernel.py: error: the kernel's table differs from the numpy path's")
 
-    why = "" if "kernel" in tables else f"kernel unavailable: {rowkernel.UNAVAILABLE}"
     return {k: op(t) for k, t in tables.items()}, check, why
 
 
-def torch_variant(rows: int, data: list) -> Callable[[int], object]:
+def torch_variant(rows: int, data: list, opt: str = "rowwise_adagrad") -> Callable[[int], object]:
     import torch
+
+    if opt != "rowwise_adagrad":
+        return lazy_torch_variant(rows, data, opt)
 
     w = torch.rand(rows, DIM) * 0.1
     acc = torch.zeros(rows)
@@ -121,6 +140,34 @@ def torch_variant(rows: int, data: list) -> Callable[[int], object]:
         r.addcmul_(g, a.sqrt().add_(EPS).reciprocal_().mul_(LR)[:, None], value=-1.0)
         w.index_copy_(0, idx, r)
         acc.index_copy_(0, idx, a)
+    return run
+
+
+def lazy_torch_variant(rows: int, data: list, opt: str) -> Callable[[int], object]:
+    """Plain torch, one thread: ``index_select`` the rows, their state and per-row step counts,
+    ``ps.optim``'s update of ``opt`` on them (per-row steps), ``index_copy_`` them back."""
+    import torch
+
+    from ps.config import OptimizerSpec
+    from ps.optim import make_optimizer
+
+    o = make_optimizer(opt, OptimizerSpec(opt, OPTIMIZERS[opt]).hparams)
+    w = torch.rand(rows, DIM) * 0.1
+    state = o.init_state(w)
+    steps = torch.zeros(rows, dtype=torch.int64)
+
+    def run(i: int) -> None:
+        _, uniq, summed = data[i]
+        idx = torch.from_numpy(uniq)
+        w.index_select(0, idx)  # the pull's reply
+        r = w.index_select(0, idx)
+        s = {k: v.index_select(0, idx) for k, v in state.items()}
+        st = steps.index_select(0, idx).add_(1)
+        o.update(r, torch.from_numpy(summed), s, st.to(torch.float64)[:, None])
+        w.index_copy_(0, idx, r)
+        for k, v in s.items():
+            state[k].index_copy_(0, idx, v)
+        steps.index_copy_(0, idx, st)
     return run
 
 
@@ -202,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="100k rows, fewer repeats (a smoke run)")
     ap.add_argument("--ab", action="store_true", help="also the C kernel against numba (where numba imports)")
+    ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="rowwise_adagrad", help="the table's optimizer (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=0)
     ap.add_argument("--json-out", default="", help="also write the final JSON line to this file")
     args = ap.parse_args(argv)
@@ -212,19 +260,20 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats or (20 if args.quick else 150)
     warmup = 5
     data = batches(rows, 4096, warmup + repeats)
-    fns, check, why = table_variants(rows, data)
-    fns["torch"] = torch_variant(rows, data)
-    fb, fb_why = fbgemm_variant(rows, data)
+    fns, check, why = table_variants(rows, data, args.optimizer)
+    fns["torch"] = torch_variant(rows, data, args.optimizer)
+    fb, fb_why = fbgemm_variant(rows, data) if args.optimizer == "rowwise_adagrad" else (None, f"FBGEMM's kernel is row-wise Adagrad, the table {args.optimizer}")
     if fb is not None:
         fns["fbgemm"] = fb
     t = interleaved(fns, repeats, warmup)
     check()
     uniq = statistics.mean(len(d[1]) for d in data)
-    print(f"{'variant':<10} {'min ms':>9} {'median ms':>10}   ({rows} x {DIM} fp32, row-wise Adagrad, 4096 Zipf(1.1) ids, ~{uniq:.0f} unique, pull + push)")
+    print(f"{'variant':<10} {'min ms':>9} {'median ms':>10}   ({rows} x {DIM} fp32, {args.optimizer}, 4096 Zipf(1.1) ids, ~{uniq:.0f} unique, pull + push)")
     for k, v in t.items():
         print(f"{k:<10} {min(v) * 1e3:9.3f} {statistics.median(v) * 1e3:10.3f}")
     out: dict[str, object] = {k: {"min_ms": round(min(v) * 1e3, 4), "median_ms": round(statistics.median(v) * 1e3, 4)} for k, v in t.items()}
     out["unique_rows_per_batch"] = round(uniq, 1)
+    out["optimizer"] = args.optimizer
     if why:
         out["kernel"] = why
     if "kernel" in t:

@@ -21,13 +21,55 @@
 #define TK_NESTEROV 2
 #define TK_ADAGRAD 3
 #define TK_ROWWISE_ADAGRAD 4
+#define TK_ADAM 5
+#define TK_ADAMW 6
+#define TK_FTRL 7
 
 #define TK_MAX_LANES 16
 
-/* hparams, already cast to float the way torch casts a Python scalar for a float32 tensor */
+/* hparams as Python has them (doubles; 0 where the optimizer has none) */
 typedef struct {
-    float lr, weight_decay, eps, momentum;
+    double lr, weight_decay, eps, momentum, lr_decay, beta1, beta2, beta, l1, l2;
 } tk_hparams;
+
+/* what the update reads of them, made once per push: floats cast the way torch casts a Python scalar
+ * for a float32 tensor (after the same double arithmetic Python does, e.g. 1 - beta1) */
+typedef struct {
+    float lr, wd, eps, mu;
+    float w1, w1m1;   /* Adam: exp_avg.lerp_(g, 1 - beta1)'s weight, and weight - 1 */
+    int w1_small;     /* |weight| < 0.5: torch's lerp takes the form from the start */
+    float b2, c2;     /* Adam: exp_avg_sq.mul_(beta2).addcmul_(g, g, value=1 - beta2) */
+    float decay;      /* AdamW: param.mul_(1 - lr * weight_decay) */
+    float beta, l1, l2; /* FTRL */
+} tk_consts;
+
+static void make_consts(const tk_hparams *h, tk_consts *c) {
+    c->lr = (float)h->lr;
+    c->wd = (float)h->weight_decay;
+    c->eps = (float)h->eps;
+    c->mu = (float)h->momentum;
+    c->w1 = (float)(1.0 - h->beta1);
+    c->w1m1 = c->w1 - 1.0f;
+    c->w1_small = fabsf(c->w1) < 0.5f;
+    c->b2 = (float)h->beta2;
+    c->c2 = (float)(1.0 - h->beta2);
+    c->decay = (float)(1.0 - h->lr * h->weight_decay);
+    c->beta = (float)h->beta;
+    c->l1 = (float)h->l1;
+    c->l2 = (float)h->l2;
+}
+
+/* b**k for k >= 0 by repeated squaring (double multiplies only: ps/optim.py's _powi, the same bits) */
+static inline double powi(double b, int64_t k) {
+    double out = 1.0;
+    while (k > 0) {
+        if (k & 1)
+            out = out * b;
+        b = b * b;
+        k >>= 1;
+    }
+    return out;
+}
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
 /* one build, each CPU's widest vector units (the arithmetic is the same: fmaf is exact either way) */
@@ -54,11 +96,36 @@ static inline void prefetch_bytes(const void *p, int64_t nbytes, int write) {
     }
 }
 
-/* p: the row's fp32 values (updated in place), g: its gradient, s0/s1: elementwise state rows, a:
- * the row-wise accumulator */
-static inline __attribute__((always_inline)) void update_row(int opt, int lanes, int64_t dim, const tk_hparams *h, float *restrict p, const float *restrict g,
-                       float *restrict s0, float *restrict a) {
-    const float lr = h->lr, wd = h->weight_decay;
+/* Adam on one row: ``decoupled`` (AdamW: param.mul_(1 - lr * wd) first, the gradient as it is) or
+ * ``l2`` (g + wd * param); m.lerp_(g, 1 - b1) (torch's lerp: fma(w, g - m, m) for |w| < 0.5, else
+ * fma(w - 1, g - m, g)); v.mul_(b2).addcmul_(g, g, value=1 - b2) (GCC contracts torch's addcmul);
+ * p -= m / (sqrt(v) / bc2_sqrt + eps) * step_size. The flags are constants where it is inlined. */
+static inline __attribute__((always_inline)) void adam_row(int decoupled, int l2, const tk_consts *c, float step_size, float bc2_sqrt,
+                                                           int64_t dim, float *restrict p, const float *restrict g,
+                                                           float *restrict m, float *restrict v) {
+    const float decay = c->decay, wd = c->wd, b2 = c->b2, c2 = c->c2, eps = c->eps;
+    const float coeff = c->w1_small ? c->w1 : c->w1m1;
+    const int small = c->w1_small;
+    for (int64_t d = 0; d < dim; d++) {
+        float pd = p[d], gd = g[d], md = m[d];
+        if (decoupled)
+            pd = pd * decay;
+        if (l2)
+            gd = fmaf(pd, wd, gd);
+        md = fmaf(coeff, gd - md, small ? md : gd);
+        m[d] = md;
+        float vd = fmaf(c2 * gd, gd, v[d] * b2);
+        v[d] = vd;
+        p[d] = pd - (md / (sqrtf(vd) / bc2_sqrt + eps)) * step_size;
+    }
+}
+
+/* p: the row's fp32 values (updated in place), g: its gradient, s0/s2: elementwise state rows, a:
+ * the row-wise accumulator, step: the row's update count, this one included (its new version) */
+static inline __attribute__((always_inline)) void update_row(int opt, int lanes, int64_t dim, const tk_hparams *h, const tk_consts *c,
+                       int64_t step, float *restrict p, const float *restrict g, float *restrict s0, float *restrict a,
+                       float *restrict s2) {
+    const float lr = c->lr, wd = c->wd;
     switch (opt) {
     case TK_SGD: /* param.add_(grad (+ wd*param), alpha=-lr) */
         for (int64_t d = 0; d < dim; d++) {
@@ -70,21 +137,62 @@ static inline __attribute__((always_inline)) void update_row(int opt, int lanes,
     case TK_NESTEROV: /* buf.mul_(mu).add_(g); param.add_(buf or g + mu*buf, alpha=-lr) */
         for (int64_t d = 0; d < dim; d++) {
             float gd = wd != 0.0f ? fmaf(p[d], wd, g[d]) : g[d];
-            float b = s0[d] * h->momentum + gd;
+            float b = s0[d] * c->mu + gd;
             s0[d] = b;
-            float step = opt == TK_NESTEROV ? fmaf(b, h->momentum, gd) : b;
-            p[d] = fmaf(step, -lr, p[d]);
+            float upd = opt == TK_NESTEROV ? fmaf(b, c->mu, gd) : b;
+            p[d] = fmaf(upd, -lr, p[d]);
         }
         break;
-    case TK_ADAGRAD: /* torch._fused_adagrad_ (lr_decay 0): sum += g*g; p -= lr*g / (sqrt(sum) + eps) */
+    case TK_ADAGRAD:
+        if (h->lr_decay == 0.0) { /* torch._fused_adagrad_: sum += g*g; p -= lr*g / (sqrt(sum) + eps) */
+            for (int64_t d = 0; d < dim; d++) {
+                float gd = wd != 0.0f ? fmaf(p[d], wd, g[d]) : g[d];
+                float s = fmaf(gd, gd, s0[d]);
+                s0[d] = s;
+                float std = sqrtf(s) + c->eps;
+                p[d] = p[d] - (lr * gd) / std;
+            }
+        } else { /* ps.optim.Adagrad's per-row path: clr = lr / (1 + (step - 1) lr_decay) in double;
+                    sum.addcmul_(g, g); p.sub_(g / (sqrt(sum) + eps) * clr) */
+            float clr = (float)(h->lr / (1.0 + (double)(step - 1) * h->lr_decay));
+            for (int64_t d = 0; d < dim; d++) {
+                float gd = wd != 0.0f ? fmaf(p[d], wd, g[d]) : g[d];
+                float s = fmaf(gd, gd, s0[d]);
+                s0[d] = s;
+                float std = sqrtf(s) + c->eps;
+                p[d] = p[d] - (gd / std) * clr;
+            }
+        }
+        break;
+    case TK_ADAM:
+    case TK_ADAMW: { /* ps.optim.Adam's per-row path (lazy Adam): bias corrections of the row's own step, in
+                        double, cast to float */
+        float step_size = (float)(h->lr / (1.0 - powi(h->beta1, step)));
+        float bc2_sqrt = (float)sqrt(1.0 - powi(h->beta2, step));
+        if (opt == TK_ADAMW) /* one loop per form, each without branches: vectorized */
+            adam_row(1, 0, c, step_size, bc2_sqrt, dim, p, g, s0, s2);
+        else if (wd != 0.0f)
+            adam_row(0, 1, c, step_size, bc2_sqrt, dim, p, g, s0, s2);
+        else
+            adam_row(0, 0, c, step_size, bc2_sqrt, dim, p, g, s0, s2);
+        break;
+    }
+    case TK_FTRL: { /* ps.optim.FTRL: z (s0) and n (s2), every op rounded on its own as torch's separate ops */
+        const float l1 = c->l1, l2 = c->l2, beta = c->beta;
         for (int64_t d = 0; d < dim; d++) {
-            float gd = wd != 0.0f ? fmaf(p[d], wd, g[d]) : g[d];
-            float s = fmaf(gd, gd, s0[d]);
-            s0[d] = s;
-            float std = sqrtf(s) + h->eps;
-            p[d] = p[d] - (lr * gd) / std;
+            float gd = g[d], n_old = s2[d];
+            float n_new = n_old + gd * gd;
+            float root = sqrtf(n_new);
+            float sigma = (root - sqrtf(n_old)) / lr;
+            float z = s0[d] + (gd - sigma * p[d]);
+            s0[d] = z;
+            s2[d] = n_new;
+            float sign = z > 0.0f ? 1.0f : (z < 0.0f ? -1.0f : 0.0f);
+            float w = -(z - sign * l1) / ((beta + root) / lr + l2);
+            p[d] = fabsf(z) <= l1 ? 0.0f : w;
         }
         break;
+    }
     case TK_ROWWISE_ADAGRAD: { /* acc += vector_norm(g)^2 / dim; p -= g * (lr / (sqrt(acc) + eps)) */
         /* g (+ wd*p) is needed twice, for the norm and for the update: with decay, kept here (rows are short) */
         float gw[wd != 0.0f && dim > 0 ? dim : 1];
@@ -108,7 +216,7 @@ static inline __attribute__((always_inline)) void update_row(int opt, int lanes,
         float norm = sqrtf(sum);
         if (dim)
             *a = *a + (norm * norm) / (float)dim;
-        float scale = (1.0f / (sqrtf(*a) + h->eps)) * lr;
+        float scale = (1.0f / (sqrtf(*a) + c->eps)) * lr;
         for (int64_t e = 0; e < dim; e++)
             p[e] = fmaf(-gg[e], scale, p[e]);
         break;
@@ -225,25 +333,29 @@ static inline int64_t itemsize(int vdtype) { return vdtype == TK_F32 ? 4 : 2; }
 
 /* Apply one push to n rows (unique). Row i is store row rows[i] (row id ids[i]); its gradient is
  * grad row (grad_idx ? grad_idx[i] : i) of the (*, dim) fp32 ``grad``. Per row: widen the values,
- * the optimizer on them and the state, round back to the row dtype (``vdtype``), version + 1,
- * touch = touch_val (if ``touch``).
+ * the optimizer on them and the state (the row's step: its new version), round back to the row
+ * dtype (``vdtype``), version + 1, touch = touch_val (if ``touch``). State columns: s0 and s2
+ * elementwise (dim floats a row), s1 row-wise (one float a row); NULL where the optimizer has none.
  *
  * out_values == NULL: in place. Otherwise the store is only read: the new values (fp32, already
- * rounded to the row dtype), state and versions go to row i of out_values (n, dim), out_s0 (n, dim) /
- * out_s1 (n) and out_versions (n), for tk_scatter to store once the caller commits.
+ * rounded to the row dtype), state and versions go to row i of out_values (n, dim), out_s0 / out_s2
+ * (n, dim), out_s1 (n) and out_versions (n), for tk_scatter to store once the caller commits.
  *
  * Returns 0, or -1 for what it does not know (nothing written). */
 TK_CLONES
 int tk_push(int opt, int lanes, int vdtype, uint64_t table_key, int64_t n, int64_t dim, int shift, int64_t mask,
             const tk_hparams *h, const int64_t *rows, const int64_t *ids, const float *grad, const int64_t *grad_idx,
-            char *const *values, float *const *s0, float *const *s1, int64_t *const *version,
+            char *const *values, float *const *s0, float *const *s1, float *const *s2, int64_t *const *version,
             int64_t *const *touch, int64_t touch_val,
-            float *out_values, float *out_s0, float *out_s1, int64_t *out_versions) {
-    if (opt < TK_SGD || opt > TK_ROWWISE_ADAGRAD || lanes < 1 || lanes > TK_MAX_LANES || vdtype < TK_F32 || vdtype > TK_BF16 ||
+            float *out_values, float *out_s0, float *out_s1, float *out_s2, int64_t *out_versions) {
+    if (opt < TK_SGD || opt > TK_FTRL || lanes < 1 || lanes > TK_MAX_LANES || vdtype < TK_F32 || vdtype > TK_BF16 ||
         (vdtype == TK_F16 && !TK_HAVE_F16) || (vdtype == TK_BF16 && !ids))
         return -1;
-    int has_s0 = opt == TK_MOMENTUM || opt == TK_NESTEROV || opt == TK_ADAGRAD;
+    int has_s0 = opt == TK_MOMENTUM || opt == TK_NESTEROV || opt == TK_ADAGRAD || opt == TK_ADAM || opt == TK_ADAMW || opt == TK_FTRL;
     int has_s1 = opt == TK_ROWWISE_ADAGRAD;
+    int has_s2 = opt == TK_ADAM || opt == TK_ADAMW || opt == TK_FTRL;
+    tk_consts c;
+    make_consts(h, &c);
     int64_t row_bytes = dim * itemsize(vdtype);
     float buf[dim > 0 ? dim : 1];
     for (int64_t i = 0; i < n; i++) {
@@ -254,6 +366,8 @@ int tk_push(int opt, int lanes, int vdtype, uint64_t table_key, int64_t n, int64
                 prefetch_bytes(s0[ka] + oa * dim, dim * (int64_t)sizeof(float), 1);
             if (has_s1)
                 __builtin_prefetch(s1[ka] + oa, 1, 3);
+            if (has_s2)
+                prefetch_bytes(s2[ka] + oa * dim, dim * (int64_t)sizeof(float), 1);
             __builtin_prefetch(version[ka] + oa, 1, 3);
         }
         int64_t r = rows[i];
@@ -262,6 +376,7 @@ int tk_push(int opt, int lanes, int vdtype, uint64_t table_key, int64_t n, int64
         const float *g = grad + (grad_idx ? grad_idx[i] : i) * dim;
         float *st = has_s0 ? s0[k] + off * dim : NULL;
         float *acc = has_s1 ? s1[k] + off : NULL;
+        float *st2 = has_s2 ? s2[k] + off * dim : NULL;
         int64_t new_version = version[k][off] + 1;
         /* fp32 in place: the row itself; otherwise a widened copy (the out row, or buf) */
         float *p = out_values ? out_values + i * dim : (vdtype == TK_F32 ? (float *)row : buf);
@@ -276,13 +391,17 @@ int tk_push(int opt, int lanes, int vdtype, uint64_t table_key, int64_t n, int64
                 out_s1[i] = *acc;
                 acc = out_s1 + i;
             }
+            if (has_s2) {
+                memcpy(out_s2 + i * dim, st2, (size_t)dim * sizeof(float));
+                st2 = out_s2 + i * dim;
+            }
             out_versions[i] = new_version;
         } else {
             version[k][off] = new_version;
             if (touch)
                 touch[k][off] = touch_val;
         }
-        update_row(opt, lanes, dim, h, p, g, st, acc);
+        update_row(opt, lanes, dim, h, &c, new_version, p, g, st, acc, st2);
         if (vdtype != TK_F32) {
             round_row(vdtype, p, dim, table_key, ids ? ids[i] : 0, new_version);
             if (!out_values)
@@ -294,9 +413,9 @@ int tk_push(int opt, int lanes, int vdtype, uint64_t table_key, int64_t n, int64
 
 /* Store what tk_push computed into out_* (row i -> store row rows[i]), touch = touch_val (if ``touch``). */
 TK_CLONES
-void tk_scatter(int vdtype, int64_t n, int64_t dim, int shift, int64_t mask, const int64_t *rows, int has_s0, int has_s1,
-                const float *new_values, const float *new_s0, const float *new_s1, const int64_t *new_versions,
-                char *const *values, float *const *s0, float *const *s1, int64_t *const *version,
+void tk_scatter(int vdtype, int64_t n, int64_t dim, int shift, int64_t mask, const int64_t *rows, int has_s0, int has_s1, int has_s2,
+                const float *new_values, const float *new_s0, const float *new_s1, const float *new_s2, const int64_t *new_versions,
+                char *const *values, float *const *s0, float *const *s1, float *const *s2, int64_t *const *version,
                 int64_t *const *touch, int64_t touch_val) {
     int64_t row_bytes = dim * itemsize(vdtype);
     for (int64_t i = 0; i < n; i++) {
@@ -307,6 +426,8 @@ void tk_scatter(int vdtype, int64_t n, int64_t dim, int shift, int64_t mask, con
             memcpy(s0[k] + off * dim, new_s0 + i * dim, (size_t)dim * sizeof(float));
         if (has_s1)
             s1[k][off] = new_s1[i];
+        if (has_s2)
+            memcpy(s2[k] + off * dim, new_s2 + i * dim, (size_t)dim * sizeof(float));
         version[k][off] = new_versions[i];
         if (touch)
             touch[k][off] = touch_val;

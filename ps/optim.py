@@ -61,8 +61,32 @@ def _decayed(grad: torch.Tensor, param: torch.Tensor, wd: float) -> torch.Tensor
     return grad.add(param, alpha=wd) if wd else grad
 
 
-def _as_scale(x: Step) -> Step:
-    return x.to(torch.float32) if isinstance(x, torch.Tensor) else x
+def _sqrt(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of a CPU tensor (numpy's; a new tensor). torch's goes to
+    MKL's vector math: within an ulp, not correctly rounded (1 float32 in 6 differs here) and its code
+    path depends on the CPU, so no other implementation (ps/_rowkernel.c) can match it."""
+    return torch.from_numpy(np.sqrt(x.numpy(force=True)))
+
+
+def _powi(base: float, k: np.ndarray) -> np.ndarray:
+    """``base ** k`` (float64) for integers ``k >= 0``, by repeated squaring: IEEE double multiplies
+    only, so ps/_rowkernel.c gets the same bits. (torch.pow of a float64 tensor is SLEEF's 1-ulp
+    vector pow, its scalar tail libm's; numpy's is SVML's on AVX-512: none is correctly rounded, and
+    the three differ in the last bit for a few in 1,000 steps.) Error: at most ~2 log2(k) double
+    ulps, far below the float32 the result is cast to."""
+    out = np.ones(k.shape, np.float64)
+    k = k.astype(np.int64)
+    b = float(base)
+    while k.any():
+        out = np.where(k & 1, out * b, out)
+        b = b * b
+        k = k >> 1
+    return out
+
+
+def _row_steps(step: torch.Tensor) -> np.ndarray:
+    """Per-row steps ((n, 1) float64 tensor of integers) as (n,) int64."""
+    return step.numpy(force=True).reshape(-1).astype(np.int64)
 
 
 class SGD(Optimizer):
@@ -126,13 +150,15 @@ class Adagrad(Optimizer):
             )
             return
         g = _decayed(grad, param, self.h["weight_decay"])
-        clr = lr / (1 + (step - 1) * decay)
         state["sum"].addcmul_(g, g, value=1)
-        std = state["sum"].sqrt().add_(self.h["eps"])
-        if isinstance(clr, torch.Tensor):
-            param.sub_(g / std * clr.to(param.dtype))
+        if isinstance(step, torch.Tensor):  # per-row steps (sparse rows; ps/_rowkernel.c does the same ops)
+            k = _row_steps(step).astype(np.float64)
+            clr = torch.from_numpy((lr / (1.0 + (k - 1.0) * decay)).astype(np.float32))[:, None]
+            std = _sqrt(state["sum"]).add_(self.h["eps"])
+            param.sub_(g / std * clr)
         else:
-            param.addcdiv_(g, std, value=-clr)
+            std = state["sum"].sqrt().add_(self.h["eps"])
+            param.addcdiv_(g, std, value=-(lr / (1 + (step - 1) * decay)))
 
 
 class RowwiseAdagrad(Optimizer):
@@ -145,11 +171,9 @@ class RowwiseAdagrad(Optimizer):
         g = _decayed(grad, param, self.h["weight_decay"])
         acc = state["sum"]
         acc.add_(torch.linalg.vector_norm(g, dim=1).square_().div_(g.shape[1]) if g.shape[1] else 0.0)
-        # no (rows, dim) temporary: p -= g * (lr / (sqrt(acc) + eps)) per row. The square root is numpy's,
-        # correctly rounded: torch's goes to MKL's vector math (within an ulp, not correctly rounded, and
-        # its code path depends on the CPU), which no other implementation (ps/_rowkernel.c) can match
-        root = torch.from_numpy(np.sqrt(acc.numpy(force=True)))
-        param.addcmul_(g, root.add_(self.h["eps"]).reciprocal_().mul_(self.h["lr"])[:, None], value=-1.0)
+        # no (rows, dim) temporary: p -= g * (lr / (sqrt(acc) + eps)) per row; the square root correctly
+        # rounded (_sqrt), as ps/_rowkernel.c's
+        param.addcmul_(g, _sqrt(acc).add_(self.h["eps"]).reciprocal_().mul_(self.h["lr"])[:, None], value=-1.0)
 
 
 # the CPU kernel behind torch.optim.Adam(fused=True) (torch >= 2.4)
@@ -180,14 +204,17 @@ class Adam(Optimizer):
             g = _decayed(grad, param, wd)
         m.lerp_(g, 1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        bc1 = 1 - b1**step
-        bc2_sqrt = (1 - b2**step) ** 0.5
         if isinstance(step, torch.Tensor):
-            denom = (v.sqrt() / bc2_sqrt.to(v.dtype)).add_(eps)
-            param.sub_(m / denom * (lr / bc1).to(param.dtype))
+            # per-row steps (sparse lazy Adam): bias corrections in float64, each cast to float32 once;
+            # powers and square roots exactly reproducible (ps/_rowkernel.c does the same ops)
+            k = _row_steps(step)
+            step_size = torch.from_numpy((lr / (1.0 - _powi(b1, k))).astype(np.float32))[:, None]
+            bc2_sqrt = torch.from_numpy(np.sqrt(1.0 - _powi(b2, k)).astype(np.float32))[:, None]
+            denom = (_sqrt(v) / bc2_sqrt).add_(eps)
+            param.sub_(m / denom * step_size)
         else:
-            denom = (v.sqrt() / bc2_sqrt).add_(eps)
-            param.addcdiv_(m, denom, value=-(lr / bc1))
+            denom = (v.sqrt() / (1 - b2**step) ** 0.5).add_(eps)
+            param.addcdiv_(m, denom, value=-(lr / (1 - b1**step)))
 
 
 class AdamW(Adam):
@@ -209,10 +236,13 @@ class FTRL(Optimizer):
         lr, beta, l1, l2 = (self.h[k] for k in ("lr", "beta", "l1", "l2"))
         z, n = state["z"], state["n"]
         n_new = n + grad * grad
-        sigma = (n_new.sqrt() - n.sqrt()) / lr
+        # the correctly rounded square root on the CPU (ps/_rowkernel.c matches it), torch's elsewhere
+        sqrt = _sqrt if param.device.type == "cpu" else torch.sqrt
+        root_new = sqrt(n_new)
+        sigma = (root_new - sqrt(n)) / lr
         z.add_(grad - sigma * param)
         n.copy_(n_new)
-        w = -(z - torch.sign(z) * l1) / ((beta + n.sqrt()) / lr + l2)
+        w = -(z - torch.sign(z) * l1) / ((beta + root_new) / lr + l2)
         param.copy_(torch.where(z.abs() <= l1, torch.zeros_like(w), w))
 
 

@@ -11,9 +11,10 @@ at load finds it would not give the torch path's floats bit for bit on this mach
 numpy/torch path (``ps.optim``), which stays the reference: ``path_of(spec)`` says which a table
 uses and why, and ``SparseTable.memory_stats().row_path`` reports it.
 
-Covered: sgd, momentum, nesterov, adagrad (lr_decay 0) and rowwise_adagrad on float32, bfloat16
-(stochastic rounding, as ``ps.rowdtype``) and float16 rows (where the compiler has ``_Float16``);
-Adam, AdamW, FTRL and Adagrad with lr_decay take the torch path.
+Covered: every optimizer of ``ps.optim`` (sgd, momentum, nesterov, adagrad, rowwise_adagrad, adam,
+adamw, ftrl; Adam's bias correction and Adagrad's lr_decay per row, from the row's own step: its
+version after the update) on float32, bfloat16 (stochastic rounding, as ``ps.rowdtype``) and float16 rows (where the
+compiler has ``_Float16``).
 Pure ctypes/numpy/torch: no grpc.
 """
 from __future__ import annotations
@@ -33,15 +34,18 @@ import torch
 __all__ = ["KERNEL", "RowKernel", "UNAVAILABLE", "kernel_for", "path_of", "say_once"]
 
 _DTYPE_CODES = {"float32": 0, "float16": 1, "bfloat16": 2}
-_OPT_CODES = {"sgd": 0, "momentum": 1, "nesterov": 2, "adagrad": 3, "rowwise_adagrad": 4}
-_STATE = {  # (elementwise state name, row-wise state name) the kernel updates, in ps.optim's names
-    "sgd": (None, None), "momentum": ("momentum_buffer", None), "nesterov": ("momentum_buffer", None),
-    "adagrad": ("sum", None), "rowwise_adagrad": (None, "sum"),
+_OPT_CODES = {"sgd": 0, "momentum": 1, "nesterov": 2, "adagrad": 3, "rowwise_adagrad": 4, "adam": 5, "adamw": 6, "ftrl": 7}
+_STATE = {  # (elementwise, row-wise, second elementwise) state names the kernel updates (s0, s1, s2), in ps.optim's names
+    "sgd": (None, None, None), "momentum": ("momentum_buffer", None, None), "nesterov": ("momentum_buffer", None, None),
+    "adagrad": ("sum", None, None), "rowwise_adagrad": (None, "sum", None),
+    "adam": ("exp_avg", None, "exp_avg_sq"), "adamw": ("exp_avg", None, "exp_avg_sq"), "ftrl": ("z", None, "n"),
 }
 
 
 class _Hparams(ctypes.Structure):
-    _fields_ = [("lr", ctypes.c_float), ("weight_decay", ctypes.c_float), ("eps", ctypes.c_float), ("momentum", ctypes.c_float)]
+    """tk_hparams: every optimizer's hyperparameters as Python has them (0 where one has none)."""
+
+    _fields_ = [(k, ctypes.c_double) for k in ("lr", "weight_decay", "eps", "momentum", "lr_decay", "beta1", "beta2", "beta", "l1", "l2")]
 
 
 _P = ctypes.c_void_p
@@ -83,11 +87,14 @@ class RowKernel:
         self._push.restype = ctypes.c_int
         self._push.argtypes = [
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64, _I64, _I64, ctypes.c_int, _I64, ctypes.POINTER(_Hparams),
-            _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P,
+            _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, _P, _P, _P,
         ]
         self._scatter = lib.tk_scatter
         self._scatter.restype = None
-        self._scatter.argtypes = [ctypes.c_int, _I64, _I64, ctypes.c_int, _I64, _P, ctypes.c_int, ctypes.c_int, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64]
+        self._scatter.argtypes = [
+            ctypes.c_int, _I64, _I64, ctypes.c_int, _I64, _P, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I64,
+        ]
         lib.tk_features.restype = ctypes.c_int
         self.row_dtypes = ("float32", "bfloat16", "float16") if lib.tk_features() & 1 else ("float32", "bfloat16")
         self._gather = lib.tk_gather
@@ -105,18 +112,19 @@ class RowKernel:
     ) -> None:
         """Apply ``opt`` to store rows ``rows`` (int64, unique; their ids ``ids``, needed for bfloat16)
         with gradient rows ``grad[grad_idx]`` (fp32 (m, dim) contiguous; ``grad_idx`` None: row i).
-        ``cols``: pointer tables of "values", "s0", "s1", "version", "touch" (None where absent).
-        ``out`` (keys "values", "s0", "s1", "version": buffers of len(rows) rows, values fp32): compute
-        into them, leaving the store as it is. Values are stored as ``row_dtype`` (bfloat16 rounded
-        stochastically with ``table_key``, as ``ps.rowdtype``)."""
-        h = _Hparams(float(hparams["lr"]), float(hparams.get("weight_decay", 0.0)), float(hparams.get("eps", 0.0)),
-                     float(hparams.get("momentum", 0.0)))
+        ``cols``: pointer tables of "values", "s0", "s1", "s2", "version", "touch" (None where absent;
+        s0 and s2 elementwise state, s1 row-wise: ``_STATE``). A row's step (Adam's bias correction,
+        Adagrad's lr_decay) is its version after this update.
+        ``out`` (keys "values", "s0", "s1", "s2", "version": buffers of len(rows) rows, values fp32):
+        compute into them, leaving the store as it is. Values are stored as ``row_dtype`` (bfloat16
+        rounded stochastically with ``table_key``, as ``ps.rowdtype``)."""
+        h = _Hparams(*(float(hparams.get(field[0], 0.0)) for field in _Hparams._fields_))
         o = out or {}
         rc = self._push(
             _OPT_CODES[opt], self.lanes, _DTYPE_CODES[row_dtype], int(table_key), len(rows), dim, shift, (1 << shift) - 1,
             ctypes.byref(h), _ptr(rows), _ptr(ids), _ptr(grad), _ptr(grad_idx), _ptr(cols["values"]), _ptr(cols.get("s0")), _ptr(cols.get("s1")),
-            _ptr(cols["version"]), _ptr(cols.get("touch")), touch,
-            _ptr(o.get("values")), _ptr(o.get("s0")), _ptr(o.get("s1")), _ptr(o.get("version")),
+            _ptr(cols.get("s2")), _ptr(cols["version"]), _ptr(cols.get("touch")), touch,
+            _ptr(o.get("values")), _ptr(o.get("s0")), _ptr(o.get("s1")), _ptr(o.get("s2")), _ptr(o.get("version")),
         )
         assert rc == 0, f"row kernel refused optimizer {opt!r} on {row_dtype} rows"
 
@@ -126,9 +134,11 @@ class RowKernel:
     ) -> None:
         """Store rows computed by ``push(..., out=new)``."""
         self._scatter(
-            _DTYPE_CODES[row_dtype], len(rows), dim, shift, (1 << shift) - 1, _ptr(rows), new.get("s0") is not None, new.get("s1") is not None,
-            _ptr(new["values"]), _ptr(new.get("s0")), _ptr(new.get("s1")), _ptr(new["version"]),
-            _ptr(cols["values"]), _ptr(cols.get("s0")), _ptr(cols.get("s1")), _ptr(cols["version"]), _ptr(cols.get("touch")), touch,
+            _DTYPE_CODES[row_dtype], len(rows), dim, shift, (1 << shift) - 1, _ptr(rows),
+            new.get("s0") is not None, new.get("s1") is not None, new.get("s2") is not None,
+            _ptr(new["values"]), _ptr(new.get("s0")), _ptr(new.get("s1")), _ptr(new.get("s2")), _ptr(new["version"]),
+            _ptr(cols["values"]), _ptr(cols.get("s0")), _ptr(cols.get("s1")), _ptr(cols.get("s2")), _ptr(cols["version"]),
+            _ptr(cols.get("touch")), touch,
         )
 
     def gather(
@@ -168,12 +178,18 @@ def _self_check(k: RowKernel) -> str:
 
     gen = torch.Generator().manual_seed(12345)
     n, dim = 37, 67  # a tail past every vector width
+    adam = {"lr": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
     for opt, h in (
         ("sgd", {"lr": 0.05, "weight_decay": 0.01}), ("momentum", {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}),
         ("nesterov", {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}),
         ("adagrad", {"lr": 0.1, "lr_decay": 0.0, "eps": 1e-10, "weight_decay": 0.01, "initial_accumulator": 0.1}),
+        ("adagrad", {"lr": 0.1, "lr_decay": 0.01, "eps": 1e-10, "weight_decay": 0.01, "initial_accumulator": 0.1}),
         ("rowwise_adagrad", {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.0}),
         ("rowwise_adagrad", {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.01}),
+        ("adam", {**adam, "weight_decay": 0.0}), ("adam", {**adam, "weight_decay": 0.01}),
+        ("adam", {**adam, "beta1": 0.3, "beta2": 0.6, "weight_decay": 0.0}),  # lerp's other form (weight >= 0.5)
+        ("adamw", {**adam, "weight_decay": 0.01}),
+        ("ftrl", {"lr": 0.05, "beta": 1.0, "l1": 0.3, "l2": 0.01, "initial_accumulator": 0.1}),
     ):
       for dtype in k.row_dtypes:
         o = make_optimizer(opt, h)
@@ -182,24 +198,23 @@ def _self_check(k: RowKernel) -> str:
         if dtype != "float32":
             p[0, :3] = torch.tensor([float("nan"), float("inf"), 6e4]).to(rd)
         g = torch.randn(n, dim, generator=gen)
-        s0n, s1n = _STATE[opt]
+        names = _STATE[opt]
         state = o.init_state(p.float())
         for v in state.values():
             v.add_(torch.rand(v.shape, generator=gen))
         ids = torch.randint(0, 1 << 40, (n,), generator=gen).numpy()
+        ver = torch.randint(0, 3000, (n,), generator=gen).numpy()  # each row at its own step
+        new_ver = ver + 1
         ref_p, ref_s = p.float().clone(), {key: v.clone() for key, v in state.items()}
-        o.update(ref_p, g, ref_s, torch.ones(n, 1, dtype=torch.float64))
-        ref = round_rows(ref_p, rd, row_keys(np.uint64(77), ids, np.ones(n, np.int64)) if dtype == "bfloat16" else None)
+        o.update(ref_p, g, ref_s, torch.from_numpy(new_ver).to(torch.float64)[:, None])
+        ref = round_rows(ref_p, rd, row_keys(np.uint64(77), ids, new_ver) if dtype == "bfloat16" else None)
         kp, ks = p.clone(), {key: v.clone() for key, v in state.items()}
-        ver = np.zeros(n, np.int64)
-        cols = {
-            "values": np.array([kp.data_ptr()], np.int64), "version": np.array([ver.ctypes.data], np.int64),
-            "s0": np.array([ks[s0n].data_ptr()], np.int64) if s0n else None,
-            "s1": np.array([ks[s1n].data_ptr()], np.int64) if s1n else None,
-        }
+        cols: dict[str, np.ndarray | None] = {"values": np.array([kp.data_ptr()], np.int64), "version": np.array([ver.ctypes.data], np.int64)}
+        for col, name in zip(("s0", "s1", "s2"), names, strict=True):
+            cols[col] = np.array([ks[name].data_ptr()], np.int64) if name else None
         k.push(opt, h, dim, 20, np.arange(n, dtype=np.int64), g, None, cols, 0, row_dtype=dtype, ids=ids, table_key=77)
         same = torch.equal(_bits(kp), _bits(ref)) and all(torch.equal(_bits(ks[key]), _bits(ref_s[key])) for key in ref_s)
-        if not same or not (ver == 1).all():
+        if not same or not (ver == new_ver).all():
             return f"{opt} on {dtype} rows differs from ps.optim's torch path on this machine"
     return ""
 
@@ -237,8 +252,9 @@ def say_once() -> None:
 class _Binding:
     kernel: RowKernel
     opt: str
-    s0: str | None
+    s0: str | None  # the state columns the kernel updates (``_STATE``)
     s1: str | None
+    s2: str | None
 
 
 def path_of(opt: str, hparams: Mapping[str, float], row_dtype: str) -> str:
@@ -250,8 +266,6 @@ def path_of(opt: str, hparams: Mapping[str, float], row_dtype: str) -> str:
         return f"numpy ({row_dtype} rows: this build of the kernel has no {row_dtype})"
     if opt not in _OPT_CODES:
         return f"numpy ({opt}: not in the kernel)"
-    if opt == "adagrad" and float(hparams.get("lr_decay", 0.0)) != 0.0:
-        return "numpy (adagrad with lr_decay: not in the kernel)"
     return "kernel"
 
 
@@ -260,5 +274,4 @@ def kernel_for(opt: str, hparams: Mapping[str, float], row_dtype: str) -> _Bindi
     if path_of(opt, hparams, row_dtype) != "kernel":
         return None
     assert KERNEL is not None
-    s0, s1 = _STATE[opt]
-    return _Binding(KERNEL, opt, s0, s1)
+    return _Binding(KERNEL, opt, *_STATE[opt])

@@ -745,7 +745,7 @@ class SparseTable:
         self._gather_kernel = rowkernel.KERNEL if row_kernel else None  # pulls: any optimizer, any row dtype
         if row_kernel:
             rowkernel.say_once()  # a shard without the kernel says so once, when its first sparse table is made
-        if self.row_path == "kernel" and isinstance(self.optimizer, Adagrad) and not self.optimizer.fused:
+        if self.row_path == "kernel" and isinstance(self.optimizer, Adagrad) and not self.optimizer.fused and not self.optimizer.h["lr_decay"]:
             self.row_path = "numpy (adagrad's torch path unfused: the kernel matches the fused one)"
         self._kernel = rowkernel.kernel_for(spec.optimizer.name, spec.optimizer.hparams, spec.dtype) if self.row_path == "kernel" else None
         self._key = table_key(spec.name, spec.seed)
@@ -1402,7 +1402,7 @@ class SparseTable:
             cols = {
                 "values": st.pointers("values"), "version": st.pointers("version"),
                 "s0": st.pointers(k.s0) if k.s0 else None, "s1": st.pointers(k.s1) if k.s1 else None,
-                "touch": st.pointers("touch") if self._touches else None,
+                "s2": st.pointers(k.s2) if k.s2 else None, "touch": st.pointers("touch") if self._touches else None,
             }
             if base is not None:
                 versions = np.empty(n, np.int64)
@@ -1425,12 +1425,13 @@ class SparseTable:
         out: dict[str, np.ndarray | None] = {
             "values": np.empty((n, self.dim), np.float32), "version": np.empty(n, np.int64),
             "s0": np.empty((n, self.dim), np.float32) if k.s0 else None, "s1": np.empty(n, np.float32) if k.s1 else None,
+            "s2": np.empty((n, self.dim), np.float32) if k.s2 else None,
         }
         if n:
             k.kernel.push(
                 k.opt, h, self.dim, st.shift, rows, grad, grad_idx, cols, self.step, out=out, row_dtype=dtype, ids=ids, table_key=key
             )
-        state = {name: a for name, a in ((k.s0, out["s0"]), (k.s1, out["s1"])) if name is not None and a is not None}
+        state = {name: a for name, a in ((k.s0, out["s0"]), (k.s1, out["s1"]), (k.s2, out["s2"])) if name is not None and a is not None}
         assert out["values"] is not None and out["version"] is not None
         values, versions = out["values"], out["version"]
         self._commit_check(before_swap, result, lambda: RowDelta(uniq[have], values, state, versions), uniq, loc, created, sighted)

@@ -26,3 +26,20 @@ def test_ps_kernel_quick(tmp_path) -> None:
     if isinstance(last["fbgemm"], dict):
         assert close(last["kernel_vs_fbgemm"], last["kernel"]["min_ms"] / last["fbgemm"]["min_ms"])
     assert "variant" in stdout and "min ms" in stdout  # the table before the JSON
+
+
+@pytest.mark.timeout(TEST_TIMEOUT_S)
+def test_ps_kernel_quick_adam(tmp_path) -> None:
+    """``--optimizer adam``: the same workload on a lazy-Adam table; the kernel and numpy variants are
+    that table (checked bit-identical inside the bench), ``torch`` plain torch's lazy Adam, and FBGEMM
+    (row-wise Adagrad only) skipped with the reason."""
+    last, _ = run_quick("ps_kernel.py", str(tmp_path / "r.json"), ("--optimizer", "adam"))
+    assert last["optimizer"] == "adam"
+    assert last["fbgemm"].startswith("skipped: ") and "row-wise Adagrad" in last["fbgemm"]
+    for v in ("numpy", "torch"):
+        assert 0 < last[v]["min_ms"] <= last[v]["median_ms"], (v, last[v])
+    if rowkernel.KERNEL is None:
+        assert "kernel" in last and "kernel_vs_numpy" not in last, last
+        return
+    assert 0 < last["kernel"]["min_ms"] <= last["kernel"]["median_ms"]
+    assert abs(last["kernel_vs_numpy"] - last["kernel"]["min_ms"] / last["numpy"]["min_ms"]) <= 2e-3

@@ -1,7 +1,8 @@
 """The compiled row kernel (ps/_rowkernel.c via ps.rowkernel) against the numpy/torch path it replaces.
 
 Reference: the same ``SparseTable`` built with ``row_kernel=False`` (ps.optim's torch ops, the path
-every table took before the kernel), given the same requests. Rows, optimizer state, versions, the
+every table took before the kernel), given the same requests. Every optimizer of ``ps.optim`` (lazy
+Adam/AdamW and Adagrad's lr_decay with per-row steps included) on fp32, fp16 and bf16 rows. Rows, optimizer state, versions, the
 table step, every pull's reply and every push's result must be bit-identical, over random request
 sequences (hypothesis; fp32, fp16 and bf16 rows) with duplicate ids, rows created, refused by
 admission, evicted (LRU) and created again, base versions with staleness-aware lr, and pushes whose ``before_swap`` (replication) sees the delta or raises; and
@@ -36,11 +37,17 @@ OPTIMIZERS = {
     "adagrad": {"lr": 0.1, "lr_decay": 0.0, "eps": 1e-10, "weight_decay": 0.0, "initial_accumulator": 0.1},
     "rowwise_adagrad": {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.0},
     "rowwise_adagrad_wd": {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.02},
+    "adagrad_decay": {"lr": 0.1, "lr_decay": 0.05, "eps": 1e-10, "weight_decay": 0.01, "initial_accumulator": 0.1},
+    "adam": {"lr": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
+    "adam_wd": {"lr": 0.01, "beta1": 0.6, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.01},  # L2 decay; lerp's other form
+    "adamw": {"lr": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.05},
+    "ftrl": {"lr": 0.05, "beta": 1.0, "l1": 0.5, "l2": 0.01, "initial_accumulator": 0.1},  # l1: some weights exactly 0
 }
+_NAMES = {"sgd_wd": "sgd", "rowwise_adagrad_wd": "rowwise_adagrad", "adagrad_decay": "adagrad", "adam_wd": "adam"}
 
 
 def _spec(opt: str, dim: int = DIM, max_rows: int = 0, dtype: str = "float32", admit: int = 0) -> TableSpec:
-    name = opt.removesuffix("_wd")
+    name = _NAMES.get(opt, opt)
     return TableSpec(
         "emb", "sparse", dim=dim, dtype=dtype, optimizer=OptimizerSpec(name, OPTIMIZERS[opt]), initializer=InitializerSpec("uniform"),
         seed=5, num_slots=64, eviction=EvictionSpec(max_rows=max_rows), admission=AdmissionSpec(min_count=admit),
@@ -80,7 +87,8 @@ _request = st.tuples(
 
 # every optimizer on fp32 rows; on fp16 and bf16 (stochastic rounding) rows the ones that differ in state
 CASES = [(o, "float32") for o in sorted(OPTIMIZERS)] + [
-    (o, d) for d in ("float16", "bfloat16") for o in ("sgd_wd", "momentum", "adagrad", "rowwise_adagrad_wd")
+    (o, d) for d in ("float16", "bfloat16")
+    for o in ("sgd_wd", "momentum", "adagrad", "rowwise_adagrad_wd", "adagrad_decay", "adam", "adamw", "ftrl")
 ]
 
 
@@ -134,7 +142,8 @@ def test_kernel_matches_the_torch_path_bitwise(opt: str, dtype: str, requests, m
 
 
 @pytest.mark.parametrize(("opt", "dtype"), [("rowwise_adagrad", "float32"), ("adagrad", "float32"), ("sgd", "float32"),
-                                           ("rowwise_adagrad", "bfloat16"), ("adagrad", "float16")])
+                                           ("rowwise_adagrad", "bfloat16"), ("adagrad", "float16"), ("adam", "float32"),
+                                           ("adamw", "bfloat16"), ("ftrl", "float32")])
 def test_kernel_matches_on_the_benchmark_shape(opt: str, dtype: str) -> None:
     """dim 64 (whole vectors, no tail), Zipf ids with repeats, rows created as they come."""
     fast, ref = _pair(opt, dim=64, dtype=dtype)
@@ -193,12 +202,16 @@ def test_concurrent_pushes_match_the_same_pushes_in_turn() -> None:
     _same_state(fast, ref)
 
 
-def test_paths_not_covered_say_why() -> None:
-    assert rowkernel.path_of("adam", {"lr": 0.1}, "float32").startswith("numpy (adam")
-    assert rowkernel.path_of("sgd", {"lr": 0.1}, "bfloat16") == "kernel"
-    assert rowkernel.path_of("adagrad", {"lr": 0.1, "lr_decay": 0.01}, "float32").startswith("numpy (adagrad with lr_decay")
+def test_every_optimizer_takes_the_kernel_and_what_it_lacks_says_why(monkeypatch) -> None:
+    for opt in ("sgd", "momentum", "nesterov", "adagrad", "rowwise_adagrad", "adam", "adamw", "ftrl"):
+        for dtype in rowkernel.KERNEL.row_dtypes:
+            assert rowkernel.path_of(opt, {"lr": 0.1}, dtype) == "kernel", (opt, dtype)
+    assert rowkernel.path_of("adagrad", {"lr": 0.1, "lr_decay": 0.01}, "float32") == "kernel"
+    assert rowkernel.path_of("lamb", {"lr": 0.1}, "float32") == "numpy (lamb: not in the kernel)"
     t = SparseTable(TableSpec("e", "sparse", dim=4, optimizer=OptimizerSpec("adam", {"lr": 0.1})), 0, 1)
-    assert t.memory_stats().row_path.startswith("numpy (adam")
+    assert t.memory_stats().row_path == "kernel"
+    monkeypatch.setattr(rowkernel.KERNEL, "row_dtypes", ("float32", "bfloat16"))  # a build whose compiler lacks _Float16
+    assert rowkernel.path_of("adam", {"lr": 0.1}, "float16") == "numpy (float16 rows: this build of the kernel has no float16)"
 
 
 def test_index_lookup_matches_numpy_searchsorted() -> None:
@@ -260,20 +273,25 @@ def test_without_the_kernel_a_process_says_so_once_and_runs_the_numpy_path() -> 
     assert t.pull_rows(np.array([1, 3, 7], np.int64))[0].numpy().tobytes().hex() == rows
 
 
-def test_ps_stats_says_which_path_each_table_takes() -> None:
+def test_ps_stats_says_which_path_each_table_takes(monkeypatch) -> None:
     """Shard.stats() carries each sparse table's row_path through the StatsReply message, and
-    `tessera ps stats` prints it (ps.cli.format_stats, the command's formatter)."""
+    `tessera ps stats` prints it (ps.cli.format_stats, the command's formatter). The "slow" table is
+    made while ps.rowkernel is as TESSERA_ROW_KERNEL=0 leaves it at import (every optimizer has the
+    kernel where it loads)."""
     from ps.cli import format_stats
     from ps.config import ShardConfig
     from ps.shard import Shard
     from ps.wire import stats_from_proto, stats_to_proto
 
     sh = Shard(ShardConfig())
-    sh.create_table(TableSpec("fast", "sparse", dim=8, optimizer=OptimizerSpec("rowwise_adagrad", {"lr": 0.1})))
+    sh.create_table(TableSpec("fast", "sparse", dim=8, optimizer=OptimizerSpec("adam", {"lr": 0.1})))
+    monkeypatch.setattr(rowkernel, "KERNEL", None)
+    monkeypatch.setattr(rowkernel, "UNAVAILABLE", "TESSERA_ROW_KERNEL=0")
+    monkeypatch.setattr(rowkernel, "_said", False)  # its one line, restored after
     sh.create_table(TableSpec("slow", "sparse", dim=8, optimizer=OptimizerSpec("adam", {"lr": 0.1})))
     got = stats_from_proto(stats_to_proto(sh.stats()))
     paths = {t.name: t.row_path for t in got.tables}
     assert paths["fast"] == "kernel"
-    assert paths["slow"].startswith("numpy (adam")
+    assert paths["slow"] == "numpy (TESSERA_ROW_KERNEL=0)"
     text = format_stats([got], ["127.0.0.1:1"])
     assert "    pushes: kernel" in text and f"    pushes: {paths['slow']}" in text
