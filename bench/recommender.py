@@ -13,7 +13,8 @@ same initial weights, ``nn.Embedding(sparse=True)`` tables holding the rows the 
 ``torch.optim.Adagrad`` with the tables' hyperparameters on the embeddings, ``torch.optim.Adam`` with
 the dense table's on the MLP; batch ``--batch-size`` for ``2 x steps`` steps: the same examples in
 the same order, and the same number of updates of the same size as the two async workers apply. It
-runs after the cluster's processes have exited, with 1 torch thread (as each worker has), and with
+runs while no cluster process is alive (before the cluster in odd repeats, after it in even ones,
+so that load drifting over the run hits both alike), with 1 torch thread (as each worker has), and with
 every count ``--local-threads`` lists (e.g. ``1,2``); the fastest is the baseline. The default is 1
 alone: on this 2-core machine, beside other work, 2 threads took 169 s where 1 took 11 s (torch's
 thread pool on ops this small).
@@ -282,16 +283,21 @@ def main(argv: list[str] | None = None) -> int:
         import worker.tasks.mf  # noqa: F401 - torch and the task imported before any timing
 
         for rep in range(args.repeats):
-            log(f"repeat {rep + 1}/{args.repeats}: 2 shards + 2 async workers x {args.steps} steps, batch {args.batch_size}")
-            r = run_ps(args, task_opts, tmp, rep)
-            ps_runs.append(r)
-            log(f"  cluster: rmse {r['rmse']:.4f}, training {r['wall']:.2f} s (start-up {r['startup']:.1f} s, "
-                f"transport {r['transport']})")
-            for threads in args.local_threads:
-                lr = run_local(args, task_opts, threads)
-                lr["rep"] = rep
-                local_runs.append(lr)
-                log(f"  one process, {threads} thread(s): rmse {lr['rmse']:.4f}, training {lr['wall']:.2f} s")
+            log(f"repeat {rep + 1}/{args.repeats}: 2 shards + 2 async workers x {args.steps} steps, batch {args.batch_size}; "
+                f"one process x {WORKERS * args.steps} steps ({'cluster first' if rep % 2 == 0 else 'one process first'})")
+            # the order alternates: load that drifts over the run hits both alike
+            for what in ("ps", "local") if rep % 2 == 0 else ("local", "ps"):
+                if what == "ps":
+                    r = run_ps(args, task_opts, tmp, rep)
+                    ps_runs.append(r)
+                    log(f"  cluster: rmse {r['rmse']:.4f}, training {r['wall']:.2f} s (start-up {r['startup']:.1f} s, "
+                        f"transport {r['transport']})")
+                    continue
+                for threads in args.local_threads:
+                    lr = run_local(args, task_opts, threads)
+                    lr["rep"] = rep
+                    local_runs.append(lr)
+                    log(f"  one process, {threads} thread(s): rmse {lr['rmse']:.4f}, training {lr['wall']:.2f} s")
     except KeyboardInterrupt:
         log("interrupted: every process stopped")
         return 130
@@ -318,7 +324,8 @@ def report(args: argparse.Namespace, ps_runs: list[dict[str, Any]], local_runs: 
             f"{f'2x2 async, repeat {rep + 1}':<26} {pr['rmse']:>9.4f} {pr['wall']:>7.2f} {examples / pr['wall']:>9,.0f} "
             f"{1e3 * pr['worker_cpu'] / pr['worker_steps']:>8.2f} {1e3 * pr['shard_cpu'] / pr['worker_steps']:>8.2f} "
             f"{pr['compute'] / wall_w:>8.0%} {pr['pull_wait'] / wall_w:>7.0%} {pr['push_wait'] / wall_w:>7.0%}  "
-            f"ratio {ratio:.2f}, gap {gap:+.4f}, {pr['transport']}, staleness {pr['staleness']:.1f}"
+            f"wall ratio {ratio:.2f}, cpu ratio {(pr['worker_cpu'] + pr['shard_cpu']) / lr_['cpu']:.2f}, gap {gap:+.4f}, "
+            f"{pr['transport']}, staleness {pr['staleness']:.1f}"
         )
         for x in (x for x in local_runs if x["rep"] == rep):
             lines.append(
@@ -326,8 +333,8 @@ def report(args: argparse.Namespace, ps_runs: list[dict[str, Any]], local_runs: 
                 f"{x['rmse']:>9.4f} {x['wall']:>7.2f} {examples / x['wall']:>9,.0f} {1e3 * x['cpu'] / x['steps']:>8.2f} {'-':>8} "
                 f"{'100%':>8} {'-':>7} {'-':>7}  {'baseline' if x is lr_ else ''}"
             )
-    ratios = [r[2] for r in rows]
-    gaps = [r[3] for r in rows]
+    ratios: list[float] = [float(r[2]) for r in rows]
+    gaps: list[float] = [float(r[3]) for r in rows]
     print(
         f"\nRecommender benchmark: mf ({args.steps} steps x batch {args.batch_size} per worker, 2 workers async, 2 shards) "
         f"vs one torch process ({WORKERS * args.steps} steps x batch {args.batch_size}); {os.cpu_count()} CPUs, "
@@ -338,7 +345,7 @@ def report(args: argparse.Namespace, ps_runs: list[dict[str, Any]], local_runs: 
     print("\n".join(lines))
     out: dict[str, Any] = {
         "rmse_ps": round(p["rmse"], 5), "rmse_local": round(loc["rmse"], 5),
-        "rmse_gap": round(max(gaps, key=lambda g: abs(g)), 5), "rmse_gap_median_repeat": round(med[3], 5),
+        "rmse_gap": round(max(gaps, key=abs), 5), "rmse_gap_median_repeat": round(med[3], 5),
         "rmse_ps_w0": round(p["rmse_w0"], 5), "best_rmse": round(loc["best_rmse"], 5),
         "wall_ratio": round(med[2], 4), "wall_ratio_min": round(min(ratios), 4), "wall_ratio_median": round(statistics.median(ratios), 4),
         "wall_ps_s": round(p["wall"], 3), "wall_local_s": round(loc["wall"], 3), "local_threads": loc["threads"],
@@ -348,6 +355,8 @@ def report(args: argparse.Namespace, ps_runs: list[dict[str, Any]], local_runs: 
         "worker_cpu_ms_per_step": round(1e3 * p["worker_cpu"] / p["worker_steps"], 3),
         "shard_cpu_ms_per_step": round(1e3 * p["shard_cpu"] / p["worker_steps"], 3),
         "local_cpu_ms_per_step": round(1e3 * loc["cpu"] / loc["steps"], 3),
+        # CPU of workers + shards over the span / the one process's (same examples): on C cores the
+        # cluster's wall cannot go below cpu_ratio / C of a CPU-bound one-process run
         "cpu_ratio": round((p["worker_cpu"] + p["shard_cpu"]) / loc["cpu"], 4),
         "compute_frac": round(p["compute"] / p["worker_seconds"], 4),
         "pull_wait_frac": round(p["pull_wait"] / p["worker_seconds"], 4),
