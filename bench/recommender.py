@@ -345,7 +345,7 @@ def report(args: argparse.Namespace, ps_runs: list[dict[str, Any]], local_runs: 
     print("\n".join(lines))
     out: dict[str, Any] = {
         "rmse_ps": round(p["rmse"], 5), "rmse_local": round(loc["rmse"], 5),
-        "rmse_gap": round(max(gaps, key=abs), 5), "rmse_gap_median_repeat": round(med[3], 5),
+        "rmse_gap": round(float(max(gaps, key=abs)), 5), "rmse_gap_median_repeat": round(med[3], 5),
         "rmse_ps_w0": round(p["rmse_w0"], 5), "best_rmse": round(loc["best_rmse"], 5),
         "wall_ratio": round(med[2], 4), "wall_ratio_min": round(min(ratios), 4), "wall_ratio_median": round(statistics.median(ratios), 4),
         "wall_ps_s": round(p["wall"], 3), "wall_local_s": round(loc["wall"], 3), "local_threads": loc["threads"],
