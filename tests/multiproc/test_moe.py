@@ -106,3 +106,61 @@ def test_moe_tensor_parallel_flags(tmp_path) -> None:
                        (["--sequence-parallel"], "sequence parallelism with MoE layers: not supported")):
         for r, (rc, _, se) in enumerate(tpe.run_ranks(2, [*flags, *extra], module=True, timeout=90)):
             assert rc == 2 and msg in se, (r, extra, rc, se[-2000:])
+
+
+def _one_process_losses(steps: int, batch: int, **opts) -> list[float]:
+    """One process: the MoE gpt task (same options, fp64) trained with its own optimizer (Adam) on the
+    global batch; the loss of every step (the task's: cross-entropy + the layers' balance and z-losses)."""
+    import copy
+
+    from worker.peer.mesh import torch_optimizer
+    from worker.tasks import load_task
+
+    task = load_task("gpt", seed=0, **opts)
+    model = copy.deepcopy(task.model)
+    opt = torch_optimizer(task.dense_optimizer)(model.parameters())
+    data, out = task.batches(0, 1, batch, 0), []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = task.loss(model, next(data))
+        loss.backward()
+        opt.step()
+        out.append(float(loss.detach()))
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_moe_ep2_x_pp2_equals_one_process(tmp_path) -> None:
+    """`tessera peer --moe-experts 4 --ep 2 --pp 2 --zero 1` (4 ranks: 2 pipelines of 2 stages, each
+    stage's experts split over its 2 DP ranks, ZeRO-1 on the rest) in fp64: the global loss of every
+    step (cross-entropy on the last stage plus each stage's balance and z-losses) equals one process
+    within 1e-10; the step records carry the stage's MoE metrics. A stage without an MoE layer
+    (`--moe-every 2`: only block 1 has one) stops every rank with one line, exit 2."""
+    import json
+    import subprocess
+    import sys
+
+    opts = dict(dim=16, seq=16, vocab=32, layers=2, dtype="float64")
+    flags = [a for k, v in opts.items() for a in ("--task-opt", f"{k}={v}")]
+    env = {**os.environ, "PYTHONPATH": tpe.ROOT, "PYTHONWARNINGS": "ignore::FutureWarning", "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "tessera.cli", "peer", "--task", "gpt", *flags, "--moe-experts", "4", "--pp", "2",
+            "--steps", "3", "--global-batch", "8", "--log-every", "1", "--no-progress", "--no-eval", "--torch-threads", "1"]
+    p = subprocess.run([*base, "--nproc-per-node", "4", "--ep", "2", "--zero", "1", "--metrics-out", str(tmp_path)],
+                       env=env, cwd=tpe.ROOT, capture_output=True, text=True, timeout=250)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    report = json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])
+    assert (report["dp"], report["pp"], report["zero"]) == (2, 2, 1), report
+    want = _one_process_losses(3, 8, **opts, moe_experts=4)
+    assert all(abs(a - b) <= 1e-10 * abs(b) for a, b in zip(report["losses"], want)) and len(want) == 3, (report["losses"], want)
+    recs = [json.loads(line) for line in (tmp_path / "rank3.jsonl").read_text().splitlines()]
+    assert next(r for r in recs if r["kind"] == "summary")["ep"] == 2
+    steps = [r for r in recs if r["kind"] == "step"]
+    # rank 3: the second stage (block 1) of the second pipeline: 4 sequences x 16 tokens x top-2 per step
+    assert len(steps) == 3 and all(len(r["moe_tokens_per_expert"]) == 1 and abs(sum(r["moe_tokens_per_expert"][0]) - 128) < 1e-6
+                                   and r["a2a_mb"] > 0 for r in steps), steps
+    p = subprocess.run([*base, "--nproc-per-node", "2", "--moe-every", "2"], env=env, cwd=tpe.ROOT, capture_output=True, text=True,
+                       timeout=110)
+    assert p.returncode == 2, p.stderr[-3000:]
+    for r in range(2):
+        lines = [line for line in p.stderr.splitlines() if f"tessera peer: rank {r}: " in line]
+        assert len(lines) == 1 and "holds no MoE layer: every stage needs one" in lines[0], (r, p.stderr[-3000:])

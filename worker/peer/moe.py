@@ -1,6 +1,6 @@
 """Mixture-of-experts layers and expert parallelism.
 
-``MoE`` replaces a transformer block's MLP: a learned router (fp32 logits, softmax) picks the
+``MoE`` replaces a transformer block's MLP: a learned router (fp32 logits at least, softmax) picks the
 top-1 or top-2 of ``experts`` MLPs for every token; the token's output is the gate-weighted sum of
 its experts' outputs (top-2: the two gates renormalised to sum to 1, as in GShard; top-1: the
 router probability, as in the Switch Transformer).
@@ -27,6 +27,7 @@ stage 0-3) over the DP ranks as in plain data parallelism.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, replace
@@ -96,14 +97,15 @@ class MoEConfig:
 
 
 class Router(nn.Linear):
-    """The router: ``dim -> experts`` logits, computed in fp32 whatever the model's dtype (a
-    module of its own, so ZeRO's per-module hooks see it)."""
+    """The router: ``dim -> experts`` logits, computed in fp32 at least whatever the model's dtype
+    (fp64 in an fp64 model; a module of its own, so ZeRO's per-module hooks see it)."""
 
     def __init__(self, dim: int, experts: int) -> None:
         super().__init__(dim, experts, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        dtype = torch.promote_types(self.weight.dtype, torch.float32)
+        return F.linear(x.to(dtype), self.weight.to(dtype))
 
 
 class Expert(nn.Module):
@@ -246,7 +248,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         e_n, k = self.num_experts, self.cfg.top_k
-        logits = self.router(x)  # (B, T, E), fp32
+        logits = self.router(x)  # (B, T, E), fp32 at least
         probs = logits.softmax(-1)
         top_p, top_i = probs.topk(k, dim=-1)  # (B, T, k)
         gates = top_p if k == 1 else top_p / top_p.sum(-1, keepdim=True)
@@ -261,7 +263,7 @@ class MoE(nn.Module):
         counts = torch.bincount(expert[kept], minlength=e_n)
         y_sorted = self._experts(x.reshape(b * t, d)[token[order]], counts)
         y = x.new_zeros(b * k * t, d).index_copy(0, order, y_sorted).view(b, k, t, d)
-        out = (y.float() * gates.transpose(1, 2).unsqueeze(-1)).sum(1).to(x.dtype)
+        out = (y.to(gates.dtype) * gates.transpose(1, 2).unsqueeze(-1)).sum(1).to(x.dtype)
         # auxiliary losses, per sequence (so linear in the batch)
         first = F.one_hot(top_i[..., 0], e_n).float().mean(1)  # (B, E): f_e
         balance = (e_n * (first * probs.mean(1)).sum(-1)).mean()
@@ -430,42 +432,50 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
     ``model``'s MoE layers are sharded here (every rank builds the same full model first, so the
     experts a rank keeps start from the single-process model's values). ``parameters()`` and
     checkpoints give the plain model's tensors whole, in its order and under its names (gathered
-    over TP, experts over EP): a checkpoint of any layout loads into any other."""
+    over TP, experts over EP): a checkpoint of any layout loads into any other. ``part``: the
+    modules this rank trains (a pipeline rank's stages; default the whole model): only its
+    parameters are reduced, stepped, reported and saved, while every MoE layer of ``model`` is
+    sharded alike. ``agree=False``: the caller checks that the ranks agree (pipeline stages differ
+    in size by design)."""
 
     pipelined = False
 
     def __init__(
         self, model: nn.Module, optimizer: Any, mesh: Any = None, *, ep: int = 1, stage: int = 0,
         device: torch.device | str = "cpu", bucket_mb: float = 25.0, compress: str | None = None,
-        settings: dict[str, Any] | None = None,
+        settings: dict[str, Any] | None = None, part: nn.Module | None = None, agree: bool = True,
     ) -> None:
         from worker.peer.core import ALONE, ShardedOptimizer
         from worker.peer.data_parallel import DataParallelSync, whole_specs
 
         self.name = "moe"
-        self.layers = moe_layers(model)
-        if not self.layers:
+        every = moe_layers(model)
+        if not every:
             raise PeerConfigError("the model has no MoE layers (use --moe-experts E with the gpt task)")
         if mesh is not None and getattr(model, "sequence_parallel", False):
             raise PeerConfigError("sequence parallelism with MoE layers: not supported (the router needs every position)")
+        scope = part if part is not None else model
+        mine = {id(m) for m in scope.modules()}
+        self.layers = [(n, m) for n, m in every if id(m) in mine]  # the layers this rank trains
         self.model, self.mesh = model, mesh
         self.device = torch.device(mesh.device if mesh is not None else device)
-        self.order = [s.name for s, _ in whole_specs(model)]  # the plain model's order, before sharding
+        trained = {id(p) for p in scope.parameters()}
+        self.order = [s.name for s, p in whole_specs(model) if id(p) in trained]  # the plain model's order, before sharding
         self.groups = expert_groups(ep) if mesh is None else mesh_expert_groups(mesh, ep)
-        for _, layer in self.layers:
+        for _, layer in every:  # every layer alike on every rank (a pipeline's other stages too: evaluations run them)
             layer.shard(self.groups.group, ep, self.groups.rank)
-        specs = whole_specs(model, list(model.parameters()))  # this rank's (experts: the local ones only)
+        specs = whole_specs(model, list(scope.parameters()))  # this rank's (experts: the local ones only)
         expert_ids = {id(p) for _, m in self.layers for p in m.experts.parameters()}
         self.expert_specs = [(s, p) for s, p in specs if id(p) in expert_ids]
         dense_specs = [(s, p) for s, p in specs if id(p) not in expert_ids]
         dp = mesh.dp if mesh is not None else dist.get_world_size()
         self.tp = mesh.tp if mesh is not None else 1
         self.tp_group = mesh.tp_group if mesh is not None and mesh.tp > 1 else None
-        agree = {**(settings or {}), "ep": ep, "experts": self.layers[0][1].num_experts}
+        settings = {**(settings or {}), "ep": ep, "experts": every[0][1].num_experts}
         self.dense = DataParallelSync(
             model, optimizer, stage=stage, group=mesh.dp_group if mesh is not None else None, device=self.device,
             bucket_mb=bucket_mb, compress=compress, overlap=mesh is None, params=[p for _, p in dense_specs], specs=dense_specs,
-            tp_group=self.tp_group, settings=agree, name="moe",
+            tp_group=self.tp_group, settings=settings, name="moe", agree=agree,
         )
         self.experts = ShardedOptimizer(
             model, optimizer, self.groups.replicas if self.groups.replicas is not None else ALONE, stage=0,
@@ -512,6 +522,10 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
 
     def evaluate(self, step: int, final: bool, fn: Any) -> tuple[dict[str, float], dict[str, Any]]:
         return self.dense.evaluate(step, final, fn)
+
+    def whole(self) -> contextlib.AbstractContextManager[None]:
+        """The non-expert parameters gathered over the DP group inside the block (ZeRO-3; a collective)."""
+        return self.dense.whole()
 
     def window_metrics(self) -> dict[str, Any]:
         """MoE metrics since the last call, per step (see ``window_metrics``)."""
@@ -575,11 +589,9 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
 
 # ---------------------------------------------------------------------- expert x tensor parallelism
 def mesh_expert_groups(mesh: Any, ep: int) -> ExpertGroups:
-    """EP groups carved from the DP dimension of a ``ParallelMesh`` (P = 1): for each TP index, its D
-    replicas cut into groups of ``ep`` consecutive ones; ``replicas``: the ranks with this rank's TP
-    index and EP index (the same expert shards). Every rank creates every group, in the same order."""
-    if mesh.pp != 1:
-        raise PeerConfigError("expert parallelism with pipeline parallelism: not supported")
+    """EP groups carved from the DP dimension of a ``ParallelMesh``: for each (PP, TP) index, its D
+    replicas cut into groups of ``ep`` consecutive ones; ``replicas``: the ranks with this rank's PP,
+    TP and EP index (the same expert shards). Every rank creates every group, in the same order."""
     if ep < 1:
         raise PeerConfigError(f"--ep must be >= 1, got {ep}")
     if mesh.dp % ep:
@@ -587,17 +599,19 @@ def mesh_expert_groups(mesh: Any, ep: int) -> ExpertGroups:
     groups = mesh.dp // ep
     mine: Any = None
     replicas: Any = None
-    dp_of = [[mesh.rank_of(d, t, 0, mesh.dp, mesh.tp) for d in range(mesh.dp)] for t in range(mesh.tp)]
+    axes = [(p, t) for p in range(mesh.pp) for t in range(mesh.tp)]
+    dp_of = {(p, t): [mesh.rank_of(d, t, p, mesh.dp, mesh.tp) for d in range(mesh.dp)] for p, t in axes}
+    here = (mesh.pp_idx, mesh.tp_idx)
     if ep > 1:
-        for t in range(mesh.tp):
+        for at in axes:
             for g in range(groups):
-                pg = dist.new_group(dp_of[t][g * ep : (g + 1) * ep])
-                if t == mesh.tp_idx and g == mesh.dp_idx // ep:
+                pg = dist.new_group(dp_of[at][g * ep : (g + 1) * ep])
+                if at == here and g == mesh.dp_idx // ep:
                     mine = pg
     if groups > 1:
-        for t in range(mesh.tp):
+        for at in axes:
             for j in range(ep):
-                pg = dist.new_group([dp_of[t][g * ep + j] for g in range(groups)])
-                if t == mesh.tp_idx and j == mesh.dp_idx % ep:
+                pg = dist.new_group([dp_of[at][g * ep + j] for g in range(groups)])
+                if at == here and j == mesh.dp_idx % ep:
                     replicas = pg
     return ExpertGroups(ep, mesh.dp_idx % ep, mine, replicas, groups)

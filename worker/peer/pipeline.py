@@ -57,6 +57,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from worker.peer.data_parallel import WrapsDense
+from worker.peer.mesh import PeerConfigError
+from worker.peer.moe import MoE
 from worker.sync_api import Fetched, Grads, ParamSync, PushResult, split_batch
 
 from worker.peer.flags import (
@@ -514,17 +516,18 @@ class PipelineEngine:
             s: _Stage([layers[i] for i in range(*self.bounds[s])], recompute, rng).to(self.device)
             for s in range(self.r, S, self.P)
         }
-        seen: set[int] = set()
-        self.params: list[nn.Parameter] = []
-        for st in self.stages.values():
-            for p in st.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    self.params.append(p)
+        # MoE layers: their auxiliary loss (balance + z) of each micro-batch joins its stage's backward
+        self._moe = {s: [m for m in st.modules() if isinstance(m, MoE)] for s, st in self.stages.items()}
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The parameters of this rank's stages, each once (as they are now: MoE layers keep only
+        their expert-parallel rank's experts once sharded)."""
+        return list(dict.fromkeys(p for st in self.stages.values() for p in st.parameters()))
 
     def parameters(self) -> list[nn.Parameter]:
         """The parameters of this rank's stages."""
-        return list(self.params)
+        return self.params
 
     def zero_grad(self) -> None:
         """Gradients to zero in place (allocated once: a steady memory footprint)."""
@@ -552,7 +555,9 @@ class PipelineEngine:
         accumulated into the parameters' ``.grad`` (zero them first) and averaged over the DP group.
         ``inputs`` (needed on the rank of stage 0) and ``targets`` (on the rank of the last stage):
         one tensor per micro-batch. ``act_shape``: the shape of the activation between stages.
-        Returns the mean loss over the micro-batches (and DP ranks), on every rank."""
+        Returns the mean loss over the micro-batches (and DP ranks), on every rank; with MoE layers
+        their auxiliary losses included, as the task's loss includes them in one process (each
+        stage's back-propagated with its output, scaled by 1/m alike)."""
         if self.r == 0 and (inputs is None or len(inputs) != self.m):
             raise ScheduleError(f"the first stage needs {self.m} input micro-batches")
         if (self.S - 1) in self.stages and (targets is None or len(targets) != self.m):
@@ -560,7 +565,7 @@ class PipelineEngine:
         scale = 1.0 / self.m
         acts: dict[tuple[int, int], torch.Tensor] = {}  # (mb, stage) -> input activation
         grads: dict[tuple[int, int], torch.Tensor] = {}  # (mb, stage) -> gradient of the stage's output
-        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, Any]] = {}  # input, output, aux loss
         outbox: dict[tuple[int, int], torch.Tensor] = {}
         sends: list[tuple[Any, torch.Tensor]] = []
         # the reported loss: fp32, or fp64 for a float64 model (the same dtype on every pipeline rank)
@@ -588,6 +593,10 @@ class PipelineEngine:
                     x = acts.pop(key).requires_grad_()
                 with self._autocast():
                     out = self.stages[a.stage](x)
+                moe = self._moe[a.stage]
+                aux: Any = sum(m.aux for m in moe) * scale if moe else None  # type: ignore[misc]
+                if aux is not None:
+                    total += aux.detach().to(total.dtype)
                 if a.stage == self.S - 1:
                     assert targets is not None
                     if self.precision == "bf16":
@@ -595,17 +604,19 @@ class PipelineEngine:
                     target = targets[a.mb]
                     loss = self.loss_fn(out, target.to(self.device) if isinstance(target, torch.Tensor) else target) * scale
                     total += loss.detach().to(total.dtype)
-                    saved[key] = (x, loss)
+                    saved[key] = (x, loss if aux is None else loss + aux, None)
                 else:
-                    saved[key] = (x, out)
+                    saved[key] = (x, out, aux)
                     if (a.stage + 1) % self.P == self.r:
                         acts[(a.mb, a.stage + 1)] = out.detach()
                     else:
                         outbox[key] = out.detach().contiguous()
             else:  # B
-                x, out = saved.pop(key)
+                x, out, aux = saved.pop(key)
                 if a.stage == self.S - 1:
                     out.backward()
+                elif aux is not None:
+                    torch.autograd.backward((out, aux), (grads.pop(key), torch.ones_like(aux)))
                 else:
                     out.backward(grads.pop(key))
                 if a.stage > 0:
@@ -621,9 +632,10 @@ class PipelineEngine:
                 sends = [(w, t) for w, t in sends if not w.is_completed()]
         for w, _ in sends:
             w.wait()
-        # the loss lives on the last stage's rank: broadcast it over the pipeline, average over DP
+        # the loss lives on the last stage's rank (MoE: and the auxiliary losses on each stage's): summed
+        # over the pipeline (the other ranks add zeros, so exactly the last stage's without MoE), averaged over DP
         if self.P > 1:
-            dist.broadcast(total, src=self.pp_ranks[(self.S - 1) % self.P], group=self.pp_group)
+            dist.all_reduce(total, group=self.pp_group)
         if self.reduce_grads and self.dp_size > 1:
             if self._reducer is None:
                 from worker.peer.core import GroupReducer
@@ -693,7 +705,8 @@ class PipelineSync(WrapsDense, ParamSync):
     pipelined = False
 
     def __init__(self, plan: PipelinePlan, model: nn.Module, mesh: Any, optimizer: Any, *, stage: int = 0,
-                 sequence_parallel: bool = False, compress: str | None = None) -> None:
+                 sequence_parallel: bool = False, compress: str | None = None, ep: int = 1) -> None:
+        from worker.peer.moe import MoESync, moe_layers
         from worker.peer.split import shared_parameters
 
         src = plan.source
@@ -704,9 +717,18 @@ class PipelineSync(WrapsDense, ParamSync):
             pp_group=mesh.pp_group, loss_fn=src.loss_fn, costs=src.costs, recompute=plan.recompute, device=mesh.device,
             reduce_grads=False, precision=plan.precision, rng=plan.rng,
         )
-        self.dense = stage_sync(model, self.engine, optimizer, stage=stage, dp_group=mesh.dp_group,
-                                tp_group=mesh.tp_group if mesh.tp > 1 else None, sequence_parallel=sequence_parallel,
-                                compress=compress)
+        self.dense: Any
+        if moe_layers(model):  # the stages' experts over their EP groups (carved from this stage's DP ranks), the rest ZeRO
+            bare = [s for s, (a, b) in enumerate(self.engine.bounds) if not moe_layers(nn.ModuleList(src.layers[a:b]))]
+            if bare:  # every rank sees every stage's layers: the same line everywhere
+                raise PeerConfigError(f"pipeline stage {bare[0]} (layers {list(self.engine.bounds[bare[0]])}) holds no MoE "
+                                      "layer: every stage needs one (fewer stages, or --moe-every 1)")
+            self.dense = MoESync(model, optimizer, mesh, ep=ep, stage=stage, compress=compress,
+                                 part=nn.ModuleList(self.engine.stages.values()), agree=False)
+        else:
+            self.dense = stage_sync(model, self.engine, optimizer, stage=stage, dp_group=mesh.dp_group,
+                                    tp_group=mesh.tp_group if mesh.tp > 1 else None, sequence_parallel=sequence_parallel,
+                                    compress=compress)
         self.shared = shared_parameters(src.layers, self.engine.bounds)  # ranks that do not hold one add zeros
         # every stage's parameters, in the same order on every rank of the pipeline: what an evaluation shares
         self._stage_params = [list(dict.fromkeys(p for layer in src.layers[a:b] for p in layer.parameters()))
@@ -763,6 +785,10 @@ class PipelineSync(WrapsDense, ParamSync):
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=self.engine.pp_group)
         return self.dense.push(step, grads)
+
+    def window_metrics(self) -> dict[str, Any]:
+        """MoE metrics of this rank's stages since the last call (none without MoE layers)."""
+        return self.dense.window_metrics()
 
     def evaluate(self, step: int, final: bool, fn: Callable[[], dict[str, float]]) -> tuple[dict[str, float], dict[str, Any]]:
         """``fn()`` on the whole model on every rank: each stage's parameters (gathered over the DP
@@ -826,8 +852,6 @@ def stage_sync(
 def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int, int, int]:
     """(P, D, T, m, V) of a pipeline-path run, or ``PeerConfigError`` naming what does not fit (every rank
     checks the same, before any collective)."""
-    from worker.peer.mesh import PeerConfigError
-
     P = int(args.pp)
     T = int(getattr(args, "tp", 1) or 1)
     acc, m = int(getattr(args, "accumulate", 1) or 1), int(args.micro_batches)
@@ -842,8 +866,9 @@ def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int
         raise PeerConfigError("--pp, --recompute and --precision run with --mode dp (any --zero: ZeRO over the DP dimension), not hybrid")
     if getattr(args, "sequence_parallel", False) and T == 1:
         raise PeerConfigError("--sequence-parallel needs --tp > 1")
-    if getattr(args, "ep", 1) > 1 or getattr(args, "moe_experts", 0):
-        raise PeerConfigError("--ep/--moe-experts with --pp/--recompute/--precision: not supported")
+    if getattr(args, "moe_experts", 0) and (user_pipeline(args) or recompute_mode(args) != "none" or args.precision != "fp32"):
+        raise PeerConfigError("MoE layers in a pipeline: the gpt task's own layer list (no --tp-plan/--pp-split), "
+                              "without --recompute or --precision bf16")
     if P < 1 or T < 1 or world % (P * T):
         raise PeerConfigError(f"world size {world} is not divisible by --tp {T} x --pp {P}")
     D = world // (P * T)
@@ -868,7 +893,7 @@ def pipeline_layout(args: argparse.Namespace, task: Any, world: int, device: tor
     from dataclasses import replace
 
     from worker.peer.cli import _kv
-    from worker.peer.mesh import ParallelMesh, PeerConfigError, check_agreement
+    from worker.peer.mesh import ParallelMesh, check_agreement
     from worker.peer.split import PipelineSource
 
     P, D, T, m, V = pipeline_config(args, world)

@@ -57,8 +57,8 @@ class SyncPlan:
             raise PeerConfigError(f"compress must be one of none, bf16, fp16, got {self.compress!r}")
         if self.ep < 1:
             raise PeerConfigError(f"--ep must be >= 1, got {self.ep}")
-        if self.pipeline is not None and (m.name == "hybrid" or self.ep > 1):
-            raise PeerConfigError("a pipeline runs with --mode dp (any --zero), without --ep")
+        if self.pipeline is not None and m.name == "hybrid":
+            raise PeerConfigError("a pipeline runs with --mode dp (any --zero), not hybrid")
 
     @property
     def stage(self) -> int:
@@ -93,20 +93,21 @@ def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None) -> P
                           sparse_ids=plan.sparse_ids, settings=plan.settings)
     if has_rows:
         raise PeerConfigError("the model has PSEmbedding layers (rows on a PS): use --mode hybrid with --ps")
+    moe = bool(moe_layers(model))
+    if plan.ep > 1 and not moe:
+        raise PeerConfigError(f"--ep {plan.ep} needs a model with MoE layers: add --moe-experts E (gpt)")
     if plan.pipeline is not None:
         from worker.peer.pipeline import PipelineSync
 
         if mesh_or_client is None:
             raise PeerConfigError("a pipeline needs its ParallelMesh (the PP, DP and TP groups)")
         return PipelineSync(plan.pipeline, model, mesh_or_client, plan.optimizer, stage=plan.stage,
-                            sequence_parallel=plan.sequence_parallel, compress=compress)
-    if moe_layers(model):
+                            sequence_parallel=plan.sequence_parallel, compress=compress, ep=plan.ep)
+    if moe:
         from worker.peer.moe import MoESync
 
         return MoESync(model, plan.optimizer, mesh_or_client, ep=plan.ep, stage=plan.stage, device=plan.device,
                        bucket_mb=plan.bucket_mb, compress=compress, settings=plan.settings)
-    if plan.ep > 1:
-        raise PeerConfigError(f"--ep {plan.ep} needs a model with MoE layers: add --moe-experts E (gpt)")
     if mesh_or_client is None:
         return DataParallelSync(model, plan.optimizer, stage=plan.stage, device=plan.device, bucket_mb=plan.bucket_mb,
                                 compress=compress, settings=plan.settings)
