@@ -10,7 +10,7 @@ Measures in one run (every shard and worker its own process, all on 127.0.0.1):
 (2) The baseline for replication's cost, measured in the same run: run C, the same training
     against 2 plain shards (``--ps P0,P1``, no backups). Replicated and plain runs alternate
     (A1 C1 [B] C2 A2 with ``--repeats 2``) so that drift of the machine's load hits both.
-(3) A load test: one shard (no backup), ``--load-clients`` client *processes* (8; processes
+(3) A load test: one shard (no backup), ``--load-clients`` client *processes* (8, --quick 2; processes
     because in threads the clients' own Python work, serialised by one GIL, would be what is
     measured, not the shard) that each loop pull_sparse + push_sparse of 1024 ids x dim 16 (from
     a pre-populated table of ``--load-rows`` rows, so the table does not grow during the test)
@@ -53,7 +53,7 @@ figure could not be measured.
 Run (about 2-3 minutes on 2 cores)::
 
     python bench/faults.py                   # full run
-    python bench/faults.py --quick           # smoke run (45-75 s): few steps, 1 repeat, 3 s load test
+    python bench/faults.py --quick           # smoke run (45-75 s): few steps, 1 repeat, 3 s load test of 2 clients
     python bench/faults.py --json-out bench/out/faults.json
 
 It prints a table and, as its last line, one line of JSON. Every child process is stopped on
@@ -657,7 +657,7 @@ def _r(x: float | None, nd: int) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smoke run: 60 steps x 128, 1 repeat, 3 s load test")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 60 steps x 128, 1 repeat, 3 s load test of 2 clients")
     ap.add_argument("--json-out", default=None, help="also write the JSON result to this path")
     ap.add_argument("--steps", type=int, default=None, help="steps per worker per run (default 300; quick 60)")
     ap.add_argument("--batch-size", type=int, default=None, help="per worker (default 256; quick 128)")
@@ -669,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-timeout", type=float, default=300.0, help="give up on a training run after this long")
     ap.add_argument("--load-seconds", type=float, default=None, help="load test length (default 30; quick 3)")
     ap.add_argument("--load-base-seconds", type=float, default=None, help="one client alone first, the unloaded baseline (default 5; quick 0.5)")
-    ap.add_argument("--load-clients", type=int, default=None, help="load test client processes (default 8)")
+    ap.add_argument("--load-clients", type=int, default=None, help="load test client processes (default 8; quick 2)")
     ap.add_argument("--load-rows", type=int, default=None, help="rows of the load test's sparse table (default 100000; quick 20000)")
     ap.add_argument("--skip-load", action="store_true", help="no load test")
     ap.add_argument("--skip-training", action="store_true", help="load test only")
@@ -683,7 +683,8 @@ def main(argv: list[str] | None = None) -> int:
     args.test_size = args.test_size or (2000 if q else 10000)
     args.load_seconds = args.load_seconds if args.load_seconds is not None else (3.0 if q else 30.0)
     args.load_base_seconds = args.load_base_seconds if args.load_base_seconds is not None else (0.5 if q else 5.0)
-    args.load_clients = args.load_clients or 8
+    # quick: 2 clients still load the shard concurrently (each client process starts torch: 6 fewer starts)
+    args.load_clients = args.load_clients or (2 if q else 8)
     args.load_rows = args.load_rows or (20_000 if q else 100_000)
     if args.load_client:
         return load_client(args.load_client, args.load_rows, args.client_index)
