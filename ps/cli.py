@@ -59,8 +59,8 @@ def add_ps_commands(sub: Any) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=0, help="port (0: pick a free one and print it)")
     s.add_argument(
-        "--bulk-port", type=int, default=-1, metavar="PORT",
-        help="also serve the data calls over tessera's bulk transport on this port (0: a free one; default -1: off); "
+        "--bulk-port", type=int, default=0, metavar="PORT",
+        help="also serve the data calls over tessera's bulk transport on this port (default 0: a free one; -1: off); "
         "clients find it through the shard and use it instead of gRPC for pulls, pushes and steps",
     )
     s.add_argument("--shard-index", type=int, default=0, help="which shard this is, 0..num-shards-1 (workers list shards in this order in --ps)")

@@ -230,9 +230,11 @@ def test_a_restarted_shard_on_a_new_bulk_port_is_found_again(tmp_path) -> None:
 
 
 def test_ps_serve_bulk_port_flag(tmp_path) -> None:
-    """``tessera ps serve --bulk-port 0`` says its bulk port and a client uses it; a bad port is refused."""
+    """``tessera ps serve`` with no transport flag serves a bulk port (a free one, said on its first line)
+    and a client uses it for data calls (the README: the bulk plane is the default); ``--bulk-port -1``
+    serves none; a bad port is refused."""
     p = subprocess.Popen(
-        [sys.executable, "-m", "tessera.cli", "ps", "serve", "--bulk-port", "0"],
+        [sys.executable, "-m", "tessera.cli", "ps", "serve"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
@@ -247,6 +249,19 @@ def test_ps_serve_bulk_port_flag(tmp_path) -> None:
     finally:
         p.terminate()
         p.wait(20)
+    off = subprocess.Popen(
+        [sys.executable, "-m", "tessera.cli", "ps", "serve", "--bulk-port", "-1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        line = off.stdout.readline()  # type: ignore[union-attr]
+        assert "listening on" in line and " bulk " not in line, line
+        with PSClient(line.split("listening on ")[1].split()[0], timeout=10) as c:
+            c.create_dense("w", 4)
+            assert c._shards[0].replicas[0].bulk is None  # type: ignore[union-attr]
+    finally:
+        off.terminate()
+        off.wait(20)
     bad = subprocess.run(
         [sys.executable, "-m", "tessera.cli", "ps", "serve", "--bulk-port", "70000"], check=False, capture_output=True, text=True, timeout=60,
     )

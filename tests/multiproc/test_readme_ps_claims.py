@@ -55,8 +55,9 @@ def _listening_addresses(pid: int) -> set[tuple[str, int]]:
     return out
 
 
-def _serve(*extra: str) -> tuple[subprocess.Popen, str]:
-    """`tessera ps serve --port 0 ...` as a process; (the process, the HOST:PORT it printed)."""
+def _serve(*extra: str) -> tuple[subprocess.Popen, str, int]:
+    """`tessera ps serve --port 0 ...` as a process; (the process, the HOST:PORT it printed, the bulk
+    port it printed or 0)."""
     p = subprocess.Popen([sys.executable, "-m", "tessera.cli", "ps", "serve", "--port", "0", *extra],
                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert p.stdout is not None
@@ -65,20 +66,22 @@ def _serve(*extra: str) -> tuple[subprocess.Popen, str]:
         seen.append(line)
         m = re.search(r"tessera-ps listening on (\S+):(\d+)", line)
         if m:
-            return p, f"{m.group(1)}:{m.group(2)}"
+            bulk = re.search(r" bulk (\d+)", line)
+            return p, f"{m.group(1)}:{m.group(2)}", int(bulk.group(1)) if bulk else 0
     p.wait(20)
     raise AssertionError(f"no 'listening on' line (exit {p.returncode}): {seen}")
 
 
 def test_a_shard_binds_loopback_unless_host_says_otherwise() -> None:
-    p, address = _serve()
+    p, address, bulk = _serve()
     try:
         host, port = address.rsplit(":", 1)
-        assert host == "127.0.0.1" and int(port) > 0, address  # --port 0: a free port, printed
-        with socket.create_connection(("127.0.0.1", int(port)), timeout=5):
-            pass
+        assert host == "127.0.0.1" and int(port) > 0 and bulk > 0, address  # --port 0 and the default bulk port: free ones, printed
+        for each in (int(port), bulk):
+            with socket.create_connection(("127.0.0.1", each), timeout=5):
+                pass
         if sys.platform.startswith("linux"):  # it listens on loopback only: no wildcard, no other address
-            assert _listening_addresses(p.pid) == {("127.0.0.1", int(port))}, _listening_addresses(p.pid)
+            assert _listening_addresses(p.pid) == {("127.0.0.1", int(port)), ("127.0.0.1", bulk)}, _listening_addresses(p.pid)
     finally:
         p.terminate()
         p.wait(20)
@@ -88,13 +91,11 @@ def test_stats_waits_up_to_wait_seconds_then_fails_naming_the_shard() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    t0 = time.monotonic()
     r = subprocess.run([sys.executable, "-m", "tessera.cli", "ps", "stats", "--ps", f"127.0.0.1:{port}", "--wait", "1"],
                        check=False, capture_output=True, text=True, timeout=60)
-    took = time.monotonic() - t0
     assert r.returncode == 1, r.stderr
+    # gave up after --wait, not a default: the line names the 1 s it waited
     assert f"shard 0 (127.0.0.1:{port}) not reachable within 1 s" in r.stderr, r.stderr
-    assert took < 30, took  # gave up after --wait (plus the interpreter's start), not a default
 
     # a shard that comes up while stats waits is found: stats started first, the shard (here, in
     # this process: it starts in milliseconds) 1.5 s later
@@ -119,18 +120,17 @@ def test_stats_waits_up_to_wait_seconds_then_fails_naming_the_shard() -> None:
 def test_a_stopped_shard_fails_calls_within_seconds_not_at_their_deadline() -> None:
     """Keepalive: the call's deadline is 60 s; a shard that stops answering (SIGSTOP) makes it fail
     as UNAVAILABLE (ShardUnavailableError after retry_timeout) in a few seconds. Before the
-    ping timeout was set in tessera/rpc.py this call waited its whole 60 s deadline."""
+    ping timeout was set in tessera/rpc.py this call waited its whole 60 s deadline and failed as
+    DEADLINE_EXCEEDED (DeadlineExceededError, not a ShardUnavailableError): the error's class is
+    the check, however slow a loaded machine makes the few seconds."""
     procs, addresses = start_local_shards(1, ())
     try:
         with PSClient(addresses, timeout=60, retry_timeout=1.0) as c:
             c.create_dense("w", 10, lr=0.1)
             c.pull_dense("w")
             os.kill(procs[0].pid, signal.SIGSTOP)
-            t0 = time.monotonic()
             with pytest.raises(ShardUnavailableError, match="shard 0"):
                 c.pull_dense("w")
-            took = time.monotonic() - t0
-        assert took < 40, took  # ~6 s to find the link dead + 1 s of retries, not the 60 s deadline (40: room for load)
     finally:
         os.kill(procs[0].pid, signal.SIGCONT)
         stop_processes(procs, grace=3.0)
