@@ -130,10 +130,12 @@ def _one_process_losses(steps: int, batch: int, **opts) -> list[float]:
 
 
 @pytest.mark.timeout(300)
-def test_moe_ep2_x_pp2_equals_one_process(tmp_path) -> None:
-    """`tessera peer --moe-experts 4 --ep 2 --pp 2 --zero 1` (4 ranks: 2 pipelines of 2 stages, each
-    stage's experts split over its 2 DP ranks, ZeRO-1 on the rest) in fp64: the global loss of every
-    step (cross-entropy on the last stage plus each stage's balance and z-losses) equals one process
+@pytest.mark.parametrize("layout", ["ep2-zero1", "tp2-zero2"])
+def test_moe_with_a_pipeline_equals_one_process(layout: str, tmp_path) -> None:
+    """`tessera peer --moe-experts 4 --pp 2` on 4 ranks in fp64, with `--ep 2 --zero 1` (2 pipelines
+    of 2 stages, each stage's experts split over its 2 DP ranks, ZeRO-1 on the rest) or with `--tp 2
+    --zero 2` (each expert's MLP split by hidden over 2 TP ranks): the global loss of every step
+    (cross-entropy on the last stage plus each stage's balance and z-losses) equals one process
     within 1e-10; the step records carry the stage's MoE metrics. A stage without an MoE layer
     (`--moe-every 2`: only block 1 has one) stops every rank with one line, exit 2."""
     import json
@@ -145,19 +147,23 @@ def test_moe_ep2_x_pp2_equals_one_process(tmp_path) -> None:
     env = {**os.environ, "PYTHONPATH": tpe.ROOT, "PYTHONWARNINGS": "ignore::FutureWarning", "OMP_NUM_THREADS": "1"}
     base = [sys.executable, "-m", "tessera.cli", "peer", "--task", "gpt", *flags, "--moe-experts", "4", "--pp", "2",
             "--steps", "3", "--global-batch", "8", "--log-every", "1", "--no-progress", "--no-eval", "--torch-threads", "1"]
-    p = subprocess.run([*base, "--nproc-per-node", "4", "--ep", "2", "--zero", "1", "--metrics-out", str(tmp_path)],
-                       env=env, cwd=tpe.ROOT, capture_output=True, text=True, timeout=250)
+    ep, dp, tp, zero = (2, 2, 1, 1) if layout == "ep2-zero1" else (1, 1, 2, 2)
+    p = subprocess.run([*base, "--nproc-per-node", "4", "--ep", str(ep), "--tp", str(tp), "--zero", str(zero), "--metrics-out",
+                        str(tmp_path)], env=env, cwd=tpe.ROOT, capture_output=True, text=True, timeout=250)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     report = json.loads([line for line in p.stdout.splitlines() if line.startswith("{")][-1])
-    assert (report["dp"], report["pp"], report["zero"]) == (2, 2, 1), report
+    assert (report["dp"], report["tp"], report["pp"], report["zero"]) == (dp, tp, 2, zero), report
     want = _one_process_losses(3, 8, **opts, moe_experts=4)
     assert all(abs(a - b) <= 1e-10 * abs(b) for a, b in zip(report["losses"], want)) and len(want) == 3, (report["losses"], want)
     recs = [json.loads(line) for line in (tmp_path / "rank3.jsonl").read_text().splitlines()]
-    assert next(r for r in recs if r["kind"] == "summary")["ep"] == 2
+    assert next(r for r in recs if r["kind"] == "summary")["ep"] == ep
     steps = [r for r in recs if r["kind"] == "step"]
-    # rank 3: the second stage (block 1) of the second pipeline: 4 sequences x 16 tokens x top-2 per step
-    assert len(steps) == 3 and all(len(r["moe_tokens_per_expert"]) == 1 and abs(sum(r["moe_tokens_per_expert"][0]) - 128) < 1e-6
-                                   and r["a2a_mb"] > 0 for r in steps), steps
+    # rank 3: the second stage (block 1) of its pipeline: 8 / dp sequences x 16 tokens x top-2 per step
+    assert len(steps) == 3 and all(len(r["moe_tokens_per_expert"]) == 1
+                                   and abs(sum(r["moe_tokens_per_expert"][0]) - 8 // dp * 16 * 2) < 1e-6 for r in steps), steps
+    assert all(r["a2a_mb"] > 0 for r in steps) == (ep > 1), steps
+    if layout != "ep2-zero1":
+        return
     p = subprocess.run([*base, "--nproc-per-node", "2", "--moe-every", "2"], env=env, cwd=tpe.ROOT, capture_output=True, text=True,
                        timeout=110)
     assert p.returncode == 2, p.stderr[-3000:]
