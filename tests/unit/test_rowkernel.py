@@ -39,7 +39,7 @@ OPTIMIZERS = {
     "rowwise_adagrad_wd": {"lr": 0.1, "eps": 1e-8, "weight_decay": 0.02},
     "adagrad_decay": {"lr": 0.1, "lr_decay": 0.05, "eps": 1e-10, "weight_decay": 0.01, "initial_accumulator": 0.1},
     "adam": {"lr": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.0},
-    "adam_wd": {"lr": 0.01, "beta1": 0.6, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.01},  # L2 decay; lerp's other form
+    "adam_wd": {"lr": 0.01, "beta1": 0.4, "beta2": 0.99, "eps": 1e-6, "weight_decay": 0.01},  # L2 decay; lerp weight 0.6: its other form
     "adamw": {"lr": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.05},
     "ftrl": {"lr": 0.05, "beta": 1.0, "l1": 0.5, "l2": 0.01, "initial_accumulator": 0.1},  # l1: some weights exactly 0
 }
