@@ -6,9 +6,11 @@
  *
  * Bitwise contract: for what it covers, tk_push gives exactly the floats of ps/optim.py's torch path
  * on this machine. Every multiply-add that torch's vectorized CPU kernels fuse (Vectorized::fmadd in
- * add/add_ with alpha, the fused Adagrad kernel's and the vector_norm reduction's multiply-adds as GCC
- * contracts them) is an explicit fmaf here, and nothing else is contracted (built with
- * -ffp-contract=off); the row-wise norm sums in torch's vector width (``lanes``) and order.
+ * add/add_ with alpha and in lerp, the fused Adagrad kernel's, addcmul's and the vector_norm
+ * reduction's multiply-adds as GCC contracts them) is an explicit fmaf here, and nothing else is
+ * contracted (built with -ffp-contract=off); the row-wise norm sums in torch's vector width (``lanes``)
+ * and order. Square roots are correctly rounded on both sides, and Adam's beta**step is repeated
+ * squaring on both (ps/optim.py's _sqrt and _powi: torch's own are not correctly rounded).
  * tests/unit/test_rowkernel.py checks this against the torch path.
  *
  * Plain C, no Python.h: a build needs a C compiler only. */
