@@ -13,8 +13,8 @@ uses and why, and ``SparseTable.memory_stats().row_path`` reports it.
 
 Covered: every optimizer of ``ps.optim`` (sgd, momentum, nesterov, adagrad, rowwise_adagrad, adam,
 adamw, ftrl; Adam's bias correction and Adagrad's lr_decay per row, from the row's own step: its
-version after the update) on float32, bfloat16 (stochastic rounding, as ``ps.rowdtype``) and float16 rows (where the
-compiler has ``_Float16``).
+version after the update) on float32, bfloat16 (stochastic rounding, as ``ps.rowdtype``) and
+float16 rows (where the compiler has ``_Float16``).
 Pure ctypes/numpy/torch: no grpc.
 """
 from __future__ import annotations
