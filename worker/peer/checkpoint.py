@@ -202,18 +202,6 @@ class Checkpointing:
             save_checkpoint(self.checkpoint_dir, steps_done, pieces, scalars)
 
 
-def optimizer_pieces(state: dict[str, Any], name: str, numel: int, lo: int, hi: int, at: int) -> tuple[list[Piece], dict[str, float]]:
-    """Pieces of one optimizer state entry: its per-element tensors' elements ``[lo, hi)`` saved as
-    ``state/<key>/<name>`` at offset ``at``; scalar entries (step counters) as scalars."""
-    pieces, scalars = [], {}
-    for k, v in state.items():
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            pieces.append(Piece(f"state/{k}/{name}", at, v.reshape(-1)[lo:hi]))
-        elif isinstance(v, torch.Tensor) or isinstance(v, (int, float)):
-            scalars[k] = float(v)
-    return pieces, scalars
-
-
 def whole_tensor_pieces(
     named: Any, states: dict[int, dict[str, Any]], gather: Any, writer: bool,
 ) -> tuple[list[Piece], dict[str, float]]:
@@ -226,11 +214,13 @@ def whole_tensor_pieces(
     for spec, p in named:
         full = gather(spec, p)
         whole = {k: gather(spec, v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in sorted(states[id(p)].items())}
-        if writer:
+        if writer:  # per-element state as state/<key>/<name>; scalar entries (step counters) as scalars
             pieces.append(Piece(f"param/{spec.name}", 0, full.reshape(-1)))
-            ps, sc = optimizer_pieces(whole, spec.name, full.numel(), 0, full.numel(), 0)
-            pieces += ps
-            scalars.update(sc)
+            for k, v in whole.items():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    pieces.append(Piece(f"state/{k}/{spec.name}", 0, v.reshape(-1)))
+                elif isinstance(v, (torch.Tensor, int, float)):
+                    scalars[k] = float(v)
     return pieces, scalars
 
 
@@ -251,36 +241,6 @@ def read_whole_tensors(reader: CheckpointReader, named: Any, tp_rank: int, tp: i
             if keys:
                 state[id(p)] = {k: part(f"state/{k}/{spec.name}") for k in keys}
     return state
-
-
-def load_whole_params(reader: CheckpointReader, params: Any, names: Any, optimizer: torch.optim.Optimizer) -> None:
-    """Every parameter of ``params`` (saved whole under ``names``) and, if saved, its optimizer state
-    into ``optimizer``, which holds exactly these parameters in this order."""
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    with torch.no_grad():
-        for i, (p, n) in enumerate(zip(params, names)):
-            p.data.view(-1).copy_(reader.read(f"param/{n}", 0, p.numel()))
-            keys = state_keys(reader, n)
-            if keys:
-                state[i] = {k: reader.read(f"state/{k}/{n}", 0, p.numel()).view_as(p).to(p) for k in keys}
-                state[i].update({k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()})
-    if state:
-        optimizer.load_state_dict({"state": state, "param_groups": optimizer.state_dict()["param_groups"]})
-
-
-def load_per_param_state(
-    optimizer: torch.optim.Optimizer, index: dict[int, int], state: dict[int, dict[str, torch.Tensor]],
-    scalars: dict[str, torch.Tensor],
-) -> None:
-    """Load ``state`` (by ``id(param)``; ``index`` maps it to the optimizer's parameter index) with the
-    scalars into an optimizer that holds whole parameters (no ZeRO). One scalar tensor per parameter:
-    Adam increments its ``step`` in place, so a tensor shared by all parameters would count every
-    parameter's step (a loaded ``step`` 2 became 30 after two steps)."""
-    if state:
-        optimizer.load_state_dict({
-            "state": {index[i]: {**st, **{k: v.clone() for k, v in scalars.items()}} for i, st in state.items()},
-            "param_groups": optimizer.state_dict()["param_groups"],
-        })
 
 
 def state_keys(reader: CheckpointReader, name: str) -> list[str]:

@@ -324,8 +324,7 @@ def _mesh(args: argparse.Namespace, task: Any, dp: int, device: Any) -> tuple[An
     ``worker.peer.parallelize`` with ``--tp-plan`` (default auto) for any task; the gpt task without
     ``--tp-plan`` keeps its built-in split (``TensorParallelGPT``: vocab-parallel loss, dropout,
     selective recompute, MoE layers)."""
-    from worker.peer import PeerConfigError
-    from worker.peer.mesh import ParallelMesh
+    from worker.peer.mesh import ParallelMesh, PeerConfigError
 
     pp = 1  # a pipeline's mesh is worker.peer.pipeline.pipeline_layout's
     check = {"global_batch": args.global_batch, "micro_batches": args.accumulate}

@@ -30,10 +30,6 @@ class CollectiveMismatchError(PeerError):
     """Ranks disagree on a collective, or one did not reach it in time."""
 
 
-def describe(op: str, tensors: tuple[torch.Tensor, ...]) -> str:
-    return f"{op} " + ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
-
-
 class CollectiveChecker:
     """Fingerprints of this rank's collectives, checked against every other rank's through the store."""
 
@@ -51,7 +47,7 @@ class CollectiveChecker:
         ranks = list(range(self.world)) if group in (None, dist.group.WORLD) else dist.get_process_group_ranks(group)
         g = "w" if len(ranks) == self.world else "g" + "-".join(map(str, ranks))
         n = self.seq[g] = self.seq.get(g, 0) + 1
-        desc = describe(op, tensors)
+        desc = f"{op} " + ", ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
         self.store.set(f"{g}/{n}/{self.rank}", desc)
         self.store.set(f"last/{self.rank}", f"#{n} {desc}" + ("" if g == "w" else f" (ranks {ranks})"))
         keys = [f"{g}/{n}/{r}" for r in ranks]

@@ -58,7 +58,6 @@ __all__ = [
     "Router",
     "aux_loss",
     "expert_groups",
-    "mesh_expert_groups",
     "moe_layers",
 ]
 
@@ -385,35 +384,37 @@ class ExpertGroups:
     replica_count: int
 
 
-def expert_groups(ep: int, world: int | None = None, rank: int | None = None, dp_ranks: list[int] | None = None) -> ExpertGroups:
-    """Cut the data-parallel ranks ``dp_ranks`` (default: all ranks) into EP groups of ``ep``
-    consecutive ranks. Every rank calls this with the same arguments (the groups are created in the
-    same order everywhere)."""
-    world = dist.get_world_size() if world is None else world
-    rank = dist.get_rank() if rank is None else rank
-    ranks = list(range(world)) if dp_ranks is None else list(dp_ranks)
+def expert_groups(ep: int, mesh: Any = None) -> ExpertGroups:
+    """EP groups carved from the data-parallel ranks: for each (PP, TP) index of ``mesh`` (None: every
+    rank one replica), its D replicas cut into groups of ``ep`` consecutive ones; ``replicas``: the
+    ranks with this rank's PP, TP and EP index (the same expert shards). Every rank creates every
+    group, in the same order."""
+    world = dist.get_world_size()
+    if mesh is None:
+        lines, here, pos, what = [list(range(world))], 0, dist.get_rank(), "data-parallel ranks"
+    else:
+        lines = [[mesh.rank_of(d, t, p, mesh.dp, mesh.tp) for d in range(mesh.dp)] for p in range(mesh.pp) for t in range(mesh.tp)]
+        here, pos, what = mesh.pp_idx * mesh.tp + mesh.tp_idx, mesh.dp_idx, "data-parallel replicas (dp)"
     if ep < 1:
         raise PeerConfigError(f"--ep must be >= 1, got {ep}")
-    if len(ranks) % ep:
-        raise PeerConfigError(f"--ep {ep} does not divide the {len(ranks)} data-parallel ranks")
-    pos = ranks.index(rank)
-    groups = len(ranks) // ep
+    if len(lines[0]) % ep:
+        raise PeerConfigError(f"--ep {ep} does not divide the {len(lines[0])} {what}")
+    groups = len(lines[0]) // ep
     mine: Any = None
     replicas: Any = None
     if ep > 1:
-        for g in range(groups):
-            pg = dist.new_group(ranks[g * ep : (g + 1) * ep])
-            if g == pos // ep:
-                mine = pg
+        for i, line in enumerate(lines):
+            for g in range(groups):
+                pg = dist.new_group(line[g * ep : (g + 1) * ep])
+                if i == here and g == pos // ep:
+                    mine = pg
     if groups > 1:
-        for j in range(ep):
-            members = [ranks[g * ep + j] for g in range(groups)]
-            if len(members) == world:
-                pg = None  # the whole world: the default group
-            else:
-                pg = dist.new_group(members)
-            if j == pos % ep:
-                replicas = pg if pg is not None else dist.group.WORLD
+        for i, line in enumerate(lines):
+            for j in range(ep):
+                members = [line[g * ep + j] for g in range(groups)]
+                pg = dist.group.WORLD if len(members) == world else dist.new_group(members)
+                if i == here and j == pos % ep:
+                    replicas = pg
     return ExpertGroups(ep, pos % ep, mine, replicas, groups)
 
 
@@ -461,7 +462,7 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
         self.device = torch.device(mesh.device if mesh is not None else device)
         trained = {id(p) for p in scope.parameters()}
         self.order = [s.name for s, p in whole_specs(model) if id(p) in trained]  # the plain model's order, before sharding
-        self.groups = expert_groups(ep) if mesh is None else mesh_expert_groups(mesh, ep)
+        self.groups = expert_groups(ep, mesh)
         for _, layer in every:  # every layer alike on every rank (a pipeline's other stages too: evaluations run them)
             layer.shard(self.groups.group, ep, self.groups.rank)
         specs = whole_specs(model, list(scope.parameters()))  # this rank's (experts: the local ones only)
@@ -585,33 +586,3 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
         self.dense.load_checkpoint(reader)
         state = read_whole_tensors(reader, self.expert_specs, self.mesh.tp_idx if self.mesh is not None else 0, self.tp)
         self.experts.load_states(state, {k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()})
-
-
-# ---------------------------------------------------------------------- expert x tensor parallelism
-def mesh_expert_groups(mesh: Any, ep: int) -> ExpertGroups:
-    """EP groups carved from the DP dimension of a ``ParallelMesh``: for each (PP, TP) index, its D
-    replicas cut into groups of ``ep`` consecutive ones; ``replicas``: the ranks with this rank's PP,
-    TP and EP index (the same expert shards). Every rank creates every group, in the same order."""
-    if ep < 1:
-        raise PeerConfigError(f"--ep must be >= 1, got {ep}")
-    if mesh.dp % ep:
-        raise PeerConfigError(f"--ep {ep} does not divide the {mesh.dp} data-parallel replicas (dp)")
-    groups = mesh.dp // ep
-    mine: Any = None
-    replicas: Any = None
-    axes = [(p, t) for p in range(mesh.pp) for t in range(mesh.tp)]
-    dp_of = {(p, t): [mesh.rank_of(d, t, p, mesh.dp, mesh.tp) for d in range(mesh.dp)] for p, t in axes}
-    here = (mesh.pp_idx, mesh.tp_idx)
-    if ep > 1:
-        for at in axes:
-            for g in range(groups):
-                pg = dist.new_group(dp_of[at][g * ep : (g + 1) * ep])
-                if at == here and g == mesh.dp_idx // ep:
-                    mine = pg
-    if groups > 1:
-        for at in axes:
-            for j in range(ep):
-                pg = dist.new_group([dp_of[at][g * ep + j] for g in range(groups)])
-                if at == here and j == mesh.dp_idx % ep:
-                    replicas = pg
-    return ExpertGroups(ep, mesh.dp_idx % ep, mine, replicas, groups)

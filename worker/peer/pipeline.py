@@ -57,8 +57,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from worker.peer.data_parallel import WrapsDense
-from worker.peer.mesh import PeerConfigError
-from worker.peer.moe import MoE
+from worker.peer.mesh import ParallelMesh, PeerConfigError, check_agreement
+from worker.peer.moe import MoE, MoESync, moe_layers
 from worker.sync_api import Fetched, Grads, ParamSync, PushResult, split_batch
 
 from worker.peer.flags import (
@@ -706,7 +706,6 @@ class PipelineSync(WrapsDense, ParamSync):
 
     def __init__(self, plan: PipelinePlan, model: nn.Module, mesh: Any, optimizer: Any, *, stage: int = 0,
                  sequence_parallel: bool = False, compress: str | None = None, ep: int = 1) -> None:
-        from worker.peer.moe import MoESync, moe_layers
         from worker.peer.split import shared_parameters
 
         src = plan.source
@@ -893,7 +892,6 @@ def pipeline_layout(args: argparse.Namespace, task: Any, world: int, device: tor
     from dataclasses import replace
 
     from worker.peer.cli import _kv
-    from worker.peer.mesh import ParallelMesh, check_agreement
     from worker.peer.split import PipelineSource
 
     P, D, T, m, V = pipeline_config(args, world)
@@ -901,7 +899,8 @@ def pipeline_layout(args: argparse.Namespace, task: Any, world: int, device: tor
     recompute = recompute_mode(args)
     agree = {"task": args.task, "task_opts": json.dumps(opts, sort_keys=True), "pp": P, "tp": T, "schedule": args.schedule,
              "m": m, "V": V, "global_batch": args.global_batch, "steps": args.steps, "seed": args.seed, "mode": args.mode,
-             "precision": args.precision, "recompute": recompute, "tp_plan": args.tp_plan, "pp_split": args.pp_split}
+             "precision": args.precision, "recompute": recompute, "tp_plan": args.tp_plan, "pp_split": args.pp_split,
+             "compress": args.compress, "ep": args.ep}
     per_rank = args.global_batch // D
     if user_pipeline(args):
         from worker.peer.parallelize import parallelize, plan_arg, resolve_plan

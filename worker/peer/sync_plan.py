@@ -53,8 +53,6 @@ class SyncPlan:
             m = check_mode(self.mode, "peer")
         except ValueError as e:
             raise PeerConfigError(str(e)) from None
-        if self.compress not in (None, "none", "bf16", "fp16"):
-            raise PeerConfigError(f"compress must be one of none, bf16, fp16, got {self.compress!r}")
         if self.ep < 1:
             raise PeerConfigError(f"--ep must be >= 1, got {self.ep}")
         if self.pipeline is not None and m.name == "hybrid":
