@@ -7,10 +7,10 @@ rounds) and trains the 3 steps left, as its summary line says (``3 steps (4->7)`
 time with the same ``--steps`` and there is nothing left to train: 0 steps, and a warning that says
 how to continue or start afresh. Reference: the step counts the README states.
 
-With ``--reset`` on every worker, the same shards start a fresh run: after a run that reached step 4,
-``--steps 4`` trains 4 steps from step 0 (``4 steps (0->4)``; without it: nothing to train), and in sync mode the final dense parameters equal, bit for bit,
+With ``--reset`` on every worker, the same shards then start a fresh run: after the run that reached
+step 7, ``--steps 4`` trains 4 steps from step 0 (``4 steps (0->4)``; without it: nothing to train), and in sync mode the final dense parameters equal, bit for bit,
 those of the first run from the same seed (reference: that first run's parameters, read from the
-shards). Worker 1 is started first and is joined before worker 0 starts, so it has seen the old
+shards after it). Worker 1 is started first and is joined before worker 0 starts, so it has seen the old
 run's tables: it must wait for worker 0's fresh ones rather than take the old.
 """
 from __future__ import annotations
@@ -58,30 +58,28 @@ def _run(addresses: list[str], mode: str, steps: int, *extra: str, one_first: bo
     return out
 
 
+def _dense(addresses: list[str]) -> np.ndarray:
+    with PSClient(addresses, timeout=10) as c:
+        return c.pull_dense("digits/dense")
+
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_restart_continues_from_the_shards_clock(proc_cluster, mode: str) -> None:
+def test_restart_continues_from_the_shards_clock_and_reset_starts_afresh(proc_cluster, mode: str) -> None:
+    """One pair of shards for the whole story (each run starts where the shards are; nothing needs
+    fresh shards): a run to 4, a restart to 7 that continues, a third that has nothing left, then
+    ``--reset`` to 4 that starts afresh."""
     addresses = proc_cluster(2)
     first = _run(addresses, mode, 4)
     assert [r[:3] for r in first] == [(4, 0, 4)] * 2
+    trained = _dense(addresses)
     again = _run(addresses, mode, 7)
     assert [r[:3] for r in again] == [(3, 4, 7)] * 2, [r[3][-500:] for r in again]
     done = _run(addresses, mode, 7)
     assert [r[:3] for r in done] == [(0, 7, 7)] * 2
     for r in done:
         assert "nothing to train" in r[3] and "raise --steps" in r[3], r[3]
-
-
-def _dense(addresses: list[str]) -> np.ndarray:
-    with PSClient(addresses, timeout=10) as c:
-        return c.pull_dense("digits/dense")
-
-
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_reset_starts_a_fresh_run_on_the_same_shards(proc_cluster, mode: str) -> None:
-    addresses = proc_cluster(2)
-    first = _run(addresses, mode, 4)
-    assert [r[:3] for r in first] == [(4, 0, 4)] * 2
-    trained = _dense(addresses)
+    # the shards hold a run at step 7: without --reset, --steps 4 would have nothing to train (as `done`
+    # shows at 7); with it, every worker trains 4 steps from step 0, worker 1 joined before worker 0
     fresh = _run(addresses, mode, 4, "--reset", one_first=True)
     assert [r[:3] for r in fresh] == [(4, 0, 4)] * 2, [r[3][-800:] for r in fresh]
     assert "dropped" in fresh[0][3] and "generation 1" in fresh[0][3], fresh[0][3][-1500:]
