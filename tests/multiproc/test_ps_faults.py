@@ -216,7 +216,9 @@ def test_b_a_cut_link_makes_workers_wait_and_resume_without_applying_twice(hosts
 
 
 def test_c_a_cluster_restored_from_a_checkpoint_finishes_like_an_uninterrupted_run(hosts, tmp_path) -> None:
-    steps = 400
+    # the claim is equality with the uninterrupted run (sync: exact), whatever the length: 200 steps
+    # leave the checkpoint (taken once step 20 is past) well inside the run
+    steps = 200
     ck = [str(tmp_path / f"ck{i}") for i in range(2)]
 
     def cluster(h: Hosts, restore: bool = False) -> str:
