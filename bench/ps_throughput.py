@@ -744,7 +744,8 @@ def main(argv: list[str] | None = None) -> int:
 
             mem_rows = 100_000 if quick else 2_000_000
             log(f"PS memory: RSS of {mem_rows:,} fp32 Adagrad rows, populate rate (fresh processes)")
-            extra.update(ps_memory.memory_figures(mem_rows, 2 if quick else 3, threads=1))
+            # quick: one populate run per side (each is a fresh process that starts torch; the median of one is that run)
+            extra.update(ps_memory.memory_figures(mem_rows, 1 if quick else 3, threads=1))
     except BaseException as e:
         if not interrupted and not isinstance(e, KeyboardInterrupt):
             raise
