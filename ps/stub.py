@@ -111,7 +111,8 @@ class _Replica:
             reply = pb.RoleReply.FromString(self._grpc[0]["Role"](pb.RoleRequest().SerializeToString(), timeout=timeout))
             if reply.bulk_port > 0:
                 host = self.address.rsplit(":", 1)[0]
-                ch = BulkChannel(f"{host}:{reply.bulk_port}", self._security, max_message_bytes=self._max_message)
+                ch = BulkChannel(f"{host}:{reply.bulk_port}", self._security, max_message_bytes=self._max_message,
+                                 liveness=self._grpc_answers)
                 try:
                     ch.connect(min(timeout, 5.0))
                 except grpc.RpcError as e:
@@ -137,6 +138,19 @@ class _Replica:
             else:
                 self._fallback_until = 0.0
             self._resolved = True
+
+    def _grpc_answers(self, timeout: float) -> str | None:
+        """While a bulk call waits: None if the shard's gRPC channel is (or gets) READY within ``timeout``.
+        Its keepalive pings (tessera.rpc) are answered by the shard's gRPC core, so a stopped or frozen
+        shard process drops it within seconds: the bulk call then fails as a gRPC call would."""
+        ready = grpc.channel_ready_future(self.channel)
+        try:
+            ready.result(timeout=timeout)
+            return None
+        except grpc.FutureTimeoutError:
+            return f"its gRPC channel {self.address} is not answering ({timeout:.3g} s)"
+        finally:
+            ready.cancel()
 
     def unresolve(self, gen: int) -> None:
         """After a failed call that used generation ``gen``: ask the server again at the next call

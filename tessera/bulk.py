@@ -37,6 +37,7 @@ second, five unanswered fail the connection (a dead host fails calls within abou
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import select
 import socket
@@ -175,6 +176,13 @@ def _pack(header: dict) -> bytes:
 
 
 _EAGER = 4 << 20  # bodies up to this are allocated at once (a Step of 4096 x 64 rows is ~1.1 MiB); bigger ones grow with what has arrived
+
+
+def _deadline_passed(e: BaseException) -> bool:
+    """A socket timeout or a call's own deadline (no errno): DEADLINE_EXCEEDED. Not the kernel's
+    ETIMEDOUT, which Python also raises as TimeoutError: keepalive or TCP_USER_TIMEOUT found the
+    peer unreachable (a cut link), a lost connection (UNAVAILABLE, retried like gRPC's)."""
+    return isinstance(e, TimeoutError) and e.errno != errno.ETIMEDOUT
 
 
 def _until(sock: Any, deadline: float | None) -> None:
@@ -609,10 +617,9 @@ class BulkServer:
             except _FrameError as e:
                 _close_after_error(conn.sock, _status(e.code, str(e)))
                 return
-            except TimeoutError:
-                log.info("%s: %s idle for %.0f s: closed", self._name, conn.peer, self._idle)
-                return
-            except (OSError, _Closed, ValueError):
+            except (OSError, _Closed, ValueError) as e:
+                if _deadline_passed(e):
+                    log.info("%s: %s idle for %.0f s: closed", self._name, conn.peer, self._idle)
                 return
             conn.sock.settimeout(None)
             with self._lock:
@@ -925,10 +932,19 @@ class BulkChannel:
     """Client of a bulk endpoint: a pool of connections, grpc.Channel-like multi-callables.
     Thread-safe; errors are :class:`BulkCallError` (a ``grpc.RpcError``)."""
 
+    # while a call waits for its reply: every LIVENESS_EVERY_S without a byte, ``liveness(timeout)`` is
+    # asked whether the server is still there (a reason string if not): the call is then UNAVAILABLE
+    LIVENESS_EVERY_S = 1.0
+    LIVENESS_TIMEOUT_S = 3.0
+
     def __init__(
         self, address: str, security: ClientSecurity | None = None, *, max_message_bytes: int = 64 << 20,
-        pool_size: int = 8, connect_timeout: float = 5.0,
+        pool_size: int = 8, connect_timeout: float = 5.0, liveness: Callable[[float], str | None] | None = None,
     ) -> None:
+        """``liveness``: TCP keepalive finds a dead host or a cut link, but a stopped or frozen server
+        process on a live host keeps its connections open; a caller that can tell (``ps.stub``: the
+        shard's gRPC channel, whose keepalive pings the server's gRPC core answers) passes it, and a
+        waiting call then fails within seconds instead of at its deadline, as a gRPC call would."""
         host, sep, port = address.rpartition(":")
         if not sep or not port.isdigit():
             raise ValueError(f"bulk address {address!r} is not HOST:PORT")
@@ -938,6 +954,7 @@ class BulkChannel:
         self._max_body = max_message_bytes
         self._pool_size = pool_size
         self._connect_timeout = connect_timeout
+        self._liveness = liveness
         self._lock = threading.Lock()
         self._idle: list[_ClientConn] = []
         self._closed = False
@@ -1039,14 +1056,15 @@ class BulkChannel:
         """Reply bodies, then returns (pooling the connection) or raises; closes it when abandoned."""
         done = False
         try:
+            self._await_reply(conn, method, deadline)
             while True:
                 try:
                     header, body = _recv(conn.rfile, self._max_body, conn.sock, deadline)
                 except _FrameError as e:
                     raise BulkCallError(e.code, f"{method}: reply: {e}") from None
-                except TimeoutError:
-                    raise BulkCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: deadline of {timeout:.3g} s exceeded") from None
                 except (OSError, _Closed, ValueError) as e:
+                    if _deadline_passed(e):
+                        raise BulkCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: deadline of {timeout:.3g} s exceeded") from None
                     raise _unavailable(self.address, e, self._ssl is not None, f"call {method}") from None
                 if header.get("more"):
                     if deadline is not None and time.monotonic() > deadline:
@@ -1065,6 +1083,25 @@ class BulkChannel:
         finally:
             if not done:
                 conn.close()
+
+    def _await_reply(self, conn: _ClientConn, method: str, deadline: float | None) -> None:
+        """Until a reply's first bytes arrive (or the deadline, which the read then reports): every
+        LIVENESS_EVERY_S of silence, ask ``liveness``; UNAVAILABLE if the server is gone. (Before a
+        reply the connection's read buffer is empty: a pooled connection is never stale.)"""
+        if self._liveness is None:
+            return
+        poll = select.poll()
+        poll.register(conn.sock, select.POLLIN)
+        while not (isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending()):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            wait = self.LIVENESS_EVERY_S if left is None else min(self.LIVENESS_EVERY_S, left)
+            if poll.poll(1000 * wait):
+                return
+            why = self._liveness(self.LIVENESS_TIMEOUT_S if left is None else max(0.001, min(self.LIVENESS_TIMEOUT_S, left)))
+            if why:
+                raise BulkCallError(grpc.StatusCode.UNAVAILABLE, f"{method}: {self.address} stopped answering while the call waited: {why}")
 
     def _start(self, method: str, timeout: float | None, metadata: Any) -> tuple[_ClientConn, dict, float | None]:
         if timeout is not None and timeout <= 0:
@@ -1086,11 +1123,11 @@ class BulkChannel:
         try:
             _until(conn.sock, deadline)
             _send(conn.sock, head, body)
-        except TimeoutError:
-            conn.close()
-            raise BulkCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: deadline of {timeout:.3g} s exceeded") from None
-        except OSError:
-            pass  # the server may have answered (e.g. a refusal) and closed: the replies say
+        except OSError as e:
+            if _deadline_passed(e):
+                conn.close()
+                raise BulkCallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"{method}: deadline of {timeout:.3g} s exceeded") from None
+            # the server may have answered (e.g. a refusal) and closed, or the link is gone: the replies say
         return conn, deadline
 
     def unary_unary(self, method: str, request_serializer: Any = None, response_deserializer: Any = None,

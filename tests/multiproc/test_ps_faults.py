@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from typing import Any, Iterator
@@ -46,6 +47,21 @@ class Hosts:
     def __init__(self, fabric: Fabric) -> None:
         self.f = fabric
         self.procs: list[subprocess.Popen] = []
+        # stderr goes to files, never to an undrained pipe: a shard that logs 64 KiB of warnings during
+        # a cut link would block in its logging lock and stop answering (seen with the bulk plane on)
+        self.logs: dict[int, Any] = {}
+
+    def _popen(self, cmd: list[str], stdout: Any) -> subprocess.Popen:
+        log = tempfile.TemporaryFile("w+")
+        p = subprocess.Popen(cmd, stdout=stdout, stderr=log, text=True)
+        self.logs[p.pid] = log
+        self.procs.append(p)
+        return p
+
+    def stderr(self, p: subprocess.Popen) -> str:
+        log = self.logs[p.pid]
+        log.seek(0)
+        return log.read()
 
     def addr(self, host: str) -> str:
         return f"{self.f.address(host)}:{PORT}"
@@ -55,10 +71,9 @@ class Hosts:
             sys.executable, "-m", "tessera.cli", "ps", "serve", "--host", self.f.address(host), "--port", str(PORT),
             "--shard-index", str(index), "--num-shards", str(num), "--lease", "3", "--insecure", *extra,
         ]
-        p = subprocess.Popen(self.f.prefix(host) + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.procs.append(p)
+        p = self._popen(self.f.prefix(host) + cmd, subprocess.PIPE)
         line = read_first_line(p, time.monotonic() + 60)
-        assert "listening on" in line, f"shard on {host} did not start: {line} {p.stderr.read() if p.poll() is not None else ''}"
+        assert "listening on" in line, f"shard on {host} did not start: {line} {self.stderr(p) if p.poll() is not None else ''}"
         return p
 
     def worker(self, host: str, index: int, ps: str, metrics: str, mode: str, steps: int, *extra: str) -> subprocess.Popen:
@@ -67,8 +82,8 @@ class Hosts:
             "--worker-index", str(index), "--num-workers", "2", "--device", "cpu", "--lease", "3", "--seed", "7",
             "--metrics-out", metrics, "--no-progress", "--torch-threads", "1", "--retry-timeout", "60", *extra,
         ]
-        p = subprocess.Popen(self.f.prefix(host) + cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.procs.append(p)
+        p = self._popen(self.f.prefix(host) + cmd, subprocess.DEVNULL)
+        p.log = lambda: self.stderr(p)  # type: ignore[attr-defined]
         return p
 
     def kill_all(self) -> None:
@@ -78,6 +93,9 @@ class Hosts:
         for p in self.procs:
             p.wait(10)
         self.procs.clear()
+        for log in self.logs.values():
+            log.close()
+        self.logs.clear()
 
 
 @pytest.fixture
@@ -126,7 +144,7 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 240) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             raise AssertionError("a worker did not finish in time") from None
-        assert rc == 0, f"worker exited {rc}: {p.stderr.read()[-3000:] if p.stderr else ''}"
+        assert rc == 0, f"worker exited {rc}: {p.log()[-3000:]}"  # type: ignore[attr-defined]
 
 
 def _applied(ps: str) -> Counter:
