@@ -8,10 +8,11 @@ time with the same ``--steps`` and there is nothing left to train: 0 steps, and 
 how to continue or start afresh. Reference: the step counts the README states.
 
 With ``--reset`` on every worker, the same shards then start a fresh run: after the run that reached
-step 7, ``--steps 4`` trains 4 steps from step 0 (``4 steps (0->4)``; without it: nothing to train), and in sync mode the final dense parameters equal, bit for bit,
-those of the first run from the same seed (reference: that first run's parameters, read from the
-shards after it). Worker 1 is started first and is joined before worker 0 starts, so it has seen the old
-run's tables: it must wait for worker 0's fresh ones rather than take the old.
+step 7, ``--steps 4`` trains 4 steps from step 0 (``4 steps (0->4)``; without it: nothing to
+train), and in sync mode the final dense parameters equal, bit for bit, those of the first run from
+the same seed (reference: that first run's parameters, read from the shards after it). Worker 1 is
+started first and is joined before worker 0 starts, so it has seen the old run's tables: it must
+wait for worker 0's fresh ones rather than take the old.
 """
 from __future__ import annotations
 
