@@ -44,7 +44,7 @@ def add_worker_commands(sub: Any) -> None:
         help="how long the worker waits for its shards at start, and a call keeps retrying (and failing over) an unreachable shard, before it gives up",
     )
     add_client_security_args(w)
-    w.add_argument("--task", default="ctr", help="ctr, digits, or module:function (a module in the current directory or on PYTHONPATH)")
+    w.add_argument("--task", default="ctr", help="ctr, digits, mf, or module:function (a module in the current directory or on PYTHONPATH)")
     w.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE",
                    help=f"keyword argument for the task's function (repeatable; {KEY_VALUE_HELP})")
     w.add_argument(
@@ -116,13 +116,13 @@ def add_worker_commands(sub: Any) -> None:
     d.add_argument("--seconds", type=float, default=60.0, help="training time in seconds")
     d.add_argument("--batch-size", type=int, default=256, help="examples per step per worker")
     d.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
-    d.add_argument("--task", default="ctr", help="ctr, digits, or module:function")
+    d.add_argument("--task", default="ctr", help="ctr, digits, mf, or module:function")
     d.add_argument("--out", default="tessera-demo", help="directory for metrics, summary and plot")
     d.set_defaults(func=_demo)
 
     e = sub.add_parser("experiment", help="experiments on a local cluster").add_subparsers(dest="experiment", required=True)
     c = e.add_parser("consistency", help="sync vs async vs SSP on one task: metric vs time and updates, staleness")
-    c.add_argument("--task", default="ctr", help="ctr, digits, or module:function")
+    c.add_argument("--task", default="ctr", help="ctr, digits, mf, or module:function")
     c.add_argument("--task-opt", action="append", default=[], metavar="KEY=VALUE",
                    help=f"keyword argument for the task's function (repeatable; {KEY_VALUE_HELP})")
     c.add_argument("--workers", type=int, default=4, help="worker processes per mode")

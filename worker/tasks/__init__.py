@@ -1,7 +1,8 @@
 """Training tasks: a model, per-worker data, a loss and a test metric.
 
-Built in: ``ctr`` (synthetic click-through data with a known best AUC) and
-``digits`` (scikit-learn's bundled 8x8 digits). A user task is any function
+Built in: ``ctr`` (synthetic click-through data with a known best AUC),
+``digits`` (scikit-learn's bundled 8x8 digits) and ``mf`` (matrix factorisation of
+ratings from a hidden low-rank model). A user task is any function
 ``package.module:function(**options) -> Task``.
 """
 from __future__ import annotations
