@@ -10,7 +10,10 @@ before it sends). Variants, interleaved so that load from elsewhere hits them al
 * ``torch``: plain torch on one (1M, 64) tensor and a (1M,) accumulator: ``index_select``, the
   row-wise Adagrad update, ``index_copy_`` (one thread: a shard's handler runs on one core);
 * ``fbgemm``: FBGEMM's fused CPU table-batched-embedding kernel (``fbgemm-gpu-cpu``, exact row-wise
-  Adagrad, forward + backward of the same ids; skipped with the reason where it does not import).
+  Adagrad, forward + backward of the same ids; skipped with the reason where it does not import);
+* ``served`` (``--served``): the same table on one shard process (``tessera ps serve`` with no
+  transport flag: the default transport), driven by ``PSClient.step`` as a worker does: each op
+  pushes the previous batch's summed rows and pulls this batch's unique rows in one call.
 
 Every table starts from the same rows (all 1M created before timing) and the kernel and numpy tables
 are checked bit-identical at the end. ``--ab``: also the kernel's C loop against the same loop
@@ -25,7 +28,9 @@ lazy update of that optimizer on whole tensors (as ``ps.optim`` on the gathered 
 Run (about 20 s; a minute on a loaded machine): ``python bench/ps_kernel.py`` (``--quick``: 100k rows,
 fewer repeats; ``--json-out FILE``). Prints
 a table (min and median ms per batch) and, as its last line, one line of JSON with ``kernel_vs_numpy``
-(kernel / numpy time, min; < 1 is faster), ``kernel_vs_torch``, and ``kernel_vs_fbgemm`` where FBGEMM ran.
+(kernel / numpy time, min; < 1 is faster), ``kernel_vs_torch``, and ``kernel_vs_fbgemm`` where FBGEMM ran;
+with ``--served`` also ``served_vs_fbgemm`` (goal <= 3) and ``served_vs_kernel``. bench/ps_throughput.py
+runs this with ``--served`` and carries those keys in its own JSON.
 """
 from __future__ import annotations
 
@@ -193,6 +198,39 @@ def fbgemm_variant(rows: int, data: list) -> tuple[Callable[[int], object] | Non
     return run, ""
 
 
+def served_variant(rows: int, data: list, opt: str) -> tuple[Callable[[int], object], Callable[[], None]]:
+    """(op, stop): one shard process with the same table (rows created before timing), on the
+    default transport; an op is one ``PSClient.step`` (push the previous batch, pull this one)."""
+    from ps.cli import start_local_shards, stop_processes
+    from ps.client import PSClient
+
+    procs, addrs = start_local_shards(1)
+    try:
+        c = PSClient(addrs, timeout=120)
+        c.create_sparse("emb", DIM, opt, **OPTIMIZERS[opt])
+        step = 1 << 17
+        for lo in range(0, rows, step):
+            ids = np.arange(lo, min(rows, lo + step), dtype=np.int64)
+            c.push_sparse("emb", ids, np.zeros((len(ids), DIM), np.float32))
+    except BaseException:
+        stop_processes(procs)
+        raise
+    prev = [data[0]]
+
+    def run(i: int) -> None:
+        _, uniq, _ = data[i]
+        _, p_uniq, p_summed = prev[0]
+        r = c.step(push_sparse={"emb": (p_uniq, p_summed)}, pull_sparse={"emb": uniq})
+        assert r.sparse["emb"][0].shape == (len(uniq), DIM)
+        prev[0] = data[i]
+
+    def stop() -> None:
+        c.close()
+        stop_processes(procs)
+
+    return run, stop
+
+
 def ab_numba(rows: int, data: list, repeats: int) -> dict[str, object]:
     """The row-wise Adagrad push loop in C (the built kernel, via ctypes) and in numba, on raw arrays."""
     import ctypes
@@ -249,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="100k rows, fewer repeats (a smoke run)")
     ap.add_argument("--ab", action="store_true", help="also the C kernel against numba (where numba imports)")
+    ap.add_argument("--served", action="store_true", help="also the same table on one shard process (default transport), by PSClient.step")
     ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="rowwise_adagrad", help="the table's optimizer (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=0)
     ap.add_argument("--json-out", default="", help="also write the final JSON line to this file")
@@ -265,7 +304,14 @@ def main(argv: list[str] | None = None) -> int:
     fb, fb_why = fbgemm_variant(rows, data) if args.optimizer == "rowwise_adagrad" else (None, f"FBGEMM's kernel is row-wise Adagrad, the table {args.optimizer}")
     if fb is not None:
         fns["fbgemm"] = fb
-    t = interleaved(fns, repeats, warmup)
+    stop_served = None
+    if args.served:
+        fns["served"], stop_served = served_variant(rows, data, args.optimizer)
+    try:
+        t = interleaved(fns, repeats, warmup)
+    finally:
+        if stop_served is not None:
+            stop_served()
     check()
     uniq = statistics.mean(len(d[1]) for d in data)
     print(f"{'variant':<10} {'min ms':>9} {'median ms':>10}   ({rows} x {DIM} fp32, {args.optimizer}, 4096 Zipf(1.1) ids, ~{uniq:.0f} unique, pull + push)")
@@ -283,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         if "fbgemm" in t:
             out["kernel_vs_fbgemm"] = round(min(t["kernel"]) / min(t["fbgemm"]), 4)
             out["kernel_vs_fbgemm_median"] = round(statistics.median(t["kernel"]) / statistics.median(t["fbgemm"]), 4)
+        if "served" in t:
+            out["served_vs_kernel"] = round(min(t["served"]) / min(t["kernel"]), 4)
+    if "served" in t and "fbgemm" in t:
+        out["served_vs_fbgemm"] = round(min(t["served"]) / min(t["fbgemm"]), 4)
+        out["served_vs_fbgemm_median"] = round(statistics.median(t["served"]) / statistics.median(t["fbgemm"]), 4)
     if fb is None:
         out["fbgemm"] = f"skipped: {fb_why}"
     if args.ab:

@@ -62,6 +62,11 @@ adam_limit_ratio (with raw_grpc_roundtrip_ms, torch_fused_adam_ms,
 dense_adam_ms behind it), sparse_rows_per_s, sparse_gbps, sparse_ratio,
 sparse_vs_raw_same_size, dense_vs_tcp, per-variant figures, ...). Every child process is stopped on exit, also on Ctrl-C.
 
+(f) issue 32, from ``bench/ps_kernel.py --served`` (a child process): ``kernel_vs_fbgemm`` (the table's
+    in-process pull + push of 4,096 Zipf(1.1) ids x 64 from 1M rows, row-wise Adagrad, against
+    FBGEMM's fused CPU kernel on the same ids; goal <= 1) and ``served_vs_fbgemm`` (one shard process on
+    the default transport, by PSClient.step; goal <= 3), min of repeats (``*_median`` too); where
+    ``fbgemm-gpu-cpu`` does not import, ``fbgemm`` says why and those keys are absent.
 (e) issue 18, from bench/ps_memory.py's fresh child processes: ``sparse_bytes_per_row_ratio``
     (RSS growth of 2M fp32 Adagrad rows of dim 64 over their payload; baseline
     ``raw_bytes_per_row_ratio``) and ``populate_rows_per_s`` (rows created per second, best and
@@ -573,6 +578,24 @@ def sparse_figures(res: list[Result], raw_best: Result, raw_small: Result, cpu: 
     return out
 
 
+def kernel_figures(quick: bool) -> dict[str, object]:
+    """(f): ``bench/ps_kernel.py --served`` in a child process (its own torch threads and shard); its
+    FBGEMM comparisons, prefixed where they would clash with this script's keys."""
+    cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "ps_kernel.py"), "--served",
+           *(["--quick"] if quick else ["--repeats", "60"])]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"bench/ps_kernel.py failed ({r.returncode}): {r.stderr[-800:]}")
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    keys = ("kernel_vs_fbgemm", "kernel_vs_fbgemm_median", "served_vs_fbgemm", "served_vs_fbgemm_median", "served_vs_kernel",
+            "kernel_vs_numpy", "fbgemm")
+    out: dict[str, object] = {k: got[k] for k in keys if k in got and not isinstance(got[k], dict)}
+    for k in ("kernel", "served", "fbgemm"):
+        if isinstance(got.get(k), dict):
+            out[f"row_{k}_min_ms"], out[f"row_{k}_median_ms"] = got[k]["min_ms"], got[k]["median_ms"]
+    return out
+
+
 def sparse_only(
     args: argparse.Namespace, nbytes: int, batch: int, dim: int, sparse_rows: int, repeats: int, warmup: int,
     sparse_repeats: int, sparse_warmup: int, procs: list, t_start: float, transports: tuple[str, ...],
@@ -619,6 +642,7 @@ def sparse_only(
         **sparse_figures(res, raw_best, raw_small, cpu),
         **{f"no_table_{k}": v for k, v in sparse_figures(nt_res, raw_best, raw_small, nt_cpu).items() if not k.startswith("raw_")},
         "sparse_table_rows": sparse_rows, "sparse_populate_s": round(populate_s, 3),
+        **kernel_figures(args.quick),
         "sparse_only": True, "quick": args.quick, "cpus": os.cpu_count(),
         "wall_s": round(time.perf_counter() - t_start, 1), "loadavg": round(os.getloadavg()[0], 2),
     }
@@ -746,6 +770,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"PS memory: RSS of {mem_rows:,} fp32 Adagrad rows, populate rate (fresh processes)")
             # quick: one populate run per side (each is a fresh process that starts torch; the median of one is that run)
             extra.update(ps_memory.memory_figures(mem_rows, 1 if quick else 3, threads=1))
+            log("row kernel, one served shard and FBGEMM on one workload (bench/ps_kernel.py --served)")
+            extra.update(kernel_figures(quick))
     except BaseException as e:
         if not interrupted and not isinstance(e, KeyboardInterrupt):
             raise

@@ -47,6 +47,14 @@ def test_ps_throughput_quick(tmp_path) -> None:
     assert close(last["sparse_ratio"], last["sparse_gbps"] / last["raw_grpc_gbps"])
     assert close(last["sparse_vs_raw_same_size"], last["sparse_gbps"] / last["raw_grpc_sparse_size_gbps"])
     assert close(last["adam_limit_ratio"], (last["raw_grpc_roundtrip_ms"] + last["torch_fused_adam_ms"]) / last["dense_adam_ms"])
+    # (f) bench/ps_kernel.py --served: one served shard against the table in process, and FBGEMM (or why not)
+    if "row_kernel_min_ms" in last:
+        assert close(last["served_vs_kernel"], last["row_served_min_ms"] / last["row_kernel_min_ms"])
+    if "row_fbgemm_min_ms" in last:
+        assert close(last["served_vs_fbgemm"], last["row_served_min_ms"] / last["row_fbgemm_min_ms"])
+        assert close(last["kernel_vs_fbgemm"], last["row_kernel_min_ms"] / last["row_fbgemm_min_ms"])
+    else:
+        assert last["fbgemm"].startswith("skipped: "), last.get("fbgemm")
     # the times behind them are the same bytes: the dense payload moved at the stated rates
     assert close(last["raw_grpc_roundtrip_ms"], mib / last["raw_grpc_gbps"] / 1e6)
     assert close(last["dense_adam_ms"], mib / last["dense_pushpull_gbps"] / 1e6)
