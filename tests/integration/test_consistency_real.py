@@ -264,7 +264,8 @@ def test_async_fast_workers_never_wait_for_the_straggler(inproc_cluster) -> None
     Reference: the ASP definition (no read waits on any other worker). The two fast workers finish
     all 30 steps while the straggler is held at step 2, however loaded the machine (if a fast read
     waited on the straggler, nobody would finish until the hold ran out); no fast pull takes a
-    sizeable part of the hold; stats() then shows the fast workers at clock 30 and the straggler at 2;
+    sizeable part of the hold; stats() then shows the fast workers at clock 30 and the straggler at
+    most at 2 (fewer if the fast workers finished before its second 400 ms step);
     every push was applied at once (dense version per shard = number of pushes).
     """
     cluster = inproc_cluster(2, lease_s=LEASE_S)
@@ -300,7 +301,7 @@ def test_async_fast_workers_never_wait_for_the_straggler(inproc_cluster) -> None
     _run_threads(jobs, timeout=45)
 
     t_fast = max(logs[n].push_done[ASYNC_FAST_STEPS - 1] for n in ("w0", "w1"))
-    assert straggler.started_before(t_fast) == ASYNC_HELD_AT, (
+    assert straggler.started_before(t_fast) <= ASYNC_HELD_AT, (
         f"the straggler had issued {straggler.started_before(t_fast)} pushes when the fast workers finished"
     )
     for n in ("w0", "w1"):
@@ -312,7 +313,7 @@ def test_async_fast_workers_never_wait_for_the_straggler(inproc_cluster) -> None
     for sh in snapshot[0]:
         clocks = {w.name: w.clock for w in sh.workers}
         assert clocks["w0"] == clocks["w1"] == ASYNC_FAST_STEPS
-        assert clocks["w2"] == ASYNC_HELD_AT, clocks
+        assert clocks["w2"] <= ASYNC_HELD_AT, clocks
     for sh in cluster.client().stats():
         dense = next(t for t in sh.tables if t.name == "t/dense")
         assert dense.version == 2 * ASYNC_FAST_STEPS + ASYNC_SLOW_STEPS
