@@ -111,22 +111,11 @@ def test_moe_tensor_parallel_flags(tmp_path) -> None:
 def _one_process_losses(steps: int, batch: int, **opts) -> list[float]:
     """One process: the MoE gpt task (same options, fp64) trained with its own optimizer (Adam) on the
     global batch; the loss of every step (the task's: cross-entropy + the layers' balance and z-losses)."""
-    import copy
+    from user_models import one_process_losses  # type: ignore[import-not-found]
 
-    from worker.peer.mesh import torch_optimizer
     from worker.tasks import load_task
 
-    task = load_task("gpt", seed=0, **opts)
-    model = copy.deepcopy(task.model)
-    opt = torch_optimizer(task.dense_optimizer)(model.parameters())
-    data, out = task.batches(0, 1, batch, 0), []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = task.loss(model, next(data))
-        loss.backward()
-        opt.step()
-        out.append(float(loss.detach()))
-    return out
+    return one_process_losses(load_task("gpt", seed=0, **opts), steps, batch)
 
 
 @pytest.mark.timeout(300)

@@ -18,7 +18,6 @@ from the exact run (the 16-bit transport really ran).
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -40,19 +39,7 @@ def _reference(steps: int = STEPS) -> list[float]:
     sys.path.insert(0, MULTIPROC)
     import user_models  # type: ignore[import-not-found]
 
-    from worker.peer.mesh import torch_optimizer
-
-    task = user_models.gated_task(dtype="float64", opt="adamw", lr=0.01)
-    model = copy.deepcopy(task.model)
-    opt = torch_optimizer(task.dense_optimizer)(model.parameters())
-    data, out = task.batches(0, 1, 8, 0), []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = task.loss(model, next(data))
-        loss.backward()
-        opt.step()
-        out.append(float(loss.detach()))
-    return out
+    return user_models.one_process_losses(user_models.gated_task(dtype="float64", opt="adamw", lr=0.01), steps, 8)
 
 
 def _peer(ranks: int, flags: list[str], tmp_path, timeout: float = 240) -> tuple[dict, list[float]]:

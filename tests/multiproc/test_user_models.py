@@ -114,23 +114,9 @@ def test_gpt_split_by_the_auto_plan_equals_its_built_in_split() -> None:
 
 def _reference_losses(steps: int) -> list[float]:
     """One process: the gated user model in fp64, AdamW, the global batch of 8."""
-    import copy
-
     import user_models  # type: ignore[import-not-found]
 
-    from worker.peer.mesh import torch_optimizer
-
-    task = user_models.gated_task(dtype="float64", opt="adamw", lr=0.01)
-    model = copy.deepcopy(task.model)
-    opt = torch_optimizer(task.dense_optimizer)(model.parameters())
-    data, out = task.batches(0, 1, 8, 0), []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = task.loss(model, next(data))
-        loss.backward()
-        opt.step()
-        out.append(float(loss.detach()))
-    return out
+    return user_models.one_process_losses(user_models.gated_task(dtype="float64", opt="adamw", lr=0.01), steps, 8)
 
 
 @pytest.mark.timeout(200)

@@ -169,3 +169,22 @@ MHA_PLAN = {"tok": "vocab", "layers.0.attn": "colwise", "layers.0.fc1": "colwise
 GATED_PLAN = {"tok": "vocab", "blocks.*.attn.q": "colwise", "blocks.*.attn.k": "colwise", "blocks.*.attn.v": "colwise",
               "blocks.*.attn.o": "rowwise", "blocks.*.mlp.up": "colwise", "blocks.*.mlp.gate": "colwise",
               "blocks.*.mlp.down": "rowwise", "lm_head": "vocab"}
+
+
+def one_process_losses(task: Task, steps: int, batch: int) -> list[float]:
+    """The tests' one-process reference: a copy of ``task``'s model trained with the task's own optimizer
+    on the global ``batch`` (the task's data, seed 0), the loss of every step."""
+    import copy
+
+    from worker.peer.mesh import torch_optimizer
+
+    model = copy.deepcopy(task.model)
+    opt = torch_optimizer(task.dense_optimizer)(model.parameters())
+    data, out = task.batches(0, 1, batch, 0), []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = task.loss(model, next(data))
+        loss.backward()
+        opt.step()
+        out.append(float(loss.detach()))
+    return out
