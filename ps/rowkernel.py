@@ -24,6 +24,7 @@ import importlib.machinery
 import os
 import platform
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -77,6 +78,38 @@ def _ptr(a: np.ndarray | torch.Tensor | None) -> int | None:
     return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
 
 
+# id(array) -> (weakref to it, its address): ``a.ctypes.data`` builds a ctypes object (~2 us, ~20 per
+# push). Only for arrays that outlive a call (the store's pointer tables, the index's runs): they are
+# replaced, never resized, when the store or index grows, and a dead array's entry goes with it
+_ADDRESSES: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _kept_ptr(a: np.ndarray | None) -> int | None:
+    """``_ptr`` of an array that is replaced, never resized in place (its address is fixed for its life)."""
+    if a is None:
+        return None
+    key = id(a)
+    e = _ADDRESSES.get(key)
+    if e is not None and e[0]() is a:
+        return e[1]
+    addr = a.ctypes.data
+    _ADDRESSES[key] = (weakref.ref(a, lambda r, k=key: _ADDRESSES.pop(k, None) if _ADDRESSES.get(k, (None,))[0] is r else None), addr)
+    return addr
+
+
+_HPARAMS: dict[tuple, _Hparams] = {}  # (name, value) items -> the struct (a table's hparams rarely change)
+
+
+def _hparams(hparams: Mapping[str, float]) -> _Hparams:
+    key = tuple(hparams.items())
+    h = _HPARAMS.get(key)
+    if h is None:
+        if len(_HPARAMS) >= 256:  # staleness-scaled lrs make new ones: keep it bounded
+            _HPARAMS.clear()
+        h = _HPARAMS[key] = _Hparams(*(float(hparams.get(field[0], 0.0)) for field in _Hparams._fields_))
+    return h
+
+
 class RowKernel:
     """The loaded library. Methods take the store's per-chunk column pointer tables
     (``RowStore.pointers``) and contiguous numpy/torch buffers; callers hold the table's lock."""
@@ -118,12 +151,12 @@ class RowKernel:
         ``out`` (keys "values", "s0", "s1", "s2", "version": buffers of len(rows) rows, values fp32):
         compute into them, leaving the store as it is. Values are stored as ``row_dtype`` (bfloat16
         rounded stochastically with ``table_key``, as ``ps.rowdtype``)."""
-        h = _Hparams(*(float(hparams.get(field[0], 0.0)) for field in _Hparams._fields_))
+        h = _hparams(hparams)
         o = out or {}
         rc = self._push(
             _OPT_CODES[opt], self.lanes, _DTYPE_CODES[row_dtype], int(table_key), len(rows), dim, shift, (1 << shift) - 1,
-            ctypes.byref(h), _ptr(rows), _ptr(ids), _ptr(grad), _ptr(grad_idx), _ptr(cols["values"]), _ptr(cols.get("s0")), _ptr(cols.get("s1")),
-            _ptr(cols.get("s2")), _ptr(cols["version"]), _ptr(cols.get("touch")), touch,
+            ctypes.byref(h), _ptr(rows), _ptr(ids), _ptr(grad), _ptr(grad_idx), _kept_ptr(cols["values"]), _kept_ptr(cols.get("s0")),
+            _kept_ptr(cols.get("s1")), _kept_ptr(cols.get("s2")), _kept_ptr(cols["version"]), _kept_ptr(cols.get("touch")), touch,
             _ptr(o.get("values")), _ptr(o.get("s0")), _ptr(o.get("s1")), _ptr(o.get("s2")), _ptr(o.get("version")),
         )
         assert rc == 0, f"row kernel refused optimizer {opt!r} on {row_dtype} rows"
@@ -137,8 +170,8 @@ class RowKernel:
             _DTYPE_CODES[row_dtype], len(rows), dim, shift, (1 << shift) - 1, _ptr(rows),
             new.get("s0") is not None, new.get("s1") is not None, new.get("s2") is not None,
             _ptr(new["values"]), _ptr(new.get("s0")), _ptr(new.get("s1")), _ptr(new.get("s2")), _ptr(new["version"]),
-            _ptr(cols["values"]), _ptr(cols.get("s0")), _ptr(cols.get("s1")), _ptr(cols.get("s2")), _ptr(cols["version"]),
-            _ptr(cols.get("touch")), touch,
+            _kept_ptr(cols["values"]), _kept_ptr(cols.get("s0")), _kept_ptr(cols.get("s1")), _kept_ptr(cols.get("s2")),
+            _kept_ptr(cols["version"]), _kept_ptr(cols.get("touch")), touch,
         )
 
     def gather(
@@ -147,7 +180,9 @@ class RowKernel:
     ) -> None:
         """Copy the ``row_bytes``-byte values of store rows ``rows`` into ``out`` (contiguous, one row
         per entry) and their versions into ``out_versions``."""
-        self._gather(len(rows), row_bytes, shift, (1 << shift) - 1, _ptr(rows), _ptr(values), _ptr(versions), _ptr(out), _ptr(out_versions))
+        self._gather(
+            len(rows), row_bytes, shift, (1 << shift) - 1, _ptr(rows), _kept_ptr(values), _kept_ptr(versions), _ptr(out), _ptr(out_versions)
+        )
 
 
     def lookup(self, runs: list[tuple[np.ndarray, np.ndarray]], tomb: int, ids: np.ndarray, out: np.ndarray) -> None:
@@ -162,7 +197,7 @@ class RowKernel:
                 return
             last = k == len(runs) - 1
             miss = None if last else np.empty(n, np.int64)
-            n = self._lookup(_ptr(keys), _ptr(vals), len(keys), tomb, _ptr(ids), _ptr(idx), n, _ptr(out), _ptr(miss))
+            n = self._lookup(_kept_ptr(keys), _kept_ptr(vals), len(keys), tomb, _ptr(ids), _ptr(idx), n, _ptr(out), _ptr(miss))
             idx = miss
 
 

@@ -1,0 +1,28 @@
+"""ps.rowkernel's cache of long-lived arrays' addresses: always the array's own, never a dead one's."""
+import gc
+
+import numpy as np
+
+from ps import rowkernel
+
+
+def test_kept_address_is_the_arrays_own_and_dies_with_it() -> None:
+    a = np.arange(4, dtype=np.int64)
+    assert rowkernel._kept_ptr(a) == a.ctypes.data == rowkernel._kept_ptr(a)
+    key = id(a)
+    del a
+    gc.collect()
+    assert key not in rowkernel._ADDRESSES  # a dead array's entry goes with it
+    # a new array (a store's pointer table after growth, perhaps at a recycled id) gets its own address
+    for _ in range(50):
+        b = np.arange(8, dtype=np.int64)
+        assert rowkernel._kept_ptr(b) == b.ctypes.data
+        del b
+    assert rowkernel._kept_ptr(None) is None
+
+
+def test_hparams_struct_follows_the_values() -> None:
+    h1 = rowkernel._hparams({"lr": 0.1, "eps": 1e-8})
+    h2 = rowkernel._hparams({"lr": 0.05, "eps": 1e-8})  # a staleness-scaled lr: its own struct
+    assert (h1.lr, h1.eps, h1.momentum) == (0.1, 1e-8, 0.0) and h2.lr == 0.05
+    assert rowkernel._hparams({"lr": 0.1, "eps": 1e-8}) is h1
