@@ -336,11 +336,8 @@ def _mesh(args: argparse.Namespace, task: Any, dp: int, device: Any) -> tuple[An
                      seq=m.pos.num_embeddings, sequence_parallel=args.sequence_parallel)
         mesh = ParallelMesh.build(dp, args.tp, pp, device=device, seed=args.seed, check=check)
         return mesh, tensor_parallel_task(task, mesh, sequence_parallel=args.sequence_parallel)
-    from worker.peer.moe import moe_layers
     from worker.peer.parallelize import parallelize, plan_arg, resolve_plan
 
-    if moe_layers(task.model):
-        raise PeerConfigError("--tp with MoE layers: the gpt task's built-in split only (leave out --tp-plan)")
     plan = plan_arg(args.tp_plan or "auto")
     resolve_plan(task.model, plan, args.tp, args.sequence_parallel)  # every size checked before any collective
     mesh = ParallelMesh.build(dp, args.tp, pp, device=device, seed=args.seed, check=check)

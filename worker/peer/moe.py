@@ -59,6 +59,7 @@ __all__ = [
     "aux_loss",
     "expert_groups",
     "moe_layers",
+    "recomputing",
 ]
 
 
@@ -104,7 +105,8 @@ class Router(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = torch.promote_types(self.weight.dtype, torch.float32)
-        return F.linear(x.to(dtype), self.weight.to(dtype))
+        with torch.autocast(x.device.type, enabled=False):  # bf16 compute (autocast) leaves the routing in fp32
+            return F.linear(x.to(dtype), self.weight.to(dtype))
 
 
 class Expert(nn.Module):
@@ -121,7 +123,7 @@ class Expert(nn.Module):
 
 @dataclass
 class _Meter:
-    """What the layer did since the last ``take``: training forwards only."""
+    """What the layer did since the last ``take``: training forwards only (with gradients, each once)."""
 
     forwards: int = 0
     counts: torch.Tensor | None = None  # (E,) assignments per expert (before dropping), float64
@@ -132,6 +134,20 @@ class _Meter:
     a2a_s: float = 0.0
     a2a_bytes: int = 0
     a2a_calls: int = 0
+
+
+_RECOMPUTING = [False]
+
+
+@contextlib.contextmanager
+def recomputing() -> Any:
+    """Inside: forwards re-run in backward (activation recomputation): the layers' meters count each
+    training forward once."""
+    before, _RECOMPUTING[0] = _RECOMPUTING[0], True
+    try:
+        yield
+    finally:
+        _RECOMPUTING[0] = before
 
 
 class _AllToAll(torch.autograd.Function):
@@ -261,7 +277,7 @@ class MoE(nn.Module):
         order = kept[torch.argsort(expert[kept], stable=True)]  # kept assignments grouped by expert
         counts = torch.bincount(expert[kept], minlength=e_n)
         y_sorted = self._experts(x.reshape(b * t, d)[token[order]], counts)
-        y = x.new_zeros(b * k * t, d).index_copy(0, order, y_sorted).view(b, k, t, d)
+        y = y_sorted.new_zeros(b * k * t, d).index_copy(0, order, y_sorted).view(b, k, t, d)  # autocast: bf16
         out = (y.to(gates.dtype) * gates.transpose(1, 2).unsqueeze(-1)).sum(1).to(x.dtype)
         # auxiliary losses, per sequence (so linear in the batch)
         first = F.one_hot(top_i[..., 0], e_n).float().mean(1)  # (B, E): f_e
@@ -269,7 +285,9 @@ class MoE(nn.Module):
         z = torch.logsumexp(logits, -1).pow(2).mean()
         self.aux = self.cfg.aux_coef * balance + self.cfg.z_coef * z
         self.last_dropped = (~keep).view(b, k, t).transpose(1, 2)
-        if self.training:
+        # training forwards only: not a recomputation in backward (the same tokens again), nor a forward
+        # without gradients (a pipeline's probe of its activation shapes)
+        if self.training and torch.is_grad_enabled() and not _RECOMPUTING[0]:
             m = self.meter
             c = torch.bincount(expert, minlength=e_n).double().cpu()
             m.counts = c if m.counts is None else m.counts + c
@@ -478,10 +496,11 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
             bucket_mb=bucket_mb, compress=compress, overlap=mesh is None, params=[p for _, p in dense_specs], specs=dense_specs,
             tp_group=self.tp_group, settings=settings, name="moe", agree=agree,
         )
+        # None: this rank trains no MoE layer (a pipeline stage without one); its replicas neither
         self.experts = ShardedOptimizer(
             model, optimizer, self.groups.replicas if self.groups.replicas is not None else ALONE, stage=0,
             params=[p for _, p in self.expert_specs], device=self.device, overlap=False, divide_by=dp, compress=compress,
-        )
+        ) if self.expert_specs else None
         self.flat = self.dense.flat
         first_tp = mesh is None or mesh.tp_idx == 0
         self.expert_writer = first_tp and (mesh.dp_idx if mesh is not None else dist.get_rank()) < self.groups.size
@@ -491,7 +510,8 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
         """The dense part's join (agreement, the DP group's first values), then the experts: each
         replica group takes its first member's values; then the newest checkpoint, if any."""
         start = self.dense.join()
-        self.experts.broadcast()
+        if self.experts is not None:
+            self.experts.broadcast()
         return max(start, self._resume())
 
     def leave(self) -> None:
@@ -502,7 +522,8 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
 
     def zero_grad(self) -> None:
         self.dense.zero_grad()
-        self.experts.zero_grad()
+        if self.experts is not None:
+            self.experts.zero_grad()
 
     def no_sync(self) -> Any:
         return self.dense.no_sync()
@@ -513,7 +534,8 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
     def push(self, step: int, grads: Grads) -> PushResult:
         """The dense part's reduction and step, the experts' (summed over replicas, / DP size)."""
         self.dense.push(step, grads)  # it saves no checkpoint of its own
-        self.experts.step()
+        if self.experts is not None:
+            self.experts.step()
         self._window_steps += 1
         self._maybe_save(step + 1)
         return PushResult()
@@ -534,13 +556,14 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
         return window_metrics([m for _, m in self.layers], steps)
 
     def stats(self) -> dict[str, Any]:
-        n = sum(p.numel() for p in self.experts.params)
+        n = sum(p.numel() for _, p in self.expert_specs)
         return {**self.dense.stats(), "ep": self.groups.size, "expert_params": n,
                 **({"tp": self.mesh.tp, "dp": self.mesh.dp} if self.mesh is not None else {})}
 
     def memory(self) -> dict[str, int]:
-        m, e = self.dense.memory(), self.experts.memory()
-        return {k: m[k] + e[k] for k in ("param_bytes", "grad_bytes", "state_bytes")} | {"peak_grad_bytes": m["peak_grad_bytes"]}
+        m = self.dense.memory()
+        e = self.experts.memory() if self.experts is not None else {}
+        return {k: m[k] + e.get(k, 0) for k in ("param_bytes", "grad_bytes", "state_bytes")} | {"peak_grad_bytes": m["peak_grad_bytes"]}
 
     # ------------------------------------------------------------------ whole tensors
     def _whole(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -576,6 +599,8 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
         """The dense part's pieces; the experts whole (over TP), with their optimizer state, from the
         TP-first ranks of the first EP group: any layout can read them back."""
         pieces, scalars = self.dense.checkpoint_pieces()
+        if self.experts is None:
+            return pieces, scalars
         ps, sc = whole_tensor_pieces(self.expert_specs, self.experts.local_states(), self.dense._tp_gather, self.expert_writer)
         return pieces + ps, {**scalars, **sc}
 
@@ -584,5 +609,7 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
             if not reader.has(f"param/{s.name}"):
                 raise PeerConfigError(f"checkpoint {reader.path} has no {s.name!r}: saved from another model (experts?)")
         self.dense.load_checkpoint(reader)
+        if self.experts is None:
+            return
         state = read_whole_tensors(reader, self.expert_specs, self.mesh.tp_idx if self.mesh is not None else 0, self.tp)
         self.experts.load_states(state, {k: torch.tensor(v, dtype=torch.float32) for k, v in reader.scalars.items()})

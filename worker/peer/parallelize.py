@@ -19,12 +19,15 @@ style:
   all-gather the sequence, row-parallel ones reduce-scatter it. The TP-replicated parameters of the
   regions and the row-parallel biases then hold partial gradients: ``tp_sum_parameters()``.
 - ``replicate``: held whole on every rank (what a plan does not name is replicated too).
+- ``experts``: an MoE layer (``worker.peer.moe.MoE``): every expert's MLP split by its hidden size
+  (``fc`` column-, ``out`` row-parallel), the router replicated (``MoE.tensor_parallel``); the auto
+  plan picks it for every MoE layer and leaves the layer's insides alone.
 
 The head-count attribute (``heads``, ``n_heads``, ``num_heads``, ``n_head``, ``nhead``,
 ``num_attention_heads``; and ``kv_heads`` and its spellings) of the module whose ``nn.Linear`` children
 are split column-wise is divided by T, so the model's own ``view(b, s, self.heads, -1)`` keeps working.
 
-``plan="auto"`` finds the plan by structure and name: ``nn.MultiheadAttention`` (and the attention and
+``plan="auto"`` finds the plan by structure and name: MoE layers, ``nn.MultiheadAttention`` (and the attention and
 ``linear1``/``linear2`` MLP of ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer``),
 attention written with separate (``q``/``k``/``v``, ``q_proj``...) or fused (``qkv``, ``c_attn``,
 ``in_proj``...) projections and an output projection, two- and three-matrix MLPs (``fc1``/``fc2``,
@@ -51,6 +54,7 @@ import torch.distributed as dist
 from torch import nn
 
 from worker.peer.mesh import PeerConfigError
+from worker.peer.moe import MoE
 from worker.peer.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -64,7 +68,7 @@ from worker.peer.tensor_parallel import (
 
 __all__ = ["STYLES", "TPLayout", "auto_plan", "describe", "load_plan", "parallelize", "plan_arg", "resolve_plan"]
 
-STYLES = ("colwise", "rowwise", "vocab", "sequence", "replicate", "attention")
+STYLES = ("colwise", "rowwise", "vocab", "sequence", "replicate", "attention", "experts")
 HEAD_ATTRS = ("heads", "n_heads", "num_heads", "n_head", "nhead", "num_attention_heads")
 KV_HEAD_ATTRS = ("kv_heads", "n_kv_heads", "num_kv_heads", "num_key_value_heads")
 
@@ -146,8 +150,11 @@ def auto_plan(model: nn.Module, t: int, sequence_parallel: bool = False) -> tupl
     plan: dict[str, str] = {}
     notes: list[str] = []
     named = dict(model.named_modules())
-    inside_mha: set[str] = set()
+    inside_mha: set[str] = set()  # and inside MoE layers: split as a whole
     for name, m in named.items():
+        if isinstance(m, MoE):
+            inside_mha.update(f"{name}.{c}" for c, _ in m.named_modules() if c)
+            plan[name] = "experts"
         if isinstance(m, nn.MultiheadAttention):
             inside_mha.update(f"{name}.{c}" for c, _ in m.named_modules() if c)
             why = _mha_problem(m, t)
@@ -294,6 +301,13 @@ def _check(model: nn.Module, plan: Mapping[str, str], t: int) -> None:
         m = named[name]
         if style in ("sequence", "replicate"):
             continue
+        if style == "experts" or isinstance(m, MoE):
+            hidden = _expert_hidden(m) if isinstance(m, MoE) else 0
+            if not isinstance(m, MoE) or style != "experts":
+                bad.append(f"{name}: {type(m).__name__} cannot be {value} (experts is the style of an MoE layer, and its only one)")
+            elif hidden % t:
+                bad.append(f"{name}: the experts' hidden size {hidden} is not divisible by tp {t}")
+            continue
         if style == "colwise" and isinstance(m, nn.MultiheadAttention):
             why = _mha_problem(m, t)
             if why:
@@ -321,6 +335,11 @@ def _check(model: nn.Module, plan: Mapping[str, str], t: int) -> None:
                     bad.append(f"{_parent(name) or '(root)'}.{h[0]} = {h[1]} heads not divisible by tp {t}")
     if bad:
         raise PeerConfigError("tensor-parallel plan does not fit: " + "; ".join(dict.fromkeys(bad)))
+
+
+def _expert_hidden(m: MoE) -> int:
+    expert: Any = next(iter(m.experts.values()))
+    return int(expert.fc.out_features)
 
 
 # ---------------------------------------------------------------------------------------------------- result
@@ -414,7 +433,9 @@ def parallelize(model: nn.Module, mesh: Any, plan: Mapping[str, str] | str | Non
         m = src[name]
         if style in ("sequence", "replicate"):
             continue
-        if isinstance(m, nn.MultiheadAttention):
+        if isinstance(m, MoE):  # its own split (copies), each parameter recorded under the source's name
+            new_m: nn.Module = m.tensor_parallel(group, lambda sub, d=None, m=m: shard(m.get_parameter(sub), None, d))
+        elif isinstance(m, nn.MultiheadAttention):
             e, h = m.embed_dim, m.num_heads
             hd = e // h
             tpm = TPMultiheadAttention(
@@ -428,7 +449,7 @@ def parallelize(model: nn.Module, mesh: Any, plan: Mapping[str, str] | str | Non
             )
             if seq_on(name) and tpm.out_proj.bias is not None:
                 tp_sum.append(tpm.out_proj.bias)
-            new_m: nn.Module = tpm
+            new_m = tpm
         elif isinstance(m, nn.Embedding):
             new_m = VocabParallelEmbedding(shard(m.weight, None, 0), r * (m.num_embeddings // t), group, False,  # type: ignore[arg-type]
                                            m.padding_idx)

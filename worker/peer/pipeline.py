@@ -58,7 +58,7 @@ from torch.utils.checkpoint import checkpoint
 
 from worker.peer.data_parallel import WrapsDense
 from worker.peer.mesh import ParallelMesh, PeerConfigError, check_agreement
-from worker.peer.moe import MoE, MoESync, moe_layers
+from worker.peer.moe import MoE, MoESync, moe_layers, recomputing
 from worker.sync_api import Fetched, Grads, ParamSync, PushResult, split_batch
 
 from worker.peer.flags import (
@@ -435,7 +435,8 @@ class _Stage(nn.Module):
     """Consecutive layers; with ``recompute``, each layer's activations are recomputed in backward.
     ``rng``: the mesh's ``RNGStreams`` when the layers draw from them (tensor-parallel dropout): a
     recomputation replays the streams' states of the forward, then puts back the current ones
-    (``torch.utils.checkpoint`` replays only the global random state)."""
+    (``torch.utils.checkpoint`` replays only the global random state). A recomputation runs inside
+    ``moe.recomputing()`` (MoE layers meter each forward once)."""
 
     def __init__(self, layers: Sequence[nn.Module], recompute: bool, rng: Any = None) -> None:
         super().__init__()
@@ -443,27 +444,29 @@ class _Stage(nn.Module):
         self.recompute, self.rng = recompute, rng
 
     def _replaying(self, layer: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-        snap = self.rng.snapshot()
+        snap = self.rng.snapshot() if self.rng is not None else None
         first = [True]
 
         def run(x: torch.Tensor) -> torch.Tensor:
             if first[0]:
                 first[0] = False
                 return layer(x)  # type: ignore[no-any-return]
-            now = self.rng.snapshot()
-            self.rng.restore(snap)
+            now = self.rng.snapshot() if self.rng is not None else None
+            if snap is not None:
+                self.rng.restore(snap)
             try:
-                return layer(x)  # type: ignore[no-any-return]
+                with recomputing():
+                    return layer(x)  # type: ignore[no-any-return]
             finally:
-                self.rng.restore(now)
+                if now is not None:
+                    self.rng.restore(now)
 
         return run
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             if self.recompute and torch.is_grad_enabled() and x.is_floating_point():
-                fn = self._replaying(layer) if self.rng is not None else layer
-                x = checkpoint(fn, x, use_reentrant=False)
+                x = checkpoint(self._replaying(layer), x, use_reentrant=False)
             else:
                 x = layer(x)
         return x
@@ -718,10 +721,6 @@ class PipelineSync(WrapsDense, ParamSync):
         )
         self.dense: Any
         if moe_layers(model):  # the stages' experts over their EP groups (carved from this stage's DP ranks), the rest ZeRO
-            bare = [s for s, (a, b) in enumerate(self.engine.bounds) if not moe_layers(nn.ModuleList(src.layers[a:b]))]
-            if bare:  # every rank sees every stage's layers: the same line everywhere
-                raise PeerConfigError(f"pipeline stage {bare[0]} (layers {list(self.engine.bounds[bare[0]])}) holds no MoE "
-                                      "layer: every stage needs one (fewer stages, or --moe-every 1)")
             self.dense = MoESync(model, optimizer, mesh, ep=ep, stage=stage, compress=compress,
                                  part=nn.ModuleList(self.engine.stages.values()), agree=False)
         else:
@@ -865,9 +864,6 @@ def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int
         raise PeerConfigError("--pp, --recompute and --precision run with --mode dp (any --zero: ZeRO over the DP dimension), not hybrid")
     if getattr(args, "sequence_parallel", False) and T == 1:
         raise PeerConfigError("--sequence-parallel needs --tp > 1")
-    if getattr(args, "moe_experts", 0) and (user_pipeline(args) or recompute_mode(args) != "none" or args.precision != "fp32"):
-        raise PeerConfigError("MoE layers in a pipeline: the gpt task's own layer list (no --tp-plan/--pp-split), "
-                              "without --recompute or --precision bf16")
     if P < 1 or T < 1 or world % (P * T):
         raise PeerConfigError(f"world size {world} is not divisible by --tp {T} x --pp {P}")
     D = world // (P * T)

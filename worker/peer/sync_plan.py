@@ -82,6 +82,9 @@ def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None) -> P
     if plan.mode == "hybrid" or is_client:
         if plan.mode != "hybrid" or not is_client:
             raise PeerConfigError("--mode hybrid needs --ps HOST:PORT,... (the shards holding the embeddings), and a PS client needs --mode hybrid")
+        if moe_layers(model):
+            raise PeerConfigError("--mode hybrid with MoE layers: not supported (the hybrid's dense part is one all-reduce, "
+                                  "not the experts' sync); use --mode dp")
         import torch.distributed as dist
 
         from worker.peer.hybrid import HybridSync
