@@ -8,37 +8,41 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import grpc
 import numpy as np
 
 from ps.errors import (
-    DtypeError,
     FailedPreconditionError,
     InvalidArgumentError,
     MalformedMessageError,
-    ShapeMismatchError,
     PermissionDeniedError,
     ShardUnavailableError,
     with_table,
 )
 from ps.checkpoint import CheckpointError, pack_plain, snapshot_to_plain, unpack_plain
 from ps.replication import SNAPSHOT_CHUNK, ReplicaSender
-from ps.shard import BACKUP, PRIMARY, PULL_DENSE, PULL_SPARSE, PUSH_DENSE, PUSH_SPARSE, Shard, StepPart
-from ps.table import ASSIGN, GRADIENT, DenseTable
+from ps.shard import BACKUP, PRIMARY, PUSH_DENSE, PUSH_SPARSE, PushChunk, Shard
+from ps.table import ASSIGN
 from ps.wire import (
     ERRORS,
+    dense_push_from_proto,
+    dense_reply_to_proto,
     frame,
     frame_pieces,
     info_to_proto,
     membership_to_proto,
     policy_from_proto,
+    push_chunk_from_proto,
     spec_from_proto,
     stats_to_proto,
+    step_parts_from_proto,
+    step_reply_to_proto,
     unframe,
+    wire_float_dtype,
 )
-from tessera.codec import DTYPES, WIRE_FLOAT_DTYPES, CodecError, Packed, as_float32, byte_view, from_wire, to_wire
+from tessera.codec import CodecError, Packed, as_float32, byte_view, from_wire, to_wire
 from tessera.service import Method, guarded_handler
 from tessera.service import Access, Caller, ClientSecurity, ServerSecurity
 from tessera.v1 import ps_pb2 as pb
@@ -260,122 +264,32 @@ class PSServicer:
 
     # ------------------------------------------------------------------ dense
     def PushDense(self, request_iterator: Iterator[bytes], context: grpc.ServicerContext, caller: Caller) -> Iterator[bytes]:
-        """An async/SSP dense push (BSP: ``_push_dense_sync``). With ``return_params`` and ``early`` on
-        the first chunk (the caller reads while it sends), a push that computes early sends each new
-        block (``early`` set) right after its chunk, between reads of the request stream. The final
-        status has ``early`` set if those blocks are the committed ones; else every block is sent
-        again after the commit (unflagged; later chunks at an offset win)."""
-        update = None
-        table: DenseTable | None = None
+        """A dense push streamed chunk by chunk: decoded here, driven by ``Shard.push_dense``."""
         reply_dtype = "float32"
-        want = early_ok = False
-        last = False
-        early_sent = 0  # blocks streamed back before the commit (computed early)
-        try:
-            with self.shard.watch_stream(context) as touch:
-                for raw in request_iterator:
-                    touch()
-                    msg, pl = self._decode(pb.DenseChunk, raw)
-                    if update is None:
-                        table = self.shard.dense(msg.table)
-                        reply_dtype = _float_dtype(msg.reply_dtype, table.spec.name, "reply_dtype")
-                        want = msg.return_params
-                        early_ok = want and msg.early  # the caller reads while it sends: blocks may go back early
-                        if msg.op not in (pb.DENSE_OP_GRADIENT, pb.DENSE_OP_ASSIGN):
-                            raise InvalidArgumentError(
-                                f"table {table.spec.name!r}: unknown op {msg.op}; use DENSE_OP_GRADIENT (0) or DENSE_OP_ASSIGN (1)"
-                            )
-                        op = ASSIGN if msg.op == pb.DENSE_OP_ASSIGN else GRADIENT
-                        if op == ASSIGN and not caller.has("admin"):
-                            raise PermissionDeniedError(
-                                f"table {table.spec.name!r}: assigning values needs the admin role; "
-                                f"identity {caller.identity!r} has {sorted(caller.roles)}"
-                            )
-                        _check_push_shape(table, msg.shape, msg.flat_view)
-                        policy = policy_from_proto(msg.sync, msg.HasField("sync"))
-                        worker, client, seq = msg.worker, self._client_key(caller, msg.client), msg.seq
-                        self._own(caller, worker)
-                        if policy.sync and op == GRADIENT:
-                            yield from self._push_dense_sync(msg, pl, request_iterator, table, worker, policy, touch, caller)
-                            return
-                        update = table.begin_update(op, msg.base_version, staleness_aware_lr=policy.staleness_aware_lr, early=early_ok)
-                    update.apply(msg.offset, _chunk_data(msg, pl, table.spec.name))  # type: ignore[union-attr]
-                    if early_ok:
-                        # the push computes early: its new block goes back now, while the next chunks
-                        # arrive (provisional until the commit says the early blocks held)
-                        block = update.early_block(msg.offset // table.chunk_elems)  # type: ignore[union-attr]
-                        if block is not None:
-                            early_sent += 1
-                            head = pb.DenseChunk(offset=msg.offset, dtype=reply_dtype, early=True)
-                            yield self._out(frame_pieces(head, data=to_wire(block, reply_dtype)[1]))
-                    if msg.last:
-                        last = True
-                        break  # commit now; never depend on how the stream ends
-                if update is None or table is None:
-                    raise InvalidArgumentError("PushDense: empty stream (no chunks)")
-                if not last:
-                    # gRPC ends the request stream the same way when the client half-closes and when the
-                    # call failed (message too large, connection lost): only an explicit last chunk commits
-                    have, need = len(update.staged), table.num_blocks
-                    update.abort()
-                    raise ShapeMismatchError(
-                        f"table {table.spec.name!r}: push stream ended without its last chunk "
-                        f"({have} of {need} chunks, {need - have} missing); nothing applied"
-                    )
-            out = self.shard.commit_dense(update, worker, policy, client, seq)
-        except BaseException:
-            if update is not None:
-                update.abort()  # whatever ended the push (bad chunk, broken stream): its computed blocks go back
-            raise
-        result = out.result
-        # the blocks sent early are the committed ones: only the status follows; else (another commit
-        # came first and this one recomputed, a duplicate, or no early computation) every block again
-        early_final = want and update.early_final and early_sent == table.num_blocks
-        if want and not early_final:
-            _, blocks = table.snapshot()
-            for k, block in enumerate(blocks):
-                yield self._out(frame_pieces(pb.DenseChunk(offset=k * table.chunk_elems, dtype=reply_dtype), data=to_wire(block, reply_dtype)[1]))
-        yield self._out(
-            pb.DenseChunk(
-                table=table.spec.name, version=result.version, staleness=result.max_staleness,
-                clock=out.clock, duplicate=out.duplicate, early=early_final,
-            ).SerializeToString()
-        )
 
-    def _push_dense_sync(
-        self, first: Any, first_pl: dict[str, memoryview], rest: Iterator[bytes], table: DenseTable, worker: str, policy: Any,
-        touch: Callable[[], None], caller: Caller,
-    ) -> Iterator[bytes]:
-        """A BSP push: collect and validate every chunk (the request's bytes, not copied), then contribute."""
-        name = table.spec.name
-        chunks: dict[int, Any] = {}
-        msg, pl = first, first_pl
-        while True:
-            data = _chunk_data(msg, pl, name)
-            chunks[table.check_chunk(msg.offset, data, chunks)] = data
-            if msg.last:
-                break
-            raw = next(rest, None)
-            touch()
-            if raw is None:
-                raise ShapeMismatchError(
-                    f"table {name!r}: push stream ended without its last chunk "
-                    f"({len(chunks)} of {table.num_blocks} chunks); nothing applied"
-                )
-            msg, pl = self._decode(pb.DenseChunk, raw)
-        if not worker:
-            raise InvalidArgumentError(f"table {name!r}: a BSP push must name its worker")
-        out = self.shard.push_dense_sync(name, worker, policy, chunks, self._client_key(caller, first.client), first.seq)
-        yield self._out(
-            pb.DenseChunk(
-                table=name, version=table.version, staleness=0, clock=out.clock, late=out.late, duplicate=out.duplicate,
-            ).SerializeToString()
-        )
+        def chunks() -> Iterator[PushChunk]:
+            nonlocal reply_dtype
+            head = None
+            for raw in request_iterator:
+                msg, pl = self._decode(pb.DenseChunk, raw)
+                if head is None:
+                    head, reply_dtype = dense_push_from_proto(msg, self._client_key(caller, msg.client))
+                    if head.op == ASSIGN and not caller.has("admin"):
+                        raise PermissionDeniedError(
+                            f"table {head.table!r}: assigning values needs the admin role; "
+                            f"identity {caller.identity!r} has {sorted(caller.roles)}"
+                        )
+                    yield push_chunk_from_proto(msg, pl, head.table, head)
+                else:
+                    yield push_chunk_from_proto(msg, pl, head.table)
+
+        for item in self.shard.push_dense(chunks(), context, caller.identity):
+            yield self._out(dense_reply_to_proto(item, reply_dtype))
 
     def PullDense(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> Iterator[bytes]:
         req, _ = self._decode(pb.PullDenseRequest, raw)
         table = self.shard.dense(req.table)
-        dtype = _float_dtype(req.dtype, table.spec.name, "dtype")
+        dtype = wire_float_dtype(req.dtype, table.spec.name, "dtype")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
         self._pulled(caller, req.worker)
         clock = self.shard.wait(req.table, policy, self._budget(context))
@@ -388,45 +302,20 @@ class PSServicer:
     def Step(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, pl = self._decode(pb.StepRequest, raw)
         parts = step_parts_from_proto(req, pl.get("data", memoryview(b"")))
-        dtype = req.dtype or "float32"
         if any(p.op in (PUSH_DENSE, PUSH_SPARSE) for p in parts):
             self._own(caller, req.worker)  # its pushes join the worker (a step of pulls only is a read)
         else:
             self._pulled(caller, req.worker)
-        outcomes = self.shard.step(parts, req.worker, self._client_key(caller, req.client), self._budget(context))
-        reply = pb.StepReply()
-        pieces: list[Any] = []
-        at = 0
-        for o in outcomes:
-            r = reply.parts.add(table=o.table, op=_STEP_OPS_PB[o.op], version=o.version, clock=o.clock)
-            if o.push is not None:
-                res = o.push.result
-                r.late, r.duplicate, r.applied, r.dropped = o.push.late, o.push.duplicate, res.applied, res.dropped
-                r.mean_staleness, r.max_staleness, r.staleness = res.mean_staleness, res.max_staleness, res.max_staleness
-                if o.op == PUSH_DENSE:
-                    r.version = res.version if not o.push.late and res.version else o.version
-            elif o.blocks is not None:
-                r.data_at, r.count = at, sum(int(b.numel()) for b in o.blocks)
-                for b in o.blocks:
-                    piece = to_wire(b, dtype)[1]
-                    pieces.append(piece)
-                    at += piece.nbytes
-            elif o.rows is not None and o.versions is not None:
-                r.count, r.dim = o.rows.shape[0], o.rows.shape[1]
-                rdtype = self.shard.sparse_reply_dtype(o.table, dtype)  # low-precision rows travel as stored
-                if rdtype != dtype:
-                    r.dtype = rdtype
-                piece = to_wire(o.rows, rdtype)[1]
-                r.data_at, at = at, at + piece.nbytes
-                r.versions_at, at = at, at + o.versions.nbytes
-                pieces += [piece, byte_view(o.versions)]
+        dtype = req.dtype or "float32"
+        outcomes = self.shard.step(parts, req.worker, self._client_key(caller, req.client), self._budget(context), dtype)
+        reply, pieces = step_reply_to_proto(outcomes, dtype)
         return self._out(frame_pieces(reply, data=pieces))  # (not copied: bulk sends them as they are, gRPC joins)
 
     # ------------------------------------------------------------------ sparse
     def PullSparse(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, pl = self._decode(pb.PullSparseRequest, raw)
         table = self.shard.sparse(req.table)
-        dtype = _float_dtype(req.dtype, req.table, "dtype")
+        dtype = wire_float_dtype(req.dtype, req.table, "dtype")
         ids = from_wire(pl.get("ids", b""), "int64", None, what=f"table {req.table!r}: ids")
         known = None
         if "known_versions" in pl:  # a conditional pull: checked before anything is read or created
@@ -458,19 +347,14 @@ class PSServicer:
 
     def PushSparse(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, pl = self._decode(pb.PushSparseRequest, raw)
-        table = self.shard.sparse(req.table)
         name = req.table
-        dtype = _float_dtype(req.dtype, name, "dtype")
+        dtype = wire_float_dtype(req.dtype, name, "dtype")
         ids = from_wire(pl.get("ids", b""), "int64", None, what=f"table {name!r}: ids")
-        if req.dim != table.dim:
-            raise ShapeMismatchError(f"table {name!r}: gradient dim {req.dim} != table dim {table.dim}")
-        grads = as_float32(from_wire(pl.get("data", b""), dtype, (len(ids), table.dim), what=f"table {name!r}: gradient rows"))
+        grads = as_float32(from_wire(pl.get("data", b""), dtype, (len(ids), req.dim), what=f"table {name!r}: gradient rows of dim {req.dim}"))
         base = None
         if len(pl.get("base_versions", b"")):
             base = from_wire(pl["base_versions"], "int64", None, what=f"table {name!r}: base_versions")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
-        if policy.sync and not req.worker:
-            raise InvalidArgumentError(f"table {name!r}: a BSP push must name its worker")
         self._own(caller, req.worker)
         out = self.shard.push_sparse(name, ids, grads, base, req.worker, policy, self._client_key(caller, req.client), req.seq)
         r = out.result
@@ -480,77 +364,3 @@ class PSServicer:
                 late=out.late, clock=out.clock, duplicate=out.duplicate,
             ).SerializeToString()
         )
-
-
-_STEP_OPS = {
-    pb.STEP_OP_PUSH_DENSE: PUSH_DENSE,
-    pb.STEP_OP_PUSH_SPARSE: PUSH_SPARSE,
-    pb.STEP_OP_PULL_DENSE: PULL_DENSE,
-    pb.STEP_OP_PULL_SPARSE: PULL_SPARSE,
-}
-_STEP_OPS_PB = {v: k for k, v in _STEP_OPS.items()}
-
-
-def _span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], what: str) -> Any:
-    """The array of ``dtype`` and ``shape`` that starts ``at`` bytes into ``data`` (a view; bfloat16: a copy)."""
-    n = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
-    if at < 0 or any(d < 0 for d in shape) or at + n > len(data):
-        raise MalformedMessageError(f"{what}: bytes [{at}, {at + n}) lie outside the request's {len(data)} data bytes")
-    return from_wire(data[at : at + n], dtype, shape, what=what)
-
-
-def step_parts_from_proto(req: Any, data: memoryview) -> list[StepPart]:
-    """A StepRequest's parts as domain values (views of ``data``). Raises InvalidArgumentError naming the table."""
-    dtype = _float_dtype(req.dtype, req.parts[0].table if req.parts else "", "dtype")
-    parts = []
-    for p in req.parts:
-        name = p.table
-        op = _STEP_OPS.get(p.op)
-        if op is None:
-            raise InvalidArgumentError(f"table {name!r}: unknown step op {p.op}")
-        try:
-            policy = policy_from_proto(p.sync, p.HasField("sync"))
-        except InvalidArgumentError as e:
-            raise with_table(name, e) from None
-        if p.count < 0 or p.dim < 0:
-            raise InvalidArgumentError(f"table {name!r}: count and dim must be >= 0, got {p.count} and {p.dim}")
-        values = ids = base = None
-        if op == PUSH_DENSE:
-            values = as_float32(_span(data, p.data_at, dtype, (p.count,), f"table {name!r}: step gradient"))
-        elif op in (PUSH_SPARSE, PULL_SPARSE):
-            ids = _span(data, p.ids_at, "int64", (p.count,), f"table {name!r}: step ids")
-            if op == PUSH_SPARSE:
-                values = as_float32(_span(data, p.data_at, dtype, (p.count, p.dim), f"table {name!r}: step gradient rows"))
-                if p.base_at >= 0:
-                    base = _span(data, p.base_at, "int64", (p.count,), f"table {name!r}: step base versions")
-        parts.append(StepPart(name, op, policy, p.seq, p.base_version, values, ids, base))
-    return parts
-
-
-def _chunk_data(msg: Any, pl: dict[str, memoryview], table: str) -> Any:
-    """A pushed DenseChunk's values (a view of the request's bytes), after checking it is for ``table``."""
-    if msg.table and msg.table != table:
-        raise InvalidArgumentError(f"push to table {table!r} carries a chunk for {msg.table!r}")
-    dtype = _float_dtype(msg.dtype, table, "dtype")
-    return as_float32(from_wire(pl.get("data", b""), dtype, None, what=f"table {table!r}: chunk at offset {msg.offset}"))
-
-
-def _check_push_shape(table: DenseTable, shape: Any, flat_view: bool) -> None:
-    """A push that states its shape must state the table's (or, asking for it, the flat view)."""
-    if not len(shape):
-        return  # not stated (older clients): the element count is still checked chunk by chunk
-    given = tuple(int(d) for d in shape)
-    spec = table.spec
-    want = (spec.numel,) if flat_view else tuple(spec.shape)
-    if given != want:
-        raise ShapeMismatchError(
-            f"table {spec.name!r}: pushed shape {given}, expected {want}"
-            + (" (the flat view)" if flat_view else f" (or flat_view with ({spec.numel},))") + "; nothing applied"
-        )
-
-
-def _float_dtype(dtype: str, table: str, field: str) -> str:
-    dtype = dtype or "float32"
-    if dtype not in WIRE_FLOAT_DTYPES:
-        raise DtypeError(f"table {table!r}: {field} {dtype!r} not accepted; use one of {list(WIRE_FLOAT_DTYPES)}")
-    return dtype

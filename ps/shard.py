@@ -43,6 +43,7 @@ BACKUP = "backup"
 
 __all__ = [
     "Shard", "TableInfo", "TableStats", "ShardStats", "MembershipView", "WorkerStats", "SyncPush", "StepPart", "StepOutcome",
+    "DensePush", "PushChunk", "DenseBlock", "DensePushOutcome",
     "PUSH_DENSE", "PUSH_SPARSE", "PULL_DENSE", "PULL_SPARSE",
 ]
 
@@ -141,6 +142,61 @@ class StepOutcome:
     blocks: list | None = None
     rows: Any = None  # sparse pull: (n, dim) tensor in the table's row dtype
     versions: np.ndarray | None = None
+    dtype: str = ""  # sparse pull: the dtype its rows travel in (``sparse_reply_dtype``)
+
+
+@dataclass(frozen=True)
+class DensePush:
+    """A dense push streamed chunk by chunk (``Shard.push_dense``), as its first chunk states it.
+    ``shape``: the shape the caller pushes (() : not stated); ``flat_view``: it pushes the flat view;
+    ``return_params``: answer with the committed blocks; ``early``: the caller reads while it sends
+    (blocks may go back as each chunk is applied)."""
+
+    table: str
+    op: str = GRADIENT
+    policy: SyncPolicy = SyncPolicy()
+    worker: str = ""
+    client: str = ""
+    seq: int = 0
+    base_version: int = -1
+    shape: tuple[int, ...] = ()
+    flat_view: bool = False
+    return_params: bool = False
+    early: bool = False
+
+
+@dataclass(frozen=True)
+class PushChunk:
+    """One chunk of a streamed dense push: float32 ``values`` at shard-relative ``offset`` (a view
+    of the request: never written). ``head``: set on the first chunk; ``table``: the table the chunk
+    names ("" : the push's); ``last``: the push commits after it."""
+
+    offset: int
+    values: np.ndarray
+    last: bool = False
+    table: str = ""
+    head: DensePush | None = None
+
+
+@dataclass(frozen=True)
+class DenseBlock:
+    """A block a dense push answers with: ``early``: computed as its chunk arrived (provisional
+    until the outcome says the early blocks held)."""
+
+    offset: int
+    block: Any  # a torch tensor of the table's block (immutable while held)
+    early: bool = False
+
+
+@dataclass(frozen=True)
+class DensePushOutcome:
+    """How a streamed dense push ended: ``version``: the table's after it; ``early``: the blocks
+    sent early are the committed ones."""
+
+    table: str
+    push: "SyncPush"
+    version: int
+    early: bool = False
 
 
 @dataclass(frozen=True)
@@ -527,13 +583,76 @@ class Shard:
             self.membership.wait_ssp(policy.clock, policy.staleness, timeout)
         return r.clock
 
-    def push_dense_sync(
-        self, name: str, worker: str, policy: SyncPolicy, chunks: dict[int, "np.ndarray"], client: str = "", seq: int = 0
-    ) -> SyncPush:
-        """A validated whole-range BSP push ({block: gradient chunk}); held until the round completes."""
-        t = self.dense(name)
-        t.check_complete(chunks)
-        return self._contribute(name, worker, policy, chunks, client, seq)
+    def push_dense(self, chunks: Iterator[PushChunk], context: Any = None, identity: str = "") -> Iterator[DenseBlock | DensePushOutcome]:
+        """A dense push streamed chunk by chunk (PushDense); the first chunk's ``head`` says what it is.
+
+        The head is validated (table, stated shape; a BSP push names its worker), ``identity`` claims
+        the worker name (``claim``), each chunk is validated and staged as it arrives (the maintenance
+        thread cancels ``context`` after ``config.push_idle_timeout_s`` without one), and the push
+        commits on the chunk flagged ``last``, at most once per (client, seq); a stream that ends
+        without it applies nothing (ShapeMismatchError). Yields the reply in order: blocks computed
+        early (as their chunk is applied), then, if ``return_params`` and those were not the
+        committed ones, every committed block, then the outcome. A BSP gradient joins its round and
+        answers with the outcome only."""
+        intake: _DenseIntake | None = None
+        head = DensePush("")
+        last = False
+        try:
+            with self.watch_stream(context) as touch:
+                for c in chunks:
+                    touch()
+                    if intake is None:
+                        assert c.head is not None  # the wire's decoder sets it on the first chunk
+                        head = c.head
+                        intake = self._begin_dense(head, identity)
+                    elif c.table and c.table != head.table:
+                        raise InvalidArgumentError(f"push to table {head.table!r} carries a chunk for {c.table!r}")
+                    block = intake.add(c.offset, c.values)
+                    if block is not None:
+                        yield DenseBlock(c.offset, block, early=True)
+                    if c.last:
+                        last = True
+                        break  # commit now; never depend on how the stream ends
+                if intake is None:
+                    raise InvalidArgumentError("PushDense: empty stream (no chunks)")
+                if not last:
+                    # gRPC ends the request stream the same way when the client half-closes and when the
+                    # call failed (message too large, connection lost): only an explicit last chunk commits
+                    have, need = intake.staged(), intake.table.num_blocks
+                    raise ShapeMismatchError(
+                        f"table {head.table!r}: push stream ended without its last chunk "
+                        f"({have} of {need} chunks, {need - have} missing); nothing applied"
+                    )
+            intake.check_complete()
+            out = intake.commit(head.client, head.seq)
+        except BaseException:
+            if intake is not None:
+                intake.abort()  # whatever ended the push (bad chunk, broken stream): its computed blocks go back
+            raise
+        t = intake.table
+        if intake.update is None:  # a BSP gradient: held for its round
+            yield DensePushOutcome(head.table, out, t.version)
+            return
+        # the blocks sent early are the committed ones: only the outcome follows; else (another commit
+        # came first and this one recomputed, a duplicate, or no early computation) every block again
+        early = head.return_params and intake.early_final
+        if head.return_params and not early:
+            _, blocks = t.snapshot()
+            for k, b in enumerate(blocks):
+                yield DenseBlock(k * t.chunk_elems, b)
+        yield DensePushOutcome(head.table, out, out.result.version, early)
+
+    def _begin_dense(self, head: DensePush, identity: str) -> "_DenseIntake":
+        t = self.dense(head.table)
+        _check_push_shape(t, head.shape, head.flat_view)
+        self.claim(identity, head.worker)
+        return _DenseIntake(self, t, head.op, head.policy, head.worker, head.base_version, head.return_params and head.early)
+
+    @staticmethod
+    def _check_writer(name: str, policy: SyncPolicy, worker: str) -> None:
+        """A BSP push joins its worker's round: it must say whose it is."""
+        if policy.sync and not worker:
+            raise InvalidArgumentError(f"table {name!r}: a BSP push must name its worker")
 
     def commit_dense(
         self, update: DenseUpdate, worker: str, policy: SyncPolicy, client: str = "", seq: int = 0
@@ -617,11 +736,15 @@ class Shard:
         self, name: str, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None,
         worker: str = "", policy: SyncPolicy = SyncPolicy(), client: str = "", seq: int = 0,
     ) -> SyncPush:
-        return self.apply_sparse(name, self.prepare_sparse(name, ids, grads, base_versions), worker, policy, client, seq)
+        return self.apply_sparse(name, self.prepare_sparse(name, ids, grads, base_versions, policy, worker), worker, policy, client, seq)
 
-    def prepare_sparse(self, name: str, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None) -> SparsePush:
+    def prepare_sparse(
+        self, name: str, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None,
+        policy: SyncPolicy = SyncPolicy(), worker: str = "",
+    ) -> SparsePush:
         """Validate a sparse push (and sum its duplicate ids); changes nothing but the rejected count."""
         t = self.sparse(name)
+        self._check_writer(name, policy, worker)
         self.check_ids_request(name, len(ids))
         try:
             return t.prepare_push(ids, grads, base_versions)
@@ -652,14 +775,17 @@ class Shard:
         return SyncPush(result, False, self._round(name).clock, bool(dup))
 
     # ------------------------------------------------------------------ step
-    def step(self, parts: Sequence[StepPart], worker: str = "", client: str = "", timeout: float = 300.0) -> list[StepOutcome]:
+    def step(
+        self, parts: Sequence[StepPart], worker: str = "", client: str = "", timeout: float = 300.0, wire_dtype: str = "float32"
+    ) -> list[StepOutcome]:
         """One worker's step on this shard: every push part, then every pull part (in order).
 
         All parts are validated first (tables, kinds, sizes, finiteness, id limits): a bad part raises
         naming its table and nothing is applied. Then each push commits as PushDense/PushSparse would
         (atomically per table, at most once per (client, seq); BSP pushes join their round), then each
         pull waits as its policy requires (a BSP pull for clock t+1 waits for round t: in sync mode it
-        returns the values of the round the pushes took part in) and reads. Blocks up to ``timeout``."""
+        returns the values of the round the pushes took part in) and reads. Blocks up to ``timeout``.
+        ``wire_dtype``: the dtype the caller reads in (a sparse pull's outcome says its rows' dtype)."""
         staged: list[Any] = []
         try:
             for p in parts:
@@ -667,10 +793,7 @@ class Shard:
             out: list[StepOutcome] = []
             for p, st in zip(parts, staged):
                 if p.op == PUSH_DENSE:
-                    if isinstance(st, DenseUpdate):
-                        res = self.commit_dense(st, worker, p.policy, client, p.seq)
-                    else:
-                        res = self._contribute(p.table, worker, p.policy, st, client, p.seq)
+                    res = st.commit(client, p.seq)
                     out.append(StepOutcome(p.table, p.op, push=res, version=self.dense(p.table).version, clock=res.clock))
                 elif p.op == PUSH_SPARSE:
                     res = self.apply_sparse(p.table, st, worker, p.policy, client, p.seq)
@@ -684,11 +807,12 @@ class Shard:
                     clock = self.wait(p.table, p.policy, timeout)
                     assert p.ids is not None
                     values, versions = self.pull_sparse(p.table, p.ids, checked=True)  # _stage checked the ids
-                    out.append(StepOutcome(p.table, p.op, clock=clock, rows=values, versions=versions))
+                    rdtype = self.sparse_reply_dtype(p.table, wire_dtype)  # low-precision rows travel as stored
+                    out.append(StepOutcome(p.table, p.op, clock=clock, rows=values, versions=versions, dtype=rdtype))
             return out
         finally:
             for st in staged:
-                if isinstance(st, DenseUpdate):
+                if isinstance(st, _DenseIntake):
                     st.abort()  # a no-op once committed; drops what a failed step staged
 
     def _stage(self, p: StepPart, worker: str) -> Any:
@@ -700,28 +824,19 @@ class Shard:
                 raise ShapeMismatchError(
                     f"table {p.table!r}: step pushes {p.values.size} elements, this shard's slice has {t.length}; nothing applied"
                 )
-            blocks = [(k * t.chunk_elems, p.values[k * t.chunk_elems : k * t.chunk_elems + t.block_len(k)]) for k in range(t.num_blocks)]
-            if p.policy.sync:
-                if not worker:
-                    raise InvalidArgumentError(f"table {p.table!r}: a BSP push must name its worker")
-                chunks: dict[int, Any] = {}
-                for off, data in blocks:
-                    chunks[t.check_chunk(off, data, chunks)] = data
-                t.check_complete(chunks)
-                return chunks
-            update = t.begin_update(GRADIENT, p.base_version, staleness_aware_lr=p.policy.staleness_aware_lr)
+            intake = _DenseIntake(self, t, GRADIENT, p.policy, worker, p.base_version)
             try:
-                for off, data in blocks:
-                    update.apply(off, data)
+                for k in range(t.num_blocks):
+                    off = k * t.chunk_elems
+                    intake.add(off, p.values[off : off + t.block_len(k)])
+                intake.check_complete()
             except BaseException:
-                update.abort()
+                intake.abort()
                 raise
-            return update
+            return intake
         if p.op == PUSH_SPARSE:
             assert p.ids is not None and p.values is not None
-            if p.policy.sync and not worker:
-                raise InvalidArgumentError(f"table {p.table!r}: a BSP push must name its worker")
-            return self.prepare_sparse(p.table, p.ids, p.values, p.base_versions)
+            return self.prepare_sparse(p.table, p.ids, p.values, p.base_versions, p.policy, worker)
         if p.op == PULL_DENSE:
             return self.dense(p.table)
         if p.op == PULL_SPARSE:
@@ -1087,6 +1202,69 @@ class Shard:
             self.pushes_aborted_idle, self.dedup.duplicates, self.maintenance_errors, self._view().sync_clock,
             self.checkpoints, self.last_checkpoint, self.role, self.backup, self.replicated, self.backups_lost,
             self.epoch, self.config.backup_of if self.role == BACKUP else "",
+        )
+
+
+class _DenseIntake:
+    """One dense push being received: a Step part, or a PushDense stream chunk by chunk. A BSP
+    gradient's chunks are collected for its round (checked, not copied); an async/SSP push or an
+    assign stages each chunk into a DenseUpdate (computing early where ``early``). Nothing is
+    visible before ``commit``; ``abort`` drops what was staged."""
+
+    def __init__(
+        self, shard: Shard, t: DenseTable, op: str, policy: SyncPolicy, worker: str, base_version: int = -1, early: bool = False
+    ) -> None:
+        self.shard, self.table, self.policy, self.worker, self.early = shard, t, policy, worker, early
+        self.chunks: dict[int, Any] = {}
+        self.update: DenseUpdate | None = None
+        if policy.sync and op == GRADIENT:
+            shard._check_writer(t.spec.name, policy, worker)
+        else:
+            self.update = t.begin_update(op, base_version, staleness_aware_lr=policy.staleness_aware_lr, early=early)
+        self.early_sent = 0
+
+    def add(self, offset: int, data: np.ndarray) -> Any:
+        """Validate and stage the chunk at ``offset``; returns its new block if the push computed it
+        early (to send now, provisionally), else None."""
+        if self.update is None:
+            self.chunks[self.table.check_chunk(offset, data, self.chunks)] = data
+            return None
+        self.update.apply(offset, data)
+        block = self.update.early_block(offset // self.table.chunk_elems) if self.early else None
+        self.early_sent += block is not None
+        return block
+
+    def staged(self) -> int:
+        return len(self.chunks if self.update is None else self.update.staged)
+
+    def check_complete(self) -> None:
+        self.table.check_complete(self.chunks if self.update is None else self.update.staged)
+
+    @property
+    def early_final(self) -> bool:
+        """After commit: every block went back early, and those are the committed ones."""
+        return self.update is not None and self.update.early_final and self.early_sent == self.table.num_blocks
+
+    def commit(self, client: str, seq: int) -> SyncPush:
+        if self.update is None:
+            return self.shard._contribute(self.table.spec.name, self.worker, self.policy, self.chunks, client, seq)
+        return self.shard.commit_dense(self.update, self.worker, self.policy, client, seq)
+
+    def abort(self) -> None:
+        if self.update is not None:
+            self.update.abort()  # a no-op once committed
+
+
+def _check_push_shape(table: DenseTable, shape: tuple[int, ...], flat_view: bool) -> None:
+    """A push that states its shape must state the table's (or, asking for it, the flat view)."""
+    if not shape:
+        return  # not stated (older clients): the element count is still checked chunk by chunk
+    spec = table.spec
+    want = (spec.numel,) if flat_view else tuple(spec.shape)
+    if shape != want:
+        raise ShapeMismatchError(
+            f"table {spec.name!r}: pushed shape {shape}, expected {want}"
+            + (" (the flat view)" if flat_view else f" (or flat_view with ({spec.numel},))") + "; nothing applied"
         )
 
 

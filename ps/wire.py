@@ -2,9 +2,10 @@
 whose bulk bytes travel beside them (``frame`` / ``unframe``)."""
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Sequence, TypeVar
 
 import grpc
+import numpy as np
 from google.protobuf.message import Message
 
 from ps.config import (
@@ -19,9 +20,11 @@ from ps.config import (
 from ps.consistency import SyncPolicy
 from ps.errors import (
     DeadlineExceededError,
+    DtypeError,
     FailedPreconditionError,
     InternalError,
     InvalidArgumentError,
+    MalformedMessageError,
     PermissionDeniedError,
     PSError,
     ResourceExhaustedError,
@@ -31,8 +34,25 @@ from ps.errors import (
     UnauthenticatedError,
     with_table,
 )
-from ps.shard import MembershipView, ShardStats, TableInfo, TableStats, WorkerStats
-from tessera.codec import CodecError, Packed, pack, unpack
+from ps.shard import (
+    PULL_DENSE,
+    PULL_SPARSE,
+    PUSH_DENSE,
+    PUSH_SPARSE,
+    DenseBlock,
+    DensePush,
+    DensePushOutcome,
+    MembershipView,
+    PushChunk,
+    ShardStats,
+    StepOutcome,
+    StepPart,
+    TableInfo,
+    TableStats,
+    WorkerStats,
+)
+from ps.table import ASSIGN, GRADIENT
+from tessera.codec import DTYPES, WIRE_FLOAT_DTYPES, CodecError, Packed, as_float32, byte_view, from_wire, pack, to_wire, unpack
 from tessera.service import ErrorTable
 from tessera.v1 import ps_pb2 as pb
 
@@ -54,6 +74,12 @@ __all__ = [
     "policy_from_proto",
     "membership_to_proto",
     "membership_from_proto",
+    "wire_float_dtype",
+    "step_parts_from_proto",
+    "step_reply_to_proto",
+    "dense_push_from_proto",
+    "push_chunk_from_proto",
+    "dense_reply_to_proto",
 ]
 
 # ---------------------------------------------------------------------- framing
@@ -294,3 +320,123 @@ ERRORS = ErrorTable(
     default=InternalError,
     family=PSError,
 )
+
+
+def wire_float_dtype(dtype: str, table: str, field: str) -> str:
+    """A request's float dtype field ("" : float32); DtypeError naming ``table`` and ``field`` if not one the wire carries."""
+    dtype = dtype or "float32"
+    if dtype not in WIRE_FLOAT_DTYPES:
+        raise DtypeError(f"table {table!r}: {field} {dtype!r} not accepted; use one of {list(WIRE_FLOAT_DTYPES)}")
+    return dtype
+
+
+# ---------------------------------------------------------------------- Step
+_STEP_OPS = {
+    pb.STEP_OP_PUSH_DENSE: PUSH_DENSE,
+    pb.STEP_OP_PUSH_SPARSE: PUSH_SPARSE,
+    pb.STEP_OP_PULL_DENSE: PULL_DENSE,
+    pb.STEP_OP_PULL_SPARSE: PULL_SPARSE,
+}
+_STEP_OPS_PB = {v: k for k, v in _STEP_OPS.items()}
+
+
+def _span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], what: str) -> Any:
+    """The array of ``dtype`` and ``shape`` that starts ``at`` bytes into ``data`` (a view; bfloat16: a copy)."""
+    n = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+    if at < 0 or any(d < 0 for d in shape) or at + n > len(data):
+        raise MalformedMessageError(f"{what}: bytes [{at}, {at + n}) lie outside the request's {len(data)} data bytes")
+    return from_wire(data[at : at + n], dtype, shape, what=what)
+
+
+def step_parts_from_proto(req: pb.StepRequest, data: memoryview) -> list[StepPart]:
+    """A StepRequest's parts as domain values (views of ``data``). Raises InvalidArgumentError naming the table."""
+    dtype = wire_float_dtype(req.dtype, req.parts[0].table if req.parts else "", "dtype")
+    parts = []
+    for p in req.parts:
+        name = p.table
+        op = _STEP_OPS.get(p.op)
+        if op is None:
+            raise InvalidArgumentError(f"table {name!r}: unknown step op {p.op}")
+        try:
+            policy = policy_from_proto(p.sync, p.HasField("sync"))
+        except InvalidArgumentError as e:
+            raise with_table(name, e) from None
+        if p.count < 0 or p.dim < 0:
+            raise InvalidArgumentError(f"table {name!r}: count and dim must be >= 0, got {p.count} and {p.dim}")
+        values = ids = base = None
+        if op == PUSH_DENSE:
+            values = as_float32(_span(data, p.data_at, dtype, (p.count,), f"table {name!r}: step gradient"))
+        elif op in (PUSH_SPARSE, PULL_SPARSE):
+            ids = _span(data, p.ids_at, "int64", (p.count,), f"table {name!r}: step ids")
+            if op == PUSH_SPARSE:
+                values = as_float32(_span(data, p.data_at, dtype, (p.count, p.dim), f"table {name!r}: step gradient rows"))
+                if p.base_at >= 0:
+                    base = _span(data, p.base_at, "int64", (p.count,), f"table {name!r}: step base versions")
+        parts.append(StepPart(name, op, policy, p.seq, p.base_version, values, ids, base))
+    return parts
+
+
+def step_reply_to_proto(outcomes: Sequence[StepOutcome], dtype: str) -> tuple[pb.StepReply, list[Any]]:
+    """A step's outcomes as a StepReply and the pieces of its bulk ``data`` (views, not copied):
+    dense blocks in ``dtype``, sparse rows in their outcome's ``dtype`` (named in the part when it
+    is not ``dtype``), each followed by its int64 versions."""
+    reply = pb.StepReply()
+    pieces: list[Any] = []
+    at = 0
+    for o in outcomes:
+        r = reply.parts.add(table=o.table, op=_STEP_OPS_PB[o.op], version=o.version, clock=o.clock)
+        if o.push is not None:
+            res = o.push.result
+            r.late, r.duplicate, r.applied, r.dropped = o.push.late, o.push.duplicate, res.applied, res.dropped
+            r.mean_staleness, r.max_staleness, r.staleness = res.mean_staleness, res.max_staleness, res.max_staleness
+            if o.op == PUSH_DENSE:
+                r.version = res.version if not o.push.late and res.version else o.version
+        elif o.blocks is not None:
+            r.data_at, r.count = at, sum(int(b.numel()) for b in o.blocks)
+            for b in o.blocks:
+                piece = to_wire(b, dtype)[1]
+                pieces.append(piece)
+                at += piece.nbytes
+        elif o.rows is not None and o.versions is not None:
+            r.count, r.dim = o.rows.shape[0], o.rows.shape[1]
+            rdtype = o.dtype or dtype
+            if rdtype != dtype:
+                r.dtype = rdtype
+            piece = to_wire(o.rows, rdtype)[1]
+            r.data_at, at = at, at + piece.nbytes
+            r.versions_at, at = at, at + o.versions.nbytes
+            pieces += [piece, byte_view(o.versions)]
+    return reply, pieces
+
+
+# ---------------------------------------------------------------------- PushDense
+def dense_push_from_proto(msg: pb.DenseChunk, client: str) -> tuple[DensePush, str]:
+    """A push stream's first DenseChunk as the push it starts (``client``: its dedup key) and its reply dtype."""
+    name = msg.table
+    reply_dtype = wire_float_dtype(msg.reply_dtype, name, "reply_dtype")
+    if msg.op not in (pb.DENSE_OP_GRADIENT, pb.DENSE_OP_ASSIGN):
+        raise InvalidArgumentError(f"table {name!r}: unknown op {msg.op}; use DENSE_OP_GRADIENT (0) or DENSE_OP_ASSIGN (1)")
+    head = DensePush(
+        name, ASSIGN if msg.op == pb.DENSE_OP_ASSIGN else GRADIENT, policy_from_proto(msg.sync, msg.HasField("sync")), msg.worker,
+        client, msg.seq, msg.base_version, tuple(int(d) for d in msg.shape), msg.flat_view, msg.return_params,
+        msg.return_params and msg.early,
+    )
+    return head, reply_dtype
+
+
+def push_chunk_from_proto(msg: pb.DenseChunk, pl: dict[str, memoryview], table: str, head: DensePush | None = None) -> PushChunk:
+    """A pushed DenseChunk of a push to ``table`` (its values: a float32 view of the request's bytes)."""
+    dtype = wire_float_dtype(msg.dtype, table, "dtype")
+    values = as_float32(from_wire(pl.get("data", b""), dtype, None, what=f"table {table!r}: chunk at offset {msg.offset}"))
+    return PushChunk(msg.offset, values, msg.last, msg.table, head)
+
+
+def dense_reply_to_proto(item: DenseBlock | DensePushOutcome, dtype: str) -> Packed | bytes:
+    """One message of a push stream's reply: a block (in ``dtype``) or the final status."""
+    if isinstance(item, DenseBlock):
+        return frame_pieces(pb.DenseChunk(offset=item.offset, dtype=dtype, early=item.early), data=to_wire(item.block, dtype)[1])
+    p = item.push
+    return pb.DenseChunk(
+        table=item.table, version=item.version, staleness=p.result.max_staleness, clock=p.clock, late=p.late,
+        duplicate=p.duplicate, early=item.early,
+    ).SerializeToString()

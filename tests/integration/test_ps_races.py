@@ -22,7 +22,7 @@ from ps.client import PSClient
 from ps.config import SPARSE, EvictionSpec, InitializerSpec, ShardConfig, TableSpec
 from ps.consistency import SyncPolicy
 from ps.errors import InternalError, ResourceExhaustedError
-from ps.shard import Shard
+from ps.shard import PUSH_DENSE, Shard, StepPart
 from ps.table import SparseTable
 from tessera.codec import pack, unpack
 from tessera.v1 import ps_pb2 as pb
@@ -146,8 +146,8 @@ def test_failed_round_on_the_lease_thread_keeps_the_thread_alive_and_tells_the_c
         real_apply, r._apply = r._apply, failing_apply
         shard.join("a", lease_s=60)
         shard.join("b", lease_s=0.3)  # b dies: the lease thread closes the round, and the apply fails there
-        chunks = {0: np.ones(4, np.float32)}
-        assert shard.push_dense_sync("w", "a", SyncPolicy(clock=0, sync=True), chunks).late is False
+        push = [StepPart("w", PUSH_DENSE, SyncPolicy(clock=0, sync=True), values=np.ones(4, np.float32))]
+        assert shard.step(push, "a")[0].push.late is False
         deadline = time.monotonic() + 5
         while not boom and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -165,7 +165,7 @@ def test_failed_round_on_the_lease_thread_keeps_the_thread_alive_and_tells_the_c
         assert "c" not in shard.membership.live()
         # ... and a retried push runs the round again once the fault is gone
         r._apply = real_apply
-        shard.push_dense_sync("w", "a", SyncPolicy(clock=0, sync=True), chunks)
+        shard.step(push, "a")
         assert shard.wait("w", SyncPolicy(clock=1, sync=True), timeout=5) == 1
         assert table.version == 1
     finally:
