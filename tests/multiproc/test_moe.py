@@ -83,8 +83,7 @@ def test_moe_flags_metrics_and_start_checks(tmp_path) -> None:
 def test_moe_tensor_parallel_flags(tmp_path) -> None:
     """``python -m worker.peer --moe-experts 4 --tp 2 --ep 2`` on 4 ranks (D=2 x T=2): trains, reports
     the layout, and its metrics file's step records carry the MoE fields (all-to-all bytes > 0: EP
-    is on); ``--tp 2 --ep 2`` on 2 ranks (D=1) and ``--sequence-parallel`` with MoE layers under ``--tp``
-    stop every rank at start with one message (exit 2)."""
+    is on); ``--tp 2 --ep 2`` on 2 ranks (D=1) stops every rank at start with one message (exit 2)."""
     import json
 
     flags = ["--task", "gpt", "--task-opt", "dim=16", "--task-opt", "seq=16", "--task-opt", "vocab=32", "--task-opt", "heads=2",
@@ -102,10 +101,9 @@ def test_moe_tensor_parallel_flags(tmp_path) -> None:
         assert all(abs(sum(c) - 2 * 16 * 2) < 1e-6 for c in rec["moe_tokens_per_expert"]), rec
         assert rec["a2a_mb"] > 0, rec
     assert next(r for r in recs if r["kind"] == "summary")["ep"] == 2
-    for extra, msg in ((["--ep", "2"], "--ep 2 does not divide the 1 data-parallel replicas"),
-                       (["--sequence-parallel"], "sequence parallelism with MoE layers: not supported")):
-        for r, (rc, _, se) in enumerate(tpe.run_ranks(2, [*flags, *extra], module=True, timeout=90)):
-            assert rc == 2 and msg in se, (r, extra, rc, se[-2000:])
+    msg = "--ep 2 does not divide the 1 data-parallel replicas"
+    for r, (rc, _, se) in enumerate(tpe.run_ranks(2, [*flags, "--ep", "2"], module=True, timeout=90)):
+        assert rc == 2 and msg in se, (r, rc, se[-2000:])
 
 
 def _one_process_losses(steps: int, batch: int, **opts) -> list[float]:
@@ -130,6 +128,11 @@ PIPELINES = [
     (["--pp", "2", "--ep", "2", "--zero", "3", "--pp-split", "blocks.1"], {}, 1e-10, (2, 1, 2, 3, 2)),
     (["--pp", "2", "--tp", "2", "--zero", "1", "--tp-plan", "auto"], {}, 1e-10, (1, 2, 2, 1, 1)),
     (["--dp", "2", "--tp", "2", "--zero", "2", "--tp-plan", "auto", "--ep", "2"], {}, 1e-10, (2, 2, 1, 2, 2)),
+    (["--dp", "2", "--tp", "2", "--zero", "1", "--ep", "2", "--sequence-parallel"], {}, 1e-10, (2, 2, 1, 1, 2)),
+    (["--pp", "2", "--tp", "2", "--zero", "2", "--sequence-parallel", "--recompute", "full"], {}, 1e-10, (1, 2, 2, 2, 1)),
+    (["--dp", "2", "--tp", "2", "--zero", "3", "--ep", "2", "--tp-plan", "auto", "--sequence-parallel"], {}, 1e-10, (2, 2, 1, 3, 2)),
+    (["--pp", "2", "--tp", "2", "--zero", "1", "--tp-plan", "auto", "--sequence-parallel", "--moe-capacity", "0.5"],
+     {"moe_capacity": 0.5}, 1e-10, (1, 2, 2, 1, 1)),
     (["--pp", "2", "--ep", "2", "--zero", "0", "--moe-every", "2"], {"moe_every": 2}, 1e-10, (2, 1, 2, 0, 2)),
     (["--pp", "2", "--ep", "2", "--zero", "0", "--precision", "bf16", "--task-opt", "dtype=float32"], {"dtype": "float32"}, 2e-3, (2, 1, 2, 0, 2)),
     (["--pp", "2", "--tp", "2", "--zero", "0", "--precision", "bf16", "--recompute", "full", "--task-opt", "dtype=float32"], {"dtype": "float32"},
@@ -142,7 +145,9 @@ def test_moe_layouts_equal_one_process(tmp_path) -> None:
     """MoE (E=4, top-2) in every layout `tessera peer` takes, one launch of 4 ranks, 3 steps each:
     pipelines with EP (each stage's experts over its DP ranks) or TP (each expert's MLP split by
     hidden), with `--recompute full|selective`, `--pp-split`, `--tp-plan auto` (the MoE layers split
-    as `experts`, also without a pipeline: DP=2 x TP=2 x EP=2), a stage without an MoE layer
+    as `experts`, also without a pipeline: DP=2 x TP=2 x EP=2), `--sequence-parallel` (the built-in
+    split and the auto plan, with and without a pipeline; each MoE layer gathers whole sequences, at
+    capacity 0.5 too, where tokens are dropped per whole sequence), a stage without an MoE layer
     (`--moe-every 2`: block 0 has none) and `--precision bf16`. Reference: one process training the
     same model with its own optimizer (Adam) on the global batch of 8
     (``user_models.one_process_losses``): the global loss of every step (cross-entropy on the last
@@ -190,3 +195,5 @@ def test_moe_layouts_equal_one_process(tmp_path) -> None:
         assert len(steps) == 3 and all(len(r.get("moe_tokens_per_expert", [])) == layers and all(
             abs(sum(c) - 8 // dp * 16 * 2) < 1e-6 for c in r["moe_tokens_per_expert"]) for r in steps), (flags, [(r.get("moe_tokens_per_expert"), reports[i].get("stages")) for r in steps])
         assert all(r["a2a_mb"] > 0 for r in steps) == (ep > 1), (flags, steps)
+        if "--moe-capacity" in flags:  # tokens were dropped (per whole sequence), as in one process
+            assert all(r["moe_dropped"] > 0 for r in steps), (flags, steps)

@@ -206,6 +206,9 @@ class MoE(nn.Module):
         self.group: Any = None  # the expert-parallel group (None: every expert is here)
         self.ep_size, self.ep_rank = 1, 0
         self.tp_group: Any = None  # tensor parallelism: each expert's MLP split by hidden over this group
+        # sequence parallelism: the input and output are this rank's chunk of every sequence (dimension 1)
+        # over this group (the TP group); the layer runs on the whole sequences, as every TP rank does without SP
+        self.sp_group: Any = None
         self.aux: torch.Tensor | None = None
         self.meter = _Meter()
         self._a2a_out: dict[str, torch.Tensor] = {}  # the all-to-alls' forward outputs, reused
@@ -261,6 +264,16 @@ class MoE(nn.Module):
         return max(1, math.ceil(self.cfg.capacity_factor * self.cfg.top_k * seq / self.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sp_group is None:
+            return self._route(x)
+        # routing and capacity are per sequence: gather the sequences (backward: this rank's chunk of the
+        # gradient, which every TP rank computes whole and alike), and give back this rank's chunk
+        from worker.peer.tensor_parallel import _GatherFeatures, _SplitToSeq
+
+        whole = _GatherFeatures.apply(x, self.sp_group, 1)
+        return _SplitToSeq.apply(self._route(whole), self.sp_group, 1)  # type: ignore[no-any-return]
+
+    def _route(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         e_n, k = self.num_experts, self.cfg.top_k
         logits = self.router(x)  # (B, T, E), fp32 at least
@@ -471,8 +484,6 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
         every = moe_layers(model)
         if not every:
             raise PeerConfigError("the model has no MoE layers (use --moe-experts E with the gpt task)")
-        if mesh is not None and getattr(model, "sequence_parallel", False):
-            raise PeerConfigError("sequence parallelism with MoE layers: not supported (the router needs every position)")
         scope = part if part is not None else model
         mine = {id(m) for m in scope.modules()}
         self.layers = [(n, m) for n, m in every if id(m) in mine]  # the layers this rank trains
@@ -490,11 +501,18 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
         dp = mesh.dp if mesh is not None else dist.get_world_size()
         self.tp = mesh.tp if mesh is not None else 1
         self.tp_group = mesh.tp_group if mesh is not None and mesh.tp > 1 else None
+        tp_partial: list[nn.Parameter] = []
+        if self.tp_group is not None and getattr(model, "sequence_parallel", False):
+            # SP: the replicated parameters that ran on a chunk of the sequence hold partial gradients, summed
+            # over TP; not the routers (an MoE layer runs on whole sequences, alike on every TP rank)
+            partial = model.tp_sum_parameters() if hasattr(model, "tp_sum_parameters") else model.replicated_parameters()  # type: ignore[operator]
+            ids = {id(p) for p in partial} - {id(p) for _, m in every for p in m.parameters()}
+            tp_partial = [p for _, p in dense_specs if id(p) in ids]
         settings = {**(settings or {}), "ep": ep, "experts": every[0][1].num_experts}
         self.dense = DataParallelSync(
             model, optimizer, stage=stage, group=mesh.dp_group if mesh is not None else None, device=self.device,
             bucket_mb=bucket_mb, compress=compress, overlap=mesh is None, params=[p for _, p in dense_specs], specs=dense_specs,
-            tp_group=self.tp_group, settings=settings, name="moe", agree=agree,
+            tp_group=self.tp_group, tp_replicated=tp_partial, settings=settings, name="moe", agree=agree,
         )
         # None: this rank trains no MoE layer (a pipeline stage without one); its replicas neither
         self.experts = ShardedOptimizer(

@@ -434,7 +434,9 @@ def parallelize(model: nn.Module, mesh: Any, plan: Mapping[str, str] | str | Non
         if style in ("sequence", "replicate"):
             continue
         if isinstance(m, MoE):  # its own split (copies), each parameter recorded under the source's name
-            new_m: nn.Module = m.tensor_parallel(group, lambda sub, d=None, m=m: shard(m.get_parameter(sub), None, d))
+            moe = m.tensor_parallel(group, lambda sub, d=None, m=m: shard(m.get_parameter(sub), None, d))
+            moe.sp_group = group if seq_on(name) else None  # it gathers whole sequences (seq_dim 1, batch-first)
+            new_m: nn.Module = moe
         elif isinstance(m, nn.MultiheadAttention):
             e, h = m.embed_dim, m.num_heads
             hd = e // h
@@ -486,7 +488,8 @@ def parallelize(model: nn.Module, mesh: Any, plan: Mapping[str, str] | str | Non
             return (_SplitToSeq.apply(args[0], group, seq_dim), *args[1:])
 
         mod.register_forward_pre_hook(split)
-        mine = {id(p) for _, p in made.values()}
+        mine = {id(p) for _, p in made.values()}  # and the MoE layers' (their own copies): whole sequences, whole gradients
+        mine |= {id(p) for m in new.modules() if isinstance(m, MoE) for p in m.parameters()}
         for region in regions:  # replicated parameters run on a chunk of the sequence: partial gradients
             for p in new.get_submodule(region).parameters():
                 if id(p) not in mine and all(p is not q for q in tp_sum):

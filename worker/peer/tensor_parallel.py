@@ -171,17 +171,18 @@ class _ReduceScatterToSeq(torch.autograd.Function):
 
 
 class _GatherFeatures(torch.autograd.Function):
-    """A column-parallel output made whole: all-gather of the last dimension; backward keeps this
-    rank's slice of the gradient (every rank holds the whole gradient of the whole output)."""
+    """A column-parallel output made whole: all-gather of the last dimension (or of ``dim``: an MoE
+    layer's sequences under SP); backward keeps this rank's slice of the gradient (every rank holds
+    the whole gradient of the whole output: what follows runs alike on every rank)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return _gather_seq(x, group, x.dim() - 1)
+    def forward(ctx: Any, x: torch.Tensor, group: Any, dim: int = -1) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.dim = group, dim % x.dim()
+        return _gather_seq(x, group, ctx.dim)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return g.chunk(_world(ctx.group), -1)[dist.get_rank(ctx.group)].contiguous(), None
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        return g.chunk(_world(ctx.group), ctx.dim)[dist.get_rank(ctx.group)].contiguous(), None, None
 
 
 class _ColumnLinearSP(torch.autograd.Function):
@@ -555,8 +556,6 @@ class TensorParallelGPT(nn.Module):
             moe = getattr(blk, "mlp", None)
             if moe is not None and not isinstance(moe, MoE) or moe is None and not hasattr(blk, "fc"):
                 raise PeerConfigError(f"tensor parallelism: block {i}'s MLP is neither the plain fc/out MLP nor an MoE layer")
-            if moe is not None and sp:
-                raise PeerConfigError("sequence parallelism with MoE layers: not supported (an MoE layer routes whole sequences)")
             ln1 = nn.LayerNorm(dim, eps=blk.ln1.eps).to(full[pre + "ln1.weight"].dtype)
             ln1.weight.data, ln1.bias.data = spec(pre + "ln1.weight"), spec(pre + "ln1.bias")
             qkv = ColumnParallelLinear(spec(pre + "qkv.weight", (3, heads, hd, dim), 1),
@@ -565,8 +564,9 @@ class TensorParallelGPT(nn.Module):
             ln2 = nn.LayerNorm(dim, eps=blk.ln2.eps).to(full[pre + "ln2.weight"].dtype)
             ln2.weight.data, ln2.bias.data = spec(pre + "ln2.weight"), spec(pre + "ln2.bias")
             if moe is not None:
-                blocks.append(_TPBlock(ln1, qkv, proj, ln2, None, None, heads // t, self,
-                                       mlp=moe.tensor_parallel(group, lambda n, d=None, pre=pre: spec(pre + "mlp." + n, None, d))))
+                layer = moe.tensor_parallel(group, lambda n, d=None, pre=pre: spec(pre + "mlp." + n, None, d))
+                layer.sp_group = group if sp else None  # (B, S/T, H) in and out: the layer gathers whole sequences
+                blocks.append(_TPBlock(ln1, qkv, proj, ln2, None, None, heads // t, self, mlp=layer))
                 continue
             fc = ColumnParallelLinear(spec(pre + "fc.weight", None, 0), spec(pre + "fc.bias", None, 0), group, sp)
             out = RowParallelLinear(spec(pre + "out.weight", None, 1), spec(pre + "out.bias"), group, sp)
