@@ -19,7 +19,6 @@ from ps.errors import (
     MalformedMessageError,
     PermissionDeniedError,
     ShardUnavailableError,
-    with_table,
 )
 from ps.checkpoint import CheckpointError, pack_plain, snapshot_to_plain, unpack_plain
 from ps.replication import SNAPSHOT_CHUNK, ReplicaSender

@@ -1,0 +1,242 @@
+"""Primary-backup replication, the shard's side: every mutation is forwarded to the backup before it
+is applied here; a backup installs its primary's snapshot, applies what it forwards, and takes
+over. Part of ``Shard`` (its facade, ps/shard.py); plain Python, no gRPC (the wire: ps/replication.py)."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import numpy as np
+
+from ps.checkpoint import ShardSnapshot
+from ps.config import spec_from_dict
+from ps.consistency import SyncPolicy
+from ps.dedup import Dedup
+from ps.errors import FailedPreconditionError, InvalidArgumentError, ShardUnavailableError
+from ps.shardstate import PRIMARY, ShardState
+from ps.table import DenseTable, DenseUpdate, PushResult, RowDelta, SparsePush, SparseTable
+
+__all__ = ["Mirroring"]
+
+log = logging.getLogger(__name__)
+
+
+class Mirroring(ShardState):
+    """Forwarding to the backup (a primary) and applying what the primary forwards (a backup)."""
+
+    def _apply_round(self, name: str, values: list) -> PushResult:
+        """Apply a completed BSP round (the mean of ``values``), replicated first."""
+        t = self.table(name)
+        clock = self._round(name).clock  # the round being applied (the clock moves on after)
+
+        def replicate(entry: dict) -> None:
+            self._live(name, t)
+            self._replicate(entry)
+
+        with self.gate.shared():
+            if isinstance(t, DenseTable):
+                return t.apply_mean(values, lambda res, upd: replicate(_dense_entry(upd, "", 0, res, "", -1, clock)))
+            return t.apply_mean(values, lambda res, delta: replicate(_sparse_entry(t, delta, res, "", 0, "", -1, clock)))
+
+    def _replicate_contribution(self, name: str, worker: str, clock: int, value: object, backup_workers: int = 0) -> None:
+        entry = _contribution_entry(name, worker, clock, value)
+        entry["bw"] = backup_workers
+        self._replicate(entry)
+
+    def _replicate(self, entry: dict) -> None:
+        """Forward a mutation to the backup before it is applied here; raises (nothing applied) if
+        the backup did not take it. With no backup: refuse writes for ``solo_after_s`` after losing
+        one (it may be re-attaching, or about to take over), then go on alone."""
+        if self.role != PRIMARY:
+            return
+        forward = self._forward
+        if forward is None:
+            lost = self._backup_lost_at
+            if lost is not None and time.monotonic() - lost < self.config.solo_after_s:
+                raise ShardUnavailableError(
+                    f"shard {self.config.shard_index}: its backup was lost {time.monotonic() - lost:.1f} s ago; "
+                    f"writes wait up to {self.config.solo_after_s:.0f} s for it to re-attach or take over (retry)"
+                )
+            return
+        try:
+            forward(entry)
+            self.replicated += 1
+        except Exception as e:  # noqa: BLE001 - any failure detaches the backup: it must catch up again
+            backup = self.backup
+            self._lose_backup(f"{type(e).__name__}: {e}")
+            raise ShardUnavailableError(
+                f"shard {self.config.shard_index}: backup {backup} did not take the update ({_short(e)}); nothing applied (retry)"
+            ) from None
+
+    def _replicate_quietly(self, entry: dict) -> None:
+        try:
+            self._replicate(entry)
+        except ShardUnavailableError as e:
+            log.warning("%s", e)
+
+    def _lose_backup(self, why: str) -> None:
+        if self._forward is None:
+            return
+        log.error("shard %d: backup %s lost (%s); it must re-attach", self.config.shard_index, self.backup, why)
+        self._forward = None
+        self._backup_lost_at = time.monotonic()
+        self.backups_lost += 1
+        self.backup = ""
+        for t in self._tables():
+            if isinstance(t, SparseTable):
+                t.track_evictions = False
+
+    def attach_backup(self, address: str, forward: Callable[[dict], None], attach_id: int = 0) -> None:
+        """Make ``address`` this primary's backup: every mutation from now on is forwarded through
+        ``forward``. Call under ``gate.exclusive()``, after the backup received ``snapshot(pending=True)``
+        taken under the same hold (so no mutation falls between the snapshot and the first forward)."""
+        if self.role != PRIMARY:
+            raise FailedPreconditionError(f"shard {self.config.shard_index} is a backup; attach to its primary")
+        self.backup, self._forward, self._backup_lost_at = address, forward, None
+        self.backup_attach_id = attach_id
+        for t in self._tables():
+            if isinstance(t, SparseTable):
+                with t.lock:
+                    t.track_evictions = True
+                    t.take_evicted()
+
+    def install(self, snap: ShardSnapshot, attach_id: int) -> None:
+        """A backup: replace everything with the primary's snapshot of attach ``attach_id``. Mutations
+        forwarded under an earlier attach are refused from now on (apply_entry)."""
+        with self.gate.exclusive():
+            with self._lock:
+                self._close_tables()
+                self.tables.clear()
+                self.rounds.clear()
+            self.dedup = Dedup()
+            self.membership.clear()
+            self.restore(snap)
+            for name, pending in snap.pending.items():
+                r = self.rounds[name]
+                for worker, value in pending:
+                    r.mirror_contribution(worker, r.clock, _contribution_value(self.table(name), value))
+            self.attach_id = attach_id
+            self.installed.set()
+
+    def apply_entry(self, entry: dict, attach_id: int, timeout: float = 30.0) -> None:
+        """A backup: apply one mutation its primary forwarded under attach ``attach_id`` (in the
+        primary's order per table). Waits for that attach's snapshot; refuses a stale attach's."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.gate.shared():  # install() takes it exclusive: no entry applies across a re-install
+                if self.attach_id == attach_id:
+                    self._apply_entry(entry)
+                    return
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        raise FailedPreconditionError(
+            f"Replicate: mutation of attach {attach_id}, this backup installed attach {self.attach_id}; re-attach"
+        )
+
+    def _apply_entry(self, entry: dict) -> None:
+        k = entry["k"]
+        if k == "create":
+            self.create_table(spec_from_dict(entry["spec"]))
+        elif k == "drop":
+            self.drop_tables([str(n) for n in entry["tables"]], missing_ok=True)
+        elif k == "join":
+            self.membership.join(entry["worker"], float(entry["lease"]), int(entry["clock"]))
+        elif k == "leave":
+            self.membership.leave(entry["worker"])
+        elif k in ("contrib", "dense", "sparse") and entry["t"] not in self.tables:
+            # a mutation that raced a drop of its table on the primary (forwarded just after the drop;
+            # the primary applied it to the detached table, invisible there too)
+            log.warning("shard %d: skipped a forwarded %s of table %r: not held here (dropped)",
+                        self.config.shard_index, k, entry["t"])
+        elif k == "contrib":
+            self.rounds[entry["t"]].mirror_contribution(
+                entry["worker"], int(entry["clock"]), _contribution_value(self.table(entry["t"]), entry["value"]),
+                int(entry["bw"]) if "bw" in entry else None,
+            )
+        elif k in ("dense", "sparse"):
+            name = entry["t"]
+            res = _result_from_plain(entry["result"])
+            if k == "dense":
+                t = self.dense(name)
+                upd = t.begin_update(entry["op"], int(entry["base"]), bool(entry["sal"]))
+                for block, data in sorted(entry["chunks"].items(), key=lambda kv: int(kv[0])):
+                    upd.apply(int(block) * t.chunk_elems, data)
+                upd.commit()
+            else:
+                self.sparse(name).apply_delta(
+                    RowDelta(entry["ids"], entry["values"], entry["state"], entry["versions"]), int(entry["step"]), entry["evicted"]
+                )
+            self.dedup.record(entry["client"], name, int(entry["seq"]), res)
+            if int(entry["round"]) >= 0:
+                self.rounds[name].mirror_applied(int(entry["round"]))
+            if entry["worker"]:
+                self.pushed(entry["worker"], SyncPolicy(clock=int(entry["clock"])))
+        else:
+            raise InvalidArgumentError(f"unknown replication entry kind {k!r}")
+
+    def promote(self) -> None:
+        """A backup takes over as primary (its primary is gone): a new epoch, fresh leases for the
+        members it mirrored, and rounds that every live worker has contributed to are applied."""
+        if self.role == PRIMARY:
+            return
+        self.role = PRIMARY
+        self.epoch += 1
+        for w in self.membership.workers():
+            if w.live:
+                self.membership.join(w.name, w.lease_s, w.clock)
+        log.warning("shard %d: promoted to primary (epoch %d)", self.config.shard_index, self.epoch)
+        self._recheck_rounds()
+
+
+def _result_to_plain(r: PushResult) -> list:
+    return [r.applied, r.dropped, r.mean_staleness, r.max_staleness, r.version, r.late, r.clock]
+
+
+def _result_from_plain(x: list) -> PushResult:
+    return PushResult(int(x[0]), int(x[1]), float(x[2]), int(x[3]), int(x[4]), int(x[5]), int(x[6]))
+
+
+def _dense_entry(upd: DenseUpdate, client: str, seq: int, res: PushResult, worker: str, clock: int, round_: int = -1) -> dict:
+    return {
+        "k": "dense", "t": upd.table.spec.name, "op": upd.op, "base": upd.base_version, "sal": upd.staleness_aware_lr,
+        "chunks": {str(k): np.asarray(v) for k, v in upd.staged.items()}, "client": client, "seq": seq,
+        "result": _result_to_plain(res), "worker": worker, "clock": clock, "round": round_,
+    }
+
+
+def _sparse_entry(
+    t: SparseTable, delta: RowDelta, res: PushResult, client: str, seq: int, worker: str, clock: int, round_: int = -1
+) -> dict:
+    return {
+        "k": "sparse", "t": t.spec.name, "ids": delta.ids, "values": delta.values, "state": delta.state,
+        "versions": delta.versions, "step": res.version, "evicted": t.take_evicted(), "client": client, "seq": seq,
+        "result": _result_to_plain(res), "worker": worker, "clock": clock, "round": round_,
+    }
+
+
+def _contribution_plain(value: object) -> dict:
+    if isinstance(value, SparsePush):
+        return {"ids": value.ids, "grads": value.grads.numpy(), "base": value.base_versions}
+    return {str(k): np.asarray(v) for k, v in value.items()}  # type: ignore[attr-defined]
+
+
+def _contribution_entry(name: str, worker: str, clock: int, value: object) -> dict:
+    return {"k": "contrib", "t": name, "worker": worker, "clock": clock, "value": _contribution_plain(value)}
+
+
+def _contribution_value(t: DenseTable | SparseTable, plain: dict) -> object:
+    if isinstance(t, SparseTable):
+        import torch
+
+        return SparsePush(np.asarray(plain["ids"], np.int64), torch.from_numpy(np.asarray(plain["grads"], np.float32)), plain["base"])
+    return {int(k): v for k, v in plain.items()}
+
+
+def _short(e: BaseException) -> str:
+    """An error in one line (a gRPC error's status and details, not its debug string)."""
+    code, details = getattr(e, "code", None), getattr(e, "details", None)
+    if callable(code) and callable(details):
+        return f"{code().name}: {details()}"
+    return f"{type(e).__name__}: {e}"
