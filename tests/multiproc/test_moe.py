@@ -141,14 +141,14 @@ PIPELINES = [
 
 
 @pytest.mark.timeout(400)
-def test_moe_layouts_equal_one_process(tmp_path) -> None:
+def test_moe_layouts_equal_one_process(tmp_path, proc_cluster) -> None:
     """MoE (E=4, top-2) in every layout `tessera peer` takes, one launch of 4 ranks, 3 steps each:
     pipelines with EP (each stage's experts over its DP ranks) or TP (each expert's MLP split by
     hidden), with `--recompute full|selective`, `--pp-split`, `--tp-plan auto` (the MoE layers split
     as `experts`, also without a pipeline: DP=2 x TP=2 x EP=2), `--sequence-parallel` (the built-in
     split and the auto plan, with and without a pipeline; each MoE layer gathers whole sequences, at
     capacity 0.5 too, where tokens are dropped per whole sequence), a stage without an MoE layer
-    (`--moe-every 2`: block 0 has none) and `--precision bf16`. Reference: one process training the
+    (`--moe-every 2`: block 0 has none), `--precision bf16`, and the PS hybrid (last: below). Reference: one process training the
     same model with its own optimizer (Adam) on the global batch of 8
     (``user_models.one_process_losses``): the global loss of every step (cross-entropy on the last
     stage plus each stage's balance and z-losses) within 1e-10 relative in fp64. bf16 compute (fp32
@@ -164,10 +164,18 @@ def test_moe_layouts_equal_one_process(tmp_path) -> None:
     argv: list[str] = []
     for i, (flags, _, _, _) in enumerate(PIPELINES):
         argv += (["::"] if i else []) + [*base, *flags, "--metrics-out", str(tmp_path / f"run{i}")]
+    # the PS hybrid with MoE layers: token rows on 2 PS shards (BSP), the MoE model's experts over EP=2, the rest all-reduced
+    hybrid = len(PIPELINES)
+    argv += ["::", "--task", "user_models:rows_moe_task", "--mode", "hybrid", "--ps", ",".join(proc_cluster(2)), "--sparse-mode",
+             "sync", "--ep", "2", *base[base.index("--steps"):], "--metrics-out", str(tmp_path / "hybrid")]
+    argv += ["::", *argv[argv.index("user_models:rows_moe_task") - 1 :], "--tp", "2"]  # refused: one line on every rank, exit 2
     res = tpe.run_ranks(4, argv, timeout=380, child=os.path.join(tpe.ROOT, "tests", "multiproc", "peer_layouts_child.py"))
     for r, (rc, so, se) in enumerate(res):
         assert rc == 0, f"rank {r}: {se[-3000:]}"
-        assert all(f"RC {i} 0" in so for i in range(len(PIPELINES))), f"rank {r}:\n{so}\n{se[-3000:]}"
+        assert all(f"RC {i} 0" in so for i in range(hybrid + 1)) and f"RC {hybrid + 1} 2" in so, f"rank {r}:\n{so}\n{se[-3000:]}"
+        lines = [line for line in se.splitlines() if "--mode hybrid" in line]
+        assert lines == [f"tessera peer: rank {r}: --mode hybrid is data parallelism over every rank (rows on the PS, experts over "
+                         "--ep): no --tp, --dp or --sequence-parallel"], (r, se[-3000:])
     assert "blocks.1.mlp: experts" in res[0][2], res[0][2][-3000:]  # the auto plan, printed: the MoE layers split as experts
     reports = {int(line.split(" ", 2)[1]): json.loads(line.split(" ", 2)[2]) for line in res[0][1].splitlines()
                if line.startswith("REPORT ")}
@@ -197,3 +205,41 @@ def test_moe_layouts_equal_one_process(tmp_path) -> None:
         assert all(r["a2a_mb"] > 0 for r in steps) == (ep > 1), (flags, steps)
         if "--moe-capacity" in flags:  # tokens were dropped (per whole sequence), as in one process
             assert all(r["moe_dropped"] > 0 for r in steps), (flags, steps)
+    # the hybrid: fp32 rows (the PS stores them so) and SGD on the dense part: within 1e-5 of one process training the
+    # same model with the rows as an nn.Embedding (Adagrad, the table's optimizer) on the global batch
+    got, want = reports[hybrid]["losses"], _rows_moe_reference(3, 8)
+    assert reports[hybrid]["mode"] == "hybrid" and len(got) == 3, reports[hybrid]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
+    print(f"hybrid: max relative loss difference {max(abs(a - b) / abs(b) for a, b in zip(got, want)):.2e}")
+    steps = [r for r in map(json.loads, (tmp_path / "hybrid" / "rank3.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    assert len(steps) == 3 and all(abs(sum(r["moe_tokens_per_expert"][0]) - 2 * 8 * 2) < 1e-6 and r["a2a_mb"] > 0
+                                   for r in steps), steps  # 2 sequences of 8 tokens, top-2, on this rank
+
+
+def _rows_moe_reference(steps: int, batch: int) -> list[float]:
+    """One process: ``user_models.rows_moe_task`` with its rows in an ``nn.Embedding`` starting from the PS
+    table's initial rows, Adagrad on them (the table's lr 0.05, initial accumulator 0.1), SGD (lr 0.1) on
+    the rest, the global batch; the loss of every step."""
+    import numpy as np
+    import torch
+    import user_models  # type: ignore[import-not-found]
+
+    from ps.initializers import init_rows, table_key
+
+    task = user_models.rows_moe_task(rows_here=True)
+    emb, model = user_models.rows_moe_task().model.tok, task.model
+    with torch.no_grad():
+        ids = np.arange(model.tok.num_embeddings)
+        model.tok.weight.copy_(torch.from_numpy(init_rows(emb.init, table_key(emb.table, emb.seed), ids, emb.dim)))
+    opt_d = torch.optim.SGD([p for n, p in model.named_parameters() if not n.startswith("tok.")], lr=0.1)
+    opt_s = torch.optim.Adagrad([model.tok.weight], lr=0.05, initial_accumulator_value=0.1, eps=1e-10)
+    data, out = task.batches(0, 1, batch, 0), []
+    for _ in range(steps):
+        opt_d.zero_grad()
+        opt_s.zero_grad()
+        loss = task.loss(model, next(data))
+        loss.backward()
+        opt_d.step()
+        opt_s.step()
+        out.append(float(loss.detach()))
+    return out

@@ -162,6 +162,49 @@ def gated_task(seed: int = 0, vocab: int = 32, seq: int = 8, dim: int = 16, head
                 dense_optimizer=_optimizer(opt, lr))
 
 
+class RowsMoELM(nn.Module):
+    """(B, S) ids -> (B, S, vocab) next-token logits: token rows from a ``PSEmbedding`` (on the PS in the
+    hybrid; ``rows_here``: an ``nn.Embedding`` the test sets to the rows' initial values, for the
+    one-process reference), a learned position, one MoE MLP (residual), a norm and a head."""
+
+    def __init__(self, vocab: int, seq: int, dim: int, experts: int, rows_here: bool) -> None:
+        super().__init__()
+        from worker.peer.moe import MoE, MoEConfig
+
+        self.pos = nn.Parameter(torch.randn(1, seq, dim) * 0.02)
+        self.norm1 = nn.LayerNorm(dim)
+        self.moe = MoE(dim, MoEConfig(experts=experts, top_k=2, hidden=2 * dim))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        if rows_here:  # built last: the dense parts draw the same initial values either way
+            self.tok: nn.Module = nn.Embedding(vocab, dim)
+        else:
+            from worker.binding import PSEmbedding
+
+            self.tok = PSEmbedding("rowsmoe/tok", dim, optimizer="adagrad", lr=0.05, initial_accumulator=0.1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos[:, : ids.shape[1]]
+        x = x + self.moe(self.norm1(x))
+        return self.head(self.norm(x))
+
+
+def rows_moe_task(seed: int = 0, vocab: int = 32, seq: int = 8, dim: int = 16, experts: int = 4, lr: float = 0.1,
+                  rows_here: bool = False, **_: Any) -> Task:
+    """A model with both PS rows and MoE layers (the hybrid with experts); SGD on the dense part."""
+    torch.manual_seed(seed)
+    model = RowsMoELM(vocab, seq, dim, experts, bool(rows_here))
+
+    def loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        from worker.peer.moe import aux_loss
+
+        logits = m(batch[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)) + aux_loss(m)
+
+    return Task("rowsmoe", model, _data(vocab, seq, seed, False), loss, metric="loss", higher_is_better=False,
+                dense_optimizer=_optimizer("sgd", lr), sparse_ids=None if rows_here else lambda b: {"tok": b[:, :-1]})
+
+
 # the explicit plans the automatic one is checked against
 MHA_PLAN = {"tok": "vocab", "layers.0.attn": "colwise", "layers.0.fc1": "colwise", "layers.0.fc2": "rowwise",
             "layers.*.self_attn": "colwise", "layers.*.linear1": "colwise", "layers.*.linear2": "rowwise",

@@ -190,6 +190,9 @@ def run_rank(args: argparse.Namespace) -> int:
             raise PeerConfigError(f"world size {world} is not divisible by tp {args.tp} x pp {pp}")
         dp = args.dp or world // split
         meshed = split > 1 or args.sequence_parallel or dp != world or piped
+        if meshed and args.mode == "hybrid":
+            raise PeerConfigError("--mode hybrid is data parallelism over every rank (rows on the PS, experts over --ep): "
+                                  "no --tp, --dp or --sequence-parallel")
         if args.global_batch % (dp * args.accumulate):
             raise PeerConfigError(
                 f"global batch {args.global_batch} is not divisible by {'dp' if meshed else 'world size'} {dp} x "

@@ -5,7 +5,9 @@ with ``dense=False`` (rows pulled for the batch's ids, row gradients pushed; ``s
 ``async`` by default, so a rank never waits for the others' rows: huge tables, loose
 consistency), while its dense parameters are a ``DataParallelSync`` (bucketed all-reduce from the
 backward hooks, the optimizer on every rank: synchronous). With ``sparse_mode="sync"`` the rows
-are BSP on the PS too and the run equals one process with the global batch.
+are BSP on the PS too and the run equals one process with the global batch. A model with MoE
+layers has a ``MoESync`` as its dense part instead (the experts split over ``ep`` ranks, the rest
+as above).
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ __all__ = ["HybridSync"]
 
 class HybridSync(WrapsDense, ParamSync):
     """``PSEmbedding`` rows through ``client`` (tables ``{prefix}/...`` as the model names them),
-    dense parameters through ``DataParallelSync`` (ZeRO stage 0: bucketed all-reduce). ``rank``/``world`` are the worker's index and count
+    dense parameters through ``DataParallelSync`` (ZeRO stage 0: bucketed all-reduce), or with MoE
+    layers through ``MoESync`` (experts over ``ep`` ranks, the rest the same). ``rank``/``world`` are the worker's index and count
     on the PS (the peer group's). Collectives on the main thread (``pipelined`` False)."""
 
     pipelined = False
@@ -36,15 +39,20 @@ class HybridSync(WrapsDense, ParamSync):
         self, model: nn.Module, client: PSClient, prefix: str, optimizer: Any, *, rank: int, world: int,
         device: torch.device | str = "cpu", bucket_mb: float = 25.0, compress: str | None = None,
         sparse_mode: str = "async", lease_s: float = 30.0, sparse_ids: Callable[[Any], dict[str, torch.Tensor]] | None = None,
-        settings: dict[str, Any] | None = None, stop: threading.Event | None = None,
+        settings: dict[str, Any] | None = None, stop: threading.Event | None = None, ep: int = 1,
     ) -> None:
+        from worker.peer.moe import MoESync, moe_layers
+
         if sparse_mode not in ("async", "sync", "ssp"):
             raise PeerConfigError(f"hybrid sparse mode must be async, ssp or sync, got {sparse_mode!r}")
         self.name = "hybrid"
-        self.dense = DataParallelSync(
-            model, optimizer, device=device, bucket_mb=bucket_mb, compress=compress,
-            settings={**(settings or {}), "sparse_mode": sparse_mode}, name="hybrid",
-        )
+        settings = {**(settings or {}), "sparse_mode": sparse_mode}
+        self.dense: Any
+        if moe_layers(model):
+            self.dense = MoESync(model, optimizer, ep=ep, device=device, bucket_mb=bucket_mb, compress=compress, settings=settings)
+        else:
+            self.dense = DataParallelSync(model, optimizer, device=device, bucket_mb=bucket_mb, compress=compress,
+                                          settings=settings, name="hybrid")
         self.sparse = PSSync(
             model, client, prefix, mode=sparse_mode, worker_index=rank, num_workers=world, worker_name=f"rank{rank}",
             lease_s=lease_s, device=device, sparse_ids=sparse_ids, dense=False, stop=stop,
@@ -99,6 +107,10 @@ class HybridSync(WrapsDense, ParamSync):
 
     def global_loss(self, loss: torch.Tensor) -> float:
         return self.dense.global_loss(loss)
+
+    def window_metrics(self) -> dict[str, Any]:
+        """The dense part's (MoE: tokens per expert, drops, all-to-all)."""
+        return self.dense.window_metrics()  # type: ignore[no-any-return]
 
     def stats(self) -> dict[str, Any]:
         return {**self.dense.stats(), **self.sparse.stats()}

@@ -82,16 +82,13 @@ def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None) -> P
     if plan.mode == "hybrid" or is_client:
         if plan.mode != "hybrid" or not is_client:
             raise PeerConfigError("--mode hybrid needs --ps HOST:PORT,... (the shards holding the embeddings), and a PS client needs --mode hybrid")
-        if moe_layers(model):
-            raise PeerConfigError("--mode hybrid with MoE layers: not supported (the hybrid's dense part is one all-reduce, "
-                                  "not the experts' sync); use --mode dp")
         import torch.distributed as dist
 
         from worker.peer.hybrid import HybridSync
 
         return HybridSync(model, mesh_or_client, plan.prefix, plan.optimizer, rank=dist.get_rank(), world=dist.get_world_size(),
                           device=plan.device, bucket_mb=plan.bucket_mb, compress=compress, sparse_mode=plan.sparse_mode,
-                          sparse_ids=plan.sparse_ids, settings=plan.settings)
+                          sparse_ids=plan.sparse_ids, settings=plan.settings, ep=plan.ep)
     if has_rows:
         raise PeerConfigError("the model has PSEmbedding layers (rows on a PS): use --mode hybrid with --ps")
     moe = bool(moe_layers(model))
