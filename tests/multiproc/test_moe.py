@@ -20,6 +20,10 @@ parameters (experts gathered from their ranks), and the token assignments the ca
 - Load balance: routers start skewed to expert 0 (top-1, 40 Adam steps): the metrics report the
   skew (CV of tokens per expert > 1, expert 0 holding most tokens); with the balance loss on (0.1)
   the CV falls below a quarter of its start and below the run without it.
+
+`test_moe_layouts_equal_one_process`: every layout `tessera peer` takes with MoE layers (pipelines with
+recompute, bf16, --pp-split, --tp-plan, sequence parallelism, a stage without an MoE layer, the PS
+hybrid) in one launch of 4 ranks, against one process (its docstring says how).
 """
 from __future__ import annotations
 

@@ -23,7 +23,11 @@ of the per-expert counts), the experts run on what they received, and a second a
 the outputs back (backward: the same two exchanges reversed). Expert gradients are summed over
 the ranks holding the same experts (one rank per EP group) and divided by the world size; the
 other parameters (embeddings, attention, router, norms) go through ``DataParallelSync`` (ZeRO
-stage 0-3) over the DP ranks as in plain data parallelism.
+stage 0-3) over the DP ranks as in plain data parallelism. With tensor parallelism each expert's MLP
+is split by hidden over the TP group (``MoE.tensor_parallel``); with sequence parallelism too, the
+layer gathers its TP group's chunks into whole sequences (``sp_group``), so routing and capacity
+stay per sequence. In a pipeline each stage's layers are synced alike (``part``), and a stage may
+hold none; in the PS hybrid ``MoESync`` is the dense part beside the PS rows.
 """
 from __future__ import annotations
 

@@ -79,6 +79,9 @@ def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None) -> P
     # look the class up only then, so a dense model's rank never imports it
     binding = sys.modules.get("worker.binding")
     has_rows = binding is not None and any(isinstance(m, binding.PSEmbedding) for m in model.modules())
+    moe = bool(moe_layers(model))
+    if plan.ep > 1 and not moe:
+        raise PeerConfigError(f"--ep {plan.ep} needs a model with MoE layers: add --moe-experts E (gpt)")
     if plan.mode == "hybrid" or is_client:
         if plan.mode != "hybrid" or not is_client:
             raise PeerConfigError("--mode hybrid needs --ps HOST:PORT,... (the shards holding the embeddings), and a PS client needs --mode hybrid")
@@ -91,9 +94,6 @@ def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None) -> P
                           sparse_ids=plan.sparse_ids, settings=plan.settings, ep=plan.ep)
     if has_rows:
         raise PeerConfigError("the model has PSEmbedding layers (rows on a PS): use --mode hybrid with --ps")
-    moe = bool(moe_layers(model))
-    if plan.ep > 1 and not moe:
-        raise PeerConfigError(f"--ep {plan.ep} needs a model with MoE layers: add --moe-experts E (gpt)")
     if plan.pipeline is not None:
         from worker.peer.pipeline import PipelineSync
 
