@@ -163,28 +163,81 @@ def test_moe_layouts_equal_one_process(tmp_path, proc_cluster) -> None:
     routes them again, uncounted)."""
     import json
 
-    base = ["--task", "gpt", *[a for k, v in OPTS.items() for a in ("--task-opt", f"{k}={v}")], "--moe-experts", "4",
-            "--steps", "3", "--global-batch", "8", "--log-every", "1", "--no-progress", "--no-eval", "--torch-threads", "1"]
-    argv: list[str] = []
-    for i, (flags, _, _, _) in enumerate(PIPELINES):
-        argv += (["::"] if i else []) + [*base, *flags, "--metrics-out", str(tmp_path / f"run{i}")]
+    argv = _gpt_runs(PIPELINES, tmp_path)
     # the PS hybrid with MoE layers: token rows on 2 PS shards (BSP), the MoE model's experts over EP=2, the rest all-reduced
     hybrid = len(PIPELINES)
     argv += ["::", "--task", "user_models:rows_moe_task", "--mode", "hybrid", "--ps", ",".join(proc_cluster(2)), "--sparse-mode",
-             "sync", "--ep", "2", *base[base.index("--steps"):], "--metrics-out", str(tmp_path / "hybrid")]
+             "sync", "--ep", "2", *BASE[BASE.index("--steps"):], "--metrics-out", str(tmp_path / "hybrid")]
     argv += ["::", *argv[argv.index("user_models:rows_moe_task") - 1 :], "--tp", "2"]  # refused: one line on every rank, exit 2
-    res = tpe.run_ranks(4, argv, timeout=380, child=os.path.join(tpe.ROOT, "tests", "multiproc", "peer_layouts_child.py"))
-    for r, (rc, so, se) in enumerate(res):
-        assert rc == 0, f"rank {r}: {se[-3000:]}"
-        assert all(f"RC {i} 0" in so for i in range(hybrid + 1)) and f"RC {hybrid + 1} 2" in so, f"rank {r}:\n{so}\n{se[-3000:]}"
+    res, reports = _launch(4, argv, hybrid + 2, refused={hybrid + 1})
+    for r, (_, _, se) in enumerate(res):
         lines = [line for line in se.splitlines() if "--mode hybrid" in line]
         assert lines == [f"tessera peer: rank {r}: --mode hybrid is data parallelism over every rank (rows on the PS, experts over "
                          "--ep): no --tp, --dp or --sequence-parallel"], (r, se[-3000:])
     assert "blocks.1.mlp: experts" in res[0][2], res[0][2][-3000:]  # the auto plan, printed: the MoE layers split as experts
-    reports = {int(line.split(" ", 2)[1]): json.loads(line.split(" ", 2)[2]) for line in res[0][1].splitlines()
-               if line.startswith("REPORT ")}
+    _check_gpt_runs(PIPELINES, reports, tmp_path, 4)
+    # the hybrid: fp32 rows (the PS stores them so) and SGD on the dense part: within 1e-5 of one process training the
+    # same model with the rows as an nn.Embedding (Adagrad, the table's optimizer) on the global batch
+    got, want = reports[hybrid]["losses"], _rows_moe_reference(3, 8)
+    assert reports[hybrid]["mode"] == "hybrid" and len(got) == 3, reports[hybrid]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
+    print(f"hybrid: max relative loss difference {max(abs(a - b) / abs(b) for a, b in zip(got, want)):.2e}")
+    steps = [r for r in map(json.loads, (tmp_path / "hybrid" / "rank3.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    assert len(steps) == 3 and all(abs(sum(r["moe_tokens_per_expert"][0]) - 2 * 8 * 2) < 1e-6 and r["a2a_mb"] > 0
+                                   for r in steps), steps  # 2 sequences of 8 tokens, top-2, on this rank
+
+
+# EP x TP x PP at once: 8 ranks (D=2 x T=2 x P=2), each stage's experts over its 2 DP replicas, each expert's MLP split
+# over TP; one launch
+EP_TP_PP = [
+    (["--pp", "2", "--tp", "2", "--ep", "2", "--zero", "1", "--sequence-parallel"], {}, 1e-10, (2, 2, 2, 1, 2)),
+    (["--pp", "2", "--tp", "2", "--ep", "2", "--zero", "3", "--tp-plan", "auto", "--recompute", "full", "--moe-capacity", "0.5"],
+     {"moe_capacity": 0.5}, 1e-10, (2, 2, 2, 3, 2)),
+]
+
+
+@pytest.mark.timeout(400)
+def test_moe_ep_x_tp_x_pp_on_8_ranks_equals_one_process(tmp_path) -> None:
+    """EP=2 x TP=2 x PP=2 (8 ranks) with ZeRO-1 and sequence parallelism, and with ZeRO-3, the auto plan,
+    full recompute and capacity 0.5 (drops): as `test_moe_layouts_equal_one_process`, the global loss of
+    every step within 1e-10 of one process (fp64, Adam), and the last rank's MoE metrics."""
+    _, reports = _launch(8, _gpt_runs(EP_TP_PP, tmp_path), len(EP_TP_PP))
+    _check_gpt_runs(EP_TP_PP, reports, tmp_path, 8)
+
+
+BASE = ["--task", "gpt", *[a for k, v in OPTS.items() for a in ("--task-opt", f"{k}={v}")], "--moe-experts", "4",
+        "--steps", "3", "--global-batch", "8", "--log-every", "1", "--no-progress", "--no-eval", "--torch-threads", "1"]
+
+
+def _gpt_runs(runs: list, tmp_path) -> list[str]:
+    """The child's command line for ``runs`` (flags added to BASE; metrics in tmp_path/run<i>)."""
+    argv: list[str] = []
+    for i, (flags, _, _, _) in enumerate(runs):
+        argv += (["::"] if i else []) + [*BASE, *flags, "--metrics-out", str(tmp_path / f"run{i}")]
+    return argv
+
+
+def _launch(world: int, argv: list[str], n: int, refused: set[int] = frozenset()) -> tuple[list, dict[int, dict]]:  # type: ignore[assignment]
+    """``n`` runs on ``world`` ranks in one launch (tests/multiproc/peer_layouts_child.py): every rank's
+    results, and rank 0's report of each run. Every run exits 0 but those in ``refused`` (2)."""
+    import json
+
+    res = tpe.run_ranks(world, argv, timeout=380, child=os.path.join(tpe.ROOT, "tests", "multiproc", "peer_layouts_child.py"))
+    for r, (rc, so, se) in enumerate(res):
+        assert rc == 0, f"rank {r}: {se[-3000:]}"
+        assert all(f"RC {i} {2 if i in refused else 0}" in so for i in range(n)), f"rank {r}:\n{so}\n{se[-3000:]}"
+    return res, {int(line.split(" ", 2)[1]): json.loads(line.split(" ", 2)[2]) for line in res[0][1].splitlines()
+                 if line.startswith("REPORT ")}
+
+
+def _check_gpt_runs(runs: list, reports: dict[int, dict], tmp_path, world: int) -> None:
+    """Each run's layout and losses against one process (its tolerance; bf16: and not within 1e-6), and
+    the last rank's step records (it holds block 1, an MoE layer: 8 / dp sequences x 16 tokens x top-2
+    per step and layer, counted once)."""
+    import json
+
     wants: dict[str, list[float]] = {}
-    for i, (flags, extra, tol, (dp, tp, pp, zero, ep)) in enumerate(PIPELINES):
+    for i, (flags, extra, tol, (dp, tp, pp, zero, ep)) in enumerate(runs):
         report = reports[i]
         assert (report["dp"], report["tp"], report["pp"], report["zero"]) == (dp, tp, pp, zero), (flags, report)
         key = json.dumps(extra, sort_keys=True)
@@ -196,28 +249,18 @@ def test_moe_layouts_equal_one_process(tmp_path, proc_cluster) -> None:
         if tol > 1e-10:
             assert rel > 1e-6, (flags, got, want, rel)
         print(f"{' '.join(flags)}: max relative loss difference {rel:.2e}")
-        for flag, key in (("--recompute", "recompute_mode"), ("--precision", "precision")):
+        for flag, name in (("--recompute", "recompute_mode"), ("--precision", "precision")):
             if flag in flags:
-                assert report[key] == flags[flags.index(flag) + 1], (flags, report)
-        recs = [json.loads(line) for line in (tmp_path / f"run{i}" / "rank3.jsonl").read_text().splitlines()]
+                assert report[name] == flags[flags.index(flag) + 1], (flags, report)
+        recs = [json.loads(line) for line in (tmp_path / f"run{i}" / f"rank{world - 1}.jsonl").read_text().splitlines()]
         assert next(r for r in recs if r["kind"] == "summary")["ep"] == ep, flags
         steps = [r for r in recs if r["kind"] == "step"]
-        # rank 3: block 1 (an MoE layer) is in its part: 8 / dp sequences x 16 tokens x top-2 per step and layer
         layers = 2 if pp == 1 else 1
         assert len(steps) == 3 and all(len(r.get("moe_tokens_per_expert", [])) == layers and all(
-            abs(sum(c) - 8 // dp * 16 * 2) < 1e-6 for c in r["moe_tokens_per_expert"]) for r in steps), (flags, [(r.get("moe_tokens_per_expert"), reports[i].get("stages")) for r in steps])
+            abs(sum(c) - 8 // dp * 16 * 2) < 1e-6 for c in r["moe_tokens_per_expert"]) for r in steps), (flags, steps)
         assert all(r["a2a_mb"] > 0 for r in steps) == (ep > 1), (flags, steps)
         if "--moe-capacity" in flags:  # tokens were dropped (per whole sequence), as in one process
             assert all(r["moe_dropped"] > 0 for r in steps), (flags, steps)
-    # the hybrid: fp32 rows (the PS stores them so) and SGD on the dense part: within 1e-5 of one process training the
-    # same model with the rows as an nn.Embedding (Adagrad, the table's optimizer) on the global batch
-    got, want = reports[hybrid]["losses"], _rows_moe_reference(3, 8)
-    assert reports[hybrid]["mode"] == "hybrid" and len(got) == 3, reports[hybrid]
-    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
-    print(f"hybrid: max relative loss difference {max(abs(a - b) / abs(b) for a, b in zip(got, want)):.2e}")
-    steps = [r for r in map(json.loads, (tmp_path / "hybrid" / "rank3.jsonl").read_text().splitlines()) if r["kind"] == "step"]
-    assert len(steps) == 3 and all(abs(sum(r["moe_tokens_per_expert"][0]) - 2 * 8 * 2) < 1e-6 and r["a2a_mb"] > 0
-                                   for r in steps), steps  # 2 sequences of 8 tokens, top-2, on this rank
 
 
 def _rows_moe_reference(steps: int, batch: int) -> list[float]:
