@@ -767,17 +767,7 @@ class PSClient:
             self._count_ack(f"{name}@{i}", 0 if sync is not None and sync.sync else msg.applied, msg.duplicate)
             return PushResult(msg.applied, msg.dropped, msg.mean_staleness, msg.max_staleness, 0, int(msg.late), msg.clock)
 
-        parts = self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, gr in enumerate(groups) for idx in gr])
-        measured = [p for p in parts if p.mean_staleness >= 0]
-        return PushResult(
-            sum(p.applied for p in parts),
-            sum(p.dropped for p in parts),
-            float(np.mean([p.mean_staleness for p in measured])) if measured else -1.0,
-            max((p.max_staleness for p in parts), default=-1),
-            0,
-            sum(p.late for p in parts),
-            min((p.clock for p in parts), default=-1),
-        )
+        return _merged(self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, gr in enumerate(groups) for idx in gr]))
 
     # ------------------------------------------------------------------ step
     def step(
@@ -978,12 +968,7 @@ class PSClient:
                 cl = [r.clock for _, r in prs if r.clock >= 0]
                 pushed[name] = DenseResult(tuple(vs), tuple(st), sum(int(r.late) for _, r in prs), min(cl, default=-1))
             else:
-                rs = [r for _, r in prs]
-                measured = [r.mean_staleness for r in rs if r.mean_staleness >= 0]
-                pushed[name] = PushResult(
-                    sum(r.applied for r in rs), sum(r.dropped for r in rs), float(np.mean(measured)) if measured else -1.0,
-                    max((r.max_staleness for r in rs), default=-1), 0, sum(int(r.late) for r in rs), min((r.clock for r in rs), default=-1),
-                )
+                pushed[name] = _merged([r for _, r in prs])
         for name, out in pull_dense.items():
             meta = dense_meta[name]
             if _direct_out(out, meta.spec.numel) is not None:
@@ -1231,6 +1216,16 @@ def _placement(inverse: np.ndarray, n: int) -> tuple[np.ndarray | None, bool]:
 
 def _at(place: np.ndarray | None, idx: np.ndarray) -> np.ndarray:
     return idx if place is None else place[idx]
+
+
+def _merged(parts: Sequence[Any]) -> PushResult:
+    """One push's result from its shards' (PushResults or StepPartReplies): counts summed, the mean of
+    the measured mean stalenesses (-1: none measured), the worst staleness, the lowest clock."""
+    measured = [p.mean_staleness for p in parts if p.mean_staleness >= 0]
+    return PushResult(
+        sum(p.applied for p in parts), sum(p.dropped for p in parts), float(np.mean(measured)) if measured else -1.0,
+        max((p.max_staleness for p in parts), default=-1), 0, sum(int(p.late) for p in parts), min((p.clock for p in parts), default=-1),
+    )
 
 
 def _reply_span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], table: str) -> np.ndarray:
