@@ -11,7 +11,6 @@ import secrets
 from typing import Any, Iterator
 
 import grpc
-import numpy as np
 
 from ps.errors import (
     FailedPreconditionError,
@@ -287,15 +286,13 @@ class PSServicer:
 
     def PullDense(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> Iterator[bytes]:
         req, _ = self._decode(pb.PullDenseRequest, raw)
-        table = self.shard.dense(req.table)
-        dtype = wire_float_dtype(req.dtype, table.spec.name, "dtype")
+        dtype = wire_float_dtype(req.dtype, req.table, "dtype")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
         self._pulled(caller, req.worker)
-        clock = self.shard.wait(req.table, policy, self._budget(context))
-        version, blocks = table.snapshot()
-        for k, block in enumerate(blocks):
-            head = pb.DenseChunk(offset=k * table.chunk_elems, dtype=dtype, version=version, clock=clock)
-            yield self._out(frame_pieces(head, data=to_wire(block, dtype)[1]))
+        version, clock, blocks = self.shard.pull_dense(req.table, policy, self._budget(context))
+        for b in blocks:
+            head = pb.DenseChunk(offset=b.offset, dtype=dtype, version=version, clock=clock)
+            yield self._out(frame_pieces(head, data=to_wire(b.block, dtype)[1]))
 
     # ------------------------------------------------------------------ step
     def Step(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
@@ -313,7 +310,6 @@ class PSServicer:
     # ------------------------------------------------------------------ sparse
     def PullSparse(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, pl = self._decode(pb.PullSparseRequest, raw)
-        table = self.shard.sparse(req.table)
         dtype = wire_float_dtype(req.dtype, req.table, "dtype")
         ids = from_wire(pl.get("ids", b""), "int64", None, what=f"table {req.table!r}: ids")
         known = None
@@ -327,22 +323,9 @@ class PSServicer:
             known = from_wire(kv, "int64", (len(ids),), what=f"table {req.table!r}: known_versions")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
         self._pulled(caller, req.worker)
-        clock = self.shard.wait(req.table, policy, self._budget(context))
-        dtype = self.shard.sparse_reply_dtype(req.table, dtype)  # low-precision rows travel as stored
-        # the eviction epoch before and after the read: equal, no row was dropped while the versions were
-        # read (they name values of that epoch); the reply names the one before (a caller that got rows
-        # read later holds an older epoch than they deserve: its next pull is sent whole, never wrong)
-        epoch = table.eviction_epoch
-        values, versions = self.shard.pull_sparse(req.table, ids, dtype)
-        # the caller's versions name today's values only if read in this epoch (a dropped row created
-        # again restarts at version 0: an equal version may hold another value); else every row is sent
-        conditional = known is not None and req.known_epoch == epoch == table.eviction_epoch
-        head = pb.PullSparseReply(dtype=dtype, dim=table.dim, clock=clock, conditional=conditional, epoch=epoch)
-        if conditional:  # only the rows the caller does not hold at their current version
-            changed = np.flatnonzero(versions != known)
-            if len(changed) < len(ids):
-                values = values[changed]  # a torch tensor (or array) of the rows as stored
-        return self._out(frame_pieces(head, versions=byte_view(versions), data=to_wire(values, dtype)[1]))
+        r = self.shard.pull_rows(req.table, ids, policy, self._budget(context), dtype, known, req.known_epoch)
+        head = pb.PullSparseReply(dtype=r.dtype, dim=r.dim, clock=r.clock, conditional=r.conditional, epoch=r.epoch)
+        return self._out(frame_pieces(head, versions=byte_view(r.versions), data=to_wire(r.rows, r.dtype)[1]))
 
     def PushSparse(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, pl = self._decode(pb.PushSparseRequest, raw)

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "Shard", "TableInfo", "TableStats", "ShardStats", "MembershipView", "WorkerStats", "SyncPush", "StepPart", "StepOutcome",
-    "DensePush", "PushChunk", "DenseBlock", "DensePushOutcome",
+    "DensePush", "PushChunk", "DenseBlock", "DensePushOutcome", "SparsePull",
     "PUSH_DENSE", "PUSH_SPARSE", "PULL_DENSE", "PULL_SPARSE", "PRIMARY", "BACKUP",
 ]
 
@@ -115,6 +115,21 @@ class DenseBlock:
     offset: int
     block: Any  # a torch tensor of the table's block (immutable while held)
     early: bool = False
+
+
+@dataclass(frozen=True)
+class SparsePull:
+    """A sparse pull's answer (``Shard.pull_rows``): ``rows`` in ``dtype`` (of every id, or with
+    ``conditional`` of those whose version the caller does not hold), every id's ``versions``, the
+    table's ``dim``, BSP ``clock`` and the eviction ``epoch`` the versions were read in."""
+
+    rows: Any
+    versions: np.ndarray
+    dtype: str
+    dim: int
+    clock: int
+    epoch: int
+    conditional: bool = False
 
 
 @dataclass(frozen=True)
@@ -341,6 +356,38 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
                 f"shard's {self.config.max_message_bytes}-byte message limit; split the request"
             )
         return t.pull_rows(ids, checked=checked)
+
+    def pull_rows(
+        self, name: str, ids: np.ndarray, policy: SyncPolicy, timeout: float, wire_dtype: str = "float32",
+        known: np.ndarray | None = None, known_epoch: int = 0,
+    ) -> SparsePull:
+        """A sparse pull (PullSparse): waits as ``policy`` requires (up to ``timeout``), then reads.
+        ``known``: the versions the caller holds of ``ids`` (-1: none), read in eviction epoch
+        ``known_epoch``: while that is still the table's, only the rows it lacks are sent."""
+        t = self.sparse(name)
+        clock = self.wait(name, policy, timeout)
+        dtype = self.sparse_reply_dtype(name, wire_dtype)  # low-precision rows travel as stored
+        # the eviction epoch before and after the read: equal, no row was dropped while the versions were
+        # read (they name values of that epoch); the reply names the one before (a caller that got rows
+        # read later holds an older epoch than they deserve: its next pull is sent whole, never wrong)
+        epoch = t.eviction_epoch
+        values, versions = self.pull_sparse(name, ids, dtype)
+        # the caller's versions name today's values only if read in this epoch (a dropped row created
+        # again restarts at version 0: an equal version may hold another value); else every row is sent
+        conditional = known is not None and known_epoch == epoch == t.eviction_epoch
+        if conditional:  # only the rows the caller does not hold at their current version
+            changed = np.flatnonzero(versions != known)
+            if len(changed) < len(ids):
+                values = values[changed]  # a torch tensor (or array) of the rows as stored
+        return SparsePull(values, versions, dtype, t.dim, clock, epoch, conditional)
+
+    def pull_dense(self, name: str, policy: SyncPolicy, timeout: float) -> tuple[int, int, list[DenseBlock]]:
+        """A dense pull (PullDense): waits as ``policy`` requires (up to ``timeout``); returns
+        (version, BSP clock, the slice's blocks)."""
+        t = self.dense(name)
+        clock = self.wait(name, policy, timeout)
+        version, blocks = t.snapshot()
+        return version, clock, [DenseBlock(k * t.chunk_elems, b) for k, b in enumerate(blocks)]
 
     def push_sparse(
         self, name: str, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None,
