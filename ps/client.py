@@ -34,18 +34,10 @@ from ps.config import (
     OptimizerSpec,
     TableSpec,
 )
-from ps.errors import (
-    DtypeError,
-    InternalError,
-    InvalidArgumentError,
-    NonFiniteError,
-    ResourceExhaustedError,
-    ShapeMismatchError,
-    TableNotFoundError,
-    with_table,
-)
+from ps.errors import InternalError, InvalidArgumentError, TableNotFoundError, with_table
 from ps.consistency import SyncPolicy
 from ps.outages import ShardWatch
+from ps.plan import dense_input, direct_out, fill, group, ids_of, is_identity, like, placed, placement, wire_checked
 from ps.partition import SlotMap
 from ps.shard import MembershipView, ShardStats, TableInfo
 from ps.stub import CallPolicy, ShardStub
@@ -60,7 +52,7 @@ from ps.wire import (
     stats_from_proto,
     unframe,
 )
-from tessera.codec import DTYPES, as_numpy, from_wire, to_wire
+from tessera.codec import DTYPES, as_numpy, from_wire
 from tessera.rpc import channel_options
 from tessera.service import ClientSecurity
 from tessera.v1 import ps_pb2 as pb
@@ -437,7 +429,7 @@ class PSClient:
         ``return_clock``: also return ``(clock, versions)``: the table's BSP clock (min over
         shards) and each shard's slice version (pass them back as a push's ``base_version``)."""
         meta = self._dense_meta(name)
-        direct = _direct_out(out, meta.spec.numel)  # straight into out: no temporary, no second copy
+        direct = direct_out(out, meta.spec.numel)  # straight into out: no temporary, no second copy
         flat = direct if direct is not None else np.empty(meta.spec.numel, np.float32)
         head = pb.PullDenseRequest(table=name, dtype=self.wire_dtype, worker=self.worker)
         if policy is not None:
@@ -474,7 +466,7 @@ class PSClient:
             result = out
         else:
             arr = flat.reshape(meta.spec.shape)
-            result = arr if out is None else _fill(out, arr, name)
+            result = arr if out is None else fill(out, arr, name)
         return (result, (min(clocks, default=0), tuple(versions))) if return_clock else result
 
     def push_dense(
@@ -518,14 +510,14 @@ class PSClient:
         if len(bases) != self.num_shards:
             raise InvalidArgumentError(f"table {name!r}: {len(bases)} base versions for {self.num_shards} shards")
         sync = policy_to_proto(policy) if policy is not None else None
-        g, given_shape = _dense_input(meta.spec, grad, flat_view, "gradient" if op == pb.DENSE_OP_GRADIENT else "values")
-        direct = _direct_out(out, meta.spec.numel) if return_params else None
+        g, given_shape = dense_input(meta.spec, grad, flat_view, "gradient" if op == pb.DENSE_OP_GRADIENT else "values")
+        direct = direct_out(out, meta.spec.numel) if return_params else None
         flat = (direct if direct is not None else np.empty(meta.spec.numel, np.float32)) if return_params else None
         # values assigned are kept, not accumulated: never round them to a low-precision wire dtype
         wire = self.wire_dtype if op == pb.DENSE_OP_GRADIENT else "float32"
         # all shards or none: check what will be sent, so no shard refuses a part the others apply
         # cast once: the finiteness check reads the bytes that are sent (no second cast per chunk)
-        wdtype, wdata = _wire_checked(meta.spec, g, wire, "gradient" if op == pb.DENSE_OP_GRADIENT else "assigned values")
+        wdtype, wdata = wire_checked(meta.spec, g, wire, "gradient" if op == pb.DENSE_OP_GRADIENT else "assigned values")
         item = DTYPES[wdtype].itemsize
 
         def one(i: int) -> tuple[int, int, bool, int]:
@@ -600,7 +592,7 @@ class PSClient:
             values = out
         else:
             arr = flat.reshape(meta.spec.shape)
-            values = _fill(out, arr, name) if out is not None else _like(grad, arr)
+            values = fill(out, arr, name) if out is not None else like(grad, arr)
         return (values, result) if with_result else values
 
     # ------------------------------------------------------------------ sparse
@@ -608,7 +600,7 @@ class PSClient:
         """(spec, unique ids, inverse, per shard: index arrays into unique ids, split to fit a request)."""
         meta = self._sparse_meta(name)
         spec = meta.spec
-        arr = _ids(ids, name)
+        arr = ids_of(ids, name)
         recent = self._last_group.setdefault(name, [])
         for m, kept_ids, grouped in reversed(recent):
             if m is meta and kept_ids.shape == arr.shape and np.array_equal(kept_ids, arr):
@@ -617,21 +609,8 @@ class PSClient:
             uniq, inverse = arr, np.arange(arr.size)  # unique and sorted already (PSEmbedding's ids): no sort
         else:
             uniq, inverse = np.unique(arr, return_inverse=True)
-        owner = meta.slots.shard_of(uniq)
         per_req = max(1, self.max_request_bytes // (spec.dim * 4 + 16))
-        order = np.argsort(owner, kind="stable")
-        bounds = np.searchsorted(owner[order], np.arange(self.num_shards + 1))
-        for i in range(self.num_shards):  # all shards or none: refuse before sending anything
-            n, limit = int(bounds[i + 1] - bounds[i]), meta.max_ids[i]
-            if limit and min(n, per_req) > limit:
-                raise ResourceExhaustedError(
-                    f"table {name!r}: {n} ids for shard {i} exceed its limit of {limit} ids per request; "
-                    "split the batch or lower max_request_bytes"
-                )
-        groups = []
-        for i in range(self.num_shards):
-            idx = order[bounds[i] : bounds[i + 1]]
-            groups.append([idx[j : j + per_req] for j in range(0, len(idx), per_req)])
+        groups = group(name, uniq, meta.slots, self.num_shards, meta.max_ids, per_req)
         out = (spec, uniq, inverse.reshape(-1), groups)
         kept = arr.copy()  # not the caller's array, which may change after this call (uniq may be it)
         recent.append((meta, kept, (spec, kept if uniq is arr else uniq, *out[2:])))  # callers only read it
@@ -658,12 +637,12 @@ class PSClient:
         if policy is not None:
             head.sync.CopyFrom(policy_to_proto(policy))
         clocks: list[int] = []
-        place, in_order = _placement(inverse, len(uniq))  # distinct ids: replies written in the caller's order
+        place, in_order = placement(inverse, len(uniq))  # distinct ids: replies written in the caller's order
 
         def one(i: int, idx: np.ndarray) -> None:
             req = frame(head, ids=np.ascontiguousarray(uniq[idx]))
             msg, pl = unframe(pb.PullSparseReply, self._call(i, "PullSparse", req, name))
-            at = _at(place, idx)
+            at = placed(place, idx)
             rows[at] = from_wire(pl.get("data", b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
             versions[at] = from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions")
             clocks.append(msg.clock)
@@ -672,9 +651,9 @@ class PSClient:
         self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, g in enumerate(groups) for idx in g])
         shape = tuple(np.shape(ids)) + (spec.dim,)
         # in_order: in the caller's order already (ids unique and sorted, or written so)
-        out: list[Any] = [_like(ids, (rows if in_order else rows[inverse]).reshape(shape))]
+        out: list[Any] = [like(ids, (rows if in_order else rows[inverse]).reshape(shape))]
         if return_versions:
-            out.append(_like(ids, (versions if in_order else versions[inverse]).reshape(np.shape(ids))))
+            out.append(like(ids, (versions if in_order else versions[inverse]).reshape(np.shape(ids))))
         if return_clock:
             out.append(min(clocks, default=0))
         return out[0] if len(out) == 1 else tuple(out)
@@ -752,7 +731,7 @@ class PSClient:
         if sync is not None and sync.sync:
             groups = [g or [np.zeros(0, np.int64)] for g in groups]
         # one cast to the wire dtype; the finiteness check reads what is sent (after summing duplicates)
-        wdtype, wdata = _wire_checked(spec, summed, self.wire_dtype)
+        wdtype, wdata = wire_checked(spec, summed, self.wire_dtype)
         wrows = np.frombuffer(wdata, DTYPES[wdtype]).reshape(len(uniq), spec.dim)
 
         def one(i: int, idx: np.ndarray) -> PushResult:
@@ -814,7 +793,7 @@ class PSClient:
         if big:
             for n in big & set(push_dense):  # checked before anything is sent, as the rest
                 meta = self._dense_meta(n)
-                _wire_checked(meta.spec, _dense_input(meta.spec, push_dense[n], False, "gradient")[0], wire)
+                wire_checked(meta.spec, dense_input(meta.spec, push_dense[n], False, "gradient")[0], wire)
             streamed = (
                 {n: push_dense.pop(n) for n in big & set(push_dense)}, {}, {n: pull_dense.pop(n) for n in big & set(pull_dense)}, {},
             )
@@ -828,8 +807,8 @@ class PSClient:
         # ---- pushes: validated and cast once, here, before anything is sent
         for name, grad in push_dense.items():
             meta = dense_meta[name] = self._dense_meta(name)
-            g, _ = _dense_input(meta.spec, grad, False, "gradient")
-            dtype, data = _wire_checked(meta.spec, g, wire)
+            g, _ = dense_input(meta.spec, grad, False, "gradient")
+            dtype, data = wire_checked(meta.spec, g, wire)
             p = pol(policy, name)
             b = base_versions.get(name, -1)
             bases = [b] * S if isinstance(b, int) else list(b)
@@ -849,7 +828,7 @@ class PSClient:
             base = args[2] if len(args) > 2 else None
             p = pol(policy, name)
             spec, uniq, groups, summed, bmax = self._sparse_push_prep(name, ids, grads, base)
-            sdtype, sdata = _wire_checked(spec, summed, wire)
+            sdtype, sdata = wire_checked(spec, summed, wire)
             wrows = np.frombuffer(sdata, DTYPES[sdtype]).reshape(len(uniq), spec.dim)
             for i, grp in enumerate(groups):
                 idx = np.concatenate(grp) if grp else np.zeros(0, np.int64)
@@ -923,12 +902,12 @@ class PSClient:
         flats: dict[str, np.ndarray] = {}
         for name, out in pull_dense.items():
             meta = dense_meta[name]
-            direct = _direct_out(out, meta.spec.numel)
+            direct = direct_out(out, meta.spec.numel)
             flats[name] = direct if direct is not None else np.empty(meta.spec.numel, np.float32)
         sparse_rows = {n: (np.empty((len(v[1]), v[0].dim), np.float32), np.empty(len(v[1]), np.int64)) for n, v in sparse_plan.items()}
         # where each shard's rows go: in the caller's order at once when its ids are distinct (no gather after)
-        sparse_at = {n: _placement(v[2], len(v[1])) for n, v in sparse_plan.items()}
-        sparse_idx = {n: {i: _at(sparse_at[n][0], idx) for i, idx in v[4]} for n, v in sparse_plan.items()}
+        sparse_at = {n: placement(v[2], len(v[1])) for n, v in sparse_plan.items()}
+        sparse_idx = {n: {i: placed(sparse_at[n][0], idx) for i, idx in v[4]} for n, v in sparse_plan.items()}
         dense_versions = {n: [-1] * S for n in pull_dense}
         clocks: dict[str, list[int]] = {}
         pushed_parts: dict[str, list[Any]] = {}
@@ -971,18 +950,18 @@ class PSClient:
                 pushed[name] = _merged([r for _, r in prs])
         for name, out in pull_dense.items():
             meta = dense_meta[name]
-            if _direct_out(out, meta.spec.numel) is not None:
+            if direct_out(out, meta.spec.numel) is not None:
                 dense_out[name] = out
             else:
                 arr = flats[name].reshape(meta.spec.shape)
-                dense_out[name] = arr if out is None else _fill(out, arr, name)
+                dense_out[name] = arr if out is None else fill(out, arr, name)
         sparse_out = {}
         for name, (spec, uniq, inverse, ids, _) in sparse_plan.items():
             rows, vers = sparse_rows[name]
             shape = tuple(np.shape(ids))
             if not sparse_at[name][1]:  # else: in the caller's order already
                 rows, vers = rows[inverse], vers[inverse]
-            sparse_out[name] = (_like(ids, rows.reshape(shape + (spec.dim,))), _like(ids, vers.reshape(shape)))
+            sparse_out[name] = (like(ids, rows.reshape(shape + (spec.dim,))), like(ids, vers.reshape(shape)))
         result = StepResult(
             dense_out, {n: tuple(v) for n, v in dense_versions.items()}, sparse_out,
             {n: min(c) for n, c in clocks.items()}, pushed,
@@ -1059,7 +1038,7 @@ class PSClient:
             raise InvalidArgumentError(
                 f"table {name!r}: {g.shape[0]} gradient rows for {len(inverse)} ids (dim {spec.dim})"
             )
-        in_order = _is_identity(inverse, len(uniq))
+        in_order = is_identity(inverse, len(uniq))
         if in_order:
             summed = np.ascontiguousarray(g, np.float32)  # ids already unique and sorted: no scatter, no copy
         else:
@@ -1134,28 +1113,6 @@ class PSClient:
 
 
 # ---------------------------------------------------------------------- helpers
-def _dense_input(spec: TableSpec, x: Any, flat: bool, what: str) -> tuple[np.ndarray, tuple[int, ...]]:
-    """``x`` as the flat array to send, and the shape the caller gave. Refuses (before anything is
-    sent) a dtype other than the table's and a shape other than the table's (or, with ``flat``,
-    its flat view (numel,)): a (5, 2) tensor is not silently a (2, 5) table, nor float64 float32."""
-    if isinstance(x, (list, tuple)) or np.isscalar(x):
-        x = np.asarray(x, dtype=spec.dtype)  # no dtype of its own: the table's
-    dtype = str(x.dtype).removeprefix("torch.")
-    shape = tuple(int(d) for d in x.shape)
-    if dtype != spec.dtype:
-        raise DtypeError(
-            f"table {spec.name!r}: {what} of dtype {dtype}, the table holds {spec.dtype}; cast it first "
-            f"(numpy .astype(np.{spec.dtype}), torch .to(torch.{spec.dtype}))"
-        )
-    want = (spec.numel,) if flat else tuple(spec.shape)
-    if shape != want:
-        view = " (the flat view, flat=True)" if flat else ""
-        hint = "" if flat or int(np.prod(shape, dtype=np.int64)) != spec.numel else "; to push the flat view on purpose pass flat=True"
-        raise ShapeMismatchError(
-            f"table {spec.name!r}: {what} of shape {shape} ({int(np.prod(shape, dtype=np.int64))} elements), "
-            f"expected {want}{view} ({spec.numel} elements){hint}; nothing sent"
-        )
-    return as_numpy(x).reshape(-1), shape
 
 
 def _merge_steps(a: StepResult, b: StepResult) -> StepResult:
@@ -1163,59 +1120,6 @@ def _merge_steps(a: StepResult, b: StepResult) -> StepResult:
         {**a.dense, **b.dense}, {**a.dense_versions, **b.dense_versions}, {**a.sparse, **b.sparse}, {**a.clock, **b.clock},
         {**a.pushed, **b.pushed},
     )
-
-
-def _wire_checked(spec: TableSpec, g: np.ndarray, wire: str, what: str = "gradient") -> tuple[str, memoryview]:
-    """``g`` cast once to the wire dtype (the bytes to send), after refusing NaN/Inf in what is sent
-    (1e6 is Inf in float16): all shards or none, so no shard refuses a part the others apply."""
-    dtype, data = to_wire(g, wire)
-    if not spec.allow_nonfinite:
-        sent = from_wire(data, dtype, None)
-        if not _all_finite(sent):
-            bad = int(sent.size - np.count_nonzero(np.isfinite(sent)))
-            raise NonFiniteError(
-                f"table {spec.name!r}: {what} holds {bad} NaN/Inf value(s) as {wire} on the wire; rejected before sending"
-            )
-    return dtype, data
-
-
-def _all_finite(x: np.ndarray) -> bool:
-    """No NaN/Inf anywhere in ``x``? For float32, one BLAS pass without a boolean temporary: a NaN or
-    Inf makes x.x NaN/Inf, so a finite x.x says every element is finite (an x.x that overflows falls
-    back to the exact check)."""
-    if x.size == 0:
-        return True
-    if x.dtype == np.float32:
-        flat = x.reshape(-1)
-        if np.isfinite(float(np.dot(flat, flat))):  # BLAS, no temporary; half the time of isfinite().all()
-            return True
-    return bool(np.isfinite(x).all())
-
-
-def _is_identity(inverse: np.ndarray, n: int) -> bool:
-    """``inverse`` is 0, 1, ..., n-1 (the ids were unique and sorted already)."""
-    if inverse.size != n:
-        return False
-    return bool(inverse.size == 0 or (inverse[0] == 0 and inverse[-1] == inverse.size - 1 and np.all(np.diff(inverse) == 1)))
-
-
-def _placement(inverse: np.ndarray, n: int) -> tuple[np.ndarray | None, bool]:
-    """(place, in_order) for a reply's n unique ids. ``place``: for ids that are all distinct but not
-    sorted (``inverse`` a permutation of n), the caller's position of each unique id, so that replies
-    are written in the caller's order directly instead of gathered by ``inverse`` afterwards (one copy
-    of the rows fewer); else None. ``in_order``: the rows so placed (or the ids already unique and
-    sorted) need no gather by ``inverse``."""
-    if inverse.size != n:
-        return None, False
-    if _is_identity(inverse, n):
-        return None, True
-    at = np.empty(n, np.int64)
-    at[inverse] = np.arange(n)
-    return at, True
-
-
-def _at(place: np.ndarray | None, idx: np.ndarray) -> np.ndarray:
-    return idx if place is None else place[idx]
 
 
 def _merged(parts: Sequence[Any]) -> PushResult:
@@ -1247,70 +1151,3 @@ def _init(init: str | InitializerSpec) -> InitializerSpec:
     return init if isinstance(init, InitializerSpec) else InitializerSpec(init)
 
 
-def _ids(ids: Any, table: str) -> np.ndarray:
-    """Ids as a flat int64 array; values that do not fit int64 are an error, not a wrap-around."""
-    if isinstance(ids, torch.Tensor):
-        if ids.is_floating_point() or ids.is_complex():
-            raise InvalidArgumentError(f"table {table!r}: ids must be integers, got {ids.dtype}")
-        if ids.dtype != getattr(torch, "uint64", None):
-            return ids.detach().cpu().reshape(-1).to(torch.int64).numpy()
-        ids = ids.detach().cpu().numpy()  # uint64: range-checked below, not wrapped by .to(int64)
-    try:
-        arr = np.asarray(ids)
-    except OverflowError:
-        raise InvalidArgumentError(f"table {table!r}: an id does not fit in 64 bits") from None
-    if arr.dtype == object:
-        try:
-            arr = np.asarray(ids, dtype=np.int64)
-        except (OverflowError, TypeError, ValueError):
-            raise InvalidArgumentError(f"table {table!r}: ids must be integers in the int64 range") from None
-    if arr.size == 0:
-        return np.zeros(0, np.int64)
-    if arr.dtype.kind == "u":
-        if arr.max() > np.iinfo(np.int64).max:
-            raise InvalidArgumentError(
-                f"table {table!r}: id {int(arr.max())} is out of range for int64 (ids are signed 64-bit)"
-            )
-    elif arr.dtype.kind != "i":
-        raise InvalidArgumentError(f"table {table!r}: ids must be integers, got dtype {arr.dtype}")
-    return arr.reshape(-1).astype(np.int64, copy=False)
-
-
-def _like(x: Any, arr: np.ndarray) -> Any:
-    """``arr`` as the caller's kind: a torch tensor on x's device if x is a tensor, else numpy."""
-    if not isinstance(x, torch.Tensor):
-        return arr
-    t = torch.from_numpy(arr)
-    return t if x.device.type == "cpu" else t.to(x.device)
-
-
-def _direct_out(out: Any, numel: int) -> np.ndarray | None:
-    """A flat float32 numpy view of ``out`` that replies can be written into directly, else None.
-
-    Only where a copy would fill it identically: C-contiguous writable float32 numpy arrays and
-    contiguous CPU float32 tensors that do not require grad. On a failed call such an ``out`` may
-    be partly overwritten.
-    """
-    if isinstance(out, np.ndarray):
-        if out.dtype == np.float32 and out.size == numel and out.flags.c_contiguous and out.flags.writeable:
-            return out.reshape(-1)
-    elif isinstance(out, torch.Tensor):
-        if (
-            out.device.type == "cpu" and out.dtype == torch.float32 and out.numel() == numel
-            and out.is_contiguous() and not out.requires_grad
-        ):
-            return out.detach().numpy().reshape(-1)
-    return None
-
-
-def _fill(out: Any, arr: np.ndarray, table: str) -> Any:
-    """Copy ``arr`` into the caller's buffer ``out`` (numpy array or torch tensor, same numel) and return it."""
-    n = out.numel() if isinstance(out, torch.Tensor) else np.size(out)
-    if n != arr.size:
-        raise InvalidArgumentError(f"table {table!r}: out has {n} elements, the table has {arr.size}")
-    if isinstance(out, torch.Tensor):
-        with torch.no_grad():
-            out.copy_(torch.from_numpy(arr).view(out.shape))
-    else:
-        np.copyto(out, arr.reshape(np.shape(out)))
-    return out

@@ -1,0 +1,189 @@
+"""The client's planner: what a worker's call sends, decided before anything is sent. Validates
+(dtypes, shapes, NaN/Inf as they will be on the wire, id ranges, per-shard id limits), groups ids
+by owning shard and slices them to fit a request, and places replies in the caller's order.
+Pure (numpy/torch; no grpc): ``PSClient`` (ps/client.py) runs the plan over the wire and the fan-out."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ps.config import TableSpec
+from ps.errors import DtypeError, InvalidArgumentError, NonFiniteError, ResourceExhaustedError, ShapeMismatchError
+from ps.partition import SlotMap
+from tessera.codec import as_numpy, from_wire, to_wire
+
+__all__ = [
+    "dense_input", "wire_checked", "all_finite", "is_identity", "placement", "placed", "ids_of", "like", "direct_out", "fill",
+    "group",
+]
+
+
+def group(
+    name: str, uniq: np.ndarray, slots: SlotMap, num_shards: int, max_ids: Sequence[int], per_req: int
+) -> list[list[np.ndarray]]:
+    """Per shard, index arrays into the unique ids ``uniq`` of the ids it owns, in slices of at most
+    ``per_req``. Refuses (ResourceExhaustedError, before anything is sent) a shard whose slices
+    would exceed its ``max_ids`` per request (0: no limit)."""
+    owner = slots.shard_of(uniq)
+    order = np.argsort(owner, kind="stable")
+    bounds = np.searchsorted(owner[order], np.arange(num_shards + 1))
+    for i in range(num_shards):  # all shards or none: refuse before sending anything
+        n, limit = int(bounds[i + 1] - bounds[i]), max_ids[i]
+        if limit and min(n, per_req) > limit:
+            raise ResourceExhaustedError(
+                f"table {name!r}: {n} ids for shard {i} exceed its limit of {limit} ids per request; "
+                "split the batch or lower max_request_bytes"
+            )
+    groups = []
+    for i in range(num_shards):
+        idx = order[bounds[i] : bounds[i + 1]]
+        groups.append([idx[j : j + per_req] for j in range(0, len(idx), per_req)])
+    return groups
+
+
+def dense_input(spec: TableSpec, x: Any, flat: bool, what: str) -> tuple[np.ndarray, tuple[int, ...]]:
+    """``x`` as the flat array to send, and the shape the caller gave. Refuses (before anything is
+    sent) a dtype other than the table's and a shape other than the table's (or, with ``flat``,
+    its flat view (numel,)): a (5, 2) tensor is not silently a (2, 5) table, nor float64 float32."""
+    if isinstance(x, (list, tuple)) or np.isscalar(x):
+        x = np.asarray(x, dtype=spec.dtype)  # no dtype of its own: the table's
+    dtype = str(x.dtype).removeprefix("torch.")
+    shape = tuple(int(d) for d in x.shape)
+    if dtype != spec.dtype:
+        raise DtypeError(
+            f"table {spec.name!r}: {what} of dtype {dtype}, the table holds {spec.dtype}; cast it first "
+            f"(numpy .astype(np.{spec.dtype}), torch .to(torch.{spec.dtype}))"
+        )
+    want = (spec.numel,) if flat else tuple(spec.shape)
+    if shape != want:
+        view = " (the flat view, flat=True)" if flat else ""
+        hint = "" if flat or int(np.prod(shape, dtype=np.int64)) != spec.numel else "; to push the flat view on purpose pass flat=True"
+        raise ShapeMismatchError(
+            f"table {spec.name!r}: {what} of shape {shape} ({int(np.prod(shape, dtype=np.int64))} elements), "
+            f"expected {want}{view} ({spec.numel} elements){hint}; nothing sent"
+        )
+    return as_numpy(x).reshape(-1), shape
+
+
+def wire_checked(spec: TableSpec, g: np.ndarray, wire: str, what: str = "gradient") -> tuple[str, memoryview]:
+    """``g`` cast once to the wire dtype (the bytes to send), after refusing NaN/Inf in what is sent
+    (1e6 is Inf in float16): all shards or none, so no shard refuses a part the others apply."""
+    dtype, data = to_wire(g, wire)
+    if not spec.allow_nonfinite:
+        sent = from_wire(data, dtype, None)
+        if not all_finite(sent):
+            bad = int(sent.size - np.count_nonzero(np.isfinite(sent)))
+            raise NonFiniteError(
+                f"table {spec.name!r}: {what} holds {bad} NaN/Inf value(s) as {wire} on the wire; rejected before sending"
+            )
+    return dtype, data
+
+
+def all_finite(x: np.ndarray) -> bool:
+    """No NaN/Inf anywhere in ``x``? For float32, one BLAS pass without a boolean temporary: a NaN or
+    Inf makes x.x NaN/Inf, so a finite x.x says every element is finite (an x.x that overflows falls
+    back to the exact check)."""
+    if x.size == 0:
+        return True
+    if x.dtype == np.float32:
+        flat = x.reshape(-1)
+        if np.isfinite(float(np.dot(flat, flat))):  # BLAS, no temporary; half the time of isfinite().all()
+            return True
+    return bool(np.isfinite(x).all())
+
+
+def is_identity(inverse: np.ndarray, n: int) -> bool:
+    """``inverse`` is 0, 1, ..., n-1 (the ids were unique and sorted already)."""
+    if inverse.size != n:
+        return False
+    return bool(inverse.size == 0 or (inverse[0] == 0 and inverse[-1] == inverse.size - 1 and np.all(np.diff(inverse) == 1)))
+
+
+def placement(inverse: np.ndarray, n: int) -> tuple[np.ndarray | None, bool]:
+    """(place, in_order) for a reply's n unique ids. ``place``: for ids that are all distinct but not
+    sorted (``inverse`` a permutation of n), the caller's position of each unique id, so that replies
+    are written in the caller's order directly instead of gathered by ``inverse`` afterwards (one copy
+    of the rows fewer); else None. ``in_order``: the rows so placed (or the ids already unique and
+    sorted) need no gather by ``inverse``."""
+    if inverse.size != n:
+        return None, False
+    if is_identity(inverse, n):
+        return None, True
+    at = np.empty(n, np.int64)
+    at[inverse] = np.arange(n)
+    return at, True
+
+
+def placed(place: np.ndarray | None, idx: np.ndarray) -> np.ndarray:
+    return idx if place is None else place[idx]
+
+
+def ids_of(ids: Any, table: str) -> np.ndarray:
+    """Ids as a flat int64 array; values that do not fit int64 are an error, not a wrap-around."""
+    if isinstance(ids, torch.Tensor):
+        if ids.is_floating_point() or ids.is_complex():
+            raise InvalidArgumentError(f"table {table!r}: ids must be integers, got {ids.dtype}")
+        if ids.dtype != getattr(torch, "uint64", None):
+            return ids.detach().cpu().reshape(-1).to(torch.int64).numpy()
+        ids = ids.detach().cpu().numpy()  # uint64: range-checked below, not wrapped by .to(int64)
+    try:
+        arr = np.asarray(ids)
+    except OverflowError:
+        raise InvalidArgumentError(f"table {table!r}: an id does not fit in 64 bits") from None
+    if arr.dtype == object:
+        try:
+            arr = np.asarray(ids, dtype=np.int64)
+        except (OverflowError, TypeError, ValueError):
+            raise InvalidArgumentError(f"table {table!r}: ids must be integers in the int64 range") from None
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    if arr.dtype.kind == "u":
+        if arr.max() > np.iinfo(np.int64).max:
+            raise InvalidArgumentError(
+                f"table {table!r}: id {int(arr.max())} is out of range for int64 (ids are signed 64-bit)"
+            )
+    elif arr.dtype.kind != "i":
+        raise InvalidArgumentError(f"table {table!r}: ids must be integers, got dtype {arr.dtype}")
+    return arr.reshape(-1).astype(np.int64, copy=False)
+
+
+def like(x: Any, arr: np.ndarray) -> Any:
+    """``arr`` as the caller's kind: a torch tensor on x's device if x is a tensor, else numpy."""
+    if not isinstance(x, torch.Tensor):
+        return arr
+    t = torch.from_numpy(arr)
+    return t if x.device.type == "cpu" else t.to(x.device)
+
+
+def direct_out(out: Any, numel: int) -> np.ndarray | None:
+    """A flat float32 numpy view of ``out`` that replies can be written into directly, else None.
+
+    Only where a copy would fill it identically: C-contiguous writable float32 numpy arrays and
+    contiguous CPU float32 tensors that do not require grad. On a failed call such an ``out`` may
+    be partly overwritten.
+    """
+    if isinstance(out, np.ndarray):
+        if out.dtype == np.float32 and out.size == numel and out.flags.c_contiguous and out.flags.writeable:
+            return out.reshape(-1)
+    elif isinstance(out, torch.Tensor):
+        if (
+            out.device.type == "cpu" and out.dtype == torch.float32 and out.numel() == numel
+            and out.is_contiguous() and not out.requires_grad
+        ):
+            return out.detach().numpy().reshape(-1)
+    return None
+
+
+def fill(out: Any, arr: np.ndarray, table: str) -> Any:
+    """Copy ``arr`` into the caller's buffer ``out`` (numpy array or torch tensor, same numel) and return it."""
+    n = out.numel() if isinstance(out, torch.Tensor) else np.size(out)
+    if n != arr.size:
+        raise InvalidArgumentError(f"table {table!r}: out has {n} elements, the table has {arr.size}")
+    if isinstance(out, torch.Tensor):
+        with torch.no_grad():
+            out.copy_(torch.from_numpy(arr).view(out.shape))
+    else:
+        np.copyto(out, arr.reshape(np.shape(out)))
+    return out
