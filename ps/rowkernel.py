@@ -20,6 +20,7 @@ Pure ctypes/numpy/torch: no grpc.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.machinery
 import os
 import platform
@@ -93,8 +94,14 @@ def _kept_ptr(a: np.ndarray | None) -> int | None:
     if e is not None and e[0]() is a:
         return e[1]
     addr = a.ctypes.data
-    _ADDRESSES[key] = (weakref.ref(a, lambda r, k=key: _ADDRESSES.pop(k, None) if _ADDRESSES.get(k, (None,))[0] is r else None), addr)
+    _ADDRESSES[key] = (weakref.ref(a, functools.partial(_forget_address, key)), addr)
     return addr
+
+
+def _forget_address(key: int, ref: weakref.ref) -> None:
+    e = _ADDRESSES.get(key)
+    if e is not None and e[0] is ref:
+        del _ADDRESSES[key]
 
 
 _HPARAMS: dict[tuple, _Hparams] = {}  # (name, value) items -> the struct (a table's hparams rarely change)
