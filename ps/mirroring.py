@@ -4,17 +4,18 @@ over. Part of ``Shard`` (its facade, ps/shard.py); plain Python, no gRPC (the wi
 from __future__ import annotations
 
 import logging
+import secrets
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
-from ps.checkpoint import ShardSnapshot
+from ps.checkpoint import ShardSnapshot, pack_plain, snapshot_to_plain
 from ps.config import spec_from_dict
 from ps.consistency import SyncPolicy
 from ps.dedup import Dedup
 from ps.errors import FailedPreconditionError, InvalidArgumentError, ShardUnavailableError
-from ps.shardstate import PRIMARY, ShardState
+from ps.shardstate import BACKUP, PRIMARY, ShardState
 from ps.table import DenseTable, DenseUpdate, PushResult, RowDelta, SparsePush, SparseTable
 
 __all__ = ["Mirroring"]
@@ -87,6 +88,24 @@ class Mirroring(ShardState):
             if isinstance(t, SparseTable):
                 t.track_evictions = False
 
+    def attach(self, address: str, sender: Callable[[int], Callable[[dict], None]], chunk: int) -> Iterator[tuple[bytes, int]]:
+        """Attach the backup at ``address`` (HOST:PORT; Attach): yields this primary's snapshot in
+        pieces of ``chunk`` bytes, each with the attach id (set on the last piece only, 0 before),
+        then forwards every mutation through ``sender(attach_id)``. The gate is held exclusive from
+        the snapshot to the attach, so no mutation falls between the snapshot and the first forward."""
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(address) > 256:
+            raise InvalidArgumentError(f"Attach: the backup's address {address[:64]!r} is not HOST:PORT")
+        if self.role != PRIMARY:
+            raise FailedPreconditionError(f"Attach: shard {self.config.shard_index} here is a backup itself")
+        attach_id = secrets.randbits(63) or 1
+        with self.gate.exclusive():
+            data = pack_plain(snapshot_to_plain(self.snapshot(pending=True)))
+            for off in range(0, len(data), chunk):
+                yield data[off : off + chunk], attach_id if off + chunk >= len(data) else 0
+            self.attach_backup(address, sender(attach_id), attach_id)
+        log.info("shard %d: backup %s attached (%d bytes of snapshot)", self.config.shard_index, address, len(data))
+
     def attach_backup(self, address: str, forward: Callable[[dict], None], attach_id: int = 0) -> None:
         """Make ``address`` this primary's backup: every mutation from now on is forwarded through
         ``forward``. Call under ``gate.exclusive()``, after the backup received ``snapshot(pending=True)``
@@ -122,6 +141,8 @@ class Mirroring(ShardState):
     def apply_entry(self, entry: dict, attach_id: int, timeout: float = 30.0) -> None:
         """A backup: apply one mutation its primary forwarded under attach ``attach_id`` (in the
         primary's order per table). Waits for that attach's snapshot; refuses a stale attach's."""
+        if self.role != BACKUP:
+            raise FailedPreconditionError(f"Replicate: shard {self.config.shard_index} here is a primary (epoch {self.epoch})")
         deadline = time.monotonic() + timeout
         while True:
             with self.gate.shared():  # install() takes it exclusive: no entry applies across a re-install

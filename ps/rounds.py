@@ -7,7 +7,8 @@ import threading
 from dataclasses import dataclass
 
 from ps.consistency import LATE, SyncPolicy, SyncRound
-from ps.errors import TableNotFoundError
+from ps.errors import InvalidArgumentError, TableNotFoundError
+from ps.names import OPEN
 from ps.shardstate import PRIMARY, ShardState
 from ps.table import PushResult
 
@@ -83,19 +84,25 @@ class Rounds(ShardState):
             self.membership.min_clock(exclude=worker), rejoined,
         )
 
-    def join(self, worker: str, lease_s: float = 0.0, fresh: bool = False) -> MembershipView:
-        """Add ``worker`` to the live set. The view tells it where to start: BSP at ``sync_clock``,
-        SSP/async at the slowest live worker's clock. ``fresh``: the worker starts a fresh run (its
-        clock restarts at 0 instead of the one it had here)."""
+    def join(self, worker: str, lease_s: float = 0.0, fresh: bool = False, identity: str = OPEN) -> MembershipView:
+        """Add ``worker`` to the live set, as ``identity`` (``claim``). The view tells it where to
+        start: BSP at ``sync_clock``, SSP/async at the slowest live worker's clock. ``fresh``: the
+        worker starts a fresh run (its clock restarts at 0 instead of the one it had here)."""
+        if lease_s < 0:
+            raise InvalidArgumentError(f"Join: lease_ms must be >= 0, got {lease_s * 1000:g}")
+        self._member("Join", worker, identity)
         with self.gate.shared():
             self.membership.join(worker, lease_s, 0 if fresh else None)
             w = next((w for w in self.membership.workers() if w.name == worker), None)
             self._replicate({"k": "join", "worker": worker, "lease": w.lease_s if w else lease_s, "clock": w.clock if w else 0})
         return self._view(worker)
 
-    def heartbeat(self, worker: str, leave: bool = False, clock: int = 0) -> MembershipView:
+    def heartbeat(self, worker: str, leave: bool = False, clock: int = 0, identity: str = OPEN) -> MembershipView:
         """Renew ``worker``'s lease (rejoining it if it had expired) and raise its clock to ``clock``
-        (a worker that joins a run under way declares the step it starts from)."""
+        (a worker that joins a run under way declares the step it starts from); as ``identity``."""
+        if clock < 0:
+            raise InvalidArgumentError(f"Heartbeat: clock must be >= 0, got {clock}")
+        self._member("Heartbeat", worker, identity)
         if leave:
             with self.gate.shared():
                 self._replicate({"k": "leave", "worker": worker})
@@ -105,6 +112,11 @@ class Rounds(ShardState):
         if clock > 0:
             self.membership.advance(worker, clock - 1)
         return self._view(worker, rejoined)
+
+    def _member(self, what: str, worker: str, identity: str) -> None:
+        if not worker:
+            raise InvalidArgumentError(f"{what}: worker name is empty")
+        self.claim(identity, worker)
 
     def claim(self, identity: str, worker: str) -> None:
         """``identity`` writes or joins as ``worker`` (Join, Heartbeat, a push): the name must be its

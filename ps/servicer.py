@@ -6,22 +6,14 @@ bytes are read in place.
 """
 from __future__ import annotations
 
-import logging
-import secrets
 from typing import Any, Iterator
 
 import grpc
 
-from ps.errors import (
-    FailedPreconditionError,
-    InvalidArgumentError,
-    MalformedMessageError,
-    PermissionDeniedError,
-    ShardUnavailableError,
-)
-from ps.checkpoint import CheckpointError, pack_plain, snapshot_to_plain, unpack_plain
+from ps.errors import MalformedMessageError, PermissionDeniedError, ShardUnavailableError
+from ps.checkpoint import CheckpointError, unpack_plain
 from ps.replication import SNAPSHOT_CHUNK, ReplicaSender
-from ps.shard import BACKUP, PRIMARY, PUSH_DENSE, PUSH_SPARSE, PushChunk, Shard
+from ps.shard import PRIMARY, PushChunk, Shard
 from ps.table import ASSIGN
 from ps.wire import (
     ERRORS,
@@ -47,7 +39,6 @@ from tessera.v1 import ps_pb2 as pb
 
 __all__ = ["PSServicer", "STATUS_OF", "ERRORS", "SERVICE_NAME", "ROLES", "METHOD_ROLES", "WAITS"]
 
-log = logging.getLogger(__name__)
 
 SERVICE_NAME = "tessera.v1.ParameterServer"
 
@@ -97,18 +88,10 @@ class PSServicer:
         shard.names.pins = self.access.worker_names  # the token file's workers= pins
         self.bulk_port = 0  # > 0: the same handlers are served over tessera.bulk there (advertised by Role)
 
-    def _own(self, caller: Caller, worker: str) -> None:
-        """``caller`` writes or joins as ``worker``: it must be its own name (Shard.claim)."""
-        self.shard.claim(caller.identity, worker)
-
-    def _pulled(self, caller: Caller, worker: str) -> None:
-        """A pull naming ``worker``: a read (Shard.pulled: no join, no binding; a reader's name is ignored)."""
-        self.shard.pulled(worker, caller.identity, caller.has("worker") or caller.has("admin"))
-
     @staticmethod
-    def _client_key(caller: Caller, client: str) -> str:
-        """Dedup records are per identity: nobody can make another identity's pushes look retried."""
-        return f"{caller.identity}/{client}" if caller.identity and client else client
+    def _reader(caller: Caller) -> dict[str, Any]:
+        """Who a pull is (Shard.pulled: a read; a reader's worker name is ignored)."""
+        return {"identity": caller.identity, "as_worker": caller.has("worker") or caller.has("admin")}
 
     # ------------------------------------------------------------------ plumbing
     def _failed(self, method: str, code: grpc.StatusCode) -> None:
@@ -175,33 +158,20 @@ class PSServicer:
 
     def Attach(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> Iterator[bytes]:
         req, _ = self._decode(pb.AttachRequest, raw)
-        host, _, port = req.backup.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536 or len(req.backup) > 256:
-            raise InvalidArgumentError(f"Attach: the backup's address {req.backup[:64]!r} is not HOST:PORT")
-        sh = self.shard
-        if sh.role != PRIMARY:
-            raise FailedPreconditionError(f"Attach: shard {sh.config.shard_index} here is a backup itself")
-        attach_id = secrets.randbits(63) or 1
-        # no mutation may fall between the snapshot and the first forward: hold the gate throughout
-        with sh.gate.exclusive():
-            data = pack_plain(snapshot_to_plain(sh.snapshot(pending=True)))
-            for off in range(0, len(data), SNAPSHOT_CHUNK):
-                last = off + SNAPSHOT_CHUNK >= len(data)
-                head = pb.AttachChunk(last=last, attach_id=attach_id if last else 0)
-                yield self._out(frame(head, data=data[off : off + SNAPSHOT_CHUNK]))
-            sh.attach_backup(req.backup, ReplicaSender(req.backup, sh.epoch, attach_id, security=self.peer).send, attach_id)
-        log.info("shard %d: backup %s attached (%d bytes of snapshot)", sh.config.shard_index, req.backup, len(data))
+
+        def sender(attach_id: int) -> Any:
+            return ReplicaSender(req.backup, self.shard.epoch, attach_id, security=self.peer).send
+
+        for piece, attach_id in self.shard.attach(req.backup, sender, SNAPSHOT_CHUNK):
+            yield self._out(frame(pb.AttachChunk(last=attach_id != 0, attach_id=attach_id), data=piece))
 
     def Replicate(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, pl = self._decode(pb.ReplicateRequest, raw)
-        sh = self.shard
-        if sh.role != BACKUP:
-            raise FailedPreconditionError(f"Replicate: shard {sh.config.shard_index} here is a primary (epoch {sh.epoch})")
         try:
             entry = unpack_plain(pl.get("entry", b""))
         except CheckpointError as e:
             raise MalformedMessageError(f"Replicate: {e}") from None
-        sh.apply_entry(entry, req.attach_id, self._budget(context))
+        self.shard.apply_entry(entry, req.attach_id, self._budget(context))
         return self._out(pb.ReplicateReply().SerializeToString())
 
     # ------------------------------------------------------------------ tables
@@ -219,10 +189,6 @@ class PSServicer:
 
     def DropTable(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, _ = self._decode(pb.DropTableRequest, raw)
-        if len(req.tables) > self.shard.config.max_tables:
-            raise InvalidArgumentError(f"DropTable: {len(req.tables)} names, more than the shard's {self.shard.config.max_tables} tables")
-        if any(not n for n in req.tables):
-            raise InvalidArgumentError("DropTable: a table name is empty")
         dropped, path = self.shard.drop_tables(list(req.tables), req.missing_ok)
         reply = pb.DropTableReply(shard_index=self.shard.config.shard_index, dropped=dropped, checkpoint=path)
         return self._out(reply.SerializeToString())
@@ -234,22 +200,12 @@ class PSServicer:
     # ------------------------------------------------------------------ membership
     def Join(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, _ = self._decode(pb.JoinRequest, raw)
-        if req.lease_ms < 0:
-            raise InvalidArgumentError(f"Join: lease_ms must be >= 0, got {req.lease_ms}")
-        if not req.worker:
-            raise InvalidArgumentError("Join: worker name is empty")
-        self._own(caller, req.worker)
-        view = self.shard.join(req.worker, req.lease_ms / 1000.0, req.fresh)
+        view = self.shard.join(req.worker, req.lease_ms / 1000.0, req.fresh, caller.identity)
         return self._out(membership_to_proto(view).SerializeToString())
 
     def Heartbeat(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, _ = self._decode(pb.HeartbeatRequest, raw)
-        if not req.worker:
-            raise InvalidArgumentError("Heartbeat: worker name is empty")
-        if req.clock < 0:
-            raise InvalidArgumentError(f"Heartbeat: clock must be >= 0, got {req.clock}")
-        self._own(caller, req.worker)
-        view = self.shard.heartbeat(req.worker, req.leave, req.clock)
+        view = self.shard.heartbeat(req.worker, req.leave, req.clock, caller.identity)
         return self._out(membership_to_proto(view).SerializeToString())
 
     def Checkpoint(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
@@ -271,7 +227,7 @@ class PSServicer:
             for raw in request_iterator:
                 msg, pl = self._decode(pb.DenseChunk, raw)
                 if head is None:
-                    head, reply_dtype = dense_push_from_proto(msg, self._client_key(caller, msg.client))
+                    head, reply_dtype = dense_push_from_proto(msg)
                     if head.op == ASSIGN and not caller.has("admin"):
                         raise PermissionDeniedError(
                             f"table {head.table!r}: assigning values needs the admin role; "
@@ -288,8 +244,7 @@ class PSServicer:
         req, _ = self._decode(pb.PullDenseRequest, raw)
         dtype = wire_float_dtype(req.dtype, req.table, "dtype")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
-        self._pulled(caller, req.worker)
-        version, clock, blocks = self.shard.pull_dense(req.table, policy, self._budget(context))
+        version, clock, blocks = self.shard.pull_dense(req.table, policy, self._budget(context), req.worker, **self._reader(caller))
         for b in blocks:
             head = pb.DenseChunk(offset=b.offset, dtype=dtype, version=version, clock=clock)
             yield self._out(frame_pieces(head, data=to_wire(b.block, dtype)[1]))
@@ -298,12 +253,8 @@ class PSServicer:
     def Step(self, raw: bytes, context: grpc.ServicerContext, caller: Caller) -> bytes:
         req, pl = self._decode(pb.StepRequest, raw)
         parts = step_parts_from_proto(req, pl.get("data", memoryview(b"")))
-        if any(p.op in (PUSH_DENSE, PUSH_SPARSE) for p in parts):
-            self._own(caller, req.worker)  # its pushes join the worker (a step of pulls only is a read)
-        else:
-            self._pulled(caller, req.worker)
         dtype = req.dtype or "float32"
-        outcomes = self.shard.step(parts, req.worker, self._client_key(caller, req.client), self._budget(context), dtype)
+        outcomes = self.shard.step(parts, req.worker, req.client, self._budget(context), dtype, **self._reader(caller))
         reply, pieces = step_reply_to_proto(outcomes, dtype)
         return self._out(frame_pieces(reply, data=pieces))  # (not copied: bulk sends them as they are, gRPC joins)
 
@@ -313,17 +264,12 @@ class PSServicer:
         dtype = wire_float_dtype(req.dtype, req.table, "dtype")
         ids = from_wire(pl.get("ids", b""), "int64", None, what=f"table {req.table!r}: ids")
         known = None
-        if "known_versions" in pl:  # a conditional pull: checked before anything is read or created
-            kv = pl["known_versions"]
-            if len(kv) != 8 * len(ids):
-                raise InvalidArgumentError(
-                    f"table {req.table!r}: known_versions has {len(kv)} bytes; {len(ids)} ids need {8 * len(ids)} "
-                    "(one int64 per id, -1: none held)"
-                )
-            known = from_wire(kv, "int64", (len(ids),), what=f"table {req.table!r}: known_versions")
+        if "known_versions" in pl:  # a conditional pull
+            known = from_wire(pl["known_versions"], "int64", None, what=f"table {req.table!r}: known_versions")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
-        self._pulled(caller, req.worker)
-        r = self.shard.pull_rows(req.table, ids, policy, self._budget(context), dtype, known, req.known_epoch)
+        r = self.shard.pull_rows(
+            req.table, ids, policy, self._budget(context), dtype, known, req.known_epoch, req.worker, **self._reader(caller)
+        )
         head = pb.PullSparseReply(dtype=r.dtype, dim=r.dim, clock=r.clock, conditional=r.conditional, epoch=r.epoch)
         return self._out(frame_pieces(head, versions=byte_view(r.versions), data=to_wire(r.rows, r.dtype)[1]))
 
@@ -337,8 +283,7 @@ class PSServicer:
         if len(pl.get("base_versions", b"")):
             base = from_wire(pl["base_versions"], "int64", None, what=f"table {name!r}: base_versions")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
-        self._own(caller, req.worker)
-        out = self.shard.push_sparse(name, ids, grads, base, req.worker, policy, self._client_key(caller, req.client), req.seq)
+        out = self.shard.push_sparse(name, ids, grads, base, req.worker, policy, req.client, req.seq, caller.identity)
         r = out.result
         return self._out(
             pb.PushSparseReply(

@@ -20,6 +20,7 @@ from ps.config import ShardConfig
 from ps.consistency import SyncPolicy
 from ps.errors import InvalidArgumentError, ResourceExhaustedError, ShapeMismatchError
 from ps.mirroring import Mirroring, _dense_entry, _sparse_entry
+from ps.names import OPEN
 from ps.rounds import MembershipView, Rounds, SyncPush, WorkerStats
 from ps.shardstate import BACKUP, PRIMARY
 from ps.snapshots import Snapshots
@@ -239,7 +240,7 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
 
     # ------------------------------------------------------------------ membership
 
-    def push_dense(self, chunks: Iterator[PushChunk], context: Any = None, identity: str = "") -> Iterator[DenseBlock | DensePushOutcome]:
+    def push_dense(self, chunks: Iterator[PushChunk], context: Any = None, identity: str = OPEN) -> Iterator[DenseBlock | DensePushOutcome]:
         """A dense push streamed chunk by chunk (PushDense); the first chunk's ``head`` says what it is.
 
         The head is validated (table, stated shape; a BSP push names its worker), ``identity`` claims
@@ -280,7 +281,7 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
                         f"({have} of {need} chunks, {need - have} missing); nothing applied"
                     )
             intake.check_complete()
-            out = intake.commit(head.client, head.seq)
+            out = intake.commit(_dedup_key(identity, head.client), head.seq)
         except BaseException:
             if intake is not None:
                 intake.abort()  # whatever ended the push (bad chunk, broken stream): its computed blocks go back
@@ -359,12 +360,19 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
 
     def pull_rows(
         self, name: str, ids: np.ndarray, policy: SyncPolicy, timeout: float, wire_dtype: str = "float32",
-        known: np.ndarray | None = None, known_epoch: int = 0,
+        known: np.ndarray | None = None, known_epoch: int = 0, worker: str = "", identity: str = OPEN, as_worker: bool = True,
     ) -> SparsePull:
-        """A sparse pull (PullSparse): waits as ``policy`` requires (up to ``timeout``), then reads.
-        ``known``: the versions the caller holds of ``ids`` (-1: none), read in eviction epoch
-        ``known_epoch``: while that is still the table's, only the rows it lacks are sent."""
+        """A sparse pull (PullSparse) naming ``worker`` (``pulled``): waits as ``policy`` requires (up
+        to ``timeout``), then reads. ``known``: the versions the caller holds of ``ids`` (-1: none),
+        read in eviction epoch ``known_epoch``: while that is still the table's, only the rows it
+        lacks are sent."""
         t = self.sparse(name)
+        if known is not None and len(known) != len(ids):  # checked before anything is read or created
+            raise InvalidArgumentError(
+                f"table {name!r}: known_versions has {len(known)} entries; {len(ids)} ids need {len(ids)} "
+                "(one int64 per id, -1: none held)"
+            )
+        self.pulled(worker, identity, as_worker)
         clock = self.wait(name, policy, timeout)
         dtype = self.sparse_reply_dtype(name, wire_dtype)  # low-precision rows travel as stored
         # the eviction epoch before and after the read: equal, no row was dropped while the versions were
@@ -381,9 +389,12 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
                 values = values[changed]  # a torch tensor (or array) of the rows as stored
         return SparsePull(values, versions, dtype, t.dim, clock, epoch, conditional)
 
-    def pull_dense(self, name: str, policy: SyncPolicy, timeout: float) -> tuple[int, int, list[DenseBlock]]:
-        """A dense pull (PullDense): waits as ``policy`` requires (up to ``timeout``); returns
-        (version, BSP clock, the slice's blocks)."""
+    def pull_dense(
+        self, name: str, policy: SyncPolicy, timeout: float, worker: str = "", identity: str = OPEN, as_worker: bool = True
+    ) -> tuple[int, int, list[DenseBlock]]:
+        """A dense pull (PullDense) naming ``worker`` (``pulled``): waits as ``policy`` requires (up
+        to ``timeout``); returns (version, BSP clock, the slice's blocks)."""
+        self.pulled(worker, identity, as_worker)
         t = self.dense(name)
         clock = self.wait(name, policy, timeout)
         version, blocks = t.snapshot()
@@ -391,9 +402,12 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
 
     def push_sparse(
         self, name: str, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None,
-        worker: str = "", policy: SyncPolicy = SyncPolicy(), client: str = "", seq: int = 0,
+        worker: str = "", policy: SyncPolicy = SyncPolicy(), client: str = "", seq: int = 0, identity: str = OPEN,
     ) -> SyncPush:
-        return self.apply_sparse(name, self.prepare_sparse(name, ids, grads, base_versions, policy, worker), worker, policy, client, seq)
+        """A sparse push (PushSparse) by ``identity`` as ``worker`` (``claim``), at most once per (client, seq)."""
+        self.claim(identity, worker)
+        prepared = self.prepare_sparse(name, ids, grads, base_versions, policy, worker)
+        return self.apply_sparse(name, prepared, worker, policy, _dedup_key(identity, client), seq)
 
     def prepare_sparse(
         self, name: str, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None,
@@ -433,7 +447,8 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
 
     # ------------------------------------------------------------------ step
     def step(
-        self, parts: Sequence[StepPart], worker: str = "", client: str = "", timeout: float = 300.0, wire_dtype: str = "float32"
+        self, parts: Sequence[StepPart], worker: str = "", client: str = "", timeout: float = 300.0, wire_dtype: str = "float32",
+        identity: str = OPEN, as_worker: bool = True,
     ) -> list[StepOutcome]:
         """One worker's step on this shard: every push part, then every pull part (in order).
 
@@ -442,7 +457,13 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         (atomically per table, at most once per (client, seq); BSP pushes join their round), then each
         pull waits as its policy requires (a BSP pull for clock t+1 waits for round t: in sync mode it
         returns the values of the round the pushes took part in) and reads. Blocks up to ``timeout``.
-        ``wire_dtype``: the dtype the caller reads in (a sparse pull's outcome says its rows' dtype)."""
+        ``wire_dtype``: the dtype the caller reads in (a sparse pull's outcome says its rows' dtype).
+        A step with pushes claims ``worker`` for ``identity`` (``claim``); one of pulls only is a read (``pulled``)."""
+        if any(p.op in (PUSH_DENSE, PUSH_SPARSE) for p in parts):
+            self.claim(identity, worker)
+        else:
+            self.pulled(worker, identity, as_worker)
+        client = _dedup_key(identity, client)
         staged: list[Any] = []
         try:
             for p in parts:
@@ -590,6 +611,11 @@ class _DenseIntake:
     def abort(self) -> None:
         if self.update is not None:
             self.update.abort()  # a no-op once committed
+
+
+def _dedup_key(identity: str, client: str) -> str:
+    """Dedup records are per identity: nobody can make another identity's pushes look retried."""
+    return f"{identity}/{client}" if identity and client else client
 
 
 def _check_push_shape(table: DenseTable, shape: tuple[int, ...], flat_view: bool) -> None:

@@ -48,6 +48,7 @@ class ShardState:
     _apply_round: Callable[[str, list], PushResult]
     _replicate_contribution: Callable[..., None]
     # ps.snapshots
+    snapshot: Callable[..., ShardSnapshot]
     restore: Callable[[ShardSnapshot], None]
     save_checkpoint: Callable[[], str]
 

@@ -143,6 +143,10 @@ class Tables(ShardState):
         effect here (a backup that does not take it: ShardUnavailableError, nothing dropped). With a
         checkpoint directory a checkpoint is written right after, so the newest checkpoint never holds
         a dropped table; if that write fails the tables stay dropped and FailedPreconditionError says so."""
+        if len(names) > self.config.max_tables:
+            raise InvalidArgumentError(f"DropTable: {len(names)} names, more than the shard's {self.config.max_tables} tables")
+        if not all(names):
+            raise InvalidArgumentError("DropTable: a table name is empty")
         names = list(dict.fromkeys(names))
         if not names:
             raise InvalidArgumentError("DropTable: name at least one table")

@@ -410,15 +410,15 @@ def step_reply_to_proto(outcomes: Sequence[StepOutcome], dtype: str) -> tuple[pb
 
 
 # ---------------------------------------------------------------------- PushDense
-def dense_push_from_proto(msg: pb.DenseChunk, client: str) -> tuple[DensePush, str]:
-    """A push stream's first DenseChunk as the push it starts (``client``: its dedup key) and its reply dtype."""
+def dense_push_from_proto(msg: pb.DenseChunk) -> tuple[DensePush, str]:
+    """A push stream's first DenseChunk as the push it starts and its reply dtype."""
     name = msg.table
     reply_dtype = wire_float_dtype(msg.reply_dtype, name, "reply_dtype")
     if msg.op not in (pb.DENSE_OP_GRADIENT, pb.DENSE_OP_ASSIGN):
         raise InvalidArgumentError(f"table {name!r}: unknown op {msg.op}; use DENSE_OP_GRADIENT (0) or DENSE_OP_ASSIGN (1)")
     head = DensePush(
         name, ASSIGN if msg.op == pb.DENSE_OP_ASSIGN else GRADIENT, policy_from_proto(msg.sync, msg.HasField("sync")), msg.worker,
-        client, msg.seq, msg.base_version, tuple(int(d) for d in msg.shape), msg.flat_view, msg.return_params,
+        msg.client, msg.seq, msg.base_version, tuple(int(d) for d in msg.shape), msg.flat_view, msg.return_params,
         msg.return_params and msg.early,
     )
     return head, reply_dtype
