@@ -29,7 +29,7 @@ from ps.errors import InternalError, PSError, ShardUnavailableError
 from ps.wire import ERRORS
 from tessera.bulk import BulkChannel
 from tessera.codec import as_bytes
-from tessera.service import ClientSecurity, client_channel
+from tessera.service import ClientSecurity, channel_ready, client_channel
 from tessera.v1 import ps_pb2 as pb
 
 __all__ = ["SERVICE", "CallPolicy", "ShardStub", "typed_error"]
@@ -143,14 +143,7 @@ class _Replica:
         """While a bulk call waits: None if the shard's gRPC channel is (or gets) READY within ``timeout``.
         Its keepalive pings (tessera.rpc) are answered by the shard's gRPC core, so a stopped or frozen
         shard process drops it within seconds: the bulk call then fails as a gRPC call would."""
-        ready = grpc.channel_ready_future(self.channel)
-        try:
-            ready.result(timeout=timeout)
-            return None
-        except grpc.FutureTimeoutError:
-            return f"its gRPC channel {self.address} is not answering ({timeout:.3g} s)"
-        finally:
-            ready.cancel()
+        return None if channel_ready(self.channel, timeout) else f"its gRPC channel {self.address} is not answering ({timeout:.3g} s)"
 
     def unresolve(self, gen: int) -> None:
         """After a failed call that used generation ``gen``: ask the server again at the next call
@@ -203,10 +196,8 @@ class ShardStub:
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the current primary accepts connections (ShardUnavailableError after ``timeout``)."""
-        try:
-            grpc.channel_ready_future(self.replicas[self.cur].channel).result(timeout=timeout)
-        except grpc.FutureTimeoutError:
-            raise ShardUnavailableError(f"shard {self.label} not reachable within {timeout} s") from None
+        if not channel_ready(self.replicas[self.cur].channel, timeout):
+            raise ShardUnavailableError(f"shard {self.label} not reachable within {timeout} s")
 
     # ------------------------------------------------------------------ calls
     def call(self, method: str, request: Any, table: str | None = None) -> bytes:

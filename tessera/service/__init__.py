@@ -13,7 +13,7 @@ One module per idea (each re-exported here):
   :func:`guarded_handler`, the one handler wrapper and error path.
 * :mod:`~tessera.service.server`: :func:`build_server` -> ``(server, port, health)``,
   :func:`serving_when`.
-* :mod:`~tessera.service.client`: :func:`client_channel`, :func:`wait_for_server`;
+* :mod:`~tessera.service.client`: :func:`client_channel`, :func:`channel_ready`, :func:`wait_for_server`;
   :mod:`~tessera.service.diagnose`: :func:`diagnose` (why a connection fails).
 * :mod:`~tessera.service.certs`: :func:`make_ca`, :func:`issue_cert`;
   :mod:`~tessera.service.args`: the security flags of every command.
@@ -27,7 +27,7 @@ from tessera.service.args import (
     server_security_from,
 )
 from tessera.service.certs import issue_cert, make_ca, self_signed_cert
-from tessera.service.client import client_channel, wait_for_server
+from tessera.service.client import channel_ready, client_channel, wait_for_server
 from tessera.service.diagnose import Diagnosis, ServerUnreachableError, diagnose
 from tessera.service.errors import (
     ERROR_CLASS_HEADER,
@@ -64,7 +64,7 @@ __all__ = [
     "ErrorTable", "ERROR_CLASS_HEADER", "Identities", "TokenFile", "WorkerNames", "read_token_file", "load_token_file",
     "write_token_file", "new_tokens", "token_metadata", "token_from", "TOKEN_HEADER",
     "ServerSecurity", "ClientSecurity", "Caller", "Access", "Limits", "Method", "guarded_handler",
-    "build_server", "client_channel", "make_ca", "issue_cert", "self_signed_cert", "is_loopback", "read_pem", "pem_file", "ANONYMOUS",
+    "build_server", "channel_ready", "client_channel", "make_ca", "issue_cert", "self_signed_cert", "is_loopback", "read_pem", "pem_file", "ANONYMOUS",
     "add_server_security_args", "add_client_security_args", "server_security_from", "client_security_from",
     "FailedCall", "TransportSecurityError", "ServerUnreachableError", "Diagnosis", "diagnose", "wait_for_server", "BindError",
     "UsageError", "serving_when",

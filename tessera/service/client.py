@@ -15,7 +15,7 @@ from tessera.service.errors import ERROR_CLASS_HEADER, TransportSecurityError
 from tessera.service.tls import ClientSecurity, read_pem
 from tessera.service.tokens import TOKEN_HEADER
 
-__all__ = ["client_channel", "wait_for_server"]
+__all__ = ["channel_ready", "client_channel", "wait_for_server"]
 
 
 class _TokenInterceptor(
@@ -128,6 +128,21 @@ class _CheckedStream:
         return getattr(self._call, name)
 
 
+def channel_ready(channel: grpc.Channel, timeout: float) -> bool:
+    """True once ``channel`` is READY, False after ``timeout`` seconds. The wait's subscription is
+    cancelled either way: a leftover one keeps gRPC's connectivity thread polling the channel, and
+    closing the channel under that thread kills it with "Channel closed!" (a stray thread traceback
+    after a command's one error line)."""
+    ready = grpc.channel_ready_future(channel)
+    try:
+        ready.result(timeout=timeout)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        ready.cancel()
+
+
 def wait_for_server(
     address: str, security: ClientSecurity | None = None, timeout: float = 60.0,
     on_wait: Callable[[float, Diagnosis], None] | None = None, every: float = 5.0,
@@ -143,11 +158,8 @@ def wait_for_server(
     said = t0
     try:
         while True:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=max(0.05, min(1.0, deadline - time.monotonic())))
+            if channel_ready(channel, max(0.05, min(1.0, deadline - time.monotonic()))):
                 return
-            except grpc.FutureTimeoutError:
-                pass
             d = diagnose(address, security, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
             if d.mismatch:
                 raise TransportSecurityError(d.message, address)
