@@ -2,6 +2,7 @@
 whose bulk bytes travel beside them (``frame`` / ``unframe``)."""
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any, Sequence, TypeVar
 
 import grpc
@@ -57,6 +58,7 @@ from tessera.service import ErrorTable
 from tessera.v1 import ps_pb2 as pb
 
 M = TypeVar("M", bound=Message)
+T = TypeVar("T")
 
 __all__ = [
     "ERRORS",
@@ -180,104 +182,41 @@ def _spec_from_proto(msg: pb.TableSpec) -> TableSpec:
     )
 
 
+def _to_proto(cls: type[M], value: Any, **given: Any) -> M:
+    """The dataclass ``value`` as a ``cls`` message, field by field of the same name (the two are
+    written to match); ``given``: the fields the caller converted."""
+    return cls(**{f.name: getattr(value, f.name) for f in fields(value) if f.name not in given}, **given)
+
+
+def _from_proto(cls: type[T], msg: Message, **given: Any) -> T:
+    """The message ``msg`` as the dataclass ``cls``, as ``_to_proto`` the other way."""
+    return cls(**{f.name: getattr(msg, f.name) for f in fields(cls) if f.name not in given}, **given)  # type: ignore[arg-type, call-arg]
+
+
 def info_to_proto(info: TableInfo) -> pb.TableInfo:
-    return pb.TableInfo(
-        spec=spec_to_proto(info.spec),
-        shard_index=info.shard_index,
-        num_shards=info.num_shards,
-        offset=info.offset,
-        length=info.length,
-        chunk_elems=info.chunk_elems,
-        version=info.version,
-        max_ids_per_request=info.max_ids_per_request,
-    )
+    return _to_proto(pb.TableInfo, info, spec=spec_to_proto(info.spec))
 
 
 def info_from_proto(msg: pb.TableInfo) -> TableInfo:
-    return TableInfo(
-        spec_from_proto(msg.spec), msg.shard_index, msg.num_shards, msg.offset, msg.length, msg.chunk_elems, msg.version,
-        msg.max_ids_per_request,
-    )
+    return _from_proto(TableInfo, msg, spec=spec_from_proto(msg.spec))
 
 
 def stats_to_proto(s: ShardStats) -> pb.StatsReply:
-    return pb.StatsReply(
-        shard_index=s.shard_index,
-        num_shards=s.num_shards,
-        tables=[
-            pb.TableStats(
-                name=t.name, kind=_KIND_TO_PB[t.kind], rows=t.rows, elements=t.elements,
-                param_bytes=t.param_bytes, state_bytes=t.state_bytes, version=t.version, offset=t.offset,
-                length=t.length, evicted=t.evicted, dropped=t.dropped, rejected=t.rejected,
-                mean_staleness=t.mean_staleness, max_staleness=t.max_staleness, row_dtype=t.row_dtype,
-                bytes_per_row=t.bytes_per_row, payload_bytes_per_row=t.payload_bytes_per_row, index_bytes=t.index_bytes,
-                metadata_bytes=t.metadata_bytes, resident_rows=t.resident_rows, cold_rows=t.cold_rows,
-                disk_bytes=t.disk_bytes, held_bytes=t.held_bytes, row_path=t.row_path,
-            )
-            for t in s.tables
-        ],
-        requests=s.requests,
-        errors=s.errors,
-        bytes_in=s.bytes_in,
-        bytes_out=s.bytes_out,
-        uptime_s=s.uptime_s,
-        workers=[pb.WorkerStats(name=w.name, clock=w.clock, live=w.live, idle_s=w.idle_s) for w in s.workers],
-        leases_expired=s.leases_expired,
-        pushes_aborted_idle=s.pushes_aborted_idle,
-        duplicates=s.duplicates,
-        maintenance_errors=s.maintenance_errors,
-        sync_clock=s.sync_clock,
-        checkpoints=s.checkpoints,
-        last_checkpoint=s.last_checkpoint,
-        role=s.role,
-        backup=s.backup,
-        replicated=s.replicated,
-        backups_lost=s.backups_lost,
-        epoch=s.epoch,
-        backup_of=s.backup_of,
+    return _to_proto(
+        pb.StatsReply, s, tables=[_to_proto(pb.TableStats, t, kind=_KIND_TO_PB[t.kind]) for t in s.tables],
+        workers=[_to_proto(pb.WorkerStats, w) for w in s.workers],
     )
 
 
 def stats_from_proto(msg: pb.StatsReply) -> ShardStats:
-    return ShardStats(
-        msg.shard_index,
-        msg.num_shards,
-        [
-            TableStats(
-                t.name, _KIND_FROM_PB.get(t.kind, "?"), t.rows, t.elements, t.param_bytes, t.state_bytes, t.version,
-                t.offset, t.length, t.evicted, t.dropped, t.rejected, t.mean_staleness, t.max_staleness,
-                t.row_dtype, t.bytes_per_row, t.payload_bytes_per_row, t.index_bytes, t.metadata_bytes,
-                t.resident_rows, t.cold_rows, t.disk_bytes, t.held_bytes, t.row_path,
-            )
-            for t in msg.tables
-        ],
-        dict(msg.requests),
-        dict(msg.errors),
-        msg.bytes_in,
-        msg.bytes_out,
-        msg.uptime_s,
-        [WorkerStats(w.name, w.clock, w.live, w.idle_s) for w in msg.workers],
-        msg.leases_expired,
-        msg.pushes_aborted_idle,
-        msg.duplicates,
-        msg.maintenance_errors,
-        msg.sync_clock,
-        msg.checkpoints,
-        msg.last_checkpoint,
-        msg.role,
-        msg.backup,
-        msg.replicated,
-        msg.backups_lost,
-        msg.epoch,
-        msg.backup_of,
+    return _from_proto(
+        ShardStats, msg, tables=[_from_proto(TableStats, t, kind=_KIND_FROM_PB.get(t.kind, "?")) for t in msg.tables],
+        workers=[_from_proto(WorkerStats, w) for w in msg.workers], requests=dict(msg.requests), errors=dict(msg.errors),
     )
 
 
 def policy_to_proto(p: SyncPolicy) -> pb.SyncSpec:
-    return pb.SyncSpec(
-        clock=p.clock, sync=p.sync, staleness=p.staleness, backup_workers=p.backup_workers,
-        staleness_aware_lr=p.staleness_aware_lr,
-    )
+    return _to_proto(pb.SyncSpec, p)
 
 
 def policy_from_proto(msg: pb.SyncSpec, present: bool = True) -> SyncPolicy:
@@ -288,17 +227,15 @@ def policy_from_proto(msg: pb.SyncSpec, present: bool = True) -> SyncPolicy:
         raise InvalidArgumentError(f"sync.backup_workers must be >= 0, got {msg.backup_workers}")
     if msg.sync and msg.clock < 0:
         raise InvalidArgumentError(f"sync.clock must be >= 0 for a BSP request, got {msg.clock}")
-    return SyncPolicy(msg.clock, msg.sync, msg.staleness, msg.backup_workers, msg.staleness_aware_lr)
+    return _from_proto(SyncPolicy, msg)
 
 
 def membership_to_proto(v: MembershipView) -> pb.MembershipReply:
-    return pb.MembershipReply(
-        shard_index=v.shard_index, live=list(v.live), sync_clock=v.sync_clock, min_clock=v.min_clock, rejoined=v.rejoined
-    )
+    return _to_proto(pb.MembershipReply, v)
 
 
 def membership_from_proto(msg: pb.MembershipReply) -> MembershipView:
-    return MembershipView(msg.shard_index, tuple(msg.live), msg.sync_clock, msg.min_clock, msg.rejoined)
+    return _from_proto(MembershipView, msg, live=tuple(msg.live))
 
 
 # the PS's two-way error table: error class <-> status code (the first match along an error's MRO
