@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
-import torch
 
 from ps.config import (
     DENSE,
@@ -37,9 +36,9 @@ from ps.config import (
 from ps.errors import InternalError, InvalidArgumentError, TableNotFoundError, with_table
 from ps.consistency import SyncPolicy
 from ps.outages import ShardWatch
-from ps.plan import dense_input, direct_out, fill, group, ids_of, is_identity, like, placed, placement, wire_checked
+from ps.plan import DenseOut, SparseOut, dense_input, group, ids_of, joined, policy_for, sum_duplicates, wire_checked
 from ps.partition import SlotMap
-from ps.shard import MembershipView, ShardStats, TableInfo
+from ps.shard import PULL_DENSE, PULL_SPARSE, PUSH_DENSE, PUSH_SPARSE, MembershipView, ShardStats, StepOutcome, StepPart, TableInfo
 from ps.stub import CallPolicy, ShardStub
 from ps.table import PushResult
 from ps.wire import (
@@ -50,6 +49,8 @@ from ps.wire import (
     policy_to_proto,
     spec_to_proto,
     stats_from_proto,
+    step_parts_to_proto,
+    step_reply_from_proto,
     unframe,
 )
 from tessera.codec import DTYPES, as_numpy, from_wire
@@ -429,8 +430,7 @@ class PSClient:
         ``return_clock``: also return ``(clock, versions)``: the table's BSP clock (min over
         shards) and each shard's slice version (pass them back as a push's ``base_version``)."""
         meta = self._dense_meta(name)
-        direct = direct_out(out, meta.spec.numel)  # straight into out: no temporary, no second copy
-        flat = direct if direct is not None else np.empty(meta.spec.numel, np.float32)
+        got = DenseOut(meta.spec, out)  # straight into out where it can: no temporary, no second copy
         head = pb.PullDenseRequest(table=name, dtype=self.wire_dtype, worker=self.worker)
         if policy is not None:
             head.sync.CopyFrom(policy_to_proto(policy))
@@ -443,18 +443,16 @@ class PSClient:
             s = self._shards[i]
 
             def attempt() -> int:
-                version = 0
-                got = 0
+                version = n = 0
                 for raw in s.pull_dense(req):
                     msg, pl = unframe(pb.DenseChunk, raw)
                     data = from_wire(pl.get("data", b""), msg.dtype, None, what=f"table {name!r} reply")
-                    a = start + msg.offset
-                    flat[a : a + data.size] = data
-                    got += data.size
+                    got.put(start + msg.offset, data)
+                    n += data.size
                     version = msg.version
                     clocks.append(msg.clock)
-                if got != stop - start:
-                    raise InternalError(f"table {name!r}: shard {s.address} returned {got} of {stop - start} elements")
+                if n != stop - start:
+                    raise InternalError(f"table {name!r}: shard {s.address} returned {n} of {stop - start} elements")
                 return version
 
             versions[i] = s.retry(attempt, name)
@@ -462,11 +460,7 @@ class PSClient:
 
         # shards whose range of a tiny table is empty hold nothing to read (and see no BSP pushes)
         self._fan_out([lambda i=i: one(i) for i in range(self.num_shards) if meta.ranges[i][1] > meta.ranges[i][0]])
-        if direct is not None:
-            result = out
-        else:
-            arr = flat.reshape(meta.spec.shape)
-            result = arr if out is None else fill(out, arr, name)
+        result = got.result()
         return (result, (min(clocks, default=0), tuple(versions))) if return_clock else result
 
     def push_dense(
@@ -505,22 +499,11 @@ class PSClient:
         with_result: bool = False,
     ) -> Any:
         """``with_result`` (with ``return_params``): return (values, DenseResult)."""
-        meta = self._dense_meta(name)
-        bases = [base_version] * self.num_shards if isinstance(base_version, int) else list(base_version)
-        if len(bases) != self.num_shards:
-            raise InvalidArgumentError(f"table {name!r}: {len(bases)} base versions for {self.num_shards} shards")
+        meta, bases, given_shape, wire, wdata = self._dense_grad(name, grad, base_version, op, flat_view)
         sync = policy_to_proto(policy) if policy is not None else None
-        g, given_shape = dense_input(meta.spec, grad, flat_view, "gradient" if op == pb.DENSE_OP_GRADIENT else "values")
-        direct = direct_out(out, meta.spec.numel) if return_params else None
-        flat = (direct if direct is not None else np.empty(meta.spec.numel, np.float32)) if return_params else None
-        # values assigned are kept, not accumulated: never round them to a low-precision wire dtype
-        wire = self.wire_dtype if op == pb.DENSE_OP_GRADIENT else "float32"
-        # all shards or none: check what will be sent, so no shard refuses a part the others apply
-        # cast once: the finiteness check reads the bytes that are sent (no second cast per chunk)
-        wdtype, wdata = wire_checked(meta.spec, g, wire, "gradient" if op == pb.DENSE_OP_GRADIENT else "assigned values")
-        item = DTYPES[wdtype].itemsize
+        got = DenseOut(meta.spec, out) if return_params else None
 
-        def one(i: int) -> tuple[int, int, bool, int]:
+        def one(i: int) -> tuple[int, PushResult]:
             start, stop = meta.ranges[i]
             chunk = meta.chunk[i]
             s = self._shards[i]
@@ -528,8 +511,8 @@ class PSClient:
 
             def requests() -> Iterator[Any]:
                 for off in range(0, stop - start, chunk):
-                    part = wdata[(start + off) * item : min(stop, start + off + chunk) * item]
-                    head = pb.DenseChunk(offset=off, dtype=wdtype)
+                    part = wdata[start + off : min(stop, start + off + chunk)]
+                    head = pb.DenseChunk(offset=off, dtype=wire)
                     if off == 0:
                         head.table, head.op, head.base_version = name, op, bases[i]  # type: ignore[assignment]
                         head.return_params, head.reply_dtype, head.worker = return_params, wire, self.worker
@@ -542,7 +525,7 @@ class PSClient:
                     head.last = off + chunk >= stop - start
                     yield frame_pieces(head, data=part)  # (views of wdata: sent as they are over bulk)
 
-            def attempt() -> tuple[int, int, bool, int]:
+            def attempt() -> PushResult:
                 version = staleness = clock = -1
                 late = False
                 # reply chunks land by offset as they come (a later one overwrites an earlier one): the
@@ -550,10 +533,9 @@ class PSClient:
                 early = final = 0
                 for raw in s.push_dense(requests()):
                     msg, pl = unframe(pb.DenseChunk, raw)
-                    if "data" in pl and flat is not None:
+                    if "data" in pl and got is not None:
                         data = from_wire(pl["data"], msg.dtype, None, what=f"table {name!r} reply")
-                        a = start + msg.offset
-                        flat[a : a + data.size] = data
+                        got.put(start + msg.offset, data)
                         if msg.early:
                             early += data.size
                         else:
@@ -563,37 +545,42 @@ class PSClient:
                         dup[0] = msg.duplicate
                         if msg.early:
                             final += early
-                if flat is not None and final != stop - start:
+                if got is not None and final != stop - start:
                     raise InternalError(
                         f"table {name!r}: shard {s.address} returned {final} of {stop - start} updated values"
                         + (f" ({early} sent before the commit, not confirmed)" if early else "")
                     )
-                return version, staleness, late, clock
+                return PushResult(0, 0, -1.0, staleness, version, int(late), clock)
 
             dup = [False]
             out = s.retry(attempt, name)
             # counted once the call succeeded: an attempt that read its reply and then failed is retried
             self._count_ack(f"{name}@{i}", 1 if op == pb.DENSE_OP_GRADIENT and not (sync is not None and sync.sync) else 0, dup[0])
-            return out
+            return i, out
 
         # a table smaller than the cluster leaves some shards an empty range: nothing to send them
-        res = self._fan_out(
-            [
-                (lambda i=i: one(i)) if meta.ranges[i][1] > meta.ranges[i][0] and (shards is None or i in shards)
-                else (lambda: (-1, -1, False, -1))
-                for i in range(self.num_shards)
-            ]
-        )
-        clocks = [r[3] for r in res if r[3] >= 0]
-        result = DenseResult(tuple(r[0] for r in res), tuple(r[1] for r in res), sum(r[2] for r in res), min(clocks, default=-1))
-        if flat is None:
+        sent = [i for i in (shards if shards is not None else range(self.num_shards)) if meta.ranges[i][1] > meta.ranges[i][0]]
+        result = _dense_result(self._fan_out([lambda i=i: one(i) for i in sent]) if sent else [], self.num_shards)
+        if got is None:
             return result
-        if direct is not None:
-            values = out
-        else:
-            arr = flat.reshape(meta.spec.shape)
-            values = fill(out, arr, name) if out is not None else like(grad, arr)
+        values = got.result(grad)
         return (values, result) if with_result else values
+
+    def _dense_grad(
+        self, name: str, grad: Any, base_version: int | Sequence[int], op: int, flat_view: bool = False
+    ) -> tuple[_Dense, list[int], tuple[int, ...], str, np.ndarray]:
+        """A dense push checked and cast once, before anything is sent (all shards or none: no shard
+        refuses a part the others apply; the finiteness check reads what is sent): (meta, base version
+        per shard, the shape the caller gave, the wire dtype, the flat values to send in it)."""
+        meta = self._dense_meta(name)
+        bases = [base_version] * self.num_shards if isinstance(base_version, int) else list(base_version)
+        if len(bases) != self.num_shards:
+            raise InvalidArgumentError(f"table {name!r}: {len(bases)} base versions for {self.num_shards} shards")
+        gradient = op == pb.DENSE_OP_GRADIENT
+        g, given_shape = dense_input(meta.spec, grad, flat_view, "gradient" if gradient else "values")
+        # values assigned are kept, not accumulated: never round them to a low-precision wire dtype
+        wire, data = wire_checked(meta.spec, g, self.wire_dtype if gradient else "float32", "gradient" if gradient else "assigned values")
+        return meta, bases, given_shape, wire, np.frombuffer(data, DTYPES[wire])
 
     # ------------------------------------------------------------------ sparse
     def _group(self, name: str, ids: Any) -> tuple[TableSpec, np.ndarray, np.ndarray, list[list[np.ndarray]]]:
@@ -631,32 +618,30 @@ class PSClient:
         ``policy``: wait as BSP/SSP require for step ``policy.clock``.
         """
         spec, uniq, inverse, groups = self._group(name, ids)
-        rows = np.empty((len(uniq), spec.dim), np.float32)
-        versions = np.empty(len(uniq), np.int64)
-        head = pb.PullSparseRequest(table=name, dtype=self.wire_dtype, worker=self.worker)
-        if policy is not None:
-            head.sync.CopyFrom(policy_to_proto(policy))
+        got = SparseOut(spec.dim, uniq, inverse, ids)
+        head = self._pull_sparse_head(name, policy)
         clocks: list[int] = []
-        place, in_order = placement(inverse, len(uniq))  # distinct ids: replies written in the caller's order
 
         def one(i: int, idx: np.ndarray) -> None:
             req = frame(head, ids=np.ascontiguousarray(uniq[idx]))
             msg, pl = unframe(pb.PullSparseReply, self._call(i, "PullSparse", req, name))
-            at = placed(place, idx)
-            rows[at] = from_wire(pl.get("data", b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
-            versions[at] = from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions")
+            rows = from_wire(pl.get("data", b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
+            got.put(idx, rows, from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions"))
             clocks.append(msg.clock)
             self._count_rows(name, len(idx))
 
         self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, g in enumerate(groups) for idx in g])
-        shape = tuple(np.shape(ids)) + (spec.dim,)
-        # in_order: in the caller's order already (ids unique and sorted, or written so)
-        out: list[Any] = [like(ids, (rows if in_order else rows[inverse]).reshape(shape))]
-        if return_versions:
-            out.append(like(ids, (versions if in_order else versions[inverse]).reshape(np.shape(ids))))
+        rows, versions = got.result()
+        out: list[Any] = [rows, versions] if return_versions else [rows]
         if return_clock:
             out.append(min(clocks, default=0))
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _pull_sparse_head(self, name: str, policy: SyncPolicy | None) -> pb.PullSparseRequest:
+        head = pb.PullSparseRequest(table=name, dtype=self.wire_dtype, worker=self.worker)
+        if policy is not None:
+            head.sync.CopyFrom(policy_to_proto(policy))
+        return head
 
     def pull_sparse_changed(
         self, name: str, ids: Any, known_versions: Any, known_epochs: Any, policy: SyncPolicy | None = None,
@@ -688,9 +673,7 @@ class PSClient:
         versions = np.empty(len(uniq), np.int64)
         sent = np.ones(len(uniq), bool)  # the rows whose values came over the wire
         got_epochs = np.empty(len(uniq), np.int64)
-        head = pb.PullSparseRequest(table=name, dtype=self.wire_dtype, worker=self.worker)
-        if policy is not None:
-            head.sync.CopyFrom(policy_to_proto(policy))
+        head = self._pull_sparse_head(name, policy)
         clocks: list[int] = []
 
         def one(i: int, idx: np.ndarray) -> None:
@@ -727,18 +710,14 @@ class PSClient:
         each shard's round waits for every live worker.
         """
         sync = policy_to_proto(policy) if policy is not None else None
-        spec, uniq, groups, summed, base = self._sparse_push_prep(name, ids, grads, base_versions)
-        if sync is not None and sync.sync:
-            groups = [g or [np.zeros(0, np.int64)] for g in groups]
-        # one cast to the wire dtype; the finiteness check reads what is sent (after summing duplicates)
-        wdtype, wdata = wire_checked(spec, summed, self.wire_dtype)
-        wrows = np.frombuffer(wdata, DTYPES[wdtype]).reshape(len(uniq), spec.dim)
+        spec, uniq, groups, wrows, base = self._sparse_grads(name, ids, grads, base_versions, sync is not None and sync.sync)
 
         def one(i: int, idx: np.ndarray) -> PushResult:
-            head = pb.PushSparseRequest(table=name, dim=spec.dim, worker=self.worker, client=self.client_id, seq=next(self._seq))
+            head = pb.PushSparseRequest(
+                table=name, dim=spec.dim, worker=self.worker, client=self.client_id, seq=next(self._seq), dtype=self.wire_dtype
+            )
             if sync is not None:
                 head.sync.CopyFrom(sync)
-            head.dtype = wdtype
             bulk: dict[str, Any] = {"ids": np.ascontiguousarray(uniq[idx]), "data": np.ascontiguousarray(wrows[idx])}
             if base is not None:
                 bulk["base_versions"] = np.ascontiguousarray(base[idx])
@@ -780,9 +759,7 @@ class PSClient:
         pull_dense = dict(pull_dense) if isinstance(pull_dense, Mapping) else {n: None for n in (pull_dense or ())}
         pull_sparse = dict(pull_sparse or {})
         base_versions = dict(base_versions or {})
-        pol = lambda p, n: p.get(n) if isinstance(p, Mapping) else p  # noqa: E731
-        wire = self.wire_dtype
-        item = DTYPES[wire].itemsize
+        item = DTYPES[self.wire_dtype].itemsize
         # dense tables whose slices are big go by the chunked streams (PushDense/PullDense, concurrent
         # with the Step calls): a unary message of many MiB costs more than its chunks streamed
         big = {
@@ -792,181 +769,95 @@ class PSClient:
         streamed: tuple[dict, dict, dict, dict] | None = None
         if big:
             for n in big & set(push_dense):  # checked before anything is sent, as the rest
-                meta = self._dense_meta(n)
-                wire_checked(meta.spec, dense_input(meta.spec, push_dense[n], False, "gradient")[0], wire)
+                self._dense_grad(n, push_dense[n], base_versions.get(n, -1), pb.DENSE_OP_GRADIENT)
             streamed = (
                 {n: push_dense.pop(n) for n in big & set(push_dense)}, {}, {n: pull_dense.pop(n) for n in big & set(pull_dense)}, {},
             )
         S = self.num_shards
-        reqs: list[list[tuple[Any, list[Any]]]] = [[] for _ in range(S)]  # per shard: (StepPart, [bulk pieces])
-        size = [0] * S  # request bytes per shard
+        parts: list[list[StepPart]] = [[] for _ in range(S)]  # per shard, pushes first (validated and cast once, here)
         reply = [0] * S  # reply bytes per shard
-        dense_meta: dict[str, _Dense] = {}
-        sparse_plan: dict[str, Any] = {}
-
-        # ---- pushes: validated and cast once, here, before anything is sent
         for name, grad in push_dense.items():
-            meta = dense_meta[name] = self._dense_meta(name)
-            g, _ = dense_input(meta.spec, grad, False, "gradient")
-            dtype, data = wire_checked(meta.spec, g, wire)
-            p = pol(policy, name)
-            b = base_versions.get(name, -1)
-            bases = [b] * S if isinstance(b, int) else list(b)
-            if len(bases) != S:
-                raise InvalidArgumentError(f"table {name!r}: {len(bases)} base versions for {S} shards")
+            meta, bases, _, _, data = self._dense_grad(name, grad, base_versions.get(name, -1), pb.DENSE_OP_GRADIENT)
             for i, (start, stop) in enumerate(meta.ranges):
                 if stop > start:
-                    part = pb.StepPart(table=name, op=pb.STEP_OP_PUSH_DENSE, seq=next(self._seq), base_version=bases[i],
-                                       count=stop - start, data_at=size[i])
-                    if p is not None:
-                        part.sync.CopyFrom(policy_to_proto(p))
-                    piece = data[start * item : stop * item]
-                    reqs[i].append((part, [piece]))
-                    size[i] += len(piece)
+                    parts[i].append(StepPart(name, PUSH_DENSE, policy_for(policy, name), next(self._seq), bases[i], data[start:stop]))
         for name, args in push_sparse.items():
-            ids, grads = args[0], args[1]
-            base = args[2] if len(args) > 2 else None
-            p = pol(policy, name)
-            spec, uniq, groups, summed, bmax = self._sparse_push_prep(name, ids, grads, base)
-            sdtype, sdata = wire_checked(spec, summed, wire)
-            wrows = np.frombuffer(sdata, DTYPES[sdtype]).reshape(len(uniq), spec.dim)
-            for i, grp in enumerate(groups):
-                idx = np.concatenate(grp) if grp else np.zeros(0, np.int64)
-                if not idx.size and not (p is not None and p.sync):
-                    continue  # a BSP push reaches every shard (its round waits for every live worker)
-                part = pb.StepPart(table=name, op=pb.STEP_OP_PUSH_SPARSE, seq=next(self._seq), count=len(idx), dim=spec.dim)
-                if p is not None:
-                    part.sync.CopyFrom(policy_to_proto(p))
-                pieces = [np.ascontiguousarray(uniq[idx]), np.ascontiguousarray(wrows[idx])]
-                if bmax is not None:
-                    pieces.append(np.ascontiguousarray(bmax[idx]))
-                part.ids_at = size[i]
-                part.data_at = part.ids_at + pieces[0].nbytes
-                part.base_at = part.data_at + pieces[1].nbytes if bmax is not None else -1
-                reqs[i].append((part, pieces))
-                size[i] += sum(x.nbytes for x in pieces)
-
-        # ---- pulls
+            p = policy_for(policy, name)
+            _, uniq, groups, rows, base = self._sparse_grads(name, args[0], args[1], args[2] if len(args) > 2 else None, p.sync)
+            for i, idx in enumerate(map(joined, groups)):
+                if len(groups[i]):  # a BSP push reaches every shard (its round waits for every live worker)
+                    vers = None if base is None else base[idx]
+                    parts[i].append(StepPart(name, PUSH_SPARSE, p, next(self._seq), values=rows[idx], ids=uniq[idx], base_versions=vers))
         for name in pull_dense:
-            meta = dense_meta.get(name) or self._dense_meta(name)
-            dense_meta[name] = meta
-            p = pol(pull_policy, name)
-            for i, (start, stop) in enumerate(meta.ranges):
+            for i, (start, stop) in enumerate(self._dense_meta(name).ranges):
                 if stop > start:
-                    part = pb.StepPart(table=name, op=pb.STEP_OP_PULL_DENSE)
-                    if p is not None:
-                        part.sync.CopyFrom(policy_to_proto(p))
-                    reqs[i].append((part, []))
+                    parts[i].append(StepPart(name, PULL_DENSE, policy_for(pull_policy, name)))
                     reply[i] += (stop - start) * item
-        for name, ids in pull_sparse.items():
-            spec, uniq, inverse, groups = self._group(name, ids)
-            p = pol(pull_policy, name)
-            sparse_plan[name] = (spec, uniq, inverse, ids, [])
-            for i, grp in enumerate(groups):
-                idx = np.concatenate(grp) if grp else np.zeros(0, np.int64)
-                if not idx.size:
-                    continue
-                sparse_plan[name][4].append((i, idx))
-                ids_piece = np.ascontiguousarray(uniq[idx])
-                part = pb.StepPart(table=name, op=pb.STEP_OP_PULL_SPARSE, count=len(idx), ids_at=size[i])
-                if p is not None:
-                    part.sync.CopyFrom(policy_to_proto(p))
-                reqs[i].append((part, [ids_piece]))
-                size[i] += ids_piece.nbytes
-                reply[i] += len(idx) * (spec.dim * item + 8)
-
+        pulled = {name: self._group(name, ids) for name, ids in pull_sparse.items()}
+        for name, (spec, uniq, _, groups) in pulled.items():
+            for i, idx in enumerate(map(joined, groups)):
+                if len(idx):
+                    parts[i].append(StepPart(name, PULL_SPARSE, policy_for(pull_policy, name), ids=uniq[idx]))
+                    reply[i] += len(idx) * (spec.dim * item + 8)
+        size = [sum(a.nbytes for p in ps for a in (p.ids, p.values, p.base_versions) if a is not None) for ps in parts]
         if max(size + reply, default=0) + 4096 > self.max_request_bytes:  # the request, or the reply, of one shard
             return self._step_separately(push_dense, push_sparse, pull_dense, pull_sparse, policy, pull_policy, base_versions, streamed)
-        side = None
-        if streamed is not None:
-            side = self._pool.submit(self._step_separately, *streamed, policy, pull_policy, base_versions)
+        side = self._pool.submit(self._step_separately, *streamed, policy, pull_policy, base_versions) if streamed else None
 
-        # ---- one call per shard
-        def one(i: int) -> tuple[pb.StepReply, memoryview]:
-            head = pb.StepRequest(worker=self.worker, client=self.client_id, dtype=wire)
-            head.parts.extend(part for part, _ in reqs[i])
-            pieces = [x for _, ps in reqs[i] for x in ps]
-            raw = frame_pieces(head, data=pieces)  # (not copied: bulk sends them as they are, gRPC joins)
+        def one(i: int) -> list[StepOutcome]:
+            raw = step_parts_to_proto(parts[i], self.worker, self.client_id, self.wire_dtype)
             msg, pl = unframe(pb.StepReply, self._call(i, "Step", raw))
-            if len(msg.parts) != len(reqs[i]):
-                raise InternalError(f"shard {self._shards[i].label}: Step answered {len(msg.parts)} of {len(reqs[i])} parts")
-            return msg, pl.get("data", memoryview(b""))
+            if len(msg.parts) != len(parts[i]):
+                raise InternalError(f"shard {self._shards[i].label}: Step answered {len(msg.parts)} of {len(parts[i])} parts")
+            return step_reply_from_proto(msg, pl.get("data", memoryview(b"")), self.wire_dtype)
 
         try:
-            replies = self._fan_out([(lambda i=i: one(i)) if reqs[i] else (lambda: None) for i in range(S)])
+            replies = self._fan_out([(lambda i=i: one(i)) if parts[i] else list for i in range(S)])
         finally:
             side_result = side.result() if side is not None else None  # its error, if any, after the Step calls ended
+        result = self._step_result(replies, pull_dense, pulled, pull_sparse, policy, set(push_dense))
+        return result if side_result is None else _merge_steps(result, side_result)
 
-        # ---- reassemble
-        dense_out: dict[str, Any] = {}
-        flats: dict[str, np.ndarray] = {}
-        for name, out in pull_dense.items():
-            meta = dense_meta[name]
-            direct = direct_out(out, meta.spec.numel)
-            flats[name] = direct if direct is not None else np.empty(meta.spec.numel, np.float32)
-        sparse_rows = {n: (np.empty((len(v[1]), v[0].dim), np.float32), np.empty(len(v[1]), np.int64)) for n, v in sparse_plan.items()}
-        # where each shard's rows go: in the caller's order at once when its ids are distinct (no gather after)
-        sparse_at = {n: placement(v[2], len(v[1])) for n, v in sparse_plan.items()}
-        sparse_idx = {n: {i: placed(sparse_at[n][0], idx) for i, idx in v[4]} for n, v in sparse_plan.items()}
+    def _step_result(
+        self, replies: list[list[StepOutcome]], pull_dense: dict[str, Any], pulled: dict[str, Any], pull_sparse: dict[str, Any],
+        policy: Any, dense_pushed: set[str],
+    ) -> StepResult:
+        """The shards' Step outcomes placed in the caller's shapes and order (``step``)."""
+        S = self.num_shards
+        flats = {n: DenseOut(self._dense_meta(n).spec, out) for n, out in pull_dense.items()}
+        sparse = {n: SparseOut(spec.dim, uniq, inverse, pull_sparse[n]) for n, (spec, uniq, inverse, _) in pulled.items()}
+        at = {n: [joined(g) for g in pulled[n][3]] for n in pulled}
         dense_versions = {n: [-1] * S for n in pull_dense}
         clocks: dict[str, list[int]] = {}
-        pushed_parts: dict[str, list[Any]] = {}
-        for i, rep in enumerate(replies):
-            if rep is None:
-                continue
-            msg, data = rep
-            for r in msg.parts:
-                name = r.table
-                if r.op == pb.STEP_OP_PULL_DENSE:
-                    start, stop = dense_meta[name].ranges[i]
-                    flats[name][start:stop] = _reply_span(data, r.data_at, wire, (stop - start,), name)
-                    dense_versions[name][i] = r.version
-                    clocks.setdefault(name, []).append(r.clock)
-                elif r.op == pb.STEP_OP_PULL_SPARSE:
-                    spec = sparse_plan[name][0]
-                    idx = sparse_idx[name][i]
-                    rows, vers = sparse_rows[name]
-                    rows[idx] = _reply_span(data, r.data_at, r.dtype or wire, (len(idx), spec.dim), name)
-                    vers[idx] = _reply_span(data, r.versions_at, "int64", (len(idx),), name)
-                    clocks.setdefault(name, []).append(r.clock)
-                    self._count_rows(name, len(idx))
+        pushes: dict[str, list[tuple[int, StepOutcome]]] = {}
+        for i, outcomes in enumerate(replies):
+            for o in outcomes:
+                name = o.table
+                if o.op == PULL_DENSE:
+                    assert o.blocks is not None  # (step_reply_from_proto: a pull's values are set)
+                    flats[name].put(self._dense_meta(name).ranges[i][0], o.blocks[0])
+                    dense_versions[name][i] = o.version
+                elif o.op == PULL_SPARSE:
+                    assert o.versions is not None
+                    sparse[name].put(at[name][i], o.rows, o.versions)
+                    self._count_rows(name, len(at[name][i]))
                 else:
-                    pushed_parts.setdefault(name, []).append((i, r))
+                    pushes.setdefault(name, []).append((i, o))
+                if o.op in (PULL_DENSE, PULL_SPARSE):
+                    clocks.setdefault(name, []).append(o.clock)
         pushed: dict[str, Any] = {}
-        for name, prs in pushed_parts.items():
-            pp = pol(policy, name)
-            sync = pp is not None and pp.sync
-            for i, r in prs:
-                acked = (1 if name in push_dense else r.applied) if not sync else 0
-                self._count_ack(f"{name}@{i}", acked, r.duplicate)
-            if name in push_dense:
-                vs = [-1] * S
-                st = [-1] * S
-                for i, r in prs:
-                    vs[i], st[i] = r.version, r.staleness
-                cl = [r.clock for _, r in prs if r.clock >= 0]
-                pushed[name] = DenseResult(tuple(vs), tuple(st), sum(int(r.late) for _, r in prs), min(cl, default=-1))
-            else:
-                pushed[name] = _merged([r for _, r in prs])
-        for name, out in pull_dense.items():
-            meta = dense_meta[name]
-            if direct_out(out, meta.spec.numel) is not None:
-                dense_out[name] = out
-            else:
-                arr = flats[name].reshape(meta.spec.shape)
-                dense_out[name] = arr if out is None else fill(out, arr, name)
-        sparse_out = {}
-        for name, (spec, uniq, inverse, ids, _) in sparse_plan.items():
-            rows, vers = sparse_rows[name]
-            shape = tuple(np.shape(ids))
-            if not sparse_at[name][1]:  # else: in the caller's order already
-                rows, vers = rows[inverse], vers[inverse]
-            sparse_out[name] = (like(ids, rows.reshape(shape + (spec.dim,))), like(ids, vers.reshape(shape)))
-        result = StepResult(
-            dense_out, {n: tuple(v) for n, v in dense_versions.items()}, sparse_out,
-            {n: min(c) for n, c in clocks.items()}, pushed,
+        for name, outs in pushes.items():
+            sync = policy_for(policy, name).sync
+            for i, o in outs:
+                assert o.push is not None
+                acked = 0 if sync else 1 if name in dense_pushed else o.push.result.applied
+                self._count_ack(f"{name}@{i}", acked, o.push.duplicate)
+            results = [(i, o.push.result) for i, o in outs if o.push is not None]
+            pushed[name] = _dense_result(results, S) if name in dense_pushed else _merged([r for _, r in results])
+        return StepResult(
+            {n: d.result() for n, d in flats.items()}, {n: tuple(v) for n, v in dense_versions.items()},
+            {n: s.result() for n, s in sparse.items()}, {n: min(c) for n, c in clocks.items()}, pushed,
         )
-        return result if side_result is None else _merge_steps(result, side_result)
 
     def _step_separately(
         self, push_dense: dict, push_sparse: dict, pull_dense: dict, pull_sparse: dict, policy: Any, pull_policy: Any,
@@ -977,17 +868,11 @@ class PSClient:
         if also is not None:
             push_dense, push_sparse = {**push_dense, **also[0]}, {**push_sparse, **also[1]}
             pull_dense, pull_sparse = {**pull_dense, **also[2]}, {**pull_sparse, **also[3]}
-        pol = lambda p, n: p.get(n) if isinstance(p, Mapping) else p  # noqa: E731
+        pol = policy_for
         # a dense table pushed and pulled where neither waits (async; not BSP, no SSP pull) goes as one
         # fused push: the shard streams its new values back while the gradient is still arriving
-        def waits(p: SyncPolicy | None) -> bool:
-            return p is not None and (p.sync or p.ssp)
-
-        fused = {
-            n: pull_dense.pop(n)
-            for n in list(push_dense)
-            if n in pull_dense and not waits(pol(policy, n)) and not waits(pol(pull_policy, n))
-        }
+        waits = [n for n in push_dense if any(p.sync or p.ssp for p in (pol(policy, n), pol(pull_policy, n)))]
+        fused = {n: pull_dense.pop(n) for n in list(push_dense) if n in pull_dense and n not in waits}
         for n, o in fused.items():  # as a pull: into ``out``, else a new float32 numpy array
             fused[n] = o if o is not None else np.empty(self._dense_meta(n).spec.shape, np.float32)
         jobs: list[Any] = [
@@ -1022,40 +907,19 @@ class PSClient:
                 sparse[n], clock[n] = (r[0], r[1]), r[2]
         return StepResult(dense, versions, sparse, clock, pushed)
 
-    def _sparse_push_prep(
-        self, name: str, ids: Any, grads: Any, base_versions: Any
+    def _sparse_grads(
+        self, name: str, ids: Any, grads: Any, base_versions: Any, bsp: bool
     ) -> tuple[TableSpec, np.ndarray, list[list[np.ndarray]], np.ndarray, np.ndarray | None]:
-        """Validate a sparse push and sum its duplicate ids: (spec, unique ids, per-shard index groups,
-        summed float32 rows, newest base version per unique id or None)."""
+        """A sparse push checked, its duplicate ids summed and cast once to the wire dtype (the
+        finiteness check reads what is sent): (spec, unique ids, per-shard index groups (``bsp``:
+        every shard at least an empty one, since each shard's round waits for every live worker),
+        the rows to send, newest base version per unique id or None)."""
         spec, uniq, inverse, groups = self._group(name, ids)
-        ga = as_numpy(grads)
-        if ga.size and (ga.ndim < 1 or ga.shape[-1] != spec.dim):
-            raise InvalidArgumentError(
-                f"table {name!r}: gradient shape {tuple(ga.shape)} does not end in the table's dim {spec.dim}"
-            )
-        g = ga.reshape(-1, spec.dim) if ga.size else np.zeros((0, spec.dim), np.float32)
-        if g.shape[0] != len(inverse):
-            raise InvalidArgumentError(
-                f"table {name!r}: {g.shape[0]} gradient rows for {len(inverse)} ids (dim {spec.dim})"
-            )
-        in_order = is_identity(inverse, len(uniq))
-        if in_order:
-            summed = np.ascontiguousarray(g, np.float32)  # ids already unique and sorted: no scatter, no copy
-        else:
-            summed = np.zeros((len(uniq), spec.dim), np.float32)
-            if len(inverse) == len(uniq):
-                summed[inverse] = g  # no duplicates: a scatter, not a sum
-            else:
-                torch.from_numpy(summed).index_add_(0, torch.from_numpy(inverse), torch.from_numpy(np.ascontiguousarray(g, np.float32)))
-        base = None
-        if base_versions is not None:
-            bv = as_numpy(base_versions).reshape(-1).astype(np.int64, copy=False)
-            if in_order:
-                base = bv
-            else:
-                base = np.full(len(uniq), -1, np.int64)
-                np.maximum.at(base, inverse, bv)
-        return spec, uniq, groups, summed, base
+        summed, base = sum_duplicates(spec, uniq, inverse, grads, base_versions)
+        if bsp:
+            groups = [g or [np.zeros(0, np.int64)] for g in groups]
+        dtype, data = wire_checked(spec, summed, self.wire_dtype)
+        return spec, uniq, groups, np.frombuffer(data, DTYPES[dtype]).reshape(len(uniq), spec.dim), base
 
     # ------------------------------------------------------------------ membership
     def join(self, lease_s: float = 0.0, fresh: bool = False) -> list[MembershipView]:
@@ -1122,6 +986,16 @@ def _merge_steps(a: StepResult, b: StepResult) -> StepResult:
     )
 
 
+def _dense_result(results: Sequence[tuple[int, PushResult]], num_shards: int) -> DenseResult:
+    """One dense push's result from its shards' (shard, result): per shard its slice version and
+    staleness (-1: nothing pushed there), how many were late, the lowest clock."""
+    versions, staleness = [-1] * num_shards, [-1] * num_shards
+    for i, r in results:
+        versions[i], staleness[i] = r.version, r.max_staleness
+    clocks = [r.clock for _, r in results if r.clock >= 0]
+    return DenseResult(tuple(versions), tuple(staleness), sum(r.late for _, r in results), min(clocks, default=-1))
+
+
 def _merged(parts: Sequence[Any]) -> PushResult:
     """One push's result from its shards' (PushResults or StepPartReplies): counts summed, the mean of
     the measured mean stalenesses (-1: none measured), the worst staleness, the lowest clock."""
@@ -1130,13 +1004,6 @@ def _merged(parts: Sequence[Any]) -> PushResult:
         sum(p.applied for p in parts), sum(p.dropped for p in parts), float(np.mean(measured)) if measured else -1.0,
         max((p.max_staleness for p in parts), default=-1), 0, sum(int(p.late) for p in parts), min((p.clock for p in parts), default=-1),
     )
-
-
-def _reply_span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], table: str) -> np.ndarray:
-    n = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
-    if at < 0 or at + n > len(data):
-        raise InternalError(f"table {table!r}: the shard's Step reply is shorter than its parts say")
-    return from_wire(data[at : at + n], dtype, shape, what=f"table {table!r} reply")
 
 
 def _opt(optimizer: str | OptimizerSpec, hparams: dict[str, float]) -> OptimizerSpec:

@@ -4,19 +4,20 @@ by owning shard and slices them to fit a request, and places replies in the call
 Pure (numpy/torch; no grpc): ``PSClient`` (ps/client.py) runs the plan over the wire and the fan-out."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from ps.config import TableSpec
+from ps.consistency import SyncPolicy
 from ps.errors import DtypeError, InvalidArgumentError, NonFiniteError, ResourceExhaustedError, ShapeMismatchError
 from ps.partition import SlotMap
 from tessera.codec import as_numpy, from_wire, to_wire
 
 __all__ = [
     "dense_input", "wire_checked", "all_finite", "is_identity", "placement", "placed", "ids_of", "like", "direct_out", "fill",
-    "group",
+    "group", "policy_for", "joined", "DenseOut", "SparseOut", "sum_duplicates",
 ]
 
 
@@ -187,3 +188,89 @@ def fill(out: Any, arr: np.ndarray, table: str) -> Any:
     else:
         np.copyto(out, arr.reshape(np.shape(out)))
     return out
+
+
+def policy_for(policy: Any, name: str) -> SyncPolicy:
+    """A call's policy for table ``name``: one for every table, or one per table (absent: async)."""
+    p = policy.get(name) if isinstance(policy, Mapping) else policy
+    return p if p is not None else SyncPolicy()
+
+
+def joined(group: list[np.ndarray]) -> np.ndarray:
+    """A shard's index slices (``group``) as one index array."""
+    return np.concatenate(group) if group else np.zeros(0, np.int64)
+
+
+class DenseOut:
+    """A dense table's values as they come back from its shards: written into the caller's ``out``
+    directly where that fills it identically (``direct_out``), else into a new float32 array."""
+
+    def __init__(self, spec: TableSpec, out: Any) -> None:
+        self.spec, self.out = spec, out
+        self.direct = direct_out(out, spec.numel)
+        self.flat = self.direct if self.direct is not None else np.empty(spec.numel, np.float32)
+
+    def put(self, offset: int, values: np.ndarray) -> None:
+        self.flat[offset : offset + values.size] = values
+
+    def result(self, kind: Any = None) -> Any:
+        """``out`` filled, else the values in the table's shape (like ``kind``: see ``like``)."""
+        if self.direct is not None:
+            return self.out
+        arr = self.flat.reshape(self.spec.shape)
+        return like(kind, arr) if self.out is None else fill(self.out, arr, self.spec.name)
+
+
+class SparseOut:
+    """A sparse pull's rows and versions as they come back from the shards, for ``ids`` whose unique
+    ids have ``inverse`` back to the caller's order: each shard's rows are written in the caller's
+    order at once where the ids are distinct (``placement``: no gather after)."""
+
+    def __init__(self, dim: int, uniq: np.ndarray, inverse: np.ndarray, ids: Any) -> None:
+        self.dim, self.inverse, self.ids = dim, inverse, ids
+        self.rows = np.empty((len(uniq), dim), np.float32)
+        self.versions = np.empty(len(uniq), np.int64)
+        self.place, self.in_order = placement(inverse, len(uniq))
+
+    def put(self, idx: np.ndarray, rows: np.ndarray, versions: np.ndarray) -> None:
+        """The rows and versions of the unique ids at ``idx``."""
+        at = placed(self.place, idx)
+        self.rows[at] = rows
+        self.versions[at] = versions
+
+    def result(self) -> tuple[Any, Any]:
+        """(rows ids.shape + (dim,), int64 versions ids.shape) in the caller's order, like the ids."""
+        rows, versions = (self.rows, self.versions) if self.in_order else (self.rows[self.inverse], self.versions[self.inverse])
+        shape = tuple(np.shape(self.ids))
+        return like(self.ids, rows.reshape(shape + (self.dim,))), like(self.ids, versions.reshape(shape))
+
+
+def sum_duplicates(
+    spec: TableSpec, uniq: np.ndarray, inverse: np.ndarray, grads: Any, base_versions: Any
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """A sparse push's gradient rows (one per id; ``inverse`` maps the ids to ``uniq``) checked and
+    summed per unique id: (float32 rows (len(uniq), dim), newest base version per unique id or None)."""
+    name = spec.name
+    ga = as_numpy(grads)
+    if ga.size and (ga.ndim < 1 or ga.shape[-1] != spec.dim):
+        raise InvalidArgumentError(f"table {name!r}: gradient shape {tuple(ga.shape)} does not end in the table's dim {spec.dim}")
+    g = ga.reshape(-1, spec.dim) if ga.size else np.zeros((0, spec.dim), np.float32)
+    if g.shape[0] != len(inverse):
+        raise InvalidArgumentError(f"table {name!r}: {g.shape[0]} gradient rows for {len(inverse)} ids (dim {spec.dim})")
+    in_order = is_identity(inverse, len(uniq))
+    if in_order:
+        summed = np.ascontiguousarray(g, np.float32)  # ids already unique and sorted: no scatter, no copy
+    else:
+        summed = np.zeros((len(uniq), spec.dim), np.float32)
+        if len(inverse) == len(uniq):
+            summed[inverse] = g  # no duplicates: a scatter, not a sum
+        else:
+            torch.from_numpy(summed).index_add_(0, torch.from_numpy(inverse), torch.from_numpy(np.ascontiguousarray(g, np.float32)))
+    if base_versions is None:
+        return summed, None
+    bv = as_numpy(base_versions).reshape(-1).astype(np.int64, copy=False)
+    if in_order:
+        return summed, bv
+    base = np.full(len(uniq), -1, np.int64)
+    np.maximum.at(base, inverse, bv)
+    return summed, base

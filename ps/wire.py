@@ -48,11 +48,12 @@ from ps.shard import (
     ShardStats,
     StepOutcome,
     StepPart,
+    SyncPush,
     TableInfo,
     TableStats,
     WorkerStats,
 )
-from ps.table import ASSIGN, GRADIENT
+from ps.table import ASSIGN, GRADIENT, PushResult
 from tessera.codec import DTYPES, WIRE_FLOAT_DTYPES, CodecError, Packed, as_float32, byte_view, from_wire, pack, to_wire, unpack
 from tessera.service import ErrorTable
 from tessera.v1 import ps_pb2 as pb
@@ -78,7 +79,9 @@ __all__ = [
     "membership_from_proto",
     "wire_float_dtype",
     "step_parts_from_proto",
+    "step_parts_to_proto",
     "step_reply_to_proto",
+    "step_reply_from_proto",
     "dense_push_from_proto",
     "push_chunk_from_proto",
     "dense_reply_to_proto",
@@ -277,11 +280,11 @@ _STEP_OPS = {
 _STEP_OPS_PB = {v: k for k, v in _STEP_OPS.items()}
 
 
-def _span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], what: str) -> Any:
+def _span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], what: str, error: type = MalformedMessageError) -> Any:
     """The array of ``dtype`` and ``shape`` that starts ``at`` bytes into ``data`` (a view; bfloat16: a copy)."""
     n = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
     if at < 0 or any(d < 0 for d in shape) or at + n > len(data):
-        raise MalformedMessageError(f"{what}: bytes [{at}, {at + n}) lie outside the request's {len(data)} data bytes")
+        raise error(f"{what}: bytes [{at}, {at + n}) lie outside the message's {len(data)} data bytes")
     return from_wire(data[at : at + n], dtype, shape, what=what)
 
 
@@ -311,6 +314,52 @@ def step_parts_from_proto(req: pb.StepRequest, data: memoryview) -> list[StepPar
                     base = _span(data, p.base_at, "int64", (p.count,), f"table {name!r}: step base versions")
         parts.append(StepPart(name, op, policy, p.seq, p.base_version, values, ids, base))
     return parts
+
+
+def step_parts_to_proto(parts: Sequence[StepPart], worker: str, client: str, dtype: str) -> Packed:
+    """A shard's step parts as a StepRequest (``step_parts_from_proto`` the other way): pushed values
+    already cast to ``dtype`` (the wire dtype, also the replies'), laid out one after the other in its
+    bulk ``data`` (views of the parts' arrays, not copied: they must not change until it is sent)."""
+    head = pb.StepRequest(worker=worker, client=client, dtype=dtype)
+    pieces: list[Any] = []
+    for p in parts:
+        m = head.parts.add(table=p.table, op=_STEP_OPS_PB[p.op], seq=p.seq, base_version=p.base_version, base_at=-1)
+        if p.policy != SyncPolicy():
+            m.sync.CopyFrom(policy_to_proto(p.policy))
+        for field, a in (("ids_at", p.ids), ("data_at", p.values), ("base_at", p.base_versions)):
+            if a is not None:
+                setattr(m, field, sum(x.nbytes for x in pieces))
+                pieces.append(byte_view(a))
+        if p.ids is not None:
+            m.count = len(p.ids)
+        elif p.values is not None:
+            m.count = len(p.values)
+        if p.op == PUSH_SPARSE and p.values is not None:
+            m.dim = p.values.shape[1]
+    return frame_pieces(head, data=pieces)
+
+
+def step_reply_from_proto(msg: pb.StepReply, data: memoryview, dtype: str) -> list[StepOutcome]:
+    """A StepReply as outcomes (``step_reply_to_proto`` the other way): a dense pull's values as its
+    one block, a sparse pull's rows and versions (float32 numpy, views where the dtype allows); a
+    push's result. Raises InternalError if the reply's parts point outside its data."""
+    out = []
+    for r in msg.parts:
+        op = _STEP_OPS.get(r.op, "")
+        what = f"table {r.table!r}: the shard's Step reply"
+        push = blocks = rows = versions = None
+        if op in (PUSH_DENSE, PUSH_SPARSE):
+            res = PushResult(r.applied, r.dropped, r.mean_staleness, r.max_staleness, r.version, int(r.late), r.clock)
+            push = SyncPush(res, r.late, r.clock, r.duplicate)
+        elif op == PULL_DENSE:
+            blocks = [_span(data, r.data_at, dtype, (r.count,), what, InternalError)]
+        elif op == PULL_SPARSE:
+            rows = _span(data, r.data_at, r.dtype or dtype, (r.count, r.dim), what, InternalError)
+            versions = _span(data, r.versions_at, "int64", (r.count,), what, InternalError)
+        else:
+            raise InternalError(f"{what} has a part of unknown op {r.op}")
+        out.append(StepOutcome(r.table, op, push, r.version, r.clock, blocks, rows, versions, r.dtype or dtype))
+    return out
 
 
 def step_reply_to_proto(outcomes: Sequence[StepOutcome], dtype: str) -> tuple[pb.StepReply, list[Any]]:
