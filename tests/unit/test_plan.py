@@ -1,14 +1,22 @@
 """The client's planner (ps/plan.py) without a server: grouping ids by owning shard, the per-shard
-id limit, reply placement, NaN/Inf as sent."""
+id limit, reply placement, NaN/Inf as sent, summing duplicate ids; and the Step converters
+(ps/wire.py) both ways, client parts to the shard's parts and the shard's outcomes back."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from ps.config import TableSpec
-from ps.errors import NonFiniteError, ResourceExhaustedError
+from ps.errors import InvalidArgumentError, NonFiniteError, ResourceExhaustedError
 from ps.partition import SlotMap
-from ps.plan import group, placed, placement, wire_checked
+from ps.consistency import SyncPolicy
+from ps.plan import DenseOut, SparseOut, group, placed, placement, policy_for, sum_duplicates, wire_checked
+from ps.shard import PULL_DENSE, PULL_SPARSE, PUSH_DENSE, PUSH_SPARSE, StepOutcome, StepPart, SyncPush
+from ps.table import PushResult
+from ps.wire import frame_pieces, step_parts_from_proto, step_parts_to_proto, step_reply_from_proto, step_reply_to_proto, unframe
+from tessera.codec import as_bytes
+from tessera.v1 import ps_pb2 as pb
 
 
 def test_group_gives_each_shard_its_own_ids_in_slices() -> None:
@@ -43,3 +51,73 @@ def test_nonfinite_on_the_wire_is_refused_before_sending() -> None:
         wire_checked(spec, np.array([1.0, 1e6], np.float32), "float16")  # 1e6 is Inf in float16
     assert wire_checked(spec, np.array([1.0, 1e6], np.float32), "float32")[0] == "float32"
 
+
+
+def test_sum_duplicates_matches_a_numpy_sum_and_keeps_the_newest_base() -> None:
+    """Reference: np.add.at over the caller's rows (float32 sums of at most 3 rows: exact to 1e-6)."""
+    spec = TableSpec("e", "sparse", dim=4, num_slots=64)
+    ids = np.array([5, 3, 5, 9, 3, 5])
+    grads = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    summed, base = sum_duplicates(spec, uniq, inverse, grads, np.array([1, 7, 4, 2, 6, 3]))
+    want = np.zeros((3, 4), np.float32)
+    np.add.at(want, inverse, grads)
+    np.testing.assert_allclose(summed, want, rtol=0, atol=1e-6)
+    assert base is not None and base.tolist() == [7, 4, 2]  # ids 3, 5, 9: the newest version each
+    with pytest.raises(InvalidArgumentError, match="does not end in the table's dim 4"):
+        sum_duplicates(spec, uniq, inverse, np.zeros((6, 3), np.float32), None)
+    with pytest.raises(InvalidArgumentError, match="5 gradient rows for 6 ids"):
+        sum_duplicates(spec, uniq, inverse, np.zeros((5, 4), np.float32), None)
+
+
+def test_dense_and_sparse_outs_place_shard_replies() -> None:
+    spec = TableSpec("w", "dense", shape=(2, 3))
+    out = np.zeros((2, 3), np.float32)
+    d = DenseOut(spec, out)  # written into out directly
+    d.put(0, np.array([1, 2], np.float32))
+    d.put(2, np.array([3, 4, 5, 6], np.float32))
+    assert d.result() is out and out.ravel().tolist() == [1, 2, 3, 4, 5, 6]
+    fresh = DenseOut(spec, None)
+    fresh.put(0, np.arange(6, dtype=np.float32))
+    assert fresh.result().shape == (2, 3)
+    ids = np.array([[9, 2], [2, 5]])  # a repeated id, as a batch holds them
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    s = SparseOut(1, uniq, inverse.reshape(-1), ids)
+    s.put(np.array([2, 0]), np.array([[90.0], [20.0]], np.float32), np.array([3, 1]))  # two shards' replies
+    s.put(np.array([1]), np.array([[50.0]], np.float32), np.array([2]))
+    rows, versions = s.result()
+    assert rows.shape == (2, 2, 1) and rows[..., 0].tolist() == [[90, 20], [20, 50]]
+    assert versions.tolist() == [[3, 1], [1, 2]]
+    assert policy_for({"a": SyncPolicy(clock=1, sync=True)}, "b") == SyncPolicy()
+
+
+def test_step_converters_round_trip() -> None:
+    """What the client lays out is what the shard reads (values cast to float16 on the wire), and what
+    the shard answers is what the client reads back; the reference is the parts themselves."""
+    g = np.arange(5, dtype=np.float16)
+    rows = np.ones((2, 3), np.float16)
+    bsp = SyncPolicy(clock=2, sync=True)
+    parts = [
+        StepPart("w", PUSH_DENSE, bsp, seq=7, base_version=3, values=g),
+        StepPart("e", PUSH_SPARSE, seq=8, values=rows, ids=np.array([4, 9]), base_versions=np.array([1, 2])),
+        StepPart("w", PULL_DENSE, bsp),
+        StepPart("e", PULL_SPARSE, ids=np.array([4, 9, 11])),
+    ]
+    req, pl = unframe(pb.StepRequest, as_bytes(step_parts_to_proto(parts, "w0", "c", "float16")))
+    back = step_parts_from_proto(req, pl["data"])
+    assert req.worker == "w0" and req.client == "c"
+    for a, b in zip(parts, back):
+        assert (a.table, a.op, a.policy, a.seq, a.base_version) == (b.table, b.op, b.policy, b.seq, b.base_version)
+        for x, y in ((a.values, b.values), (a.ids, b.ids), (a.base_versions, b.base_versions)):
+            assert (x is None) == (y is None) and (x is None or np.array_equal(np.asarray(x, y.dtype), y))
+    outcomes = [
+        StepOutcome("w", PUSH_DENSE, SyncPush(PushResult(1, 0, 0.0, 2, 5, 0, 3), False, 3), version=5, clock=3),
+        StepOutcome("w", PULL_DENSE, version=5, clock=3, blocks=[torch.arange(5, dtype=torch.float32)]),  # the shard holds tensors
+        StepOutcome("e", PULL_SPARSE, clock=3, rows=np.full((3, 2), 0.5, np.float32), versions=np.array([1, 0, 4]), dtype="float32"),
+    ]
+    reply, pieces = step_reply_to_proto(outcomes, "float16")
+    msg, rpl = unframe(pb.StepReply, as_bytes(frame_pieces(reply, data=pieces)))
+    got = step_reply_from_proto(msg, rpl["data"], "float16")
+    assert got[0].push is not None and got[0].push.result.version == 5 and got[0].push.result.max_staleness == 2
+    assert got[1].blocks is not None and got[1].blocks[0].tolist() == list(range(5))
+    assert got[2].rows.tolist() == [[0.5, 0.5]] * 3 and got[2].versions.tolist() == [1, 0, 4] and got[2].dtype == "float32"
