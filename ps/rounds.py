@@ -85,9 +85,9 @@ class Rounds(ShardState):
         )
 
     def join(self, worker: str, lease_s: float = 0.0, fresh: bool = False, identity: str = OPEN) -> MembershipView:
-        """Add ``worker`` to the live set, as ``identity`` (``claim``). The view tells it where to
-        start: BSP at ``sync_clock``, SSP/async at the slowest live worker's clock. ``fresh``: the
-        worker starts a fresh run (its clock restarts at 0 instead of the one it had here)."""
+        """Add ``worker`` to the live set, as ``identity`` (its own name: ``WorkerNames.claim``). The
+        view tells it where to start: BSP at ``sync_clock``, SSP/async at the slowest live worker's
+        clock. ``fresh``: the worker starts a fresh run (its clock restarts at 0, not the one it had)."""
         if lease_s < 0:
             raise InvalidArgumentError(f"Join: lease_ms must be >= 0, got {lease_s * 1000:g}")
         self._member("Join", worker, identity)
@@ -116,12 +116,6 @@ class Rounds(ShardState):
     def _member(self, what: str, worker: str, identity: str) -> None:
         if not worker:
             raise InvalidArgumentError(f"{what}: worker name is empty")
-        self.claim(identity, worker)
-
-    def claim(self, identity: str, worker: str) -> None:
-        """``identity`` writes or joins as ``worker`` (Join, Heartbeat, a push): the name must be its
-        own (pinned to it, or bound to it; a free unpinned name is bound to it now). Raises
-        PermissionDeniedError naming the owner; "" (an open server) may use any name."""
         self.names.claim(identity, worker)
 
     def pulled(self, worker: str, identity: str, as_worker: bool) -> None:

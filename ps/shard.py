@@ -244,8 +244,8 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         """A dense push streamed chunk by chunk (PushDense); the first chunk's ``head`` says what it is.
 
         The head is validated (table, stated shape; a BSP push names its worker), ``identity`` claims
-        the worker name (``claim``), each chunk is validated and staged as it arrives (the maintenance
-        thread cancels ``context`` after ``config.push_idle_timeout_s`` without one), and the push
+        the worker name (``WorkerNames.claim``), each chunk is validated and staged as it arrives (the
+        maintenance thread cancels ``context`` after ``config.push_idle_timeout_s`` without one), and the push
         commits on the chunk flagged ``last``, at most once per (client, seq); a stream that ends
         without it applies nothing (ShapeMismatchError). Yields the reply in order: blocks computed
         early (as their chunk is applied), then, if ``return_params`` and those were not the
@@ -302,7 +302,7 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
     def _begin_dense(self, head: DensePush, identity: str) -> "_DenseIntake":
         t = self.dense(head.table)
         _check_push_shape(t, head.shape, head.flat_view)
-        self.claim(identity, head.worker)
+        self.names.claim(identity, head.worker)
         return _DenseIntake(self, t, head.op, head.policy, head.worker, head.base_version, head.return_params and head.early)
 
     @staticmethod
@@ -404,8 +404,8 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         self, name: str, ids: np.ndarray, grads: np.ndarray, base_versions: np.ndarray | None = None,
         worker: str = "", policy: SyncPolicy = SyncPolicy(), client: str = "", seq: int = 0, identity: str = OPEN,
     ) -> SyncPush:
-        """A sparse push (PushSparse) by ``identity`` as ``worker`` (``claim``), at most once per (client, seq)."""
-        self.claim(identity, worker)
+        """A sparse push (PushSparse) by ``identity`` as ``worker`` (``WorkerNames.claim``), at most once per (client, seq)."""
+        self.names.claim(identity, worker)
         prepared = self.prepare_sparse(name, ids, grads, base_versions, policy, worker)
         return self.apply_sparse(name, prepared, worker, policy, _dedup_key(identity, client), seq)
 
@@ -458,9 +458,9 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         pull waits as its policy requires (a BSP pull for clock t+1 waits for round t: in sync mode it
         returns the values of the round the pushes took part in) and reads. Blocks up to ``timeout``.
         ``wire_dtype``: the dtype the caller reads in (a sparse pull's outcome says its rows' dtype).
-        A step with pushes claims ``worker`` for ``identity`` (``claim``); one of pulls only is a read (``pulled``)."""
+        A step with pushes claims ``worker`` for ``identity`` (``WorkerNames.claim``); one of pulls only is a read (``pulled``)."""
         if any(p.op in (PUSH_DENSE, PUSH_SPARSE) for p in parts):
-            self.claim(identity, worker)
+            self.names.claim(identity, worker)
         else:
             self.pulled(worker, identity, as_worker)
         client = _dedup_key(identity, client)

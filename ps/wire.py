@@ -142,19 +142,12 @@ _KIND_FROM_PB = {v: k for k, v in _KIND_TO_PB.items()}
 
 
 def spec_to_proto(spec: TableSpec) -> pb.TableSpec:
-    return pb.TableSpec(
-        name=spec.name,
-        kind=_KIND_TO_PB[spec.kind],
-        shape=list(spec.shape),
-        dim=spec.dim,
-        dtype=spec.dtype,
-        optimizer=pb.OptimizerSpec(name=spec.optimizer.name, hparams=dict(spec.optimizer.hparams)),
-        initializer=pb.InitializerSpec(name=spec.initializer.name, params=dict(spec.initializer.params)),
-        seed=spec.seed,
-        admission=pb.AdmissionSpec(min_count=spec.admission.min_count, probability=spec.admission.probability),
-        eviction=pb.EvictionSpec(ttl_steps=spec.eviction.ttl_steps, max_rows=spec.eviction.max_rows),
-        num_slots=spec.num_slots,
-        allow_nonfinite=spec.allow_nonfinite,
+    o, i, a, e = spec.optimizer, spec.initializer, spec.admission, spec.eviction
+    return _to_proto(
+        pb.TableSpec, spec, kind=_KIND_TO_PB[spec.kind], optimizer=pb.OptimizerSpec(name=o.name, hparams=dict(o.hparams)),
+        initializer=pb.InitializerSpec(name=i.name, params=dict(i.params)),
+        admission=pb.AdmissionSpec(min_count=a.min_count, probability=a.probability),
+        eviction=pb.EvictionSpec(ttl_steps=e.ttl_steps, max_rows=e.max_rows),
     )
 
 
@@ -162,27 +155,16 @@ def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
     """Raises InvalidArgumentError naming the table and the bad field."""
     if msg.kind not in _KIND_FROM_PB:
         raise InvalidArgumentError(f"table {msg.name!r}: kind must be dense or sparse")
+    o, i, a, e = msg.optimizer, msg.initializer, msg.admission, msg.eviction
     try:
-        return _spec_from_proto(msg)
-    except InvalidArgumentError as e:
-        raise with_table(msg.name, e) from None
-
-
-def _spec_from_proto(msg: pb.TableSpec) -> TableSpec:
-    return TableSpec(
-        name=msg.name,
-        kind=_KIND_FROM_PB[msg.kind],
-        shape=tuple(msg.shape),
-        dim=msg.dim,
-        dtype=msg.dtype or "float32",
-        optimizer=OptimizerSpec(msg.optimizer.name or "sgd", dict(msg.optimizer.hparams)),
-        initializer=InitializerSpec(msg.initializer.name or "zeros", dict(msg.initializer.params)),
-        seed=msg.seed,
-        admission=AdmissionSpec(msg.admission.min_count, msg.admission.probability),
-        eviction=EvictionSpec(msg.eviction.ttl_steps, msg.eviction.max_rows),
-        num_slots=msg.num_slots or 4096,
-        allow_nonfinite=msg.allow_nonfinite,
-    )
+        return _from_proto(
+            TableSpec, msg, kind=_KIND_FROM_PB[msg.kind], shape=tuple(msg.shape), dtype=msg.dtype or "float32",
+            optimizer=OptimizerSpec(o.name or "sgd", dict(o.hparams)), initializer=InitializerSpec(i.name or "zeros", dict(i.params)),
+            admission=AdmissionSpec(a.min_count, a.probability), eviction=EvictionSpec(e.ttl_steps, e.max_rows),
+            num_slots=msg.num_slots or 4096,
+        )
+    except InvalidArgumentError as err:
+        raise with_table(msg.name, err) from None
 
 
 def _to_proto(cls: type[M], value: Any, **given: Any) -> M:

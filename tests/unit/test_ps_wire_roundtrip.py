@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ps.config import TableSpec
+from ps.config import AdmissionSpec, EvictionSpec, InitializerSpec, OptimizerSpec, TableSpec
 from ps.consistency import SyncPolicy
 from ps.shard import MembershipView, ShardStats, TableInfo, TableStats, WorkerStats
 from ps.wire import (
@@ -15,6 +15,8 @@ from ps.wire import (
     membership_to_proto,
     policy_from_proto,
     policy_to_proto,
+    spec_from_proto,
+    spec_to_proto,
     stats_from_proto,
     stats_to_proto,
 )
@@ -57,3 +59,15 @@ def test_info_membership_policy_round_trip() -> None:
     assert membership_from_proto(pb.MembershipReply.FromString(membership_to_proto(view).SerializeToString())) == view
     policy = SyncPolicy(clock=4, sync=True, staleness=2, backup_workers=1, staleness_aware_lr=True)
     assert policy_from_proto(pb.SyncSpec.FromString(policy_to_proto(policy).SerializeToString())) == policy
+
+
+def test_table_spec_round_trip() -> None:
+    for spec in (
+        TableSpec(
+            "e", "sparse", dim=8, dtype="bfloat16", optimizer=OptimizerSpec("adam", {"lr": 0.5}),
+            initializer=InitializerSpec("normal", {"std": 0.2}), seed=7, admission=AdmissionSpec(3),
+            eviction=EvictionSpec(9, 100), num_slots=64, allow_nonfinite=True,
+        ),
+        TableSpec("w", "dense", shape=(3, 4)),
+    ):
+        assert spec_from_proto(pb.TableSpec.FromString(spec_to_proto(spec).SerializeToString())) == spec
