@@ -152,7 +152,8 @@ def test_moe_layouts_equal_one_process(tmp_path, proc_cluster) -> None:
     as `experts`, also without a pipeline: DP=2 x TP=2 x EP=2), `--sequence-parallel` (the built-in
     split and the auto plan, with and without a pipeline; each MoE layer gathers whole sequences, at
     capacity 0.5 too, where tokens are dropped per whole sequence), a stage without an MoE layer
-    (`--moe-every 2`: block 0 has none), `--precision bf16`, and the PS hybrid (last: below). Reference: one process training the
+    (`--moe-every 2`: block 0 has none), `--precision bf16`, and the PS hybrid (HYBRID: its rows beside DP, TP, SP, EP and
+    ZeRO; and `--pp` refused). Reference: one process training the
     same model with its own optimizer (Adam) on the global batch of 8
     (``user_models.one_process_losses``): the global loss of every step (cross-entropy on the last
     stage plus each stage's balance and z-losses) within 1e-10 relative in fp64. bf16 compute (fp32
@@ -164,27 +165,61 @@ def test_moe_layouts_equal_one_process(tmp_path, proc_cluster) -> None:
     import json
 
     argv = _gpt_runs(PIPELINES, tmp_path)
-    # the PS hybrid with MoE layers: token rows on 2 PS shards (BSP), the MoE model's experts over EP=2, the rest all-reduced
     hybrid = len(PIPELINES)
-    argv += ["::", "--task", "user_models:rows_moe_task", "--mode", "hybrid", "--ps", ",".join(proc_cluster(2)), "--sparse-mode",
-             "sync", "--ep", "2", *BASE[BASE.index("--steps"):], "--metrics-out", str(tmp_path / "hybrid")]
-    argv += ["::", *argv[argv.index("user_models:rows_moe_task") - 1 :], "--tp", "2"]  # refused: one line on every rank, exit 2
-    res, reports = _launch(4, argv, hybrid + 2, refused={hybrid + 1})
-    for r, (_, _, se) in enumerate(res):
-        lines = [line for line in se.splitlines() if "--mode hybrid" in line]
-        assert lines == [f"tessera peer: rank {r}: --mode hybrid is data parallelism over every rank (rows on the PS, experts over "
-                         "--ep): no --tp, --dp or --sequence-parallel"], (r, se[-3000:])
+    argv += _hybrid_runs(",".join(proc_cluster(2)), tmp_path)
+    res, reports = _launch(4, argv, hybrid + len(HYBRID) + 1, refused={hybrid + len(HYBRID)})
     assert "blocks.1.mlp: experts" in res[0][2], res[0][2][-3000:]  # the auto plan, printed: the MoE layers split as experts
     _check_gpt_runs(PIPELINES, reports, tmp_path, 4)
-    # the hybrid: fp32 rows (the PS stores them so) and SGD on the dense part: within 1e-5 of one process training the
-    # same model with the rows as an nn.Embedding (Adagrad, the table's optimizer) on the global batch
-    got, want = reports[hybrid]["losses"], _rows_moe_reference(3, 8)
-    assert reports[hybrid]["mode"] == "hybrid" and len(got) == 3, reports[hybrid]
-    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(got, want)), (got, want)
-    print(f"hybrid: max relative loss difference {max(abs(a - b) / abs(b) for a, b in zip(got, want)):.2e}")
-    steps = [r for r in map(json.loads, (tmp_path / "hybrid" / "rank3.jsonl").read_text().splitlines()) if r["kind"] == "step"]
-    assert len(steps) == 3 and all(abs(sum(r["moe_tokens_per_expert"][0]) - 2 * 8 * 2) < 1e-6 and r["a2a_mb"] > 0
-                                   for r in steps), steps  # 2 sequences of 8 tokens, top-2, on this rank
+    _check_hybrid_runs(res, reports, hybrid, tmp_path)
+
+
+# the PS hybrid: PSEmbedding token rows on 2 PS shards (BSP), beside the dense sync of each layout: (task, flags, (dp, tp, zero));
+# each run its own tables (--task-opt name=...)
+HYBRID = [
+    ("rows_moe_task", ["--ep", "2"], (4, 1, 0)),  # the experts over EP=2, the rest all-reduced
+    ("rows_task", ["--tp", "2", "--zero", "1"], (2, 2, 1)),
+    ("rows_task", ["--tp", "2", "--sequence-parallel", "--zero", "2"], (2, 2, 2)),
+    ("rows_task", ["--zero", "3", "--accumulate", "2"], (4, 1, 3)),
+    ("rows_moe_task", ["--dp", "2", "--tp", "2", "--ep", "2", "--zero", "3"], (2, 2, 3)),
+]
+HYBRID_REFUSED = ["--pp", "2"]
+
+
+def _hybrid_runs(ps: str, tmp_path) -> list[str]:
+    """The child's command line of the HYBRID runs (metrics in tmp_path/hybrid<i>) and, last, the refused one."""
+    argv: list[str] = []
+    base = ["--mode", "hybrid", "--ps", ps, "--sparse-mode", "sync", *BASE[BASE.index("--steps"):]]
+    for i, (task, flags, _) in enumerate([*HYBRID, ("rows_task", HYBRID_REFUSED, None)]):
+        argv += ["::", "--task", f"user_models:{task}", "--task-opt", f"name=h{i}", *base, *flags,
+                 "--metrics-out", str(tmp_path / f"hybrid{i}")]
+    return argv
+
+
+def _check_hybrid_runs(res: list, reports: dict[int, dict], first: int, tmp_path) -> None:
+    """Each HYBRID run: fp32 rows (the PS stores them so) and SGD on the dense part, within 1e-5 of one
+    process training the same model with the rows as an nn.Embedding (Adagrad, the table's optimizer) on the
+    global batch (``user_models.rows_reference``); the refused layout: one line on every rank."""
+    import json
+
+    import user_models  # type: ignore[import-not-found]
+
+    for r, (_, _, se) in enumerate(res):
+        lines = [line for line in se.splitlines() if "hybrid" in line and line.startswith("tessera peer:")]
+        assert lines == [f"tessera peer: rank {r}: {HYBRID_REFUSED_LINE}"], (r, se[-3000:])
+    for i, (task, flags, (dp, tp, zero)) in enumerate(HYBRID):
+        report = reports[first + i]
+        got, want = report["losses"], user_models.rows_reference(getattr(user_models, task), 3, 8, name=f"h{i}")  # its rows' init
+        assert report["mode"] == "hybrid" and report["zero"] == zero and report.get("dp", 4) == dp and report.get("tp", 1) == tp, report
+        rel = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+        assert len(got) == 3 and rel <= 1e-5, (flags, got, want)
+        print(f"hybrid {task} {' '.join(flags)}: max relative loss difference {rel:.2e}")
+        if task == "rows_moe_task":  # rank 3's MoE metrics: 8 / dp sequences of 8 tokens, top-2, per step
+            steps = [r for r in map(json.loads, (tmp_path / f"hybrid{i}" / "rank3.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+            assert len(steps) == 3 and all(abs(sum(r["moe_tokens_per_expert"][0]) - 8 // dp * 8 * 2) < 1e-6 and r["a2a_mb"] > 0
+                                           for r in steps), steps
+
+
+HYBRID_REFUSED_LINE = "--pp, --recompute and --precision run with --mode dp (any --zero: ZeRO over the DP dimension), not hybrid"
 
 
 # EP x TP x PP at once: 8 ranks (D=2 x T=2 x P=2), each stage's experts over its 2 DP replicas, each expert's MLP split
@@ -261,32 +296,3 @@ def _check_gpt_runs(runs: list, reports: dict[int, dict], tmp_path, world: int) 
         assert all(r["a2a_mb"] > 0 for r in steps) == (ep > 1), (flags, steps)
         if "--moe-capacity" in flags:  # tokens were dropped (per whole sequence), as in one process
             assert all(r["moe_dropped"] > 0 for r in steps), (flags, steps)
-
-
-def _rows_moe_reference(steps: int, batch: int) -> list[float]:
-    """One process: ``user_models.rows_moe_task`` with its rows in an ``nn.Embedding`` starting from the PS
-    table's initial rows, Adagrad on them (the table's lr 0.05, initial accumulator 0.1), SGD (lr 0.1) on
-    the rest, the global batch; the loss of every step."""
-    import numpy as np
-    import torch
-    import user_models  # type: ignore[import-not-found]
-
-    from ps.initializers import init_rows, table_key
-
-    task = user_models.rows_moe_task(rows_here=True)
-    emb, model = user_models.rows_moe_task().model.tok, task.model
-    with torch.no_grad():
-        ids = np.arange(model.tok.num_embeddings)
-        model.tok.weight.copy_(torch.from_numpy(init_rows(emb.init, table_key(emb.table, emb.seed), ids, emb.dim)))
-    opt_d = torch.optim.SGD([p for n, p in model.named_parameters() if not n.startswith("tok.")], lr=0.1)
-    opt_s = torch.optim.Adagrad([model.tok.weight], lr=0.05, initial_accumulator_value=0.1, eps=1e-10)
-    data, out = task.batches(0, 1, batch, 0), []
-    for _ in range(steps):
-        opt_d.zero_grad()
-        opt_s.zero_grad()
-        loss = task.loss(model, next(data))
-        loss.backward()
-        opt_d.step()
-        opt_s.step()
-        out.append(float(loss.detach()))
-    return out

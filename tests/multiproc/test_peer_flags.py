@@ -104,7 +104,7 @@ def test_mode_and_zero_that_contradict_are_one_line_exit_2() -> None:
     yourself every rank says it once (each exits 2)."""
     for flags, message in [
         (["--mode", "zero1", "--zero", "3"], "--mode zero1 (ZeRO stage 1) and --zero 3 contradict: give --zero 3 alone"),
-        (["--mode", "hybrid", "--zero", "2"], "--zero 2 with --mode hybrid: ZeRO is peer mode's data-parallel sharding"),
+        (["--mode", "zero2", "--zero", "1"], "--mode zero2 (ZeRO stage 2) and --zero 1 contradict: give --zero 1 alone"),
     ]:
         p = _refused(["tessera.cli", "peer", "--nproc-per-node", "2", *BASE, "--steps", "1", *flags])
         lines = p.stderr.strip().splitlines()

@@ -162,12 +162,21 @@ def gated_task(seed: int = 0, vocab: int = 32, seq: int = 8, dim: int = 16, head
                 dense_optimizer=_optimizer(opt, lr))
 
 
-class RowsMoELM(nn.Module):
-    """(B, S) ids -> (B, S, vocab) next-token logits: token rows from a ``PSEmbedding`` (on the PS in the
-    hybrid; ``rows_here``: an ``nn.Embedding`` the test sets to the rows' initial values, for the
-    one-process reference), a learned position, one MoE MLP (residual), a norm and a head."""
+def _rows(vocab: int, dim: int, rows_here: bool, table: str) -> nn.Module:
+    """Token rows: a ``PSEmbedding`` (on the PS in the hybrid; Adagrad lr 0.05, initial accumulator 0.1) or,
+    ``rows_here``, an ``nn.Embedding`` the test sets to the rows' initial values (the one-process reference)."""
+    if rows_here:
+        return nn.Embedding(vocab, dim)
+    from worker.binding import PSEmbedding
 
-    def __init__(self, vocab: int, seq: int, dim: int, experts: int, rows_here: bool) -> None:
+    return PSEmbedding(table, dim, optimizer="adagrad", lr=0.05, initial_accumulator=0.1)
+
+
+class RowsMoELM(nn.Module):
+    """(B, S) ids -> (B, S, vocab) next-token logits: token rows (``_rows``), a learned position, one MoE
+    MLP (residual), a norm and a head."""
+
+    def __init__(self, vocab: int, seq: int, dim: int, experts: int, rows_here: bool, table: str) -> None:
         super().__init__()
         from worker.peer.moe import MoE, MoEConfig
 
@@ -176,12 +185,7 @@ class RowsMoELM(nn.Module):
         self.moe = MoE(dim, MoEConfig(experts=experts, top_k=2, hidden=2 * dim))
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab)
-        if rows_here:  # built last: the dense parts draw the same initial values either way
-            self.tok: nn.Module = nn.Embedding(vocab, dim)
-        else:
-            from worker.binding import PSEmbedding
-
-            self.tok = PSEmbedding("rowsmoe/tok", dim, optimizer="adagrad", lr=0.05, initial_accumulator=0.1)
+        self.tok = _rows(vocab, dim, rows_here, table)  # built last: the dense parts draw the same initial values either way
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.tok(ids) + self.pos[:, : ids.shape[1]]
@@ -189,20 +193,79 @@ class RowsMoELM(nn.Module):
         return self.head(self.norm(x))
 
 
-def rows_moe_task(seed: int = 0, vocab: int = 32, seq: int = 8, dim: int = 16, experts: int = 4, lr: float = 0.1,
-                  rows_here: bool = False, **_: Any) -> Task:
-    """A model with both PS rows and MoE layers (the hybrid with experts); SGD on the dense part."""
-    torch.manual_seed(seed)
-    model = RowsMoELM(vocab, seq, dim, experts, bool(rows_here))
+class RowsLM(nn.Module):
+    """(B, S) ids -> (B, S, vocab) next-token logits: token rows (``_rows``), a position embedding, gated
+    blocks (q/k/v/o attention, up/gate/down MLP, RMSNorm), a final norm and an untied head."""
 
+    def __init__(self, vocab: int, seq: int, dim: int, n_heads: int, layers: int, rows_here: bool, table: str) -> None:
+        super().__init__()
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(GatedBlock(dim, n_heads, 2 * dim) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.tok = _rows(vocab, dim, rows_here, table)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.norm(x))
+
+
+def _rows_task(name: str, model: nn.Module, vocab: int, seq: int, seed: int, lr: float, rows_here: bool) -> Task:
     def loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         from worker.peer.moe import aux_loss
 
         logits = m(batch[:, :-1])
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1)) + aux_loss(m)
 
-    return Task("rowsmoe", model, _data(vocab, seq, seed, False), loss, metric="loss", higher_is_better=False,
+    return Task(name, model, _data(vocab, seq, seed, False), loss, metric="loss", higher_is_better=False,
                 dense_optimizer=_optimizer("sgd", lr), sparse_ids=None if rows_here else lambda b: {"tok": b[:, :-1]})
+
+
+def rows_moe_task(seed: int = 0, vocab: int = 32, seq: int = 8, dim: int = 16, experts: int = 4, lr: float = 0.1,
+                  rows_here: bool = False, name: str = "rowsmoe", **_: Any) -> Task:
+    """A model with both PS rows and MoE layers (the hybrid with experts); SGD on the dense part. ``name``:
+    the task's, and its table's prefix (runs on the same shards take different names)."""
+    torch.manual_seed(seed)
+    return _rows_task(name, RowsMoELM(vocab, seq, dim, experts, bool(rows_here), f"{name}/tok"), vocab, seq, seed, lr,
+                      bool(rows_here))
+
+
+def rows_task(seed: int = 0, vocab: int = 32, seq: int = 8, dim: int = 16, heads: int = 4, layers: int = 2, lr: float = 0.1,
+              rows_here: bool = False, name: str = "rows", **_: Any) -> Task:
+    """A transformer with PS token rows (``RowsLM``; the hybrid with --tp, --sequence-parallel, ZeRO); SGD on the
+    dense part."""
+    torch.manual_seed(seed)
+    return _rows_task(name, RowsLM(vocab, seq, dim, heads, layers, bool(rows_here), f"{name}/tok"), vocab, seq, seed, lr,
+                      bool(rows_here))
+
+
+def rows_reference(task_fn: Any, steps: int, batch: int, **opts: Any) -> list[float]:
+    """One process for a hybrid run of ``task_fn`` (``rows_task``, ``rows_moe_task``): the model with its rows
+    in an ``nn.Embedding`` starting from the PS table's initial rows, Adagrad on them (the table's lr 0.05,
+    initial accumulator 0.1), the task's SGD on the rest, the global batch; the loss of every step."""
+    import numpy as np
+
+    from ps.initializers import init_rows, table_key
+
+    task, emb = task_fn(rows_here=True, **opts), task_fn(**opts).model.tok
+    model = task.model
+    with torch.no_grad():
+        ids = np.arange(model.tok.num_embeddings)
+        model.tok.weight.copy_(torch.from_numpy(init_rows(emb.init, table_key(emb.table, emb.seed), ids, emb.dim)))
+    opt_d = torch.optim.SGD([p for n, p in model.named_parameters() if not n.startswith("tok.")], lr=task.dense_optimizer.hparams["lr"])
+    opt_s = torch.optim.Adagrad([model.tok.weight], lr=0.05, initial_accumulator_value=0.1, eps=1e-10)
+    data, out = task.batches(0, 1, batch, 0), []
+    for _ in range(steps):
+        opt_d.zero_grad()
+        opt_s.zero_grad()
+        loss = task.loss(model, next(data))
+        loss.backward()
+        opt_d.step()
+        opt_s.step()
+        out.append(float(loss.detach()))
+    return out
 
 
 # the explicit plans the automatic one is checked against

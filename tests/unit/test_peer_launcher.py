@@ -39,13 +39,15 @@ def test_several_nodes_without_an_endpoint_are_refused() -> None:
 
 def test_zero_selects_the_stage_and_mode_zero_k_is_its_alias() -> None:
     """`--zero N` with `--mode dp` (the default) is the registry's zeroN; `--mode zeroN` alone or with an
-    equal `--zero` too; a pair that contradicts, `--zero` with hybrid, or a stage past 3 is refused
-    (ValueError: one line, which `tessera peer` prints before starting a rank, exit 2)."""
+    equal `--zero` too; `--mode hybrid --zero N` keeps the mode, N its dense part's stage; a pair that
+    contradicts or a stage past 3 is refused (ValueError: one line, which `tessera peer` prints before
+    starting a rank, exit 2)."""
     from worker.peer.cli import resolve_mode
 
     for argv, want in [((), ("dp", 0)), (("--zero", "2"), ("zero2", 2)), (("--mode", "dp", "--zero", "3"), ("zero3", 3)),
                        (("--mode", "zero1",), ("zero1", 1)), (("--mode", "zero2", "--zero", "2"), ("zero2", 2)),
-                       (("--mode", "hybrid", "--zero", "0"), ("hybrid", 0))]:
+                       (("--mode", "hybrid", "--zero", "0"), ("hybrid", 0)), (("--mode", "hybrid", "--zero", "3"), ("hybrid", 3)),
+                       (("--mode", "hybrid",), ("hybrid", 0))]:
         args = _parse(*argv)
         resolve_mode(args)
         assert (args.mode, args.zero) == want, argv
@@ -53,8 +55,7 @@ def test_zero_selects_the_stage_and_mode_zero_k_is_its_alias() -> None:
     resolve_mode(args)
     assert launcher_argv(args)[-4:] == ["--mode", "zero2", "--zero", "2"]  # the ranks resolve it alike
     for argv, msg in [(("--mode", "zero1", "--zero", "3"), r"--mode zero1 \(ZeRO stage 1\) and --zero 3 contradict"),
-                      (("--mode", "zero3", "--zero", "0"), r"--mode zero3 \(ZeRO stage 3\) and --zero 0 contradict"),
-                      (("--mode", "hybrid", "--zero", "1"), "--zero 1 with --mode hybrid")]:
+                      (("--mode", "zero3", "--zero", "0"), r"--mode zero3 \(ZeRO stage 3\) and --zero 0 contradict")]:
         with pytest.raises(ValueError, match=msg):
             resolve_mode(_parse(*argv))
     with pytest.raises(SystemExit):  # argparse: choices 0-3

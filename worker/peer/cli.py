@@ -46,7 +46,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
                    help=f"option for the task (repeatable; {KEY_VALUE_HELP})")
     p.add_argument("--mode", default="dp", choices=list(PEER_MODES),
                    help="dp (data parallel; its ZeRO stage from --zero) or hybrid (PSEmbedding rows on the PS given by --ps, "
-                        "dense all-reduced); zero1-3: aliases of --zero 1-3")
+                        "the dense part as dp in the same layout); zero1-3: aliases of --zero 1-3")
     p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
                    help="ZeRO stage over the data-parallel ranks (of every layout): 0 all-reduce, 1 optimizer state "
                         "sharded, 2 and gradients, 3 and parameters (default: 0, or the stage --mode zeroK names)")
@@ -138,9 +138,11 @@ def peak_tflops(device: Any, dtype: Any, given: float = 0.0) -> tuple[float, str
 
 def resolve_mode(args: argparse.Namespace) -> None:
     """``args.mode`` the registry's entry of ``--mode`` at ``--zero`` (``dp`` with ``--zero 2``: ``zero2``),
-    ``args.zero`` its stage; ``ValueError`` (one line) for a contradicting pair (``--mode zero1 --zero 3``)."""
-    mode = check_mode(args.mode, "peer", zero=args.zero)
-    args.mode, args.zero = mode.name, mode.stage
+    ``args.zero`` its stage (``hybrid``: its dense part's); ``ValueError`` (one line) for a contradicting
+    pair (``--mode zero1 --zero 3``)."""
+    hybrid = args.mode == "hybrid"
+    mode = check_mode(args.mode, "peer", zero=None if hybrid else args.zero)
+    args.mode, args.zero = mode.name, (args.zero or 0) if hybrid else mode.stage
 
 
 def run_rank(args: argparse.Namespace) -> int:
@@ -190,9 +192,6 @@ def run_rank(args: argparse.Namespace) -> int:
             raise PeerConfigError(f"world size {world} is not divisible by tp {args.tp} x pp {pp}")
         dp = args.dp or world // split
         meshed = split > 1 or args.sequence_parallel or dp != world or piped
-        if meshed and args.mode == "hybrid":
-            raise PeerConfigError("--mode hybrid is data parallelism over every rank (rows on the PS, experts over --ep): "
-                                  "no --tp, --dp or --sequence-parallel")
         if args.global_batch % (dp * args.accumulate):
             raise PeerConfigError(
                 f"global batch {args.global_batch} is not divisible by {'dp' if meshed else 'world size'} {dp} x "
@@ -210,20 +209,10 @@ def run_rank(args: argparse.Namespace) -> int:
         }
         plan = SyncPlan(args.mode, task.dense_optimizer, bucket_mb=args.bucket_mb, compress=args.compress,
                         sequence_parallel=args.sequence_parallel, ep=args.ep, device=mesh.device, sparse_mode=args.sparse_mode,
-                        sparse_ids=task.sparse_ids, prefix=task.name, settings=settings)
+                        sparse_ids=task.sparse_ids, prefix=task.name, settings=settings, zero=args.zero)
         if args.moe_experts and not moe_layers(task.model):
             raise PeerConfigError(f"--moe-experts: task {args.task!r} has no MoE layers (the gpt task builds them)")
-        worker_index = rank
-        where: Any = None
-        pipeline: Any = None
-        if piped:  # the mesh, the task's (tensor-parallel) model and its stages: make_sync builds a PipelineSync
-            where, task, pipeline = pipeline_layout(args, task, world, mesh.device)
-            plan = replace(plan, pipeline=pipeline)
-            worker_index = where.dp_idx
-        elif meshed:
-            where, task = _mesh(args, task, dp, mesh.device)
-            worker_index = where.dp_idx
-        elif args.mode == "hybrid":
+        if args.mode == "hybrid":  # the PS shards holding the rows, then the layout as without them
             from ps import PSClient
 
             if not args.ps:
@@ -240,8 +229,18 @@ def run_rank(args: argparse.Namespace) -> int:
             except ServerUnreachableError as e:
                 print(f"tessera peer: rank {rank}: {e}", file=sys.stderr, flush=True)
                 return 1
-            client = where = PSClient(args.ps.split(","), timeout=max(60.0, args.timeout))
-        sync: Any = make_sync(plan, task.model, where)
+            client = PSClient(args.ps.split(","), timeout=max(60.0, args.timeout))
+        worker_index = rank
+        where: Any = None
+        pipeline: Any = None
+        if piped:  # the mesh, the task's (tensor-parallel) model and its stages: make_sync builds a PipelineSync
+            where, task, pipeline = pipeline_layout(args, task, world, mesh.device)
+            plan = replace(plan, pipeline=pipeline)
+            worker_index = where.dp_idx
+        elif meshed:
+            where, task = _mesh(args, task, dp, mesh.device)
+            worker_index = where.dp_idx
+        sync: Any = make_sync(plan, task.model, where, client)
         if args.checkpoint_dir:
             if args.mode == "hybrid":
                 raise PeerConfigError("--checkpoint-dir: hybrid mode's rows live on the PS (use its checkpoints); not supported here")

@@ -4,8 +4,8 @@ The mode (``plan.mode``) is looked up in the registry (``worker.modes``); the re
 how the mode's dense parameters meet the layout: over every rank (no mesh), over the DP dimension
 of a ``ParallelMesh`` (tensor parallelism: the model is a tensor-parallel one, its ``specs`` and
 ``replicated_parameters()`` say what is split; pipeline parallelism: ``plan.pipeline`` names the
-stages, and the sync runs their schedule inside the trainer's loop), or beside PS embeddings
-(``hybrid``, given a ``PSClient``). What a plan cannot run raises ``PeerConfigError`` with one line saying what and why,
+stages, and the sync runs their schedule inside the trainer's loop), and, given a ``PSClient``
+(``hybrid``), beside PS embeddings: the same dense sync, the rows on the PS. What a plan cannot run raises ``PeerConfigError`` with one line saying what and why,
 the same on every rank (nothing collective happens before it).
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ class SyncPlan:
     stage and layout).
     ``sequence_parallel``: the TP model's replicated parameters' gradients are partial per TP rank.
     ``ep``: expert-parallel ranks (models with MoE layers). ``sparse_mode``/``sparse_ids``: hybrid's
-    PS side. ``device``; ``settings``: fields every rank must agree on. ``pipeline``: a
+    PS side, ``zero`` its dense part's ZeRO stage (the other modes name theirs). ``device``; ``settings``: fields every rank must agree on. ``pipeline``: a
     ``worker.peer.pipeline.PipelinePlan`` (stages, schedule, micro-batches) for a pipeline over the
     mesh's PP dimension (None: no pipeline)."""
 
@@ -47,6 +47,7 @@ class SyncPlan:
     prefix: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
     pipeline: Any = None
+    zero: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -61,55 +62,65 @@ class SyncPlan:
     @property
     def stage(self) -> int:
         """The ZeRO stage of the dense parameters."""
-        return int(check_mode(self.mode).stage or 0)
+        return self.zero if self.mode == "hybrid" else int(check_mode(self.mode).stage or 0)
 
 
-def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None) -> ParamSync:
+def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None, client: Any = None) -> ParamSync:
     """The ``ParamSync`` of ``plan`` for ``model``: ``mesh_or_client`` None (every rank one data-parallel
     replica), a ``ParallelMesh`` (DP x TP (x PP with ``plan.pipeline``: a ``PipelineSync`` over this
-    rank's stages); ``model`` its tensor-parallel model) or a ``PSClient`` (``hybrid``: PS embeddings,
-    all-reduced dense part). The process group must be initialised."""
-    from worker.peer.data_parallel import DataParallelSync
+    rank's stages); ``model`` its tensor-parallel model) or a ``PSClient``; ``client`` a ``PSClient``
+    beside a mesh. With a client (``hybrid``): a ``HybridSync``, the rows on the PS beside the dense
+    sync of the same layout without them. The process group must be initialised."""
     from worker.peer.moe import moe_layers
 
-    compress = None if plan.compress == "none" else plan.compress
     client_mod = sys.modules.get("ps.client")
-    is_client = client_mod is not None and isinstance(mesh_or_client, client_mod.PSClient)
+    if client_mod is not None and isinstance(mesh_or_client, client_mod.PSClient):
+        mesh_or_client, client = None, mesh_or_client
     # a model with PSEmbedding layers has imported worker.binding (which loads the PS client, so grpc):
     # look the class up only then, so a dense model's rank never imports it
     binding = sys.modules.get("worker.binding")
     has_rows = binding is not None and any(isinstance(m, binding.PSEmbedding) for m in model.modules())
-    moe = bool(moe_layers(model))
-    if plan.ep > 1 and not moe:
+    if plan.ep > 1 and not moe_layers(model):
         raise PeerConfigError(f"--ep {plan.ep} needs a model with MoE layers: add --moe-experts E (gpt)")
-    if plan.mode == "hybrid" or is_client:
-        if plan.mode != "hybrid" or not is_client:
-            raise PeerConfigError("--mode hybrid needs --ps HOST:PORT,... (the shards holding the embeddings), and a PS client needs --mode hybrid")
-        import torch.distributed as dist
-
-        from worker.peer.hybrid import HybridSync
-
-        return HybridSync(model, mesh_or_client, plan.prefix, plan.optimizer, rank=dist.get_rank(), world=dist.get_world_size(),
-                          device=plan.device, bucket_mb=plan.bucket_mb, compress=compress, sparse_mode=plan.sparse_mode,
-                          sparse_ids=plan.sparse_ids, settings=plan.settings, ep=plan.ep)
-    if has_rows:
+    if (plan.mode == "hybrid") != (client is not None):
+        raise PeerConfigError("--mode hybrid needs --ps HOST:PORT,... (the shards holding the embeddings), and a PS client needs --mode hybrid")
+    if has_rows and client is None:
         raise PeerConfigError("the model has PSEmbedding layers (rows on a PS): use --mode hybrid with --ps")
+    dense = _dense_sync(plan, model, mesh_or_client)
+    if client is None:
+        return dense
+    import torch.distributed as dist
+
+    from worker.peer.hybrid import HybridSync
+
+    mesh = mesh_or_client  # rows pushed by the first TP rank of each DP replica (the others read them)
+    return HybridSync(model, client, plan.prefix, plan.optimizer, rank=mesh.dp_idx if mesh else dist.get_rank(),
+                      world=mesh.dp if mesh else dist.get_world_size(), device=plan.device, sparse_mode=plan.sparse_mode,
+                      sparse_ids=plan.sparse_ids, dense=dense, pushes=mesh is None or mesh.tp_idx == 0)
+
+
+def _dense_sync(plan: SyncPlan, model: nn.Module, mesh: Any) -> ParamSync:
+    """The sync of ``model``'s dense parameters over every rank (``mesh`` None) or ``mesh``."""
+    from worker.peer.data_parallel import DataParallelSync
+    from worker.peer.moe import moe_layers
+
+    compress = None if plan.compress == "none" else plan.compress
+    settings = {**plan.settings, **({"sparse_mode": plan.sparse_mode} if plan.mode == "hybrid" else {})}
     if plan.pipeline is not None:
         from worker.peer.pipeline import PipelineSync
 
-        if mesh_or_client is None:
+        if mesh is None:
             raise PeerConfigError("a pipeline needs its ParallelMesh (the PP, DP and TP groups)")
-        return PipelineSync(plan.pipeline, model, mesh_or_client, plan.optimizer, stage=plan.stage,
+        return PipelineSync(plan.pipeline, model, mesh, plan.optimizer, stage=plan.stage,
                             sequence_parallel=plan.sequence_parallel, compress=compress, ep=plan.ep)
-    if moe:
+    if moe_layers(model):
         from worker.peer.moe import MoESync
 
-        return MoESync(model, plan.optimizer, mesh_or_client, ep=plan.ep, stage=plan.stage, device=plan.device,
-                       bucket_mb=plan.bucket_mb, compress=compress, settings=plan.settings)
-    if mesh_or_client is None:
+        return MoESync(model, plan.optimizer, mesh, ep=plan.ep, stage=plan.stage, device=plan.device,
+                       bucket_mb=plan.bucket_mb, compress=compress, settings=settings)
+    if mesh is None:
         return DataParallelSync(model, plan.optimizer, stage=plan.stage, device=plan.device, bucket_mb=plan.bucket_mb,
-                                compress=compress, settings=plan.settings)
-    mesh = mesh_or_client
+                                compress=compress, settings=settings)
     # the gradients to sum over the TP group: a parallelize()d model says which; the gpt task's split, under SP,
     # its replicated parameters (each TP rank saw S/T positions)
     if hasattr(model, "tp_sum_parameters"):
@@ -119,5 +130,5 @@ def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None) -> P
     return DataParallelSync(
         model, plan.optimizer, stage=plan.stage, group=mesh.dp_group, device=mesh.device, overlap=False, compress=compress,
         tp_group=mesh.tp_group if mesh.tp > 1 else None, tp_replicated=replicated,
-        settings={"pp": mesh.pp, "sequence_parallel": plan.sequence_parallel, **plan.settings},
+        settings={"pp": mesh.pp, "sequence_parallel": plan.sequence_parallel, **settings},
     )
