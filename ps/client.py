@@ -24,15 +24,7 @@ from typing import Any, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 
-from ps.config import (
-    DENSE,
-    SPARSE,
-    AdmissionSpec,
-    EvictionSpec,
-    InitializerSpec,
-    OptimizerSpec,
-    TableSpec,
-)
+from ps.config import DENSE, SPARSE, AdmissionSpec, EvictionSpec, InitializerSpec, OptimizerSpec, TableSpec
 from ps.errors import InternalError, InvalidArgumentError, TableNotFoundError, with_table
 from ps.consistency import SyncPolicy
 from ps.outages import ShardWatch

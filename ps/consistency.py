@@ -113,7 +113,6 @@ class Membership:
         self.max_lease_s = max_lease_s
         self.max_workers = max_workers
         self.forget_s = forget_s
-        self.forgotten = 0
         self._now = now
         self._workers: dict[str, WorkerState] = {}
         self.cond = threading.Condition()
@@ -154,7 +153,6 @@ class Membership:
                         f"its limit (max_workers) is {self.max_workers}"
                     )
                 del self._workers[min(dead, key=lambda d: d.left_at).name]
-                self.forgotten += 1
             was_live = w is not None and w.live
             start = clock if clock is not None else (w.clock if w is not None else self._min_clock(exclude=worker, default=0))
             self._workers[worker] = WorkerState(worker, lease, self._now(), max(0, start))
@@ -169,7 +167,6 @@ class Membership:
             gone = [w.name for w in self._workers.values() if not w.live and now - w.left_at > self.forget_s]
             for name in gone:
                 del self._workers[name]
-            self.forgotten += len(gone)
         return gone
 
     def touch(self, worker: str) -> bool:

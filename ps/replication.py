@@ -63,7 +63,6 @@ class BackupFollower:
         self.advertise = advertise
         self.period = period
         self.in_sync = False
-        self.attaches = 0
         self._stop = threading.Event()
         self.channel = client_channel(self.primary, security)
         self._role = self.channel.unary_unary(_SERVICE + "Role")
@@ -117,6 +116,5 @@ class BackupFollower:
                 attach_id = msg.attach_id
         snap = snapshot_from_plain(unpack_plain(b"".join(parts)))
         self.shard.install(snap, attach_id)
-        self.attaches += 1
         self.in_sync = True  # the stream ended normally: the primary has attached us
         log.info("backup of %s: attached (sync clock %d, %d tables)", self.primary, snap.sync_clock, len(snap.tables))

@@ -68,8 +68,6 @@ def chunk_rows_for(row_nbytes: int, chunk_bytes: int = 32 << 20, lo: int = 1024,
 class ChunkBacking:
     """Where chunk buffers come from. ``allocate(nbytes)`` returns a uint8 tensor of that size."""
 
-    file_backed = False
-
     def allocate(self, nbytes: int) -> torch.Tensor:
         raise NotImplementedError
 
@@ -140,8 +138,6 @@ class FileBacking(ChunkBacking):
     process's RSS no longer counts them).
     """
 
-    file_backed = True
-
     def __init__(self, directory: str | None = None) -> None:
         if directory:
             os.makedirs(directory, exist_ok=True)
@@ -151,20 +147,12 @@ class FileBacking(ChunkBacking):
         self._size = 0
         self._segments: list[tuple[int, int]] = []  # (offset, bytes) of each allocation, in order
         self._maps: list[mmap.mmap] = []
-        self._views: list[torch.Tensor] = []
-
-    @property
-    def views(self) -> list[torch.Tensor]:
-        """The buffer of every allocation, in order."""
-        return list(self._views)
 
     def _map(self, offset: int, nbytes: int) -> torch.Tensor:
         mm = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
         self._maps.append(mm)
         self._segments.append((offset, nbytes))
-        t = torch.frombuffer(mm, dtype=torch.uint8)
-        self._views.append(t)
-        return t
+        return torch.frombuffer(mm, dtype=torch.uint8)
 
     def clone(self) -> "FileBacking":
         """A copy of the file as it is now, with the same segments mapped: a consistent snapshot
@@ -204,7 +192,6 @@ class FileBacking(ChunkBacking):
             mm.madvise(mmap.MADV_DONTNEED)
 
     def close(self) -> None:
-        self._views.clear()
         for mm in self._maps:
             try:
                 mm.close()
@@ -571,17 +558,6 @@ class RowStore:
                     arr[at] = v
                 else:
                     dst.index_fill_(0, off, v)
-
-    def twin_on(self, backing: FileBacking) -> "RowStore":
-        """A store laid out like this one (file-backed, chunk 0 never regrown) whose chunks are the
-        buffers of ``backing`` (a ``clone()`` of this store's backing): a frozen copy to read from."""
-        views = backing.views
-        if len(views) != len(self._chunks):
-            raise ValueError("the backing does not hold this store's chunks")
-        twin = RowStore(list(self.columns.values()), self.chunk_rows, self.first_rows, backing=backing)
-        twin._chunks = [twin._carve(v, ch.rows) for v, ch in zip(views, self._chunks, strict=True)]
-        twin.n_alloc = self.n_alloc
-        return twin
 
     def all_rows(self) -> np.ndarray:
         """Every live row (handed out, not released), ascending."""
