@@ -215,6 +215,9 @@ def run_rank(args: argparse.Namespace) -> int:
         if args.mode == "hybrid":  # the PS shards holding the rows, then the layout as without them
             from ps import PSClient
 
+            if args.checkpoint_dir:
+                raise PeerConfigError("--checkpoint-dir: hybrid mode's rows live on the PS (use its checkpoints); not supported here")
+
             if not args.ps:
                 raise PeerConfigError("--mode hybrid needs --ps HOST:PORT,... (the shards holding the embeddings)")
             from ps.cli import wait_for_shards
@@ -242,8 +245,6 @@ def run_rank(args: argparse.Namespace) -> int:
             worker_index = where.dp_idx
         sync: Any = make_sync(plan, task.model, where, client)
         if args.checkpoint_dir:
-            if args.mode == "hybrid":
-                raise PeerConfigError("--checkpoint-dir: hybrid mode's rows live on the PS (use its checkpoints); not supported here")
             sync.set_checkpointing(args.checkpoint_dir, args.checkpoint_every)
         metrics_out = os.path.join(args.metrics_out, f"rank{rank}.jsonl") if args.metrics_out else None
         if args.metrics_port:  # Prometheus over this rank's trainer records (one port per local rank)
@@ -297,7 +298,7 @@ def run_rank(args: argparse.Namespace) -> int:
         if meshed:
             report.update(dp=dp, tp=args.tp, pp=pp, sequence_parallel=args.sequence_parallel)
         if pipeline is not None:
-            report.update(sync.describe(), recompute=recompute_mode(args) != "none", recompute_mode=recompute_mode(args))
+            report.update((sync.dense if args.mode == "hybrid" else sync).describe(), recompute=recompute_mode(args) != "none", recompute_mode=recompute_mode(args))
         if tokens:
             tps = summary.examples_per_s * dp * tokens
             report["tokens_per_s"] = tps

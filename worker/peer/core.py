@@ -625,11 +625,6 @@ class ShardedOptimizer(_Gated):
                     _all_gather(u.full, self.shard.data[u.offset : u.offset + u.chunk], self.group)
 
     # ------------------------------------------------------------------ whole values and state
-    def full_values(self) -> torch.Tensor:
-        """Every parameter, whole, flat in ``params`` order (stage 3: gathered; every rank calls it)."""
-        with torch.no_grad(), self.gathered():
-            return torch.cat([p.detach().reshape(-1) for p in self.params]) if self.params else torch.zeros(0)
-
     def local_states(self) -> dict[int, dict[str, Any]]:
         """The optimizer state of every parameter, whole (``{id(param): {key: tensor shaped like it,
         or a scalar}}``): stages 1-3 gather the shard's state over the group (a collective)."""

@@ -5,12 +5,13 @@ with ``dense=False`` (rows pulled for the batch's ids, row gradients pushed; ``s
 ``async`` by default, so a rank never waits for the others' rows: huge tables, loose
 consistency), while its dense parameters go through the sync ``make_sync`` builds for the same
 layout without a PS (``DataParallelSync`` at any ZeRO stage, over every rank or the DP dimension of
-a tensor-parallel mesh, ``MoESync`` for a model with MoE layers): synchronous. With
+a tensor-parallel mesh, ``MoESync`` for a model with MoE layers, ``PipelineSync`` running the
+schedule): synchronous. With
 ``sparse_mode="sync"`` the rows are BSP on the PS too and the run equals one process with the
 global batch.
 
 Rows are pushed once per step and data-parallel replica: in a mesh only the first TP rank of each
-replica is a worker on the PS (its TP peers computed the same row gradients from the same batch:
+replica (in a pipeline: of the stage holding the rows) is a worker on the PS (its TP peers computed the same row gradients from the same batch:
 the gradient reaching a replicated input is whole on every TP rank); the others only read rows
 (pulls need no membership), so each BSP round waits for the D replicas. In async/SSP mode the TP
 ranks of a replica read the rows when each asks, so they may see them one push apart.
@@ -38,7 +39,7 @@ class HybridSync(WrapsDense, ParamSync):
     ``dense``, the sync of the dense parameters (None: ``make_sync``'s for every rank one replica, ZeRO
     stage 0; with MoE layers their experts over ``ep`` ranks). ``rank``/``world``: the worker's index
     and count on the PS (a mesh's DP index and size); ``pushes`` False: this rank reads rows but
-    pushes none (a TP rank other than the first). Collectives on the main thread (``pipelined`` False)."""
+    pushes none (a TP rank other than the first, a stage without them). Collectives on the main thread (``pipelined`` False)."""
 
     pipelined = False
 
@@ -116,6 +117,10 @@ class HybridSync(WrapsDense, ParamSync):
         for m in self.sparse.embeddings.values():
             m.policy = None  # evaluation reads the rows as they are
         return self.dense.evaluate(step, final, fn)  # type: ignore[no-any-return]
+
+    def forward_backward(self, model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                         micro_batches: int) -> torch.Tensor:
+        return self.dense.forward_backward(model, batch, loss_fn, micro_batches)  # type: ignore[no-any-return]
 
     def global_loss(self, loss: torch.Tensor) -> float:
         return self.dense.global_loss(loss)  # type: ignore[no-any-return]

@@ -49,6 +49,7 @@ from worker.peer.checkpoint import (
     read_whole_tensors,
     whole_tensor_pieces,
 )
+from worker.peer.core import _all_gather
 from worker.peer.data_parallel import WrapsDense
 from worker.peer.mesh import PeerConfigError
 from worker.sync_api import Fetched, Grads, ParamSync, PushResult
@@ -130,14 +131,13 @@ class _Meter:
     """What the layer did since the last ``take``: training forwards only (with gradients, each once)."""
 
     forwards: int = 0
-    counts: torch.Tensor | None = None  # (E,) assignments per expert (before dropping), float64
     assignments: float = 0.0
     dropped: float = 0.0
+    counts: torch.Tensor | None = None  # (E,) assignments per expert (before dropping), float64
     balance: float = 0.0
     z: float = 0.0
     a2a_s: float = 0.0
     a2a_bytes: int = 0
-    a2a_calls: int = 0
 
 
 _RECOMPUTING = [False]
@@ -188,7 +188,6 @@ def _exchange(x: torch.Tensor, out: torch.Tensor, out_splits: list[int], in_spli
         torch.cuda.synchronize(x.device)
     meter.a2a_s += time.perf_counter() - t0
     meter.a2a_bytes += x.numel() * x.element_size()
-    meter.a2a_calls += 1
     return out
 
 
@@ -599,8 +598,7 @@ class MoESync(WrapsDense, ParamSync, Checkpointing):
             subs = [n for n, _ in layer.experts[str(local[0])].named_parameters()]
             flat = torch.cat([tensors[f"{name}.experts.{e}.{sub}"].reshape(-1) for e in local for sub in subs])
             allv = flat.new_empty(self.groups.size * flat.numel())
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            gather(allv, flat, group=self.groups.group)
+            _all_gather(allv, flat, self.groups.group)
             off = 0
             for j in range(self.groups.size):  # EP rank j's experts, in its order
                 for i in range(len(local)):

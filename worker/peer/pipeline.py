@@ -344,20 +344,10 @@ class _Embed(nn.Module):
         return self.tok(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
 
 
-class _Head(nn.Module):
-    def __init__(self, gpt: Any) -> None:
-        super().__init__()
-        self.ln: nn.LayerNorm = gpt.ln
-        self.head: nn.Linear = gpt.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln(x))
-
-
 def gpt_layers(model: Any) -> list[nn.Module]:
     """The ``gpt`` task's model as a layer list (embeddings, each block, final norm + head) whose
     modules share the model's parameters: running them in order is ``model.forward``."""
-    return [_Embed(model), *model.blocks, _Head(model)]
+    return [_Embed(model), *model.blocks, nn.Sequential(model.ln, model.head)]
 
 
 def gpt_layer_costs(model: Any) -> list[float]:
@@ -374,8 +364,8 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class _TPEmbed(nn.Module):
-    """The first layer of a tensor-parallel pipeline: vocab-parallel embedding plus position,
-    ``(B, S)`` ids -> the residual stream ``(S, B, H)`` (sequence-first, as TensorParallelGPT keeps it)."""
+    """The first layer of a tensor-parallel pipeline: ``TensorParallelGPT.embed``, ``(B, S)`` ids -> the
+    residual stream ``(S, B, H)`` (sequence-first, as TensorParallelGPT keeps it)."""
 
     def __init__(self, model: Any) -> None:
         super().__init__()
@@ -384,27 +374,7 @@ class _TPEmbed(nn.Module):
         self._owner = [model]  # not a submodule
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        model, s = self._owner[0], ids.shape[1]
-        x = self.tok(ids.t())  # under sequence parallelism: this rank's S/T positions, reduce-scattered
-        if model.sequence_parallel:
-            n = s // model.tp
-            pos = self.pos[model.tp_rank * n : (model.tp_rank + 1) * n]
-        else:
-            pos = self.pos[:s]
-        return model.drop(x + pos.unsqueeze(1))  # type: ignore[no-any-return]
-
-
-class _TPHead(nn.Module):
-    """The last layer of a tensor-parallel pipeline: final norm and the vocab-parallel head,
-    ``(S, B, H)`` -> this rank's vocabulary slice of the logits ``(S, B, V/T)``."""
-
-    def __init__(self, model: Any) -> None:
-        super().__init__()
-        self.ln: nn.LayerNorm = model.ln
-        self.head: nn.Module = model.head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.ln(x))  # type: ignore[no-any-return]
+        return self._owner[0].embed(ids)  # type: ignore[no-any-return]
 
 
 def tp_gpt_layers(model: Any) -> list[nn.Module]:
@@ -414,21 +384,12 @@ def tp_gpt_layers(model: Any) -> list[nn.Module]:
     parallelism: this rank's ``(S/T, B, H)`` chunk); each stage rank sends it to the next stage's rank
     with the same TP index. Under sequence parallelism the replicated parameters' gradients are
     partial per TP rank: ``stage_sync(sequence_parallel=True)`` sums them over the TP group."""
-    return [_TPEmbed(model), *model.blocks, _TPHead(model)]
+    return [_TPEmbed(model), *model.blocks, nn.Sequential(model.ln, model.head)]
 
 
 def tp_gpt_loss(model: Any) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The gpt task's mean token cross-entropy from the last stage's vocab-parallel logits ``(S, B, V/T)``
-    and targets ``(B, S)``: ``vocab_parallel_cross_entropy`` (never the full logits on one rank)."""
-    from worker.peer.tensor_parallel import vocab_parallel_cross_entropy
-
-    start, group = model.vocab_start, model.group
-
-    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return vocab_parallel_cross_entropy(logits, targets.t(), start, group).mean()
-
-    return loss
+    """The gpt task's loss on the last stage of a ``TensorParallelGPT`` pipeline: ``model.stage_loss``."""
+    return model.stage_loss  # type: ignore[no-any-return]
 
 
 class _Stage(nn.Module):
@@ -860,8 +821,9 @@ def pipeline_config(args: argparse.Namespace, world: int) -> tuple[int, int, int
     V = int(args.virtual_stages) if args.schedule == "interleaved" else 1
     if user_pipeline(args) and recompute_mode(args) == "selective":
         raise PeerConfigError("--recompute selective is the gpt task's built-in split's (without --tp-plan/--pp-split); use full")
-    if args.mode == "hybrid":
-        raise PeerConfigError("--pp, --recompute and --precision run with --mode dp (any --zero: ZeRO over the DP dimension), not hybrid")
+    if args.mode == "hybrid" and not user_pipeline(args):
+        raise PeerConfigError("--pp, --recompute and --precision with the gpt task's built-in split run with --mode dp "
+                              "(any --zero): it has no PS rows for --mode hybrid")
     if getattr(args, "sequence_parallel", False) and T == 1:
         raise PeerConfigError("--sequence-parallel needs --tp > 1")
     if P < 1 or T < 1 or world % (P * T):

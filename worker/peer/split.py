@@ -22,9 +22,11 @@ that output only (the usual ``loss = F.cross_entropy(model(batch.x), batch.y)``)
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,7 +290,8 @@ def pipeline_source(loss: Callable[[nn.Module, Any], torch.Tensor], model: nn.Mo
     if len(layers) < stages:
         raise PeerConfigError(f"the model cuts into {len(layers)} pieces ({', '.join(split_points(model))}): too few for {stages} stages")
     inputs, loss_fn = pipeline_io(loss)
-    cut = act_shapes(layers, inputs(sample))
+    with _rows_as_zeros(model):
+        cut = act_shapes(layers, inputs(sample))
     if not split and len(set(cut)) > 1:
         # the finest cut: keep the cuts that pass the most common activation (under sequence parallelism the
         # stream is whole before the first split region and a chunk after it); merge the pieces around the others
@@ -309,6 +312,21 @@ def pipeline_source(loss: Callable[[nn.Module, Any], torch.Tensor], model: nn.Mo
                               f"({', '.join(str(tuple(sh)) for sh, _ in shapes)}): give --pp-split where the same activation flows")
     (size, dtype), = shapes
     return PipelineSource(layers, layer_costs(layers), inputs, loss_fn, tuple(size), dtype)
+
+
+@contextlib.contextmanager
+def _rows_as_zeros(model: nn.Module) -> Iterator[None]:
+    """Inside: the model's ``PSEmbedding`` layers answer zeros of their output's shape without asking the
+    PS (the probe of the activation shapes runs before the hybrid's tables exist)."""
+    binding = sys.modules.get("worker.binding")  # loaded iff the model has PSEmbedding layers (it imports grpc)
+    rows = [m for m in model.modules() if binding is not None and isinstance(m, binding.PSEmbedding)]
+    for m in rows:
+        m.forward = lambda ids, m=m: torch.zeros((*ids.shape[: -1 if m.mode else None], m.dim), device=ids.device)
+    try:
+        yield
+    finally:
+        for m in rows:
+            del m.forward
 
 
 def shared_parameters(layers: Sequence[nn.Module], bounds: Sequence[tuple[int, int]]) -> list[nn.Parameter]:

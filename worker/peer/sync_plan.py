@@ -56,8 +56,6 @@ class SyncPlan:
             raise PeerConfigError(str(e)) from None
         if self.ep < 1:
             raise PeerConfigError(f"--ep must be >= 1, got {self.ep}")
-        if self.pipeline is not None and m.name == "hybrid":
-            raise PeerConfigError("a pipeline runs with --mode dp (any --zero), not hybrid")
 
     @property
     def stage(self) -> int:
@@ -93,10 +91,15 @@ def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None, clie
 
     from worker.peer.hybrid import HybridSync
 
-    mesh = mesh_or_client  # rows pushed by the first TP rank of each DP replica (the others read them)
+    # rows pushed by the first TP rank of each DP replica whose part of the model holds them (in a pipeline, their
+    # stage's; the others read them); a pipeline's micro-batches pull their rows in the forward (no prefetch)
+    mesh = mesh_or_client
+    part = nn.ModuleList(dense.engine.stages.values()) if plan.pipeline is not None else model  # type: ignore[attr-defined]
+    holds = any(isinstance(m, binding.PSEmbedding) for m in part.modules())  # type: ignore[union-attr]
     return HybridSync(model, client, plan.prefix, plan.optimizer, rank=mesh.dp_idx if mesh else dist.get_rank(),
                       world=mesh.dp if mesh else dist.get_world_size(), device=plan.device, sparse_mode=plan.sparse_mode,
-                      sparse_ids=plan.sparse_ids, dense=dense, pushes=mesh is None or mesh.tp_idx == 0)
+                      sparse_ids=plan.sparse_ids if plan.pipeline is None else None, dense=dense,
+                      pushes=holds and (mesh is None or mesh.tp_idx == 0))
 
 
 def _dense_sync(plan: SyncPlan, model: nn.Module, mesh: Any) -> ParamSync:

@@ -617,16 +617,15 @@ class TensorParallelGPT(nn.Module):
                 return checkpoint(_core_attention, y, heads, p, mask, use_reentrant=False)  # type: ignore[no-any-return]
             return _core_attention(y, heads, p, mask)
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """``(B, S)`` ids -> the residual stream ``(S, B, dim)``: vocab-parallel embedding plus position
+        (under SP: this rank's ``S/T`` positions, the embedding reduce-scattered)."""
+        n, r = (ids.shape[1] // self.tp, self.tp_rank) if self.sequence_parallel else (ids.shape[1], 0)
+        return self.drop(self.tok(ids.t()) + self.pos[r * n : (r + 1) * n].unsqueeze(1))
+
     def hidden(self, ids: torch.Tensor) -> torch.Tensor:
         """``(B, S)`` ids -> the final LayerNorm's output ``(S, B, dim)`` (``(S/T, B, dim)`` under SP)."""
-        s = ids.shape[1]
-        x = self.tok(ids.t())
-        if self.sequence_parallel:
-            n = s // self.tp
-            pos = self.pos[self.tp_rank * n : (self.tp_rank + 1) * n]
-        else:
-            pos = self.pos[:s]
-        x = self.drop(x + pos.unsqueeze(1))
+        x = self.embed(ids)
         for blk in self.blocks:
             x = blk(x)
         return self.ln(x)  # type: ignore[no-any-return]
@@ -639,9 +638,14 @@ class TensorParallelGPT(nn.Module):
         ids, target = batch[:, :-1], batch[:, 1:]
         if self.sequence_parallel and ids.shape[1] % self.tp:
             raise PeerConfigError(f"sequence parallel: sequence length {ids.shape[1]} not divisible by tp {self.tp}")
-        logits = self.head(self.hidden(ids))  # (S, B, V/T)
+        return self.stage_loss(self.head(self.hidden(ids)), target)
+
+    def stage_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean token cross-entropy from this rank's vocabulary slice of the logits ``(S, B, V/T)`` and
+        targets ``(B, S)`` (``vocab_parallel_cross_entropy``: never the full logits on one rank; a
+        pipeline's last stage computes it too)."""
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return vocab_parallel_cross_entropy(logits, target.t(), self.vocab_start, self.group).mean()
+        return vocab_parallel_cross_entropy(logits, targets.t(), self.vocab_start, self.group).mean()
 
     # --------------------------------------------------------------------------------- shards
     def replicated_parameters(self) -> list[nn.Parameter]:
