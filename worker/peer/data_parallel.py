@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -50,22 +51,25 @@ def whole_specs(model: nn.Module, params: Sequence[nn.Parameter] | None = None) 
 
 
 class WrapsDense:
-    """Mixin of syncs built around a ``DataParallelSync`` named ``dense`` (MoE, the PS hybrid): their
-    timeline tracer is the dense part's."""
+    """Mixin of syncs whose timeline tracer is their parts' (``_traced``: attribute paths, the first one
+    read back): a ``DataParallelSync`` named ``dense`` (MoE, the PS hybrid, pipelines), or the
+    ``DataParallelSync``'s own optimizer and reducer."""
 
-    dense: DataParallelSync
+    _traced: tuple[str, ...] = ("dense",)
 
     @property
     def tracer(self) -> Any:
-        """A ``worker.peer.trace.Tracer`` (or None): the dense part's collectives on the timeline."""
-        return self.dense.tracer
+        """A ``worker.peer.trace.Tracer`` (or None): the parts' collectives on the timeline."""
+        return attrgetter(self._traced[0])(self).tracer
 
     @tracer.setter
     def tracer(self, value: Any) -> None:
-        self.dense.tracer = value
+        for part in (attrgetter(name)(self) for name in self._traced):
+            if part is not None:
+                part.tracer = value
 
 
-class DataParallelSync(ParamSync, Checkpointing):
+class DataParallelSync(WrapsDense, ParamSync, Checkpointing):
     """ZeRO ``stage`` (0: plain DP, bucketed all-reduce) of ``model``'s parameters (or ``params``)
     over ``group`` (None: every rank), as a ``ParamSync``.
 
@@ -81,6 +85,7 @@ class DataParallelSync(ParamSync, Checkpointing):
     thread (``pipelined`` False), the same order on every rank."""
 
     pipelined = False
+    _traced = ("opt", "opt.reducer")
 
     def __init__(
         self, model: nn.Module, optimizer: Any, *, stage: int = 0, group: Any = None, device: torch.device | str = "cpu",
@@ -102,17 +107,6 @@ class DataParallelSync(ParamSync, Checkpointing):
         self.flat = self.opt.reducer.flat if self.opt.reducer is not None else None  # type: ignore[assignment]
         self.writer = group_rank(group) == 0 and (tp_group is None or group_rank(tp_group) == 0)
         self.agree = agree
-
-    @property
-    def tracer(self) -> Any:
-        """A ``worker.peer.trace.Tracer``: the collectives on the timeline (or None)."""
-        return self.opt.tracer
-
-    @tracer.setter
-    def tracer(self, value: Any) -> None:
-        self.opt.tracer = value
-        if self.opt.reducer is not None:
-            self.opt.reducer.tracer = value
 
     # ------------------------------------------------------------------ membership
     def join(self) -> int:

@@ -618,22 +618,14 @@ def layout_groups(P: int, D: int = 1, T: int = 1) -> tuple[list[int], Any, list[
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != P * D * T:
         raise ScheduleError(f"world size {world} is not P x D x T = {P} x {D} x {T}")
-    pp_mine = dp_mine = None
-    pp_ranks: list[int] = []
-    dp_ranks: list[int] = []
-    for d in range(D):
-        for t in range(T):
-            ranks = [p * D * T + d * T + t for p in range(P)]
-            g = dist.new_group(ranks) if P > 1 else None
+    mine: dict[str, tuple[list[int], Any]] = {}
+    for kind, lines in (("pp", [[p * D * T + d * T + t for p in range(P)] for d in range(D) for t in range(T)]),
+                        ("dp", [[p * D * T + d * T + t for d in range(D)] for p in range(P) for t in range(T)])):
+        for ranks in lines:  # the pipelines, then the DP groups, in this order on every rank
+            g = dist.new_group(ranks) if len(ranks) > 1 else None
             if rank in ranks:
-                pp_ranks, pp_mine = ranks, g
-    for p in range(P):
-        for t in range(T):
-            ranks = [p * D * T + d * T + t for d in range(D)]
-            g = dist.new_group(ranks) if D > 1 else None
-            if rank in ranks:
-                dp_ranks, dp_mine = ranks, g
-    return pp_ranks, pp_mine, dp_ranks, dp_mine
+                mine[kind] = (ranks, g)
+    return (*mine["pp"], *mine["dp"])
 
 
 # ---------------------------------------------------------------- the pipeline as a ParamSync
