@@ -54,10 +54,10 @@ class HybridSync(WrapsDense, ParamSync):
             raise PeerConfigError(f"hybrid sparse mode must be async, ssp or sync, got {sparse_mode!r}")
         self.name = "hybrid"
         if dense is None:
-            from worker.peer.sync_plan import SyncPlan, make_sync
+            from worker.peer.sync_plan import SyncPlan, _dense_sync
 
-            dense = make_sync(SyncPlan("dp", optimizer, bucket_mb=bucket_mb, compress=compress, ep=ep, device=device,
-                                       settings={**(settings or {}), "sparse_mode": sparse_mode}), model)
+            dense = _dense_sync(SyncPlan("hybrid", optimizer, bucket_mb=bucket_mb, compress=compress, ep=ep, device=device,
+                                         sparse_mode=sparse_mode, settings=settings or {}), model, None)
         self.dense: Any = dense
         self.pushes = pushes
         self.sparse = PSSync(
