@@ -201,10 +201,13 @@ class DenseTable:
         # guards _blocks/version and the spares; held for microseconds, or while a commit computes in place
         self.lock = threading.Lock()
         self.write_lock = threading.Lock()  # serializes commits (held while one push computes)
-        self._spares: list[list[_Block]] = [[] for _ in self._blocks]
+        # the spare generation is allocated with the table (the shard's budget grants both at create):
+        # a push never has to grow a table the budget already holds, however full it gets meanwhile
+        self._spares: list[list[_Block]] = [[self._fresh(k) for _ in range(self.spare_generations)] for k in range(len(self._blocks))]
         self._reserve = max_bytes_fn
         self._growth = growth_lock if growth_lock is not None else threading.Lock()
-        self._extra_bytes = 0  # blocks owned beyond the current ones: spares and pushes' computed blocks
+        # blocks owned beyond the current ones: spares and pushes' computed blocks
+        self._extra_bytes = sum(self._block_nbytes(k) for k in range(len(self._blocks))) * self.spare_generations
         self._early: weakref.ref[DenseUpdate] | None = None  # the push computing as its chunks arrive
         self.blocks_allocated = 0  # fresh blocks a commit had to allocate (no spare was free)
         self.blocks_reused = 0  # spare blocks a commit wrote into
@@ -339,6 +342,10 @@ class DenseTable:
             self.generation += 1
 
     # ------------------------------------------------------------------ spare blocks
+    def _fresh(self, k: int) -> _Block:
+        n = self.block_len(k)
+        return _Block(torch.empty(n), {name: torch.empty(n) for name in self._state_names})
+
     def _spare(self, k: int) -> _Block:
         """A block to compute block ``k``'s next value in: a retired one nothing refers to, else a new one."""
         with self.lock:
@@ -354,10 +361,9 @@ class DenseTable:
         while spares:  # held by readers: not reusable now, and the budget should not count them twice
             spares.pop()
             self._extra_bytes -= nbytes
-        n = self.block_len(k)
         with self._growth:
             self._reserve(nbytes)
-            block = _Block(torch.empty(n), {name: torch.empty(n) for name in self._state_names})
+            block = self._fresh(k)
             self._extra_bytes += nbytes
         self.blocks_allocated += 1
         return block

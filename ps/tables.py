@@ -100,7 +100,7 @@ class Tables(ShardState):
                 )
             if spec.kind == DENSE:
                 length = -(-spec.numel // self.config.num_shards)
-                extra = length * 4 * (1 + _state_per_elem(spec))
+                extra = length * 4 * (1 + _state_per_elem(spec)) * (1 + DenseTable.spare_generations)  # with its spares
             else:
                 extra = SparseTable.fixed_bytes(spec)  # the admission sketch (index and chunks come with rows)
             with self._growth:
