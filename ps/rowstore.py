@@ -141,39 +141,15 @@ class FileBacking(ChunkBacking):
     def __init__(self, directory: str | None = None) -> None:
         if directory:
             os.makedirs(directory, exist_ok=True)
-        self._directory = directory
         self._file = tempfile.TemporaryFile(prefix="tessera-tier-", dir=directory or None)  # noqa: SIM115 - lives with the store
         self._fd = self._file.fileno()
         self._size = 0
-        self._segments: list[tuple[int, int]] = []  # (offset, bytes) of each allocation, in order
         self._maps: list[mmap.mmap] = []
 
     def _map(self, offset: int, nbytes: int) -> torch.Tensor:
         mm = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
         self._maps.append(mm)
-        self._segments.append((offset, nbytes))
         return torch.frombuffer(mm, dtype=torch.uint8)
-
-    def clone(self) -> "FileBacking":
-        """A copy of the file as it is now, with the same segments mapped: a consistent snapshot
-        that costs disk, not RAM (copied in the kernel; dirty pages of the mappings are in the page
-        cache, which the copy reads)."""
-        fb = FileBacking(self._directory)
-        os.ftruncate(fb._fd, self._size)
-        off = 0
-        while off < self._size:
-            n = min(64 << 20, self._size - off)
-            try:
-                done = os.copy_file_range(self._fd, fb._fd, n, off, off)
-            except (OSError, AttributeError):  # no copy_file_range here: through a bounded buffer
-                done = os.pwrite(fb._fd, os.pread(self._fd, n, off), off)
-            if done <= 0:
-                raise OSError(f"copying the disk tier's file stopped at byte {off} of {self._size}")
-            off += done
-        fb._size = self._size
-        for o, n in self._segments:
-            fb._map(o, n)
-        return fb
 
     @property
     def file_bytes(self) -> int:

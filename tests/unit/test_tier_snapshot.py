@@ -32,12 +32,17 @@ def one_torch_thread():
 
 @pytest.fixture
 def no_file_copies(monkeypatch):
-    """Copying the tier's file (the old way to freeze it) fails the test."""
+    """Every disk-tier file made while the test runs: the table's own, and any copy of it (freezing the
+    file by copying it, the old way, makes a second one)."""
+    made: list[FileBacking] = []
+    init = FileBacking.__init__
 
-    def refuse(self: FileBacking) -> FileBacking:
-        raise AssertionError("the disk tier's file was copied")
+    def counted(self: FileBacking, *a, **kw) -> None:
+        made.append(self)
+        init(self, *a, **kw)
 
-    monkeypatch.setattr(FileBacking, "clone", refuse)
+    monkeypatch.setattr(FileBacking, "__init__", counted)
+    return made
 
 
 class _SpyLock:
@@ -134,6 +139,7 @@ def test_reading_an_export_while_the_table_churns_neither_copies_the_file_nor_ta
         t.push(b, np.full((len(b), DIM), 2.0, np.float32))
     assert t._cold is not None and not t._cold.held
     assert t.memory_stats().disk_bytes == grown >= disk0
+    assert len(no_file_copies) == 1, "the disk tier's file was copied"
 
 
 def test_a_backup_update_load_state_and_close_leave_a_held_export_intact(tmp_path, no_file_copies) -> None:
@@ -149,11 +155,13 @@ def test_a_backup_update_load_state_and_close_leave_a_held_export_intact(tmp_pat
     t.apply_delta(delta, t.step)
     np.testing.assert_array_equal(t.pull(cold_ids)[0], vals)
     _check(snap, want)
+    assert len(no_file_copies) == 1, "the disk tier's file was copied"
     # load_state (a restore) while the export is read: the export keeps its file
     t.load_state(ref.export_state())
     _check(snap, want)
     # close while held: the reader still reads
     snap2, want2 = t.export_state(), ref.export_state()
+    assert len(no_file_copies) == 2, "the disk tier's file was copied"  # the restored rows' new file, no copy
     t.close()
     _check(snap2, want2)
     _check(snap, want)
