@@ -20,7 +20,7 @@ import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -229,6 +229,13 @@ class PSClient:
             self.acked[key] += updates
             self.duplicates += int(duplicate)
 
+    def _all(self, method: str, request: Any, reply: Any, table: str | None = None, shards: Sequence[int] | None = None) -> list[Any]:
+        """Unary ``method`` with one ``request`` message on every shard (``shards``: these), concurrently:
+        the replies parsed as ``reply`` (a message class), in shard order."""
+        raw = request.SerializeToString()
+        which = range(self.num_shards) if shards is None else shards
+        return [unframe(reply, r)[0] for r in self._fan_out([lambda i=i: self._call(i, method, raw, table) for i in which])]
+
     def _fan_out(self, jobs: list[Any]) -> list[Any]:
         """Run zero-arg callables concurrently; re-raise the first error after all finish."""
         if len(jobs) == 1:
@@ -261,19 +268,13 @@ class PSClient:
 
     def _create_table(self, spec: TableSpec) -> list[bool]:
         """Create ``spec`` on every shard; per shard, whether it created the table (False: it had it)."""
-        check = pb.CreateTableRequest(spec=spec_to_proto(spec), num_shards=self.num_shards, validate_only=True)
-        check_raw = check.SerializeToString()
+        req = pb.CreateTableRequest(spec=spec_to_proto(spec), num_shards=self.num_shards, validate_only=True)
         # every shard must accept before any creates: a refusal on one shard must not leave the table on others
-        self._fan_out([lambda i=i: self._call(i, "CreateTable", check_raw, spec.name) for i in range(self.num_shards)])
-        req = pb.CreateTableRequest(spec=spec_to_proto(spec), num_shards=self.num_shards).SerializeToString()
-        replies = self._fan_out([lambda i=i: self._call(i, "CreateTable", req, spec.name) for i in range(self.num_shards)])
-        infos, created = [], []
-        for raw in replies:
-            msg, _ = unframe(pb.CreateTableReply, raw)
-            created.append(msg.created)
-            infos.append(info_from_proto(msg.info))
-        self._remember(infos)
-        return created
+        self._all("CreateTable", req, pb.CreateTableReply, spec.name)
+        req.validate_only = False
+        replies = self._all("CreateTable", req, pb.CreateTableReply, spec.name)
+        self._remember([info_from_proto(m.info) for m in replies])
+        return [m.created for m in replies]
 
     def create_dense(
         self,
@@ -355,12 +356,8 @@ class PSClient:
         names = list(dict.fromkeys(names))
         if not names:
             return []
-        req = pb.DropTableRequest(tables=names, missing_ok=True).SerializeToString()
-        label = names[0] if len(names) == 1 else None
-        raws = self._fan_out([lambda i=i: self._call(i, "DropTable", req, label) for i in range(self.num_shards)])
-        held: set[str] = set()
-        for raw in raws:
-            held.update(unframe(pb.DropTableReply, raw)[0].dropped)
+        replies = self._all("DropTable", pb.DropTableRequest(tables=names, missing_ok=True), pb.DropTableReply, names[0] if len(names) == 1 else None)
+        held = {n for m in replies for n in m.dropped}
         with self._meta_lock:
             for n in names:
                 self._dense.pop(n, None)
@@ -373,9 +370,7 @@ class PSClient:
 
     def describe(self, name: str) -> list[TableInfo]:
         """Each shard's view of table ``name`` (kind, shape, optimizer, clock); TableNotFoundError if absent."""
-        req = pb.DescribeTableRequest(table=name).SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, "DescribeTable", req, name) for i in range(self.num_shards)])
-        infos = [info_from_proto(unframe(pb.TableInfo, r)[0]) for r in raws]
+        infos = [info_from_proto(m) for m in self._all("DescribeTable", pb.DescribeTableRequest(table=name), pb.TableInfo, name)]
         self._remember(infos)
         return infos
 
@@ -611,29 +606,12 @@ class PSClient:
         """
         spec, uniq, inverse, groups = self._group(name, ids)
         got = SparseOut(spec.dim, uniq, inverse, ids)
-        head = self._pull_sparse_head(name, policy)
-        clocks: list[int] = []
-
-        def one(i: int, idx: np.ndarray) -> None:
-            req = frame(head, ids=np.ascontiguousarray(uniq[idx]))
-            msg, pl = unframe(pb.PullSparseReply, self._call(i, "PullSparse", req, name))
-            rows = from_wire(pl.get("data", b""), msg.dtype, (len(idx), spec.dim), what=f"table {name!r} reply")
-            got.put(idx, rows, from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions"))
-            clocks.append(msg.clock)
-            self._count_rows(name, len(idx))
-
-        self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, g in enumerate(groups) for idx in g])
+        clock = self._pull_rows(name, spec.dim, uniq, groups, policy, lambda idx, msg, versions, rows, sent: got.put(idx, rows, versions))
         rows, versions = got.result()
         out: list[Any] = [rows, versions] if return_versions else [rows]
         if return_clock:
-            out.append(min(clocks, default=0))
+            out.append(clock)
         return out[0] if len(out) == 1 else tuple(out)
-
-    def _pull_sparse_head(self, name: str, policy: SyncPolicy | None) -> pb.PullSparseRequest:
-        head = pb.PullSparseRequest(table=name, dtype=self.wire_dtype, worker=self.worker)
-        if policy is not None:
-            head.sync.CopyFrom(policy_to_proto(policy))
-        return head
 
     def pull_sparse_changed(
         self, name: str, ids: Any, known_versions: Any, known_epochs: Any, policy: SyncPolicy | None = None,
@@ -652,44 +630,62 @@ class PSClient:
         spec, uniq, inverse, groups = self._group(name, ids)
         if len(uniq) != len(inverse):
             raise InvalidArgumentError(f"table {name!r}: a conditional pull needs unique ids ({len(inverse) - len(uniq)} repeated)")
-        per_id = []
+        known = []
         for what, given in (("known_versions", known_versions), ("known_epochs", known_epochs)):
             a = np.asarray(as_numpy(given)).reshape(-1)
             if a.shape != (len(inverse),):
                 raise InvalidArgumentError(f"table {name!r}: {what} has {a.size} entries for {len(inverse)} ids (one per id)")
             u = np.empty(len(uniq), np.int64)
             u[inverse] = a.astype(np.int64, copy=False)
-            per_id.append(u)
-        known_u, epochs_u = per_id
+            known.append(u)
         rows = np.empty((len(uniq), spec.dim), np.float32)  # filled where changed
         versions = np.empty(len(uniq), np.int64)
-        sent = np.ones(len(uniq), bool)  # the rows whose values came over the wire
-        got_epochs = np.empty(len(uniq), np.int64)
-        head = self._pull_sparse_head(name, policy)
+        changed = np.ones(len(uniq), bool)  # the rows whose values came over the wire
+        epochs = np.empty(len(uniq), np.int64)
+
+        def put(idx: np.ndarray, msg: pb.PullSparseReply, v: np.ndarray, r: np.ndarray, sent: np.ndarray | None) -> None:
+            versions[idx], epochs[idx] = v, msg.epoch
+            if sent is not None:
+                changed[idx] = sent
+            rows[idx[changed[idx]]] = r
+
+        clock = self._pull_rows(name, spec.dim, uniq, groups, policy, put, (known[0], known[1]))
+        changed = changed[inverse]
+        return ChangedRows(changed, rows[inverse[changed]], versions[inverse], epochs[inverse], clock)
+
+    def _pull_rows(
+        self, name: str, dim: int, uniq: np.ndarray, groups: list[list[np.ndarray]], policy: SyncPolicy | None,
+        put: Callable[[np.ndarray, pb.PullSparseReply, np.ndarray, np.ndarray, np.ndarray | None], None],
+        known: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> int:
+        """One PullSparse per slice of ``groups`` (index arrays into ``uniq``), concurrently: per reply
+        ``put(idx, reply, versions, rows, sent)``. ``known``: (version, epoch) per unique id, a conditional
+        pull (``pull_sparse_changed``): ``sent`` marks the ids of ``idx`` whose rows the reply carries
+        (None: all of them). Returns the table's clock (min over the replies)."""
+        head = pb.PullSparseRequest(table=name, dtype=self.wire_dtype, worker=self.worker)
+        if policy is not None:
+            head.sync.CopyFrom(policy_to_proto(policy))
         clocks: list[int] = []
 
         def one(i: int, idx: np.ndarray) -> None:
-            kv, ke = known_u[idx], epochs_u[idx]
-            held = kv >= 0
-            epoch = int(ke[held].max()) if held.any() else 0
-            kv = np.ascontiguousarray(np.where(held & (ke == epoch), kv, -1))  # older epochs: asked as not held
-            req = pb.PullSparseRequest(known_epoch=epoch)
-            req.MergeFrom(head)
-            raw = frame(req, known_versions=kv, ids=np.ascontiguousarray(uniq[idx]))
-            msg, pl = unframe(pb.PullSparseReply, self._call(i, "PullSparse", raw, name))
-            v = from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions")
-            versions[idx] = v
-            if msg.conditional:  # the rows the reply carries, in request order
-                sent[idx] = v != kv
-            at = idx[sent[idx]]
-            rows[at] = from_wire(pl.get("data", b""), msg.dtype, (len(at), spec.dim), what=f"table {name!r} reply")
-            got_epochs[idx] = msg.epoch
+            req, bulk, kv = head, {}, None
+            if known is not None:
+                kv, ke = known[0][idx], known[1][idx]
+                held = kv >= 0
+                epoch = int(ke[held].max()) if held.any() else 0
+                bulk["known_versions"] = kv = np.ascontiguousarray(np.where(held & (ke == epoch), kv, -1))  # older epochs: as not held
+                req = pb.PullSparseRequest(known_epoch=epoch)
+                req.MergeFrom(head)
+            msg, pl = unframe(pb.PullSparseReply, self._call(i, "PullSparse", frame(req, **bulk, ids=np.ascontiguousarray(uniq[idx])), name))
+            versions = from_wire(pl.get("versions", b""), "int64", (len(idx),), what=f"table {name!r} versions")
+            sent = versions != kv if msg.conditional and kv is not None else None  # the rows the reply carries, in request order
+            n = len(idx) if sent is None else int(np.count_nonzero(sent))
+            put(idx, msg, versions, from_wire(pl.get("data", b""), msg.dtype, (n, dim), what=f"table {name!r} reply"), sent)
             clocks.append(msg.clock)
-            self._count_rows(name, len(at))
+            self._count_rows(name, n)
 
         self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, g in enumerate(groups) for idx in g])
-        changed = sent[inverse]
-        return ChangedRows(changed, rows[inverse[changed]], versions[inverse], got_epochs[inverse], min(clocks, default=0))
+        return min(clocks, default=0)
 
     def push_sparse(
         self, name: str, ids: Any, grads: Any, base_versions: Any = None, policy: SyncPolicy | None = None
@@ -919,19 +915,16 @@ class PSClient:
         ``fresh``: this worker starts a fresh run, its clock on the shards restarts at 0 (by default a
         worker that was there before keeps the clock it had: a restart continues)."""
         self._need_worker("join")
-        req = pb.JoinRequest(worker=self.worker, lease_ms=int(lease_s * 1000), fresh=fresh).SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, "Join", req) for i in range(self.num_shards)])
-        return [membership_from_proto(unframe(pb.MembershipReply, r)[0]) for r in raws]
+        req = pb.JoinRequest(worker=self.worker, lease_ms=int(lease_s * 1000), fresh=fresh)
+        return [membership_from_proto(m) for m in self._all("Join", req, pb.MembershipReply)]
 
     def heartbeat(self, clock: int = 0, leave: bool = False, shards: Sequence[int] | None = None) -> list[MembershipView]:
         """Renew this worker's lease on every shard (``leave``: leave the live set instead); one view
         per shard. ``shards``: only these (a view each, in that order), so an unreachable shard does
         not hold up the others' leases."""
         self._need_worker("heartbeat")
-        req = pb.HeartbeatRequest(worker=self.worker, clock=clock, leave=leave).SerializeToString()
-        which = range(self.num_shards) if shards is None else shards
-        raws = self._fan_out([lambda i=i: self._call(i, "Heartbeat", req) for i in which])
-        return [membership_from_proto(unframe(pb.MembershipReply, r)[0]) for r in raws]
+        req = pb.HeartbeatRequest(worker=self.worker, clock=clock, leave=leave)
+        return [membership_from_proto(m) for m in self._all("Heartbeat", req, pb.MembershipReply, shards=shards)]
 
     def leave(self) -> None:
         """Leave every shard's live set now (BSP rounds stop waiting for this worker)."""
@@ -949,23 +942,14 @@ class PSClient:
         are cut at the highest clock any shard held at, so the checkpoints form one consistent cut.
         ``at_clock`` -1: each shard now, without coordination (async/SSP runs have no common clock)."""
         if at_clock is None or at_clock >= 0:
-            hold = pb.CheckpointRequest(at_clock=at_clock or 0, hold=True).SerializeToString()
-            held = self._fan_out([lambda i=i: self._call(i, "Checkpoint", hold) for i in range(self.num_shards)])
-            at_clock = max(unframe(pb.CheckpointReply, r)[0].clock for r in held)
-        req = pb.CheckpointRequest(at_clock=at_clock).SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, "Checkpoint", req) for i in range(self.num_shards)])
-        out = []
-        for raw in raws:
-            msg, _ = unframe(pb.CheckpointReply, raw)
-            out.append((msg.path, msg.clock))
-        return out
+            held = self._all("Checkpoint", pb.CheckpointRequest(at_clock=at_clock or 0, hold=True), pb.CheckpointReply)
+            at_clock = max(m.clock for m in held)
+        return [(m.path, m.clock) for m in self._all("Checkpoint", pb.CheckpointRequest(at_clock=at_clock), pb.CheckpointReply)]
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> list[ShardStats]:
         """Counters of every shard (tables, requests, errors, staleness, replication), one per shard."""
-        req = pb.StatsRequest().SerializeToString()
-        raws = self._fan_out([lambda i=i: self._call(i, "Stats", req) for i in range(self.num_shards)])
-        return [stats_from_proto(unframe(pb.StatsReply, r)[0]) for r in raws]
+        return [stats_from_proto(m) for m in self._all("Stats", pb.StatsRequest(), pb.StatsReply)]
 
 
 # ---------------------------------------------------------------------- helpers
