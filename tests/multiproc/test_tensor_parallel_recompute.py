@@ -17,7 +17,7 @@ import pytest
 from test_pipeline_3d import _peer, _reference_losses, _report  # type: ignore[import-not-found]
 from test_tensor_parallel import _check, run_mesh  # type: ignore[import-not-found]
 
-from worker.peer.pipeline import add_pipeline_args, recompute_mode, takes_pipeline_path
+from worker.peer.flags import add_pipeline_args, recompute_mode, takes_pipeline_path
 
 CHECKS = ["selective", "selective-sp", "selective-ref", "selective-ref-sp", "full-dropout"]
 

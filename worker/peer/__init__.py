@@ -15,15 +15,7 @@ if TYPE_CHECKING:
     from worker.peer.core import GroupReducer, ShardedOptimizer
     from worker.peer.data_parallel import DataParallelSync
     from worker.peer.hybrid import HybridSync
-    from worker.peer.mesh import (
-        Mesh,
-        PeerConfigError,
-        PeerError,
-        check_agreement,
-        init_mesh,
-        shutdown_group,
-        torch_optimizer,
-    )
+    from worker.peer.mesh import Mesh, PeerConfigError, PeerError, check_agreement, init_mesh, shutdown_group, torch_optimizer
     from worker.peer.parallelize import parallelize
     from worker.peer.sync_plan import SyncPlan, make_sync
 
@@ -37,22 +29,8 @@ _LAZY = {
                                        "shutdown_group", "torch_optimizer")},
 }
 
-__all__ = [
-    "DataParallelSync",
-    "GroupReducer",
-    "HybridSync",
-    "Mesh",
-    "PeerConfigError",
-    "PeerError",
-    "ShardedOptimizer",
-    "SyncPlan",
-    "check_agreement",
-    "init_mesh",
-    "make_sync",
-    "parallelize",
-    "shutdown_group",
-    "torch_optimizer",
-]
+__all__ = ["DataParallelSync", "GroupReducer", "HybridSync", "Mesh", "PeerConfigError", "PeerError", "ShardedOptimizer",
+           "SyncPlan", "check_agreement", "init_mesh", "make_sync", "parallelize", "shutdown_group", "torch_optimizer"]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,13 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from worker.peer.checkpoint import (
-    Checkpointing,
-    CheckpointReader,
-    Piece,
-    read_whole_tensors,
-    whole_tensor_pieces,
-)
+from worker.peer.checkpoint import Checkpointing, CheckpointReader, Piece, read_whole_tensors, whole_tensor_pieces
 from worker.peer.debug import fingerprint
 from worker.peer.core import GroupReducer, ShardedOptimizer, group_rank, group_size
 from worker.peer.mesh import check_agreement

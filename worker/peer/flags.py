@@ -1,6 +1,6 @@
 """The pipeline path's command-line flags and the names they accept, without torch: ``tessera``
-builds its parser (``--help``, a mistyped flag) without loading torch. ``worker.peer.pipeline``
-re-exports these."""
+builds its parser (``--help``, a mistyped flag) without loading torch. Import them from here (``worker.peer.pipeline``
+does not re-export them)."""
 from __future__ import annotations
 
 import argparse

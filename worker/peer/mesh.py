@@ -21,17 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = [
-    "Mesh",
-    "ParallelMesh",
-    "PeerConfigError",
-    "PeerError",
-    "RNGStreams",
-    "check_agreement",
-    "check_divisibility",
-    "init_mesh",
-    "torch_optimizer",
-]
+__all__ = ["Mesh", "ParallelMesh", "PeerConfigError", "PeerError", "RNGStreams", "check_agreement",
+           "check_divisibility", "init_mesh", "torch_optimizer"]
 
 
 class PeerError(RuntimeError):

@@ -42,30 +42,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from worker.peer.checkpoint import (
-    Checkpointing,
-    CheckpointReader,
-    Piece,
-    read_whole_tensors,
-    whole_tensor_pieces,
-)
+from worker.peer.checkpoint import Checkpointing, CheckpointReader, Piece, read_whole_tensors, whole_tensor_pieces
 from worker.peer.core import _all_gather
 from worker.peer.data_parallel import WrapsDense
 from worker.peer.mesh import PeerConfigError
 from worker.sync_api import Fetched, Grads, ParamSync, PushResult
 
-__all__ = [
-    "Expert",
-    "ExpertGroups",
-    "MoE",
-    "MoEConfig",
-    "MoESync",
-    "Router",
-    "aux_loss",
-    "expert_groups",
-    "moe_layers",
-    "recomputing",
-]
+__all__ = ["Expert", "ExpertGroups", "MoE", "MoEConfig", "MoESync", "Router", "aux_loss", "expert_groups", "moe_layers",
+           "recomputing"]
 
 
 @dataclass(frozen=True)

@@ -55,16 +55,8 @@ from torch import nn
 
 from worker.peer.mesh import PeerConfigError
 from worker.peer.moe import MoE
-from worker.peer.tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    ShardSpec,
-    TPMultiheadAttention,
-    VocabParallelEmbedding,
-    _SplitToSeq,
-    gather_whole,
-    load_whole,
-)
+from worker.peer.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, ShardSpec, TPMultiheadAttention,
+                                         VocabParallelEmbedding, _SplitToSeq, gather_whole, load_whole)
 
 __all__ = ["STYLES", "TPLayout", "auto_plan", "describe", "load_plan", "parallelize", "plan_arg", "resolve_plan"]
 

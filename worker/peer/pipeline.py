@@ -57,44 +57,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from worker.peer.data_parallel import WrapsDense
+from worker.peer.flags import KINDS, PRECISIONS, recompute_mode
 from worker.peer.mesh import ParallelMesh, PeerConfigError, check_agreement
 from worker.peer.moe import MoE, MoESync, moe_layers, recomputing
 from worker.sync_api import Fetched, Grads, ParamSync, PushResult, split_batch
 
-from worker.peer.flags import (
-    KINDS,
-    PRECISIONS,
-    RECOMPUTE_MODES,
-    add_pipeline_args,
-    recompute_mode,
-    takes_pipeline_path,
-)
-
-__all__ = [
-    "KINDS",
-    "PRECISIONS",
-    "RECOMPUTE_MODES",
-    "Action",
-    "PipelineEngine",
-    "PipelinePlan",
-    "PipelineSync",
-    "ScheduleError",
-    "add_pipeline_args",
-    "bubble_theory",
-    "gpt_layer_costs",
-    "gpt_layers",
-    "layout_groups",
-    "partition",
-    "pipeline_config",
-    "pipeline_layout",
-    "recompute_mode",
-    "schedule",
-    "simulate",
-    "stage_sync",
-    "takes_pipeline_path",
-    "tp_gpt_layers",
-    "tp_gpt_loss",
-]
+__all__ = ["Action", "PipelineEngine", "PipelinePlan", "PipelineSync", "ScheduleError", "bubble_theory", "gpt_layer_costs",
+           "gpt_layers", "layout_groups", "partition", "pipeline_config", "pipeline_layout", "schedule", "simulate",
+           "stage_sync", "tp_gpt_layers", "tp_gpt_loss"]
 
 _OPS = ("F", "B", "SEND_ACT", "RECV_ACT", "SEND_GRAD", "RECV_GRAD")
 

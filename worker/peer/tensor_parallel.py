@@ -61,23 +61,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from worker.peer.mesh import (
-    ParallelMesh,
-    PeerConfigError,
-    check_divisibility,
-)
+from worker.peer.mesh import ParallelMesh, PeerConfigError, check_divisibility
 
-__all__ = [
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "ShardSpec",
-    "TPMultiheadAttention",
-    "TensorParallelGPT",
-    "VocabParallelEmbedding",
-    "activation_bytes",
-    "tensor_parallel_task",
-    "vocab_parallel_cross_entropy",
-]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "ShardSpec", "TPMultiheadAttention", "TensorParallelGPT",
+           "VocabParallelEmbedding", "activation_bytes", "tensor_parallel_task", "vocab_parallel_cross_entropy"]
 
 
 # ---------------------------------------------------------------------------------------------- conjugate ops
