@@ -60,3 +60,27 @@ def test_zero_selects_the_stage_and_mode_zero_k_is_its_alias() -> None:
             resolve_mode(_parse(*argv))
     with pytest.raises(SystemExit):  # argparse: choices 0-3
         _parse("--zero", "4")
+
+
+def test_the_registry_gives_hybrid_any_zero_stage() -> None:
+    """`worker.modes.check_mode` is the one place a mode is validated and what the CLI resolves with:
+    `hybrid` takes any ZeRO stage 0-3 for its dense part (no refusal), as a `SyncPlan` does; a stage
+    past 3 and `--zero` with a PS mode are still refused with one line."""
+    from worker.modes import check_mode
+    from worker.peer.mesh import PeerConfigError
+    from worker.peer.sync_plan import SyncPlan
+
+    for k in (0, 1, 2, 3):
+        mode = check_mode("hybrid", "peer", zero=k)
+        assert (mode.name, mode.stage, mode.factory) == ("hybrid", k, "worker.peer.hybrid:HybridSync")
+        assert SyncPlan("hybrid", zero=k).stage == k
+        assert SyncPlan("dp", zero=k).stage == k and SyncPlan(f"zero{k}" if k else "dp").stage == k
+    assert check_mode("hybrid", "peer").stage == 0 and SyncPlan("hybrid").stage == 0
+    with pytest.raises(ValueError, match="--zero must be 0, 1, 2 or 3, got 4"):
+        check_mode("hybrid", "peer", zero=4)
+    with pytest.raises(PeerConfigError, match="--zero must be 0, 1, 2 or 3, got 4"):
+        SyncPlan("hybrid", zero=4)
+    with pytest.raises(PeerConfigError, match=r"--mode zero1 \(ZeRO stage 1\) and --zero 2 contradict"):
+        SyncPlan("zero1", zero=2)
+    with pytest.raises(ValueError, match="--zero 1 with --mode sync: ZeRO is peer mode's"):
+        check_mode("sync", zero=1)

@@ -140,9 +140,8 @@ def resolve_mode(args: argparse.Namespace) -> None:
     """``args.mode`` the registry's entry of ``--mode`` at ``--zero`` (``dp`` with ``--zero 2``: ``zero2``),
     ``args.zero`` its stage (``hybrid``: its dense part's); ``ValueError`` (one line) for a contradicting
     pair (``--mode zero1 --zero 3``)."""
-    hybrid = args.mode == "hybrid"
-    mode = check_mode(args.mode, "peer", zero=None if hybrid else args.zero)
-    args.mode, args.zero = mode.name, (args.zero or 0) if hybrid else mode.stage
+    mode = check_mode(args.mode, "peer", zero=args.zero)
+    args.mode, args.zero = mode.name, mode.stage
 
 
 def run_rank(args: argparse.Namespace) -> int:
@@ -150,17 +149,11 @@ def run_rank(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from worker.peer import (
-        PeerConfigError,
-        PeerError,
-        SyncPlan,
-        init_mesh,
-        make_sync,
-        shutdown_group,
-    )
+    from worker.peer import PeerConfigError, PeerError, SyncPlan, init_mesh, make_sync, shutdown_group
     from worker.peer.mesh import Liveness
     from worker.peer.moe import moe_layers
-    from worker.peer.pipeline import pipeline_config, pipeline_layout, recompute_mode, takes_pipeline_path
+    from worker.peer.flags import recompute_mode, takes_pipeline_path
+    from worker.peer.pipeline import pipeline_config, pipeline_layout
     from worker.tasks import load_task
     from worker.trainer import TrainConfig, Trainer
 

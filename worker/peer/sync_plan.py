@@ -31,7 +31,8 @@ class SyncPlan:
     stage and layout).
     ``sequence_parallel``: the TP model's replicated parameters' gradients are partial per TP rank.
     ``ep``: expert-parallel ranks (models with MoE layers). ``sparse_mode``/``sparse_ids``: hybrid's
-    PS side, ``zero`` its dense part's ZeRO stage (the other modes name theirs). ``device``; ``settings``: fields every rank must agree on. ``pipeline``: a
+    PS side. ``zero``: ``--zero`` (None: the mode's own stage; ``dp`` at 2 is ``zero2``; ``hybrid``'s
+    dense part takes any). ``device``; ``settings``: fields every rank must agree on. ``pipeline``: a
     ``worker.peer.pipeline.PipelinePlan`` (stages, schedule, micro-batches) for a pipeline over the
     mesh's PP dimension (None: no pipeline)."""
 
@@ -47,11 +48,11 @@ class SyncPlan:
     prefix: str = ""
     settings: dict[str, Any] = field(default_factory=dict)
     pipeline: Any = None
-    zero: int = 0
+    zero: int | None = None
 
     def __post_init__(self) -> None:
         try:
-            m = check_mode(self.mode, "peer")
+            check_mode(self.mode, "peer", zero=self.zero)
         except ValueError as e:
             raise PeerConfigError(str(e)) from None
         if self.ep < 1:
@@ -59,8 +60,8 @@ class SyncPlan:
 
     @property
     def stage(self) -> int:
-        """The ZeRO stage of the dense parameters."""
-        return self.zero if self.mode == "hybrid" else int(check_mode(self.mode).stage or 0)
+        """The ZeRO stage of the dense parameters (``worker.modes.check_mode``'s for ``mode`` at ``zero``)."""
+        return int(check_mode(self.mode, "peer", zero=self.zero).stage or 0)
 
 
 def make_sync(plan: SyncPlan, model: nn.Module, mesh_or_client: Any = None, client: Any = None) -> ParamSync:
