@@ -28,7 +28,9 @@ from ps.config import DENSE, SPARSE, AdmissionSpec, EvictionSpec, InitializerSpe
 from ps.errors import InternalError, InvalidArgumentError, TableNotFoundError, with_table
 from ps.consistency import SyncPolicy
 from ps.outages import ShardWatch
-from ps.plan import DenseOut, SparseOut, dense_input, group, ids_of, joined, policy_for, sum_duplicates, wire_checked
+from ps.plan import (
+    DenseOut, SparseOut, dense_input, fuse_dense, group, ids_of, joined, policy_for, step_fits, stream_dense, sum_duplicates, wire_checked,
+)
 from ps.partition import SlotMap
 from ps.shard import PULL_DENSE, PULL_SPARSE, PUSH_DENSE, PUSH_SPARSE, MembershipView, ShardStats, StepOutcome, StepPart, TableInfo
 from ps.stub import CallPolicy, ShardStub
@@ -238,8 +240,8 @@ class PSClient:
 
     def _fan_out(self, jobs: list[Any]) -> list[Any]:
         """Run zero-arg callables concurrently; re-raise the first error after all finish."""
-        if len(jobs) == 1:
-            return [jobs[0]()]
+        if len(jobs) <= 1:
+            return [j() for j in jobs]
         # the first job runs here, on the calling thread (which would only wait): one hand-off fewer
         futs = [self._pool.submit(j) for j in jobs[1:]]
         results, first_error = [], None
@@ -547,7 +549,7 @@ class PSClient:
 
         # a table smaller than the cluster leaves some shards an empty range: nothing to send them
         sent = [i for i in (shards if shards is not None else range(self.num_shards)) if meta.ranges[i][1] > meta.ranges[i][0]]
-        result = _dense_result(self._fan_out([lambda i=i: one(i) for i in sent]) if sent else [], self.num_shards)
+        result = _dense_result(self._fan_out([lambda i=i: one(i) for i in sent]), self.num_shards)
         if got is None:
             return result
         values = got.result(grad)
@@ -748,19 +750,13 @@ class PSClient:
         pull_sparse = dict(pull_sparse or {})
         base_versions = dict(base_versions or {})
         item = DTYPES[self.wire_dtype].itemsize
-        # dense tables whose slices are big go by the chunked streams (PushDense/PullDense, concurrent
-        # with the Step calls): a unary message of many MiB costs more than its chunks streamed
-        big = {
-            n for n in (*push_dense, *pull_dense)
-            if max(b - a for a, b in self._dense_meta(n).ranges) * item > self.step_inline_bytes
-        }
-        streamed: tuple[dict, dict, dict, dict] | None = None
-        if big:
-            for n in big & set(push_dense):  # checked before anything is sent, as the rest
-                self._dense_grad(n, push_dense[n], base_versions.get(n, -1), pb.DENSE_OP_GRADIENT)
-            streamed = (
-                {n: push_dense.pop(n) for n in big & set(push_dense)}, {}, {n: pull_dense.pop(n) for n in big & set(pull_dense)}, {},
-            )
+        largest = {n: max(b - a for a, b in self._dense_meta(n).ranges) for n in (*push_dense, *pull_dense)}
+        big = stream_dense(largest, item, self.step_inline_bytes)
+        for n in big & set(push_dense):  # checked before anything is sent, as the rest
+            self._dense_grad(n, push_dense[n], base_versions.get(n, -1), pb.DENSE_OP_GRADIENT)
+        streamed: tuple[dict, dict, dict, dict] = (
+            {n: push_dense.pop(n) for n in big & set(push_dense)}, {}, {n: pull_dense.pop(n) for n in big & set(pull_dense)}, {},
+        )
         S = self.num_shards
         parts: list[list[StepPart]] = [[] for _ in range(S)]  # per shard, pushes first (validated and cast once, here)
         reply = [0] * S  # reply bytes per shard
@@ -787,10 +783,9 @@ class PSClient:
                 if len(idx):
                     parts[i].append(StepPart(name, PULL_SPARSE, policy_for(pull_policy, name), ids=uniq[idx]))
                     reply[i] += len(idx) * (spec.dim * item + 8)
-        size = [sum(a.nbytes for p in ps for a in (p.ids, p.values, p.base_versions) if a is not None) for ps in parts]
-        if max(size + reply, default=0) + 4096 > self.max_request_bytes:  # the request, or the reply, of one shard
+        if not step_fits(parts, reply, self.max_request_bytes):
             return self._step_separately(push_dense, push_sparse, pull_dense, pull_sparse, policy, pull_policy, base_versions, streamed)
-        side = self._pool.submit(self._step_separately, *streamed, policy, pull_policy, base_versions) if streamed else None
+        side = self._pool.submit(self._step_separately, *streamed, policy, pull_policy, base_versions) if big else None
 
         def one(i: int) -> list[StepOutcome]:
             raw = step_parts_to_proto(parts[i], self.worker, self.client_id, self.wire_dtype)
@@ -857,39 +852,31 @@ class PSClient:
             push_dense, push_sparse = {**push_dense, **also[0]}, {**push_sparse, **also[1]}
             pull_dense, pull_sparse = {**pull_dense, **also[2]}, {**pull_sparse, **also[3]}
         pol = policy_for
-        # a dense table pushed and pulled where neither waits (async; not BSP, no SSP pull) goes as one
-        # fused push: the shard streams its new values back while the gradient is still arriving
-        waits = [n for n in push_dense if any(p.sync or p.ssp for p in (pol(policy, n), pol(pull_policy, n)))]
-        fused = {n: pull_dense.pop(n) for n in list(push_dense) if n in pull_dense and n not in waits}
+        fused = {n: pull_dense.pop(n) for n in fuse_dense(push_dense, pull_dense, policy, pull_policy)}
         for n, o in fused.items():  # as a pull: into ``out``, else a new float32 numpy array
             fused[n] = o if o is not None else np.empty(self._dense_meta(n).spec.shape, np.float32)
-        jobs: list[Any] = [
-            lambda n=n, g=g: (n, self.push_dense(n, g, base_version=base_versions.get(n, -1), policy=pol(policy, n)))
-            for n, g in push_dense.items() if n not in fused
+        pushes: list[Any] = [
+            lambda n=n, g=g: self._push_dense(
+                n, g, pb.DENSE_OP_GRADIENT, base_versions.get(n, -1), n in fused, fused.get(n), pol(policy, n), with_result=True,
+            )
+            for n, g in push_dense.items()
         ] + [
-            lambda n=n, g=g: ("fused", n, self._push_dense(
-                n, g, pb.DENSE_OP_GRADIENT, base_versions.get(n, -1), True, fused[n], pol(policy, n), with_result=True,
-            ))
-            for n, g in push_dense.items() if n in fused
-        ] + [
-            lambda n=n, a=a: (n, self.push_sparse(n, a[0], a[1], a[2] if len(a) > 2 else None, policy=pol(policy, n)))
+            lambda n=n, a=a: self.push_sparse(n, a[0], a[1], a[2] if len(a) > 2 else None, policy=pol(policy, n))
             for n, a in push_sparse.items()
         ]
-        done = self._fan_out(jobs) if jobs else []
-        pushed = {r[0]: r[1] for r in done if len(r) == 2}
-        fused_out = {r[1]: r[2] for r in done if len(r) == 3}
+        pushed = dict(zip([*push_dense, *push_sparse], self._fan_out(pushes)))
+        dense, versions, sparse, clock = {}, {}, {}, {}
+        for n in fused:
+            dense[n], res = pushed[n]
+            pushed[n], versions[n], clock[n] = res, res.versions, max(res.clock, 0)
         pulls: list[Any] = [
-            lambda n=n, o=o: ("d", n, self.pull_dense(n, out=o, policy=pol(pull_policy, n), return_clock=True))
-            for n, o in pull_dense.items()
+            lambda n=n, o=o: self.pull_dense(n, out=o, policy=pol(pull_policy, n), return_clock=True) for n, o in pull_dense.items()
         ] + [
-            lambda n=n, ids=ids: ("s", n, self.pull_sparse(n, ids, return_versions=True, policy=pol(pull_policy, n), return_clock=True))
+            lambda n=n, ids=ids: self.pull_sparse(n, ids, return_versions=True, policy=pol(pull_policy, n), return_clock=True)
             for n, ids in pull_sparse.items()
         ]
-        dense, versions, sparse, clock = {}, {}, {}, {}
-        for n, (values, res) in fused_out.items():
-            dense[n], versions[n], clock[n], pushed[n] = values, res.versions, max(res.clock, 0), res
-        for kind, n, r in (self._fan_out(pulls) if pulls else []):
-            if kind == "d":
+        for n, r in zip([*pull_dense, *pull_sparse], self._fan_out(pulls)):
+            if n in pull_dense:
                 dense[n], (clock[n], versions[n]) = r[0], r[1]
             else:
                 sparse[n], clock[n] = (r[0], r[1]), r[2]

@@ -1,10 +1,11 @@
 """The client's planner: what a worker's call sends, decided before anything is sent. Validates
 (dtypes, shapes, NaN/Inf as they will be on the wire, id ranges, per-shard id limits), groups ids
 by owning shard and slices them to fit a request, and places replies in the caller's order.
-Pure (numpy/torch; no grpc): ``PSClient`` (ps/client.py) runs the plan over the wire and the fan-out."""
+Chooses the route of a step's tables (``stream_dense``, ``step_fits``, ``fuse_dense``). Pure
+(numpy/torch; no grpc): ``PSClient`` (ps/client.py) runs the plan over the wire and the fan-out."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Container, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ from tessera.codec import as_numpy, from_wire, to_wire
 
 __all__ = [
     "dense_input", "wire_checked", "all_finite", "is_identity", "placement", "placed", "ids_of", "like", "direct_out", "fill",
-    "group", "policy_for", "joined", "DenseOut", "SparseOut", "sum_duplicates",
+    "group", "policy_for", "joined", "DenseOut", "SparseOut", "sum_duplicates", "stream_dense", "step_fits", "fuse_dense",
 ]
 
 
@@ -194,6 +195,32 @@ def policy_for(policy: Any, name: str) -> SyncPolicy:
     """A call's policy for table ``name``: one for every table, or one per table (absent: async)."""
     p = policy.get(name) if isinstance(policy, Mapping) else policy
     return p if p is not None else SyncPolicy()
+
+
+def stream_dense(largest_slice: Mapping[str, int], itemsize: int, inline_bytes: int) -> set[str]:
+    """The dense tables of a step that go by the chunked streams (PushDense/PullDense, beside the Step
+    calls), not inside the Step calls: those whose largest slice (``largest_slice``: elements per
+    table) is over ``inline_bytes`` at ``itemsize`` bytes per element on the wire (a unary message of
+    many MiB costs more than its chunks streamed)."""
+    return {n for n, elems in largest_slice.items() if elems * itemsize > inline_bytes}
+
+
+def step_fits(parts: Sequence[Sequence[Any]], reply_bytes: Sequence[int], max_request_bytes: int) -> bool:
+    """Does one Step call per shard carry the step: each shard's request (``parts``: its StepParts'
+    arrays) and reply (``reply_bytes``), with 4 KiB for the rest, within ``max_request_bytes``? (If
+    not, the step runs as separate calls.)"""
+    size = [sum(a.nbytes for p in ps for a in (p.ids, p.values, p.base_versions) if a is not None) for ps in parts]
+    return max([*size, *reply_bytes], default=0) + 4096 <= max_request_bytes
+
+
+def fuse_dense(push_dense: Iterable[str], pull_dense: Container[str], policy: Any, pull_policy: Any) -> list[str]:
+    """The dense tables of a step run as separate calls that go as one fused push (the shard streams
+    the new values back while the gradient is still arriving): those pushed and pulled where neither
+    waits (``policy``, ``pull_policy`` as ``policy_for`` takes them: not BSP, no SSP pull)."""
+    return [
+        n for n in push_dense
+        if n in pull_dense and not any(p.sync or p.ssp for p in (policy_for(policy, n), policy_for(pull_policy, n)))
+    ]
 
 
 def joined(group: list[np.ndarray]) -> np.ndarray:

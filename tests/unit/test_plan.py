@@ -1,5 +1,5 @@
 """The client's planner (ps/plan.py) without a server: grouping ids by owning shard, the per-shard
-id limit, reply placement, NaN/Inf as sent, summing duplicate ids; and the Step converters
+id limit, reply placement, NaN/Inf as sent, summing duplicate ids, a step's route; and the Step converters
 (ps/wire.py) both ways, client parts to the shard's parts and the shard's outcomes back."""
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from ps.config import TableSpec
 from ps.errors import InvalidArgumentError, NonFiniteError, ResourceExhaustedError
 from ps.partition import SlotMap
 from ps.consistency import SyncPolicy
-from ps.plan import DenseOut, SparseOut, group, placed, placement, policy_for, sum_duplicates, wire_checked
+from ps.plan import (
+    DenseOut, SparseOut, fuse_dense, group, placed, placement, policy_for, step_fits, stream_dense, sum_duplicates, wire_checked,
+)
 from ps.shard import PULL_DENSE, PULL_SPARSE, PUSH_DENSE, PUSH_SPARSE, StepOutcome, StepPart, SyncPush
 from ps.table import PushResult
 from ps.wire import frame_pieces, step_parts_from_proto, step_parts_to_proto, step_reply_from_proto, step_reply_to_proto, unframe
@@ -89,6 +91,21 @@ def test_dense_and_sparse_outs_place_shard_replies() -> None:
     assert rows.shape == (2, 2, 1) and rows[..., 0].tolist() == [[90, 20], [20, 50]]
     assert versions.tolist() == [[3, 1], [1, 2]]
     assert policy_for({"a": SyncPolicy(clock=1, sync=True)}, "b") == SyncPolicy()
+
+
+def test_step_route_is_chosen_without_a_server() -> None:
+    """Which dense tables go by the streams (a slice over the inline bytes as sent), whether one Step
+    call per shard fits (request or reply of any shard over the limit), which pushes are fused."""
+    assert stream_dense({"a": 1 << 18, "b": (1 << 18) + 1, "empty": 0}, 4, 1 << 20) == {"b"}
+    assert stream_dense({"b": (1 << 18) + 1}, 2, 1 << 20) == set()  # float16 on the wire: half the bytes
+    part = StepPart("e", PUSH_SPARSE, seq=1, values=np.zeros((10, 4), np.float32), ids=np.arange(10), base_versions=np.zeros(10, np.int64))
+    assert step_fits([[part], []], [0, 0], 160 + 80 + 80 + 4096)
+    assert not step_fits([[], [part]], [0, 0], 160 + 80 + 80 + 4095)
+    assert not step_fits([[part], []], [0, 5000], 8191) and step_fits([[part], []], [0, 5000], 9096)
+    bsp, ssp, async_ = SyncPolicy(clock=1, sync=True), SyncPolicy(clock=1, staleness=2), SyncPolicy(clock=1)
+    assert fuse_dense(["a", "b", "c"], {"a", "b"}, None, None) == ["a", "b"]  # "c" is not pulled
+    assert fuse_dense(["a", "b", "c"], {"a", "b", "c"}, {"a": bsp}, {"b": ssp, "c": async_}) == ["c"]
+    assert fuse_dense(["a"], {"a"}, async_, ssp) == [] and fuse_dense(["a"], {"a"}, ssp, None) == []
 
 
 def test_step_converters_round_trip() -> None:
