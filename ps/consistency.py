@@ -365,19 +365,13 @@ class SyncRound(Generic[C]):
             self._pending[worker] = value
             self.backup_workers = backup_workers
             batch = self._take()
-        if batch is None:
-            return HELD
-        self._run(batch)
-        return APPLIED
+        return APPLIED if self._run(batch) else HELD
 
     def check(self) -> bool:
         """Re-check completion (membership changed). True if a round was applied; raises if it failed."""
         with self.cond:
             batch = self._take()
-        if batch is None:
-            return False
-        self._run(batch)
-        return True
+        return self._run(batch)
 
     def _take(self) -> list[C] | None:
         """Under the lock: the round's contributions if it is complete (and mark it applying)."""
@@ -395,7 +389,10 @@ class SyncRound(Generic[C]):
         self._applying = True
         return values
 
-    def _run(self, values: list[C]) -> None:
+    def _run(self, values: list[C] | None) -> bool:
+        """Apply a round's contributions (``_take``'s; None: no round complete). True if applied; raises if it failed."""
+        if values is None:
+            return False
         try:
             self._apply(values)
         except BaseException as e:
@@ -409,6 +406,7 @@ class SyncRound(Generic[C]):
             self.failed = None
             self.clock += 1
             self.cond.notify_all()
+        return True
 
     def mirror_contribution(self, worker: str, clock: int, value: C, backup_workers: int | None = None) -> None:
         """A backup: hold ``worker``'s contribution as the primary did (never applied here), and
@@ -435,8 +433,7 @@ class SyncRound(Generic[C]):
                 raise FailedPreconditionError(f"table {self.name!r} is at clock {self.reached()}, past the requested {clock}")
             self.hold_at = clock
             batch = self._take()  # a hold moved forward may free a round that is complete already
-        if batch is not None:
-            self._run(batch)
+        self._run(batch)
 
     def reached(self) -> int:
         """The clock, counting a round being applied now as applied."""
@@ -447,8 +444,7 @@ class SyncRound(Generic[C]):
         with self.cond:
             self.hold_at = None
             batch = self._take()
-        if batch is not None:
-            self._run(batch)
+        self._run(batch)
 
     def wait_clock(self, clock: int, timeout: float, pull: bool = False) -> float:
         """Block until this table applied every clock below ``clock``. Returns seconds waited.

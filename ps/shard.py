@@ -24,7 +24,7 @@ from ps.names import OPEN
 from ps.rounds import MembershipView, Rounds, SyncPush, WorkerStats
 from ps.shardstate import BACKUP, PRIMARY
 from ps.snapshots import Snapshots
-from ps.table import GRADIENT, DenseTable, DenseUpdate, PushResult, RowDelta, SparsePush
+from ps.table import GRADIENT, DenseTable, DenseUpdate, PushResult, SparsePush
 from ps.tables import TableInfo, Tables, TableStats
 
 log = logging.getLogger(__name__)
@@ -315,22 +315,18 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         self, update: DenseUpdate, worker: str, policy: SyncPolicy, client: str = "", seq: int = 0
     ) -> SyncPush:
         """Commit an async/SSP dense push at most once per (client, seq)."""
-        name = update.table.spec.name
-        once, dup = self._once(client, name, seq)
+        return self._apply_once(
+            update.table, lambda res, upd: _dense_entry(upd, client, seq, res, worker, policy.clock),
+            lambda once, before_swap: update.commit(before_swap, once=once), worker, policy, client, seq,
+        )
 
-        def before_swap(res: PushResult, upd: DenseUpdate) -> None:
-            self._live(name, upd.table)
-            self._replicate(_dense_entry(upd, client, seq, res, worker, policy.clock))
-            self.dedup.record(client, name, seq, res)
-
-        with self.gate.shared():
-            result = update.commit(before_swap, once=once)
-        if not dup:
-            self.pushed(worker, policy)
-        return SyncPush(result, False, self._round(name).clock, bool(dup))
-
-    def _once(self, client: str, name: str, seq: int) -> tuple[Callable[[], PushResult | None], list[bool]]:
-        """A dedup check for a table's commit hook, and a list that says afterwards whether it hit."""
+    def _apply_once(
+        self, t: Any, entry: Callable[[PushResult, Any], Any], apply: Callable[[Any, Any], PushResult], worker: str,
+        policy: SyncPolicy, client: str, seq: int,
+    ) -> SyncPush:
+        """An async/SSP push to ``t`` applied (``apply(once, before_swap)``) at most once per (client, seq);
+        before its swap the table is checked live, ``entry(result, x)`` replicated and the result recorded."""
+        name = t.spec.name
         dup: list[bool] = []
 
         def once() -> PushResult | None:
@@ -338,7 +334,16 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
             dup.extend([True] if prior is not None else [])
             return prior
 
-        return once, dup
+        def before_swap(res: PushResult, x: Any) -> None:
+            self._live(name, t)
+            self._replicate(entry(res, x))
+            self.dedup.record(client, name, seq, res)
+
+        with self.gate.shared():
+            result = apply(once, before_swap)
+        if not dup:
+            self.pushed(worker, policy)
+        return SyncPush(result, False, self._round(name).clock, bool(dup))
 
     # ------------------------------------------------------------------ sparse
 
@@ -432,18 +437,11 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         t = self.sparse(name)
         if policy.sync and policy.clock >= 0:
             return self._contribute(name, worker, policy, prepared, client, seq)
-        once, dup = self._once(client, name, seq)
-
-        def before_swap(res: PushResult, delta: RowDelta) -> None:
-            self._live(name, t)
-            self._replicate(_sparse_entry(t, delta, res, client, seq, worker, policy.clock))
-            self.dedup.record(client, name, seq, res)
-
-        with self.gate.shared():
-            result = t.apply_push(prepared, policy.staleness_aware_lr, once=once, before_swap=before_swap)
-        if not dup:
-            self.pushed(worker, policy)
-        return SyncPush(result, False, self._round(name).clock, bool(dup))
+        return self._apply_once(
+            t, lambda res, delta: _sparse_entry(t, delta, res, client, seq, worker, policy.clock),
+            lambda once, before_swap: t.apply_push(prepared, policy.staleness_aware_lr, once=once, before_swap=before_swap),
+            worker, policy, client, seq,
+        )
 
     # ------------------------------------------------------------------ step
     def step(
