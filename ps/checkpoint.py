@@ -84,25 +84,15 @@ class _ArrayWriter:
         self.f, self.offset, self.sha = f, 0, hashlib.sha256()
 
     def put(self, a: Any) -> dict[str, Any]:
-        if hasattr(a, "blocks"):  # a streamed array (ps.table.TieredRows): written block by block
-            start, shape, dtype = self.offset, list(a.shape), np.dtype(a.dtype)
-            for block in a.blocks():
-                self._write(np.ascontiguousarray(block, dtype))
-            return {"__nd__": True, "dtype": dtype.str, "shape": shape, "offset": start, "nbytes": self.offset - start}
-        a = np.ascontiguousarray(a)
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
-        start = self.offset
-        self._write(a)
-        return {"__nd__": True, "dtype": a.dtype.str, "shape": list(a.shape), "offset": start, "nbytes": self.offset - start}
-
-    def _write(self, a: np.ndarray) -> None:
-        if a.dtype.byteorder == ">":
-            a = a.astype(a.dtype.newbyteorder("<"))
-        data = a.data.cast("B") if a.size else b""
-        self.f.write(data)
-        self.sha.update(data)
-        self.offset += len(data)
+        """Write ``a`` (an array, or a streamed one, ps.table.TieredRows, block by block) little-endian."""
+        start, dtype = self.offset, np.dtype(a.dtype).newbyteorder("<")
+        for block in a.blocks() if hasattr(a, "blocks") else [a]:
+            block = np.ascontiguousarray(block, dtype)
+            data = block.data.cast("B") if block.size else b""
+            self.f.write(data)
+            self.sha.update(data)
+            self.offset += len(data)
+        return {"__nd__": True, "dtype": dtype.str, "shape": list(np.shape(a)), "offset": start, "nbytes": self.offset - start}
 
 
 def _encode(x: Any, w: _ArrayWriter) -> Any:
