@@ -23,7 +23,9 @@ parameters (experts gathered from their ranks), and the token assignments the ca
 
 `test_moe_layouts_equal_one_process`: every layout `tessera peer` takes with MoE layers (pipelines with
 recompute, bf16, --pp-split, --tp-plan, sequence parallelism, a stage without an MoE layer, the PS
-hybrid) in one launch of 4 ranks, against one process (its docstring says how).
+hybrid) in one launch of 4 ranks, against one process (its docstring says how); in the same launch one
+`--checkpoint-dir` carried from EP=2 x PP=2 x ZeRO-1 to EP=2 x DP=2 x TP=2 x ZeRO-3 to TP=2 x PP=2 x ZeRO-2,
+then loaded by one process (``_check_checkpoint_runs``).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import os
 
 import pytest
 import test_peer_equivalence as tpe  # type: ignore[import-not-found]
+import torch
 
 CHILD = os.path.join(tpe.ROOT, "tests", "multiproc", "moe_child.py")
 
@@ -152,8 +155,8 @@ def test_moe_layouts_equal_one_process(tmp_path, proc_cluster) -> None:
     as `experts`, also without a pipeline: DP=2 x TP=2 x EP=2), `--sequence-parallel` (the built-in
     split and the auto plan, with and without a pipeline; each MoE layer gathers whole sequences, at
     capacity 0.5 too, where tokens are dropped per whole sequence), a stage without an MoE layer
-    (`--moe-every 2`: block 0 has none), `--precision bf16`, and the PS hybrid (HYBRID: its rows beside DP, TP, SP, PP, EP and
-    ZeRO; and `--checkpoint-dir` refused). Reference: one process training the
+    (`--moe-every 2`: block 0 has none), `--precision bf16`, the PS hybrid (HYBRID: its rows beside DP, TP, SP, PP, EP and
+    ZeRO; and `--checkpoint-dir` refused), and a checkpoint across MoE layouts into one process (CHECKPOINTS). Reference: one process training the
     same model with its own optimizer (Adam) on the global batch of 8
     (``user_models.one_process_losses``): the global loss of every step (cross-entropy on the last
     stage plus each stage's balance and z-losses) within 1e-10 relative in fp64. bf16 compute (fp32
@@ -162,15 +165,97 @@ def test_moe_layouts_equal_one_process(tmp_path, proc_cluster) -> None:
     (an exact fp32 run is, to about 1e-7: the bf16 compute ran). Rank 3's step records carry its
     stage's MoE metrics, tokens per expert counted once per step (a recomputation in backward
     routes them again, uncounted)."""
-    import json
-
-    argv = _gpt_runs(PIPELINES, tmp_path)
-    hybrid = len(PIPELINES)
+    argv = _gpt_runs(PIPELINES, tmp_path) + _checkpoint_runs(tmp_path)
+    hybrid = len(PIPELINES) + len(CHECKPOINTS)
     argv += _hybrid_runs(",".join(proc_cluster(2)), tmp_path)
     res, reports = _launch(4, argv, hybrid + len(HYBRID) + 1, refused={hybrid + len(HYBRID)})
     assert "blocks.1.mlp: experts" in res[0][2], res[0][2][-3000:]  # the auto plan, printed: the MoE layers split as experts
     _check_gpt_runs(PIPELINES, reports, tmp_path, 4)
+    _check_checkpoint_runs(reports, len(PIPELINES), tmp_path)
     _check_hybrid_runs(res, reports, hybrid, tmp_path)
+
+
+# one checkpoint directory across MoE layouts, in the same launch: (flags, (dp, tp, pp, zero), steps it ends at); each
+# run resumes from the previous one's newest checkpoint and saves after every step. Then one process loads the last one
+CHECKPOINTS = [
+    (["--pp", "2", "--ep", "2", "--zero", "1"], (2, 1, 2, 1), 2),  # EP=2 x PP=2 x ZeRO-1: steps 1-2
+    (["--dp", "2", "--tp", "2", "--ep", "2", "--zero", "3"], (2, 2, 1, 3), 3),  # EP=2 x DP=2 x TP=2 x ZeRO-3: step 3
+    (["--pp", "2", "--tp", "2", "--zero", "2"], (1, 2, 2, 2), 4),  # TP=2 x PP=2 x ZeRO-2 (EP=1): step 4
+]
+
+
+def _checkpoint_runs(tmp_path) -> list[str]:
+    """The child's command line of the CHECKPOINTS runs, all on tmp_path/moe-ckpt."""
+    argv: list[str] = []
+    base = BASE[: BASE.index("--steps")] + BASE[BASE.index("--steps") + 2 :]
+    for flags, _, steps in CHECKPOINTS:
+        argv += ["::", *base, *flags, "--steps", str(steps), "--checkpoint-dir", str(tmp_path / "moe-ckpt"),
+                 "--checkpoint-every", "1"]
+    return argv
+
+
+def _one_process(steps: int, checkpoint: str | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process training the MoE gpt (OPTS, E=4, fp64) with torch Adam on the global batch of 8 up to
+    ``steps``, from the start or from ``checkpoint`` (its parameters, Adam's moments and step count read by
+    their plain names, the data skipped to its step): the losses of the steps it ran and the parameters."""
+    from worker.peer.checkpoint import CheckpointReader
+    from worker.peer.mesh import torch_optimizer
+    from worker.tasks import load_task
+
+    task = load_task("gpt", seed=0, **OPTS, moe_experts=4)
+    params = dict(task.model.named_parameters())
+    opt = torch_optimizer(task.dense_optimizer)(params.values())
+    data, start = task.batches(0, 1, 8, 0), 0
+    if checkpoint is not None:
+        reader = CheckpointReader(checkpoint)
+        start = reader.step
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(reader.read(f"param/{n}", 0, p.numel()).view(p.shape))
+                opt.state[p] = {k: reader.read(f"state/{k}/{n}", 0, p.numel()).view(p.shape) for k in ("exp_avg", "exp_avg_sq")}
+                opt.state[p]["step"] = torch.tensor(reader.scalars["step"])
+        for _ in range(start):
+            next(data)
+    losses = []
+    for _ in range(steps - start):
+        opt.zero_grad()
+        loss = task.loss(task.model, next(data))
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach() for n, p in params.items()}
+
+
+def _check_checkpoint_runs(reports: dict[int, dict], first: int, tmp_path) -> None:
+    """Each CHECKPOINTS run starts at the step the previous one saved and its losses equal one process
+    trained without a break (fp64 Adam, 1e-10 relative: a run that lost Adam's moments or step count,
+    or read an expert into the wrong rank, would differ from the next step on); the parameters its last
+    checkpoint holds (whole, by plain name, experts of every EP rank) equal that process's after the
+    same steps (rtol 1e-10, atol 1e-12; measured 4e-12 relative); and one process loading the last
+    checkpoint (no process group: the plain model and torch Adam) trains one more step to the same
+    loss and parameters."""
+    from worker.peer.checkpoint import CheckpointReader
+
+    last = CHECKPOINTS[-1][2]
+    want, whole = _one_process(last + 1)
+    start = 0
+    for i, (flags, (dp, tp, pp, zero), steps) in enumerate(CHECKPOINTS):
+        report = reports[first + i]
+        assert (report["dp"], report["tp"], report["pp"], report["zero"], report["start_step"]) == (dp, tp, pp, zero, start), (flags, report)
+        got = report["losses"]
+        rel = max(abs(a - b) / abs(b) for a, b in zip(got, want[start:steps]))
+        assert len(got) == steps - start and rel <= 1e-10, (flags, got, want[start:steps], rel)
+        print(f"checkpoint {' '.join(flags)}: steps {start + 1}-{steps} max relative loss difference {rel:.2e}")
+        start = steps
+    path = str(tmp_path / "moe-ckpt" / f"step-{last}")
+    _, at_last = _one_process(last)
+    reader = CheckpointReader(path)
+    for n, p in at_last.items():
+        torch.testing.assert_close(reader.read(f"param/{n}", 0, p.numel()).view(p.shape), p, rtol=1e-10, atol=1e-12, msg=n)
+    loss, params = _one_process(last + 1, path)
+    assert len(loss) == 1 and abs(loss[0] - want[last]) <= 1e-10 * abs(want[last]), (loss, want)
+    for n, p in whole.items():
+        torch.testing.assert_close(params[n], p, rtol=1e-10, atol=1e-12, msg=n)
 
 
 # the PS hybrid: PSEmbedding token rows on 2 PS shards (BSP), beside the dense sync of each layout: (task, flags, (dp, tp, zero));
