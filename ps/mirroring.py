@@ -36,14 +36,10 @@ class Mirroring(ShardState):
             self._replicate(entry)
 
         with self.gate.shared():
-            if isinstance(t, DenseTable):
-                return t.apply_mean(values, lambda res, upd: replicate(_dense_entry(upd, "", 0, res, "", -1, clock)))
-            return t.apply_mean(values, lambda res, delta: replicate(_sparse_entry(t, delta, res, "", 0, "", -1, clock)))
+            return t.apply_mean(values, lambda res, x: replicate(_push_entry(t, x, res, "", 0, "", -1, clock)))
 
     def _replicate_contribution(self, name: str, worker: str, clock: int, value: object, backup_workers: int = 0) -> None:
-        entry = _contribution_entry(name, worker, clock, value)
-        entry["bw"] = backup_workers
-        self._replicate(entry)
+        self._replicate({"k": "contrib", "t": name, "worker": worker, "clock": clock, "value": _contribution_plain(value), "bw": backup_workers})
 
     def _replicate(self, entry: dict) -> None:
         """Forward a mutation to the backup before it is applied here; raises (nothing applied) if
@@ -219,21 +215,23 @@ def _result_from_plain(x: list) -> PushResult:
     return PushResult(int(x[0]), int(x[1]), float(x[2]), int(x[3]), int(x[4]), int(x[5]), int(x[6]))
 
 
-def _dense_entry(upd: DenseUpdate, client: str, seq: int, res: PushResult, worker: str, clock: int, round_: int = -1) -> dict:
-    return {
-        "k": "dense", "t": upd.table.spec.name, "op": upd.op, "base": upd.base_version, "sal": upd.staleness_aware_lr,
-        "chunks": {str(k): np.asarray(v) for k, v in upd.staged.items()}, "client": client, "seq": seq,
-        "result": _result_to_plain(res), "worker": worker, "clock": clock, "round": round_,
-    }
-
-
-def _sparse_entry(
-    t: SparseTable, delta: RowDelta, res: PushResult, client: str, seq: int, worker: str, clock: int, round_: int = -1
+def _push_entry(
+    t: DenseTable | SparseTable, x: DenseUpdate | RowDelta, res: PushResult, client: str, seq: int, worker: str, clock: int,
+    round_: int = -1,
 ) -> dict:
+    """A push to forward to the backup: ``x`` a dense table's update (its staged chunks) or a sparse one's RowDelta."""
+    if isinstance(x, DenseUpdate):
+        chunks = {str(k): np.asarray(v) for k, v in x.staged.items()}
+        entry = {"k": "dense", "op": x.op, "base": x.base_version, "sal": x.staleness_aware_lr, "chunks": chunks}
+    else:
+        assert isinstance(t, SparseTable)
+        entry = {
+            "k": "sparse", "ids": x.ids, "values": x.values, "state": x.state, "versions": x.versions, "step": res.version,
+            "evicted": t.take_evicted(),
+        }
     return {
-        "k": "sparse", "t": t.spec.name, "ids": delta.ids, "values": delta.values, "state": delta.state,
-        "versions": delta.versions, "step": res.version, "evicted": t.take_evicted(), "client": client, "seq": seq,
-        "result": _result_to_plain(res), "worker": worker, "clock": clock, "round": round_,
+        **entry, "t": t.spec.name, "client": client, "seq": seq, "result": _result_to_plain(res), "worker": worker, "clock": clock,
+        "round": round_,
     }
 
 
@@ -241,10 +239,6 @@ def _contribution_plain(value: object) -> dict:
     if isinstance(value, SparsePush):
         return {"ids": value.ids, "grads": value.grads.numpy(), "base": value.base_versions}
     return {str(k): np.asarray(v) for k, v in value.items()}  # type: ignore[attr-defined]
-
-
-def _contribution_entry(name: str, worker: str, clock: int, value: object) -> dict:
-    return {"k": "contrib", "t": name, "worker": worker, "clock": clock, "value": _contribution_plain(value)}
 
 
 def _contribution_value(t: DenseTable | SparseTable, plain: dict) -> object:

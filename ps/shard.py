@@ -19,7 +19,7 @@ import numpy as np
 from ps.config import ShardConfig
 from ps.consistency import SyncPolicy
 from ps.errors import InvalidArgumentError, ResourceExhaustedError, ShapeMismatchError
-from ps.mirroring import Mirroring, _dense_entry, _sparse_entry
+from ps.mirroring import Mirroring, _push_entry
 from ps.names import OPEN
 from ps.rounds import MembershipView, Rounds, SyncPush, WorkerStats
 from ps.shardstate import BACKUP, PRIMARY
@@ -315,17 +315,13 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         self, update: DenseUpdate, worker: str, policy: SyncPolicy, client: str = "", seq: int = 0
     ) -> SyncPush:
         """Commit an async/SSP dense push at most once per (client, seq)."""
-        return self._apply_once(
-            update.table, lambda res, upd: _dense_entry(upd, client, seq, res, worker, policy.clock),
-            lambda once, before_swap: update.commit(before_swap, once=once), worker, policy, client, seq,
-        )
+        return self._apply_once(update.table, lambda once, before_swap: update.commit(before_swap, once=once), worker, policy, client, seq)
 
     def _apply_once(
-        self, t: Any, entry: Callable[[PushResult, Any], Any], apply: Callable[[Any, Any], PushResult], worker: str,
-        policy: SyncPolicy, client: str, seq: int,
+        self, t: Any, apply: Callable[[Any, Any], PushResult], worker: str, policy: SyncPolicy, client: str, seq: int,
     ) -> SyncPush:
         """An async/SSP push to ``t`` applied (``apply(once, before_swap)``) at most once per (client, seq);
-        before its swap the table is checked live, ``entry(result, x)`` replicated and the result recorded."""
+        before its swap the table is checked live, the push replicated and its result recorded."""
         name = t.spec.name
         dup: list[bool] = []
 
@@ -336,7 +332,7 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
 
         def before_swap(res: PushResult, x: Any) -> None:
             self._live(name, t)
-            self._replicate(entry(res, x))
+            self._replicate(_push_entry(t, x, res, client, seq, worker, policy.clock))
             self.dedup.record(client, name, seq, res)
 
         with self.gate.shared():
@@ -438,8 +434,7 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         if policy.sync and policy.clock >= 0:
             return self._contribute(name, worker, policy, prepared, client, seq)
         return self._apply_once(
-            t, lambda res, delta: _sparse_entry(t, delta, res, client, seq, worker, policy.clock),
-            lambda once, before_swap: t.apply_push(prepared, policy.staleness_aware_lr, once=once, before_swap=before_swap),
+            t, lambda once, before_swap: t.apply_push(prepared, policy.staleness_aware_lr, once=once, before_swap=before_swap),
             worker, policy, client, seq,
         )
 
