@@ -19,7 +19,7 @@ import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
@@ -395,18 +395,18 @@ class PSClient:
                 )
 
     def _dense_meta(self, name: str) -> _Dense:
-        if name not in self._dense:
-            self.describe(name)
-            if name not in self._dense:
-                raise InvalidArgumentError(f"table {name!r} is sparse; use the sparse calls")
-        return self._dense[name]
+        return self._meta(name, self._dense, "sparse; use the sparse calls")
 
     def _sparse_meta(self, name: str) -> _Sparse:
-        if name not in self._sparse:
+        return self._meta(name, self._sparse, "dense; use the dense calls")
+
+    def _meta(self, name: str, known: Mapping[str, T], other: str) -> T:
+        """What the client knows of table ``name`` (asked of the shards the first time)."""
+        if name not in known:
             self.describe(name)
-            if name not in self._sparse:
-                raise InvalidArgumentError(f"table {name!r} is dense; use the dense calls")
-        return self._sparse[name]
+            if name not in known:
+                raise InvalidArgumentError(f"table {name!r} is {other}")
+        return known[name]
 
     # ------------------------------------------------------------------ dense
     def pull_dense(
@@ -943,10 +943,7 @@ class PSClient:
 
 
 def _merge_steps(a: StepResult, b: StepResult) -> StepResult:
-    return StepResult(
-        {**a.dense, **b.dense}, {**a.dense_versions, **b.dense_versions}, {**a.sparse, **b.sparse}, {**a.clock, **b.clock},
-        {**a.pushed, **b.pushed},
-    )
+    return StepResult(*({**getattr(a, f.name), **getattr(b, f.name)} for f in fields(StepResult)))
 
 
 def _dense_result(results: Sequence[tuple[int, PushResult]], num_shards: int) -> DenseResult:
