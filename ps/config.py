@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
 from ps.errors import InvalidArgumentError
@@ -327,15 +327,8 @@ class ShardConfig:
 
 
 def spec_to_dict(spec: TableSpec) -> dict:
-    """``spec`` as plain data (checkpoints)."""
-    return {
-        "name": spec.name, "kind": spec.kind, "shape": list(spec.shape), "dim": spec.dim, "dtype": spec.dtype,
-        "optimizer": {"name": spec.optimizer.name, "hparams": dict(spec.optimizer.hparams)},
-        "initializer": {"name": spec.initializer.name, "params": dict(spec.initializer.params)},
-        "seed": spec.seed, "admission": {"min_count": spec.admission.min_count, "probability": spec.admission.probability},
-        "eviction": {"ttl_steps": spec.eviction.ttl_steps, "max_rows": spec.eviction.max_rows},
-        "num_slots": spec.num_slots, "allow_nonfinite": spec.allow_nonfinite,
-    }
+    """``spec`` as plain data (checkpoints): its fields by name, the nested specs as dicts."""
+    return {**asdict(spec), "shape": list(spec.shape)}
 
 
 def spec_from_dict(d: Mapping) -> TableSpec:
