@@ -86,3 +86,18 @@ def test_a_push_regroups_ids_the_caller_changed_in_place(inproc_cluster) -> None
     for i, g in zip(a, _grad(a)):
         ref[int(i)] = ref[int(i)] - np.float32(LR) * g
     np.testing.assert_allclose(res.sparse["e"][0], _want(ref, a), rtol=1e-6)
+
+
+def test_calls_of_no_ids_answer_empty(inproc_cluster) -> None:
+    """A pull, a conditional pull, a push and a step of zero ids answer empty, shaped by the ids (the
+    fan-out had no call to make: it raised IndexError)."""
+    c = inproc_cluster(2).client(worker="w0")
+    c.create_sparse("e", DIM, "sgd", lr=LR)
+    none = np.zeros(0, np.int64)
+    rows, versions = c.pull_sparse("e", none, return_versions=True)
+    assert rows.shape == (0, DIM) and versions.shape == (0,)
+    assert c.push_sparse("e", none, np.zeros((0, DIM), np.float32)).applied == 0
+    changed = c.pull_sparse_changed("e", none, none, none)
+    assert changed.rows.shape == (0, DIM) and changed.changed.shape == (0,) and changed.versions.shape == (0,)
+    got = c.step(push_sparse={"e": (none, np.zeros((0, DIM), np.float32))}, pull_sparse={"e": torch.zeros((0, 2), dtype=torch.int64)})
+    assert tuple(got.sparse["e"][0].shape) == (0, 2, DIM) and isinstance(got.sparse["e"][0], torch.Tensor)
