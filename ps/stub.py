@@ -175,7 +175,7 @@ class ShardStub:
     ) -> None:
         self.index = index
         # told of every retried UNAVAILABLE (``watch.unreachable(stub, error)``) and of every answer
-        # (``watch.reached(stub)``, also an error reply): ``ps.client.ShardWatch`` says when a shard
+        # (``watch.reached(stub)``, also an error reply): ``ps.outages.ShardWatch`` says when a shard
         # becomes unreachable, while it stays so, and when it is back
         self.watch = watch
         self.replicas = [_Replica(a, options, interceptors, security, bulk) for a in spec.split("|") if a]
