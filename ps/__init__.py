@@ -8,31 +8,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "PSClient",
-    "DenseResult",
-    "StepResult",
-    "SyncPolicy",
-    "AdmissionSpec",
-    "EvictionSpec",
-    "InitializerSpec",
-    "OptimizerSpec",
-    "ShardConfig",
-    "TableSpec",
-    "PSError",
-    "DeadlineExceededError",
-    "DtypeError",
-    "FailedPreconditionError",
-    "InvalidArgumentError",
-    "NonFiniteError",
-    "ResourceExhaustedError",
-    "ShapeMismatchError",
-    "ShardUnavailableError",
-    "TableExistsError",
-    "TableNotFoundError",
-    "build_server",
-    "serve",
-]
+__all__ = ["PSClient", "DenseResult", "StepResult", "SyncPolicy", "AdmissionSpec", "EvictionSpec", "InitializerSpec",
+           "OptimizerSpec", "ShardConfig", "TableSpec", "PSError", "DeadlineExceededError", "DtypeError",
+           "FailedPreconditionError", "InvalidArgumentError", "NonFiniteError", "ResourceExhaustedError",
+           "ShapeMismatchError", "ShardUnavailableError", "TableExistsError", "TableNotFoundError", "build_server", "serve"]
 
 _WHERE = {
     "PSClient": "ps.client",
@@ -54,19 +33,9 @@ if TYPE_CHECKING:  # the names, for type checkers and IDEs
     from ps.client import DenseResult, PSClient, StepResult
     from ps.config import AdmissionSpec, EvictionSpec, InitializerSpec, OptimizerSpec, ShardConfig, TableSpec
     from ps.consistency import SyncPolicy
-    from ps.errors import (
-        DeadlineExceededError,
-        DtypeError,
-        FailedPreconditionError,
-        InvalidArgumentError,
-        NonFiniteError,
-        PSError,
-        ResourceExhaustedError,
-        ShapeMismatchError,
-        ShardUnavailableError,
-        TableExistsError,
-        TableNotFoundError,
-    )
+    from ps.errors import (DeadlineExceededError, DtypeError, FailedPreconditionError, InvalidArgumentError, NonFiniteError,
+                           PSError, ResourceExhaustedError, ShapeMismatchError, ShardUnavailableError, TableExistsError,
+                           TableNotFoundError)
     from ps.server import build_server, serve
 
 

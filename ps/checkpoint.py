@@ -39,10 +39,8 @@ import numpy as np
 from ps.errors import FailedPreconditionError
 from ps.partition import SlotMap, dense_range
 
-__all__ = [
-    "ShardSnapshot", "CheckpointError", "write_checkpoint", "load_latest", "list_checkpoints", "reshard", "FORMAT",
-    "read_checkpoint", "pack_plain", "unpack_plain", "snapshot_to_plain", "snapshot_from_plain",
-]
+__all__ = ["ShardSnapshot", "CheckpointError", "write_checkpoint", "load_latest", "list_checkpoints", "reshard", "FORMAT",
+           "read_checkpoint", "pack_plain", "unpack_plain", "snapshot_to_plain", "snapshot_from_plain"]
 
 FORMAT = 1
 _PREFIX = "ckpt-"

@@ -13,43 +13,18 @@ from typing import TYPE_CHECKING, Any
 
 from ps.config import ShardConfig
 from tessera.argtypes import address_arg, shard_list_arg
-from ps.errors import (
-    DeadlineExceededError,
-    InvalidArgumentError,
-    PermissionDeniedError,
-    PSError,
-    ShardUnavailableError,
-    TableExistsError,
-    UnauthenticatedError,
-)
-from tessera.service import (
-    ClientSecurity,
-    ConfigError,
-    Diagnosis,
-    ServerUnreachableError,
-    UsageError,
-    add_client_security_args,
-    add_server_security_args,
-    client_security_from,
-    server_security_from,
-    wait_for_server,
-)
+from ps.errors import (DeadlineExceededError, InvalidArgumentError, PermissionDeniedError, PSError, ShardUnavailableError,
+                       TableExistsError, UnauthenticatedError)
+from tessera.service import (ClientSecurity, ConfigError, Diagnosis, ServerUnreachableError, UsageError,
+                             add_client_security_args, add_server_security_args, client_security_from, server_security_from,
+                             wait_for_server)
 
 if TYPE_CHECKING:  # the PS client loads torch: imported where used, so the parser is built without it
     from ps.client import PSClient
     from ps.shard import ShardStats
 
-__all__ = [
-    "add_ps_commands",
-    "check_shards",
-    "explain_error",
-    "format_stats",
-    "is_internal_table",
-    "read_first_line",
-    "start_local_shards",
-    "stop_processes",
-    "wait_for_shards",
-]
+__all__ = ["add_ps_commands", "check_shards", "explain_error", "format_stats", "is_internal_table", "read_first_line",
+           "start_local_shards", "stop_processes", "wait_for_shards"]
 
 
 def add_ps_commands(sub: Any) -> None:

@@ -28,25 +28,14 @@ from ps.config import DENSE, SPARSE, AdmissionSpec, EvictionSpec, InitializerSpe
 from ps.errors import InternalError, InvalidArgumentError, TableNotFoundError, with_table
 from ps.consistency import SyncPolicy
 from ps.outages import ShardWatch
-from ps.plan import (
-    DenseOut, SparseOut, dense_input, fuse_dense, group, ids_of, joined, policy_for, step_fits, stream_dense, sum_duplicates, wire_checked,
-)
+from ps.plan import (DenseOut, SparseOut, dense_input, fuse_dense, group, ids_of, joined, policy_for, step_fits,
+                     stream_dense, sum_duplicates, wire_checked)
 from ps.partition import SlotMap
 from ps.shard import PULL_DENSE, PULL_SPARSE, PUSH_DENSE, PUSH_SPARSE, MembershipView, ShardStats, StepOutcome, StepPart, TableInfo
 from ps.stub import CallPolicy, ShardStub
 from ps.table import PushResult
-from ps.wire import (
-    frame,
-    frame_pieces,
-    info_from_proto,
-    membership_from_proto,
-    policy_to_proto,
-    spec_to_proto,
-    stats_from_proto,
-    step_parts_to_proto,
-    step_reply_from_proto,
-    unframe,
-)
+from ps.wire import (frame, frame_pieces, info_from_proto, membership_from_proto, policy_to_proto, spec_to_proto,
+                     stats_from_proto, step_parts_to_proto, step_reply_from_proto, unframe)
 from tessera.codec import DTYPES, as_numpy, from_wire
 from tessera.rpc import channel_options
 from tessera.service import ClientSecurity

@@ -7,22 +7,9 @@ from typing import Mapping
 
 from ps.errors import InvalidArgumentError
 
-__all__ = [
-    "OptimizerSpec",
-    "InitializerSpec",
-    "AdmissionSpec",
-    "EvictionSpec",
-    "TableSpec",
-    "ShardConfig",
-    "OPTIMIZER_DEFAULTS",
-    "INITIALIZER_DEFAULTS",
-    "DENSE",
-    "SPARSE",
-    "spec_to_dict",
-    "spec_from_dict",
-    "MAX_SLOTS",
-    "ROW_DTYPE_NAMES",
-]
+__all__ = ["OptimizerSpec", "InitializerSpec", "AdmissionSpec", "EvictionSpec", "TableSpec", "ShardConfig",
+           "OPTIMIZER_DEFAULTS", "INITIALIZER_DEFAULTS", "DENSE", "SPARSE", "spec_to_dict", "spec_from_dict", "MAX_SLOTS",
+           "ROW_DTYPE_NAMES"]
 
 DENSE = "dense"
 SPARSE = "sparse"

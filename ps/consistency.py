@@ -40,19 +40,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, TypeVar
 
-from ps.errors import (
-    DeadlineExceededError,
-    FailedPreconditionError,
-    InternalError,
-    InvalidArgumentError,
-    ResourceExhaustedError,
-    ShardUnavailableError,
-    TableNotFoundError,
-)
+from ps.errors import (DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError,
+                       ResourceExhaustedError, ShardUnavailableError, TableNotFoundError)
 
-__all__ = [
-    "SyncPolicy", "Membership", "SyncRound", "Contribution", "WorkerState", "LATE", "HELD", "APPLIED", "MAX_WORKER_NAME",
-]
+__all__ = ["SyncPolicy", "Membership", "SyncRound", "Contribution", "WorkerState", "LATE", "HELD", "APPLIED",
+           "MAX_WORKER_NAME"]
 
 MAX_WORKER_NAME = 256  # characters; bounds what each member costs (and what Stats returns per member)
 

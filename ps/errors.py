@@ -2,25 +2,10 @@
 gRPC status code, and the client maps codes back, through one two-way table (``ps.wire.ERRORS``)."""
 from __future__ import annotations
 
-__all__ = [
-    "PSError",
-    "InvalidArgumentError",
-    "ShapeMismatchError",
-    "DtypeError",
-    "NonFiniteError",
-    "MalformedMessageError",
-    "WrongShardError",
-    "TableNotFoundError",
-    "TableExistsError",
-    "ResourceExhaustedError",
-    "ShardUnavailableError",
-    "DeadlineExceededError",
-    "FailedPreconditionError",
-    "InternalError",
-    "UnauthenticatedError",
-    "PermissionDeniedError",
-    "with_table",
-]
+__all__ = ["PSError", "InvalidArgumentError", "ShapeMismatchError", "DtypeError", "NonFiniteError", "MalformedMessageError",
+           "WrongShardError", "TableNotFoundError", "TableExistsError", "ResourceExhaustedError", "ShardUnavailableError",
+           "DeadlineExceededError", "FailedPreconditionError", "InternalError", "UnauthenticatedError",
+           "PermissionDeniedError", "with_table"]
 
 
 class PSError(Exception):

@@ -16,10 +16,9 @@ from ps.errors import DtypeError, InvalidArgumentError, NonFiniteError, Resource
 from ps.partition import SlotMap
 from tessera.codec import as_numpy, from_wire, to_wire
 
-__all__ = [
-    "dense_input", "wire_checked", "all_finite", "is_identity", "placement", "placed", "ids_of", "like", "direct_out", "fill",
-    "group", "policy_for", "joined", "DenseOut", "SparseOut", "sum_duplicates", "stream_dense", "step_fits", "fuse_dense",
-]
+__all__ = ["dense_input", "wire_checked", "all_finite", "is_identity", "placement", "placed", "ids_of", "like", "direct_out",
+           "fill", "group", "policy_for", "joined", "DenseOut", "SparseOut", "sum_duplicates", "stream_dense", "step_fits",
+           "fuse_dense"]
 
 
 def group(

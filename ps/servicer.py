@@ -15,23 +15,9 @@ from ps.checkpoint import CheckpointError, unpack_plain
 from ps.replication import SNAPSHOT_CHUNK, ReplicaSender
 from ps.shard import PRIMARY, PushChunk, Shard
 from ps.table import ASSIGN
-from ps.wire import (
-    ERRORS,
-    dense_push_from_proto,
-    dense_reply_to_proto,
-    frame,
-    frame_pieces,
-    info_to_proto,
-    membership_to_proto,
-    policy_from_proto,
-    push_chunk_from_proto,
-    spec_from_proto,
-    stats_to_proto,
-    step_parts_from_proto,
-    step_reply_to_proto,
-    unframe,
-    wire_float_dtype,
-)
+from ps.wire import (ERRORS, dense_push_from_proto, dense_reply_to_proto, frame, frame_pieces, info_to_proto,
+                     membership_to_proto, policy_from_proto, push_chunk_from_proto, spec_from_proto, stats_to_proto,
+                     step_parts_from_proto, step_reply_to_proto, unframe, wire_float_dtype)
 from tessera.codec import CodecError, Packed, as_float32, byte_view, from_wire, to_wire
 from tessera.service import Method, guarded_handler
 from tessera.service import Access, Caller, ClientSecurity, ServerSecurity

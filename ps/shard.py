@@ -29,11 +29,9 @@ from ps.tables import TableInfo, Tables, TableStats
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "Shard", "TableInfo", "TableStats", "ShardStats", "MembershipView", "WorkerStats", "SyncPush", "StepPart", "StepOutcome",
-    "DensePush", "PushChunk", "DenseBlock", "DensePushOutcome", "SparsePull",
-    "PUSH_DENSE", "PUSH_SPARSE", "PULL_DENSE", "PULL_SPARSE", "PRIMARY", "BACKUP",
-]
+__all__ = ["Shard", "TableInfo", "TableStats", "ShardStats", "MembershipView", "WorkerStats", "SyncPush", "StepPart",
+           "StepOutcome", "DensePush", "PushChunk", "DenseBlock", "DensePushOutcome", "SparsePull", "PUSH_DENSE",
+           "PUSH_SPARSE", "PULL_DENSE", "PULL_SPARSE", "PRIMARY", "BACKUP"]
 
 
 PUSH_DENSE = "push_dense"

@@ -9,14 +9,8 @@ from typing import Sequence
 
 from ps.config import DENSE, SPARSE, TableSpec, spec_to_dict
 from ps.consistency import SyncRound
-from ps.errors import (
-    DtypeError,
-    FailedPreconditionError,
-    InvalidArgumentError,
-    ResourceExhaustedError,
-    TableExistsError,
-    TableNotFoundError,
-)
+from ps.errors import (DtypeError, FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError, TableExistsError,
+                       TableNotFoundError)
 from ps.optim import make_optimizer
 from ps.shardstate import PRIMARY, ShardState
 from ps.table import DenseTable, SparseTable

@@ -9,50 +9,14 @@ import grpc
 import numpy as np
 from google.protobuf.message import Message
 
-from ps.config import (
-    DENSE,
-    SPARSE,
-    AdmissionSpec,
-    EvictionSpec,
-    InitializerSpec,
-    OptimizerSpec,
-    TableSpec,
-)
+from ps.config import DENSE, SPARSE, AdmissionSpec, EvictionSpec, InitializerSpec, OptimizerSpec, TableSpec
 from ps.consistency import SyncPolicy
-from ps.errors import (
-    DeadlineExceededError,
-    DtypeError,
-    FailedPreconditionError,
-    InternalError,
-    InvalidArgumentError,
-    MalformedMessageError,
-    PermissionDeniedError,
-    PSError,
-    ResourceExhaustedError,
-    ShardUnavailableError,
-    TableExistsError,
-    TableNotFoundError,
-    UnauthenticatedError,
-    with_table,
-)
-from ps.shard import (
-    PULL_DENSE,
-    PULL_SPARSE,
-    PUSH_DENSE,
-    PUSH_SPARSE,
-    DenseBlock,
-    DensePush,
-    DensePushOutcome,
-    MembershipView,
-    PushChunk,
-    ShardStats,
-    StepOutcome,
-    StepPart,
-    SyncPush,
-    TableInfo,
-    TableStats,
-    WorkerStats,
-)
+from ps.errors import (DeadlineExceededError, DtypeError, FailedPreconditionError, InternalError, InvalidArgumentError,
+                       MalformedMessageError, PermissionDeniedError, PSError, ResourceExhaustedError, ShardUnavailableError,
+                       TableExistsError, TableNotFoundError, UnauthenticatedError, with_table)
+from ps.shard import (PULL_DENSE, PULL_SPARSE, PUSH_DENSE, PUSH_SPARSE, DenseBlock, DensePush, DensePushOutcome,
+                      MembershipView, PushChunk, ShardStats, StepOutcome, StepPart, SyncPush, TableInfo, TableStats,
+                      WorkerStats)
 from ps.table import ASSIGN, GRADIENT, PushResult
 from tessera.codec import DTYPES, WIRE_FLOAT_DTYPES, CodecError, Packed, as_float32, byte_view, from_wire, pack, to_wire, unpack
 from tessera.service import ErrorTable
@@ -61,31 +25,11 @@ from tessera.v1 import ps_pb2 as pb
 M = TypeVar("M", bound=Message)
 T = TypeVar("T")
 
-__all__ = [
-    "ERRORS",
-    "BULK",
-    "frame",
-    "frame_pieces",
-    "unframe",
-    "spec_to_proto",
-    "spec_from_proto",
-    "info_to_proto",
-    "info_from_proto",
-    "stats_to_proto",
-    "stats_from_proto",
-    "policy_to_proto",
-    "policy_from_proto",
-    "membership_to_proto",
-    "membership_from_proto",
-    "wire_float_dtype",
-    "step_parts_from_proto",
-    "step_parts_to_proto",
-    "step_reply_to_proto",
-    "step_reply_from_proto",
-    "dense_push_from_proto",
-    "push_chunk_from_proto",
-    "dense_reply_to_proto",
-]
+__all__ = ["ERRORS", "BULK", "frame", "frame_pieces", "unframe", "spec_to_proto", "spec_from_proto", "info_to_proto",
+           "info_from_proto", "stats_to_proto", "stats_from_proto", "policy_to_proto", "policy_from_proto",
+           "membership_to_proto", "membership_from_proto", "wire_float_dtype", "step_parts_from_proto",
+           "step_parts_to_proto", "step_reply_to_proto", "step_reply_from_proto", "dense_push_from_proto",
+           "push_chunk_from_proto", "dense_reply_to_proto"]
 
 # ---------------------------------------------------------------------- framing
 # The bulk ``bytes`` fields of each message: sent beside the header, not copied through protobuf
