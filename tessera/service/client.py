@@ -128,6 +128,12 @@ class _CheckedStream:
         return getattr(self._call, name)
 
 
+def _poller_state(channel: grpc.Channel) -> Any:
+    """gRPC's connectivity-poller state of ``channel`` (grpc/_channel.py; an intercepted channel wraps it)."""
+    inner = getattr(channel, "_channel", channel)
+    return getattr(inner, "_connectivity_state", getattr(channel, "_connectivity_state", None))
+
+
 def channel_ready(channel: grpc.Channel, timeout: float) -> bool:
     """True once ``channel`` is READY, False after ``timeout`` seconds. The wait's subscription is
     cancelled either way: a leftover one keeps gRPC's connectivity thread polling the channel, and
@@ -138,9 +144,20 @@ def channel_ready(channel: grpc.Channel, timeout: float) -> bool:
         ready.result(timeout=timeout)
         return True
     except grpc.FutureTimeoutError:
+        ready.cancel()
+        ready = None
+        # the poller notices the cancel at its next turn (<= 0.2 s), unless a subscription made while it
+        # polled (a wait repeated on the same channel) asked it to connect again: it then runs one more
+        # turn and checks the channel, which dies if the caller closed the channel meanwhile (seen
+        # under load). A timed-out wait is followed by a close or another wait: return once it stopped.
+        state = _poller_state(channel)
+        end = time.monotonic() + 1.0
+        while state is not None and getattr(state, "polling", False) and time.monotonic() < end:
+            time.sleep(0.01)
         return False
     finally:
-        ready.cancel()
+        if ready is not None:
+            ready.cancel()
 
 
 def wait_for_server(

@@ -15,6 +15,7 @@ import grpc
 import pytest
 
 from tessera.service import ServerUnreachableError, channel_ready, client_channel, wait_for_server
+from tessera.service.client import _poller_state
 
 
 def _closed_port() -> str:
@@ -49,8 +50,11 @@ def test_channel_ready_cancels_its_subscription() -> None:
 
     ch = client_channel(address)
     try:
-        assert channel_ready(ch, 0.2) is False
-        assert _pollers_gone()  # gone before the channel is closed
+        for _ in range(3):  # repeated on one channel, as wait_for_server does: each subscribes anew
+            assert channel_ready(ch, 0.2) is False
+            # stopped checking the channel when it returns, before the caller can close it (gRPC's own flag)
+            assert _poller_state(ch).polling is False
+        assert _pollers_gone()
     finally:
         ch.close()
 
