@@ -11,6 +11,8 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch.distributed as dist
 
+from tests import zygote
+
 from ps.cli import start_local_shards, stop_processes
 from ps.client import PSClient
 from ps.config import ShardConfig
@@ -77,6 +79,56 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if rel in SERIAL_MODULES or _shares_a_fixture(item):
             item.add_marker(pytest.mark.xdist_group(rel))
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+# Modules about a fresh interpreter itself (what it imports, how it exits): their Python children are
+# exec'd, not forked from the zygote (tests/zygote.py). Paths relative to tests/.
+REAL_PROCESSES = (
+    "multiproc/test_cli_errors_under_load.py",
+    "multiproc/test_fed_numpy_client.py",
+    "multiproc/test_peer_faults.py",  # finds a rank among its agent's children (a forked one's parent is a zygote)
+    "unit/test_digits_data.py",
+)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _zygote() -> Iterator[None]:
+    """One fork server per test process (xdist worker): the suite's Python children are forked from
+    it with torch already loaded instead of each importing it (tests/zygote.py says why and how).
+    ``TESSERA_TEST_FORK=0`` execs every child instead."""
+    if os.environ.get("TESSERA_TEST_FORK") == "0":
+        yield
+        return
+    import tempfile
+
+    where = tempfile.mkdtemp(prefix="tz")  # a short path: a unix socket's name is at most 107 bytes
+    proc = zygote.start(os.path.join(where, "sock"))
+    real = subprocess.Popen
+    os.environ[zygote.ENV] = os.path.join(where, "sock")
+    zygote.install()
+    yield
+    subprocess.Popen = real  # type: ignore[misc]
+    os.environ.pop(zygote.ENV, None)
+    proc.kill()
+    proc.wait()
+    import shutil
+
+    shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _real_processes(request: pytest.FixtureRequest) -> Iterator[None]:
+    """The modules in REAL_PROCESSES exec their children (before any of their fixtures start one)."""
+    try:
+        rel = Path(str(request.fspath)).resolve().relative_to(TESTS).as_posix()
+    except ValueError:
+        rel = ""
+    if rel not in REAL_PROCESSES:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(zygote.ENV, raising=False)
+        yield
 
 
 # TESSERA_TEST_BULK=1: every in-process shard also serves its bulk port, so the same tests run the

@@ -1,0 +1,113 @@
+"""The suite's fork server (tests/zygote.py) behaves as ``subprocess.Popen`` does for the processes
+it forks: pid, exit status (a code, an uncaught error, a signal), pipes, environment, working
+directory, sessions, ``-u`` and ``$PYTHONWARNINGS``; and what it must not fork (``-c``) is exec'd.
+Reference: the same command exec'd with the zygote switched off, where a difference could hide."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import zygote  # type: ignore[import-not-found]
+
+
+
+@pytest.fixture(autouse=True)
+def _zygote_on() -> None:
+    if not os.environ.get(zygote.ENV):
+        pytest.skip("the zygote is off (TESSERA_TEST_FORK=0)")
+
+CHILD = textwrap.dedent("""
+    import json, os, sys, warnings
+    warnings.warn("a future change", FutureWarning)
+    print(json.dumps({"pid": os.getpid(), "cwd": os.getcwd(), "env": os.environ.get("ZTEST"), "argv": sys.argv[1:],
+                      "torch": "torch" in sys.modules, "sid": os.getsid(0) == os.getpid()}))
+    sys.stdout.flush()
+    what = sys.argv[1]
+    if what == "code":
+        sys.exit(7)
+    if what == "raise":
+        raise RuntimeError("boom")
+    if what == "sleep":
+        sys.stdin.read()
+""")
+
+
+@pytest.fixture
+def script(tmp_path):
+    p = tmp_path / "child.py"
+    p.write_text(CHILD)
+    return p
+
+
+def _run(script, *args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=60, **kw)
+
+
+def test_a_forked_child_is_its_own_process_with_the_callers_env_cwd_and_exit_status(script, tmp_path) -> None:
+    import json
+
+    r = _run(script, "code", "x", env={**os.environ, "ZTEST": "yes", "PYTHONWARNINGS": "ignore::FutureWarning"},
+             cwd=tmp_path)
+    out = json.loads(r.stdout)
+    assert r.returncode == 7 and out["pid"] != os.getpid() and out["argv"] == ["code", "x"], r
+    assert out["cwd"] == str(tmp_path) and out["env"] == "yes" and r.stderr == "", r
+    assert out["torch"], "not forked from the zygote (torch would not be loaded)"
+    r = _run(script, "raise")
+    assert r.returncode == 1 and "RuntimeError: boom" in r.stderr and "FutureWarning" in r.stderr, r
+
+
+def test_signals_sessions_and_pipes_reach_the_forked_child(script) -> None:
+    p = subprocess.Popen([sys.executable, "-u", str(script), "sleep"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    line = p.stdout.readline()  # -u: the line arrives while the child still runs
+    assert '"sid": true' in line and p.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        p.wait(0.2)
+    os.killpg(p.pid, signal.SIGTERM)
+    assert p.wait(30) == -signal.SIGTERM
+
+
+def test_c_snippets_are_execed_not_forked() -> None:
+    r = subprocess.run([sys.executable, "-c", "import sys; print('torch' in sys.modules)"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.stdout.strip() == "False", r
+
+
+PARENT = textwrap.dedent("""
+    import os, subprocess, sys
+    kid = subprocess.Popen([sys.executable, sys.argv[1], "sleep"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    kid.stdout.readline()
+    print(kid.pid, os.getsid(kid.pid), os.getpgid(kid.pid), flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_a_new_sessions_descendants_are_in_its_session_and_group(script, tmp_path) -> None:
+    """A child started with start_new_session=True gets a zygote of its own, so what it starts is in
+    its session and process group (as exec'd children are): killpg reaches them."""
+    parent = tmp_path / "parent.py"
+    parent.write_text(PARENT)
+    p = subprocess.Popen([sys.executable, str(parent), str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        kid, sid, pgid = map(int, p.stdout.readline().split())
+        assert sid == p.pid and pgid == p.pid and kid != p.pid
+        with open(f"/proc/{kid}/stat") as f:
+            assert int(f.read().rsplit(")", 1)[1].split()[3]) == p.pid  # its session, as /proc says
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+    assert p.wait(30) == -signal.SIGKILL
+    for _ in range(300):  # the grandchild and the session's zygote are gone with the group
+        try:
+            os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"a process of group {p.pid} outlived its killpg")
