@@ -117,6 +117,22 @@ def test_stats_waits_up_to_wait_seconds_then_fails_naming_the_shard() -> None:
         shard.close()
 
 
+def _wait_all_threads_stopped(pid: int, timeout: float = 30.0) -> None:
+    """Until every thread of ``pid`` is in state T (a SIGSTOP is taken by each thread when it next runs:
+    on a loaded machine a gRPC thread answered a call 4 ms after kill() had returned)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for t in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                with open(f"/proc/{pid}/task/{t}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if states and all(st == "T" for st in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped: thread states {states}"
+        time.sleep(0.01)
+
+
 def test_a_stopped_shard_fails_calls_within_seconds_not_at_their_deadline() -> None:
     """Keepalive: the call's deadline is 60 s; a shard that stops answering (SIGSTOP) makes it fail
     as UNAVAILABLE (ShardUnavailableError after retry_timeout) in a few seconds. Before the
@@ -129,6 +145,7 @@ def test_a_stopped_shard_fails_calls_within_seconds_not_at_their_deadline() -> N
             c.create_dense("w", 10, lr=0.1)
             c.pull_dense("w")
             os.kill(procs[0].pid, signal.SIGSTOP)
+            _wait_all_threads_stopped(procs[0].pid)  # kill() returns before a busy thread stops (a call answered)
             with pytest.raises(ShardUnavailableError, match="shard 0"):
                 c.pull_dense("w")
     finally:
