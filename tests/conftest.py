@@ -84,7 +84,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # Modules about a fresh interpreter itself (what it imports, how it exits): their Python children are
 # exec'd, not forked from the zygote (tests/zygote.py). Paths relative to tests/.
 REAL_PROCESSES = (
-    "multiproc/test_cli_errors_under_load.py",
     "multiproc/test_fed_numpy_client.py",
     "multiproc/test_peer_faults.py",  # finds a rank among its agent's children (a forked one's parent is a zygote)
     "unit/test_digits_data.py",

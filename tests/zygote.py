@@ -321,6 +321,7 @@ def _become(req: dict) -> int:
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     code = 0
     try:
+        _sitecustomize(extra + base)
         if command[0] == "-m":
             sys.argv = [command[1], *command[2:]]
             sys.path[:] = [os.getcwd(), *extra, *base]
@@ -374,6 +375,17 @@ def _session_zygote(parent_socket: str) -> str:
         if f.readline().strip() != b"ready":
             raise RuntimeError("the session's zygote did not start")
     return path
+
+
+def _sitecustomize(path: list[str]) -> None:
+    """What ``site`` does at an interpreter's start: import ``sitecustomize`` from the path (a test's
+    $PYTHONPATH may hold one), before the program runs."""
+    import importlib.machinery
+
+    sys.modules.pop("sitecustomize", None)
+    if importlib.machinery.PathFinder.find_spec("sitecustomize", path) is not None:
+        sys.path[:] = path
+        import sitecustomize  # noqa: F401
 
 
 def _text_out(fd: int, unbuffered: bool, errors: str) -> io.TextIOWrapper:

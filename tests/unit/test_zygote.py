@@ -111,3 +111,15 @@ def test_a_new_sessions_descendants_are_in_its_session_and_group(script, tmp_pat
         time.sleep(0.1)
     else:
         raise AssertionError(f"a process of group {p.pid} outlived its killpg")
+
+
+def test_a_sitecustomize_on_the_pythonpath_runs_first(tmp_path) -> None:
+    """As ``site`` does at an interpreter's start (test_cli_errors_under_load records threads that way)."""
+    (tmp_path / "sitecustomize.py").write_text("import builtins\nbuiltins.SITE_RAN = True\n")
+    prog = tmp_path / "prog.py"
+    prog.write_text("import builtins, sys\nprint(getattr(builtins, 'SITE_RAN', False), 'torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert r.stdout.split() == ["True", "True"], r  # ran, and in a forked child
+    r = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["False", "True"], r
