@@ -227,6 +227,13 @@ class DenseTable:
     def state_bytes(self) -> int:
         return sum(v.numel() * v.element_size() for b in self._blocks for v in b.state.values())
 
+    @classmethod
+    def fixed_bytes(cls, spec: TableSpec, num_shards: int) -> int:
+        """Bytes the constructor allocates for ``spec`` on the largest of ``num_shards`` slices: values,
+        elementwise optimizer state, and as much again for the spare generation made with them."""
+        state = len(make_optimizer(spec.optimizer.name, spec.optimizer.hparams).elementwise_state)
+        return -(-spec.numel // num_shards) * 4 * (1 + state) * (1 + cls.spare_generations)
+
     def held_bytes(self) -> int:
         """Memory this table holds on the shard: params + optimizer state, and the spare blocks and
         blocks computed by pushes not yet committed (lock-free: a budget check reads it while other

@@ -11,7 +11,6 @@ from ps.config import DENSE, SPARSE, TableSpec, spec_to_dict
 from ps.consistency import SyncRound
 from ps.errors import (DtypeError, FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError, TableExistsError,
                        TableNotFoundError)
-from ps.optim import make_optimizer
 from ps.shardstate import PRIMARY, ShardState
 from ps.table import DenseTable, SparseTable
 
@@ -93,8 +92,7 @@ class Tables(ShardState):
                     f"its limit (max_tables) is {self.config.max_tables}"
                 )
             if spec.kind == DENSE:
-                length = -(-spec.numel // self.config.num_shards)
-                extra = length * 4 * (1 + _state_per_elem(spec)) * (1 + DenseTable.spare_generations)  # with its spares
+                extra = DenseTable.fixed_bytes(spec, self.config.num_shards)  # with its spares
             else:
                 extra = SparseTable.fixed_bytes(spec)  # the admission sketch (index and chunks come with rows)
             with self._growth:
@@ -265,10 +263,6 @@ def _chunk_bytes(max_bytes: int) -> int:
     budget (a table grows a chunk at a time: a 128 MiB budget in 64 MiB chunks would leave most of
     its last chunk's worth unusable), at least 256 KiB."""
     return 64 << 20 if not max_bytes else max(256 << 10, min(64 << 20, max_bytes // 8))
-
-
-def _state_per_elem(spec: TableSpec) -> int:
-    return len(make_optimizer(spec.optimizer.name, spec.optimizer.hparams).elementwise_state)
 
 
 def _diff(a: TableSpec, b: TableSpec) -> str:

@@ -3,7 +3,9 @@ spread over pytest-xdist's workers (README "Test it": ``-n 4 --dist loadgroup``)
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -81,8 +83,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
-# Modules about a fresh interpreter itself (what it imports, how it exits): their Python children are
-# exec'd, not forked from the zygote (tests/zygote.py). Paths relative to tests/.
+# Modules about a fresh interpreter itself (what it imports, how it exits) or about a process's parent:
+# their Python children are exec'd, not forked from the zygote (tests/zygote.py). Paths relative to tests/.
 REAL_PROCESSES = (
     "multiproc/test_fed_numpy_client.py",
     "multiproc/test_peer_faults.py",  # finds a rank among its agent's children (a forked one's parent is a zygote)
@@ -98,8 +100,6 @@ def _zygote() -> Iterator[None]:
     if os.environ.get("TESSERA_TEST_FORK") == "0":
         yield
         return
-    import tempfile
-
     where = tempfile.mkdtemp(prefix="tz")  # a short path: a unix socket's name is at most 107 bytes
     proc = zygote.start(os.path.join(where, "sock"))
     real = subprocess.Popen
@@ -110,8 +110,6 @@ def _zygote() -> Iterator[None]:
     os.environ.pop(zygote.ENV, None)
     proc.kill()
     proc.wait()
-    import shutil
-
     shutil.rmtree(where, ignore_errors=True)
 
 

@@ -144,20 +144,18 @@ def channel_ready(channel: grpc.Channel, timeout: float) -> bool:
         ready.result(timeout=timeout)
         return True
     except grpc.FutureTimeoutError:
-        ready.cancel()
-        ready = None
-        # the poller notices the cancel at its next turn (<= 0.2 s), unless a subscription made while it
-        # polled (a wait repeated on the same channel) asked it to connect again: it then runs one more
-        # turn and checks the channel, which dies if the caller closed the channel meanwhile (seen
-        # under load). A timed-out wait is followed by a close or another wait: return once it stopped.
-        state = _poller_state(channel)
-        end = time.monotonic() + 1.0
-        while state is not None and getattr(state, "polling", False) and time.monotonic() < end:
-            time.sleep(0.01)
-        return False
+        pass
     finally:
-        if ready is not None:
-            ready.cancel()
+        ready.cancel()
+    # the poller notices the cancel at its next turn (<= 0.2 s), unless a subscription made while it
+    # polled (a wait repeated on the same channel) asked it to connect again: it then runs one more
+    # turn and checks the channel, which dies if the caller closed the channel meanwhile (seen under
+    # load). A timed-out wait is followed by a close or another wait: return once it stopped.
+    state = _poller_state(channel)
+    end = time.monotonic() + 1.0
+    while state is not None and getattr(state, "polling", False) and time.monotonic() < end:
+        time.sleep(0.01)
+    return False
 
 
 def wait_for_server(
