@@ -1,7 +1,8 @@
 """The attacker of tests/integration/test_admission.py, in its own process (as an attacker is on
 another machine: it must not share the honest worker's interpreter): keeps N calls of one identity
 outstanding against a shard (a refused or finished one is sent again a second later) until its
-stdin closes, then prints one JSON line: the calls' final status codes and one detail per code.
+stdin closes. It prints "ready" once its first N calls are sent and have had a second to be
+admitted or refused, and at the end one JSON line: the calls' final status codes and one detail per code.
 
     python admission_attacker.py pull|push ADDRESS CA_FILE TOKEN N
 """
@@ -49,6 +50,7 @@ def main(kind: str, address: str, ca: str, token: str, n: int) -> None:
     done = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
     calls: list[Any] = []
+    rounds = 0
     while not done.is_set():
         live = []
         for c in calls:
@@ -62,6 +64,9 @@ def main(kind: str, address: str, ca: str, token: str, n: int) -> None:
             live.append(start())
         calls = live
         done.wait(1.0)
+        rounds += 1
+        if rounds == 1:
+            print("ready", flush=True)
     stall.set()
     for c in calls:
         c.cancel()
