@@ -8,7 +8,9 @@ as compose would run its container:
 * host names: every service name resolves to its namespace's address (``/etc/netns/NS/hosts``,
   which ``ip netns exec`` bind-mounts over ``/etc/hosts``); the UTS name is the ``hostname``;
 * secrets at ``/run/secrets/NAME`` and named volumes at their container paths (bind mounts in a
-  private mount namespace of the service; missing mount points are created and removed after);
+  private mount namespace of the service; missing mount points are created on the host and left
+  there: removing one detaches the bind of every process still mounted on it, in any namespace, so
+  a run ending beside another one, e.g. a second test session's, took that run's secrets away);
 * ``depends_on`` conditions (``service_started``, ``service_healthy`` with the service's
   ``healthcheck`` polled as compose does, ``service_completed_successfully``), and
   ``restart: on-failure`` (a service the test kills stays dead, as after ``docker kill``).
@@ -121,7 +123,6 @@ class ComposeRun:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="compose-run-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.fabric = Fabric(list(self.services))
-        self._made: list[Path] = []  # mount points this run created (removed at the end)
         self._hosts: list[Path] = []
 
     # ---------------------------------------------------------------- set-up and tear-down
@@ -151,11 +152,6 @@ class ComposeRun:
         self.fabric.__exit__()
         for d in self._hosts:
             shutil.rmtree(d, ignore_errors=True)
-        for p in reversed(self._made):
-            try:
-                p.rmdir()
-            except OSError:
-                pass
 
     def ns(self, name: str) -> str:
         return self.fabric.prefix(name)[-1]
@@ -167,16 +163,6 @@ class ComposeRun:
         p = self.workdir / "volumes" / name
         p.mkdir(parents=True, exist_ok=True)
         return p
-
-    def _mountpoint(self, path: str) -> None:
-        p = Path(path)
-        missing = []
-        while not p.exists():
-            missing.append(p)
-            p = p.parent
-        for m in reversed(missing):
-            m.mkdir()
-            self._made.append(m)
 
     def _argv(self, s: Service, argv: list[str]) -> list[str]:
         """``argv`` run inside the service's namespaces, with its secrets and volumes mounted."""
@@ -200,7 +186,7 @@ class ComposeRun:
             binds.append((str(path), dst))
         script = [f"hostname {s.spec.get('hostname', s.name)}"]
         for src, dst in binds:
-            self._mountpoint(dst)
+            Path(dst).mkdir(parents=True, exist_ok=True)  # (never removed: see the module's docstring)
             script.append(f"mount --bind '{src}' '{dst}'")
         script.append('exec "$@"')
         return [*self.fabric.prefix(s.name), "unshare", "--uts", "--mount", "--propagation", "private", "--",
