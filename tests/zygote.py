@@ -36,6 +36,10 @@ from pathlib import Path
 from typing import Any
 
 ENV = "TESSERA_TEST_ZYGOTE"
+# a JSON {"netns": PATH, "hostname": NAME, "binds": [[SRC, DST], ...]} in a child's environment: the
+# child enters that network namespace and a private mount and UTS namespace of its own with those bind
+# mounts, as ``ip netns exec NS unshare --uts --mount ... mount --bind`` would put it (tests/cluster)
+NAMESPACES = "TESSERA_TEST_NAMESPACES"
 # not grpc: its C core reads $GRPC_VERBOSITY (which tessera's CLI sets to hide core log lines) when
 # imported, so each child imports it under its own environment (0.04 CPU-s)
 PRELOAD = ("numpy", "torch", "torch.nn", "torch.distributed", "torch.distributed.run", "torch.distributed.tensor",
@@ -49,7 +53,7 @@ _FILTERS: list = []  # the zygote's warning filters after preloading (a child st
 # ----------------------------------------------------------------------------------------- client
 
 
-def _python_command(args: list[str]) -> list[str] | None:
+def python_command(args: list[str]) -> list[str] | None:
     """What a forked child should run, as ``["-m", mod, *argv]`` / ``[script, *argv]``, or None when
     the command is not a plain Python program of this interpreter (it is then exec'd as usual)."""
     if not args:
@@ -80,7 +84,7 @@ class ZygotePopen(_REAL_POPEN):  # type: ignore[misc, valid-type]
                        umask, start_new_session, process_group):  # noqa: ANN001 (subprocess's own signature)
         path = (env if env is not None else os.environ).get(ENV, "")
         argv = None if isinstance(args, (str, bytes, os.PathLike)) else list(args)
-        command = _python_command(argv) if argv and not shell and executable is None else None
+        command = python_command(argv) if argv and not shell and executable is None else None
         if (not path or command is None or preexec_fn is not None or pass_fds or uid is not None or gid is not None
                 or gids is not None or umask >= 0):
             return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
@@ -293,6 +297,8 @@ def _become(req: dict) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     env = req["env"]
+    if NAMESPACES in env:  # first: the session's zygote and every descendant then live in them too
+        _enter(json.loads(env.pop(NAMESPACES)))
     if req["new_session"]:
         os.setsid()
         env[ENV] = _session_zygote(env[ENV])
@@ -346,6 +352,31 @@ def _become(req: dict) -> int:
         except (OSError, ValueError):
             pass
     return code
+
+
+def _enter(spec: dict) -> None:
+    """Join ``spec["netns"]`` and unshare a private mount and UTS namespace with ``spec["binds"]``
+    (a forked child is single-threaded, as unshare(CLONE_NEWNS) needs). Python 3.11 has no os.setns."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            e = ctypes.get_errno()
+            raise OSError(e, f"{what}: {os.strerror(e)}")
+
+    fd = os.open(spec["netns"], os.O_RDONLY)
+    try:
+        check(libc.setns(fd, 0x40000000), f"setns {spec['netns']}")  # CLONE_NEWNET
+    finally:
+        os.close(fd)
+    check(libc.unshare(0x00020000 | 0x04000000), "unshare")  # CLONE_NEWNS | CLONE_NEWUTS
+    check(libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None), "mount --make-rprivate /")  # MS_REC | MS_PRIVATE
+    name = spec["hostname"].encode()
+    check(libc.sethostname(name, len(name)), "sethostname")
+    for src, dst in spec["binds"]:
+        check(libc.mount(src.encode(), dst.encode(), None, 0x1000, None), f"mount --bind {src} {dst}")  # MS_BIND
 
 
 def _session_zygote(parent_socket: str) -> str:

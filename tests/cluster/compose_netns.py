@@ -15,9 +15,14 @@ as compose would run its container:
   ``healthcheck`` polled as compose does, ``service_completed_successfully``), and
   ``restart: on-failure`` (a service the test kills stays dead, as after ``docker kill``).
 
+Under the suite's fork server (tests/zygote.py) a service's Python program is forked into those
+namespaces instead of exec'd through ``ip netns exec``, ``unshare`` and ``mount`` (same namespaces,
+without a torch import per start).
+
 Needs root and iproute2 (and util-linux ``unshare``)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -32,6 +37,7 @@ from typing import Any
 
 import yaml
 
+from tests import zygote
 from worker.netns import Fabric
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,8 +170,10 @@ class ComposeRun:
         p.mkdir(parents=True, exist_ok=True)
         return p
 
-    def _argv(self, s: Service, argv: list[str]) -> list[str]:
-        """``argv`` run inside the service's namespaces, with its secrets and volumes mounted."""
+    def _command(self, s: Service, argv: list[str]) -> tuple[list[str], dict[str, str]]:
+        """``argv`` and its environment, run inside the service's namespaces with its secrets and
+        volumes mounted. Under the suite's fork server (tests/zygote.py) a Python command is forked
+        into them (``zygote.NAMESPACES``); otherwise ``ip netns exec`` + ``unshare`` + ``mount`` exec it."""
         binds: list[tuple[str, str]] = []
         secrets = s.spec.get("secrets") or []
         if secrets:
@@ -184,13 +192,18 @@ class ComposeRun:
             dst = dst.split(":")[0]
             path = Path(src) if src.startswith(("/", ".")) else self.volume(src)
             binds.append((str(path), dst))
-        script = [f"hostname {s.spec.get('hostname', s.name)}"]
-        for src, dst in binds:
+        for _, dst in binds:
             Path(dst).mkdir(parents=True, exist_ok=True)  # (never removed: see the module's docstring)
-            script.append(f"mount --bind '{src}' '{dst}'")
-        script.append('exec "$@"')
+        env = self._env(s)
+        hostname = s.spec.get("hostname", s.name)
+        if env.get(zygote.ENV) and zygote.python_command(argv) is not None:
+            hosts = (Path("/etc/netns") / self.ns(s.name) / "hosts", Path("/etc/hosts"))  # as ip netns exec binds it
+            env[zygote.NAMESPACES] = json.dumps({"netns": f"/run/netns/{self.ns(s.name)}", "hostname": hostname,
+                                                 "binds": [list(map(str, hosts)), *map(list, binds)]})
+            return argv, env
+        script = [f"hostname {hostname}", *(f"mount --bind '{src}' '{dst}'" for src, dst in binds), 'exec "$@"']
         return [*self.fabric.prefix(s.name), "unshare", "--uts", "--mount", "--propagation", "private", "--",
-                "sh", "-c", " && ".join(script), "sh", *argv]
+                "sh", "-c", " && ".join(script), "sh", *argv], env
 
     def _env(self, s: Service) -> dict[str, str]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
@@ -210,10 +223,9 @@ class ComposeRun:
         with open(s.log, "a") as log:
             log.write(f"--- start {s.starts}: {' '.join(map(str, command))}\n")
             log.flush()
-            s.proc = subprocess.Popen(
-                self._argv(s, [*entry, *map(str, command)]), stdout=log, stderr=subprocess.STDOUT,
-                env=self._env(s), cwd=self.workdir, start_new_session=True,
-            )
+            args, env = self._command(s, [*entry, *map(str, command)])
+            s.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
+                                      start_new_session=True)
 
     def _stop(self, s: Service, sig: int) -> None:
         if s.proc is not None and s.proc.poll() is None:
@@ -249,7 +261,8 @@ class ComposeRun:
         try:
             # at least 30 s: Docker's probe timeout assumes the container's own CPU, while here the probe (a
             # Python start, TLS) shares 2 cores with the whole suite (5 s probes timed out at load 12)
-            r = subprocess.run(self._argv(s, argv), check=False, capture_output=True, text=True, env=self._env(s),
+            args, env = self._command(s, argv)
+            r = subprocess.run(args, check=False, capture_output=True, text=True, env=env,
                                timeout=max(30.0, _seconds(hc.get("timeout"), 30)))
             s.health_checks.append((r.stdout + r.stderr).strip())
             return r.returncode == 0

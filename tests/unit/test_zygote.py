@@ -123,3 +123,44 @@ def test_a_sitecustomize_on_the_pythonpath_runs_first(tmp_path) -> None:
     assert r.stdout.split() == ["True", "True"], r  # ran, and in a forked child
     r = subprocess.run([sys.executable, str(prog)], capture_output=True, text=True, timeout=60)
     assert r.stdout.split() == ["False", "True"], r
+
+
+NS_CHILD = textwrap.dedent("""
+    import json, os, socket, subprocess, sys
+    kid = subprocess.run([sys.executable, "-c", "import os; print(os.readlink('/proc/self/ns/net'))"],
+                         capture_output=True, text=True)  # a descendant (exec'd) is in the namespaces too
+    print(json.dumps({"net": os.readlink("/proc/self/ns/net"), "mnt": os.readlink("/proc/self/ns/mnt"),
+                      "host": socket.gethostname(), "seen": open(sys.argv[1]).read(), "kid_net": kid.stdout.strip(),
+                      "env": "TESSERA_TEST_NAMESPACES" in os.environ}))
+""")
+
+
+def test_a_forked_child_enters_the_namespaces_it_is_given(tmp_path) -> None:
+    """``zygote.NAMESPACES``: the child joins the network namespace, gets its own mount and UTS
+    namespaces with the bind mounts, and this process's mounts and hostname are untouched.
+    Reference: what ``ip netns exec`` + ``unshare`` + ``mount --bind`` give (tests/cluster)."""
+    import json
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2")
+    ns = f"tz{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        (tmp_path / "src").mkdir()
+        (tmp_path / "src" / "f").write_text("bound")
+        (tmp_path / "dst").mkdir()
+        (tmp_path / "dst" / "f").write_text("host's")
+        (tmp_path / "child.py").write_text(NS_CHILD)
+        spec = {"netns": f"/run/netns/{ns}", "hostname": "zhost", "binds": [[str(tmp_path / "src"), str(tmp_path / "dst")]]}
+        r = subprocess.run([sys.executable, str(tmp_path / "child.py"), str(tmp_path / "dst" / "f")], capture_output=True,
+                           text=True, timeout=60, env={**os.environ, zygote.NAMESPACES: json.dumps(spec)})
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        ns_ino = "net:[%d]" % os.stat(f"/run/netns/{ns}").st_ino
+        assert out["net"] == ns_ino == out["kid_net"] and out["net"] != os.readlink("/proc/self/ns/net"), out
+        assert out["mnt"] != os.readlink("/proc/self/ns/mnt") and out["host"] == "zhost" and out["seen"] == "bound", out
+        assert not out["env"], "the spec must not reach the child's program (its descendants would enter again)"
+        assert (tmp_path / "dst" / "f").read_text() == "host's" and os.uname().nodename != "zhost"
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
