@@ -50,7 +50,7 @@ def main(kind: str, address: str, ca: str, token: str, n: int) -> None:
     done = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
     calls: list[Any] = []
-    rounds = 0
+    ready = False
     while not done.is_set():
         live = []
         for c in calls:
@@ -64,9 +64,9 @@ def main(kind: str, address: str, ca: str, token: str, n: int) -> None:
             live.append(start())
         calls = live
         done.wait(1.0)
-        rounds += 1
-        if rounds == 1:
+        if not ready:  # the first N calls were sent a second ago
             print("ready", flush=True)
+            ready = True
     stall.set()
     for c in calls:
         c.cancel()

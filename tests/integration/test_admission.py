@@ -4,8 +4,8 @@ Under 128 concurrent BSP-waiting pulls from one reader token, and under 64 stall
 from one worker token, an honest worker keeps at least a quarter of its unloaded steps/s in every
 5 s window (a frozen shard gives it 0-1 steps; the bound is not tighter because under the suite's
 load a window's count swings with the other processes: 494-1160 against 662-1211 unloaded in the
-README's runs, 389 against 784 in a CI run), and the admin's Stats and the gRPC health check each answer within 1 s (the calls carry
-a 1 s deadline: the README's fairness guarantee). The reference is the same worker, same shard,
+README's runs, 389 against 784 in a CI run), and the admin's Stats and the gRPC health check each
+answer within 1 s (the calls carry a 1 s deadline: the README's fairness guarantee). The reference is the same worker, same shard,
 measured unloaded in the same run. Over-cap calls are refused RESOURCE_EXHAUSTED naming the
 identity and its limit."""
 from __future__ import annotations
