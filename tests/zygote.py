@@ -10,8 +10,8 @@ interpreter start and the third-party imports are shared. The project's own modu
 preloaded, so each child imports them fresh under its own environment.
 
 How a start is routed: ``install()`` replaces ``subprocess.Popen`` with ``ZygotePopen``, which
-forks through the zygote named by ``$TESSERA_TEST_ZYGOTE`` when the command is a plain Python
-invocation of this interpreter, and execs as usual otherwise (``-c`` snippets, ``ip netns exec``,
+forks through the zygote named by ``$TESSERA_TEST_ZYGOTE`` in the caller's own environment (not in
+the ``env=`` it passes) when the command is a plain Python invocation of this interpreter, and execs as usual otherwise (``-c`` snippets, ``ip netns exec``,
 other programs, ``preexec_fn``/``pass_fds``/uid changes). A process forked from the zygote inherits
 the patch, so a torchrun agent's ranks or a bench's shard children are forked too. Tests about the
 interpreter itself (what a fresh process imports, how it exits) opt out: ``conftest.REAL_PROCESSES``.
@@ -42,7 +42,7 @@ ENV = "TESSERA_TEST_ZYGOTE"
 NAMESPACES = "TESSERA_TEST_NAMESPACES"
 # not grpc: its C core reads $GRPC_VERBOSITY (which tessera's CLI sets to hide core log lines) when
 # imported, so each child imports it under its own environment (0.04 CPU-s)
-PRELOAD = ("numpy", "torch", "torch.nn", "torch.distributed", "torch.distributed.run", "torch.distributed.tensor",
+PRELOAD = ("numpy", "torch", "torch.nn", "torch._dynamo", "torch.distributed", "torch.distributed.run", "torch.distributed.tensor",
            "sympy", "google.protobuf", "msgpack", "cryptography.x509", "tqdm")
 _LEN = struct.Struct("!q")
 _REAL_POPEN = subprocess.Popen
@@ -82,7 +82,9 @@ class ZygotePopen(_REAL_POPEN):  # type: ignore[misc, valid-type]
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags,
                        shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, restore_signals, gid, gids, uid,
                        umask, start_new_session, process_group):  # noqa: ANN001 (subprocess's own signature)
-        path = (env if env is not None else os.environ).get(ENV, "")
+        # the calling process's environment decides, not ``env``: a test module that copied os.environ
+        # when it was imported (before the session's zygote started) still forks its children
+        path = os.environ.get(ENV, "")
         argv = None if isinstance(args, (str, bytes, os.PathLike)) else list(args)
         command = python_command(argv) if argv and not shell and executable is None else None
         if (not path or command is None or preexec_fn is not None or pass_fds or uid is not None or gid is not None
@@ -90,7 +92,7 @@ class ZygotePopen(_REAL_POPEN):  # type: ignore[misc, valid-type]
             return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                                           creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
                                           restore_signals, gid, gids, uid, umask, start_new_session, process_group)
-        child_env = dict(env if env is not None else os.environ)
+        child_env = dict(env if env is not None else os.environ, **{ENV: path})  # its own children fork too
         if argv and len(argv) > 1 and os.fspath(argv[1]) == "-u":
             child_env["PYTHONUNBUFFERED"] = "1"
         request = json.dumps({
