@@ -11,8 +11,9 @@ preloaded, so each child imports them fresh under its own environment.
 
 How a start is routed: ``install()`` replaces ``subprocess.Popen`` with ``ZygotePopen``, which
 forks through the zygote named by ``$TESSERA_TEST_ZYGOTE`` in the caller's own environment (not in
-the ``env=`` it passes) when the command is a plain Python invocation of this interpreter, and execs as usual otherwise (``-c`` snippets, ``ip netns exec``,
-other programs, ``preexec_fn``/``pass_fds``/uid changes). A process forked from the zygote inherits
+the ``env=`` it passes) when the command is a plain Python invocation of this interpreter, alone or
+after ``ip netns exec NS`` (the child then joins that network namespace), and execs as usual
+otherwise (``-c`` snippets, other programs, ``preexec_fn``/``pass_fds``/uid changes). A process forked from the zygote inherits
 the patch, so a torchrun agent's ranks or a bench's shard children are forked too. Tests about the
 interpreter itself (what a fresh process imports, how it exits) opt out: ``conftest.REAL_PROCESSES``.
 
@@ -38,7 +39,8 @@ from typing import Any
 ENV = "TESSERA_TEST_ZYGOTE"
 # a JSON {"netns": PATH, "hostname": NAME, "binds": [[SRC, DST], ...]} in a child's environment: the
 # child enters that network namespace and a private mount and UTS namespace of its own with those bind
-# mounts, as ``ip netns exec NS unshare --uts --mount ... mount --bind`` would put it (tests/cluster)
+# mounts, as ``ip netns exec NS unshare --uts --mount ... mount --bind`` would put it (tests/cluster);
+# {"netns": PATH} alone, the network only (what ZygotePopen sends for ``ip netns exec NS python ...``)
 NAMESPACES = "TESSERA_TEST_NAMESPACES"
 # not grpc: its C core reads $GRPC_VERBOSITY (which tessera's CLI sets to hide core log lines) when
 # imported, so each child imports it under its own environment (0.04 CPU-s)
@@ -86,6 +88,9 @@ class ZygotePopen(_REAL_POPEN):  # type: ignore[misc, valid-type]
         # when it was imported (before the session's zygote started) still forks its children
         path = os.environ.get(ENV, "")
         argv = None if isinstance(args, (str, bytes, os.PathLike)) else list(args)
+        netns = ""
+        if argv and len(argv) > 4 and Path(os.fspath(argv[0])).name == "ip" and list(argv[1:3]) == ["netns", "exec"]:
+            netns, argv = os.fspath(argv[3]), argv[4:]  # a Python program in a network namespace: forked into it
         command = python_command(argv) if argv and not shell and executable is None else None
         if (not path or command is None or preexec_fn is not None or pass_fds or uid is not None or gid is not None
                 or gids is not None or umask >= 0):
@@ -93,6 +98,8 @@ class ZygotePopen(_REAL_POPEN):  # type: ignore[misc, valid-type]
                                           creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
                                           restore_signals, gid, gids, uid, umask, start_new_session, process_group)
         child_env = dict(env if env is not None else os.environ, **{ENV: path})  # its own children fork too
+        if netns:
+            child_env[NAMESPACES] = json.dumps({"netns": f"/run/netns/{netns}"})
         if argv and len(argv) > 1 and os.fspath(argv[1]) == "-u":
             child_env["PYTHONUNBUFFERED"] = "1"
         request = json.dumps({
@@ -299,13 +306,15 @@ def _become(req: dict) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     env = req["env"]
-    if NAMESPACES in env:  # first: the session's zygote and every descendant then live in them too
+    entered = NAMESPACES in env
+    if entered:  # first: the zygote made below and every descendant then live in them too
         _enter(json.loads(env.pop(NAMESPACES)))
     if req["new_session"]:
         os.setsid()
-        env[ENV] = _session_zygote(env[ENV])
     elif req["pgid"] >= 0:
         os.setpgid(0, req["pgid"])
+    if req["new_session"] or entered:
+        env[ENV] = _session_zygote(env[ENV])
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(env)
@@ -373,6 +382,8 @@ def _enter(spec: dict) -> None:
         check(libc.setns(fd, 0x40000000), f"setns {spec['netns']}")  # CLONE_NEWNET
     finally:
         os.close(fd)
+    if "hostname" not in spec and not spec.get("binds"):
+        return  # the network alone, as ``ip netns exec`` gives it (but /sys is not remounted)
     check(libc.unshare(0x00020000 | 0x04000000), "unshare")  # CLONE_NEWNS | CLONE_NEWUTS
     check(libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None), "mount --make-rprivate /")  # MS_REC | MS_PRIVATE
     name = spec["hostname"].encode()
@@ -382,9 +393,9 @@ def _enter(spec: dict) -> None:
 
 
 def _session_zygote(parent_socket: str) -> str:
-    """A zygote for the new session this process leads: forked now, while this process is still a
-    clean copy of the zygote, it serves this process's descendants, so they are in its session and
-    process group as exec'd ones would be (``os.killpg``, "no process of the session is left" checks
+    """A zygote for the new session this process leads, or for the namespaces it entered: forked now,
+    while this process is still a clean copy of the zygote, it serves this process's descendants, so
+    they are in its session, process group and namespaces as exec'd ones would be (``os.killpg``, "no process of the session is left" checks
     see them). It dies with this process (PR_SET_PDEATHSIG). Returns its socket's path."""
     import ctypes
 

@@ -164,3 +164,41 @@ def test_a_forked_child_enters_the_namespaces_it_is_given(tmp_path) -> None:
         assert (tmp_path / "dst" / "f").read_text() == "host's" and os.uname().nodename != "zhost"
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+NET_CHILD = textwrap.dedent("""
+    import json, os, subprocess, sys
+    if sys.argv[1:] == ["kid"]:
+        print(os.readlink("/proc/self/ns/net"), "torch" in sys.modules)
+        raise SystemExit
+    kid = subprocess.run([sys.executable, __file__, "kid"], capture_output=True, text=True)  # forked in turn
+    print(json.dumps({"net": os.readlink("/proc/self/ns/net"), "forked": "torch" in sys.modules,
+                      "kid": kid.stdout.split(), "mnt": os.readlink("/proc/self/ns/mnt")}))
+""")
+
+
+def test_ip_netns_exec_python_is_forked_into_the_network_namespace(tmp_path) -> None:
+    """``ip netns exec NS python ...`` (worker.netns.Fabric.prefix: tests/multiproc/test_ps_faults.py)
+    is forked into NS, with an ``env=`` that lacks the zygote's variable (a test's copy of os.environ
+    made at import); the child's own Python child is forked into NS too. Reference: the namespace
+    ``ip netns exec`` would give, and this process's own."""
+    import json
+    import shutil
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2")
+    ns = f"tn{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        (tmp_path / "child.py").write_text(NET_CHILD)
+        env = {k: v for k, v in os.environ.items() if k != zygote.ENV}
+        r = subprocess.run(["ip", "netns", "exec", ns, sys.executable, str(tmp_path / "child.py")], capture_output=True,
+                           text=True, timeout=60, env=env)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        ns_ino = "net:[%d]" % os.stat(f"/run/netns/{ns}").st_ino
+        assert out["forked"] and out["net"] == ns_ino != os.readlink("/proc/self/ns/net"), out
+        assert out["kid"] == [ns_ino, "True"], out
+        assert out["mnt"] == os.readlink("/proc/self/ns/mnt"), "the network alone: no mount namespace of its own"
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
