@@ -26,11 +26,12 @@ Measures, on loopback, with every server in its own process:
     rows, pull the next's): ``sparse_rows_per_s``, ``sparse_gbps`` (4096*64*4
     bytes / time, the better way), ``sparse_ratio`` = sparse_gbps /
     raw_grpc_gbps, and ``sparse_vs_raw_same_size`` against a raw unary echo of
-    the same 1 MiB. With ``--only sparse`` also the CPU per op of both shard
-    processes (every thread) and of this client: ``sparse_step_shard_cpu_ms``,
-    ``sparse_step_client_cpu_ms`` (and ``sparse_pullpush_*``), with the mean wall time of the
-    window they were measured in (``sparse_step_cpu_window_ms``: no process can spend more than
-    the machine's cores times that); then the same against 2 shards whose sparse tables do no work
+    the same 1 MiB. Also the CPU per op of both shard processes (every thread) and of this
+    client: ``sparse_step_shard_cpu_ms``, ``sparse_step_client_cpu_ms`` (and ``sparse_pullpush_*``),
+    with the mean wall time of the window they were measured in (``sparse_step_cpu_window_ms``: no
+    process can spend more than the machine's cores times that); each transport's suffixed ``_grpc``
+    / ``_bulk``, unsuffixed the default transport's (bulk where measured). With ``--only sparse``,
+    then the same against 2 shards whose sparse tables do no work
     (bench/no_table_shard.py: the real servicer, validation and transports, a table that takes no
     time), the same keys prefixed ``no_table_`` (``no_table_sparse_ratio``): the ceiling no table
     code could pass on the machine it runs on.
@@ -555,6 +556,7 @@ def sparse_figures(res: list[Result], raw_best: Result, raw_small: Result, cpu: 
         "sparse_ms": round(sparse.best * 1e3, 3), "sparse_ms_median": round(sparse.median * 1e3, 3),
         "sparse_rows_per_s": round(sparse.rows / sparse.best, 1), "sparse_rows_per_s_median": round(sparse.rows / sparse.median, 1),
     }
+    default = "bulk" if any(r.name.endswith("_bulk") for r in res) else "grpc"
     for tr in ("grpc", "bulk"):
         sfx = _suffix(tr)
         mine = {r.group: r for r in res if r.name.endswith("_bulk") == (tr == "bulk")}
@@ -567,14 +569,16 @@ def sparse_figures(res: list[Result], raw_best: Result, raw_small: Result, cpu: 
             f"sparse_ratio_{tr}": round(max(pp.gbps, st.gbps) / raw_best.gbps, 5),
         })
         if cpu:
-            # CPU per op (every thread of both shard processes; this client process around the op only)
+            # CPU per op (every thread of both shard processes; this client process around the op only),
+            # suffixed _grpc / _bulk; unsuffixed: the default transport's (the bulk port where measured:
+            # what `tessera ps serve` and a PSClient do with no transport flags)
             for way, key in (("step", "step"), ("pullpush", "sparse")):
                 c = cpu[f"{key}{sfx}"]
-                out.update({
-                    f"sparse_{way}_shard_cpu_ms{sfx}": round(c["shard_cpu_ms"], 3),
-                    f"sparse_{way}_client_cpu_ms{sfx}": round(c["client_cpu_ms"], 3),
-                    f"sparse_{way}_cpu_window_ms{sfx}": round(c["window_ms"], 3),
-                })
+                figs = {f"sparse_{way}_shard_cpu_ms": c["shard_cpu_ms"], f"sparse_{way}_client_cpu_ms": c["client_cpu_ms"],
+                        f"sparse_{way}_cpu_window_ms": c["window_ms"]}
+                out.update({f"{k}_{tr}": round(v, 3) for k, v in figs.items()})
+                if tr == default:
+                    out.update({k: round(v, 3) for k, v in figs.items()})
     return out
 
 
@@ -722,6 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     echo_procs: list[subprocess.Popen] = []
     results: list[Result] = []
     extra: dict[str, object] = {}
+    sparse_cpu: dict[str, dict[str, float]] = {}  # the shards' and this client's CPU per sparse op (bench_sparse fills it)
     try:
         if args.only == "sparse":
             return sparse_only(args, nbytes, batch, dim, sparse_rows, repeats, warmup, sparse_repeats, sparse_warmup, procs, t_start, transports)
@@ -748,7 +753,9 @@ def main(argv: list[str] | None = None) -> int:
             results += bench_dense(addrs, numel, repeats, warmup, echo, transports)
             if s == 2 and not dense_only:
                 log(f"PS sparse: populating {sparse_rows} rows, then {batch} ids x {dim}")
-                res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup, transports=transports)
+                res, populate_s = bench_sparse(
+                    addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup, [p.pid for p in shard_procs], sparse_cpu, transports,
+                )
                 results += res
                 extra["sparse_populate_s"] = round(populate_s, 3)
             stop_processes(procs)
@@ -759,7 +766,9 @@ def main(argv: list[str] | None = None) -> int:
             log("starting 2 shard processes for the sparse benchmark")
             shard_procs, addrs = start_local_shards(2, SHARD_ARGS)
             procs += shard_procs
-            res, populate_s = bench_sparse(addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup, transports=transports)
+            res, populate_s = bench_sparse(
+                addrs, sparse_rows, batch, dim, sparse_repeats, sparse_warmup, [p.pid for p in shard_procs], sparse_cpu, transports,
+            )
             results += res
             extra["sparse_populate_s"] = round(populate_s, 3)
         if not dense_only:
@@ -871,7 +880,7 @@ def main(argv: list[str] | None = None) -> int:
         **extra,
     }
     if not dense_only:
-        out.update(sparse_figures([r for r in results if r.group in ("sparse", "sparse-step")], raw_best, raw_small))
+        out.update(sparse_figures([r for r in results if r.group in ("sparse", "sparse-step")], raw_best, raw_small, sparse_cpu))
     for r in results:
         if r.group not in ("sparse", "sparse-step"):
             out[f"{r.name}_gbps"] = round(r.gbps, 4)

@@ -47,6 +47,8 @@ def test_ps_throughput_quick(tmp_path) -> None:
     assert close(last["sparse_ratio"], last["sparse_gbps"] / last["raw_grpc_gbps"])
     assert close(last["sparse_vs_raw_same_size"], last["sparse_gbps"] / last["raw_grpc_sparse_size_gbps"])
     assert close(last["adam_limit_ratio"], (last["raw_grpc_roundtrip_ms"] + last["torch_fused_adam_ms"]) / last["dense_adam_ms"])
+    # the shards' CPU per sparse Step, on the default transport (the bulk port) and each
+    assert last["sparse_step_shard_cpu_ms"] == last["sparse_step_shard_cpu_ms_bulk"] > 0 < last["sparse_step_shard_cpu_ms_grpc"]
     # (f) bench/ps_kernel.py --served: one served shard against the table in process, and FBGEMM (or why not)
     if "row_kernel_min_ms" in last:
         assert close(last["served_vs_kernel"], last["row_served_min_ms"] / last["row_kernel_min_ms"])
