@@ -2,6 +2,7 @@
 whose bulk bytes travel beside them (``frame`` / ``unframe``)."""
 from __future__ import annotations
 
+import math
 from dataclasses import fields
 from typing import Any, Sequence, TypeVar
 
@@ -208,7 +209,7 @@ _STEP_OPS_PB = {v: k for k, v in _STEP_OPS.items()}
 
 def _span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], what: str, error: type = MalformedMessageError) -> Any:
     """The array of ``dtype`` and ``shape`` that starts ``at`` bytes into ``data`` (a view; bfloat16: a copy)."""
-    n = int(np.prod(shape, dtype=np.int64)) * DTYPES[dtype].itemsize
+    n = math.prod(shape) * DTYPES[dtype].itemsize  # exact (Python ints): a huge shape cannot wrap around
     if at < 0 or any(d < 0 for d in shape) or at + n > len(data):
         raise error(f"{what}: bytes [{at}, {at + n}) lie outside the message's {len(data)} data bytes")
     return from_wire(data[at : at + n], dtype, shape, what=what)

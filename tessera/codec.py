@@ -14,6 +14,7 @@ Nothing here is pickled: a tensor is its dtype name, its shape and its bytes.
 """
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from typing import Any, Mapping, Sequence, TypeVar
@@ -259,7 +260,7 @@ def from_wire(data: Any, dtype: str, shape: Sequence[int] | None = None, what: s
         shape = (nbytes // npdt.itemsize,)
     if any(s < 0 for s in shape):
         raise CodecError(f"{what}: negative dimension in shape {tuple(shape)}")
-    expected = int(np.prod(shape, dtype=np.int64)) * npdt.itemsize
+    expected = math.prod(shape) * npdt.itemsize  # exact (Python ints): a huge shape cannot wrap around
     if nbytes != expected:
         raise CodecError(
             f"{what}: {nbytes} bytes but dtype {dtype} and shape {tuple(shape)} need {expected} (truncated or malformed)"
