@@ -14,18 +14,10 @@ __all__ = ["PSClient", "DenseResult", "StepResult", "SyncPolicy", "AdmissionSpec
            "ShapeMismatchError", "ShardUnavailableError", "TableExistsError", "TableNotFoundError", "build_server", "serve"]
 
 _WHERE = {
-    "PSClient": "ps.client",
-    "DenseResult": "ps.client",
-    "StepResult": "ps.client",
-    "SyncPolicy": "ps.consistency",
-    "AdmissionSpec": "ps.config",
-    "EvictionSpec": "ps.config",
-    "InitializerSpec": "ps.config",
-    "OptimizerSpec": "ps.config",
-    "ShardConfig": "ps.config",
-    "TableSpec": "ps.config",
-    "build_server": "ps.server",
-    "serve": "ps.server",
+    **dict.fromkeys(["PSClient", "DenseResult", "StepResult"], "ps.client"), "SyncPolicy": "ps.consistency",
+    **dict.fromkeys(["AdmissionSpec", "EvictionSpec", "InitializerSpec", "OptimizerSpec", "ShardConfig", "TableSpec"],
+                    "ps.config"),
+    **dict.fromkeys(["build_server", "serve"], "ps.server"),
     **{name: "ps.errors" for name in __all__ if name.endswith("Error")},
 }
 

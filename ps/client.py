@@ -234,14 +234,9 @@ class PSClient:
         # the first job runs here, on the calling thread (which would only wait): one hand-off fewer
         futs = [self._pool.submit(j) for j in jobs[1:]]
         results, first_error = [], None
-        try:
-            results.append(jobs[0]())
-        except BaseException as e:  # noqa: BLE001
-            results.append(None)
-            first_error = e
-        for f in futs:
+        for job in [jobs[0], *(f.result for f in futs)]:
             try:
-                results.append(f.result())
+                results.append(job())
             except BaseException as e:  # noqa: BLE001
                 results.append(None)
                 first_error = first_error or e
@@ -285,13 +280,7 @@ class PSClient:
         if not isinstance(init, (str, InitializerSpec)):
             values, init = init, "zeros"
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        try:
-            spec = TableSpec(
-                name, DENSE, shape=shape, optimizer=_opt(optimizer, hparams), initializer=_init(init), seed=seed,
-                allow_nonfinite=allow_nonfinite,
-            )
-        except InvalidArgumentError as e:
-            raise with_table(name, e) from None
+        spec = _spec(name, DENSE, optimizer, hparams, init, shape=shape, seed=seed, allow_nonfinite=allow_nonfinite)
         created = self._create_table(spec)
         fresh = [i for i, c in enumerate(created) if c]
         if values is not None and fresh:
@@ -322,15 +311,10 @@ class PSClient:
         store the rows, float32, float16 or bfloat16 (optimizer maths in float32; a low-precision
         table's rows are pulled as stored and widened to float32 here). Returns True if any shard
         created it, False if an identical table existed (a different one raises TableExistsError)."""
-        try:
-            spec = TableSpec(
-                name, SPARSE, dim=dim, dtype=row_dtype, optimizer=_opt(optimizer, hparams), initializer=_init(init),
-                seed=seed, admission=admission or AdmissionSpec(), eviction=eviction or EvictionSpec(),
-                num_slots=num_slots, allow_nonfinite=allow_nonfinite,
-            )
-        except InvalidArgumentError as e:
-            raise with_table(name, e) from None
-        return self.create_table(spec)
+        return self.create_table(_spec(
+            name, SPARSE, optimizer, hparams, init, dim=dim, dtype=row_dtype, seed=seed, admission=admission or AdmissionSpec(),
+            eviction=eviction or EvictionSpec(), num_slots=num_slots, allow_nonfinite=allow_nonfinite,
+        ))
 
     def drop_table(self, name: str, missing_ok: bool = False) -> bool:
         """Drop table ``name`` from every shard (admin only): its values, optimizer state, BSP clock
@@ -353,11 +337,10 @@ class PSClient:
             for n in names:
                 self._dense.pop(n, None)
                 self._sparse.pop(n, None)
-        gone = [n for n in names if n in held]
         missing = [n for n in names if n not in held]
         if missing and not missing_ok:
             raise TableNotFoundError(f"table {missing[0]!r} not found on any of the {self.num_shards} shards")
-        return gone
+        return [n for n in names if n in held]
 
     def describe(self, name: str) -> list[TableInfo]:
         """Each shard's view of table ``name`` (kind, shape, optimizer, clock); TableNotFoundError if absent."""
@@ -416,7 +399,7 @@ class PSClient:
         clocks: list[int] = []
         versions = [-1] * self.num_shards
 
-        def one(i: int) -> int:
+        def one(i: int) -> None:
             start, stop = meta.ranges[i]
             s = self._shards[i]
 
@@ -434,7 +417,6 @@ class PSClient:
                 return version
 
             versions[i] = s.retry(attempt, name)
-            return versions[i]
 
         # shards whose range of a tiny table is empty hold nothing to read (and see no BSP pushes)
         self._fan_out([lambda i=i: one(i) for i in range(self.num_shards) if meta.ranges[i][1] > meta.ranges[i][0]])
@@ -955,15 +937,18 @@ def _merged(parts: Sequence[Any]) -> PushResult:
     )
 
 
-def _opt(optimizer: str | OptimizerSpec, hparams: dict[str, float]) -> OptimizerSpec:
-    if isinstance(optimizer, OptimizerSpec):
-        if hparams:
-            raise ValueError("pass hyperparameters inside the OptimizerSpec or as keywords, not both")
-        return optimizer
-    return OptimizerSpec(optimizer, hparams)
-
-
-def _init(init: str | InitializerSpec) -> InitializerSpec:
-    return init if isinstance(init, InitializerSpec) else InitializerSpec(init)
+def _spec(
+    name: str, kind: str, optimizer: str | OptimizerSpec, hparams: dict[str, float], init: str | InitializerSpec, **fields: Any
+) -> TableSpec:
+    """The spec create_dense / create_sparse ask for (an invalid one: InvalidArgumentError naming the table)."""
+    if isinstance(optimizer, OptimizerSpec) and hparams:
+        raise ValueError("pass hyperparameters inside the OptimizerSpec or as keywords, not both")
+    try:
+        return TableSpec(
+            name, kind, optimizer=optimizer if isinstance(optimizer, OptimizerSpec) else OptimizerSpec(optimizer, hparams),
+            initializer=init if isinstance(init, InitializerSpec) else InitializerSpec(init), **fields,
+        )
+    except InvalidArgumentError as e:
+        raise with_table(name, e) from None
 
 

@@ -216,10 +216,7 @@ class TableSpec:
     @property
     def numel(self) -> int:
         """Elements of a dense table (the product of ``shape``)."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)

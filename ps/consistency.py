@@ -43,7 +43,7 @@ from typing import Any, Callable, Generic, TypeVar
 from ps.errors import (DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError,
                        ResourceExhaustedError, ShardUnavailableError, TableNotFoundError)
 
-__all__ = ["SyncPolicy", "Membership", "SyncRound", "Contribution", "WorkerState", "LATE", "HELD", "APPLIED",
+__all__ = ["SyncPolicy", "Membership", "SyncRound", "WorkerState", "LATE", "HELD", "APPLIED",
            "MAX_WORKER_NAME"]
 
 MAX_WORKER_NAME = 256  # characters; bounds what each member costs (and what Stats returns per member)
@@ -265,12 +265,6 @@ class Membership:
 
 
 C = TypeVar("C")
-
-
-@dataclass
-class Contribution(Generic[C]):
-    worker: str
-    value: C
 
 
 class SyncRound(Generic[C]):

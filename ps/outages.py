@@ -63,12 +63,6 @@ class ShardWatch:
     def close(self) -> None:
         self._closed.set()
 
-    def down(self) -> dict[int, float]:
-        """The shards unreachable now: shard index -> seconds since their first failed call."""
-        now = time.monotonic()
-        with self._lock:
-            return {i: now - o.since for i, o in self._down.items()}
-
     # ------------------------------------------------------------------ from the stubs
     def unreachable(self, stub: Any, error: BaseException) -> None:
         """A call to shard ``stub.index`` failed UNAVAILABLE and will be retried."""

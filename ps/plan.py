@@ -30,16 +30,14 @@ def group(
     owner = slots.shard_of(uniq)
     order = np.argsort(owner, kind="stable")
     bounds = np.searchsorted(owner[order], np.arange(num_shards + 1))
-    for i in range(num_shards):  # all shards or none: refuse before sending anything
-        n, limit = int(bounds[i + 1] - bounds[i]), max_ids[i]
-        if limit and min(n, per_req) > limit:
+    groups = []
+    for i in range(num_shards):  # all shards or none: refused here, before anything is sent
+        idx, limit = order[bounds[i] : bounds[i + 1]], max_ids[i]
+        if limit and min(len(idx), per_req) > limit:
             raise ResourceExhaustedError(
-                f"table {name!r}: {n} ids for shard {i} exceed its limit of {limit} ids per request; "
+                f"table {name!r}: {len(idx)} ids for shard {i} exceed its limit of {limit} ids per request; "
                 "split the batch or lower max_request_bytes"
             )
-    groups = []
-    for i in range(num_shards):
-        idx = order[bounds[i] : bounds[i + 1]]
         groups.append([idx[j : j + per_req] for j in range(0, len(idx), per_req)])
     return groups
 
