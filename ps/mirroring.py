@@ -31,20 +31,21 @@ class Mirroring(ShardState):
         t = self.table(name)
         clock = self._round(name).clock  # the round being applied (the clock moves on after)
 
-        def replicate(entry: dict) -> None:
+        def replicate(entry: dict | None) -> None:
             self._live(name, t)
             self._replicate(entry)
 
         with self.gate.shared():
-            return t.apply_mean(values, lambda res, x: replicate(_push_entry(t, x, res, "", 0, "", -1, clock)))
+            return t.apply_mean(values, lambda res, x: replicate(None if x is None else _push_entry(t, x, res, "", 0, "", -1, clock)))
 
     def _replicate_contribution(self, name: str, worker: str, clock: int, value: object, backup_workers: int = 0) -> None:
         self._replicate({"k": "contrib", "t": name, "worker": worker, "clock": clock, "value": _contribution_plain(value), "bw": backup_workers})
 
-    def _replicate(self, entry: dict) -> None:
+    def _replicate(self, entry: dict | None) -> None:
         """Forward a mutation to the backup before it is applied here; raises (nothing applied) if
         the backup did not take it. With no backup: refuse writes for ``solo_after_s`` after losing
-        one (it may be re-attaching, or about to take over), then go on alone."""
+        one (it may be re-attaching, or about to take over), then go on alone. ``entry`` None: a
+        mutation begun with no backup attached (none attaches before it ends): the checks only."""
         if self.role != PRIMARY:
             return
         forward = self._forward
@@ -56,6 +57,7 @@ class Mirroring(ShardState):
                     f"writes wait up to {self.config.solo_after_s:.0f} s for it to re-attach or take over (retry)"
                 )
             return
+        assert entry is not None, "a backup attached while a push was being applied"
         try:
             forward(entry)
             self.replicated += 1

@@ -313,13 +313,15 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         self, update: DenseUpdate, worker: str, policy: SyncPolicy, client: str = "", seq: int = 0
     ) -> SyncPush:
         """Commit an async/SSP dense push at most once per (client, seq)."""
-        return self._apply_once(update.table, lambda once, before_swap: update.commit(before_swap, once=once), worker, policy, client, seq)
+        return self._apply_once(update.table, lambda once, before_swap, _: update.commit(before_swap, once=once), worker, policy, client, seq)
 
     def _apply_once(
-        self, t: Any, apply: Callable[[Any, Any], PushResult], worker: str, policy: SyncPolicy, client: str, seq: int,
+        self, t: Any, apply: Callable[[Any, Any, bool], PushResult], worker: str, policy: SyncPolicy, client: str, seq: int,
     ) -> SyncPush:
-        """An async/SSP push to ``t`` applied (``apply(once, before_swap)``) at most once per (client, seq);
-        before its swap the table is checked live, the push replicated and its result recorded."""
+        """An async/SSP push to ``t`` applied (``apply(once, before_swap, mirrored)``) at most once per
+        (client, seq); before its swap the table is checked live, the push replicated and its result
+        recorded. ``mirrored``: a backup is attached, so a sparse push's new rows are wanted (without
+        one the table updates its rows in place and ``before_swap`` gets None)."""
         name = t.spec.name
         dup: list[bool] = []
 
@@ -330,11 +332,11 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
 
         def before_swap(res: PushResult, x: Any) -> None:
             self._live(name, t)
-            self._replicate(_push_entry(t, x, res, client, seq, worker, policy.clock))
+            self._replicate(None if x is None else _push_entry(t, x, res, client, seq, worker, policy.clock))
             self.dedup.record(client, name, seq, res)
 
-        with self.gate.shared():
-            result = apply(once, before_swap)
+        with self.gate.shared():  # (a backup attaches under the gate held exclusive: none while this runs)
+            result = apply(once, before_swap, self._forward is not None)
         if not dup:
             self.pushed(worker, policy)
         return SyncPush(result, False, self._round(name).clock, bool(dup))
@@ -432,7 +434,9 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         if policy.sync and policy.clock >= 0:
             return self._contribute(name, worker, policy, prepared, client, seq)
         return self._apply_once(
-            t, lambda once, before_swap: t.apply_push(prepared, policy.staleness_aware_lr, once=once, before_swap=before_swap),
+            t, lambda once, before_swap, mirrored: t.apply_push(
+                prepared, policy.staleness_aware_lr, once=once, before_swap=before_swap, delta=mirrored,
+            ),
             worker, policy, client, seq,
         )
 

@@ -1309,7 +1309,7 @@ class SparseTable:
         return self.apply_push(self.prepare_push(ids, grads, base_versions), staleness_aware_lr)
 
     def apply_mean(
-        self, pushes: list["SparsePush"], before_swap: "Callable[[PushResult, RowDelta], None] | None" = None
+        self, pushes: list["SparsePush"], before_swap: "Callable[[PushResult, RowDelta | None], None] | None" = None
     ) -> PushResult:
         """Apply the mean over ``pushes`` (a BSP round: each worker's rows, divided by the number of workers)."""
         ids = np.concatenate([p.ids for p in pushes])
@@ -1319,13 +1319,14 @@ class SparseTable:
     def apply_push(
         self, p: "SparsePush", staleness_aware_lr: bool = False,
         once: "Callable[[], PushResult | None] | None" = None,
-        before_swap: "Callable[[PushResult, RowDelta], None] | None" = None,
+        before_swap: "Callable[[PushResult, RowDelta | None], None] | None" = None, delta: bool = True,
     ) -> PushResult:
         """Apply a prepared push under the table lock. ``once()`` first (deduplication: a result it
         returns is returned as is); ``before_swap(result, delta)`` sees the rows' new state before
         it is stored (replication); if it raises, nothing is applied: the rows it created are taken
         back (a cold row it brought back stays resident and rows LRU eviction dropped to make room
-        stay dropped: no value changes).
+        stay dropped: no value changes). ``delta`` False: ``before_swap`` needs no new state (no
+        backup to forward it to): it gets None, before the rows are updated in place.
 
         Rows are created here, never by a pull: an id with no row is admitted (admission counts
         one sighting per push that names it) and created with the initializer's values, then
@@ -1356,7 +1357,7 @@ class SparseTable:
             have = np.flatnonzero(loc >= 0)
             dropped = len(uniq) - have.size
             update = self._kernel_update if self._kernel is not None else self._torch_update
-            result = update(uniq, g, base, loc, have, dropped, staleness_aware_lr, before_swap, created, sighted)
+            result = update(uniq, g, base, loc, have, dropped, staleness_aware_lr, before_swap, delta, created, sighted)
             self._trim()
             self.step += 1
             self.updates += int(have.size)
@@ -1382,14 +1383,15 @@ class SparseTable:
         )
 
     def _commit_check(
-        self, before_swap: "Callable[[PushResult, RowDelta], None] | None", result: PushResult, delta: "Callable[[], RowDelta] | None",
+        self, before_swap: "Callable[[PushResult, RowDelta | None], None] | None", result: PushResult, delta: "Callable[[], RowDelta] | None",
         uniq: np.ndarray, loc: np.ndarray, created: np.ndarray, sighted: "tuple[np.ndarray, np.ndarray, np.ndarray | None] | None",
     ) -> None:
-        """``before_swap`` on the push's delta (the rows it created taken back if it raises), then the
-        admission sightings: what every push does between computing rows and storing them."""
-        if before_swap is not None and delta is not None:
+        """``before_swap`` on the push's delta (None without ``delta``; the rows it created taken back
+        if it raises), then the admission sightings: what every push does between computing rows and
+        storing them."""
+        if before_swap is not None:
             try:
-                before_swap(result, delta())
+                before_swap(result, delta() if delta is not None else None)
             except BaseException:
                 if created.size:
                     self._uncreate(uniq[created], loc[created])
@@ -1399,11 +1401,11 @@ class SparseTable:
 
     def _kernel_update(
         self, uniq: np.ndarray, g: torch.Tensor, base: np.ndarray | None, loc: np.ndarray, have: np.ndarray, dropped: int,
-        staleness_aware_lr: bool, before_swap: "Callable[[PushResult, RowDelta], None] | None", created: np.ndarray,
-        sighted: "tuple[np.ndarray, np.ndarray, np.ndarray | None] | None",
+        staleness_aware_lr: bool, before_swap: "Callable[[PushResult, RowDelta | None], None] | None", want_delta: bool,
+        created: np.ndarray, sighted: "tuple[np.ndarray, np.ndarray, np.ndarray | None] | None",
     ) -> PushResult:
-        """apply_push's update through the row kernel (caller holds the lock): in place, or with
-        ``before_swap`` computed into buffers that the kernel stores once it returned."""
+        """apply_push's update through the row kernel (caller holds the lock): in place, or, where
+        ``before_swap`` wants the delta, computed into buffers that the kernel stores once it returned."""
         k = self._kernel
         assert k is not None
         st = self._store
@@ -1430,8 +1432,8 @@ class SparseTable:
         ids = np.ascontiguousarray(uniq[have])  # bf16's stochastic rounding hashes (id, version)
         dtype, key = self.spec.dtype, int(self._key)
         result = self._result(have, dropped, stale)
-        if before_swap is None:
-            self._commit_check(None, result, None, uniq, loc, created, sighted)
+        if before_swap is None or not want_delta:
+            self._commit_check(before_swap, result, None, uniq, loc, created, sighted)
             if n:
                 k.kernel.push(k.opt, h, self.dim, st.shift, rows, grad, grad_idx, cols, self.step, row_dtype=dtype, ids=ids, table_key=key)
             return result
@@ -1454,8 +1456,8 @@ class SparseTable:
 
     def _torch_update(
         self, uniq: np.ndarray, g: torch.Tensor, base: np.ndarray | None, loc: np.ndarray, have: np.ndarray, dropped: int,
-        staleness_aware_lr: bool, before_swap: "Callable[[PushResult, RowDelta], None] | None", created: np.ndarray,
-        sighted: "tuple[np.ndarray, np.ndarray, np.ndarray | None] | None",
+        staleness_aware_lr: bool, before_swap: "Callable[[PushResult, RowDelta | None], None] | None", want_delta: bool,
+        created: np.ndarray, sighted: "tuple[np.ndarray, np.ndarray, np.ndarray | None] | None",
     ) -> PushResult:
         """apply_push's update through ps.optim's torch ops (caller holds the lock): the reference,
         and the path of what the row kernel does not cover."""
@@ -1487,7 +1489,7 @@ class SparseTable:
             values = stored.float().numpy() if stored.dtype != torch.float32 else stored.numpy()
             return RowDelta(uniq[have], values, {k: v.numpy() for k, v in state.items()}, new_versions)
 
-        self._commit_check(before_swap, result, delta, uniq, loc, created, sighted)
+        self._commit_check(before_swap, result, delta if want_delta else None, uniq, loc, created, sighted)
         if have.size:
             cols: dict[str, torch.Tensor | np.ndarray | int] = {"values": stored, **state, "version": new_versions}
             if self._touches:
