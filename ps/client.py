@@ -392,10 +392,8 @@ class PSClient:
         shards) and each shard's slice version (pass them back as a push's ``base_version``)."""
         meta = self._dense_meta(name)
         got = DenseOut(meta.spec, out)  # straight into out where it can: no temporary, no second copy
-        head = pb.PullDenseRequest(table=name, dtype=self.wire_dtype, worker=self.worker)
-        if policy is not None:
-            head.sync.CopyFrom(policy_to_proto(policy))
-        req = head.SerializeToString()
+        sync = policy_to_proto(policy) if policy is not None else None
+        req = pb.PullDenseRequest(table=name, dtype=self.wire_dtype, worker=self.worker, sync=sync).SerializeToString()
         clocks: list[int] = []
         versions = [-1] * self.num_shards
 
@@ -469,20 +467,20 @@ class PSClient:
             s = self._shards[i]
             seq = next(self._seq)
 
+            # what the first chunk says of the push (``early``: replies are read while this stream is sent, on
+            # gRPC's sender thread)
+            first = pb.DenseChunk(
+                table=name, op=op, base_version=bases[i], return_params=return_params, reply_dtype=wire,  # type: ignore[arg-type]
+                worker=self.worker, early=return_params, client=self.client_id, seq=seq, shape=given_shape, flat_view=flat_view,
+                sync=sync,
+            )
+
             def requests() -> Iterator[Any]:
                 for off in range(0, stop - start, chunk):
-                    part = wdata[start + off : min(stop, start + off + chunk)]
-                    head = pb.DenseChunk(offset=off, dtype=wire)
+                    head = pb.DenseChunk(offset=off, dtype=wire, last=off + chunk >= stop - start)
                     if off == 0:
-                        head.table, head.op, head.base_version = name, op, bases[i]  # type: ignore[assignment]
-                        head.return_params, head.reply_dtype, head.worker = return_params, wire, self.worker
-                        head.early = return_params  # replies are read while this stream is sent (gRPC's sender thread)
-                        head.client, head.seq = self.client_id, seq
-                        head.shape.extend(given_shape)
-                        head.flat_view = flat_view
-                        if sync is not None:
-                            head.sync.CopyFrom(sync)
-                    head.last = off + chunk >= stop - start
+                        head.MergeFrom(first)
+                    part = wdata[start + off : min(stop, start + off + chunk)]
                     yield frame_pieces(head, data=part)  # (views of wdata: sent as they are over bulk)
 
             def attempt() -> PushResult:
@@ -635,9 +633,8 @@ class PSClient:
         ``put(idx, reply, versions, rows, sent)``. ``known``: (version, epoch) per unique id, a conditional
         pull (``pull_sparse_changed``): ``sent`` marks the ids of ``idx`` whose rows the reply carries
         (None: all of them). Returns the table's clock (min over the replies)."""
-        head = pb.PullSparseRequest(table=name, dtype=self.wire_dtype, worker=self.worker)
-        if policy is not None:
-            head.sync.CopyFrom(policy_to_proto(policy))
+        sync = policy_to_proto(policy) if policy is not None else None
+        head = pb.PullSparseRequest(table=name, dtype=self.wire_dtype, worker=self.worker, sync=sync)
         clocks: list[int] = []
 
         def one(i: int, idx: np.ndarray) -> None:
@@ -675,10 +672,9 @@ class PSClient:
 
         def one(i: int, idx: np.ndarray) -> PushResult:
             head = pb.PushSparseRequest(
-                table=name, dim=spec.dim, worker=self.worker, client=self.client_id, seq=next(self._seq), dtype=self.wire_dtype
+                table=name, dim=spec.dim, worker=self.worker, client=self.client_id, seq=next(self._seq), dtype=self.wire_dtype,
+                sync=sync,
             )
-            if sync is not None:
-                head.sync.CopyFrom(sync)
             bulk: dict[str, Any] = {"ids": np.ascontiguousarray(uniq[idx]), "data": np.ascontiguousarray(wrows[idx])}
             if base is not None:
                 bulk["base_versions"] = np.ascontiguousarray(base[idx])

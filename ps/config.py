@@ -32,17 +32,8 @@ _POSITIVE = (0.0, False, math.inf, False)
 _NON_NEGATIVE = (0.0, True, math.inf, False)
 _UNIT = (0.0, True, 1.0, False)  # [0, 1): decay rates of moments and momentum
 HPARAM_RANGES: dict[str, tuple[float, bool, float, bool]] = {
-    "lr": _POSITIVE,
-    "eps": _POSITIVE,
-    "weight_decay": _NON_NEGATIVE,
-    "lr_decay": _NON_NEGATIVE,
-    "initial_accumulator": _NON_NEGATIVE,
-    "momentum": _UNIT,
-    "beta1": _UNIT,
-    "beta2": _UNIT,
-    "beta": _NON_NEGATIVE,  # FTRL's beta
-    "l1": _NON_NEGATIVE,
-    "l2": _NON_NEGATIVE,
+    **dict.fromkeys(["lr", "eps"], _POSITIVE), **dict.fromkeys(["momentum", "beta1", "beta2"], _UNIT),
+    **dict.fromkeys(["weight_decay", "lr_decay", "initial_accumulator", "beta", "l1", "l2"], _NON_NEGATIVE),  # beta: FTRL's
 }
 
 # how sparse rows may be stored (TableSpec.dtype, the "row dtype"); dense tables are float32

@@ -44,24 +44,13 @@ class Pins(Protocol):
         """Whether ``identity`` has pins."""
 
 
-class _NoPins:
-    def owner(self, name: str) -> str | None:
-        return None
-
-    def allows(self, identity: str, name: str) -> bool:
-        return True
-
-    def pinned(self, identity: str) -> bool:
-        return False
-
-
 class WorkerNames:
     """Worker name -> the identity that may use it: pinned (``pins``), else bound by first claim.
 
     ``max_names``: most first-come bindings kept (a new one beyond is ResourceExhaustedError)."""
 
     def __init__(self, pins: Pins | None = None, max_names: int = 65536) -> None:
-        self.pins: Pins = pins if pins is not None else _NoPins()
+        self.pins = pins  # None: nothing pinned
         self.max_names = max_names
         self._lock = threading.Lock()
         self._bound: dict[str, str] = {}  # unpinned name -> the identity that claimed it first
@@ -77,7 +66,7 @@ class WorkerNames:
 
     def _check(self, identity: str, name: str) -> bool:
         pins = self.pins
-        if pins.owner(name) is not None or pins.pinned(identity):
+        if pins is not None and (pins.owner(name) is not None or pins.pinned(identity)):
             if pins.allows(identity, name):
                 return True
             owner = pins.owner(name)
