@@ -578,11 +578,8 @@ class PSClient:
         spec, uniq, inverse, groups = self._group(name, ids)
         got = SparseOut(spec.dim, uniq, inverse, ids)
         clock = self._pull_rows(name, spec.dim, uniq, groups, policy, lambda idx, msg, versions, rows, sent: got.put(idx, rows, versions))
-        rows, versions = got.result()
-        out: list[Any] = [rows, versions] if return_versions else [rows]
-        if return_clock:
-            out.append(clock)
-        return out[0] if len(out) == 1 else tuple(out)
+        out = got.result()[: 2 if return_versions else 1] + ((clock,) if return_clock else ())
+        return out if len(out) > 1 else out[0]
 
     def pull_sparse_changed(
         self, name: str, ids: Any, known_versions: Any, known_epochs: Any, policy: SyncPolicy | None = None,

@@ -128,13 +128,12 @@ class ShardWatch:
         return f"{what}; " if what else ""
 
     def _say(self, line: str) -> None:
-        if self.say is None:
-            log.warning("%s", line)
-            return
         try:
-            self.say(line)
-        except Exception:  # noqa: BLE001 - a closed stderr must not fail a call
-            log.warning("%s", line)
+            if self.say is not None:
+                return self.say(line)
+        except Exception:  # noqa: BLE001 - a closed stderr must not fail a call: the line goes to the log
+            pass
+        log.warning("%s", line)
 
 
 def _clock(t: float) -> str:

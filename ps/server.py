@@ -1,6 +1,7 @@
 """Build and run a shard server."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import sys
@@ -46,8 +47,7 @@ def build_server(
     security, same per-call admission); the shard's Role reply advertises that port, and
     ``shard.close()`` stops it.
     """
-    server, port, shard, _, _ = _build(config, restore, security, peer)
-    return server, port, shard
+    return _build(config, restore, security, peer)[:3]
 
 
 def _build(
@@ -65,32 +65,27 @@ def _build(
     access = Access(security, METHOD_ROLES, ROLES, waits=WAITS, pool=config.workers, limits=limits)
     servicer = PSServicer(shard, access, peer)
     _protect_live_workers(shard, access)
-    try:
+    bulk = None
+    with contextlib.ExitStack() as undo:  # a failure stops what was started
+        undo.callback(shard.close)
         server, port, health = service.build_server(
             (servicer.handlers(),), config.host, config.port, security, max_workers=config.workers,
             max_message_bytes=config.max_message_bytes, service_names=(SERVICE_NAME,), name=f"ps{config.shard_index}",
             access=access,
         )
-    except BaseException:
-        shard.close()
-        raise
-    bulk = None
-    if config.bulk_port >= 0:
-        from tessera.metrics import MetricsInterceptor  # (prometheus_client: loaded where a server is built, as the runtime does)
+        undo.callback(server.stop, None)
+        if config.bulk_port >= 0:
+            from tessera.metrics import MetricsInterceptor  # (prometheus_client: loaded where a server is built, as the runtime does)
 
-        try:
             bulk = serve_bulk(
                 (servicer.handlers(),), config.host, config.bulk_port, security, servicer.access.caller,
                 max_message_bytes=config.max_message_bytes, max_connections=config.workers * 4, name=f"ps{config.shard_index}-bulk",
                 # counted like the gRPC server's calls (requests, bytes, latency by method and code), as server "psN-bulk"
                 interceptors=[MetricsInterceptor(f"ps{config.shard_index}-bulk"), access.interceptor()],
             )
-        except BaseException:
-            server.stop(None)
-            shard.close()
-            raise
-        servicer.bulk_port = bulk.port
-        shard.on_close.append(bulk.stop)
+            servicer.bulk_port = bulk.port
+            shard.on_close.append(bulk.stop)
+        undo.pop_all()
     if config.backup_of:
         follower = BackupFollower(shard, config.advertise or f"{config.host}:{port}", security=peer).start()
         shard.on_close.append(follower.stop)

@@ -128,15 +128,13 @@ class _Replica:
                     return
                 if self._fallback_until:
                     log.warning("%s: bulk port %d reachable again: data calls over bulk", self.address, reply.bulk_port)
-                self._fallback_until = 0.0
                 self.unary.update({m: ch.unary_unary(SERVICE + m) for m in _UNARY if m != "Role"})
                 self.pull_dense = ch.unary_stream(SERVICE + "PullDense")
                 if ch.full_duplex:  # (over TLS a push stream stays on gRPC: see BulkChannel.full_duplex)
                     self.push_dense = ch.stream_stream(SERVICE + "PushDense")
                 self.bulk = ch
                 self.gen += 1
-            else:
-                self._fallback_until = 0.0
+            self._fallback_until = 0.0
             self._resolved = True
 
     def _grpc_answers(self, timeout: float) -> str | None:
