@@ -444,7 +444,8 @@ class PSClient:
         """
         if policy is not None and policy.sync and return_params:
             raise InvalidArgumentError(f"table {name!r}: return_params is not available for BSP pushes; pull instead")
-        return self._push_dense(name, grad, pb.DENSE_OP_GRADIENT, base_version, return_params, out, policy, flat_view=flat)
+        pushed = self._push_dense(name, grad, pb.DENSE_OP_GRADIENT, base_version, return_params, out, policy, flat_view=flat)
+        return pushed[0] if return_params else pushed
 
     def assign_dense(self, name: str, values: Any, flat: bool = False) -> DenseResult:
         """Overwrite the table's values (optimizer state and version are kept). ``values``: the
@@ -454,9 +455,8 @@ class PSClient:
     def _push_dense(
         self, name: str, grad: Any, op: int, base_version: int | Sequence[int], return_params: bool, out: Any,
         policy: SyncPolicy | None = None, shards: Sequence[int] | None = None, flat_view: bool = False,
-        with_result: bool = False,
     ) -> Any:
-        """``with_result`` (with ``return_params``): return (values, DenseResult)."""
+        """The DenseResult; with ``return_params``: (values, DenseResult)."""
         meta, bases, given_shape, wire, wdata = self._dense_grad(name, grad, base_version, op, flat_view)
         sync = policy_to_proto(policy) if policy is not None else None
         got = DenseOut(meta.spec, out) if return_params else None
@@ -519,10 +519,7 @@ class PSClient:
         # a table smaller than the cluster leaves some shards an empty range: nothing to send them
         sent = [i for i in (shards if shards is not None else range(self.num_shards)) if meta.ranges[i][1] > meta.ranges[i][0]]
         result = _dense_result(self._fan_out([lambda i=i: one(i) for i in sent]), self.num_shards)
-        if got is None:
-            return result
-        values = got.result(grad)
-        return (values, result) if with_result else values
+        return result if got is None else (got.result(grad), result)
 
     def _dense_grad(
         self, name: str, grad: Any, base_version: int | Sequence[int], op: int, flat_view: bool = False
@@ -718,6 +715,7 @@ class PSClient:
         big = stream_dense(largest, item, self.step_inline_bytes)
         for n in big & set(push_dense):  # checked before anything is sent, as the rest
             self._dense_grad(n, push_dense[n], base_versions.get(n, -1), pb.DENSE_OP_GRADIENT)
+        every = (dict(push_dense), push_sparse, dict(pull_dense), pull_sparse)  # for separate calls if it does not fit
         streamed: tuple[dict, dict, dict, dict] = (
             {n: push_dense.pop(n) for n in big & set(push_dense)}, {}, {n: pull_dense.pop(n) for n in big & set(pull_dense)}, {},
         )
@@ -748,7 +746,7 @@ class PSClient:
                     parts[i].append(StepPart(name, PULL_SPARSE, policy_for(pull_policy, name), ids=uniq[idx]))
                     reply[i] += len(idx) * (spec.dim * item + 8)
         if not step_fits(parts, reply, self.max_request_bytes):
-            return self._step_separately(push_dense, push_sparse, pull_dense, pull_sparse, policy, pull_policy, base_versions, streamed)
+            return self._step_separately(*every, policy, pull_policy, base_versions)
         side = self._pool.submit(self._step_separately, *streamed, policy, pull_policy, base_versions) if big else None
 
         def one(i: int) -> list[StepOutcome]:
@@ -808,20 +806,17 @@ class PSClient:
 
     def _step_separately(
         self, push_dense: dict, push_sparse: dict, pull_dense: dict, pull_sparse: dict, policy: Any, pull_policy: Any,
-        base_versions: dict, also: tuple[dict, dict, dict, dict] | None = None,
+        base_versions: dict,
     ) -> StepResult:
-        """``step`` as separate calls (a step too big for one message per shard): pushes, then pulls
-        (``also``: more tables to run so, as (push_dense, push_sparse, pull_dense, pull_sparse))."""
-        if also is not None:
-            push_dense, push_sparse = {**push_dense, **also[0]}, {**push_sparse, **also[1]}
-            pull_dense, pull_sparse = {**pull_dense, **also[2]}, {**pull_sparse, **also[3]}
+        """``step`` as separate calls (a step too big for one message per shard, or its streamed dense
+        tables): pushes, then pulls. Takes ``pull_dense``'s fused tables out of it."""
         pol = policy_for
         fused = {n: pull_dense.pop(n) for n in fuse_dense(push_dense, pull_dense, policy, pull_policy)}
         for n, o in fused.items():  # as a pull: into ``out``, else a new float32 numpy array
             fused[n] = o if o is not None else np.empty(self._dense_meta(n).spec.shape, np.float32)
         pushes: list[Any] = [
             lambda n=n, g=g: self._push_dense(
-                n, g, pb.DENSE_OP_GRADIENT, base_versions.get(n, -1), n in fused, fused.get(n), pol(policy, n), with_result=True,
+                n, g, pb.DENSE_OP_GRADIENT, base_versions.get(n, -1), n in fused, fused.get(n), pol(policy, n),
             )
             for n, g in push_dense.items()
         ] + [
