@@ -72,8 +72,7 @@ class ShardSnapshot:
 
     @property
     def sync_clock(self) -> int:
-        active = [c for c in self.clocks.values() if c > 0]
-        return min(active) if active else 0
+        return min((c for c in self.clocks.values() if c > 0), default=0)
 
 
 # ---------------------------------------------------------------------- encoding

@@ -431,16 +431,15 @@ class PSClient:
         shape or dtype is refused (ShapeMismatchError / DtypeError, both InvalidArgumentError,
         naming the table, the expected and the given shape or dtype; nothing is sent). ``flat``:
         push the table's flat view on purpose (a 1-D tensor of the table's numel, C order).
-        With ``return_params`` the updated values stream back in the same call
-        and are returned (into ``out`` if given, else like ``grad``); otherwise
-        returns a DenseResult. In async/SSP mode a shard that computes the push as
-        its chunks arrive sends each new block back at once, while the rest is still
-        being sent; after a successful return ``out`` holds the committed values. If the
-        call raises, nothing was applied and ``out`` is unspecified (it may hold some
-        blocks' provisional new values): pull to read the table. ``base_version``: the version the gradient was computed
-        from (one for all shards, or one per shard as pull_dense returns them). ``policy``: BSP pushes are held until the round
-        completes (the call returns as soon as the shard holds it); async/SSP
-        pushes advance this worker's clock.
+        With ``return_params`` the updated values stream back in the same call and are returned
+        (into ``out`` if given, else like ``grad``); otherwise returns a DenseResult. In async/SSP
+        mode a shard that computes the push as its chunks arrive sends each new block back at once,
+        while the rest is still being sent; after a successful return ``out`` holds the committed
+        values. If the call raises, nothing was applied and ``out`` is unspecified (it may hold some
+        blocks' provisional new values): pull to read the table. ``base_version``: the version the
+        gradient was computed from (one for all shards, or one per shard as pull_dense returns
+        them). ``policy``: BSP pushes are held until the round completes (the call returns as soon
+        as the shard holds it); async/SSP pushes advance this worker's clock.
         """
         if policy is not None and policy.sync and return_params:
             raise InvalidArgumentError(f"table {name!r}: return_params is not available for BSP pushes; pull instead")

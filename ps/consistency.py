@@ -235,8 +235,7 @@ class Membership:
                 self.cond.notify_all()
 
     def _min_clock(self, exclude: str | None = None, default: int = -1) -> int:
-        clocks = [w.clock for w in self._workers.values() if w.live and w.name != exclude]
-        return min(clocks) if clocks else default
+        return min((w.clock for w in self._workers.values() if w.live and w.name != exclude), default=default)
 
     def min_clock(self, exclude: str | None = None) -> int:
         """Slowest live worker's clock (``exclude`` left out); -1 if none."""
