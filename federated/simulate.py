@@ -77,6 +77,7 @@ class SimulationConfig:
     workers: int = 16  # concurrent tasks per node (more than are sampled at once: no queueing)
     min_clients: int = 2
     round_timeout: float = 60.0
+    straggler_factor: float = 1.0  # ServerConfig.straggler_factor (a huge one: every round waits for all it drew)
     eval_fraction: float = 0.0  # federated evaluation on clients (central evaluation always runs)
     eval_every: int = 1
     compress: str = ""
@@ -221,7 +222,7 @@ def run_simulation(cfg: SimulationConfig, on_round: Callable[[dict[str, Any]], N
     strategy = make_strategy(cfg.strategy, **params)
     server_cfg = ServerConfig(
         rounds=cfg.rounds, fraction=cfg.fraction, min_clients=cfg.min_clients, min_available=max(cfg.min_clients, cfg.clients),
-        round_timeout=cfg.round_timeout, eval_fraction=cfg.eval_fraction, eval_every=cfg.eval_every, seed=cfg.seed,
+        round_timeout=cfg.round_timeout, straggler_factor=cfg.straggler_factor, eval_fraction=cfg.eval_fraction, eval_every=cfg.eval_every, seed=cfg.seed,
         wait_timeout=300.0, compress=cfg.compress, client_config=dict(task.client_config), dp=cfg.dp,
         secagg=SecAggSettings(enabled=cfg.secagg, max_examples=64.0), max_clients=max(1_000_000, cfg.clients),
     )
