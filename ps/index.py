@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ps import rowkernel
+from ps.rowstore import huge_empty
 
 __all__ = ["BYTES_PER_ENTRY", "VALUE_MAX", "VALUE_MIN", "IdIndex"]
 
@@ -118,9 +119,11 @@ class IdIndex:
 
     def _merge(self) -> None:
         """The delta into the base, tombstones dropped."""
-        at = np.searchsorted(self._bk, self._dk)
-        keys = np.insert(self._bk, at, self._dk)
-        vals = np.insert(self._bv, at, self._dv)
+        at = np.searchsorted(self._bk, self._dk) + np.arange(len(self._dk))  # the delta's places in the merge
+        base = np.ones(len(self._bk) + len(self._dk), bool)
+        base[at] = False
+        keys, vals = huge_empty(len(base), np.int64), huge_empty(len(base), np.int32)  # (probed at random: huge pages)
+        keys[at], vals[at], keys[base], vals[base] = self._dk, self._dv, self._bk, self._bv
         if self.dead:
             live = vals != _TOMB
             keys, vals = keys[live], vals[live]

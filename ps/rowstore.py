@@ -25,6 +25,7 @@ Not thread-safe: the owning table's lock guards it. Pure torch/numpy.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
@@ -35,7 +36,7 @@ from typing import Iterable, Iterator, Mapping, NamedTuple, Sequence
 import numpy as np
 import torch
 
-__all__ = ["Column", "RowPlan", "RowStore", "ChunkBacking", "RamBacking", "FileBacking", "chunk_rows_for", "limit_heap_retention"]
+__all__ = ["Column", "RowPlan", "RowStore", "ChunkBacking", "RamBacking", "huge_empty", "FileBacking", "chunk_rows_for", "limit_heap_retention"]
 
 _ALIGN = 64  # byte alignment of each column inside a chunk buffer
 
@@ -82,11 +83,30 @@ class ChunkBacking:
 
 
 class RamBacking(ChunkBacking):
-    """Chunks in RAM (``torch.empty``: not zeroed, so the kernel commits pages as rows are first
-    written; a chunk only partly filled costs RSS for what it holds)."""
+    """Chunks in RAM, not zeroed: the kernel commits pages as rows are first written (a chunk only
+    partly filled costs RSS for what it holds; a big one in 2 MiB steps: ``huge_empty``)."""
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.from_numpy(huge_empty(nbytes, np.uint8))
+
+
+def huge_empty(n: int, dtype: type) -> np.ndarray:
+    """``np.empty(n, dtype)``; from ``_HUGE`` bytes up, its own anonymous mapping, 2 MiB aligned and
+    advised MADV_HUGEPAGE (random rows and index probes otherwise miss the TLB: -10% on a 1M x 64
+    pull + push in process). Unmapped with the last view of it."""
+    nbytes = n * np.dtype(dtype).itemsize
+    if nbytes < _HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return np.empty(n, dtype)
+    mm = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # (a kernel without transparent huge pages: 4 KiB pages)
+        mm.madvise(mmap.MADV_HUGEPAGE)
+    raw = np.frombuffer(mm, np.uint8)
+    at = -raw.ctypes.data % _HUGE_PAGE
+    return raw[at : at + nbytes].view(dtype)
+
+
+_HUGE_PAGE = 2 << 20
+_HUGE = 4 << 20
 
 
 _HEAP_TUNED = False
