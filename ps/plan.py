@@ -190,8 +190,11 @@ def fill(out: Any, arr: np.ndarray, table: str) -> Any:
 
 def policy_for(policy: Any, name: str) -> SyncPolicy:
     """A call's policy for table ``name``: one for every table, or one per table (absent: async)."""
-    p = policy.get(name) if isinstance(policy, Mapping) else policy
-    return p if p is not None else SyncPolicy()
+    p = policy if policy is None or isinstance(policy, SyncPolicy) else policy.get(name)
+    return p if p is not None else _ASYNC
+
+
+_ASYNC = SyncPolicy()
 
 
 def stream_dense(largest_slice: Mapping[str, int], itemsize: int, inline_bytes: int) -> set[str]:

@@ -2,6 +2,7 @@
 whose bulk bytes travel beside them (``frame`` / ``unframe``)."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import fields
 from typing import Any, Sequence, TypeVar
@@ -112,15 +113,20 @@ def spec_from_proto(msg: pb.TableSpec) -> TableSpec:
         raise with_table(msg.name, err) from None
 
 
+@functools.cache
+def _names(cls: Any) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
+
+
 def _to_proto(cls: type[M], value: Any, **given: Any) -> M:
     """The dataclass ``value`` as a ``cls`` message, field by field of the same name (the two are
     written to match); ``given``: the fields the caller converted."""
-    return cls(**{f.name: getattr(value, f.name) for f in fields(value) if f.name not in given}, **given)
+    return cls(**{n: getattr(value, n) for n in _names(value.__class__) if n not in given}, **given)
 
 
 def _from_proto(cls: type[T], msg: Message, **given: Any) -> T:
     """The message ``msg`` as the dataclass ``cls``, as ``_to_proto`` the other way."""
-    return cls(**{f.name: getattr(msg, f.name) for f in fields(cls) if f.name not in given}, **given)  # type: ignore[arg-type, call-arg]
+    return cls(**{n: getattr(msg, n) for n in _names(cls) if n not in given}, **given)  # type: ignore[arg-type, call-arg]
 
 
 def info_to_proto(info: TableInfo) -> pb.TableInfo:
@@ -205,6 +211,7 @@ _STEP_OPS = {
     pb.STEP_OP_PULL_SPARSE: PULL_SPARSE,
 }
 _STEP_OPS_PB = {v: k for k, v in _STEP_OPS.items()}
+_ASYNC = SyncPolicy()
 
 
 def _span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], what: str, error: type = MalformedMessageError) -> Any:
@@ -249,14 +256,18 @@ def step_parts_to_proto(parts: Sequence[StepPart], worker: str, client: str, dty
     bulk ``data`` (views of the parts' arrays, not copied: they must not change until it is sent)."""
     head = pb.StepRequest(worker=worker, client=client, dtype=dtype)
     pieces: list[Any] = []
+    at = 0
+    specs: dict[SyncPolicy, pb.SyncSpec | None] = {_ASYNC: None}  # (a step's parts share one or two policies)
     for p in parts:
         m = head.parts.add(table=p.table, op=_STEP_OPS_PB[p.op], seq=p.seq, base_version=p.base_version, base_at=-1)
-        if p.policy != SyncPolicy():
-            m.sync.CopyFrom(policy_to_proto(p.policy))
+        spec = specs[p.policy] if p.policy in specs else specs.setdefault(p.policy, policy_to_proto(p.policy))
+        if spec is not None:
+            m.sync.CopyFrom(spec)
         for field, a in (("ids_at", p.ids), ("data_at", p.values), ("base_at", p.base_versions)):
             if a is not None:
-                setattr(m, field, sum(x.nbytes for x in pieces))
+                setattr(m, field, at)
                 pieces.append(byte_view(a))
+                at += pieces[-1].nbytes
         if p.ids is not None:
             m.count = len(p.ids)
         elif p.values is not None:
