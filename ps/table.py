@@ -887,9 +887,7 @@ class SparseTable:
         return self._cold.live if self._cold is not None else 0
 
     def _bytes_per_row(self) -> tuple[int, int]:
-        per_param = self.dim * self._payload[0].row_nbytes // self.dim
-        per_state = sum(c.row_nbytes for c in self._payload[1:])
-        return per_param, per_state
+        return self._payload[0].row_nbytes, sum(c.row_nbytes for c in self._payload[1:])
 
     def param_bytes(self) -> int:
         return self.rows * self._bytes_per_row()[0]
@@ -931,8 +929,7 @@ class SparseTable:
     def fixed_bytes(cls, spec: TableSpec) -> int:
         """Bytes the constructor allocates for ``spec`` (the admission sketch; the index starts empty, the default
         slot map is computed, not stored; chunks come with the first rows)."""
-        sketch = CountMinSketch.bytes_for() if spec.admission.enabled else 0
-        return sketch
+        return CountMinSketch.bytes_for() if spec.admission.enabled else 0
 
     # ------------------------------------------------------------------ validation
     def check_ids(self, ids: np.ndarray) -> None:
@@ -1053,9 +1050,8 @@ class SparseTable:
             "values": self._initial(ids),
             "version": 0, "touch": self.step, "id": ids,
             "admits": 1 if seen is None else np.minimum(seen + 1, 32767).astype(np.int16),
+            **{k: float(fill) if k in ("sum", "n") else 0.0 for k in self._state_names},
         }
-        for k in self._state_names:
-            data[k] = float(fill) if k in ("sum", "n") else 0.0
         self._store.scatter(rows, data)
         self._index.insert(ids, rows)
         return rows
@@ -1104,10 +1100,7 @@ class SparseTable:
         if res.all():
             return self._store.gather(loc, names)
         cols = {c.name: c for c in self._store.columns.values()}
-        out = {}
-        for k in names:
-            c = cols[k]
-            out[k] = torch.empty((len(loc), c.width) if c.width else (len(loc),), dtype=c.dtype)
+        out = {k: torch.empty((len(loc), cols[k].width) if cols[k].width else (len(loc),), dtype=cols[k].dtype) for k in names}
         rp, cp = np.flatnonzero(res), np.flatnonzero(~res)
         assert self._cold is not None
         for pos, part in ((rp, self._store.gather(loc[rp], names)), (cp, self._cold.get(-loc[cp] - 2, names))):
@@ -1585,17 +1578,13 @@ class SparseTable:
                     loc[new[hot:]] = -slots - 2
                 self._index.insert(ids[new], loc[new])
         data: dict[str, Any] = {"values": values, "version": np.asarray(versions, np.int64), "id": ids}
-        for k in self._state_names:
-            data[k] = torch.from_numpy(np.ascontiguousarray(state[k], np.float32))
+        data.update({k: torch.from_numpy(np.ascontiguousarray(state[k], np.float32)) for k in self._state_names})
         res = loc >= 0
-        if not res.all() and self._cold is not None and self._cold.held:
-            # a snapshot is reading the disk tier: never overwrite a cold row in place, bring it back
+        demote_after = not res.all() and self._cold is not None and self._cold.held
+        if demote_after:  # a snapshot is reading the disk tier: never overwrite a cold row in place, bring it back
             cold = np.flatnonzero(~res)
             loc[cold] = self._promote(ids[cold], -loc[cold] - 2)
             res = loc >= 0
-            demote_after = True
-        else:
-            demote_after = False
         if res.all():
             self._store.scatter(loc, {**data, "touch": self.step, "admits": 0} if new.size else {**data, "touch": self.step})
             if demote_after:
