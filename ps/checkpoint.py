@@ -205,11 +205,9 @@ def write_checkpoint(root: str, snap: ShardSnapshot, keep: int = 3) -> str:
 
 def _numbered(root: str) -> list[tuple[int, str]]:
     """(number, path) of the finished checkpoint directories under ``root``, oldest first."""
-    out = []
-    for name in os.listdir(root) if os.path.isdir(root) else []:
-        if name.startswith(_PREFIX) and not name.endswith(".tmp") and name[len(_PREFIX):].isdigit():
-            out.append((int(name[len(_PREFIX):]), os.path.join(root, name)))
-    return sorted(out)
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted((int(n[len(_PREFIX):]), os.path.join(root, n)) for n in names
+                  if n.startswith(_PREFIX) and not n.endswith(".tmp") and n[len(_PREFIX):].isdigit())
 
 
 def list_checkpoints(root: str) -> list[str]:
@@ -299,10 +297,10 @@ def reshard(snaps: list[ShardSnapshot], num_shards: int) -> list[ShardSnapshot]:
     for name in names:
         parts = [next(t for t in s.tables if t["spec"]["name"] == name) for s in snaps]
         spec = parts[0]["spec"]
+        parts.sort(key=lambda t: t.get("start", 0))  # dense slices in order (sparse parts keep theirs)
+        values = np.concatenate([t["values"] for t in parts])
+        state = {k: np.concatenate([t["state"][k] for t in parts]) for k in parts[0]["state"]}
         if parts[0]["kind"] == "dense":
-            parts.sort(key=lambda t: t["start"])
-            values = np.concatenate([t["values"] for t in parts])
-            state = {k: np.concatenate([t["state"][k] for t in parts]) for k in parts[0]["state"]}
             version = max(int(t["version"]) for t in parts)
             for i in range(num_shards):
                 a, b = dense_range(values.size, i, num_shards)
@@ -312,9 +310,7 @@ def reshard(snaps: list[ShardSnapshot], num_shards: int) -> list[ShardSnapshot]:
                 })
         else:
             ids = np.concatenate([t["ids"] for t in parts])
-            values = np.concatenate([t["values"] for t in parts])
             versions = np.concatenate([t["versions"] for t in parts])
-            state = {k: np.concatenate([t["state"][k] for t in parts]) for k in parts[0]["state"]}
             owner = SlotMap(int(spec["num_slots"]), num_shards).shard_of(ids)
             step = max(int(t["step"]) for t in parts)
             updates = sum(int(t.get("updates", 0)) for t in parts)  # rows updated: kept in total (on shard 0)

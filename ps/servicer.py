@@ -121,9 +121,6 @@ class PSServicer:
 
     def _before(self, method: str, caller: Caller) -> None:
         self.shard.requests[method] += 1
-        self._check_role(method)
-
-    def _check_role(self, method: str) -> None:
         if self.shard.role != PRIMARY and method not in _ANY_ROLE:
             raise ShardUnavailableError(
                 f"{method}: shard {self.shard.config.shard_index} here is the backup of {self.shard.config.backup_of}; "

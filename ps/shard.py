@@ -176,9 +176,7 @@ class ShardStats:
 
 
 class Shard(Tables, Rounds, Mirroring, Snapshots):
-    """A shard: what the servicer calls. A facade over its parts: tables (ps.tables), members and BSP
-    rounds (ps.rounds), replication (ps.mirroring) and snapshots (ps.snapshots); the push protocol
-    (Step, streamed dense pushes, sparse pushes) and stats are its own."""
+    """A shard: what the servicer calls (see the module docstring)."""
 
     def __init__(self, config: ShardConfig) -> None:
         super().__init__(config)
@@ -235,8 +233,6 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
             self.pushes_aborted_idle += 1
             log.warning("shard %d: push stream idle for more than %.1f s: aborted (nothing applied)", self.config.shard_index, limit)
             context.cancel()
-
-    # ------------------------------------------------------------------ membership
 
     def push_dense(self, chunks: Iterator[PushChunk], context: Any = None, identity: str = OPEN) -> Iterator[DenseBlock | DensePushOutcome]:
         """A dense push streamed chunk by chunk (PushDense); the first chunk's ``head`` says what it is.
