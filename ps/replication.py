@@ -49,9 +49,6 @@ class ReplicaSender:
         req = pb.ReplicateRequest(epoch=self.epoch, attach_id=self.attach_id, entry=pack_plain(entry))
         self._replicate(req.SerializeToString(), timeout=self.timeout)
 
-    def close(self) -> None:
-        self.channel.close()
-
 
 class BackupFollower:
     """Runs on a backup shard: keeps it attached to ``shard.config.backup_of`` and promotes it when

@@ -26,15 +26,11 @@ import torch
 
 from ps.partition import GOLDEN, mix64
 
-__all__ = ["ROW_DTYPES", "row_dtype", "round_rows", "stochastic_round_bf16", "to_storage_array", "from_storage_array"]
+__all__ = ["ROW_DTYPES", "round_rows", "stochastic_round_bf16", "to_storage_array", "from_storage_array"]
 
 ROW_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 _M32 = 0xFFFFFFFF
-
-
-def row_dtype(name: str) -> torch.dtype:
-    return ROW_DTYPES[name]
 
 
 def _noise16(row_keys: np.ndarray, dim: int) -> torch.Tensor:
