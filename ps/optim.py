@@ -36,9 +36,7 @@ class Optimizer:
         """Fresh state for ``param`` ((n,) for dense slices, (n, dim) for rows)."""
         fill = self.h.get("initial_accumulator", 0.0)
         state = {k: torch.full_like(param, fill if k in ("sum", "n") else 0.0) for k in self.elementwise_state}
-        for k in self.rowwise_state:
-            state[k] = torch.full((param.shape[0],), fill, dtype=param.dtype)
-        return state
+        return {**state, **{k: torch.full((param.shape[0],), fill, dtype=param.dtype) for k in self.rowwise_state}}
 
     def update(self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, torch.Tensor], step: Step) -> None:
         raise NotImplementedError

@@ -338,11 +338,8 @@ class DenseTable:
         blocks = []
         for k in range(self.num_blocks):
             a, b = k * self.chunk_elems, k * self.chunk_elems + self.block_len(k)
-            p = torch.from_numpy(values[a:b].copy())
-            st = self.optimizer.init_state(p)
-            for name in st:
-                st[name] = torch.from_numpy(np.asarray(snap["state"][name], np.float32)[a:b].copy())
-            blocks.append(_Block(p, st))
+            st = {name: torch.from_numpy(np.asarray(snap["state"][name], np.float32)[a:b].copy()) for name in self._state_names}
+            blocks.append(_Block(torch.from_numpy(values[a:b].copy()), st))
         with self.write_lock, self.lock:
             self._blocks = blocks
             self.version = int(snap["version"])

@@ -60,17 +60,13 @@ class ResidentBudget:
         with self._lock:
             self._members.pop(handle, None)
 
-    def others(self, handle: int) -> int:
-        """Resident bytes of every member but ``handle``."""
-        with self._lock:
-            fns = [f for h, f in self._members.items() if h != handle]
-        return sum(f() for f in fns)
-
     def rows_for(self, handle: int, row_nbytes: int) -> int:
-        """Rows of ``row_nbytes`` member ``handle`` may keep resident (-1: unlimited)."""
+        """Rows of ``row_nbytes`` member ``handle`` may keep resident in what the others leave (-1: unlimited)."""
         if not self.limit:
             return -1
-        return max(0, (self.limit - self.others(handle)) // max(1, row_nbytes))
+        with self._lock:
+            others = [f for h, f in self._members.items() if h != handle]
+        return max(0, (self.limit - sum(f() for f in others)) // max(1, row_nbytes))
 
 
 class Hold:

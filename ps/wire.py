@@ -59,16 +59,14 @@ def frame(msg: Any, **bulk: Any) -> bytes:
     list of them that fill the field one after the other) beside it.
 
     One copy of the bulk bytes; the result is ordinary protobuf wire format."""
-    numbers = _NUMBERS[type(msg)]
-    return pack(msg, {numbers[k]: v for k, v in bulk.items()})
+    return pack(msg, {_NUMBERS[type(msg)][k]: v for k, v in bulk.items()})
 
 
 def frame_pieces(msg: Any, **bulk: Any) -> Packed:
     """``frame``'s message as its pieces (no copy: views of the bulk buffers, which must not change
     until it is sent). The PS's stubs and servers send it over either transport: tessera.bulk as
     is, gRPC joined (``tessera.codec.as_bytes`` as the serializer)."""
-    numbers = _NUMBERS[type(msg)]
-    return pack(msg, {numbers[k]: v for k, v in bulk.items()}, joined=False)  # type: ignore[no-any-return]
+    return pack(msg, {_NUMBERS[type(msg)][k]: v for k, v in bulk.items()}, joined=False)  # type: ignore[no-any-return]
 
 
 def unframe(cls: type[M], raw: bytes) -> tuple[M, dict[str, memoryview]]:
