@@ -55,9 +55,6 @@ class Rounds(ShardState):
         for name in self.membership.expire():
             self._replicate_quietly({"k": "leave", "worker": name})
 
-    def _forget(self) -> None:
-        self.membership.forget()  # members dead for config.forget_s (bounded memory, bounded Stats)
-
     def _recheck_rounds(self) -> None:
         if self.role != PRIMARY:
             return  # a backup never applies a round itself: it mirrors the primary's

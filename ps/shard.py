@@ -145,6 +145,10 @@ class DensePushOutcome:
 # most members one Stats reply lists (with names of at most 256 characters: ~3 MiB)
 _STATS_WORKERS = 10_000
 
+# the fields of a sparse table's TableMemory that its TableStats repeat
+_MEMORY_STATS = ("row_dtype", "bytes_per_row", "payload_bytes_per_row", "index_bytes", "metadata_bytes", "resident_rows",
+                 "cold_rows", "disk_bytes", "held_bytes", "row_path")
+
 # the answer to a retried push older than its client's dedup window: it was applied, its result is gone
 _TOO_OLD = PushResult(0, 0, -1.0, -1)
 
@@ -193,11 +197,12 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         self._close_tables()
 
     def _maintain(self) -> None:
-        """Expire leases and abort idle push streams, forever. A failure is logged and counted and
-        the loop goes on: this thread must never die (a dead reaper would hang every BSP round)."""
+        """Expire leases, forget long-dead members (bounded memory, bounded Stats) and abort idle push
+        streams, forever. A failure is logged and counted and the loop goes on: this thread must never
+        die (a dead reaper would hang every BSP round)."""
         period = min(0.2, self.config.lease_s / 10)
         while not self._closed.wait(period):
-            for task in (self._expire, self._forget, self._abort_idle_streams, self._lapse_cut):
+            for task in (self._expire, self.membership.forget, self._abort_idle_streams, self._lapse_cut):
                 try:
                     task()
                 except Exception:  # noqa: BLE001 - logged, counted, and the loop goes on
@@ -522,25 +527,17 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         with self._lock:
             items = sorted(self.tables.items())
         for name, t in items:
+            common: dict[str, Any] = {
+                "rejected": t.rejected, "mean_staleness": t.staleness.mean, "max_staleness": t.staleness.max,
+            }
             if isinstance(t, DenseTable):
-                tables.append(
-                    TableStats(
-                        name, "dense", 1, t.length, t.param_bytes(), t.state_bytes(), t.version, t.start, t.length,
-                        rejected=t.rejected, mean_staleness=t.staleness.mean, max_staleness=t.staleness.max,
-                    )
-                )
-            else:
-                m = t.memory_stats()
-                tables.append(
-                    TableStats(
-                        name, "sparse", m.rows, m.rows * t.dim, t.param_bytes(), t.state_bytes(), t.updates,
-                        evicted=t.evicted, dropped=t.dropped, rejected=t.rejected,
-                        mean_staleness=t.staleness.mean, max_staleness=t.staleness.max,
-                        row_dtype=m.row_dtype, bytes_per_row=m.bytes_per_row, payload_bytes_per_row=m.payload_bytes_per_row,
-                        index_bytes=m.index_bytes, metadata_bytes=m.metadata_bytes, resident_rows=m.resident_rows,
-                        cold_rows=m.cold_rows, disk_bytes=m.disk_bytes, held_bytes=m.held_bytes, row_path=m.row_path,
-                    )
-                )
+                tables.append(TableStats(name, "dense", 1, t.length, t.param_bytes(), t.state_bytes(), t.version, t.start, t.length, **common))
+                continue
+            m = t.memory_stats()
+            tables.append(TableStats(
+                name, "sparse", m.rows, m.rows * t.dim, t.param_bytes(), t.state_bytes(), t.updates, evicted=t.evicted,
+                dropped=t.dropped, **common, **{f: getattr(m, f) for f in _MEMORY_STATS},
+            ))
         # bounded: max_workers members with names of <= 256 characters; beyond _STATS_WORKERS, the
         # live ones first, then the most recently seen
         members = sorted(self.membership.workers(), key=lambda w: (not w.live, -w.last_seen))[:_STATS_WORKERS]
