@@ -259,9 +259,7 @@ class ShardConfig:
     failover_s: float = 2.0  # a backup takes over after its primary was unreachable this long
     solo_after_s: float = 10.0  # a primary that lost its backup refuses writes this long, then goes on alone
     cut_hold_s: float = 30.0  # a cluster checkpoint's hold on the BSP tables lapses after this long without its cut
-    # disk tier: sparse rows beyond this many resident bytes (all sparse tables of the shard together)
-    # are demoted, least recently used first, to memory-mapped files under spill_dir (0: all in RAM)
-    max_resident_bytes: int = 0
+    max_resident_bytes: int = 0  # the disk tier (see above; 0: all in RAM)
     spill_dir: str = ""  # where the disk tier's (unlinked) files go ("": the system temp directory)
 
     @property

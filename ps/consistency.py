@@ -20,16 +20,6 @@ and waits are then re-checked, so a dead worker never hangs the others. Its
 next Join, Heartbeat or push rejoins it; pulls are reads: they renew a live
 member's lease (``renew``) but never add or bring back a member.
 
-Membership is bounded: a lease is capped at ``max_lease_s`` whatever a Join asks
-(a ghost that joins with a huge lease cannot stall BSP rounds for longer), at
-most ``max_workers`` members are remembered (a new one beyond that is
-ResourceExhaustedError, after the longest-dead member was forgotten to make
-room), and a member dead for ``forget_s`` is forgotten (``forget()``).
-
-A table's BSP quorum rule (``backup_workers``) is fixed by its first BSP push;
-a push that asks for another is refused (FailedPreconditionError), so one
-request cannot lower the quorum for everyone.
-
 Thread-safety: every class here is safe to call from many threads.
 """
 from __future__ import annotations
@@ -83,7 +73,8 @@ class Membership:
     """Live workers, their leases and clocks; SSP waits.
 
     ``now`` is injectable so unit tests can move time by hand. ``max_lease_s`` caps every lease
-    (and must be >= the default), ``max_workers`` bounds the members remembered (0: no bound),
+    whatever a Join asks (a ghost with a huge lease cannot stall BSP rounds longer; it must be >=
+    the default), ``max_workers`` bounds the members remembered (0: no bound; see ``join``),
     ``forget_s``: how long a dead member is remembered by ``forget()``.
     """
 
@@ -278,8 +269,8 @@ class SyncRound(Generic[C]):
     it as an error (the contributions are not applied; the workers' retried pushes
     can run the round again).
 
-    The quorum rule (``backup_workers``) is the table's, fixed by its first contribution:
-    ``backup_workers`` is None until then.
+    The quorum rule (``backup_workers``) is the table's, fixed by its first contribution (one
+    request cannot lower the quorum for everyone): ``backup_workers`` is None until then.
     """
 
     def __init__(
