@@ -110,11 +110,7 @@ class Momentum(Optimizer):
         g = _decayed(grad, param, self.h["weight_decay"])
         buf = state["momentum_buffer"]
         buf.mul_(mu).add_(g)  # buf starts at 0, so step 1 gives buf = g as in torch
-        if self.nesterov:
-            g = g.add(buf, alpha=mu)
-        else:
-            g = buf
-        param.add_(g, alpha=-self.h["lr"])
+        param.add_(g.add(buf, alpha=mu) if self.nesterov else buf, alpha=-self.h["lr"])
 
 
 class Nesterov(Momentum):
@@ -256,6 +252,4 @@ def make_optimizer(name: str, hparams: Mapping[str, float]) -> Optimizer:
 
 def scaled_lr(opt: Optimizer, factor: float) -> Optimizer:
     """A copy of ``opt`` whose learning rate is multiplied by ``factor`` (same state layout)."""
-    h = dict(opt.h)
-    h["lr"] = h["lr"] * factor
-    return type(opt)(h)
+    return type(opt)({**opt.h, "lr": opt.h["lr"] * factor})

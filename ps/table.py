@@ -1,15 +1,6 @@
-"""One shard's part of a table: values, optimizer state and versions.
-
-``DenseTable`` holds a contiguous range of a dense table, stored as blocks of
-``chunk_elems`` elements (the wire chunk). An update computes new blocks (into
-spare blocks, recycled once no reader refers to them) as its chunks arrive, and
-swaps them in only when the whole push arrived and validated, so a rejected or
-broken push changes nothing, and committed blocks are never mutated: a pull
-streams a consistent snapshot without holding the lock.
-
-``SparseTable`` holds the rows whose ids map to this shard, created lazily on
-first pull with a deterministic initializer, with optional admission and
-eviction, and lazy optimizer updates that touch only the pushed rows.
+"""One shard's part of a table: values, optimizer state and versions. ``DenseTable``: a contiguous
+range of a dense table, in blocks of ``chunk_elems`` elements (the wire chunk); ``SparseTable``:
+the rows whose ids map to this shard. Each class docstring states its contract.
 
 Thread-safety: each table has one lock; methods take it themselves.
 """
@@ -717,18 +708,14 @@ class SparseTable:
 
     Disk tier: with ``resident_budget`` (a :class:`~ps.tier.ResidentBudget` shared by a shard's
     tables), the rows beyond what the budget leaves this table are demoted, least recently
-    touched first, to a file-backed :class:`~ps.tier.ColdTier` under ``spill_dir``; a pull or push
-    of a cold row brings it back (demoting others). Index locations: row >= 0 resident, -1
-    absent, <= -2 cold slot ``-loc - 2``.
+    touched first, to a file-backed :class:`~ps.tier.ColdTier` under ``spill_dir``; a push of a
+    cold row brings it back (demoting others), a pull reads it where it lies. Index locations: row
+    >= 0 resident, -1 absent, <= -2 cold slot ``-loc - 2``.
 
-    Memory: ``held_bytes()`` counts everything the table allocates in RAM (resident chunks as
-    allocated, free rows and the free stack included; the id index; cold rows' metadata; the slot
-    map; the admission sketch), and every allocation that grows it asks ``max_bytes_fn(extra)``
-    first, for exactly what it adds (which raises ResourceExhaustedError when over budget), holding
+    Memory: every allocation that grows ``held_bytes()`` asks ``max_bytes_fn(extra)`` first, for
+    exactly what it adds (which raises ResourceExhaustedError when over budget), holding
     ``growth_lock`` (shared by a shard's tables) from the question to the allocation: a refused
     request allocated nothing, and what the tables hold never exceeds the budget.
-    ``fixed_bytes(spec)``: what the constructor allocates (the caller reserves it).
-    ``memory_stats()``: the breakdown.
 
     Row kernel: pushes of the optimizers and row dtypes ``ps.rowkernel`` covers, and every pull of
     resident rows, go through one compiled pass that releases the GIL (the table's lock is held);
@@ -1499,18 +1486,16 @@ class SparseTable:
             order = np.lexsort((ids, slot_of(ids, self.spec.num_slots))) if ids.size else np.zeros(0, np.int64)
             ids, loc = ids[order], loc[order]
             if self._cold is not None and self._cold.live:
-                return self._export_tiered(ids, loc, extra)
-            d = self._gather(loc, ["values", "version", *self._state_names])
-            return {
-                "step": self.step, "updates": self.updates, "ids": ids, "values": to_storage_array(d["values"]),
-                "versions": d["version"].numpy(), "state": {k: d[k].numpy() for k in self._state_names},
-                "along": extra,
-            }
+                values, versions, state = self._export_tiered(ids, loc)
+            else:
+                d = self._gather(loc, ["values", "version", *self._state_names])
+                values, versions, state = to_storage_array(d["values"]), d["version"].numpy(), {k: d[k].numpy() for k in self._state_names}
+            return {"step": self.step, "updates": self.updates, "ids": ids, "values": values, "versions": versions, "state": state, "along": extra}
 
-    def _export_tiered(self, ids: np.ndarray, loc: np.ndarray, extra: Any) -> dict[str, Any]:
-        """export_state of a table with cold rows (caller holds the lock): resident rows copied,
-        the disk tier's rows held in place (``ColdTier.hold``: read later, without the lock),
-        values and state as TieredRows (streamed by checkpoints)."""
+    def _export_tiered(self, ids: np.ndarray, loc: np.ndarray) -> tuple[Any, np.ndarray, dict[str, Any]]:
+        """export_state's (values, versions, state) of a table with cold rows (caller holds the lock):
+        resident rows copied, the disk tier's rows held in place (``ColdTier.hold``: read later,
+        without the lock), values and state as TieredRows (streamed by checkpoints)."""
         assert self._cold is not None
         res = loc >= 0
         names = ["values", *self._state_names]
@@ -1522,10 +1507,7 @@ class SparseTable:
         hold = self._cold.hold()
         cols = {c.name: c for c in self._payload}
         lazy = {k: TieredRows(k, cols[k].width, cols[k].dtype, res, hot[k], slots, hold) for k in names}
-        return {
-            "step": self.step, "updates": self.updates, "ids": ids, "values": lazy["values"], "versions": versions,
-            "state": {k: lazy[k] for k in self._state_names}, "along": extra,
-        }
+        return lazy["values"], versions, {k: lazy[k] for k in self._state_names}
 
     def _values_tensor(self, values: Any, n: int) -> torch.Tensor:
         a = np.asarray(values)

@@ -91,10 +91,7 @@ class Tables(ShardState):
                     f"table {spec.name!r}: shard {self.config.shard_index} holds {len(self.tables)} tables, "
                     f"its limit (max_tables) is {self.config.max_tables}"
                 )
-            if spec.kind == DENSE:
-                extra = DenseTable.fixed_bytes(spec, self.config.num_shards)  # with its spares
-            else:
-                extra = SparseTable.fixed_bytes(spec)  # the admission sketch (index and chunks come with rows)
+            extra = DenseTable.fixed_bytes(spec, self.config.num_shards) if spec.kind == DENSE else SparseTable.fixed_bytes(spec)
             with self._growth:
                 self._reserve(extra, spec.name)
                 if validate_only:
