@@ -24,9 +24,7 @@ __all__ = ["build_server", "restore_latest", "serve"]
 
 log = logging.getLogger(__name__)
 
-# SIGTERM: for DRAIN_NOTICE_S the server still answers, health NOT_SERVING and every new call UNAVAILABLE
-# ("... the server is stopping"), so probes and load balancers see it; then the calls in flight (their
-# waits ended) get DRAIN_GRACE_S to finish
+# SIGTERM's drain (see serve)
 DRAIN_NOTICE_S = 2.0
 DRAIN_GRACE_S = 2.0
 

@@ -37,9 +37,7 @@ class Snapshots(ShardState):
         for name, t in items:
             st = t.export_state(functools.partial(self.dedup.export, name))
             dedup.extend((c, tn, [(seq, _result_to_plain(r)) for seq, r in recs]) for c, tn, recs in st.pop("along"))
-            st["kind"] = DENSE if isinstance(t, DenseTable) else SPARSE
-            st["spec"] = spec_to_dict(t.spec)
-            tables.append(st)
+            tables.append({**st, "kind": DENSE if isinstance(t, DenseTable) else SPARSE, "spec": spec_to_dict(t.spec)})
         workers = [(w.name, w.clock, w.lease_s) for w in self.membership.workers() if w.live]
         return ShardSnapshot(
             self.config.shard_index, self.config.num_shards, tables, {n: r.clock for n, r in rounds.items()}, dedup, workers,

@@ -129,9 +129,8 @@ def _unreferenced(holder: list[_Block], i: int) -> bool:
     # the floors: getrefcount's argument + the one holding reference (list slot, block slot, dict value)
     if sys.getrefcount(holder[i]) != 2 or sys.getrefcount(holder[i].state) != 2 or sys.getrefcount(holder[i].param) != 2:
         return False
-    for name in holder[i].state:
-        if sys.getrefcount(holder[i].state[name]) != 2:
-            return False
+    if any(sys.getrefcount(holder[i].state[name]) != 2 for name in holder[i].state):
+        return False
     # per tensor: its own TensorImpl + the storage object untyped_storage() makes for the call
     return all(_storage_use_count(x.untyped_storage()._cdata) == 2 for x in holder[i].tensors())
 
@@ -368,8 +367,7 @@ class DenseTable:
         At the bound, first drops a kept one that is still referred to, else the oldest."""
         spares = self._spares[k]
         while spares and len(spares) >= self.spare_generations:
-            busy = [i for i in range(len(spares)) if not _unreferenced(spares, i)]
-            spares.pop(busy[0] if busy else 0)
+            spares.pop(next((i for i in range(len(spares)) if not _unreferenced(spares, i)), 0))
             self._extra_bytes -= self._block_nbytes(k)
         if self.spare_generations > 0:
             spares.append(block)
@@ -405,11 +403,9 @@ class DenseTable:
 
 
 class DenseUpdate:
-    """A push in progress: chunks are validated and staged (no lock held); commit() swaps the new
-    blocks in atomically under the table's write lock.
-
-    A push stages its chunks and computes at commit (under the write lock), in place where nothing
-    else refers to a block. A push whose caller wants its new blocks as they are computed
+    """A push in progress: chunks are validated and staged (no lock held); commit() computes the new
+    blocks (in place where nothing else refers to a block) and swaps them in atomically under the
+    table's write lock. A push whose caller wants its new blocks as they are computed
     (``early``), where this shard's range has 8 chunks or more, computes each block as its chunk
     arrives instead (each chunk's slice is independent of the others; one such push at a time per
     table), into spare blocks, from the table as it was at its first chunk; if a commit replaced
@@ -617,10 +613,6 @@ class _ColumnView:
         out = self._store.gather(np.atleast_1d(r).astype(np.int64), [self._name])[self._name]
         return out.numpy() if self._np else out
 
-    def numel(self) -> int:
-        c = self._store.columns[self._name]
-        return self._store.capacity * max(1, c.width)
-
     @property
     def nbytes(self) -> int:
         return self._store.capacity * self._store.columns[self._name].row_nbytes
@@ -736,8 +728,6 @@ class SparseTable:
         self.shard_index = shard_index
         self.slots = SlotMap(spec.num_slots, num_shards)
         self.optimizer = make_optimizer(spec.optimizer.name, spec.optimizer.hparams)
-        # pushes through the compiled row kernel where it covers the optimizer and row dtype (it gives the
-        # torch path's floats bit for bit); ``row_path`` says which path and, for numpy, why
         self.row_path = rowkernel.path_of(spec.optimizer.name, spec.optimizer.hparams, spec.dtype) if row_kernel else "numpy (asked for)"
         self._gather_kernel = rowkernel.KERNEL if row_kernel else None  # pulls: any optimizer, any row dtype
         if row_kernel:
@@ -997,21 +987,14 @@ class SparseTable:
             need += cold.ram_alloc_bytes(max(0, demote - (v_cold if cold.meta.reuse else 0)))
         with self._growth:  # shard-wide: no other table grows between this check and the allocation
             self._reserve(need)
-            self._grow_resident(uniq, loc, cold_pos, new_pos, seen, victims, demote, pinned)
-
-    def _grow_resident(
-        self, uniq: np.ndarray, loc: np.ndarray, cold_pos: np.ndarray, new_pos: np.ndarray, seen: np.ndarray | None,
-        victims: tuple[np.ndarray, np.ndarray] | None, demote: int, pinned: np.ndarray,
-    ) -> None:
-        """_make_resident's changes, the budget granted."""
-        if victims is not None and len(victims[0]):
-            self._drop(*victims)
-        if demote:
-            self._demote(demote, pinned_rows=pinned)
-        if cold_pos.size:
-            loc[cold_pos] = self._promote(uniq[cold_pos], -loc[cold_pos] - 2)
-        if new_pos.size:
-            loc[new_pos] = self._create(uniq[new_pos], seen)
+            if victims is not None and len(victims[0]):
+                self._drop(*victims)
+            if demote:
+                self._demote(demote, pinned_rows=pinned)
+            if cold_pos.size:
+                loc[cold_pos] = self._promote(uniq[cold_pos], -loc[cold_pos] - 2)
+            if new_pos.size:
+                loc[new_pos] = self._create(uniq[new_pos], seen)
 
     def _trim(self) -> None:
         """After a request larger than the resident budget (its rows were pinned while it ran):
@@ -1207,7 +1190,7 @@ class SparseTable:
                 out_vals = torch.full((len(uniq), self.dim), init, dtype=self.row_dtype)
             else:
                 out_vals = torch.empty((len(uniq), self.dim), dtype=self.row_dtype)
-                out_vals.index_copy_(0, torch.from_numpy(new), self._init_values(uniq[new], init))
+                out_vals.index_copy_(0, torch.from_numpy(new), torch.from_numpy(init).to(self.row_dtype))
             out_vers = np.zeros(len(uniq), np.int64)
             if have.size:
                 at = have if order is None else have[order]
@@ -1225,12 +1208,6 @@ class SparseTable:
         if init.name in ("zeros", "constant"):
             return float(init.params.get("value", 0.0))
         return init_rows(init, self._key, ids, self.dim)
-
-    def _init_values(self, ids: np.ndarray, init: "np.ndarray | float") -> torch.Tensor:
-        """The initial rows of ``ids`` in the row dtype (``init``: ``_initial(ids)``)."""
-        if isinstance(init, float):
-            return torch.full((len(ids), self.dim), init, dtype=self.row_dtype)
-        return torch.from_numpy(init).to(self.row_dtype)
 
     def pull(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows for int64 ``ids`` (any order, duplicates allowed): (float32 (n, dim), int64 versions).
