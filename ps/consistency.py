@@ -111,21 +111,18 @@ class Membership:
         for fn in self._listeners:
             fn()
 
-    def lease_for(self, lease_s: float) -> float:
-        """The lease a worker asking for ``lease_s`` gets (0: the default; capped at ``max_lease_s``)."""
-        if not math.isfinite(lease_s) or lease_s < 0:
-            raise InvalidArgumentError(f"join: lease must be finite and >= 0 seconds, got {lease_s}")
-        return min(lease_s or self.default_lease_s, self.max_lease_s)
-
     def join(self, worker: str, lease_s: float = 0.0, clock: int | None = None) -> bool:
-        """Add (or re-add) ``worker`` with a lease of ``lease_for(lease_s)``; returns True if it was not
-        live before. Raises ResourceExhaustedError for a new worker when ``max_workers`` members are
-        remembered and none of them is dead (the longest-dead one is forgotten to make room)."""
+        """Add (or re-add) ``worker`` with a lease of ``lease_s`` (0: the default; capped at
+        ``max_lease_s``); returns True if it was not live before. Raises ResourceExhaustedError for a
+        new worker when ``max_workers`` members are remembered and none of them is dead (the
+        longest-dead one is forgotten to make room)."""
         if not worker:
             raise FailedPreconditionError("join: the worker needs a non-empty name")
         if len(worker) > MAX_WORKER_NAME:
             raise InvalidArgumentError(f"join: worker name has {len(worker)} characters, at most {MAX_WORKER_NAME}")
-        lease = self.lease_for(lease_s)
+        if not math.isfinite(lease_s) or lease_s < 0:
+            raise InvalidArgumentError(f"join: lease must be finite and >= 0 seconds, got {lease_s}")
+        lease = min(lease_s or self.default_lease_s, self.max_lease_s)
         with self.cond:
             w = self._workers.get(worker)
             if w is None and self.max_workers and len(self._workers) >= self.max_workers:

@@ -9,6 +9,7 @@ import time
 from typing import Callable, Iterator
 
 import numpy as np
+import torch
 
 from ps.checkpoint import ShardSnapshot, pack_plain, snapshot_to_plain
 from ps.config import spec_from_dict
@@ -245,8 +246,6 @@ def _contribution_plain(value: object) -> dict:
 
 def _contribution_value(t: DenseTable | SparseTable, plain: dict) -> object:
     if isinstance(t, SparseTable):
-        import torch
-
         return SparsePush(np.asarray(plain["ids"], np.int64), torch.from_numpy(np.asarray(plain["grads"], np.float32)), plain["base"])
     return {int(k): v for k, v in plain.items()}
 

@@ -19,8 +19,7 @@ from ps.wire import (ERRORS, dense_push_from_proto, dense_reply_to_proto, frame,
                      membership_to_proto, policy_from_proto, push_chunk_from_proto, spec_from_proto, stats_to_proto,
                      step_parts_from_proto, step_reply_to_proto, unframe, wire_float_dtype)
 from tessera.codec import CodecError, Packed, as_float32, byte_view, from_wire, to_wire
-from tessera.service import Method, guarded_handler
-from tessera.service import Access, Caller, ClientSecurity, ServerSecurity
+from tessera.service import Access, Caller, ClientSecurity, Method, ServerSecurity, guarded_handler
 from tessera.v1 import ps_pb2 as pb
 
 __all__ = ["PSServicer", "STATUS_OF", "ERRORS", "SERVICE_NAME", "ROLES", "METHOD_ROLES", "WAITS"]

@@ -50,14 +50,11 @@ class CountMinSketch:
         u = np.ascontiguousarray(ids, np.int64).view(np.uint64)
         return (mix64(u[None, :] ^ self.keys[:, None]) & np.uint64(self.width - 1)).astype(np.int64)
 
-    def _rows(self) -> np.ndarray:
-        return np.arange(self.counters.shape[0])[:, None]
-
     def estimate(self, ids: np.ndarray) -> np.ndarray:
         """Sightings of each id (int64; >= the true count since the last aging)."""
         if not len(ids):
             return np.zeros(0, np.int64)
-        return self.counters[self._rows(), self._cols(ids)].min(axis=0).astype(np.int64)
+        return np.take_along_axis(self.counters, self._cols(ids), axis=1).min(axis=0).astype(np.int64)
 
     def add(self, ids: np.ndarray, estimate: np.ndarray | None = None) -> None:
         """One more sighting of each of ``ids`` (unique). ``estimate``: their estimate() if known."""
