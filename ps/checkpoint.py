@@ -168,8 +168,7 @@ def _sha256(path: str) -> str:
 def write_checkpoint(root: str, snap: ShardSnapshot, keep: int = 3) -> str:
     """Write ``snap`` durably under ``root`` as a new ``ckpt-N``; keep the newest ``keep``. Returns its path."""
     os.makedirs(root, exist_ok=True)
-    existing = [n for n, _ in _numbered(root)]
-    number = max([time.time_ns()] + [n + 1 for n in existing])
+    number = max([time.time_ns()] + [n + 1 for n, _ in _numbered(root)])
     final = os.path.join(root, f"{_PREFIX}{number:020d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)

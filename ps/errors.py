@@ -67,9 +67,7 @@ class InternalError(PSError):
 
 def with_table(table: str, exc: PSError) -> PSError:
     """``exc`` with its message prefixed by ``table 'NAME': `` unless it already names the table."""
-    if f"table {table!r}" in str(exc):
-        return exc
-    return type(exc)(f"table {table!r}: {exc}")
+    return exc if f"table {table!r}" in str(exc) else type(exc)(f"table {table!r}: {exc}")
 
 
 class UnauthenticatedError(PSError):

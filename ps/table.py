@@ -240,9 +240,8 @@ class DenseTable:
 
     def spare_bytes(self) -> int:
         """Memory held by the spare blocks (the commit's working set)."""
-        per = 4 * (1 + len(self._state_names))
         with self.lock:
-            return sum(per * b.param.numel() for s in self._spares for b in s)
+            return sum(self._block_nbytes(k) * len(s) for k, s in enumerate(self._spares))
 
     def snapshot(self) -> tuple[int, list[torch.Tensor]]:
         """(version, value blocks) as of now; the blocks do not change while the caller holds them
@@ -682,7 +681,6 @@ _META = (
     Column("id", torch.int64),
     Column("admits", torch.int16),  # sightings when it was admitted (1 without admission; saturates)
 )
-_META_NAMES = [c.name for c in _META]
 
 
 class SparseTable:
@@ -886,7 +884,7 @@ class SparseTable:
         """Where this table's bytes are (a snapshot; see TableMemory)."""
         with self.lock:
             st = self._store
-            meta = st.column_nbytes(_META_NAMES) + st.free_nbytes + (self._cold.ram_bytes if self._cold is not None else 0)
+            meta = st.column_nbytes([c.name for c in _META]) + st.free_nbytes + (self._cold.ram_bytes if self._cold is not None else 0)
             held = self.held_bytes()
             rows = self.rows
             return TableMemory(
