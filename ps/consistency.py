@@ -33,7 +33,7 @@ from typing import Any, Callable, Generic, TypeVar
 from ps.errors import (DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError,
                        ResourceExhaustedError, ShardUnavailableError, TableNotFoundError)
 
-__all__ = ["SyncPolicy", "Membership", "SyncRound", "WorkerState", "LATE", "HELD", "APPLIED",
+__all__ = ["SyncPolicy", "ASYNC", "Membership", "SyncRound", "WorkerState", "LATE", "HELD", "APPLIED",
            "MAX_WORKER_NAME"]
 
 MAX_WORKER_NAME = 256  # characters; bounds what each member costs (and what Stats returns per member)
@@ -58,6 +58,8 @@ class SyncPolicy:
         """Whether this request follows the bounded-staleness rule (async with a staleness bound)."""
         return not self.sync and self.staleness >= 0 and self.clock >= 0
 
+
+ASYNC = SyncPolicy()  # the default (frozen: one instance serves every request that names none)
 
 @dataclass
 class WorkerState:

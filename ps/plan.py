@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ps.config import TableSpec
-from ps.consistency import SyncPolicy
+from ps.consistency import ASYNC, SyncPolicy
 from ps.errors import DtypeError, InvalidArgumentError, NonFiniteError, ResourceExhaustedError, ShapeMismatchError
 from ps.partition import SlotMap
 from tessera.codec import as_numpy, from_wire, to_wire
@@ -191,10 +191,7 @@ def fill(out: Any, arr: np.ndarray, table: str) -> Any:
 def policy_for(policy: Any, name: str) -> SyncPolicy:
     """A call's policy for table ``name``: one for every table, or one per table (absent: async)."""
     p = policy if policy is None or isinstance(policy, SyncPolicy) else policy.get(name)
-    return p if p is not None else _ASYNC
-
-
-_ASYNC = SyncPolicy()
+    return p if p is not None else ASYNC
 
 
 def stream_dense(largest_slice: Mapping[str, int], itemsize: int, inline_bytes: int) -> set[str]:

@@ -12,7 +12,7 @@ import numpy as np
 from google.protobuf.message import Message
 
 from ps.config import DENSE, SPARSE, AdmissionSpec, EvictionSpec, InitializerSpec, OptimizerSpec, TableSpec
-from ps.consistency import SyncPolicy
+from ps.consistency import ASYNC, SyncPolicy
 from ps.errors import (DeadlineExceededError, DtypeError, FailedPreconditionError, InternalError, InvalidArgumentError,
                        MalformedMessageError, PermissionDeniedError, PSError, ResourceExhaustedError, ShardUnavailableError,
                        TableExistsError, TableNotFoundError, UnauthenticatedError, with_table)
@@ -156,7 +156,7 @@ def policy_to_proto(p: SyncPolicy) -> pb.SyncSpec:
 def policy_from_proto(msg: pb.SyncSpec, present: bool = True) -> SyncPolicy:
     """``present``: whether the request carried a SyncSpec at all (absent: plain async)."""
     if not present:
-        return SyncPolicy()
+        return ASYNC
     if msg.backup_workers < 0:
         raise InvalidArgumentError(f"sync.backup_workers must be >= 0, got {msg.backup_workers}")
     if msg.sync and msg.clock < 0:
@@ -209,7 +209,6 @@ _STEP_OPS = {
     pb.STEP_OP_PULL_SPARSE: PULL_SPARSE,
 }
 _STEP_OPS_PB = {v: k for k, v in _STEP_OPS.items()}
-_ASYNC = SyncPolicy()
 
 
 def _span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], what: str, error: type = MalformedMessageError) -> Any:
@@ -255,12 +254,13 @@ def step_parts_to_proto(parts: Sequence[StepPart], worker: str, client: str, dty
     head = pb.StepRequest(worker=worker, client=client, dtype=dtype)
     pieces: list[Any] = []
     at = 0
-    specs: dict[SyncPolicy, pb.SyncSpec | None] = {_ASYNC: None}  # (a step's parts share one or two policies)
+    specs: dict[SyncPolicy, pb.SyncSpec] = {}  # each policy converted once (a step's parts share one or two)
     for p in parts:
         m = head.parts.add(table=p.table, op=_STEP_OPS_PB[p.op], seq=p.seq, base_version=p.base_version, base_at=-1)
-        spec = specs[p.policy] if p.policy in specs else specs.setdefault(p.policy, policy_to_proto(p.policy))
-        if spec is not None:
-            m.sync.CopyFrom(spec)
+        if p.policy != ASYNC:
+            if p.policy not in specs:
+                specs[p.policy] = policy_to_proto(p.policy)
+            m.sync.CopyFrom(specs[p.policy])
         for field, a in (("ids_at", p.ids), ("data_at", p.values), ("base_at", p.base_versions)):
             if a is not None:
                 setattr(m, field, at)
