@@ -119,15 +119,16 @@ class IdIndex:
 
     def _merge(self) -> None:
         """The delta into the base, tombstones dropped."""
-        at = np.searchsorted(self._bk, self._dk) + np.arange(len(self._dk))  # the delta's places in the merge
-        base = np.ones(len(self._bk) + len(self._dk), bool)
+        bk, bv, dk, dv = self._bk, self._bv, self._dk, self._dv
+        if self.dead:
+            lb, ld = bv != _TOMB, dv != _TOMB
+            bk, bv, dk, dv = bk[lb], bv[lb], dk[ld], dv[ld]
+            self.dead = 0
+        at = np.searchsorted(bk, dk) + np.arange(len(dk))  # the delta's places in the merge
+        base = np.ones(len(bk) + len(dk), bool)
         base[at] = False
         keys, vals = huge_empty(len(base), np.int64), huge_empty(len(base), np.int32)  # (probed at random: huge pages)
-        keys[at], vals[at], keys[base], vals[base] = self._dk, self._dv, self._bk, self._bv
-        if self.dead:
-            live = vals != _TOMB
-            keys, vals = keys[live], vals[live]
-            self.dead = 0
+        keys[at], vals[at], keys[base], vals[base] = dk, dv, bk, bv
         self._bk, self._bv = keys, vals
         self._dk, self._dv = np.empty(0, np.int64), np.empty(0, np.int32)
 

@@ -68,3 +68,15 @@ def test_deleted_ids_revive_and_tombstones_are_dropped() -> None:
     assert len(idx) == 10 and idx.nbytes == 10 * 12
     ids, vals = idx.items()
     assert dict(zip(ids.tolist(), vals.tolist())) == {n + i: i for i in range(10) if i != 2} | {n + 2: 77}
+
+
+def test_a_big_base_stays_on_2mib_aligned_memory_after_a_merge_that_drops_tombstones() -> None:
+    """The base run of a big index (the one probed at random: ``huge_empty``) is 2 MiB aligned, also
+    when the merge that made it dropped tombstones; the lookups still answer."""
+    idx = IdIndex()
+    ids = np.arange(1_500_000, dtype=np.int64) * 3
+    idx.insert(ids, np.arange(len(ids)))
+    assert idx._bk.ctypes.data % (2 << 20) == 0
+    idx.delete(ids[:800_000])  # mostly tombstones: merged at once
+    assert idx.dead == 0 and len(idx._bk) == 700_000 and idx._bk.ctypes.data % (2 << 20) == 0
+    np.testing.assert_array_equal(idx.lookup(ids[799_998:800_002]), [-1, -1, 800_000, 800_001])
