@@ -43,7 +43,7 @@ sys.path.insert(0, ROOT)
 BREAKDOWN = [
     ("ps.shard", "Shard", "_stage"), ("ps.shard", "Shard", "commit_dense"), ("ps.table", "SparseTable", "prepare_push"),
     ("ps.table", "SparseTable", "check_ids"), ("ps.table", "SparseTable", "apply_push"), ("ps.table", "SparseTable", "pull_rows"),
-    ("ps.table", "SparseTable", "_make_resident"), ("ps.table", None, "init_rows"), ("ps.index", "IdIndex", "_find"), ("ps.index", "IdIndex", "insert"),
+    ("ps.table", "SparseTable", "_make_resident"), ("ps.table", None, "init_rows"), ("ps.index", "HashIndex", "lookup"), ("ps.index", "HashIndex", "insert"),
     ("ps.rowstore", "RowStore", "gather"), ("ps.rowstore", "RowStore", "scatter"), ("ps.optim", "Adagrad", "update"),
 ]
 

@@ -456,53 +456,117 @@ void tk_gather(int64_t n, int64_t row_bytes, int shift, int64_t mask, const int6
     }
 }
 
-/* Index lookup (ps/index.py's sorted runs). For i < n, the id q = ids[at(i)] with at(i) = idx ? idx[i] : i:
- * where q is in keys[0..nkeys) (sorted ascending, unique) with a value other than ``tomb``,
- * out[at(i)] = that value; out is left as it is elsewhere. Where q is not among the keys at all, at(i)
- * is appended to ``miss`` (if given): the ids to look for in the next run (an id is in one run at
- * most). Returns how many were appended. Branch-free binary searches TK_GROUP at a time in
- * lockstep, each probe's two possible successors prefetched: a group's cache misses overlap
- * instead of following one another. */
-#define TK_GROUP 64
+/* The id index (ps/index.py's HashIndex): open addressing with linear probing over ``mask + 1``
+ * slots (a power of two). A slot holds an id and its value; TK_EMPTY never held one, TK_TOMB held a
+ * deleted one (its id kept, so inserting it again revives the slot). Each id is in one slot at most.
+ * An id's home slot is mix64(mix64(id ^ key[0]) + key[1]): ``key`` is the index's own random
+ * 128 bits, so ids a caller picks to share a home slot collide no more than random ones. */
+typedef struct __attribute__((packed)) {
+    int64_t id;
+    int32_t val;
+} tk_slot; /* 12 bytes: the table is most of the index's memory */
+#define TK_EMPTY INT32_MIN
+#define TK_TOMB (INT32_MIN + 1)
+#define TK_GROUP 16 /* ids whose home slots are prefetched together: their cache misses overlap */
 
-TK_CLONES
-int64_t tk_lookup(const int64_t *keys, const int32_t *vals, int64_t nkeys, int32_t tomb, const int64_t *ids,
-                  const int64_t *idx, int64_t n, int64_t *out, int64_t *miss) {
-    int64_t missed = 0;
-    if (nkeys <= 0) {
-        if (miss)
-            for (int64_t i = 0; i < n; i++)
-                miss[missed++] = idx ? idx[i] : i;
-        return missed;
+static inline uint64_t tk_home(int64_t id, const uint64_t *key, int64_t mask) {
+    return mix64(mix64((uint64_t)id ^ key[0]) + key[1]) & (uint64_t)mask;
+}
+
+/* The slot holding ``id`` (live or deleted), or -1 - (the first free slot on its probe: a deleted
+ * one if any came before the empty one that ends the probe). */
+static inline int64_t tk_probe(const tk_slot *t, int64_t mask, int64_t id, uint64_t h) {
+    int64_t free_at = -1;
+    for (;; h = (h + 1) & (uint64_t)mask) {
+        int32_t v = t[h].val;
+        if (v == TK_EMPTY)
+            return -1 - (free_at >= 0 ? free_at : (int64_t)h);
+        if (t[h].id == id)
+            return (int64_t)h;
+        if (v == TK_TOMB && free_at < 0)
+            free_at = (int64_t)h;
     }
+}
+
+/* For i < n: the slot of ids[i] (as tk_probe) into at[i], home slots prefetched a group ahead. */
+static void tk_probe_all(const tk_slot *t, int64_t mask, const uint64_t *key, const int64_t *ids, int64_t n, int64_t *at) {
+    uint64_t home[TK_GROUP];
     for (int64_t g0 = 0; g0 < n; g0 += TK_GROUP) {
         int m = n - g0 < TK_GROUP ? (int)(n - g0) : TK_GROUP;
-        int64_t at[TK_GROUP], q[TK_GROUP], base[TK_GROUP];
         for (int j = 0; j < m; j++) {
-            at[j] = idx ? idx[g0 + j] : g0 + j;
-            q[j] = ids[at[j]];
-            base[j] = 0;
+            home[j] = tk_home(ids[g0 + j], key, mask);
+            __builtin_prefetch(t + home[j], 0, 3);
         }
-        int64_t len = nkeys;
-        while (len > 1) {
-            int64_t half = len / 2;
-            for (int j = 0; j < m; j++) {
-                __builtin_prefetch(keys + base[j] + half / 2, 0, 3);
-                __builtin_prefetch(keys + base[j] + half + half / 2, 0, 3);
-            }
-            for (int j = 0; j < m; j++)
-                base[j] = keys[base[j] + half] <= q[j] ? base[j] + half : base[j];
-            len -= half;
+        for (int j = 0; j < m; j++)
+            at[g0 + j] = tk_probe(t, mask, ids[g0 + j], home[j]);
+    }
+}
+
+/* out[i] = the value of ids[i], or -1 where it has none (absent or deleted). */
+TK_CLONES
+void tk_hash_lookup(const tk_slot *t, int64_t mask, const uint64_t *key, const int64_t *ids, int64_t n, int64_t *out) {
+    if (mask < 0) {
+        for (int64_t i = 0; i < n; i++)
+            out[i] = -1;
+        return;
+    }
+    tk_probe_all(t, mask, key, ids, n, out);
+    for (int64_t i = 0; i < n; i++) {
+        int32_t v = out[i] >= 0 ? t[out[i]].val : TK_TOMB;
+        out[i] = v == TK_TOMB ? -1 : v;
+    }
+}
+
+/* Add ids[i] -> vals[i] (ids unique, none live; room for all of them left by the caller). Returns
+ * how many took a slot that had never held an id (the others revived or reused a deleted one). */
+TK_CLONES
+int64_t tk_hash_insert(tk_slot *t, int64_t mask, const uint64_t *key, const int64_t *ids, const int64_t *vals, int64_t n,
+                       int64_t *scratch) {
+    int64_t fresh = 0;
+    tk_probe_all(t, mask, key, ids, n, scratch);
+    for (int64_t i = 0; i < n; i++) {
+        /* an earlier insert of this call may have taken the free slot found, or the deleted slot of
+         * this id (reusing it for its own id): probe again then */
+        int64_t at = scratch[i];
+        if (at >= 0 ? t[at].id != ids[i] : t[-1 - at].val != TK_EMPTY && t[-1 - at].val != TK_TOMB)
+            at = tk_probe(t, mask, ids[i], tk_home(ids[i], key, mask));
+        if (at < 0) {
+            at = -1 - at;
+            fresh += t[at].val == TK_EMPTY;
+            t[at].id = ids[i];
         }
-        for (int j = 0; j < m; j++) {
-            if (keys[base[j]] == q[j]) {
-                int32_t v = vals[base[j]];
-                if (v != tomb)
-                    out[at[j]] = v;
-            } else if (miss) {
-                miss[missed++] = at[j];
-            }
+        t[at].val = (int32_t)vals[i];
+    }
+    return fresh;
+}
+
+/* Set the value of each live ids[i] to vals[i] (vals NULL: delete it). Returns how many were live. */
+TK_CLONES
+int64_t tk_hash_set(tk_slot *t, int64_t mask, const uint64_t *key, const int64_t *ids, const int64_t *vals, int64_t n,
+                    int64_t *scratch) {
+    int64_t found = 0;
+    if (mask < 0)
+        return 0;
+    tk_probe_all(t, mask, key, ids, n, scratch);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t at = scratch[i];
+        if (at >= 0 && t[at].val != TK_TOMB) {
+            t[at].val = vals ? (int32_t)vals[i] : TK_TOMB;
+            found++;
         }
     }
-    return missed;
+    return found;
+}
+
+/* Every live slot of ``old`` (``old_n`` slots) into the empty table ``t``. */
+TK_CLONES
+void tk_hash_move(const tk_slot *old, int64_t old_n, tk_slot *t, int64_t mask, const uint64_t *key) {
+    for (int64_t i = 0; i < old_n; i++) {
+        if (old[i].val == TK_EMPTY || old[i].val == TK_TOMB)
+            continue;
+        uint64_t h = tk_home(old[i].id, key, mask);
+        while (t[h].val != TK_EMPTY)
+            h = (h + 1) & (uint64_t)mask;
+        t[h] = old[i];
+    }
 }

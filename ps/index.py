@@ -1,42 +1,153 @@
-"""IdIndex: int64 id -> int32 value, sorted arrays searched with ``np.searchsorted``.
+"""The id index: int64 id -> int32 value (a row, or a disk-tier code), one per sparse table.
 
-Two sorted runs, as a log-structured merge of two levels: a large ``base`` and a small ``delta``
-that new ids are merged into (one ``np.insert``, O(len(delta))); when the delta grows past an
-eighth of the base (and past ``MIN_DELTA``), it is merged into the base (O(n), so O(8) copies per
-id over its life). A lookup is a binary search in each run: O(log n) per id, vectorized, and its
-cost does not depend on the ids' values (no hash to flood: ids come from the network). 12 bytes
-per id, no empty slots (a hash table kept half full takes 24-48). Speed against the vectorized
-open-addressing hash this replaced (bench/RESULTS.md): inserts 1.3-2.3x faster on a growing table
-(no rebuilds), lookups ~20% faster with warm caches but ~1.6x slower with cold ones (a bisection's
-loads depend on each other); a served shard spends the same either way.
+``HashIndex`` (where the row kernel loaded, ``ps.rowkernel``): open addressing with linear probing in
+C, the table at most 70% full (12-byte slots: 17-34 bytes per id). A lookup costs one cache miss
+per id, its group's misses overlapped: 36-44 ns per id against the sorted runs' 95-125 on cold
+caches, 1M ids (bench/RESULTS.md); an insert is O(1), no run to merge. Each index hashes with its
+own random 128-bit key, so ids a caller chose to collide (ids come from the network) cost what
+random ones do. Deleted ids leave tombstones, reused by inserts and dropped when the table is
+rebuilt (growing, or once tombstones outnumber the live ids).
 
-A key is in at most one run. Deletion marks the value (a tombstone) in place; inserting a deleted
-id again revives its entry; tombstones are dropped at the next merge (a merge is also forced when
-they outnumber the live ids). Not thread-safe: the owning table's lock guards it.
+``SortedIndex`` (the numpy path): sorted arrays searched with ``np.searchsorted``, as a
+log-structured merge of two levels: a large ``base`` and a small ``delta`` that new ids are merged
+into (one ``np.insert``, O(len(delta))); when the delta grows past an eighth of the base (and past
+``MIN_DELTA``), it is merged into the base (O(n), so O(8) copies per id over its life). 12 bytes per
+id; O(log n) per lookup, whatever the ids. A key is in at most one run. Deletion marks the value (a
+tombstone) in place; inserting a deleted id again revives its entry; tombstones are dropped at the
+next merge (a merge is also forced when they outnumber the live ids).
+
+Both answer alike (tests/unit/test_index.py runs every operation on both against a dict). Not
+thread-safe: the owning table's lock guards them.
 """
 from __future__ import annotations
+
+import secrets
 
 import numpy as np
 
 from ps import rowkernel
 from ps.rowstore import huge_empty
 
-__all__ = ["BYTES_PER_ENTRY", "VALUE_MAX", "VALUE_MIN", "IdIndex"]
+__all__ = ["VALUE_MAX", "VALUE_MIN", "HashIndex", "IdIndex", "SortedIndex", "new_index"]
 
-# The int32 value also marks deleted entries; values are rows (>= 0) or a table's negative
-# location codes (the disk tier's slots), always above the marker.
-_TOMB = np.int32(np.iinfo(np.int32).min)
+# The int32 value also marks empty slots and deleted entries; values are rows (>= 0) or a table's
+# negative location codes (the disk tier's slots), always above the markers.
+_EMPTY, _TOMB = np.int32(np.iinfo(np.int32).min), np.int32(np.iinfo(np.int32).min + 1)
 VALUE_MIN, VALUE_MAX = int(_TOMB) + 1, int(np.iinfo(np.int32).max)
-BYTES_PER_ENTRY = 8 + 4  # key, value
 MIN_DELTA = 4096  # the delta is merged into the base once it holds more than max(this, base / 8) ids
 
 
-class IdIndex:
-    """``kernel``: look ids up with the row kernel's batched binary search (``ps.rowkernel``, where it
-    loaded; same answers as ``np.searchsorted``, its cache misses overlapped); False: numpy only."""
+def _check(rows: np.ndarray) -> np.ndarray:
+    rows = np.asarray(rows, np.int64)
+    if rows.size and (int(rows.min()) < VALUE_MIN or int(rows.max()) > VALUE_MAX):
+        raise OverflowError(f"index values must lie in [{VALUE_MIN}, {VALUE_MAX}]")
+    return rows
 
-    def __init__(self, kernel: bool = True) -> None:
-        self._kernel = rowkernel.KERNEL if kernel else None
+
+def new_index(kernel: bool = True) -> "IdIndex":
+    """A ``HashIndex`` where the row kernel loaded (and ``kernel``), else a ``SortedIndex``."""
+    return HashIndex() if kernel and rowkernel.KERNEL is not None else SortedIndex()
+
+
+_SLOT = np.dtype([("id", np.int64), ("val", np.int32)])  # tk_slot (packed)
+_MIN_SLOTS = 1024
+_MAX_LOAD = 0.7  # used slots (live and deleted) per slot before the table is rebuilt
+
+
+class HashIndex:
+    """The C hash table (``ps/_rowkernel.c``: ``tk_hash_*``). The row kernel must have loaded."""
+
+    def __init__(self) -> None:
+        kernel = rowkernel.KERNEL
+        assert kernel is not None, "HashIndex needs the row kernel (new_index falls back to SortedIndex)"
+        self._k = kernel
+        self._key = np.frombuffer(secrets.token_bytes(16), np.uint64).copy()
+        self._slots = np.zeros(0, _SLOT)
+        self.n = 0  # live entries
+        self.dead = 0  # tombstones in the table
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def nbytes(self) -> int:
+        return self._slots.nbytes
+
+    def _size_for(self, live: int) -> int:
+        """Slots for ``live`` entries: a power of two, at most half full after a rebuild."""
+        return max(_MIN_SLOTS, 1 << (2 * live - 1).bit_length()) if live else 0
+
+    def grow_bytes(self, extra: int) -> int:
+        """Bytes an insert of ``extra`` new ids adds to ``nbytes`` (at most)."""
+        if self.n + self.dead + max(0, extra) <= _MAX_LOAD * len(self._slots):
+            return 0
+        return max(0, self._size_for(self.n + max(0, extra)) * _SLOT.itemsize - self.nbytes)
+
+    def _rebuild(self, live: int) -> None:
+        """A new table sized for ``live`` entries holding the live ones (tombstones dropped)."""
+        old = self._slots
+        self._slots = huge_empty(self._size_for(live), _SLOT)  # (probed at random: huge pages)
+        self._slots["val"] = _EMPTY
+        if len(old) and self.n:
+            self._k.hash_move(old.ctypes.data, len(old), self._slots.ctypes.data, self._mask, self._key.ctypes.data)
+        self.dead = 0
+
+    @property
+    def _mask(self) -> int:
+        return len(self._slots) - 1
+
+    def _call(self, fn: object, ids: np.ndarray, vals: np.ndarray | None) -> int:
+        scratch = np.empty(len(ids), np.int64)
+        return fn(  # type: ignore[operator]
+            self._slots.ctypes.data, self._mask, self._key.ctypes.data, ids.ctypes.data,
+            None if vals is None else vals.ctypes.data, len(ids), scratch.ctypes.data,
+        )
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Value of each id (int64; any order, duplicates allowed), -1 where absent."""
+        ids = np.ascontiguousarray(ids, np.int64)
+        out = np.empty(len(ids), np.int64)
+        if len(ids):
+            self._k.hash_lookup(self._slots.ctypes.data, self._mask, self._key.ctypes.data, ids.ctypes.data, len(ids), out.ctypes.data)
+        return out
+
+    def insert(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Add ``ids`` (unique, none present) -> ``rows``."""
+        ids = np.ascontiguousarray(ids, np.int64)
+        rows = np.ascontiguousarray(_check(rows))
+        if not len(ids):
+            return
+        if self.n + self.dead + len(ids) > _MAX_LOAD * len(self._slots):
+            self._rebuild(self.n + len(ids))
+        fresh = self._call(self._k.hash_insert, ids, rows)
+        self.n += len(ids)
+        self.dead -= len(ids) - fresh
+
+    def assign(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Point ``ids`` (unique, each present) at new ``rows``."""
+        ids = np.ascontiguousarray(ids, np.int64)
+        found = self._call(self._k.hash_set, ids, np.ascontiguousarray(_check(rows)))
+        assert found == len(ids), "assign to an id that is not in the index"
+
+    def delete(self, ids: np.ndarray) -> None:
+        """Remove ``ids`` (those present; absent ones are ignored)."""
+        gone = self._call(self._k.hash_set, np.ascontiguousarray(ids, np.int64), None)
+        self.n -= gone
+        self.dead += gone
+        if self.dead > max(MIN_DELTA, self.n):  # mostly tombstones: give the memory back
+            self._rebuild(self.n)
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, values (int64)) of every entry, in no particular order."""
+        v = self._slots["val"]
+        live = (v != _EMPTY) & (v != _TOMB)
+        return self._slots["id"][live], v[live].astype(np.int64)
+
+
+class SortedIndex:
+    """Sorted runs searched by numpy (the path where the row kernel is not loaded)."""
+
+    def __init__(self) -> None:
         self._bk = np.empty(0, np.int64)  # base: sorted keys, their values
         self._bv = np.empty(0, np.int32)
         self._dk = np.empty(0, np.int64)  # delta: the same, small
@@ -50,11 +161,11 @@ class IdIndex:
     @property
     def nbytes(self) -> int:
         """Bytes held by the arrays."""
-        return (len(self._bk) + len(self._dk)) * BYTES_PER_ENTRY
+        return (len(self._bk) + len(self._dk)) * _ENTRY
 
     def grow_bytes(self, extra: int) -> int:
         """Bytes an insert of ``extra`` new ids adds to ``nbytes`` (at most; revived ids add none)."""
-        return max(0, extra) * BYTES_PER_ENTRY
+        return max(0, extra) * _ENTRY
 
     @staticmethod
     def _search(keys: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -73,30 +184,17 @@ class IdIndex:
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Value of each id (int64; any order, duplicates allowed), -1 where absent."""
-        ids = np.ascontiguousarray(ids, np.int64)
-        if self._kernel is not None:
-            out = np.full(len(ids), -1, np.int64)
-            # an id is in one run at most: the delta is searched only for the ids the base lacks
-            self._kernel.lookup([(self._bk, self._bv), (self._dk, self._dv)], int(_TOMB), ids, out)
-            return out
-        pb, hb, pd, hd = self._find(ids)
+        pb, hb, pd, hd = self._find(np.ascontiguousarray(ids, np.int64))
         out = np.full(len(ids), -1, np.int64)
         out[hb] = self._bv[pb[hb]]
         out[hd] = self._dv[pd[hd]]
         out[out == _TOMB] = -1
         return out
 
-    @staticmethod
-    def _check(rows: np.ndarray) -> np.ndarray:
-        rows = np.asarray(rows, np.int64)
-        if rows.size and (int(rows.min()) < VALUE_MIN or int(rows.max()) > VALUE_MAX):
-            raise OverflowError(f"index values must lie in [{VALUE_MIN}, {VALUE_MAX}]")
-        return rows.astype(np.int32)
-
     def insert(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Add ``ids`` (unique, none present) -> ``rows``."""
         ids = np.ascontiguousarray(ids, np.int64)
-        rows = self._check(rows)
+        rows = _check(rows).astype(np.int32)
         if not len(ids):
             return
         if self.dead:  # ids deleted earlier come back to life in place
@@ -141,7 +239,7 @@ class IdIndex:
 
     def assign(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Point ``ids`` (unique, each present) at new ``rows``."""
-        rows = self._check(rows)
+        rows = _check(rows).astype(np.int32)
         pb, hb, pd, hd = self._slots(ids)
         assert bool((hb | hd).all()), "assign to an id that is not in the index"
         self._bv[pb[hb]] = rows[hb]
@@ -165,5 +263,6 @@ class IdIndex:
         live = vals != _TOMB
         return keys[live], vals[live].astype(np.int64)
 
-    def values(self) -> np.ndarray:
-        return self.items()[1]
+
+_ENTRY = 8 + 4  # a SortedIndex's bytes per id: key, value
+IdIndex = HashIndex | SortedIndex

@@ -140,9 +140,13 @@ class RowKernel:
         self._gather = lib.tk_gather
         self._gather.restype = None
         self._gather.argtypes = [_I64, _I64, ctypes.c_int, _I64, _P, _P, _P, _P, _P]
-        self._lookup = lib.tk_lookup
-        self._lookup.restype = _I64
-        self._lookup.argtypes = [_P, _P, _I64, ctypes.c_int32, _P, _P, _I64, _P, _P]
+        # the id index's hash table (ps.index.HashIndex calls these with its own pointers)
+        self.hash_lookup, self.hash_insert, self.hash_set, self.hash_move = lib.tk_hash_lookup, lib.tk_hash_insert, lib.tk_hash_set, lib.tk_hash_move
+        self.hash_lookup.restype, self.hash_move.restype = None, None
+        self.hash_insert.restype = self.hash_set.restype = _I64
+        self.hash_lookup.argtypes = [_P, _I64, _P, _P, _I64, _P]
+        self.hash_insert.argtypes = self.hash_set.argtypes = [_P, _I64, _P, _P, _P, _I64, _P]
+        self.hash_move.argtypes = [_P, _I64, _P, _I64, _P]
 
     def push(
         self, opt: str, hparams: Mapping[str, float], dim: int, shift: int, rows: np.ndarray, grad: torch.Tensor,
@@ -190,22 +194,6 @@ class RowKernel:
         self._gather(
             len(rows), row_bytes, shift, (1 << shift) - 1, _ptr(rows), _kept_ptr(values), _kept_ptr(versions), _ptr(out), _ptr(out_versions)
         )
-
-
-    def lookup(self, runs: list[tuple[np.ndarray, np.ndarray]], tomb: int, ids: np.ndarray, out: np.ndarray) -> None:
-        """``out[i] = vals[j]`` where ``keys[j] == ids[i]`` in one of the ``runs`` ((keys, vals): sorted
-        unique int64 keys, int32 values, contiguous; a key in one run at most) and ``vals[j] != tomb``;
-        ``out`` (contiguous int64, like ``ids``) unchanged elsewhere. Each run after the first searches
-        only the ids the runs before it lack."""
-        idx: np.ndarray | None = None
-        n = len(ids)
-        for k, (keys, vals) in enumerate(runs):
-            if not n:
-                return
-            last = k == len(runs) - 1
-            miss = None if last else np.empty(n, np.int64)
-            n = self._lookup(_kept_ptr(keys), _kept_ptr(vals), len(keys), tomb, _ptr(ids), _ptr(idx), n, _ptr(out), _ptr(miss))
-            idx = miss
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

@@ -90,7 +90,7 @@ class RamBacking(ChunkBacking):
         return torch.from_numpy(huge_empty(nbytes, np.uint8))
 
 
-def huge_empty(n: int, dtype: type) -> np.ndarray:
+def huge_empty(n: int, dtype: "np.typing.DTypeLike") -> np.ndarray:
     """``np.empty(n, dtype)``; from ``_HUGE`` bytes up, its own anonymous mapping, 2 MiB aligned and
     advised MADV_HUGEPAGE (random rows and index probes otherwise miss the TLB: -10% on a 1M x 64
     pull + push in process). Unmapped with the last view of it."""

@@ -19,7 +19,7 @@ import torch
 
 from ps.config import TableSpec
 from ps.errors import NonFiniteError, ResourceExhaustedError, ShapeMismatchError, WrongShardError
-from ps.index import IdIndex
+from ps.index import new_index
 from ps.initializers import init_dense, init_rows, table_key, uniform01
 from ps import rowkernel
 from ps.optim import Adagrad, Optimizer, make_optimizer, scaled_lr
@@ -689,7 +689,7 @@ class SparseTable:
     Rows live in a :class:`~ps.rowstore.RowStore`: fixed-size chunks holding each row's values
     (in the table's row dtype, ``spec.dtype``: float32, float16 or bfloat16), optimizer state
     (fp32, elementwise or row-wise) and metadata (version, last touch, id, admission count);
-    ``_index`` (sorted id arrays, ``ps.index``) maps id -> location. Eviction (TTL/LRU)
+    ``_index`` (a hash table or sorted id arrays, ``ps.index``) maps id -> location. Eviction (TTL/LRU)
     releases rows to the store's free list, which new rows reuse before any chunk is added.
 
     Low precision: pulls widen stored rows to fp32 (``pull``) or return them as stored
@@ -738,7 +738,7 @@ class SparseTable:
         # held from a budget check to the allocation it allowed: shared by a shard's tables, so two
         # tables growing at once cannot both be granted the same headroom
         self._growth = growth_lock if growth_lock is not None else threading.Lock()
-        self._index = IdIndex(kernel=self._gather_kernel is not None)
+        self._index = new_index(kernel=self._gather_kernel is not None)
         self.row_dtype = ROW_DTYPES[spec.dtype]
         opt = self.optimizer
         self._state_names = list(opt.elementwise_state) + list(opt.rowwise_state)
@@ -1499,7 +1499,7 @@ class SparseTable:
         with self.lock:
             self._moved()
             self.eviction_epoch += 1  # every row replaced: versions read before name other values
-            self._index = IdIndex(kernel=self._gather_kernel is not None)
+            self._index = new_index(kernel=self._gather_kernel is not None)
             self._store.clear()
             if self._cold is not None:
                 if self._cold.held:  # a snapshot still reads its file: leave it that file, start a new one

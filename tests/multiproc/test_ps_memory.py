@@ -591,4 +591,5 @@ def test_a_table_4x_its_resident_budget_keeps_rss_within_the_budget_plus_its_boo
           f"chunk {r['chunk'] / MIB:.1f}); disk {r['disk'] / MIB:.0f} MiB")
     assert r["cold_rows"] >= 3 * r["resident_rows"] * 0.9
     assert growth <= r["budget"] + overhead, "the disk tier's process held more than its budget plus bookkeeping"
-    assert growth < 0.6 * r["payload"], "most of the table must not be resident"
+    # the id index (every row's id, both tiers: in RAM by design, allowed above) aside, most rows are on disk
+    assert growth - r["index"] < 0.6 * r["payload"], "most of the table must not be resident"

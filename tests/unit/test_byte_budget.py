@@ -9,6 +9,7 @@ once, dense pushes while readers hold the blocks, LRU churn with a disk tier. Be
 128 MiB shard held 137 MiB (a push crossing a chunk boundary got its chunk without asking)."""
 from __future__ import annotations
 
+import mmap
 import threading
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 from ps.consistency import SyncPolicy
 from ps.config import EvictionSpec, OptimizerSpec, ShardConfig, TableSpec
 from ps.errors import ResourceExhaustedError
+from ps.index import HashIndex
 from ps.rowstore import Column, RowStore
 from ps.shard import Shard
 from ps.table import DenseTable, SparseTable
@@ -36,9 +38,11 @@ def _buffers(t: DenseTable | SparseTable) -> dict[int, int]:
             s = x.untyped_storage()
             out[s.data_ptr()] = s.nbytes()
         elif isinstance(x, np.ndarray):
-            base = x
+            base, below = x, x
             while isinstance(base.base, np.ndarray):
-                base = base.base
+                base, below = base.base, base
+            if isinstance(base.base, (mmap.mmap, memoryview)):  # huge_empty's mapping: its alignment slack is never touched
+                base = below
             out[base.__array_interface__["data"][0]] = base.nbytes
 
     if isinstance(t, DenseTable):
@@ -54,7 +58,8 @@ def _buffers(t: DenseTable | SparseTable) -> dict[int, int]:
         add(st._free)
     if t._cold is not None:
         add(t._cold.payload._free)  # the payload's chunks are in the file; its free stack is RAM
-    for a in (t._index._bk, t._index._bv, t._index._dk, t._index._dv):
+    ix = t._index
+    for a in (ix._slots,) if isinstance(ix, HashIndex) else (ix._bk, ix._bv, ix._dk, ix._dv):
         if a.size:
             add(a)
     if t._seen is not None:

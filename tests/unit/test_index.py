@@ -1,14 +1,24 @@
-"""ps/index.py IdIndex against a Python dict, through inserts, deletes, revived ids and merges."""
+"""ps/index.py's two indexes (HashIndex: C, where the row kernel loaded; SortedIndex: numpy) against
+a Python dict, through inserts, deletes, revived ids, merges and rebuilds."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
-from ps.index import IdIndex
+from ps import rowkernel
+from ps.index import HashIndex, SortedIndex, new_index
+
+needs_kernel = pytest.mark.skipif(rowkernel.KERNEL is None, reason=f"row kernel not loaded: {rowkernel.UNAVAILABLE}")
+BOTH = [pytest.param(HashIndex, marks=needs_kernel), SortedIndex]
 
 
-def test_index_matches_a_dict_under_random_operations() -> None:
-    rng = np.random.default_rng(0)
-    idx, ref = IdIndex(), {}
+@pytest.mark.parametrize("cls", BOTH)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_index_matches_a_dict_under_random_operations(cls: type, seed: int) -> None:
+    """Random batches (small ids collide often; every batch inserts only the ids the index lacks, so
+    deleted ones come back), random deletes; lookups of present, deleted and absent ids after each."""
+    rng = np.random.default_rng(seed)
+    idx, ref = cls(), {}
     next_row = 0
     for _ in range(300):
         ids = np.unique(rng.integers(-(2**63), 2**63 - 1, size=int(rng.integers(0, 200)), dtype=np.int64))
@@ -31,7 +41,7 @@ def test_index_matches_a_dict_under_random_operations() -> None:
         assert len(idx) == len(ref)
     ids, rows = idx.items()
     assert dict(zip(ids.tolist(), rows.tolist())) == ref
-    assert sorted(idx.values().tolist()) == sorted(ref.values())
+    assert sorted(idx.items()[1].tolist()) == sorted(ref.values())
 
 
 def test_unsorted_batches_merges_and_exact_bytes() -> None:
@@ -39,7 +49,7 @@ def test_unsorted_batches_merges_and_exact_bytes() -> None:
     and base / 8); 12 bytes per entry and nothing else."""
     from ps.index import MIN_DELTA
 
-    idx = IdIndex()
+    idx = SortedIndex()
     rng = np.random.default_rng(1)
     ids = rng.permutation(np.arange(20 * MIN_DELTA, dtype=np.int64) * 3 - 7)
     for part in np.array_split(np.arange(len(ids)), 37):
@@ -54,7 +64,7 @@ def test_deleted_ids_revive_and_tombstones_are_dropped() -> None:
     delta); deleting most ids forces a merge that gives their bytes back."""
     from ps.index import MIN_DELTA
 
-    idx = IdIndex()
+    idx = SortedIndex()
     n = 4 * MIN_DELTA
     idx.insert(np.arange(n), np.arange(n))  # base
     idx.insert(np.arange(n, n + 10), np.arange(10))  # delta
@@ -73,10 +83,54 @@ def test_deleted_ids_revive_and_tombstones_are_dropped() -> None:
 def test_a_big_base_stays_on_2mib_aligned_memory_after_a_merge_that_drops_tombstones() -> None:
     """The base run of a big index (the one probed at random: ``huge_empty``) is 2 MiB aligned, also
     when the merge that made it dropped tombstones; the lookups still answer."""
-    idx = IdIndex()
+    idx = SortedIndex()
     ids = np.arange(1_500_000, dtype=np.int64) * 3
     idx.insert(ids, np.arange(len(ids)))
     assert idx._bk.ctypes.data % (2 << 20) == 0
     idx.delete(ids[:800_000])  # mostly tombstones: merged at once
     assert idx.dead == 0 and len(idx._bk) == 700_000 and idx._bk.ctypes.data % (2 << 20) == 0
     np.testing.assert_array_equal(idx.lookup(ids[799_998:800_002]), [-1, -1, 800_000, 800_001])
+
+
+@needs_kernel
+def test_the_hash_table_grows_stays_at_most_70_percent_full_and_gives_memory_back() -> None:
+    """Growth by doubling keeps every answer; ``grow_bytes`` says what an insert adds before it does;
+    deleted slots are reused; deleting most ids rebuilds the table smaller; a big table sits on
+    2 MiB aligned memory (probed at random: ``huge_empty``)."""
+    idx = HashIndex()
+    assert idx.nbytes == 0 and idx.grow_bytes(1) == 1024 * 12
+    ids = np.random.default_rng(3).permutation(np.arange(600_000, dtype=np.int64) * 7 - 3)
+    for part in np.array_split(np.arange(len(ids)), 29):
+        before, promised = idx.nbytes, idx.grow_bytes(len(part))
+        idx.insert(ids[part], part)
+        assert idx.nbytes - before == promised
+        assert idx.n + idx.dead <= 0.7 * len(idx._slots)
+    np.testing.assert_array_equal(idx.lookup(ids[::-1]), np.arange(len(ids))[::-1])
+    np.testing.assert_array_equal(idx.lookup(ids + 1), -1)
+    assert idx._slots.ctypes.data % (2 << 20) == 0 and idx.nbytes == (1 << 20) * 12
+    idx.delete(ids[:1000])
+    size = len(idx._slots)
+    idx.insert(ids[:1000], np.arange(1000) + 5)  # the deleted slots again: no growth
+    assert len(idx._slots) == size and idx.dead == 0
+    np.testing.assert_array_equal(idx.lookup(ids[:3]), [5, 6, 7])
+    idx.delete(ids[:500_000])  # mostly tombstones: rebuilt for the live ids
+    assert len(idx) == 100_000 and idx.dead == 0 and len(idx._slots) == 1 << 18
+    np.testing.assert_array_equal(idx.lookup(ids[499_999:500_002]), [-1, 500_000, 500_001])
+    idx.assign(ids[-2:], np.array([-9, 11]))
+    np.testing.assert_array_equal(idx.lookup(ids[-2:]), [-9, 11])
+
+
+@needs_kernel
+def test_two_hash_indexes_put_the_same_ids_in_different_slots() -> None:
+    """Each index draws its own hash key: ids chosen to share a home slot in one index (found by
+    looking at its table) are spread in another (the reason a caller cannot flood the index)."""
+    a, b = HashIndex(), HashIndex()
+    ids = np.arange(700, dtype=np.int64)
+    for idx in (a, b):
+        idx.insert(ids, ids)
+    assert (a._slots["id"] != b._slots["id"]).any()
+
+
+def test_new_index_is_the_hash_table_where_the_kernel_loaded() -> None:
+    assert isinstance(new_index(), HashIndex if rowkernel.KERNEL is not None else SortedIndex)
+    assert isinstance(new_index(kernel=False), SortedIndex)

@@ -214,20 +214,20 @@ def test_every_optimizer_takes_the_kernel_and_what_it_lacks_says_why(monkeypatch
     assert rowkernel.path_of("adam", {"lr": 0.1}, "float16") == "numpy (float16 rows: this build of the kernel has no float16)"
 
 
-def test_index_lookup_matches_numpy_searchsorted() -> None:
-    """IdIndex's kernel lookup against its numpy path (``kernel=False``): the same inserts and deletes
-    (base and delta runs, tombstones, revived ids), then lookups of present, deleted and absent ids,
-    unsorted and with duplicates, including ids below and above every key."""
-    from ps.index import IdIndex
+def test_hash_index_answers_as_the_sorted_index() -> None:
+    """ps.index.HashIndex (the kernel's C hash table) against SortedIndex (numpy's searchsorted): the same
+    inserts and deletes (revived ids, rebuilds), then lookups of present, deleted and absent ids,
+    unsorted and with duplicates, including the extreme int64 ids; the same items."""
+    from ps.index import HashIndex, SortedIndex
 
     rng = np.random.default_rng(9)
-    fast, ref = IdIndex(), IdIndex(kernel=False)
-    assert fast._kernel is not None and ref._kernel is None
+    fast, ref = HashIndex(), SortedIndex()
     pool = rng.choice(1 << 40, 30_000, replace=False).astype(np.int64)
+    pool[:2] = np.iinfo(np.int64).min, np.iinfo(np.int64).max
     live: set[int] = set()
     for step in range(12):
         new = np.array([i for i in rng.choice(pool, 4000) if int(i) not in live], np.int64)
-        new = np.unique(new)
+        new = rng.permutation(np.unique(new))
         rows = rng.integers(-1000, 1 << 30, len(new))
         rows[rows == -1] = 5
         for t in (fast, ref):
@@ -237,12 +237,14 @@ def test_index_lookup_matches_numpy_searchsorted() -> None:
         for t in (fast, ref):
             t.delete(gone)
         live.difference_update(gone.tolist())
-        q = np.concatenate([rng.choice(pool, 3000), rng.integers(-5, 1 << 41, 500), [np.iinfo(np.int64).min, np.iinfo(np.int64).max]])
+        q = np.concatenate([rng.choice(pool, 3000), rng.integers(-5, 1 << 41, 500), pool[:2]])
         np.testing.assert_array_equal(fast.lookup(q), ref.lookup(q), strict=True)
         np.testing.assert_array_equal(fast.lookup(np.sort(q)), ref.lookup(np.sort(q)), strict=True)
     assert len(fast) == len(ref) == len(live)
+    (fi, fv), (ri, rv) = fast.items(), ref.items()
+    assert dict(zip(fi.tolist(), fv.tolist())) == dict(zip(ri.tolist(), rv.tolist()))
     assert fast.lookup(np.zeros(0, np.int64)).shape == (0,)
-    assert (IdIndex().lookup(np.array([1, 2], np.int64)) == -1).all()
+    assert (HashIndex().lookup(np.array([1, 2], np.int64)) == -1).all()
 
 
 def test_without_the_kernel_a_process_says_so_once_and_runs_the_numpy_path() -> None:
