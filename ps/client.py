@@ -28,7 +28,7 @@ from ps.config import DENSE, SPARSE, AdmissionSpec, EvictionSpec, InitializerSpe
 from ps.errors import InternalError, InvalidArgumentError, TableNotFoundError, with_table
 from ps.consistency import SyncPolicy
 from ps.outages import ShardWatch
-from ps.plan import (DenseOut, SparseOut, dense_input, fuse_dense, group, ids_of, joined, policy_for, step_fits,
+from ps.plan import (DenseOut, SparseOut, dense_input, fuse_dense, group, ids_of, joined, placed, policy_for, step_fits,
                      stream_dense, sum_duplicates, wire_checked)
 from ps.partition import SlotMap
 from ps.shard import PULL_DENSE, PULL_SPARSE, PUSH_DENSE, PUSH_SPARSE, MembershipView, ShardStats, StepOutcome, StepPart, TableInfo
@@ -661,16 +661,17 @@ class PSClient:
         each shard's round waits for every live worker.
         """
         sync = policy_to_proto(policy) if policy is not None else None
-        spec, uniq, groups, wrows, base = self._sparse_grads(name, ids, grads, base_versions, sync is not None and sync.sync)
+        spec, uniq, groups, wrows, base, place = self._sparse_grads(name, ids, grads, base_versions, sync is not None and sync.sync)
 
         def one(i: int, idx: np.ndarray) -> PushResult:
+            at = placed(place, idx)
             head = pb.PushSparseRequest(
                 table=name, dim=spec.dim, worker=self.worker, client=self.client_id, seq=next(self._seq), dtype=self.wire_dtype,
                 sync=sync,
             )
-            bulk: dict[str, Any] = {"ids": np.ascontiguousarray(uniq[idx]), "data": np.ascontiguousarray(wrows[idx])}
+            bulk: dict[str, Any] = {"ids": np.ascontiguousarray(uniq[idx]), "data": np.ascontiguousarray(wrows[at])}
             if base is not None:
-                bulk["base_versions"] = np.ascontiguousarray(base[idx])
+                bulk["base_versions"] = np.ascontiguousarray(base[at])
             msg, _ = unframe(pb.PushSparseReply, self._call(i, "PushSparse", frame(head, **bulk), name))
             self._count_ack(f"{name}@{i}", 0 if sync is not None and sync.sync else msg.applied, msg.duplicate)
             return PushResult(msg.applied, msg.dropped, msg.mean_staleness, msg.max_staleness, 0, int(msg.late), msg.clock)
@@ -728,11 +729,12 @@ class PSClient:
                     parts[i].append(StepPart(name, PUSH_DENSE, policy_for(policy, name), next(self._seq), bases[i], data[start:stop]))
         for name, args in push_sparse.items():
             p = policy_for(policy, name)
-            _, uniq, groups, rows, base = self._sparse_grads(name, args[0], args[1], args[2] if len(args) > 2 else None, p.sync)
+            _, uniq, groups, rows, base, place = self._sparse_grads(name, args[0], args[1], args[2] if len(args) > 2 else None, p.sync)
             for i, idx in enumerate(map(joined, groups)):
                 if len(groups[i]):  # a BSP push reaches every shard (its round waits for every live worker)
-                    vers = None if base is None else base[idx]
-                    parts[i].append(StepPart(name, PUSH_SPARSE, p, next(self._seq), values=rows[idx], ids=uniq[idx], base_versions=vers))
+                    at = placed(place, idx)
+                    vers = None if base is None else base[at]
+                    parts[i].append(StepPart(name, PUSH_SPARSE, p, next(self._seq), values=rows[at], ids=uniq[idx], base_versions=vers))
         for name in pull_dense:
             for i, (start, stop) in enumerate(self._dense_meta(name).ranges):
                 if stop > start:
@@ -842,17 +844,18 @@ class PSClient:
 
     def _sparse_grads(
         self, name: str, ids: Any, grads: Any, base_versions: Any, bsp: bool
-    ) -> tuple[TableSpec, np.ndarray, list[list[np.ndarray]], np.ndarray, np.ndarray | None]:
+    ) -> tuple[TableSpec, np.ndarray, list[list[np.ndarray]], np.ndarray, np.ndarray | None, np.ndarray | None]:
         """A sparse push checked, its duplicate ids summed and cast once to the wire dtype (the
         finiteness check reads what is sent): (spec, unique ids, per-shard index groups (``bsp``:
         every shard at least an empty one, since each shard's round waits for every live worker),
-        the rows to send, newest base version per unique id or None)."""
+        the rows to send, newest base version per row or None, ``place``: the rows and base versions
+        of the unique ids at ``idx`` are at ``placed(place, idx)``; see ``sum_duplicates``)."""
         spec, uniq, inverse, groups = self._group(name, ids)
-        summed, base = sum_duplicates(spec, uniq, inverse, grads, base_versions)
+        summed, base, place = sum_duplicates(spec, uniq, inverse, grads, base_versions)
         if bsp:
             groups = [g or [np.zeros(0, np.int64)] for g in groups]
         dtype, data = wire_checked(spec, summed, self.wire_dtype)
-        return spec, uniq, groups, np.frombuffer(data, DTYPES[dtype]).reshape(len(uniq), spec.dim), base
+        return spec, uniq, groups, np.frombuffer(data, DTYPES[dtype]).reshape(len(summed), spec.dim), base, place
 
     # ------------------------------------------------------------------ membership
     def join(self, lease_s: float = 0.0, fresh: bool = False) -> list[MembershipView]:

@@ -14,9 +14,10 @@ from ps.config import TableSpec
 from ps.consistency import ASYNC, SyncPolicy
 from ps.errors import DtypeError, InvalidArgumentError, NonFiniteError, ResourceExhaustedError, ShapeMismatchError
 from ps.partition import SlotMap
+from ps.table import all_finite
 from tessera.codec import as_numpy, from_wire, to_wire
 
-__all__ = ["dense_input", "wire_checked", "all_finite", "is_identity", "placement", "placed", "ids_of", "like", "direct_out",
+__all__ = ["dense_input", "wire_checked", "is_identity", "placement", "placed", "ids_of", "like", "direct_out",
            "fill", "group", "policy_for", "joined", "DenseOut", "SparseOut", "sum_duplicates", "stream_dense", "step_fits",
            "fuse_dense"]
 
@@ -28,6 +29,8 @@ def group(
     ``per_req``. Refuses (ResourceExhaustedError, before anything is sent) a shard whose slices
     would exceed its ``max_ids`` per request (0: no limit)."""
     owner = slots.shard_of(uniq)
+    if num_shards <= 1 << 16:  # a stable sort of small integers is a radix sort (O(n), no comparisons)
+        owner = owner.astype(np.uint8 if num_shards <= 1 << 8 else np.uint16)
     order = np.argsort(owner, kind="stable")
     bounds = np.searchsorted(owner[order], np.arange(num_shards + 1))
     groups = []
@@ -78,19 +81,6 @@ def wire_checked(spec: TableSpec, g: np.ndarray, wire: str, what: str = "gradien
                 f"table {spec.name!r}: {what} holds {bad} NaN/Inf value(s) as {wire} on the wire; rejected before sending"
             )
     return dtype, data
-
-
-def all_finite(x: np.ndarray) -> bool:
-    """No NaN/Inf anywhere in ``x``? For float32, one BLAS pass without a boolean temporary: a NaN or
-    Inf makes x.x NaN/Inf, so a finite x.x says every element is finite (an x.x that overflows falls
-    back to the exact check)."""
-    if x.size == 0:
-        return True
-    if x.dtype == np.float32:
-        flat = x.reshape(-1)
-        if np.isfinite(float(np.dot(flat, flat))):  # BLAS, no temporary; half the time of isfinite().all()
-            return True
-    return bool(np.isfinite(x).all())
 
 
 def is_identity(inverse: np.ndarray, n: int) -> bool:
@@ -271,9 +261,12 @@ class SparseOut:
 
 def sum_duplicates(
     spec: TableSpec, uniq: np.ndarray, inverse: np.ndarray, grads: Any, base_versions: Any
-) -> tuple[np.ndarray, np.ndarray | None]:
+) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
     """A sparse push's gradient rows (one per id; ``inverse`` maps the ids to ``uniq``) checked and
-    summed per unique id: (float32 rows (len(uniq), dim), newest base version per unique id or None)."""
+    summed per unique id: (float32 rows, newest base version per row or None, ``place``). The rows
+    of the unique ids at ``idx`` are ``rows[placed(place, idx)]``: with duplicates, the sums in the
+    order of ``uniq`` (``place`` None); with distinct ids, the caller's rows as they are, ``place``
+    each unique id's position among them (no scatter into ``uniq``'s order and gather back out)."""
     name = spec.name
     ga = as_numpy(grads)
     if ga.size and (ga.ndim < 1 or ga.shape[-1] != spec.dim):
@@ -281,20 +274,14 @@ def sum_duplicates(
     g = ga.reshape(-1, spec.dim) if ga.size else np.zeros((0, spec.dim), np.float32)
     if g.shape[0] != len(inverse):
         raise InvalidArgumentError(f"table {name!r}: {g.shape[0]} gradient rows for {len(inverse)} ids (dim {spec.dim})")
-    in_order = is_identity(inverse, len(uniq))
-    if in_order:
-        summed = np.ascontiguousarray(g, np.float32)  # ids already unique and sorted: no scatter, no copy
-    else:
-        summed = np.zeros((len(uniq), spec.dim), np.float32)
-        if len(inverse) == len(uniq):
-            summed[inverse] = g  # no duplicates: a scatter, not a sum
-        else:
-            torch.from_numpy(summed).index_add_(0, torch.from_numpy(inverse), torch.from_numpy(np.ascontiguousarray(g, np.float32)))
-    if base_versions is None:
-        return summed, None
-    bv = as_numpy(base_versions).reshape(-1).astype(np.int64, copy=False)
-    if in_order:
-        return summed, bv
+    bv = None if base_versions is None else as_numpy(base_versions).reshape(-1).astype(np.int64, copy=False)
+    place, distinct = placement(inverse, len(uniq))
+    if distinct:  # one row per unique id already: sent as given, each shard's rows gathered once
+        return np.ascontiguousarray(g, np.float32), bv, place
+    summed = np.zeros((len(uniq), spec.dim), np.float32)
+    torch.from_numpy(summed).index_add_(0, torch.from_numpy(inverse), torch.from_numpy(np.ascontiguousarray(g, np.float32)))
+    if bv is None:
+        return summed, None, None
     base = np.full(len(uniq), -1, np.int64)
     np.maximum.at(base, inverse, bv)
-    return summed, base
+    return summed, base, None

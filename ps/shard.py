@@ -420,7 +420,8 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         self._check_writer(name, policy, worker)
         self.check_ids_request(name, len(ids))
         try:
-            return t.prepare_push(ids, grads, base_versions)
+            # an async/SSP push is applied in this call: its rows are read from the request, not copied
+            return t.prepare_push(ids, grads, base_versions, hold=policy.sync and policy.clock >= 0)
         except Exception:
             t.rejected += 1
             raise

@@ -61,15 +61,34 @@ def test_sum_duplicates_matches_a_numpy_sum_and_keeps_the_newest_base() -> None:
     ids = np.array([5, 3, 5, 9, 3, 5])
     grads = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
     uniq, inverse = np.unique(ids, return_inverse=True)
-    summed, base = sum_duplicates(spec, uniq, inverse, grads, np.array([1, 7, 4, 2, 6, 3]))
+    summed, base, place = sum_duplicates(spec, uniq, inverse, grads, np.array([1, 7, 4, 2, 6, 3]))
     want = np.zeros((3, 4), np.float32)
     np.add.at(want, inverse, grads)
+    assert place is None  # the sums are in uniq's order
     np.testing.assert_allclose(summed, want, rtol=0, atol=1e-6)
     assert base is not None and base.tolist() == [7, 4, 2]  # ids 3, 5, 9: the newest version each
     with pytest.raises(InvalidArgumentError, match="does not end in the table's dim 4"):
         sum_duplicates(spec, uniq, inverse, np.zeros((6, 3), np.float32), None)
     with pytest.raises(InvalidArgumentError, match="5 gradient rows for 6 ids"):
         sum_duplicates(spec, uniq, inverse, np.zeros((5, 4), np.float32), None)
+
+
+@pytest.mark.parametrize("ids", [[9, 3, 5, 1], [1, 3, 5, 9]], ids=["distinct", "sorted"])
+def test_sum_duplicates_of_distinct_ids_places_the_callers_rows(ids: list[int]) -> None:
+    """Distinct ids are not scattered into uniq's order: rows[placed(place, idx)] are the rows of
+    uniq[idx], as the scatter (the reference) would have put them there."""
+    spec = TableSpec("e", "sparse", dim=3, num_slots=64)
+    grads = np.random.default_rng(1).standard_normal((4, 3)).astype(np.float32)
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    rows, base, place = sum_duplicates(spec, uniq, inverse, grads, np.array([10, 11, 12, 13]))
+    assert (place is None) == (ids == sorted(ids))  # sorted: already in uniq's order
+    want = np.zeros((4, 3), np.float32)
+    want[inverse] = grads
+    want_base = np.zeros(4, np.int64)
+    want_base[inverse] = [10, 11, 12, 13]
+    for idx in (np.array([2, 0]), np.arange(4), np.zeros(0, np.int64)):
+        assert np.array_equal(rows[placed(place, idx)], want[idx])
+        assert base is not None and np.array_equal(base[placed(place, idx)], want_base[idx])
 
 
 def test_dense_and_sparse_outs_place_shard_replies() -> None:
