@@ -802,8 +802,13 @@ class SparseTable:
         # demote, promote, load): a remembered location is used only while it is unchanged.
         self._layout = 0
         self._recent: tuple[tuple[np.ndarray, np.ndarray, int], ...] = ()  # replaced whole, never mutated: read without the lock
+        # The initial values the last pulls computed for ids with no row (sorted ids, their rows): the
+        # push that creates those rows next takes them instead of computing them again (they depend on
+        # (table key, id) only). At most FRESH_PULLS entries, FRESH_BYTES in all; replaced whole.
+        self._fresh: tuple[tuple[np.ndarray, np.ndarray], ...] = ()
 
     RECENT_PULLS = 16  # remembered pulls per table (a few per worker)
+    FRESH_PULLS, FRESH_BYTES = 4, 4 << 20
 
     def _moved(self) -> None:
         """Existing rows moved or went away (caller holds the lock): remembered locations are void."""
@@ -1025,7 +1030,7 @@ class SparseTable:
         rows = self._store.alloc(n)
         fill = self.spec.optimizer.hparams.get("initial_accumulator", 0.0)
         data: dict[str, Any] = {
-            "values": self._initial(ids),
+            "values": self._created_values(ids),
             "version": 0, "touch": self.step, "id": ids,
             "admits": 1 if seen is None else np.minimum(seen + 1, 32767).astype(np.int16),
             **{k: float(fill) if k in ("sum", "n") else 0.0 for k in self._state_names},
@@ -1195,6 +1200,8 @@ class SparseTable:
             # the ids with no row: their initial values, made outside the lock
             new = np.flatnonzero(loc == -1)
             init = self._initial(uniq[new])
+            if not isinstance(init, float) and new.size:
+                self._keep_fresh(uniq[new], init)
             if not have.size and isinstance(init, float):  # one value everywhere: calloc'd zeros need no pages yet
                 return _filled((len(ids), self.dim), init, self.row_dtype), np.zeros(len(ids), np.int64)
             if isinstance(init, float):
@@ -1211,6 +1218,32 @@ class SparseTable:
             return out_vals, out_vers  # fresh tensors (gathered or built here), one row per id already
         inv = torch.from_numpy(inverse.reshape(-1).astype(np.int64))
         return out_vals.index_select(0, inv), out_vers[inverse.reshape(-1)]
+
+    def _keep_fresh(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Remember the initial ``rows`` a pull computed for sorted ``ids`` (``_fresh``)."""
+        if rows.nbytes <= self.FRESH_BYTES:
+            kept = (*self._fresh, (ids, rows))
+            while len(kept) > self.FRESH_PULLS or sum(r.nbytes for _, r in kept) > self.FRESH_BYTES:
+                kept = kept[1:]
+            self._fresh = kept
+
+    def _created_values(self, ids: np.ndarray) -> "np.ndarray | float":
+        """``_initial(ids)`` for rows being created, taken from ``_fresh`` where a recent pull computed them."""
+        fresh = self._fresh
+        if not fresh or not len(ids):
+            return self._initial(ids)
+        out = np.empty((len(ids), self.dim), np.float32)
+        left = np.arange(len(ids))  # positions still without values
+        for kept_ids, kept_rows in reversed(fresh):
+            want = ids[left]
+            at = np.minimum(np.searchsorted(kept_ids, want), len(kept_ids) - 1)
+            hit = kept_ids[at] == want
+            out[left[hit]] = kept_rows[at[hit]]
+            left = left[~hit]
+            if not left.size:
+                return out
+        out[left] = self._initial(ids[left])
+        return out
 
     def _initial(self, ids: np.ndarray) -> "np.ndarray | float":
         """The initial values of rows ``ids``: fp32 (n, dim), or one float for every element

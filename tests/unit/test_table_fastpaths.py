@@ -36,3 +36,26 @@ def test_sorted_unique_ids_give_what_the_general_path_gives() -> None:
     v, _ = fast.pull(ids)
     v[:] = 7.0
     assert not np.any(fast.pull(ids)[0] == 7.0)
+
+
+def test_rows_a_push_creates_take_the_initial_values_a_pull_computed() -> None:
+    """Reference: a twin table that never pulled, so every created row's initial values are computed
+    at the push. The rows (bit for bit) and versions must be identical, whichever of the last pulls
+    computed an id's values and whether some ids were never pulled; the kept values stay bounded."""
+    rng = np.random.default_rng(1)
+    for init in (InitializerSpec("normal", {"mean": 0.0, "std": 0.5}), InitializerSpec("uniform")):
+        spec = TableSpec("s", "sparse", dim=5, optimizer=OptimizerSpec("sgd", {"lr": 0.1}), initializer=init)
+        pulled, fresh = SparseTable(spec, 0, 1), SparseTable(spec, 0, 1)
+        batches = [np.unique(rng.integers(0, 10**9, 200)).astype(np.int64) for _ in range(3)]
+        for b in batches:
+            pulled.pull(b)
+        ids = np.unique(np.concatenate([batches[0][:50], batches[2][:50], rng.integers(0, 10**9, 40)]))  # 40 never pulled
+        g = rng.normal(size=(len(ids), 5)).astype(np.float32)
+        pulled.push(ids, g)
+        fresh.push(ids, g)
+        (pv, pver), (fv, fver) = pulled.pull(ids), fresh.pull(ids)
+        assert np.array_equal(pv.view(np.int32), fv.view(np.int32)) and np.array_equal(pver, fver)
+        for _ in range(10):  # bounded: at most FRESH_PULLS pulls, FRESH_BYTES in all
+            pulled.pull(np.unique(rng.integers(0, 10**9, 500)).astype(np.int64))
+        assert len(pulled._fresh) <= SparseTable.FRESH_PULLS
+        assert sum(r.nbytes for _, r in pulled._fresh) <= SparseTable.FRESH_BYTES
