@@ -1290,10 +1290,10 @@ class SparseTable:
         if plain:  # nothing to sum (what PSClient sends): one copy, no sort, no scatter-add
             base = None if base_versions is None else np.array(base_versions, np.int64)
             loc, layout = recalled if recalled is not None else (None, -1)
-            g = np.asarray(grads, np.float32)
-            if hold or not (g.flags.writeable and g.flags.c_contiguous):
-                g = np.array(g)
-            return SparsePush(np.array(ids, np.int64), torch.from_numpy(g), base, loc, layout)
+            rows = np.asarray(grads, np.float32)
+            if hold or not (rows.flags.writeable and rows.flags.c_contiguous):
+                rows = np.array(rows)
+            return SparsePush(np.array(ids, np.int64), torch.from_numpy(rows), base, loc, layout)
         uniq, inverse = np.unique(ids, return_inverse=True)
         g = torch.zeros((len(uniq), self.dim))
         g.index_add_(0, torch.from_numpy(inverse.reshape(-1).astype(np.int64)), torch.from_numpy(np.array(grads, np.float32)))
