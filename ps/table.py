@@ -1287,7 +1287,7 @@ class SparseTable:
                 f"table {name!r}: one push touches more than {cap} distinct rows on shard {self.shard_index}, "
                 f"its eviction.max_rows; split the request or raise max_rows"
             )
-        if plain:  # nothing to sum (what PSClient sends): one copy, no sort, no scatter-add
+        if plain:  # nothing to sum (what PSClient sends): at most one copy, no sort, no scatter-add
             base = None if base_versions is None else np.array(base_versions, np.int64)
             loc, layout = recalled if recalled is not None else (None, -1)
             rows = np.asarray(grads, np.float32)
