@@ -85,10 +85,6 @@ class PSServicer:
             # the tables worker 0 has not created yet, and a healthy run must show no errors
             self.shard.errors[code.name] += 1
 
-    def _budget(self, context: grpc.ServicerContext) -> float:
-        """Seconds a wait of this call may block: its deadline, capped server-side (Access.wait_budget)."""
-        return self.access.wait_budget(context)
-
     def _decode(self, cls: type, raw: bytes) -> tuple[Any, dict[str, memoryview]]:
         """The request and its bulk fields by name (zero-copy views; see ps.wire.frame)."""
         self.shard.bytes_in += len(raw)
@@ -153,7 +149,7 @@ class PSServicer:
             entry = unpack_plain(pl.get("entry", b""))
         except CheckpointError as e:
             raise MalformedMessageError(f"Replicate: {e}") from None
-        self.shard.apply_entry(entry, req.attach_id, self._budget(context))
+        self.shard.apply_entry(entry, req.attach_id, self.access.wait_budget(context))
         return self._out(pb.ReplicateReply().SerializeToString())
 
     # ------------------------------------------------------------------ tables
@@ -195,7 +191,7 @@ class PSServicer:
         if req.hold:
             path, clock = "", self.shard.hold_cut(max(0, req.at_clock))
         else:
-            path, clock = self.shard.cut_at(req.at_clock, self._budget(context))
+            path, clock = self.shard.cut_at(req.at_clock, self.access.wait_budget(context))
         return self._out(pb.CheckpointReply(shard_index=self.shard.config.shard_index, path=path, clock=clock).SerializeToString())
 
     # ------------------------------------------------------------------ dense
@@ -226,7 +222,7 @@ class PSServicer:
         req, _ = self._decode(pb.PullDenseRequest, raw)
         dtype = wire_float_dtype(req.dtype, req.table, "dtype")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
-        version, clock, blocks = self.shard.pull_dense(req.table, policy, self._budget(context), req.worker, **self._reader(caller))
+        version, clock, blocks = self.shard.pull_dense(req.table, policy, self.access.wait_budget(context), req.worker, **self._reader(caller))
         for b in blocks:
             head = pb.DenseChunk(offset=b.offset, dtype=dtype, version=version, clock=clock)
             yield self._out(frame_pieces(head, data=to_wire(b.block, dtype)[1]))
@@ -236,7 +232,7 @@ class PSServicer:
         req, pl = self._decode(pb.StepRequest, raw)
         parts = step_parts_from_proto(req, pl.get("data", memoryview(b"")))
         dtype = req.dtype or "float32"
-        outcomes = self.shard.step(parts, req.worker, req.client, self._budget(context), dtype, **self._reader(caller))
+        outcomes = self.shard.step(parts, req.worker, req.client, self.access.wait_budget(context), dtype, **self._reader(caller))
         reply, pieces = step_reply_to_proto(outcomes, dtype)
         return self._out(frame_pieces(reply, data=pieces))  # (not copied: bulk sends them as they are, gRPC joins)
 
@@ -250,7 +246,7 @@ class PSServicer:
             known = from_wire(pl["known_versions"], "int64", None, what=f"table {req.table!r}: known_versions")
         policy = policy_from_proto(req.sync, req.HasField("sync"))
         r = self.shard.pull_rows(
-            req.table, ids, policy, self._budget(context), dtype, known, req.known_epoch, req.worker, **self._reader(caller)
+            req.table, ids, policy, self.access.wait_budget(context), dtype, known, req.known_epoch, req.worker, **self._reader(caller)
         )
         head = pb.PullSparseReply(dtype=r.dtype, dim=r.dim, clock=r.clock, conditional=r.conditional, epoch=r.epoch)
         return self._out(frame_pieces(head, versions=byte_view(r.versions), data=to_wire(r.rows, r.dtype)[1]))
