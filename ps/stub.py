@@ -220,49 +220,46 @@ class ShardStub:
         """``attempt()`` until it does not fail UNAVAILABLE (or CANCELLED by the server), for at most ``policy.retry_timeout`` seconds
         (and ``policy.retries`` retries): jittered exponential backoff, and a failover check between
         attempts where the shard has replicas. Any gRPC error left is raised as the PS's typed error."""
+        deadline = time.monotonic() + self.policy.retry_timeout
         try:
-            return self._retry(attempt)
+            n = 0
+            while True:
+                replica = self.replicas[self.cur]
+                gen = replica.gen
+                try:
+                    replica.resolve(self.policy.timeout)
+                    gen = replica.gen  # the generation this attempt's calls use
+                    out = attempt()
+                except grpc.RpcError as e:
+                    code = e.code() if hasattr(e, "code") else None
+                    if self.watch is not None:
+                        if code == grpc.StatusCode.UNAVAILABLE:
+                            self.watch.unreachable(self, e)
+                        elif code not in _NOT_AN_ANSWER:
+                            self.watch.reached(self)
+                    if code not in _RETRIED or (self.policy.retries is not None and n >= self.policy.retries):
+                        raise
+                    # a restarted server may serve bulk on another port: ask again, once per generation
+                    # (a fan-out's other calls that failed on the same channel do not thrash it)
+                    replica.unresolve(gen)
+                    cap = 2.0
+                    if len(self.replicas) > 1:
+                        before = self.cur
+                        if self.failover() and self.cur != before:
+                            n += 1
+                            continue  # a new primary: try it now
+                        cap = 0.5  # a backup may take over any moment: look again soon
+                    delay = min(cap, 0.1 * 2**n) * (0.5 + random.random() / 2)
+                    if time.monotonic() + delay > deadline:
+                        raise
+                    time.sleep(delay)
+                    n += 1
+                else:
+                    if self.watch is not None:
+                        self.watch.reached(self)
+                    return out
         except grpc.RpcError as e:
             raise typed_error(e, self.label, table) from None
-
-    def _retry(self, attempt: Callable[[], T]) -> T:
-        deadline = time.monotonic() + self.policy.retry_timeout
-        n = 0
-        while True:
-            replica = self.replicas[self.cur]
-            gen = replica.gen
-            try:
-                replica.resolve(self.policy.timeout)
-                gen = replica.gen  # the generation this attempt's calls use
-                out = attempt()
-            except grpc.RpcError as e:
-                code = e.code() if hasattr(e, "code") else None
-                if self.watch is not None:
-                    if code == grpc.StatusCode.UNAVAILABLE:
-                        self.watch.unreachable(self, e)
-                    elif code not in _NOT_AN_ANSWER:
-                        self.watch.reached(self)
-                if code not in _RETRIED or (self.policy.retries is not None and n >= self.policy.retries):
-                    raise
-                # a restarted server may serve bulk on another port: ask again, once per generation
-                # (a fan-out's other calls that failed on the same channel do not thrash it)
-                replica.unresolve(gen)
-                cap = 2.0
-                if len(self.replicas) > 1:
-                    before = self.cur
-                    if self.failover() and self.cur != before:
-                        n += 1
-                        continue  # a new primary: try it now
-                    cap = 0.5  # a backup may take over any moment: look again soon
-                delay = min(cap, 0.1 * 2**n) * (0.5 + random.random() / 2)
-                if time.monotonic() + delay > deadline:
-                    raise
-                time.sleep(delay)
-                n += 1
-            else:
-                if self.watch is not None:
-                    self.watch.reached(self)
-                return out
 
     def failover(self, timeout: float = 1.0) -> bool:
         """Point at the replica that says it is primary with the highest epoch; True if one does."""
