@@ -368,19 +368,19 @@ class SyncRound(Generic[C]):
         """Apply a round's contributions (``_take``'s; None: no round complete). True if applied; raises if it failed."""
         if values is None:
             return False
+        failed = None
         try:
             self._apply(values)
         except BaseException as e:
+            failed = f"round for clock {self.clock} failed to apply ({type(e).__name__}: {e}); nothing applied"
+            raise
+        finally:
             with self.cond:
                 self._applying = False
-                self.failed = f"round for clock {self.clock} failed to apply ({type(e).__name__}: {e}); nothing applied"
+                self.failed = failed
+                if failed is None:
+                    self.clock += 1
                 self.cond.notify_all()
-            raise
-        with self.cond:
-            self._applying = False
-            self.failed = None
-            self.clock += 1
-            self.cond.notify_all()
         return True
 
     def mirror_contribution(self, worker: str, clock: int, value: C, backup_workers: int | None = None) -> None:
@@ -418,8 +418,7 @@ class SyncRound(Generic[C]):
     def release(self) -> None:
         with self.cond:
             self.hold_at = None
-            batch = self._take()
-        self._run(batch)
+        self.check()
 
     def wait_clock(self, clock: int, timeout: float, pull: bool = False) -> float:
         """Block until this table applied every clock below ``clock``. Returns seconds waited.
