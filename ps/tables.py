@@ -204,16 +204,10 @@ class Tables(ShardState):
         return t
 
     def info(self, name: str) -> TableInfo:
-        t = self.table(name)
+        t, c = self.table(name), self.config
         if isinstance(t, DenseTable):
-            return TableInfo(
-                t.spec, self.config.shard_index, self.config.num_shards, t.start, t.length, t.chunk_elems, t.version,
-                self.config.max_ids_per_request,
-            )
-        return TableInfo(
-            t.spec, self.config.shard_index, self.config.num_shards, version=t.step,
-            max_ids_per_request=self.config.max_ids_per_request,
-        )
+            return TableInfo(t.spec, c.shard_index, c.num_shards, t.start, t.length, t.chunk_elems, t.version, c.max_ids_per_request)
+        return TableInfo(t.spec, c.shard_index, c.num_shards, version=t.step, max_ids_per_request=c.max_ids_per_request)
 
     def check_ids_request(self, name: str, n: int) -> None:
         if n > self.config.max_ids_per_request:
