@@ -102,22 +102,14 @@ class Mirroring(ShardState):
             data = pack_plain(snapshot_to_plain(self.snapshot(pending=True)))
             for off in range(0, len(data), chunk):
                 yield data[off : off + chunk], attach_id if off + chunk >= len(data) else 0
-            self.attach_backup(address, sender(attach_id), attach_id)
+            self.backup, self._forward, self._backup_lost_at = address, sender(attach_id), None
+            self.backup_attach_id = attach_id
+            for t in self._tables():
+                if isinstance(t, SparseTable):
+                    with t.lock:
+                        t.track_evictions = True
+                        t.take_evicted()
         log.info("shard %d: backup %s attached (%d bytes of snapshot)", self.config.shard_index, address, len(data))
-
-    def attach_backup(self, address: str, forward: Callable[[dict], None], attach_id: int = 0) -> None:
-        """Make ``address`` this primary's backup: every mutation from now on is forwarded through
-        ``forward``. Call under ``gate.exclusive()``, after the backup received ``snapshot(pending=True)``
-        taken under the same hold (so no mutation falls between the snapshot and the first forward)."""
-        if self.role != PRIMARY:
-            raise FailedPreconditionError(f"shard {self.config.shard_index} is a backup; attach to its primary")
-        self.backup, self._forward, self._backup_lost_at = address, forward, None
-        self.backup_attach_id = attach_id
-        for t in self._tables():
-            if isinstance(t, SparseTable):
-                with t.lock:
-                    t.track_evictions = True
-                    t.take_evicted()
 
     def install(self, snap: ShardSnapshot, attach_id: int) -> None:
         """A backup: replace everything with the primary's snapshot of attach ``attach_id``. Mutations
