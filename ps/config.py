@@ -65,12 +65,6 @@ def _resolve(kind: str, name: str, given: Mapping[str, float], table: dict[str, 
     return out
 
 
-def _range_text(lo: float, lo_in: bool, hi: float, hi_in: bool) -> str:
-    if hi == math.inf:
-        return f"{'>=' if lo_in else '>'} {lo:g}"
-    return f"in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
-
-
 @dataclass(frozen=True)
 class OptimizerSpec:
     """A server-side optimizer by name; missing hyperparameters take their defaults."""
@@ -83,9 +77,8 @@ class OptimizerSpec:
         for k, v in resolved.items():
             lo, lo_in, hi, hi_in = HPARAM_RANGES[k]
             if (v < lo or (v == lo and not lo_in)) or (v > hi or (v == hi and not hi_in)):
-                raise InvalidArgumentError(
-                    f"optimizer {self.name!r}: {k} must be {_range_text(lo, lo_in, hi, hi_in)}, got {v}"
-                )
+                bound = f"{'>=' if lo_in else '>'} {lo:g}" if hi == math.inf else f"in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+                raise InvalidArgumentError(f"optimizer {self.name!r}: {k} must be {bound}, got {v}")
         object.__setattr__(self, "hparams", resolved)
 
 
