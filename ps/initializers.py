@@ -118,19 +118,14 @@ def _mix64_(z: np.ndarray, tmp: np.ndarray) -> np.ndarray:
     return z
 
 
-def _uniform01_(c: np.ndarray, tmp: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """uniform01(c) into ``out`` (float64), consuming ``c``."""
-    _mix64_(c, tmp)
-    np.right_shift(c, _U64(11), out=c)
-    np.add(c, 1.0, out=out, casting="unsafe")  # c < 2^53: exact in float64, as astype(float64) + 1.0
-    out *= 1.0 / 9007199254740992.0
-    return out
-
-
 def _values_blocked(spec: InitializerSpec, c: np.ndarray) -> np.ndarray:
     p = spec.params
     if spec.name == "uniform":
-        u = _uniform01_(c.copy(), np.empty_like(c), np.empty(c.shape, np.float64))
+        c = _mix64_(c.copy(), np.empty_like(c))  # uniform01(c), in place
+        np.right_shift(c, _U64(11), out=c)
+        u = np.empty(c.shape, np.float64)
+        np.add(c, 1.0, out=u, casting="unsafe")  # c < 2^53: exact in float64, as astype(float64) + 1.0
+        u *= 1.0 / 9007199254740992.0
         u *= p["high"] - p["low"]
         u += p["low"]
         return u
