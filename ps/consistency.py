@@ -153,13 +153,10 @@ class Membership:
 
     def touch(self, worker: str) -> bool:
         """Record a request from ``worker`` (renews its lease). Returns True if this rejoined it."""
-        if not worker:
+        if not worker or self.renew(worker):
             return False
         with self.cond:
             w = self._workers.get(worker)
-            if w is not None and w.live:
-                w.last_seen = self._now()
-                return False
         self.join(worker, w.lease_s if w is not None else 0.0)
         return True
 
