@@ -315,10 +315,9 @@ def step_reply_to_proto(outcomes: Sequence[StepOutcome], dtype: str) -> tuple[pb
                 r.version = res.version if not o.push.late and res.version else o.version
         elif o.blocks is not None:
             r.data_at, r.count = at, sum(int(b.numel()) for b in o.blocks)
-            for b in o.blocks:
-                piece = to_wire(b, dtype)[1]
-                pieces.append(piece)
-                at += piece.nbytes
+            wired = [to_wire(b, dtype)[1] for b in o.blocks]
+            pieces += wired
+            at += sum(w.nbytes for w in wired)
         elif o.rows is not None and o.versions is not None:
             r.count, r.dim = o.rows.shape[0], o.rows.shape[1]
             rdtype = o.dtype or dtype
@@ -338,12 +337,11 @@ def dense_push_from_proto(msg: pb.DenseChunk) -> tuple[DensePush, str]:
     reply_dtype = wire_float_dtype(msg.reply_dtype, name, "reply_dtype")
     if msg.op not in (pb.DENSE_OP_GRADIENT, pb.DENSE_OP_ASSIGN):
         raise InvalidArgumentError(f"table {name!r}: unknown op {msg.op}; use DENSE_OP_GRADIENT (0) or DENSE_OP_ASSIGN (1)")
-    head = DensePush(
+    return DensePush(
         name, ASSIGN if msg.op == pb.DENSE_OP_ASSIGN else GRADIENT, policy_from_proto(msg.sync, msg.HasField("sync")), msg.worker,
         msg.client, msg.seq, msg.base_version, tuple(int(d) for d in msg.shape), msg.flat_view, msg.return_params,
         msg.return_params and msg.early,
-    )
-    return head, reply_dtype
+    ), reply_dtype
 
 
 def push_chunk_from_proto(msg: pb.DenseChunk, pl: dict[str, memoryview], table: str, head: DensePush | None = None) -> PushChunk:
