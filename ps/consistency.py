@@ -54,6 +54,11 @@ class SyncPolicy:
     staleness_aware_lr: bool = False
 
     @property
+    def bsp(self) -> bool:
+        """Whether this request takes part in the BSP round of ``clock`` (a push joins it, a pull waits for it)."""
+        return self.sync and self.clock >= 0
+
+    @property
     def ssp(self) -> bool:
         """Whether this request follows the bounded-staleness rule (async with a staleness bound)."""
         return not self.sync and self.staleness >= 0 and self.clock >= 0

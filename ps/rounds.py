@@ -127,7 +127,7 @@ class Rounds(ShardState):
         """Block until ``policy`` lets a worker read ``name`` for step ``policy.clock``; returns the table's BSP clock."""
         self.table(name)
         r = self._round(name)
-        if policy.sync and policy.clock >= 0:
+        if policy.bsp:
             r.wait_clock(policy.clock, timeout, pull=True)
         elif policy.ssp:
             self.membership.wait_ssp(policy.clock, policy.staleness, timeout)

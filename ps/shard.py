@@ -421,7 +421,7 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         self.check_ids_request(name, len(ids))
         try:
             # an async/SSP push is applied in this call: its rows are read from the request, not copied
-            return t.prepare_push(ids, grads, base_versions, hold=policy.sync and policy.clock >= 0)
+            return t.prepare_push(ids, grads, base_versions, hold=policy.bsp)
         except Exception:
             t.rejected += 1
             raise
@@ -433,7 +433,7 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         """Apply a prepared sparse push: BSP contributes it to the round of ``policy.clock``; async/SSP
         apply it now, at most once per (client, seq)."""
         t = self.sparse(name)
-        if policy.sync and policy.clock >= 0:
+        if policy.bsp:
             return self._contribute(name, worker, policy, prepared, client, seq)
         return self._apply_once(
             t, lambda once, before_swap, mirrored: t.apply_push(
