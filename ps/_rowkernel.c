@@ -570,3 +570,32 @@ void tk_hash_move(const tk_slot *old, int64_t old_n, tk_slot *t, int64_t mask, c
         t[h] = old[i];
     }
 }
+
+/* A pull's common case in one call: at[i] = the value of ids[i] in the index (as tk_hash_lookup);
+ * if every id has a resident row (value >= 0), row i of ``out`` and out_versions[i] are its values
+ * and version (as tk_gather) and it returns n, else it copies nothing and returns -1 - (the index of
+ * the first id with no resident row). *increasing = ids strictly increasing (sorted, no duplicates). */
+TK_CLONES
+int64_t tk_hash_gather(const tk_slot *t, int64_t mask, const uint64_t *key, const int64_t *ids, int64_t n, int64_t *at,
+                       int64_t row_bytes, int shift, int64_t rmask, char *const *values, int64_t *const *version, char *out,
+                       int64_t *out_versions, int64_t *increasing) {
+    int64_t inc = 1;
+    for (int64_t i = 1; i < n && inc; i++)
+        inc = ids[i] > ids[i - 1];
+    *increasing = inc;
+    tk_hash_lookup(t, mask, key, ids, n, at);
+    for (int64_t i = 0; i < n; i++)
+        if (at[i] < 0)
+            return -1 - i;
+    tk_gather(n, row_bytes, shift, rmask, at, values, version, out, out_versions);
+    return n;
+}
+
+/* The shard of each id, as ps.partition.SlotMap.shard_of: its slot mix64(id) % num_slots, then
+ * slot_shards[slot] (NULL: the default map, slot % num_shards). */
+void tk_shard_of(const int64_t *ids, int64_t n, uint64_t num_slots, const int64_t *slot_shards, int64_t num_shards, int64_t *out) {
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t s = mix64((uint64_t)ids[i]) % num_slots;
+        out[i] = slot_shards ? slot_shards[s] : (int64_t)(s % (uint64_t)num_shards);
+    }
+}

@@ -20,7 +20,7 @@ import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -225,7 +225,7 @@ class PSClient:
         the replies parsed as ``reply`` (a message class), in shard order."""
         raw = request.SerializeToString()
         which = range(self.num_shards) if shards is None else shards
-        return [unframe(reply, r)[0] for r in self._fan_out([lambda i=i: self._call(i, method, raw, table) for i in which])]
+        return [unframe(reply, r)[0] for r in self._settle([self._shards[i].start(method, raw, table) for i in which])]
 
     def _fan_out(self, jobs: list[Any]) -> list[Any]:
         """Run zero-arg callables concurrently; re-raise the first error after all finish."""
@@ -233,8 +233,14 @@ class PSClient:
             return [j() for j in jobs]
         # the first job runs here, on the calling thread (which would only wait): one hand-off fewer
         futs = [self._pool.submit(j) for j in jobs[1:]]
+        return self._settle([jobs[0], *(f.result for f in futs)])
+
+    @staticmethod
+    def _settle(jobs: Iterable[Callable[[], Any]]) -> list[Any]:
+        """Each zero-arg callable's result in order (for calls already sent, ``ShardStub.start``: their
+        replies); the first error is raised after all finished."""
         results, first_error = [], None
-        for job in [jobs[0], *(f.result for f in futs)]:
+        for job in jobs:
             try:
                 results.append(job())
             except BaseException as e:  # noqa: BLE001
@@ -750,15 +756,17 @@ class PSClient:
             return self._step_separately(*every, policy, pull_policy, base_versions)
         side = self._pool.submit(self._step_separately, *streamed, policy, pull_policy, base_versions) if big else None
 
-        def one(i: int) -> list[StepOutcome]:
-            raw = step_parts_to_proto(parts[i], self.worker, self.client_id, self.wire_dtype)
-            msg, pl = unframe(pb.StepReply, self._call(i, "Step", raw))
+        def one(i: int, raw: bytes) -> list[StepOutcome]:
+            msg, pl = unframe(pb.StepReply, raw)
             if len(msg.parts) != len(parts[i]):
                 raise InternalError(f"shard {self._shards[i].label}: Step answered {len(msg.parts)} of {len(parts[i])} parts")
             return step_reply_from_proto(msg, pl.get("data", memoryview(b"")), self.wire_dtype)
 
-        try:
-            replies = self._fan_out([(lambda i=i: one(i)) if parts[i] else list for i in range(S)])
+        try:  # every shard's request is sent before any reply is read (no thread)
+            sent = [self._shards[i].start("Step", step_parts_to_proto(p, self.worker, self.client_id, self.wire_dtype))
+                    for i, p in enumerate(parts) if p]
+            raws = iter(self._settle(sent))
+            replies = [one(i, next(raws)) if p else [] for i, p in enumerate(parts)]
         finally:
             side_result = side.result() if side is not None else None  # its error, if any, after the Step calls ended
         result = self._step_result(replies, pull_dense, pulled, pull_sparse, policy, set(push_dense))

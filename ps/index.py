@@ -24,6 +24,7 @@ from __future__ import annotations
 import secrets
 
 import numpy as np
+import torch
 
 from ps import rowkernel
 from ps.rowstore import huge_empty
@@ -110,6 +111,23 @@ class HashIndex:
         if len(ids):
             self._k.hash_lookup(self._slots.ctypes.data, self._mask, self._key.ctypes.data, ids.ctypes.data, len(ids), out.ctypes.data)
         return out
+
+    def lookup_rows(
+        self, ids: np.ndarray, row_bytes: int, shift: int, values: np.ndarray, versions: np.ndarray, out: torch.Tensor,
+        out_versions: np.ndarray,
+    ) -> tuple[np.ndarray, bool, bool]:
+        """``lookup(ids)`` (int64, contiguous) and, if every id has a row (a value >= 0), their ``row_bytes``-byte
+        values and versions copied into ``out`` and ``out_versions`` from a row store's chunk pointer tables
+        (``values``, ``versions``; chunks of ``1 << shift`` rows), in one C call: (the values, whether every
+        row was copied, whether ``ids`` are strictly increasing)."""
+        at = np.empty(len(ids), np.int64)
+        increasing = np.zeros(1, np.int64)
+        got = self._k.hash_gather(
+            rowkernel.kept_ptr(self._slots), self._mask, rowkernel.kept_ptr(self._key), ids.ctypes.data, len(ids), at.ctypes.data,
+            row_bytes, shift, (1 << shift) - 1, rowkernel.kept_ptr(values), rowkernel.kept_ptr(versions), out.data_ptr(),
+            out_versions.ctypes.data, increasing.ctypes.data,
+        )
+        return at, got == len(ids), bool(increasing[0])
 
     def insert(self, ids: np.ndarray, rows: np.ndarray) -> None:
         """Add ``ids`` (unique, none present) -> ``rows``."""

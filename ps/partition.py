@@ -10,6 +10,8 @@ of shards by moving whole slots.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 __all__ = ["dense_range", "dense_ranges", "mix64", "slot_of", "SlotMap", "stable_hash"]
@@ -81,6 +83,9 @@ class SlotMap:
     def nbytes(self) -> int:
         return 0 if self._shards is None else int(self._shards.nbytes)
 
-    def shard_of(self, ids: np.ndarray) -> np.ndarray:
+    def shard_of(self, ids: np.ndarray, kernel: Any = None) -> np.ndarray:
+        """The shard of each int64 id; ``kernel`` (``ps.rowkernel.KERNEL``, where it loaded): in one C pass."""
+        if kernel is not None:
+            return kernel.shard_of(np.ascontiguousarray(ids, np.int64), self.num_slots, self._shards, self.num_shards)
         slots = slot_of(ids, self.num_slots)
         return slots % self.num_shards if self._shards is None else self._shards[slots]

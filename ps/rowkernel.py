@@ -85,7 +85,7 @@ def _ptr(a: np.ndarray | torch.Tensor | None) -> int | None:
 _ADDRESSES: dict[int, tuple[weakref.ref, int]] = {}
 
 
-def _kept_ptr(a: np.ndarray | None) -> int | None:
+def kept_ptr(a: np.ndarray | None) -> int | None:
     """``_ptr`` of an array that is replaced, never resized in place (its address is fixed for its life)."""
     if a is None:
         return None
@@ -147,6 +147,18 @@ class RowKernel:
         self.hash_lookup.argtypes = [_P, _I64, _P, _P, _I64, _P]
         self.hash_insert.argtypes = self.hash_set.argtypes = [_P, _I64, _P, _P, _P, _I64, _P]
         self.hash_move.argtypes = [_P, _I64, _P, _I64, _P]
+        self.hash_gather = lib.tk_hash_gather  # (ps.index.HashIndex.lookup_rows)
+        self.hash_gather.restype = _I64
+        self.hash_gather.argtypes = [_P, _I64, _P, _P, _I64, _P, _I64, ctypes.c_int, _I64, _P, _P, _P, _P, _P]
+        self._shard_of = lib.tk_shard_of
+        self._shard_of.restype = None
+        self._shard_of.argtypes = [_P, _I64, ctypes.c_uint64, _P, _I64, _P]
+
+    def shard_of(self, ids: np.ndarray, num_slots: int, slot_shards: np.ndarray | None, num_shards: int) -> np.ndarray:
+        """``ps.partition.SlotMap.shard_of`` of int64 ``ids`` (contiguous) in one pass: the same shards."""
+        out = np.empty(len(ids), np.int64)
+        self._shard_of(ids.ctypes.data, len(ids), num_slots, kept_ptr(slot_shards), num_shards, out.ctypes.data)
+        return out
 
     def push(
         self, opt: str, hparams: Mapping[str, float], dim: int, shift: int, rows: np.ndarray, grad: torch.Tensor,
@@ -166,8 +178,8 @@ class RowKernel:
         o = out or {}
         rc = self._push(
             _OPT_CODES[opt], self.lanes, _DTYPE_CODES[row_dtype], int(table_key), len(rows), dim, shift, (1 << shift) - 1,
-            ctypes.byref(h), _ptr(rows), _ptr(ids), _ptr(grad), _ptr(grad_idx), _kept_ptr(cols["values"]), _kept_ptr(cols.get("s0")),
-            _kept_ptr(cols.get("s1")), _kept_ptr(cols.get("s2")), _kept_ptr(cols["version"]), _kept_ptr(cols.get("touch")), touch,
+            ctypes.byref(h), _ptr(rows), _ptr(ids), _ptr(grad), _ptr(grad_idx), kept_ptr(cols["values"]), kept_ptr(cols.get("s0")),
+            kept_ptr(cols.get("s1")), kept_ptr(cols.get("s2")), kept_ptr(cols["version"]), kept_ptr(cols.get("touch")), touch,
             _ptr(o.get("values")), _ptr(o.get("s0")), _ptr(o.get("s1")), _ptr(o.get("s2")), _ptr(o.get("version")),
         )
         assert rc == 0, f"row kernel refused optimizer {opt!r} on {row_dtype} rows"
@@ -181,8 +193,8 @@ class RowKernel:
             _DTYPE_CODES[row_dtype], len(rows), dim, shift, (1 << shift) - 1, _ptr(rows),
             new.get("s0") is not None, new.get("s1") is not None, new.get("s2") is not None,
             _ptr(new["values"]), _ptr(new.get("s0")), _ptr(new.get("s1")), _ptr(new.get("s2")), _ptr(new["version"]),
-            _kept_ptr(cols["values"]), _kept_ptr(cols.get("s0")), _kept_ptr(cols.get("s1")), _kept_ptr(cols.get("s2")),
-            _kept_ptr(cols["version"]), _kept_ptr(cols.get("touch")), touch,
+            kept_ptr(cols["values"]), kept_ptr(cols.get("s0")), kept_ptr(cols.get("s1")), kept_ptr(cols.get("s2")),
+            kept_ptr(cols["version"]), kept_ptr(cols.get("touch")), touch,
         )
 
     def gather(
@@ -192,7 +204,7 @@ class RowKernel:
         """Copy the ``row_bytes``-byte values of store rows ``rows`` into ``out`` (contiguous, one row
         per entry) and their versions into ``out_versions``."""
         self._gather(
-            len(rows), row_bytes, shift, (1 << shift) - 1, _ptr(rows), _kept_ptr(values), _kept_ptr(versions), _ptr(out), _ptr(out_versions)
+            len(rows), row_bytes, shift, (1 << shift) - 1, _ptr(rows), kept_ptr(values), kept_ptr(versions), _ptr(out), _ptr(out_versions)
         )
 
 

@@ -203,6 +203,15 @@ class ShardStub:
         Deadline and retries per ``policy``; errors raised typed (naming ``table`` where given)."""
         return self.retry(lambda: self._current().unary[method](request, timeout=self.policy.timeout), table)
 
+    def start(self, method: str, request: Any, table: str | None = None) -> Callable[[], bytes]:
+        """``call`` in two halves, for a fan-out with no thread: the request is sent now (one attempt) and
+        the function returned waits for its reply, retrying as ``call`` does where that attempt failed."""
+        try:
+            first = self._current().unary[method].future(request, timeout=self.policy.timeout).result
+        except grpc.RpcError:  # the server could not be asked where to send it: the retries begin
+            first = None
+        return lambda: self.retry(lambda: self._current().unary[method](request, timeout=self.policy.timeout), table, first)
+
     def _current(self) -> _Replica:
         r = self.replicas[self.cur]
         r.resolve(self.policy.timeout)
@@ -216,10 +225,11 @@ class ShardStub:
         """The PullDense stream of the current primary (one attempt; wrap it in ``retry``)."""
         return self._current().pull_dense(request, timeout=self.policy.timeout)
 
-    def retry(self, attempt: Callable[[], T], table: str | None = None) -> T:
+    def retry(self, attempt: Callable[[], T], table: str | None = None, first: Callable[[], T] | None = None) -> T:
         """``attempt()`` until it does not fail UNAVAILABLE (or CANCELLED by the server), for at most ``policy.retry_timeout`` seconds
         (and ``policy.retries`` retries): jittered exponential backoff, and a failover check between
-        attempts where the shard has replicas. Any gRPC error left is raised as the PS's typed error."""
+        attempts where the shard has replicas. Any gRPC error left is raised as the PS's typed error.
+        ``first``: the first attempt's outcome, where it was started before (``start``)."""
         deadline = time.monotonic() + self.policy.retry_timeout
         try:
             n = 0
@@ -229,7 +239,8 @@ class ShardStub:
                 try:
                     replica.resolve(self.policy.timeout)
                     gen = replica.gen  # the generation this attempt's calls use
-                    out = attempt()
+                    this, first = first or attempt, None
+                    out = this()
                 except grpc.RpcError as e:
                     code = e.code() if hasattr(e, "code") else None
                     if self.watch is not None:

@@ -815,9 +815,10 @@ class SparseTable:
         self._layout += 1
         self._recent = ()
 
-    def _remember(self, uniq: np.ndarray, loc: np.ndarray) -> None:
-        """A pull found (or made) every row of the sorted unique ``uniq`` at ``loc`` (caller holds the lock)."""
-        if len(uniq) and _sorted_unique(uniq):
+    def _remember(self, uniq: np.ndarray, loc: np.ndarray, checked: bool = False) -> None:
+        """A pull found (or made) every row of the sorted unique ``uniq`` at ``loc`` (caller holds the lock;
+        ``checked``: it knows ``uniq`` is sorted and unique)."""
+        if len(uniq) and (checked or _sorted_unique(uniq)):
             self._recent = (*self._recent[1 - self.RECENT_PULLS :], (np.array(uniq, np.int64), loc, self._layout))
 
     def _recall(self, ids: np.ndarray) -> tuple[np.ndarray, int] | None:
@@ -924,7 +925,7 @@ class SparseTable:
     # ------------------------------------------------------------------ validation
     def check_ids(self, ids: np.ndarray) -> None:
         if ids.size:
-            owner = self.slots.shard_of(ids)
+            owner = self.slots.shard_of(ids, self._gather_kernel)
             wrong = np.nonzero(owner != self.shard_index)[0]
             if wrong.size:
                 i = int(wrong[0])
@@ -1168,8 +1169,22 @@ class SparseTable:
             self.check_ids(ids)
         if not len(ids):
             return torch.empty((0, self.dim), dtype=self.row_dtype), np.zeros(0, np.int64)
+        unique = None
+        if self._gather_kernel is not None and ids.ndim == 1:  # every row resident (the common case): one C call
+            ids = np.ascontiguousarray(ids, np.int64)
+            vals = torch.empty((len(ids), self.dim), dtype=self.row_dtype)
+            vers = np.empty(len(ids), np.int64)
+            st = self._store
+            with self.lock:
+                loc, done, unique = self._index.lookup_rows(  # type: ignore[union-attr]
+                    ids, self.dim * vals.element_size(), st.shift, st.pointers("values"), st.pointers("version"), vals, vers,
+                )
+                if done:
+                    if unique:
+                        self._remember(ids, loc, checked=True)  # the push of these ids (a worker pushes what it pulled) finds them here
+                    return vals, vers
         # ids sorted and unique already (what PSClient sends): no sort, no gather by inverse at the end
-        unique = _sorted_unique(ids)
+        unique = _sorted_unique(ids) if unique is None else unique
         uniq, inverse = (ids, None) if unique else np.unique(ids, return_inverse=True)
         d: dict[str, torch.Tensor] = {}
         order = None  # where the gathered rows go, if not in the order of ``have``

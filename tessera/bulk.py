@@ -1131,15 +1131,8 @@ class BulkChannel:
         return conn, deadline
 
     def unary_unary(self, method: str, request_serializer: Any = None, response_deserializer: Any = None,
-                    **_: Any) -> Callable[..., Any]:
-        def call(request: Any, timeout: float | None = None, metadata: Any = None, **__: Any) -> Any:
-            conn, deadline = self._request(method, request, request_serializer, timeout, metadata)
-            reply = None
-            for reply in self._replies(conn, method, deadline, timeout):
-                pass
-            return response_deserializer(reply) if response_deserializer is not None else reply
-
-        return call
+                    **_: Any) -> _Unary:
+        return _Unary(self, method, request_serializer, response_deserializer)
 
     def unary_stream(self, method: str, request_serializer: Any = None, response_deserializer: Any = None,
                      **_: Any) -> Callable[..., Iterator[Any]]:
@@ -1201,6 +1194,42 @@ class BulkChannel:
             return reply
 
         return call
+
+
+class _Unary:
+    """A unary multi-callable, as gRPC's: ``call(request, timeout=...)`` answers the reply;
+    ``future(request, timeout=...)`` sends the request now and reads the reply on the thread that asks
+    for ``result()``, so a caller can send to several servers before waiting for any, with no thread.
+    The call's errors (also a failed send) are raised by ``result()``; ask for it once."""
+
+    def __init__(self, channel: BulkChannel, method: str, serializer: Any, deserializer: Any) -> None:
+        self._channel, self._method, self._ser, self._deser = channel, method, serializer, deserializer
+
+    def __call__(self, request: Any, timeout: float | None = None, metadata: Any = None, **_: Any) -> Any:
+        return self.future(request, timeout, metadata).result()
+
+    def future(self, request: Any, timeout: float | None = None, metadata: Any = None, **_: Any) -> _Reply:
+        ch, method = self._channel, self._method
+        try:
+            conn, deadline = ch._request(method, request, self._ser, timeout, metadata)
+        except BulkCallError as e:
+            return _Reply(e)
+        return _Reply(lambda: ch._replies(conn, method, deadline, timeout), self._deser)
+
+
+class _Reply:
+    """A unary call whose request is sent: ``result()`` reads its reply (or raises its error)."""
+
+    def __init__(self, replies: Callable[[], Iterator[Any]] | BulkCallError, deserializer: Any = None) -> None:
+        self._replies, self._deser = replies, deserializer
+
+    def result(self, timeout: float | None = None) -> Any:  # (the call's own deadline bounds it)
+        if isinstance(self._replies, BulkCallError):
+            raise self._replies
+        reply = None
+        for reply in self._replies():
+            pass
+        return self._deser(reply) if self._deser is not None else reply
 
 
 class _CallState:

@@ -240,6 +240,31 @@ def test_errors_as_grpc_gives_them(pair: Any) -> None:
     assert bytes(b.unary_unary(_m("Echo"))(b"still fine", timeout=5)) == b"still fine"
 
 
+def test_future_sends_now_and_reads_the_reply_on_the_thread_that_asks(pair: Any) -> None:
+    """``unary_unary(...).future(request)`` as gRPC's: the request is on its way when it returns (the
+    server's handler runs before ``result()`` is asked), and ``result()`` gives the reply, or raises the
+    call's error as the blocking call would (reference: the gRPC future's code and details). Several
+    futures on one channel hold their own connections; each goes back to the pool when read."""
+    h, g, b, _ = pair
+    mc = b.unary_unary(_m("Sleep"))
+    started = time.monotonic()
+    futs = [mc.future(b"0.5", timeout=10) for _ in range(3)]  # three calls in flight at once, no thread here
+    time.sleep(0.6)
+    assert [bytes(f.result()) for f in futs] == [b"slept"] * 3
+    assert time.monotonic() - started < 1.5  # they ran while this thread slept (else 0.6 + 3 x 0.5 s at least)
+    want = g.unary_unary(_m("NotFound")).future(b"x", timeout=5)
+    got = b.unary_unary(_m("NotFound")).future(b"x", timeout=5)
+    with pytest.raises(grpc.RpcError) as ge:
+        want.result()
+    with pytest.raises(BulkCallError) as be:
+        got.result()
+    assert (be.value.code(), be.value.details()) == (ge.value.code(), ge.value.details())
+    with pytest.raises(BulkCallError) as be:  # a refused send (over the size limit) is raised by result(), as gRPC's
+        BulkChannel(b.address, max_message_bytes=4).unary_unary(_m("Echo")).future(b"12345", timeout=5).result()
+    assert be.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert bytes(b.unary_unary(_m("Echo"))(b"still fine", timeout=5)) == b"still fine"
+
+
 def test_a_failing_request_iterator_fails_the_call(pair: Any) -> None:
     """The caller's request iterator raising mid-stream: the call fails naming it (gRPC cancels
     such a call); the channel keeps working."""

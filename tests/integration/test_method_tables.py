@@ -28,6 +28,7 @@ def _called(path: str) -> set[str]:
     src = open(os.path.join(ROOT, path)).read()
     found = set(re.findall(r'_?SERVICE \+ "(\w+)"', src)) | set(re.findall(r'u\("(\w+)"\)', src))
     found |= set(re.findall(r'_call\(\w+, "(\w+)"', src))  # PSClient -> ShardStub.call by method name
+    found |= set(re.findall(r'\.start\("(\w+)"', src))  # PSClient -> ShardStub.start (sent now, the reply read later)
     found |= set(re.findall(r'_all\("(\w+)"', src))  # PSClient._all: one unary call on every shard
     unary = re.search(r"_UNARY = \(([^)]*)\)", src)  # ps/stub.py: the unary stubs it makes
     if unary:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ps import rowkernel
 from ps.partition import SlotMap, dense_range, dense_ranges, slot_of
 
 
@@ -34,3 +35,15 @@ def test_slots_are_stable_and_spread() -> None:
 def test_slot_map_needs_enough_slots() -> None:
     with pytest.raises(ValueError):
         SlotMap(2, 3)
+
+
+@pytest.mark.skipif(rowkernel.KERNEL is None, reason=f"row kernel not loaded: {rowkernel.UNAVAILABLE}")
+def test_the_kernels_shard_of_is_numpys() -> None:
+    """Reference: ``SlotMap.shard_of``'s numpy path (splitmix64, slot, then the map). The C pass gives the
+    same shard for every id: the int64 extremes, negatives, the default map and an explicit one."""
+    rng = np.random.default_rng(3)
+    ids = np.concatenate([rng.integers(-(2**63), 2**63 - 1, 50_000, dtype=np.int64),
+                          np.array([0, -1, 1, 2**63 - 1, -(2**63)], np.int64)])
+    for m in (SlotMap(4096, 2), SlotMap(4096, 3), SlotMap(7, 5), SlotMap(16, 4, rng.integers(0, 4, 16))):
+        np.testing.assert_array_equal(m.shard_of(ids, rowkernel.KERNEL), m.shard_of(ids), strict=True)
+        np.testing.assert_array_equal(m.shard_of(ids[::3], rowkernel.KERNEL), m.shard_of(ids[::3]), strict=True)  # a strided view

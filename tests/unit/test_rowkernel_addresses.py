@@ -8,7 +8,7 @@ from ps import rowkernel
 
 def test_kept_address_is_the_arrays_own_and_dies_with_it() -> None:
     a = np.arange(4, dtype=np.int64)
-    assert rowkernel._kept_ptr(a) == a.ctypes.data == rowkernel._kept_ptr(a)
+    assert rowkernel.kept_ptr(a) == a.ctypes.data == rowkernel.kept_ptr(a)
     key = id(a)
     del a
     gc.collect()
@@ -16,9 +16,9 @@ def test_kept_address_is_the_arrays_own_and_dies_with_it() -> None:
     # a new array (a store's pointer table after growth, perhaps at a recycled id) gets its own address
     for _ in range(50):
         b = np.arange(8, dtype=np.int64)
-        assert rowkernel._kept_ptr(b) == b.ctypes.data
+        assert rowkernel.kept_ptr(b) == b.ctypes.data
         del b
-    assert rowkernel._kept_ptr(None) is None
+    assert rowkernel.kept_ptr(None) is None
 
 
 def test_hparams_struct_follows_the_values() -> None:
