@@ -19,6 +19,7 @@ import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
@@ -712,6 +713,22 @@ class PSClient:
         step whose request or reply to one shard would exceed ``max_request_bytes`` runs as the
         separate calls instead (pushes, then pulls; same results). Blocks until every shard answered.
         """
+        return self.step_begin(push_dense, push_sparse, pull_dense, pull_sparse, policy, pull_policy, base_versions)()
+
+    def step_begin(
+        self,
+        push_dense: Mapping[str, Any] | None = None,
+        push_sparse: Mapping[str, Sequence[Any]] | None = None,
+        pull_dense: Mapping[str, Any] | Sequence[str] | None = None,
+        pull_sparse: Mapping[str, Any] | None = None,
+        policy: SyncPolicy | Mapping[str, SyncPolicy] | None = None,
+        pull_policy: SyncPolicy | Mapping[str, SyncPolicy] | None = None,
+        base_versions: Mapping[str, int | Sequence[int]] | None = None,
+    ) -> Callable[[], StepResult]:
+        """``step`` in two halves, for a caller with other work meanwhile and no thread to spare: checks
+        everything and sends every shard its request now (errors in the arguments are raised here), and
+        returns the function that reads the replies and answers ``step``'s result (call it once; the
+        caller's arrays must not change until it returns)."""
         push_dense, push_sparse = dict(push_dense or {}), dict(push_sparse or {})
         pull_dense = dict(pull_dense) if isinstance(pull_dense, Mapping) else {n: None for n in (pull_dense or ())}
         pull_sparse = dict(pull_sparse or {})
@@ -753,8 +770,16 @@ class PSClient:
                     parts[i].append(StepPart(name, PULL_SPARSE, policy_for(pull_policy, name), ids=uniq[idx]))
                     reply[i] += len(idx) * (spec.dim * item + 8)
         if not step_fits(parts, reply, self.max_request_bytes):
-            return self._step_separately(*every, policy, pull_policy, base_versions)
+            separately = self._step_separately(*every, policy, pull_policy, base_versions)
+            return lambda: separately
         side = self._pool.submit(self._step_separately, *streamed, policy, pull_policy, base_versions) if big else None
+        try:  # every shard's request is sent before any reply is read (no thread)
+            sent = [self._shards[i].start("Step", step_parts_to_proto(p, self.worker, self.client_id, self.wire_dtype))
+                    for i, p in enumerate(parts) if p]
+        except BaseException:
+            if side is not None:
+                futures_wait([side])  # it ends before this raises (this error is the one raised)
+            raise
 
         def one(i: int, raw: bytes) -> list[StepOutcome]:
             msg, pl = unframe(pb.StepReply, raw)
@@ -762,15 +787,16 @@ class PSClient:
                 raise InternalError(f"shard {self._shards[i].label}: Step answered {len(msg.parts)} of {len(parts[i])} parts")
             return step_reply_from_proto(msg, pl.get("data", memoryview(b"")), self.wire_dtype)
 
-        try:  # every shard's request is sent before any reply is read (no thread)
-            sent = [self._shards[i].start("Step", step_parts_to_proto(p, self.worker, self.client_id, self.wire_dtype))
-                    for i, p in enumerate(parts) if p]
-            raws = iter(self._settle(sent))
-            replies = [one(i, next(raws)) if p else [] for i, p in enumerate(parts)]
-        finally:
-            side_result = side.result() if side is not None else None  # its error, if any, after the Step calls ended
-        result = self._step_result(replies, pull_dense, pulled, pull_sparse, policy, set(push_dense))
-        return result if side_result is None else _merge_steps(result, side_result)
+        def finish() -> StepResult:
+            try:
+                raws = iter(self._settle(sent))
+                replies = [one(i, next(raws)) if p else [] for i, p in enumerate(parts)]
+            finally:
+                side_result = side.result() if side is not None else None  # its error, if any, after the Step calls ended
+            result = self._step_result(replies, pull_dense, pulled, pull_sparse, policy, set(push_dense))
+            return result if side_result is None else _merge_steps(result, side_result)
+
+        return finish
 
     def _step_result(
         self, replies: list[list[StepOutcome]], pull_dense: dict[str, Any], pulled: dict[str, Any], pull_sparse: dict[str, Any],

@@ -619,8 +619,16 @@ class PSSync(ParamSync):
         a staging buffer, the rows of ``next_batch``'s unique ids) in one ``PSClient.step``: one Step call
         per shard. The shards apply the pushes before they answer the pulls, and a BSP pull waits for the
         round the pushes complete, so the values are what separate ``push`` and ``fetch`` calls would give."""
+        finish = self.push_fetch_begin(step, grads, next_step, next_batch)
+        return finish() if finish is not None else super().push_fetch(step, grads, next_step, next_batch)
+
+    def push_fetch_begin(
+        self, step: int, grads: Grads, next_step: int | None, next_batch: Any,
+    ) -> Callable[[], tuple[PushResult, Fetched | None]] | None:
+        """``push_fetch``'s exchange sent now (``PSClient.step_begin``); the function returned completes it
+        on the thread that calls it. None without a lookahead (separate calls)."""
         if not self.lookahead:
-            return super().push_fetch(step, grads, next_step, next_batch)
+            return None
         dense, versions = grads.dense, grads.state
         push_dense = {self.dense_table: dense} if dense is not None else {}
         push_sparse = {g.table: (g.ids, g.grads, g.base_versions) for g in grads.sparse}
@@ -643,15 +651,30 @@ class PSSync(ParamSync):
                 pull_policy[table] = self.sparse_policy(next_step)
         self._doing = (step, next_step if next_step is not None else -1)
         try:
-            res = self.client.step(
+            replies = self.client.step_begin(
                 push_dense=push_dense, push_sparse=push_sparse, pull_dense=pull_dense, pull_sparse=pull_sparse,
                 policy=policy, pull_policy=pull_policy, base_versions={self.dense_table: versions or -1} if push_dense else None,
             )
-        except FailedPreconditionError:
-            common = self._went_back(step)
-            if common is None:
-                raise
-            return PushResult([], 0), (Fetched(common, None, common, None) if next_step is not None else None)
+        except FailedPreconditionError as e:
+            return lambda: self._went_back_fetched(step, next_step, e)
+        return lambda: self._push_fetched(step, next_step, next_batch, replies, wanted, pull_policy)
+
+    def _went_back_fetched(self, step: int, next_step: int | None, error: FailedPreconditionError) -> tuple[PushResult, Fetched | None]:
+        """Step ``step``'s exchange was refused ``error``: if a shard came back at an older clock, nothing
+        was pushed and the fetch is from the common clock; else ``error`` is raised."""
+        common = self._went_back(step)
+        if common is None:
+            raise error
+        return PushResult([], 0), (Fetched(common, None, common, None) if next_step is not None else None)
+
+    def _push_fetched(
+        self, step: int, next_step: int | None, next_batch: Any, replies: Callable[[], Any], wanted: dict[str, Any],
+        pull_policy: dict[str, SyncPolicy],
+    ) -> tuple[PushResult, Fetched | None]:
+        try:
+            res = replies()
+        except FailedPreconditionError as e:
+            return self._went_back_fetched(step, next_step, e)
         self.committed = max(self.committed, step + 1)
         pushed = self._push_result(list(res.pushed.values()))
         self._pushed(step, pushed.late)

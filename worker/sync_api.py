@@ -192,6 +192,14 @@ class ParamSync(ABC):
         r = self.push(step, grads)
         return r, (self.fetch(next_step, next_batch) if next_step is not None else None)
 
+    def push_fetch_begin(
+        self, step: int, grads: Grads, next_step: int | None, next_batch: Any,
+    ) -> Callable[[], tuple[PushResult, Fetched | None]] | None:
+        """``push_fetch`` in two halves, where the sync can: the exchange is sent now and the function
+        returned completes it on the thread that calls it (a pipelined trainer then needs no thread for
+        it). None (the default): the trainer runs ``push_fetch`` in the background."""
+        return None
+
     @abstractmethod
     def leave(self) -> None:
         """Stop being a member (idempotent)."""

@@ -44,6 +44,7 @@ import torch
 from worker.modes import PEER_MODES, PS_MODES, check_mode
 from worker.sync_api import (
     Fetched,
+    Grads,
     ParamSync,
     PushResult,
     check_ps_mode,
@@ -163,6 +164,26 @@ class Summary:
         return (self.pull_wait_s + self.push_wait_s) / total if total else 0.0
 
 
+class _Later:
+    """A future whose work completes on the thread that first asks for its ``result()`` (then kept)."""
+
+    def __init__(self, finish: Callable[[], Any]) -> None:
+        self._finish: Callable[[], Any] | None = finish
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def result(self) -> Any:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            try:
+                self._value = finish()
+            except BaseException as e:  # noqa: BLE001 - raised to every caller, as a Future's
+                self._error = e
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
 def _done(value: Any) -> Future:
     f: Future = Future()
     f.set_result(value)
@@ -253,6 +274,12 @@ class Trainer:
         with self._span(fn.__name__, "sync", step=args[0]):
             return _done(fn(*args))
 
+    def _push_fetch(self, step: int, grads: Grads, next_step: int | None, next_batch: Any) -> Future | _Later:
+        """``push_fetch`` under way: sent from here where the sync splits it (``push_fetch_begin``: no
+        thread hand-off), else in the background as ``_submit``."""
+        finish = self.sync.push_fetch_begin(step, grads, next_step, next_batch) if self.sync.pipelined else None
+        return _Later(finish) if finish is not None else self._submit(self.sync.push_fetch, step, grads, next_step, next_batch)
+
     def _span(self, name: str, cat: str, **args: Any) -> contextlib.AbstractContextManager[None]:
         return self.tracer.span(name, cat, **args) if self.tracer is not None else contextlib.nullcontext()
 
@@ -269,7 +296,7 @@ class Trainer:
         late = 0
         losses: list[float] = []
         window: dict[str, float] = dict(t=time.monotonic(), n=0, compute=0.0, pull=0.0, push=0.0)
-        push_fut: Future | None = None
+        push_fut: Future | _Later | None = None
         step = start
         metrics: dict[str, float] = {}
         stopped_early = False
@@ -280,9 +307,9 @@ class Trainer:
         # a sync with a lookahead pushes step t and fetches step t + lookahead in one exchange (push_fetch);
         # ``ahead`` holds the futures of the fetches already under way, in step order
         lookahead = (s.lookahead if overlap else min(s.lookahead, 1)) if s.pipelined else 0
-        ahead: collections.deque[Future] = collections.deque()
+        ahead: collections.deque[Future | _Later] = collections.deque()
 
-        def finish_push(f: Future) -> float:
+        def finish_push(f: Future | _Later) -> float:
             """Wait for a push; collect the staleness it measured. Returns the seconds waited."""
             nonlocal push_wait, late
             t1 = time.perf_counter()
@@ -295,7 +322,7 @@ class Trainer:
             return waited
 
         self._record(kind="start", step=step)
-        fut: Future | None = self._submit(s.fetch, step, next(data)) if step < cfg.steps else None
+        fut: Future | _Later | None = self._submit(s.fetch, step, next(data)) if step < cfg.steps else None
         if lookahead > 1 and step + 1 < cfg.steps:
             ahead.append(self._submit(s.fetch, step + 1, next(data)))
         while fut is not None:
@@ -340,7 +367,7 @@ class Trainer:
             if lookahead:
                 nxt = step + lookahead
                 has = nxt < cfg.steps
-                push_fut = self._submit(s.push_fetch, step, grads, nxt if has else None, next(data) if has else None)
+                push_fut = self._push_fetch(step, grads, nxt if has else None, next(data) if has else None)
                 if has:
                     ahead.append(push_fut)
                 fut = ahead.popleft() if ahead else None
@@ -398,7 +425,7 @@ class Trainer:
         self._record(kind="summary", **{k: v for k, v in asdict(summary).items() if k != "metrics"}, **summary.metrics, **s.stats())
         return summary
 
-    def _evaluate(self, step: int, push_fut: Future | None, final: bool = False) -> dict[str, float]:
+    def _evaluate(self, step: int, push_fut: Future | _Later | None, final: bool = False) -> dict[str, float]:
         """Evaluate on the latest parameters (as the sync defines them)."""
         evaluate = self.task.evaluate
         assert evaluate is not None
