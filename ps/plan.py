@@ -14,6 +14,7 @@ from ps.config import TableSpec
 from ps.consistency import ASYNC, SyncPolicy
 from ps.errors import DtypeError, InvalidArgumentError, NonFiniteError, ResourceExhaustedError, ShapeMismatchError
 from ps.partition import SlotMap
+from ps.rowkernel import KERNEL
 from ps.table import all_finite
 from tessera.codec import as_numpy, from_wire, to_wire
 
@@ -28,7 +29,7 @@ def group(
     """Per shard, index arrays into the unique ids ``uniq`` of the ids it owns, in slices of at most
     ``per_req``. Refuses (ResourceExhaustedError, before anything is sent) a shard whose slices
     would exceed its ``max_ids`` per request (0: no limit)."""
-    owner = slots.shard_of(uniq)
+    owner = slots.shard_of(uniq, KERNEL)
     if num_shards <= 1 << 16:  # a stable sort of small integers is a radix sort (O(n), no comparisons)
         owner = owner.astype(np.uint8 if num_shards <= 1 << 8 else np.uint16)
     order = np.argsort(owner, kind="stable")
