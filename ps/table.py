@@ -1386,19 +1386,22 @@ class SparseTable:
         return result
 
     def _staleness(self, base: np.ndarray | None, have: np.ndarray, versions: np.ndarray) -> np.ndarray:
-        """Staleness of the rows at ``have`` (-1 where not measured), counted in ``staleness``."""
+        """The staleness measured of the rows at ``have`` (those with a base version, where it is >= 0),
+        counted in ``staleness``."""
         if not have.size or base is None:
-            return np.zeros(0, np.int64)
+            return _NO_STALENESS
         b = base[have]
-        stale = np.where(b >= 0, versions - b, -1)
-        self.staleness.add(stale)
-        return stale
+        d = versions - b
+        measured = d[(b >= 0) & (d >= 0)]
+        if measured.size:
+            st = self.staleness
+            st.count, st.total, st.max = st.count + measured.size, st.total + int(measured.sum()), max(st.max, int(measured.max()))
+        return measured
 
-    def _result(self, have: np.ndarray, dropped: int, stale: np.ndarray) -> PushResult:
-        valid = stale[stale >= 0]
+    def _result(self, have: np.ndarray, dropped: int, measured: np.ndarray) -> PushResult:
+        n = measured.size  # (the mean of small ints: their exact sum over n, as np.mean's float64 sum gives)
         return PushResult(
-            int(have.size), dropped, float(valid.mean()) if valid.size else -1.0, int(valid.max()) if valid.size else -1,
-            self.step + 1,
+            int(have.size), dropped, int(measured.sum()) / n if n else -1.0, int(measured.max()) if n else -1, self.step + 1,
         )
 
     def _commit_check(
@@ -1430,7 +1433,7 @@ class SparseTable:
         st = self._store
         rows = np.ascontiguousarray(loc[have])
         n = rows.size
-        stale = np.zeros(0, np.int64)
+        stale = _NO_STALENESS
         cols: dict[str, np.ndarray | None] = {}
         if n:
             cols = {
@@ -1443,9 +1446,8 @@ class SparseTable:
                 k.kernel.gather(8, st.shift, rows, st.pointers("version"), None, torch.from_numpy(versions), None)
                 stale = self._staleness(base, have, versions)
         h = self.optimizer.h
-        measured = stale[stale >= 0]
-        if staleness_aware_lr and measured.size and measured.mean() > 1:
-            h = {**h, "lr": h["lr"] * (1.0 / float(measured.mean()))}  # as scaled_lr
+        if staleness_aware_lr and stale.size and stale.mean() > 1:
+            h = {**h, "lr": h["lr"] * (1.0 / float(stale.mean()))}  # as scaled_lr
         grad = g if g.dtype == torch.float32 and g.is_contiguous() else g.float().contiguous()
         grad_idx = None if n == len(uniq) else have
         ids = np.ascontiguousarray(uniq[have])  # bf16's stochastic rounding hashes (id, version)
@@ -1489,9 +1491,8 @@ class SparseTable:
         versions = d["version"].numpy()
         stale = self._staleness(base, have, versions)
         opt = self.optimizer
-        measured = stale[stale >= 0]
-        if staleness_aware_lr and measured.size and measured.mean() > 1:
-            opt = scaled_lr(opt, 1.0 / float(measured.mean()))
+        if staleness_aware_lr and stale.size and stale.mean() > 1:
+            opt = scaled_lr(opt, 1.0 / float(stale.mean()))
         param = d["values"].float() if self.row_dtype != torch.float32 else d["values"]
         state = {k: d[k] for k in self._state_names}
         new_versions = versions + 1
@@ -1641,6 +1642,10 @@ class SparseTable:
         with self.lock:
             ids, loc = self._index.items()
             return zip(ids.tolist(), loc.tolist(), strict=True)
+
+
+_NO_STALENESS = np.zeros(0, np.int64)  # (read only: never written)
+_NO_STALENESS.flags.writeable = False
 
 
 def _sorted_unique(ids: np.ndarray) -> bool:

@@ -213,10 +213,14 @@ _STEP_OPS_PB = {v: k for k, v in _STEP_OPS.items()}
 
 def _span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], what: str, error: type = MalformedMessageError) -> Any:
     """The array of ``dtype`` and ``shape`` that starts ``at`` bytes into ``data`` (a view; bfloat16: a copy)."""
-    n = math.prod(shape) * DTYPES[dtype].itemsize  # exact (Python ints): a huge shape cannot wrap around
-    if at < 0 or any(d < 0 for d in shape) or at + n > len(data):
+    npdt = DTYPES.get(dtype)
+    count = math.prod(shape)  # exact (Python ints): a huge shape cannot wrap around
+    n = count * (npdt.itemsize if npdt is not None else 0)
+    if at < 0 or min(shape, default=0) < 0 or at + n > len(data):
         raise error(f"{what}: bytes [{at}, {at + n}) lie outside the message's {len(data)} data bytes")
-    return from_wire(data[at : at + n], dtype, shape, what=what)
+    if npdt is None or dtype == "bfloat16":  # (an unknown dtype: from_wire names it)
+        return from_wire(data[at : at + n], dtype, shape, what=what)
+    return np.frombuffer(data, npdt, count, at).reshape(shape)  # (read-only where ``data`` is, as from_wire's)
 
 
 def step_parts_from_proto(req: pb.StepRequest, data: memoryview) -> list[StepPart]:

@@ -149,9 +149,11 @@ def unpack(cls: type[M], buf: bytes, payload_fields: Sequence[int] = ()) -> tupl
     header: list[memoryview] = []
     payloads: dict[int, memoryview] = {}
     wanted = set(payload_fields)
+    run = 0  # where the run of header fields that ends at ``pos`` began (pack writes them as one)
     while pos < end:
         start = pos
-        key, pos = _read_varint(mv, pos, end)
+        key = mv[pos]  # (a one-byte varint, as a rule: read here)
+        key, pos = (key, pos + 1) if key < 0x80 else _read_varint(mv, pos, end)
         field, wire_type = key >> 3, key & 7
         if field == 0:
             raise CodecError("malformed message: field number 0")
@@ -162,19 +164,24 @@ def unpack(cls: type[M], buf: bytes, payload_fields: Sequence[int] = ()) -> tupl
         elif wire_type == 5:
             pos += 4
         elif wire_type == 2:
-            length, pos = _read_varint(mv, pos, end)
+            length = mv[pos] if pos < end else 0x80
+            length, pos = (length, pos + 1) if length < 0x80 else _read_varint(mv, pos, end)
             if field in wanted:
                 if pos + length > end:
                     raise CodecError(f"malformed message: field {field} truncated")
+                if run < start:
+                    header.append(mv[run:start])
                 payloads[field] = mv[pos : pos + length]
                 pos += length
+                run = pos
                 continue
             pos += length
         else:
             raise CodecError(f"malformed message: unsupported wire type {wire_type}")
         if pos > end:
             raise CodecError(f"malformed message: field {field} truncated")
-        header.append(mv[start:pos])
+    if run < pos:
+        header.append(mv[run:pos])
     msg = cls()
     try:
         msg.ParseFromString(b"".join(header))
