@@ -123,6 +123,7 @@ def _identity_label(info: dict[str, Any] | None) -> str:
             _identities.add(who)
             return str(who)
     return "other"
+_MAX_CHILDREN = 4096  # label sets a MetricsInterceptor keeps at hand
 _RECEIVED = Counter("tessera_rpc_received_bytes", "request bytes received on the wire, by server and method", ["server", "method"])
 _SENT = Counter("tessera_rpc_sent_bytes", "response bytes sent on the wire, by server and method", ["server", "method"])
 _LATENCY = Histogram(
@@ -156,16 +157,29 @@ class MetricsInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, server: str) -> None:
         self.server = server
+        # each label set's children, looked up once (prometheus_client's labels() takes a lock and
+        # builds a key per call): a served method's, and (method, code, identity) for the counts.
+        # Bounded: methods are the served ones, codes gRPC's, identities MAX_IDENTITY_LABELS + 3 (and _MAX_CHILDREN in all)
+        self._children: dict[Any, Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            if len(self._children) >= _MAX_CHILDREN:
+                self._children.clear()
+            child = self._children[key] = metric.labels(self.server, *labels)
+        return child
 
     def intercept_service(self, continuation: Callable[[Any], Any], handler_call_details: Any) -> Any:
         handler = continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method.rsplit("/", 1)[-1] or handler_call_details.method
-        received = _RECEIVED.labels(self.server, method)
-        sent = _SENT.labels(self.server, method)
-        latency = _LATENCY.labels(self.server, method)
-        server = self.server
+        received = self._child(_RECEIVED, method)
+        sent = self._child(_SENT, method)
+        latency = self._child(_LATENCY, method)
+        child = self._child
 
         def deserialize(data: bytes) -> Any:
             received.inc(len(data))
@@ -178,7 +192,7 @@ class MetricsInterceptor(grpc.ServerInterceptor):
 
         def finish(t0: float, context: Any, failed: bool, info: dict[str, Any]) -> None:
             latency.observe(time.perf_counter() - t0)
-            _REQUESTS.labels(server, method, _code_of(context, failed), _identity_label(info)).inc()
+            child(_REQUESTS, method, _code_of(context, failed), _identity_label(info)).inc()
 
         def unary(behavior: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
             def run(request: Any, context: Any) -> Any:
