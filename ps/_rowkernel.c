@@ -599,3 +599,21 @@ void tk_shard_of(const int64_t *ids, int64_t n, uint64_t num_slots, const int64_
         out[i] = slot_shards ? slot_shards[s] : (int64_t)(s % (uint64_t)num_shards);
     }
 }
+
+/* The staleness of a push's rows: for row i (store row rows[i], gradient computed from version
+ * base[i]; base[i] < 0: not measured), its version now minus base[i] where that is >= 0. Adds the
+ * count, sum and max of those to stats[0..2] (max: stats[2], -1 when none yet). */
+void tk_staleness(int64_t n, int shift, int64_t mask, const int64_t *rows, int64_t *const *version, const int64_t *base,
+                  int64_t *stats) {
+    for (int64_t i = 0; i < n; i++) {
+        if (base[i] < 0)
+            continue;
+        int64_t d = version[rows[i] >> shift][rows[i] & mask] - base[i];
+        if (d >= 0) {
+            stats[0]++;
+            stats[1] += d;
+            if (d > stats[2])
+                stats[2] = d;
+        }
+    }
+}

@@ -150,9 +150,19 @@ class RowKernel:
         self.hash_gather = lib.tk_hash_gather  # (ps.index.HashIndex.lookup_rows)
         self.hash_gather.restype = _I64
         self.hash_gather.argtypes = [_P, _I64, _P, _P, _I64, _P, _I64, ctypes.c_int, _I64, _P, _P, _P, _P, _P]
+        self._staleness = lib.tk_staleness
+        self._staleness.restype = None
+        self._staleness.argtypes = [_I64, ctypes.c_int, _I64, _P, _P, _P, _P]
         self._shard_of = lib.tk_shard_of
         self._shard_of.restype = None
         self._shard_of.argtypes = [_P, _I64, ctypes.c_uint64, _P, _I64, _P]
+
+    def staleness(self, shift: int, rows: np.ndarray, versions: np.ndarray, base: np.ndarray) -> tuple[int, int, int]:
+        """Of store rows ``rows`` whose gradients were computed from versions ``base`` (int64, contiguous;
+        < 0: not measured), the staleness (version now - base) where it is >= 0: (count, sum, max; -1 if none)."""
+        stats = np.array([0, 0, -1], np.int64)
+        self._staleness(len(rows), shift, (1 << shift) - 1, rows.ctypes.data, kept_ptr(versions), base.ctypes.data, stats.ctypes.data)
+        return int(stats[0]), int(stats[1]), int(stats[2])
 
     def shard_of(self, ids: np.ndarray, num_slots: int, slot_shards: np.ndarray | None, num_shards: int) -> np.ndarray:
         """``ps.partition.SlotMap.shard_of`` of int64 ``ids`` (contiguous) in one pass: the same shards."""

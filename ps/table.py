@@ -1385,24 +1385,27 @@ class SparseTable:
             self.evict_expired()
         return result
 
-    def _staleness(self, base: np.ndarray | None, have: np.ndarray, versions: np.ndarray) -> np.ndarray:
-        """The staleness measured of the rows at ``have`` (those with a base version, where it is >= 0),
-        counted in ``staleness``."""
+    def _staleness(self, base: np.ndarray | None, have: np.ndarray, versions: np.ndarray) -> tuple[int, int, int]:
+        """The staleness measured of the rows at ``have`` at ``versions`` (those with a base version, where
+        it is >= 0): (count, sum, max; -1 if none), counted in ``staleness``."""
         if not have.size or base is None:
-            return _NO_STALENESS
+            return _UNMEASURED
         b = base[have]
         d = versions - b
-        measured = d[(b >= 0) & (d >= 0)]
-        if measured.size:
-            st = self.staleness
-            st.count, st.total, st.max = st.count + measured.size, st.total + int(measured.sum()), max(st.max, int(measured.max()))
-        return measured
+        m = d[(b >= 0) & (d >= 0)]
+        return self._counted((m.size, int(m.sum()), int(m.max()) if m.size else -1))
 
-    def _result(self, have: np.ndarray, dropped: int, measured: np.ndarray) -> PushResult:
-        n = measured.size  # (the mean of small ints: their exact sum over n, as np.mean's float64 sum gives)
-        return PushResult(
-            int(have.size), dropped, int(measured.sum()) / n if n else -1.0, int(measured.max()) if n else -1, self.step + 1,
-        )
+    def _counted(self, stats: tuple[int, int, int]) -> tuple[int, int, int]:
+        """``stats`` (count, sum, max of a push's staleness) added to ``staleness``."""
+        n, total, most = stats
+        if n:
+            st = self.staleness
+            st.count, st.total, st.max = st.count + n, st.total + total, max(st.max, most)
+        return stats
+
+    def _result(self, have: np.ndarray, dropped: int, stats: tuple[int, int, int]) -> PushResult:
+        n, total, most = stats  # (the mean of small ints: their exact sum over n, as np.mean's float64 sum gives)
+        return PushResult(int(have.size), dropped, total / n if n else -1.0, most if n else -1, self.step + 1)
 
     def _commit_check(
         self, before_swap: "Callable[[PushResult, RowDelta | None], None] | None", result: PushResult, delta: "Callable[[], RowDelta] | None",
@@ -1433,7 +1436,7 @@ class SparseTable:
         st = self._store
         rows = np.ascontiguousarray(loc[have])
         n = rows.size
-        stale = _NO_STALENESS
+        stale = _UNMEASURED
         cols: dict[str, np.ndarray | None] = {}
         if n:
             cols = {
@@ -1442,12 +1445,11 @@ class SparseTable:
                 "s2": st.pointers(k.s2) if k.s2 else None, "touch": st.pointers("touch") if self._touches else None,
             }
             if base is not None:
-                versions = np.empty(n, np.int64)
-                k.kernel.gather(8, st.shift, rows, st.pointers("version"), None, torch.from_numpy(versions), None)
-                stale = self._staleness(base, have, versions)
+                b = base if n == len(base) else base[have]
+                stale = self._counted(k.kernel.staleness(st.shift, rows, st.pointers("version"), np.ascontiguousarray(b, np.int64)))
         h = self.optimizer.h
-        if staleness_aware_lr and stale.size and stale.mean() > 1:
-            h = {**h, "lr": h["lr"] * (1.0 / float(stale.mean()))}  # as scaled_lr
+        if staleness_aware_lr and stale[0] and stale[1] / stale[0] > 1:
+            h = {**h, "lr": h["lr"] * (1.0 / (stale[1] / stale[0]))}  # as scaled_lr
         grad = g if g.dtype == torch.float32 and g.is_contiguous() else g.float().contiguous()
         grad_idx = None if n == len(uniq) else have
         ids = np.ascontiguousarray(uniq[have])  # bf16's stochastic rounding hashes (id, version)
@@ -1491,8 +1493,8 @@ class SparseTable:
         versions = d["version"].numpy()
         stale = self._staleness(base, have, versions)
         opt = self.optimizer
-        if staleness_aware_lr and stale.size and stale.mean() > 1:
-            opt = scaled_lr(opt, 1.0 / float(stale.mean()))
+        if staleness_aware_lr and stale[0] and stale[1] / stale[0] > 1:
+            opt = scaled_lr(opt, 1.0 / (stale[1] / stale[0]))
         param = d["values"].float() if self.row_dtype != torch.float32 else d["values"]
         state = {k: d[k] for k in self._state_names}
         new_versions = versions + 1
@@ -1644,8 +1646,7 @@ class SparseTable:
             return zip(ids.tolist(), loc.tolist(), strict=True)
 
 
-_NO_STALENESS = np.zeros(0, np.int64)  # (read only: never written)
-_NO_STALENESS.flags.writeable = False
+_UNMEASURED = (0, 0, -1)  # a push's staleness (count, sum, max) where none was measured
 
 
 def _sorted_unique(ids: np.ndarray) -> bool:
