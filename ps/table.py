@@ -62,13 +62,17 @@ class StalenessStats:
     total: int = 0
     max: int = 0
 
-    def add(self, staleness: np.ndarray | int) -> None:
-        s = np.atleast_1d(np.asarray(staleness, dtype=np.int64))
-        s = s[s >= 0]
-        if s.size:
-            self.count += int(s.size)
-            self.total += int(s.sum())
-            self.max = max(self.max, int(s.max()))
+    def add(self, staleness: int) -> None:
+        """One update's staleness (< 0: not measured, not counted)."""
+        if staleness >= 0:
+            self.merge((1, int(staleness), int(staleness)))
+
+    def merge(self, stats: tuple[int, int, int]) -> tuple[int, int, int]:
+        """Count ``stats``: (count, sum, max) of updates' staleness. Returns them."""
+        n, total, most = stats
+        if n:
+            self.count, self.total, self.max = self.count + n, self.total + total, max(self.max, most)
+        return stats
 
     @property
     def mean(self) -> float:
@@ -1393,15 +1397,7 @@ class SparseTable:
         b = base[have]
         d = versions - b
         m = d[(b >= 0) & (d >= 0)]
-        return self._counted((m.size, int(m.sum()), int(m.max()) if m.size else -1))
-
-    def _counted(self, stats: tuple[int, int, int]) -> tuple[int, int, int]:
-        """``stats`` (count, sum, max of a push's staleness) added to ``staleness``."""
-        n, total, most = stats
-        if n:
-            st = self.staleness
-            st.count, st.total, st.max = st.count + n, st.total + total, max(st.max, most)
-        return stats
+        return self.staleness.merge((m.size, int(m.sum()), int(m.max()) if m.size else -1))
 
     def _result(self, have: np.ndarray, dropped: int, stats: tuple[int, int, int]) -> PushResult:
         n, total, most = stats  # (the mean of small ints: their exact sum over n, as np.mean's float64 sum gives)
@@ -1446,7 +1442,7 @@ class SparseTable:
             }
             if base is not None:
                 b = base if n == len(base) else base[have]
-                stale = self._counted(k.kernel.staleness(st.shift, rows, st.pointers("version"), np.ascontiguousarray(b, np.int64)))
+                stale = self.staleness.merge(k.kernel.staleness(st.shift, rows, st.pointers("version"), np.ascontiguousarray(b, np.int64)))
         h = self.optimizer.h
         if staleness_aware_lr and stale[0] and stale[1] / stale[0] > 1:
             h = {**h, "lr": h["lr"] * (1.0 / (stale[1] / stale[0]))}  # as scaled_lr
