@@ -155,7 +155,7 @@ def test_the_client_keeps_its_last_four_id_groupings_per_table(inproc_cluster, m
     hashed = []
     slots = c._sparse_meta("s").slots  # the client's own slot map (the shards have theirs)
     real = slots.shard_of
-    monkeypatch.setattr(slots, "shard_of", lambda ids: hashed.append(len(ids)) or real(ids))
+    monkeypatch.setattr(slots, "shard_of", lambda ids, kernel=None: hashed.append(len(ids)) or real(ids, kernel))
     batches = [np.arange(10 * i, 10 * i + 10, dtype=np.int64) for i in range(9)]
     for ids in batches:
         c.pull_sparse("s", ids)
