@@ -686,7 +686,12 @@ class PSClient:
         return _merged(self._fan_out([lambda i=i, idx=idx: one(i, idx) for i, gr in enumerate(groups) for idx in gr]))
 
     # ------------------------------------------------------------------ step
-    def step(
+    def step(self, *args: Any, **kwargs: Any) -> StepResult:
+        """One training step in one RPC per shard (the arguments and what is checked: ``step_begin``):
+        ``step_begin(...)()``, blocking until every shard answered."""
+        return self.step_begin(*args, **kwargs)()
+
+    def step_begin(
         self,
         push_dense: Mapping[str, Any] | None = None,
         push_sparse: Mapping[str, Sequence[Any]] | None = None,
@@ -695,8 +700,12 @@ class PSClient:
         policy: SyncPolicy | Mapping[str, SyncPolicy] | None = None,
         pull_policy: SyncPolicy | Mapping[str, SyncPolicy] | None = None,
         base_versions: Mapping[str, int | Sequence[int]] | None = None,
-    ) -> StepResult:
+    ) -> Callable[[], StepResult]:
         """One training step in one RPC per shard: push step t's gradients, then pull step t+1's values.
+        Checks everything and sends every shard its request now (errors in the arguments are raised
+        here), and returns the function that reads the replies and answers the step's result (call it
+        once; the caller's arrays must not change until it returns; ``step`` calls it at once): a caller
+        with other work meanwhile needs no thread for the call.
 
         ``push_dense``: table -> gradient (the table's shape and dtype, as push_dense);
         ``push_sparse``: table -> (ids, grads) or (ids, grads, base_versions) (as push_sparse: duplicate
@@ -711,24 +720,8 @@ class PSClient:
         policy allows, so in BSP the values returned are those of the round the pushes completed.
         Everything is checked here before anything is sent (shapes, dtypes, NaN/Inf, id ranges). A
         step whose request or reply to one shard would exceed ``max_request_bytes`` runs as the
-        separate calls instead (pushes, then pulls; same results). Blocks until every shard answered.
+        separate calls instead (pushes, then pulls; same results).
         """
-        return self.step_begin(push_dense, push_sparse, pull_dense, pull_sparse, policy, pull_policy, base_versions)()
-
-    def step_begin(
-        self,
-        push_dense: Mapping[str, Any] | None = None,
-        push_sparse: Mapping[str, Sequence[Any]] | None = None,
-        pull_dense: Mapping[str, Any] | Sequence[str] | None = None,
-        pull_sparse: Mapping[str, Any] | None = None,
-        policy: SyncPolicy | Mapping[str, SyncPolicy] | None = None,
-        pull_policy: SyncPolicy | Mapping[str, SyncPolicy] | None = None,
-        base_versions: Mapping[str, int | Sequence[int]] | None = None,
-    ) -> Callable[[], StepResult]:
-        """``step`` in two halves, for a caller with other work meanwhile and no thread to spare: checks
-        everything and sends every shard its request now (errors in the arguments are raised here), and
-        returns the function that reads the replies and answers ``step``'s result (call it once; the
-        caller's arrays must not change until it returns)."""
         push_dense, push_sparse = dict(push_dense or {}), dict(push_sparse or {})
         pull_dense = dict(pull_dense) if isinstance(pull_dense, Mapping) else {n: None for n in (pull_dense or ())}
         pull_sparse = dict(pull_sparse or {})
