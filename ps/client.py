@@ -388,9 +388,7 @@ class PSClient:
         return known[name]
 
     # ------------------------------------------------------------------ dense
-    def pull_dense(
-        self, name: str, out: Any = None, policy: SyncPolicy | None = None, return_clock: bool = False
-    ) -> Any:
+    def pull_dense(self, name: str, out: Any = None, policy: SyncPolicy | None = None, return_clock: bool = False) -> Any:
         """The whole table. Into ``out`` (numpy array or torch tensor of the table's size, filled in
         place and returned) or a new float32 numpy array of the table's shape.
 

@@ -186,9 +186,7 @@ class TableSpec:
             if self.shape:
                 raise InvalidArgumentError(f"table {self.name!r}: sparse tables take dim, not shape")
             if not 0 < self.num_slots <= MAX_SLOTS:
-                raise InvalidArgumentError(
-                    f"table {self.name!r}: num_slots must be in 1..{MAX_SLOTS}, got {self.num_slots}"
-                )
+                raise InvalidArgumentError(f"table {self.name!r}: num_slots must be in 1..{MAX_SLOTS}, got {self.num_slots}")
         else:
             raise InvalidArgumentError(f"table {self.name!r}: kind must be 'dense' or 'sparse', got {self.kind!r}")
 

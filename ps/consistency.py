@@ -33,8 +33,7 @@ from typing import Any, Callable, Generic, TypeVar
 from ps.errors import (DeadlineExceededError, FailedPreconditionError, InternalError, InvalidArgumentError,
                        ResourceExhaustedError, ShardUnavailableError, TableNotFoundError)
 
-__all__ = ["SyncPolicy", "ASYNC", "Membership", "SyncRound", "WorkerState", "LATE", "HELD", "APPLIED",
-           "MAX_WORKER_NAME"]
+__all__ = ["SyncPolicy", "ASYNC", "Membership", "SyncRound", "WorkerState", "LATE", "HELD", "APPLIED", "MAX_WORKER_NAME"]
 
 MAX_WORKER_NAME = 256  # characters; bounds what each member costs (and what Stats returns per member)
 

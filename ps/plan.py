@@ -131,9 +131,7 @@ def ids_of(ids: Any, table: str) -> np.ndarray:
         return np.zeros(0, np.int64)
     if arr.dtype.kind == "u":
         if arr.max() > np.iinfo(np.int64).max:
-            raise InvalidArgumentError(
-                f"table {table!r}: id {int(arr.max())} is out of range for int64 (ids are signed 64-bit)"
-            )
+            raise InvalidArgumentError(f"table {table!r}: id {int(arr.max())} is out of range for int64 (ids are signed 64-bit)")
     elif arr.dtype.kind != "i":
         raise InvalidArgumentError(f"table {table!r}: ids must be integers, got dtype {arr.dtype}")
     return arr.reshape(-1).astype(np.int64, copy=False)

@@ -133,9 +133,7 @@ class Rounds(ShardState):
             self.membership.wait_ssp(policy.clock, policy.staleness, timeout)
         return r.clock
 
-    def _contribute(
-        self, name: str, worker: str, policy: SyncPolicy, value: object, client: str = "", seq: int = 0
-    ) -> SyncPush:
+    def _contribute(self, name: str, worker: str, policy: SyncPolicy, value: object, client: str = "", seq: int = 0) -> SyncPush:
         # BSP needs no dedup record: a retry of a push the round holds, or of a round applied, is
         # *late* (never applied twice), and one whose round was lost with a checkpoint restore is new
         self.membership.touch(worker)

@@ -310,9 +310,7 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
         if policy.sync and not worker:
             raise InvalidArgumentError(f"table {name!r}: a BSP push must name its worker")
 
-    def commit_dense(
-        self, update: DenseUpdate, worker: str, policy: SyncPolicy, client: str = "", seq: int = 0
-    ) -> SyncPush:
+    def commit_dense(self, update: DenseUpdate, worker: str, policy: SyncPolicy, client: str = "", seq: int = 0) -> SyncPush:
         """Commit an async/SSP dense push at most once per (client, seq)."""
         return self._apply_once(update.table, lambda once, before_swap, _: update.commit(before_swap, once=once), worker, policy, client, seq)
 

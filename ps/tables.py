@@ -82,9 +82,7 @@ class Tables(ShardState):
             existing = self.tables.get(spec.name)
             if existing is not None:
                 if existing.spec != spec:
-                    raise TableExistsError(
-                        f"table {spec.name!r} exists with a different spec ({_diff(existing.spec, spec)})"
-                    )
+                    raise TableExistsError(f"table {spec.name!r} exists with a different spec ({_diff(existing.spec, spec)})")
                 return False, self.info(spec.name)
             if len(self.tables) >= self.config.max_tables:
                 raise ResourceExhaustedError(
@@ -142,9 +140,7 @@ class Tables(ShardState):
         with self._lock:
             missing = [n for n in names if n not in self.tables]
             if missing and not missing_ok:
-                raise TableNotFoundError(
-                    f"table {missing[0]!r} not found on shard {self.config.shard_index}; nothing dropped"
-                )
+                raise TableNotFoundError(f"table {missing[0]!r} not found on shard {self.config.shard_index}; nothing dropped")
             present = [n for n in names if n in self.tables]
             if not present:
                 return [], ""
