@@ -54,25 +54,6 @@ _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 
 
-def _library_path() -> Path | None:
-    """The built library next to this file (``ps/_rowkernel<extension suffix>``), or None."""
-    here = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        p = here / f"_rowkernel{suffix}"
-        if p.is_file():
-            return p
-    return None
-
-
-def _lanes() -> int | None:
-    """Floats per vector in torch's CPU kernels (the order of the row-wise norm's sum), or None where
-    it is not known here (then the self-check decides nothing: the kernel is not used)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None
-    # torch's vector_norm over the last dim sums in 8 lanes under both (its reduction kernels stop at AVX2)
-    return {"AVX512": 8, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability())
-
-
 def _ptr(a: np.ndarray | torch.Tensor | None) -> int | None:
     if a is None:
         return None
@@ -274,10 +255,16 @@ def _self_check(k: RowKernel) -> str:
 def _load() -> tuple[RowKernel | None, str]:
     if os.environ.get("TESSERA_ROW_KERNEL", "1") == "0":
         return None, "TESSERA_ROW_KERNEL=0"
-    path = _library_path()
+    # the built library next to this file (ps/_rowkernel<extension suffix>)
+    candidates = (Path(__file__).parent / f"_rowkernel{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES)
+    path = next((p for p in candidates if p.is_file()), None)
     if path is None:
         return None, "not built (no C compiler at install: pip install -e . with one builds it)"
-    lanes = _lanes()
+    # floats per vector in torch's CPU kernels (the order of the row-wise norm's sum), None where it is not
+    # known here (the kernel is not used): vector_norm over the last dim sums in 8 lanes under both AVX512
+    # and AVX2 (its reduction kernels stop at AVX2)
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    lanes = {"AVX512": 8, "AVX2": 8}.get(torch.backends.cpu.get_cpu_capability()) if x86 else None
     if lanes is None:
         return None, f"torch's vector width on {platform.machine()} / {torch.backends.cpu.get_cpu_capability()} is not known to it"
     try:
