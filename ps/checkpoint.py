@@ -156,14 +156,6 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 # ---------------------------------------------------------------------- write / read
 def write_checkpoint(root: str, snap: ShardSnapshot, keep: int = 3) -> str:
     """Write ``snap`` durably under ``root`` as a new ``ckpt-N``; keep the newest ``keep``. Returns its path."""
@@ -249,7 +241,11 @@ def read_checkpoint(path: str) -> ShardSnapshot:
         size = os.path.getsize(p)
         if size != want["bytes"]:
             raise CheckpointError(f"{path}: {name} has {size} bytes, the manifest says {want['bytes']} (truncated?)")
-        if _sha256(p) != want["sha256"]:
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        if h.hexdigest() != want["sha256"]:
             raise CheckpointError(f"{path}: {name} fails its SHA-256 check (corrupt)")
     with open(os.path.join(path, "meta.msgpack"), "rb") as f:
         try:
