@@ -65,8 +65,11 @@ class Mirroring(ShardState):
         except Exception as e:  # noqa: BLE001 - any failure detaches the backup: it must catch up again
             backup = self.backup
             self._lose_backup(f"{type(e).__name__}: {e}")
+            # the error in one line (a gRPC error's status and details, not its debug string)
+            code, details = getattr(e, "code", None), getattr(e, "details", None)
+            short = f"{code().name}: {details()}" if callable(code) and callable(details) else f"{type(e).__name__}: {e}"
             raise ShardUnavailableError(
-                f"shard {self.config.shard_index}: backup {backup} did not take the update ({_short(e)}); nothing applied (retry)"
+                f"shard {self.config.shard_index}: backup {backup} did not take the update ({short}); nothing applied (retry)"
             ) from None
 
     def _replicate_quietly(self, entry: dict) -> None:
@@ -240,11 +243,3 @@ def _contribution_value(t: DenseTable | SparseTable, plain: dict) -> object:
     if isinstance(t, SparseTable):
         return SparsePush(np.asarray(plain["ids"], np.int64), torch.from_numpy(np.asarray(plain["grads"], np.float32)), plain["base"])
     return {int(k): v for k, v in plain.items()}
-
-
-def _short(e: BaseException) -> str:
-    """An error in one line (a gRPC error's status and details, not its debug string)."""
-    code, details = getattr(e, "code", None), getattr(e, "details", None)
-    if callable(code) and callable(details):
-        return f"{code().name}: {details()}"
-    return f"{type(e).__name__}: {e}"
