@@ -82,7 +82,9 @@ class Tables(ShardState):
             existing = self.tables.get(spec.name)
             if existing is not None:
                 if existing.spec != spec:
-                    raise TableExistsError(f"table {spec.name!r} exists with a different spec ({_diff(existing.spec, spec)})")
+                    diff = ", ".join(f"{f}: {getattr(existing.spec, f)!r} != {getattr(spec, f)!r}"
+                                     for f in existing.spec.__dataclass_fields__ if getattr(existing.spec, f) != getattr(spec, f))
+                    raise TableExistsError(f"table {spec.name!r} exists with a different spec ({diff})")
                 return False, self.info(spec.name)
             if len(self.tables) >= self.config.max_tables:
                 raise ResourceExhaustedError(
@@ -103,10 +105,14 @@ class Tables(ShardState):
                         max_bytes_fn=budget, growth_lock=self._growth,
                     )
                 else:
+                    # its row chunks under a byte budget: 64 MiB, at most an eighth of the budget (a table grows a chunk
+                    # at a time: a 128 MiB budget in 64 MiB chunks would leave most of its last chunk's worth unusable),
+                    # at least 256 KiB
+                    mb = self.config.max_bytes
                     table = SparseTable(
                         spec, self.config.shard_index, self.config.num_shards, max_bytes_fn=budget,
                         resident_budget=self.resident_budget, spill_dir=self.config.spill_dir or None,
-                        growth_lock=self._growth, chunk_bytes=_chunk_bytes(self.config.max_bytes),
+                        growth_lock=self._growth, chunk_bytes=64 << 20 if not mb else max(256 << 10, min(64 << 20, mb // 8)),
                     )
                 with self.gate.shared():
                     self._replicate({"k": "create", "spec": spec_to_dict(spec)})
@@ -243,15 +249,3 @@ class Tables(ShardState):
         for t in list(self.tables.values()):
             if isinstance(t, SparseTable):
                 t.close()
-
-
-def _chunk_bytes(max_bytes: int) -> int:
-    """Bytes of a sparse table's row chunk under a byte budget: 64 MiB, at most an eighth of the
-    budget (a table grows a chunk at a time: a 128 MiB budget in 64 MiB chunks would leave most of
-    its last chunk's worth unusable), at least 256 KiB."""
-    return 64 << 20 if not max_bytes else max(256 << 10, min(64 << 20, max_bytes // 8))
-
-
-def _diff(a: TableSpec, b: TableSpec) -> str:
-    fields = [f for f in a.__dataclass_fields__ if getattr(a, f) != getattr(b, f)]
-    return ", ".join(f"{f}: {getattr(a, f)!r} != {getattr(b, f)!r}" for f in fields)
