@@ -166,11 +166,6 @@ class FileBacking(ChunkBacking):
         self._size = 0
         self._maps: list[mmap.mmap] = []
 
-    def _map(self, offset: int, nbytes: int) -> torch.Tensor:
-        mm = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
-        self._maps.append(mm)
-        return torch.frombuffer(mm, dtype=torch.uint8)
-
     @property
     def file_bytes(self) -> int:
         return self._size
@@ -181,7 +176,9 @@ class FileBacking(ChunkBacking):
         offset = self._size
         os.ftruncate(self._fd, offset + nbytes)  # sparse: disk blocks are taken as rows are written
         self._size = offset + nbytes
-        return self._map(offset, nbytes)
+        mm = mmap.mmap(self._fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+        self._maps.append(mm)
+        return torch.frombuffer(mm, dtype=torch.uint8)
 
     def drop_pages(self) -> None:
         for mm in self._maps:
@@ -296,9 +293,7 @@ class RowStore:
         return off, out
 
     def _new_chunk(self, rows: int) -> _Chunk:
-        return self._carve(self.backing.allocate(self._chunk_nbytes(rows)), rows)
-
-    def _carve(self, buf: torch.Tensor, rows: int) -> _Chunk:
+        buf = self.backing.allocate(self._chunk_nbytes(rows))
         _, layout = self._layout(rows)
         cols = {}
         for c, off in layout:
@@ -370,10 +365,7 @@ class RowStore:
         while self.capacity < need:
             self._chunks.append(self._new_chunk(self.chunk_rows))
         self._pointers = {}
-        self._size_free_stack()
-
-    def _size_free_stack(self) -> None:
-        """One free-stack slot per row of capacity (so release never allocates)."""
+        # one free-stack slot per row of capacity (so release never allocates)
         cap = self.capacity
         if len(self._free) != cap:
             grown = np.zeros(cap, np.int64)  # calloc: pages cost nothing until rows are released
