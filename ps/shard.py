@@ -260,7 +260,11 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
                     if intake is None:
                         assert c.head is not None  # the wire's decoder sets it on the first chunk
                         head = c.head
-                        intake = self._begin_dense(head, identity)
+                        t = self.dense(head.table)
+                        _check_push_shape(t, head.shape, head.flat_view)
+                        self.names.claim(identity, head.worker)
+                        intake = _DenseIntake(self, t, head.op, head.policy, head.worker, head.base_version,
+                                              head.return_params and head.early)
                     elif c.table and c.table != head.table:
                         raise InvalidArgumentError(f"push to table {head.table!r} carries a chunk for {c.table!r}")
                     block = intake.add(c.offset, c.values)
@@ -297,12 +301,6 @@ class Shard(Tables, Rounds, Mirroring, Snapshots):
             for k, b in enumerate(blocks):
                 yield DenseBlock(k * t.chunk_elems, b)
         yield DensePushOutcome(head.table, out, out.result.version, early)
-
-    def _begin_dense(self, head: DensePush, identity: str) -> "_DenseIntake":
-        t = self.dense(head.table)
-        _check_push_shape(t, head.shape, head.flat_view)
-        self.names.claim(identity, head.worker)
-        return _DenseIntake(self, t, head.op, head.policy, head.worker, head.base_version, head.return_params and head.early)
 
     @staticmethod
     def _check_writer(name: str, policy: SyncPolicy, worker: str) -> None:
