@@ -78,12 +78,8 @@ class BackupFollower:
         last_ok = time.monotonic()
         while not self._stop.is_set() and self.shard.role == BACKUP:
             try:
-                reply = pb.RoleReply.FromString(
-                    self._role(
-                        pb.RoleRequest(backup=self.advertise, attach_id=self.shard.attach_id).SerializeToString(),
-                        timeout=max(0.5, self.period * 3),
-                    )
-                )
+                request = pb.RoleRequest(backup=self.advertise, attach_id=self.shard.attach_id).SerializeToString()
+                reply = pb.RoleReply.FromString(self._role(request, timeout=max(0.5, self.period * 3)))
                 last_ok = time.monotonic()
                 self.in_sync = reply.attached
                 if not reply.attached:
