@@ -156,27 +156,23 @@ def _reshard(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fewer_malloc_arenas(arenas: int = 2) -> None:
-    """Cap glibc's malloc arenas (its default is 8 per core). Each handler thread that frees a
-    request's buffers into an arena of its own keeps that memory out of the others' reach, so a shard
-    with 64 handler threads held tens of MiB more than its tables (``--max-bytes`` and
-    ``--max-resident-bytes`` count table bytes). No-op where the C library is not glibc."""
+def _serve(args: argparse.Namespace) -> int:
     import ctypes
     import ctypes.util
 
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-8, arenas)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass
-
-
-def _serve(args: argparse.Namespace) -> int:
     import torch
 
     from ps.server import serve
 
-    _fewer_malloc_arenas()
+    # cap glibc's malloc arenas at 2 (its default is 8 per core). Each handler thread that frees a request's
+    # buffers into an arena of its own keeps that memory out of the others' reach, so a shard with 64 handler
+    # threads held tens of MiB more than its tables (--max-bytes and --max-resident-bytes count table bytes).
+    # No-op where the C library is not glibc.
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-8, 2)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
     if args.torch_threads > 0:
         # torch's default (an OpenMP pool of one thread per core in every shard process) oversubscribes
         # the host as soon as shards or the client share cores; 1 MiB chunks gain little from it anyway
