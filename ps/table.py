@@ -399,6 +399,24 @@ class DenseTable:
         else:
             opt.update_into(out.param, out.state, base.param, _readonly_tensor(data), base.state, step)
 
+    def _compute_in_place(self, k: int, data: np.ndarray, op: str, opt: Optimizer, step: int) -> None:
+        """``_compute`` into block ``k`` itself (call with ``lock`` held, the block unreferenced): no copy
+        of its values and state first."""
+        b = self._blocks[k]
+        if op == ASSIGN:
+            b.param.copy_(_readonly_tensor(data))
+        else:
+            opt.update(b.param, _readonly_tensor(data), b.state, step)
+        self.blocks_in_place += 1
+
+    def _swap(self, new: Mapping[int, _Block], version: int) -> None:
+        """Swap in the new blocks and version; call with ``lock`` held."""
+        for k, b in new.items():
+            self._keep_spare(k, self._blocks[k])
+            self._blocks[k] = b
+        self.version = version
+        self.generation += 1
+
 
 class DenseUpdate:
     """A push in progress: chunks are validated and staged (no lock held); commit() computes the new
@@ -538,18 +556,8 @@ class DenseUpdate:
                         stale = self._out.pop(k, None)  # computed early from a replaced base
                         if stale is not None:
                             t._keep_spare(k, stale)
-                        # computed into block k itself (unreferenced): no copy of its values and state first
-                        b = t._blocks[k]
-                        if self.op == ASSIGN:
-                            b.param.copy_(_readonly_tensor(self.staged[k]))
-                        else:
-                            opt.update(b.param, _readonly_tensor(self.staged[k]), b.state, version + 1)
-                        t.blocks_in_place += 1
-                    for k, b in self._out.items():  # the swap: new blocks and version
-                        t._keep_spare(k, t._blocks[k])
-                        t._blocks[k] = b
-                    t.version = new_version
-                    t.generation += 1
+                        t._compute_in_place(k, self.staged[k], self.op, opt, version + 1)
+                    t._swap(self._out, new_version)
                 self._out = {}
                 self.early_final = early_final
                 if self.op == GRADIENT:
