@@ -1173,13 +1173,17 @@ class SparseTable:
             self.check_ids(ids)
         if not len(ids):
             return torch.empty((0, self.dim), dtype=self.row_dtype), np.zeros(0, np.int64)
-        unique = None
-        if self._gather_kernel is not None and ids.ndim == 1:  # every row resident (the common case): one C call
+        fast = self._gather_kernel is not None and ids.ndim == 1  # every row resident (the common case): one C call
+        if fast:
             ids = np.ascontiguousarray(ids, np.int64)
             vals = torch.empty((len(ids), self.dim), dtype=self.row_dtype)
             vers = np.empty(len(ids), np.int64)
-            st = self._store
-            with self.lock:
+        d: dict[str, torch.Tensor] = {}
+        order = None  # where the gathered rows go, if not in the order of ``have``
+        uniq, inverse = ids, None
+        with self.lock:
+            if fast:
+                st = self._store
                 loc, done, unique = self._index.lookup_rows(  # type: ignore[union-attr]
                     ids, self.dim * vals.element_size(), st.shift, st.pointers("values"), st.pointers("version"), vals, vers,
                 )
@@ -1187,13 +1191,14 @@ class SparseTable:
                     if unique:
                         self._remember(ids, loc, checked=True)  # the push of these ids (a worker pushes what it pulled) finds them here
                     return vals, vers
-        # ids sorted and unique already (what PSClient sends): no sort, no gather by inverse at the end
-        unique = _sorted_unique(ids) if unique is None else unique
-        uniq, inverse = (ids, None) if unique else np.unique(ids, return_inverse=True)
-        d: dict[str, torch.Tensor] = {}
-        order = None  # where the gathered rows go, if not in the order of ``have``
-        with self.lock:
-            loc = self._index.lookup(uniq)
+            else:
+                unique = _sorted_unique(ids)
+            # ids sorted and unique already (what PSClient sends): no sort, no gather by inverse at the end,
+            # and the fast path's lookup (of these ids, under this lock) is the one used
+            if not unique:
+                uniq, inverse = np.unique(ids, return_inverse=True)
+            if not (fast and unique):
+                loc = self._index.lookup(uniq)
             have = np.flatnonzero(loc != -1)
             hot = bool((loc[have] >= 0).all())
             if have.size == len(uniq) and hot:
