@@ -1405,8 +1405,7 @@ class SparseTable:
         return self.staleness.merge((m.size, int(m.sum()), int(m.max()) if m.size else -1))
 
     def _result(self, have: np.ndarray, dropped: int, stats: tuple[int, int, int]) -> PushResult:
-        n, total, most = stats  # (the mean of small ints: their exact sum over n, as np.mean's float64 sum gives)
-        return PushResult(int(have.size), dropped, total / n if n else -1.0, most if n else -1, self.step + 1)
+        return PushResult(int(have.size), dropped, _mean_staleness(stats), stats[2] if stats[0] else -1, self.step + 1)
 
     def _commit_check(
         self, before_swap: "Callable[[PushResult, RowDelta | None], None] | None", result: PushResult, delta: "Callable[[], RowDelta] | None",
@@ -1449,8 +1448,8 @@ class SparseTable:
                 b = base if n == len(base) else base[have]
                 stale = self.staleness.merge(k.kernel.staleness(st.shift, rows, st.pointers("version"), np.ascontiguousarray(b, np.int64)))
         h = self.optimizer.h
-        if staleness_aware_lr and stale[0] and stale[1] / stale[0] > 1:
-            h = {**h, "lr": h["lr"] * (1.0 / (stale[1] / stale[0]))}  # as scaled_lr
+        if staleness_aware_lr and _mean_staleness(stale) > 1:
+            h = {**h, "lr": h["lr"] * (1.0 / _mean_staleness(stale))}  # as scaled_lr
         grad = g if g.dtype == torch.float32 and g.is_contiguous() else g.float().contiguous()
         grad_idx = None if n == len(uniq) else have
         ids = np.ascontiguousarray(uniq[have])  # bf16's stochastic rounding hashes (id, version)
@@ -1494,8 +1493,8 @@ class SparseTable:
         versions = d["version"].numpy()
         stale = self._staleness(base, have, versions)
         opt = self.optimizer
-        if staleness_aware_lr and stale[0] and stale[1] / stale[0] > 1:
-            opt = scaled_lr(opt, 1.0 / (stale[1] / stale[0]))
+        if staleness_aware_lr and _mean_staleness(stale) > 1:
+            opt = scaled_lr(opt, 1.0 / _mean_staleness(stale))
         param = d["values"].float() if self.row_dtype != torch.float32 else d["values"]
         state = {k: d[k] for k in self._state_names}
         new_versions = versions + 1
@@ -1648,6 +1647,12 @@ class SparseTable:
 
 
 _UNMEASURED = (0, 0, -1)  # a push's staleness (count, sum, max) where none was measured
+
+
+def _mean_staleness(stats: tuple[int, int, int]) -> float:
+    """The mean of a push's staleness (count, sum, max), -1.0 where none was measured (the mean of small
+    ints: their exact sum over the count, as np.mean's float64 sum gives)."""
+    return stats[1] / stats[0] if stats[0] else -1.0
 
 
 def _sorted_unique(ids: np.ndarray) -> bool:
