@@ -20,7 +20,7 @@ from ps.shard import (PULL_DENSE, PULL_SPARSE, PUSH_DENSE, PUSH_SPARSE, DenseBlo
                       MembershipView, PushChunk, ShardStats, StepOutcome, StepPart, SyncPush, TableInfo, TableStats,
                       WorkerStats)
 from ps.table import ASSIGN, GRADIENT, PushResult
-from tessera.codec import DTYPES, WIRE_FLOAT_DTYPES, CodecError, Packed, as_float32, byte_view, from_wire, pack, to_wire, unpack
+from tessera.codec import ALIGN, DTYPES, WIRE_FLOAT_DTYPES, CodecError, Packed, as_float32, byte_view, from_wire, pack, to_wire, unpack
 from tessera.service import ErrorTable
 from tessera.v1 import ps_pb2 as pb
 
@@ -223,6 +223,15 @@ def _span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], what: s
     return np.frombuffer(data, npdt, count, at).reshape(shape)  # (read-only where ``data`` is, as from_wire's)
 
 
+def _align(pieces: list[Any], at: int) -> int:
+    """Where the next of a bulk field's ``pieces`` starts, ``at`` rounded up to codec.ALIGN (zero
+    bytes appended to fill the gap): the field starts aligned, so every array in it is."""
+    gap = -at % ALIGN
+    if gap:
+        pieces.append(bytes(gap))
+    return at + gap
+
+
 def step_parts_from_proto(req: pb.StepRequest, data: memoryview) -> list[StepPart]:
     """A StepRequest's parts as domain values (views of ``data``). Raises InvalidArgumentError naming the table."""
     dtype = wire_float_dtype(req.dtype, req.parts[0].table if req.parts else "", "dtype")
@@ -267,6 +276,7 @@ def step_parts_to_proto(parts: Sequence[StepPart], worker: str, client: str, dty
             m.sync.CopyFrom(specs[p.policy])
         for field, a in (("ids_at", p.ids), ("data_at", p.values), ("base_at", p.base_versions)):
             if a is not None:
+                at = _align(pieces, at)
                 setattr(m, field, at)
                 pieces.append(byte_view(a))
                 at += pieces[-1].nbytes
@@ -318,6 +328,7 @@ def step_reply_to_proto(outcomes: Sequence[StepOutcome], dtype: str) -> tuple[pb
             if o.op == PUSH_DENSE:
                 r.version = res.version if not o.push.late and res.version else o.version
         elif o.blocks is not None:
+            at = _align(pieces, at)
             r.data_at, r.count = at, sum(int(b.numel()) for b in o.blocks)
             wired = [to_wire(b, dtype)[1] for b in o.blocks]
             pieces += wired
@@ -328,9 +339,11 @@ def step_reply_to_proto(outcomes: Sequence[StepOutcome], dtype: str) -> tuple[pb
             if rdtype != dtype:
                 r.dtype = rdtype
             piece = to_wire(o.rows, rdtype)[1]
-            r.data_at, at = at, at + piece.nbytes
-            r.versions_at, at = at, at + o.versions.nbytes
-            pieces += [piece, byte_view(o.versions)]
+            r.data_at = at = _align(pieces, at)
+            pieces.append(piece)
+            r.versions_at = at = _align(pieces, at + piece.nbytes)
+            pieces.append(byte_view(o.versions))
+            at += o.versions.nbytes
     return reply, pieces
 
 

@@ -23,6 +23,7 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 __all__ = [
+    "ALIGN",
     "CodecError",
     "DTYPES",
     "WIRE_FLOAT_DTYPES",
@@ -122,13 +123,27 @@ def pack(msg: Message, payloads: Mapping[int, Any] | None = None, joined: bool =
     after the other (still one copy: the pieces are not joined first). Those
     fields must be unset in ``msg``.
     """
-    parts: list[Any] = [msg.SerializeToString()]
+    head = msg.SerializeToString()
+    parts: list[Any] = [head]
+    at = len(head)
     for field, data in (payloads or {}).items():
         views = [_bytes_of(x) for x in data] if isinstance(data, (list, tuple)) else [_bytes_of(data)]
-        parts.append(_varint((field << 3) | 2))
-        parts.append(_varint(sum(len(v) for v in views)))
-        parts.extend(views)
+        n = sum(len(v) for v in views)
+        key, length = _varint((field << 3) | 2), _varint(n)
+        pad = _PADS[-(at + len(key) + len(length)) % ALIGN]
+        parts += [pad, key, length, *views]
+        at += len(pad) + len(key) + len(length) + n
     return b"".join(parts) if joined else Packed(parts)
+
+
+# Every bulk field's bytes start at a multiple of ALIGN bytes from the message's start (so int64 and
+# float views of them are aligned wherever the buffer is: numpy copies unaligned arrays in BLAS calls
+# and the row kernel reads them slower). The gap before one is a field no message uses, of the bytes
+# that fill it: valid protobuf (skipped as unknown), dropped by ``unpack``.
+ALIGN = 8
+_PAD_FIELD = (1 << 29) - 1  # the largest field number
+_PAD_KEY = _varint((_PAD_FIELD << 3) | 2)  # 5 bytes: a pad field is at least 6 (key, a length of 0)
+_PADS = [b""] + [_PAD_KEY + bytes([k]) + bytes(k) for k in ((gap - len(_PAD_KEY) - 1) % ALIGN for gap in range(1, ALIGN))]
 
 
 def _bytes_of(data: Any) -> Any:
@@ -166,12 +181,13 @@ def unpack(cls: type[M], buf: bytes, payload_fields: Sequence[int] = ()) -> tupl
         elif wire_type == 2:
             length = mv[pos] if pos < end else 0x80
             length, pos = (length, pos + 1) if length < 0x80 else _read_varint(mv, pos, end)
-            if field in wanted:
+            if field in wanted or field == _PAD_FIELD:
                 if pos + length > end:
                     raise CodecError(f"malformed message: field {field} truncated")
                 if run < start:
                     header.append(mv[run:start])
-                payloads[field] = mv[pos : pos + length]
+                if field != _PAD_FIELD:
+                    payloads[field] = mv[pos : pos + length]
                 pos += length
                 run = pos
                 continue
