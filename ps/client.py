@@ -674,7 +674,7 @@ class PSClient:
                 table=name, dim=spec.dim, worker=self.worker, client=self.client_id, seq=next(self._seq), dtype=self.wire_dtype,
                 sync=sync,
             )
-            bulk: dict[str, Any] = {"ids": np.ascontiguousarray(uniq[idx]), "data": np.ascontiguousarray(wrows[at])}
+            bulk: dict[str, Any] = {"ids": np.ascontiguousarray(uniq[idx]), "data": wrows.take(at, 0)}
             if base is not None:
                 bulk["base_versions"] = np.ascontiguousarray(base[at])
             msg, _ = unframe(pb.PushSparseReply, self._call(i, "PushSparse", frame(head, **bulk), name))
@@ -748,7 +748,7 @@ class PSClient:
                 if len(groups[i]):  # a BSP push reaches every shard (its round waits for every live worker)
                     at = placed(place, idx)
                     vers = None if base is None else base[at]
-                    parts[i].append(StepPart(name, PUSH_SPARSE, p, next(self._seq), values=rows[at], ids=uniq[idx], base_versions=vers))
+                    parts[i].append(StepPart(name, PUSH_SPARSE, p, next(self._seq), values=rows.take(at, 0), ids=uniq[idx], base_versions=vers))
         for name in pull_dense:
             for i, (start, stop) in enumerate(self._dense_meta(name).ranges):
                 if stop > start:

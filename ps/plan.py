@@ -15,6 +15,7 @@ from ps.consistency import ASYNC, SyncPolicy
 from ps.errors import DtypeError, InvalidArgumentError, NonFiniteError, ResourceExhaustedError, ShapeMismatchError
 from ps.partition import SlotMap
 from ps.rowkernel import KERNEL
+from ps.rowstore import row_items
 from ps.table import all_finite
 from tessera.codec import as_numpy, from_wire, to_wire
 
@@ -246,9 +247,12 @@ class SparseOut:
         self.place, self.in_order = placement(inverse, len(uniq))
 
     def put(self, idx: np.ndarray, rows: np.ndarray, versions: np.ndarray) -> None:
-        """The rows and versions of the unique ids at ``idx``."""
+        """The rows and versions of the unique ids at ``idx`` (float32 rows: one copy per row, not per value)."""
         at = placed(self.place, idx)
-        self.rows[at] = rows
+        if rows.dtype == np.float32 and rows.flags.c_contiguous and self.dim:
+            row_items(self.rows)[at] = row_items(rows.reshape(-1, self.dim))
+        else:
+            self.rows[at] = rows
         self.versions[at] = versions
 
     def result(self) -> tuple[Any, Any]:

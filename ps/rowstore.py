@@ -202,7 +202,7 @@ class RowPlan(NamedTuple):
     groups: list  # (chunk, positions (slice, None: all), offsets in the chunk (slice or tensor)) per chunk
 
 
-def _row_items(a: np.ndarray) -> np.ndarray:
+def row_items(a: np.ndarray) -> np.ndarray:
     """A C-contiguous (n, width) array as n opaque items of one row each (same memory). numpy assigns
     rows by an index array ~2x faster this way than as a 2-D array: one copy per row, not per element."""
     return a.view(np.dtype((np.void, a.shape[1] * a.itemsize))).reshape(-1)
@@ -214,9 +214,9 @@ class _Chunk:
     def __init__(self, buf: torch.Tensor, cols: dict[str, torch.Tensor], rows: int) -> None:
         self.buf, self.cols, self.rows = buf, cols, rows
         # numpy views of the same memory, for the scatter (None: a dtype numpy lacks, e.g. bfloat16);
-        # ``items``: the same with a column of rows seen as one item per row (_row_items)
+        # ``items``: the same with a column of rows seen as one item per row (row_items)
         self.arrays = {k: (None if v.dtype == torch.bfloat16 else v.numpy()) for k, v in cols.items()}
-        self.items = {k: (_row_items(a) if a is not None and a.ndim == 2 else a) for k, a in self.arrays.items()}
+        self.items = {k: (row_items(a) if a is not None and a.ndim == 2 else a) for k, a in self.arrays.items()}
 
 
 class RowStore:
@@ -521,7 +521,7 @@ class RowStore:
                 t = (t.to(c.dtype) if t.dtype != c.dtype else t).contiguous()
                 tens[name] = t
                 if t.dtype != torch.bfloat16 and t.dim() == (2 if c.width else 1):
-                    items[name] = _row_items(t.numpy()) if c.width else t.numpy()
+                    items[name] = row_items(t.numpy()) if c.width else t.numpy()
         for ch, pos, off in groups:
             at = None if isinstance(off, slice) else off.numpy()
             for name, v in tens.items():
