@@ -223,13 +223,13 @@ def _span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], what: s
     return np.frombuffer(data, npdt, count, at).reshape(shape)  # (read-only where ``data`` is, as from_wire's)
 
 
-def _align(pieces: list[Any], at: int) -> int:
-    """Where the next of a bulk field's ``pieces`` starts, ``at`` rounded up to codec.ALIGN (zero
-    bytes appended to fill the gap): the field starts aligned, so every array in it is."""
-    gap = -at % ALIGN
-    if gap:
-        pieces.append(bytes(gap))
-    return at + gap
+def _put(pieces: list[Any], at: int, *new: Any) -> tuple[int, int]:
+    """Append ``new`` (buffers, one array's bytes) to a bulk field's ``pieces``, which end ``at`` bytes
+    in, after zero bytes up to a multiple of codec.ALIGN (the field starts aligned, so every array in
+    it is): (where ``new`` starts, where it ends)."""
+    start = at + -at % ALIGN
+    pieces += [bytes(start - at), *new] if start > at else new
+    return start, start + sum(memoryview(b).nbytes for b in new)
 
 
 def step_parts_from_proto(req: pb.StepRequest, data: memoryview) -> list[StepPart]:
@@ -276,10 +276,8 @@ def step_parts_to_proto(parts: Sequence[StepPart], worker: str, client: str, dty
             m.sync.CopyFrom(specs[p.policy])
         for field, a in (("ids_at", p.ids), ("data_at", p.values), ("base_at", p.base_versions)):
             if a is not None:
-                at = _align(pieces, at)
-                setattr(m, field, at)
-                pieces.append(byte_view(a))
-                at += pieces[-1].nbytes
+                start, at = _put(pieces, at, byte_view(a))
+                setattr(m, field, start)
         if p.ids is not None:
             m.count = len(p.ids)
         elif p.values is not None:
@@ -328,22 +326,15 @@ def step_reply_to_proto(outcomes: Sequence[StepOutcome], dtype: str) -> tuple[pb
             if o.op == PUSH_DENSE:
                 r.version = res.version if not o.push.late and res.version else o.version
         elif o.blocks is not None:
-            at = _align(pieces, at)
-            r.data_at, r.count = at, sum(int(b.numel()) for b in o.blocks)
-            wired = [to_wire(b, dtype)[1] for b in o.blocks]
-            pieces += wired
-            at += sum(w.nbytes for w in wired)
+            r.count = sum(int(b.numel()) for b in o.blocks)
+            r.data_at, at = _put(pieces, at, *(to_wire(b, dtype)[1] for b in o.blocks))
         elif o.rows is not None and o.versions is not None:
             r.count, r.dim = o.rows.shape[0], o.rows.shape[1]
             rdtype = o.dtype or dtype
             if rdtype != dtype:
                 r.dtype = rdtype
-            piece = to_wire(o.rows, rdtype)[1]
-            r.data_at = at = _align(pieces, at)
-            pieces.append(piece)
-            r.versions_at = at = _align(pieces, at + piece.nbytes)
-            pieces.append(byte_view(o.versions))
-            at += o.versions.nbytes
+            r.data_at, at = _put(pieces, at, to_wire(o.rows, rdtype)[1])
+            r.versions_at, at = _put(pieces, at, byte_view(o.versions))
     return reply, pieces
 
 
