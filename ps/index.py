@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from ps import rowkernel
+from ps.rowkernel import kept_ptr, ptr
 from ps.rowstore import huge_empty
 
 __all__ = ["VALUE_MAX", "VALUE_MIN", "HashIndex", "IdIndex", "SortedIndex", "new_index"]
@@ -100,8 +101,7 @@ class HashIndex:
     def _call(self, fn: object, ids: np.ndarray, vals: np.ndarray | None) -> int:
         scratch = np.empty(len(ids), np.int64)
         return fn(  # type: ignore[operator]
-            self._slots.ctypes.data, self._mask, self._key.ctypes.data, ids.ctypes.data,
-            None if vals is None else vals.ctypes.data, len(ids), scratch.ctypes.data,
+            kept_ptr(self._slots), self._mask, kept_ptr(self._key), ptr(ids), ptr(vals), len(ids), ptr(scratch),
         )
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
@@ -109,7 +109,7 @@ class HashIndex:
         ids = np.ascontiguousarray(ids, np.int64)
         out = np.empty(len(ids), np.int64)
         if len(ids):
-            self._k.hash_lookup(self._slots.ctypes.data, self._mask, self._key.ctypes.data, ids.ctypes.data, len(ids), out.ctypes.data)
+            self._k.hash_lookup(kept_ptr(self._slots), self._mask, kept_ptr(self._key), ptr(ids), len(ids), ptr(out))
         return out
 
     def lookup_rows(
@@ -123,9 +123,8 @@ class HashIndex:
         at = np.empty(len(ids), np.int64)
         increasing = np.zeros(1, np.int64)
         got = self._k.hash_gather(
-            rowkernel.kept_ptr(self._slots), self._mask, rowkernel.kept_ptr(self._key), ids.ctypes.data, len(ids), at.ctypes.data,
-            row_bytes, shift, (1 << shift) - 1, rowkernel.kept_ptr(values), rowkernel.kept_ptr(versions), out.data_ptr(),
-            out_versions.ctypes.data, increasing.ctypes.data,
+            kept_ptr(self._slots), self._mask, kept_ptr(self._key), ptr(ids), len(ids), ptr(at), row_bytes, shift,
+            (1 << shift) - 1, kept_ptr(values), kept_ptr(versions), out.data_ptr(), ptr(out_versions), ptr(increasing),
         )
         return at, got == len(ids), bool(increasing[0])
 

@@ -26,3 +26,14 @@ def test_hparams_struct_follows_the_values() -> None:
     h2 = rowkernel._hparams({"lr": 0.05, "eps": 1e-8})  # a staleness-scaled lr: its own struct
     assert (h1.lr, h1.eps, h1.momentum) == (0.1, 1e-8, 0.0) and h2.lr == 0.05
     assert rowkernel._hparams({"lr": 0.1, "eps": 1e-8}) is h1
+
+
+def test_ptr_is_numpys_address_for_every_kind_of_array() -> None:
+    """``ptr`` reads a writable array's address through its buffer (faster than ``a.ctypes``) and
+    falls back to ``a.ctypes.data`` where that cannot work: reference, numpy's own address."""
+    base = np.arange(64, dtype=np.float32)
+    readonly = np.frombuffer(bytes(64), np.int64)
+    arrays = [base, base[5:], base.reshape(8, 8)[:, 1], np.zeros(0, np.int64), readonly, readonly[3:], np.zeros((3, 0))]
+    for a in arrays:
+        assert rowkernel.ptr(a) == a.ctypes.data
+    assert rowkernel.ptr(None) is None
