@@ -19,7 +19,6 @@ Pure ctypes/numpy/torch: no grpc.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import importlib.machinery
@@ -62,8 +61,10 @@ def ptr(a: np.ndarray | torch.Tensor | None) -> int | None:
 
 def _address(a: np.ndarray) -> int:
     if a.flags.writeable:  # a writable buffer's address, ~0.4 us: ``a.ctypes`` builds an object (~1 us, ~30 per Step)
-        with contextlib.suppress(TypeError, ValueError, BufferError):  # (empty, or not one contiguous buffer)
+        try:  # (try, not contextlib.suppress: that object alone costs ~0.4 us here)
             return ctypes.addressof(ctypes.c_char.from_buffer(a))  # type: ignore[arg-type]
+        except (TypeError, ValueError, BufferError):  # empty, or not one contiguous buffer
+            pass
     return int(a.ctypes.data)
 
 
