@@ -91,7 +91,7 @@ class HashIndex:
         self._slots = huge_empty(self._size_for(live), _SLOT)  # (probed at random: huge pages)
         self._slots["val"] = _EMPTY
         if len(old) and self.n:
-            self._k.hash_move(old.ctypes.data, len(old), self._slots.ctypes.data, self._mask, self._key.ctypes.data)
+            self._k.hash_move(ptr(old), len(old), kept_ptr(self._slots), self._mask, kept_ptr(self._key))
         self.dead = 0
 
     @property

@@ -819,10 +819,9 @@ class SparseTable:
         self._layout += 1
         self._recent = ()
 
-    def _remember(self, uniq: np.ndarray, loc: np.ndarray, checked: bool = False) -> None:
-        """A pull found (or made) every row of the sorted unique ``uniq`` at ``loc`` (caller holds the lock;
-        ``checked``: it knows ``uniq`` is sorted and unique)."""
-        if len(uniq) and (checked or _sorted_unique(uniq)):
+    def _remember(self, uniq: np.ndarray, loc: np.ndarray) -> None:
+        """A pull found (or made) every row of ``uniq`` (sorted and unique) at ``loc`` (caller holds the lock)."""
+        if len(uniq):
             self._recent = (*self._recent[1 - self.RECENT_PULLS :], (np.array(uniq, np.int64), loc, self._layout))
 
     def _recall(self, ids: np.ndarray) -> tuple[np.ndarray, int] | None:
@@ -1189,7 +1188,7 @@ class SparseTable:
                 )
                 if done:
                     if unique:
-                        self._remember(ids, loc, checked=True)  # the push of these ids (a worker pushes what it pulled) finds them here
+                        self._remember(ids, loc)  # the push of these ids (a worker pushes what it pulled) finds them here
                     return vals, vers
             else:
                 unique = _sorted_unique(ids)
@@ -1201,7 +1200,7 @@ class SparseTable:
                 loc = self._index.lookup(uniq)
             have = np.flatnonzero(loc != -1)
             hot = bool((loc[have] >= 0).all())
-            if have.size == len(uniq) and hot:
+            if have.size == len(uniq) and hot:  # (uniq: the ids, sorted and unique, or np.unique's)
                 self._remember(uniq, loc)  # the push of these ids (a worker pushes what it pulled) finds them here
             if have.size and hot and self._gather_kernel is not None:  # one compiled pass, in the ids' order
                 rows = np.ascontiguousarray(loc[have])
