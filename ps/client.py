@@ -29,7 +29,7 @@ from ps.config import DENSE, SPARSE, AdmissionSpec, EvictionSpec, InitializerSpe
 from ps.errors import InternalError, InvalidArgumentError, TableNotFoundError, with_table
 from ps.consistency import SyncPolicy
 from ps.outages import ShardWatch
-from ps.plan import (DenseOut, SparseOut, dense_input, fuse_dense, group, ids_of, joined, placed, policy_for, step_fits,
+from ps.plan import (DenseOut, SparseOut, dense_input, fuse_dense, group, ids_of, iota, joined, placed, policy_for, step_fits,
                      stream_dense, sum_duplicates, wire_checked)
 from ps.partition import SlotMap
 from ps.shard import PULL_DENSE, PULL_SPARSE, PUSH_DENSE, PUSH_SPARSE, MembershipView, ShardStats, StepOutcome, StepPart, TableInfo
@@ -552,7 +552,7 @@ class PSClient:
             if m is meta and kept_ids.shape == arr.shape and np.array_equal(kept_ids, arr):
                 return grouped  # ids grouped lately (a push of rows a recent pull fetched): no hashing again
         if arr.size and bool(np.all(arr[1:] > arr[:-1])):
-            uniq, inverse = arr, np.arange(arr.size)  # unique and sorted already (PSEmbedding's ids): no sort
+            uniq, inverse = arr, iota(arr.size)  # unique and sorted already (PSEmbedding's ids): no sort
         else:
             uniq, inverse = np.unique(arr, return_inverse=True)
         per_req = max(1, self.max_request_bytes // (spec.dim * 4 + 16))

@@ -19,30 +19,34 @@ class Gate:
         self._shared = 0
         self._exclusive = False
         self._waiting = 0
-        self._mine = threading.local()
+        self._mine = threading.local()  # depth: this thread's shared holds; counted: the outermost one counts in _shared
         self._owner: int | None = None
+        self._hold = _SharedHold(self)
 
-    @contextlib.contextmanager
-    def shared(self) -> Iterator[None]:
-        if self._owner == threading.get_ident():  # inside this thread's own exclusive hold
-            yield
-            return
-        depth = getattr(self._mine, "depth", 0)
+    def shared(self) -> _SharedHold:
+        """A shared hold (``with gate.shared():``); a plain object, not a generator: every mutation takes one."""
+        return self._hold
+
+    def _enter(self) -> None:
+        mine = self._mine
+        depth = getattr(mine, "depth", 0)
         if depth == 0:
-            with self._cond:
-                while self._exclusive or self._waiting:
-                    self._cond.wait()
-                self._shared += 1
-        self._mine.depth = depth + 1
-        try:
-            yield
-        finally:
-            self._mine.depth = depth
-            if depth == 0:
+            mine.counted = self._owner != threading.get_ident()  # inside this thread's own exclusive hold: not counted
+            if mine.counted:
                 with self._cond:
-                    self._shared -= 1
-                    if not self._shared:
-                        self._cond.notify_all()
+                    while self._exclusive or self._waiting:
+                        self._cond.wait()
+                    self._shared += 1
+        mine.depth = depth + 1
+
+    def _exit(self) -> None:
+        mine = self._mine
+        mine.depth -= 1
+        if mine.depth == 0 and mine.counted:
+            with self._cond:
+                self._shared -= 1
+                if not self._shared:
+                    self._cond.notify_all()
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -62,3 +66,16 @@ class Gate:
                 self._exclusive = False
                 self._owner = None
                 self._cond.notify_all()
+
+
+class _SharedHold:
+    __slots__ = ("_gate",)
+
+    def __init__(self, gate: Gate) -> None:
+        self._gate = gate
+
+    def __enter__(self) -> None:
+        self._gate._enter()
+
+    def __exit__(self, *exc: object) -> None:
+        self._gate._exit()

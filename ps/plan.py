@@ -19,7 +19,7 @@ from ps.rowstore import row_items
 from ps.table import all_finite
 from tessera.codec import as_numpy, from_wire, to_wire
 
-__all__ = ["dense_input", "wire_checked", "is_identity", "placement", "placed", "ids_of", "like", "direct_out",
+__all__ = ["dense_input", "wire_checked", "iota", "is_identity", "placement", "placed", "ids_of", "like", "direct_out",
            "fill", "group", "policy_for", "joined", "DenseOut", "SparseOut", "sum_duplicates", "stream_dense", "step_fits",
            "fuse_dense"]
 
@@ -85,10 +85,26 @@ def wire_checked(spec: TableSpec, g: np.ndarray, wire: str, what: str = "gradien
     return dtype, data
 
 
+_IOTA = [np.arange(0)]  # one read-only 0, 1, 2, ... that ``iota``'s views share
+
+
+def iota(n: int) -> np.ndarray:
+    """0, 1, ..., n-1 as a read-only view that ``is_identity`` recognises without reading it (the
+    inverse of ids that were unique and sorted already)."""
+    a = _IOTA[0]
+    if len(a) < n:
+        a = np.arange(max(n, 2 * len(a)))
+        a.flags.writeable = False
+        _IOTA[0] = a
+    return a[:n]
+
+
 def is_identity(inverse: np.ndarray, n: int) -> bool:
     """``inverse`` is 0, 1, ..., n-1 (the ids were unique and sorted already)."""
     if inverse.size != n:
         return False
+    if inverse.base is _IOTA[0] and inverse.flags.c_contiguous:  # a run of 0, 1, 2, ...: starting at 0?
+        return n == 0 or int(inverse.flat[0]) == 0
     return bool(inverse.size == 0 or (inverse[0] == 0 and inverse[-1] == inverse.size - 1 and np.all(np.diff(inverse) == 1)))
 
 

@@ -12,7 +12,7 @@ from ps.errors import InvalidArgumentError, NonFiniteError, ResourceExhaustedErr
 from ps.partition import SlotMap
 from ps.consistency import SyncPolicy
 from ps.plan import (
-    DenseOut, SparseOut, fuse_dense, group, placed, placement, policy_for, step_fits, stream_dense, sum_duplicates, wire_checked,
+    DenseOut, SparseOut, fuse_dense, group, iota, is_identity, placed, placement, policy_for, step_fits, stream_dense, sum_duplicates, wire_checked,
 )
 from ps.shard import PULL_DENSE, PULL_SPARSE, PUSH_DENSE, PUSH_SPARSE, StepOutcome, StepPart, SyncPush
 from ps.table import PushResult
@@ -45,6 +45,19 @@ def test_placement_writes_replies_in_the_callers_order() -> None:
     assert out.tolist() == ids.tolist()
     assert placement(np.arange(3), 3) == (None, True)  # already unique and sorted
     assert placement(np.array([0, 0, 1]), 2) == (None, False)  # duplicates: gathered afterwards
+
+
+def test_iota_is_known_as_the_identity_and_only_where_it_is_one() -> None:
+    """The reference: ``np.arange``. An iota view is the identity without a pass over it; a view of
+    the shared array that is not 0..n-1 (a later start, a stride) is checked element by element."""
+    a = iota(120)
+    assert a.tolist() == list(range(120)) and not a.flags.writeable
+    assert is_identity(a, 120) and is_identity(a.reshape(10, 12), 120) and not is_identity(a, 121)
+    shared = iota(300)  # views of one array: their own values decide
+    assert not is_identity(shared[5:125], 120) and not is_identity(shared[::2][:120], 120)
+    assert is_identity(shared[:120], 120) and is_identity(iota(0), 0)
+    assert is_identity(a, 120)  # a view of an array iota has since replaced: checked, still the identity
+    assert is_identity(np.arange(120), 120) and not is_identity(np.array([1, 0]), 2)
 
 
 def test_nonfinite_on_the_wire_is_refused_before_sending() -> None:
