@@ -947,7 +947,7 @@ def _merged(parts: Sequence[Any]) -> PushResult:
     the measured mean stalenesses (-1: none measured), the worst staleness, the lowest clock."""
     measured = [p.mean_staleness for p in parts if p.mean_staleness >= 0]
     return PushResult(
-        sum(p.applied for p in parts), sum(p.dropped for p in parts), float(np.mean(measured)) if measured else -1.0,
+        sum(p.applied for p in parts), sum(p.dropped for p in parts), sum(measured) / len(measured) if measured else -1.0,
         max((p.max_staleness for p in parts), default=-1), 0, sum(int(p.late) for p in parts), min((p.clock for p in parts), default=-1),
     )
 

@@ -228,7 +228,7 @@ def fuse_dense(push_dense: Iterable[str], pull_dense: Container[str], policy: An
 
 def joined(group: list[np.ndarray]) -> np.ndarray:
     """A shard's index slices (``group``) as one index array."""
-    return np.concatenate(group) if group else np.zeros(0, np.int64)
+    return group[0] if len(group) == 1 else np.concatenate(group) if group else np.zeros(0, np.int64)
 
 
 class DenseOut:

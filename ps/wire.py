@@ -223,13 +223,20 @@ def _span(data: memoryview, at: int, dtype: str, shape: tuple[int, ...], what: s
     return np.frombuffer(data, npdt, count, at).reshape(shape)  # (read-only where ``data`` is, as from_wire's)
 
 
-def _put(pieces: list[Any], at: int, *new: Any) -> tuple[int, int]:
-    """Append ``new`` (buffers, one array's bytes) to a bulk field's ``pieces``, which end ``at`` bytes
-    in, after zero bytes up to a multiple of codec.ALIGN (the field starts aligned, so every array in
-    it is): (where ``new`` starts, where it ends)."""
-    start = at + -at % ALIGN
-    pieces += [bytes(start - at), *new] if start > at else new
-    return start, start + sum(memoryview(b).nbytes for b in new)
+_GAPS = [bytes(k) for k in range(ALIGN)]
+
+
+def _put(pieces: list[Any], at: int, *new: memoryview) -> tuple[int, int]:
+    """Append ``new`` (byte views, one array's bytes) to a bulk field's ``pieces``, which end ``at``
+    bytes in, after zero bytes up to a multiple of codec.ALIGN (the field starts aligned, so every
+    array in it is): (where ``new`` starts, where it ends)."""
+    start = end = at + -at % ALIGN
+    if start > at:
+        pieces.append(_GAPS[start - at])
+    for b in new:
+        pieces.append(b)
+        end += b.nbytes
+    return start, end
 
 
 def step_parts_from_proto(req: pb.StepRequest, data: memoryview) -> list[StepPart]:
@@ -268,22 +275,24 @@ def step_parts_to_proto(parts: Sequence[StepPart], worker: str, client: str, dty
     pieces: list[Any] = []
     at = 0
     specs: dict[SyncPolicy, pb.SyncSpec] = {}  # each policy converted once (a step's parts share one or two)
+    add = head.parts.add
     for p in parts:
-        m = head.parts.add(table=p.table, op=_STEP_OPS_PB[p.op], seq=p.seq, base_version=p.base_version, base_at=-1)
-        if p.policy != ASYNC:
+        m = add(table=p.table, op=_STEP_OPS_PB[p.op], seq=p.seq, base_version=p.base_version, base_at=-1)
+        if p.policy is not ASYNC and p.policy != ASYNC:
             if p.policy not in specs:
                 specs[p.policy] = policy_to_proto(p.policy)
             m.sync.CopyFrom(specs[p.policy])
-        for field, a in (("ids_at", p.ids), ("data_at", p.values), ("base_at", p.base_versions)):
-            if a is not None:
-                start, at = _put(pieces, at, byte_view(a))
-                setattr(m, field, start)
         if p.ids is not None:
             m.count = len(p.ids)
-        elif p.values is not None:
-            m.count = len(p.values)
-        if p.op == PUSH_SPARSE and p.values is not None:
-            m.dim = p.values.shape[1]
+            m.ids_at, at = _put(pieces, at, byte_view(p.ids))
+        if p.values is not None:
+            if p.ids is None:
+                m.count = len(p.values)
+            if p.op == PUSH_SPARSE:
+                m.dim = p.values.shape[1]
+            m.data_at, at = _put(pieces, at, byte_view(p.values))
+        if p.base_versions is not None:
+            m.base_at, at = _put(pieces, at, byte_view(p.base_versions))
     return frame_pieces(head, data=pieces)
 
 

@@ -130,8 +130,15 @@ def _send(sock: socket.socket, header: dict, body: Any = b"", tail: bytes = b"")
     codec.Packed message, whose pieces are sent from their own memory (one gathering write; over
     TLS, the small ones joined with the header and each big one on its own)."""
     h = msgpack.packb(header, use_bin_type=True)
-    views = [_bytes(p) for p in body] if isinstance(body, Packed) else [_bytes(body if body is not None else b"")]
-    n = sum(v.nbytes for v in views)
+    if isinstance(body, Packed):
+        n = body.nbytes
+        if n <= _SMALL:
+            sock.sendall(b"".join([_PREFIX.pack(len(h), n), h, *body, tail]))
+            return
+        views = [_bytes(p) for p in body]
+    else:
+        views = [_bytes(body if body is not None else b"")]
+        n = views[0].nbytes
     head = _PREFIX.pack(len(h), n) + h
     if n <= _SMALL:
         sock.sendall(b"".join([head, *views, tail]))

@@ -14,6 +14,7 @@ Nothing here is pickled: a tensor is its dtype name, its shape and its bytes.
 """
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import warnings
@@ -98,10 +99,8 @@ class Packed(tuple):
     needs bytes: ``as_bytes`` is the serializer that joins them there. The buffers are views of the
     caller's arrays: they must not change until the message is sent."""
 
-    __slots__ = ()
-
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:  # (``pack`` sets it: it has counted them)
         # bytes, not len(): a piece given as a typed buffer (float32 ...) has fewer items than bytes
         return sum(memoryview(p).nbytes for p in self)
 
@@ -128,12 +127,16 @@ def pack(msg: Message, payloads: Mapping[int, Any] | None = None, joined: bool =
     at = len(head)
     for field, data in (payloads or {}).items():
         views = [_bytes_of(x) for x in data] if isinstance(data, (list, tuple)) else [_bytes_of(data)]
-        n = sum(len(v) for v in views)
+        n = sum(map(len, views))
         key, length = _varint((field << 3) | 2), _varint(n)
         pad = _PADS[-(at + len(key) + len(length)) % ALIGN]
         parts += [pad, key, length, *views]
         at += len(pad) + len(key) + len(length) + n
-    return b"".join(parts) if joined else Packed(parts)
+    if joined:
+        return b"".join(parts)
+    packed = Packed(parts)
+    packed.__dict__["nbytes"] = at
+    return packed
 
 
 # Every bulk field's bytes start at a multiple of ALIGN bytes from the message's start (so int64 and
@@ -147,8 +150,8 @@ _PADS = [b""] + [_PAD_KEY + bytes([k]) + bytes(k) for k in ((gap - len(_PAD_KEY)
 
 
 def _bytes_of(data: Any) -> Any:
-    """``data`` as something whose len() is its byte count (bytes as is, no copy)."""
-    if isinstance(data, bytes):
+    """``data`` as something whose len() is its byte count (bytes and byte views as they are, no copy)."""
+    if isinstance(data, bytes) or (type(data) is memoryview and data.format == "B" and data.ndim == 1 and data.c_contiguous):
         return data
     return byte_view(data) if isinstance(data, np.ndarray) else memoryview(data).cast("B")
 
@@ -229,8 +232,11 @@ def as_numpy(x: Any) -> np.ndarray:
 
 
 def byte_view(arr: np.ndarray) -> memoryview:
-    """The bytes of a C-contiguous array, without copying."""
-    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
+    """The bytes of a C-contiguous array, without copying (other arrays: of a contiguous copy)."""
+    try:
+        return arr.data.cast("B")  # one cast, no numpy calls (~0.3 us against ~0.7: a Step makes ~20)
+    except (AttributeError, TypeError, ValueError):  # not contiguous, empty, or no buffer format
+        return np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
 
 
 def to_wire(x: Any, wire_dtype: str | None = None) -> tuple[str, memoryview]:
