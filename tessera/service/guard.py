@@ -469,8 +469,8 @@ def _wrap(handler: grpc.RpcMethodHandler, access: Access, ticket: _Ticket | None
         context.set_trailing_metadata(((ERROR_CLASS_HEADER, type(e).__name__),))
         context.abort(_CODES[type(e)], str(e))
 
+    # (built per call: no functools.wraps, ~3 us a call for names nothing reads)
     def unary(fn: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
-        @functools.wraps(fn)
         def run(request: Any, context: Any) -> Any:
             try:
                 t, c = enter(context)
@@ -487,7 +487,6 @@ def _wrap(handler: grpc.RpcMethodHandler, access: Access, ticket: _Ticket | None
         return run
 
     def streaming(fn: Callable[[Any, Any], Iterator[Any]]) -> Callable[[Any, Any], Iterator[Any]]:
-        @functools.wraps(fn)
         def run(request: Any, context: Any) -> Iterator[Any]:
             try:
                 t, c = enter(context)
