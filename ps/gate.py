@@ -21,13 +21,12 @@ class Gate:
         self._waiting = 0
         self._mine = threading.local()  # depth: this thread's shared holds; counted: the outermost one counts in _shared
         self._owner: int | None = None
-        self._hold = _SharedHold(self)
 
-    def shared(self) -> _SharedHold:
-        """A shared hold (``with gate.shared():``); a plain object, not a generator: every mutation takes one."""
-        return self._hold
+    def shared(self) -> Gate:
+        """A shared hold: ``with gate.shared():`` (the gate is its own context, no generator: every mutation takes one)."""
+        return self
 
-    def _enter(self) -> None:
+    def __enter__(self) -> None:
         mine = self._mine
         depth = getattr(mine, "depth", 0)
         if depth == 0:
@@ -39,7 +38,7 @@ class Gate:
                     self._shared += 1
         mine.depth = depth + 1
 
-    def _exit(self) -> None:
+    def __exit__(self, *exc: object) -> None:
         mine = self._mine
         mine.depth -= 1
         if mine.depth == 0 and mine.counted:
@@ -67,15 +66,3 @@ class Gate:
                 self._owner = None
                 self._cond.notify_all()
 
-
-class _SharedHold:
-    __slots__ = ("_gate",)
-
-    def __init__(self, gate: Gate) -> None:
-        self._gate = gate
-
-    def __enter__(self) -> None:
-        self._gate._enter()
-
-    def __exit__(self, *exc: object) -> None:
-        self._gate._exit()

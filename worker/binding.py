@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 __all__ = ["PSEmbedding", "SparseGrad"]
 
+_PLAIN = frozenset({"policy", "_prefetched", "_pending"})  # PSEmbedding's attributes set every step
+
 
 @dataclass
 class _Rows:
@@ -94,6 +96,12 @@ class PSEmbedding(nn.Module):
         self._prefetched: _Rows | None = None
         self._pending: list[tuple[_Rows, torch.Tensor]] = []
         self.cache: EmbCache | None = None  # hot rows on the device (worker.emb_cache.attach_caches)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _PLAIN:  # per-step state, never a parameter, buffer or module: no nn.Module bookkeeping (~2 us a set)
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def extra_repr(self) -> str:
         return f"table={self.table!r}, dim={self.dim}, mode={self.mode}, optimizer={self.optimizer.name}, row_dtype={self.row_dtype}"
