@@ -65,4 +65,3 @@ class Gate:
                 self._exclusive = False
                 self._owner = None
                 self._cond.notify_all()
-
