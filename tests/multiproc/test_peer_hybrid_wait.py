@@ -1,7 +1,8 @@
 """`tessera peer --mode hybrid` started before its shards (issue 31 item 8): rank 0 says every 5 s
 which shard it waits for, as the worker does; after --retry-timeout every rank prints one line
 naming the shard, and the launcher exits 1 with no traceback. Real ranks under torchrun against a
-port nothing listens on."""
+port nothing listens on. The rank that gives up first is the one that started waiting first; the
+launcher then stops the others (SIGTERM), and each of them says so, naming the shards."""
 from __future__ import annotations
 
 import os

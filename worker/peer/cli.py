@@ -23,7 +23,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import replace
@@ -37,6 +39,10 @@ from worker.peer.flags import add_pipeline_args
 __all__ = ["add_peer_commands", "add_train_args", "launcher_argv", "main", "run_rank"]
 
 log = logging.getLogger(__name__)
+
+
+class _StoppedWaiting(BaseException):
+    """SIGTERM while a hybrid rank waits for its shards (not an Exception: no probe's handler swallows it)."""
 
 
 def add_train_args(p: argparse.ArgumentParser) -> None:
@@ -220,11 +226,19 @@ def run_rank(args: argparse.Namespace) -> int:
                 if rank == 0:
                     print(f"tessera peer: rank 0: {text}", file=sys.stderr, flush=True)
 
+            def stopped(*_: Any) -> None:  # the launcher stops the other ranks when one gives up: they say so too
+                raise _StoppedWaiting(f"stopped (SIGTERM) while waiting for the shards at {args.ps}; the launcher stops every rank once one gives up")
+
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.signal(signal.SIGTERM, stopped) if main else None
             try:  # then one line per rank if they never come
                 wait_for_shards(args.ps.split(","), None, timeout=args.retry_timeout, say=say)
-            except ServerUnreachableError as e:
+            except (ServerUnreachableError, _StoppedWaiting) as e:
                 print(f"tessera peer: rank {rank}: {e}", file=sys.stderr, flush=True)
                 return 1
+            finally:
+                if main:
+                    signal.signal(signal.SIGTERM, previous)
             client = PSClient(args.ps.split(","), timeout=max(60.0, args.timeout))
         worker_index = rank
         where: Any = None
