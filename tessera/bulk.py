@@ -130,19 +130,18 @@ def _send(sock: socket.socket, header: dict, body: Any = b"", tail: bytes = b"")
     codec.Packed message, whose pieces are sent from their own memory (one gathering write; over
     TLS, the small ones joined with the header and each big one on its own)."""
     h = msgpack.packb(header, use_bin_type=True)
+    pieces: Sequence[Any]
     if isinstance(body, Packed):
-        n = body.nbytes
-        if n <= _SMALL:
-            sock.sendall(b"".join([_PREFIX.pack(len(h), n), h, *body, tail]))
-            return
-        views = [_bytes(p) for p in body]
+        pieces, n = body, body.nbytes  # (pack counted it)
     else:
-        views = [_bytes(body if body is not None else b"")]
-        n = views[0].nbytes
+        pieces = (_bytes(body if body is not None else b""),)
+        n = pieces[0].nbytes
     head = _PREFIX.pack(len(h), n) + h
-    if n <= _SMALL:
-        sock.sendall(b"".join([head, *views, tail]))
-    elif isinstance(sock, ssl.SSLSocket):  # (no sendmsg)
+    if n <= _SMALL:  # (join takes any buffer: no byte view of each piece)
+        sock.sendall(b"".join([head, *pieces, tail]))
+        return
+    views = [_bytes(p) for p in pieces]
+    if isinstance(sock, ssl.SSLSocket):  # (no sendmsg)
         small = [head]
         for v in views:
             if v.nbytes > _SMALL:
@@ -236,13 +235,13 @@ def _recv(rfile: Any, max_body: int, sock: Any = None, deadline: float | None = 
     raw = bytearray(hlen + blen if small else hlen)
     _fill(rfile, raw, 0, sock, deadline)
     try:
-        header = msgpack.unpackb(memoryview(raw)[:hlen] if small and blen else raw, raw=False, strict_map_key=True)
+        header = msgpack.unpackb(memoryview(raw)[:hlen], raw=False, strict_map_key=True)
     except Exception as e:  # noqa: BLE001 - any msgpack failure is a bad frame
         raise _FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"unparsable frame header ({type(e).__name__}: {e})") from None
     if not isinstance(header, dict):
         raise _FrameError(grpc.StatusCode.INVALID_ARGUMENT, f"frame header is a {type(header).__name__}, not a map")
     if small:
-        return header, raw[hlen:] if blen else bytearray()
+        return header, raw[hlen:]
     if blen <= _EAGER:
         # not zeroed first (a bytearray is: ~80 us per MiB, a tenth of a dense push's receiving)
         view = np.empty(blen, np.uint8).data

@@ -227,7 +227,9 @@ def run_rank(args: argparse.Namespace) -> int:
                     print(f"tessera peer: rank 0: {text}", file=sys.stderr, flush=True)
 
             def stopped(*_: Any) -> None:  # the launcher stops the other ranks when one gives up: they say so too
-                raise _StoppedWaiting(f"stopped (SIGTERM) while waiting for the shards at {args.ps}; the launcher stops every rank once one gives up")
+                raise _StoppedWaiting(
+                    f"stopped (SIGTERM) while waiting for the shards at {args.ps}; the launcher stops every rank once one gives up"
+                )
 
             main = threading.current_thread() is threading.main_thread()
             previous = signal.signal(signal.SIGTERM, stopped) if main else None
