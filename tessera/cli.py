@@ -7,8 +7,10 @@ failed while running. ``--debug`` (anywhere on the line) shows the traceback ins
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import threading
 from typing import Any, Callable, Sequence
@@ -228,6 +230,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:  # say it as the subcommand that was given them, so that "see: ..." names its --help
         _chosen(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack to stderr, and it runs on (a process that seems stuck)
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
     prog = getattr(args, "_prog", "tessera")
     ended = _quiet_background_threads(prog, debug)
     try:

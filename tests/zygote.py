@@ -23,6 +23,7 @@ after preloading and refuses to serve otherwise.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -206,6 +207,10 @@ def serve(socket_path: str, parent: int, ready_fd: int = 1) -> None:
     global _FILTERS
     _FILTERS = list(warnings.filters)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # a session zygote's path names its leader's pid: a file there is a dead one's of the same pid
+    # (pids wrap at /proc/sys/kernel/pid_max, 32768 here, and the suite's threads take pids too)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(socket_path)
     listener.bind(socket_path)
     listener.listen(64)
     rfd, wfd = os.pipe()
@@ -412,12 +417,15 @@ def _session_zygote(parent_socket: str) -> str:
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
             serve(path, leader, ready_fd=w)
+        except BaseException as e:  # noqa: BLE001 - said on the ready pipe: its stderr is /dev/null
+            os.write(w, f"{type(e).__name__}: {e}".replace("\n", " ").encode() + b"\n")
         finally:
             os._exit(0)
     os.close(w)
     with os.fdopen(r, "rb") as f:
-        if f.readline().strip() != b"ready":
-            raise RuntimeError("the session's zygote did not start")
+        line = f.readline().strip()
+    if line != b"ready":
+        raise RuntimeError(f"the session's zygote did not start: {line.decode(errors='replace') or 'exited'}")
     return path
 
 

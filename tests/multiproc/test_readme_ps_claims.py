@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -55,11 +56,11 @@ def _listening_addresses(pid: int) -> set[tuple[str, int]]:
     return out
 
 
-def _serve(*extra: str) -> tuple[subprocess.Popen, str, int]:
+def _serve(*extra: str, stderr: Any = subprocess.DEVNULL) -> tuple[subprocess.Popen, str, int]:
     """`tessera ps serve --port 0 ...` as a process; (the process, the HOST:PORT it printed, the bulk
     port it printed or 0)."""
     p = subprocess.Popen([sys.executable, "-m", "tessera.cli", "ps", "serve", "--port", "0", *extra],
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                         stdout=subprocess.PIPE, stderr=stderr, text=True)
     assert p.stdout is not None
     seen = []
     for line in p.stdout:  # other notes may come first; the address line when the shard is ready
@@ -72,8 +73,25 @@ def _serve(*extra: str) -> tuple[subprocess.Popen, str, int]:
     raise AssertionError(f"no 'listening on' line (exit {p.returncode}): {seen}")
 
 
-def test_a_shard_binds_loopback_unless_host_says_otherwise() -> None:
-    p, address, bulk = _serve()
+def _stop(p: subprocess.Popen, err: Any) -> None:
+    """SIGTERM and wait for the exit (a shard drains in ~4 s); one that is still there after 20 s is
+    asked for its threads' stacks (SIGUSR1), which the failure shows, then killed."""
+    p.terminate()
+    try:
+        p.wait(20)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        p.kill()
+        p.wait()
+        err.seek(0)
+        raise AssertionError(f"the shard did not exit within 20 s of SIGTERM; its stderr:\n{err.read()[-6000:]}") from None
+
+
+def test_a_shard_binds_loopback_unless_host_says_otherwise(tmp_path) -> None:
+    """Also the README's "`kill -USR1 PID` prints every thread's stack to stderr, and the process runs on"."""
+    err = open(tmp_path / "stderr", "w+")
+    p, address, bulk = _serve(stderr=err)
     try:
         host, port = address.rsplit(":", 1)
         assert host == "127.0.0.1" and int(port) > 0 and bulk > 0, address  # --port 0 and the default bulk port: free ones, printed
@@ -82,9 +100,17 @@ def test_a_shard_binds_loopback_unless_host_says_otherwise() -> None:
                 pass
         if sys.platform.startswith("linux"):  # it listens on loopback only: no wildcard, no other address
             assert _listening_addresses(p.pid) == {("127.0.0.1", int(port)), ("127.0.0.1", bulk)}, _listening_addresses(p.pid)
+        p.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while "ps/server.py" not in (text := (tmp_path / "stderr").read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "(most recent call first)" in text and "ps/server.py" in text, text  # the main thread waits in serve()
+        with socket.create_connection(("127.0.0.1", int(port)), timeout=5):  # and it serves on
+            pass
+        assert p.poll() is None
     finally:
-        p.terminate()
-        p.wait(20)
+        _stop(p, err)
+        err.close()
 
 
 def test_stats_waits_up_to_wait_seconds_then_fails_naming_the_shard() -> None:

@@ -202,3 +202,22 @@ def test_ip_netns_exec_python_is_forked_into_the_network_namespace(tmp_path) -> 
         assert out["mnt"] == os.readlink("/proc/self/ns/mnt"), "the network alone: no mount namespace of its own"
     finally:
         subprocess.run(["ip", "netns", "del", ns], check=False)
+
+
+def test_a_zygote_serves_where_a_dead_one_left_its_socket(tmp_path) -> None:
+    """A session zygote's socket is named after its leader's pid, and pids wrap (32768 here, the
+    suite's threads taking pids too): a later leader with the same pid finds the dead one's file
+    there. Before, bind failed and every process that leader started failed with "the session's
+    zygote did not start"; now the zygote takes the path over."""
+    import socket
+
+    path = str(tmp_path / "sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:
+        stale.bind(path)  # closed without unlinking: the file stays, as a killed zygote's does
+    proc = zygote.start(path)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(path)  # served by the new zygote
+    finally:
+        proc.kill()
+        proc.wait()
