@@ -7,6 +7,7 @@ failed while running. ``--debug`` (anywhere on the line) shows the traceback ins
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import logging
 import os
@@ -230,8 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if extra:  # say it as the subcommand that was given them, so that "see: ..." names its --help
         _chosen(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack to stderr, and it runs on (a process that seems stuck)
-        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
+    # `kill -USR1 PID`: every thread's stack to stderr, and it runs on (a process that seems stuck);
+    # not where stderr has no file descriptor (main() called in a process that captures it)
+    with contextlib.suppress(AttributeError, OSError):  # (io.UnsupportedOperation is an OSError)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     prog = getattr(args, "_prog", "tessera")
     ended = _quiet_background_threads(prog, debug)
     try:
