@@ -23,6 +23,13 @@ Figures, per repeat (``--repeats``, default 2):
 * ``rmse_ps``: test RMSE of the parameters on the shards once both workers finished (pulled by this
   process: the dense table and the rows, evaluated by the task's own ``evaluate``); ``rmse_local``:
   the reference's. ``rmse_gap`` = ``rmse_ps - rmse_local`` (goal: |gap| <= 0.01).
+* Staleness alone (once, untimed, after the timed runs): the reference's training with every
+  gradient computed on the parameters as they were ``stale_delay`` updates before (the cluster's
+  mean staleness, rounded; 2 so far), in one process: ``rmse_local_stale`` and ``rmse_stale_gap``
+  (its gap to the reference); over the last 15% of its steps, evaluated every 10 steps, the range
+  (``rmse_stale_spread``) and the mean change from one evaluation to the next (``rmse_stale_jitter``);
+  the same with no delay (``rmse_fresh*``: the reference itself). Async training's final RMSE is
+  one draw from that jitter: it says how far apart two runs that differ only in staleness end.
 * ``wall_ps``: the cluster's training span, from the first worker's first step (its ``start``
   record, after the tables exist and both workers joined) to the last worker's last step;
   ``wall_local``: the reference's training loop. ``wall_ratio`` = ``wall_ps / wall_local`` (goal
@@ -49,7 +56,7 @@ Run (about 1.5 minutes on 2 cores, 2.5 beside other work)::
 
 Prints a table and, as its last line, one line of JSON with at least ``rmse_ps``, ``rmse_local``,
 ``rmse_gap``, ``wall_ratio`` (and ``wall_ps_s``, ``wall_local_s``, the CPU split, ``best_rmse``: the
-noise floor). Every process it starts is stopped on exit, also on Ctrl-C.
+noise floor, the ``rmse_*stale*`` / ``rmse_fresh*`` figures). Every process it starts is stopped on exit, also on Ctrl-C.
 """
 from __future__ import annotations
 
@@ -222,11 +229,9 @@ def run_ps(args: argparse.Namespace, task_opts: dict[str, Any], tmp: str, rep: i
     }
 
 
-def run_local(args: argparse.Namespace, task_opts: dict[str, Any], threads: int) -> dict[str, Any]:
-    """The reference in this process: ``WORKERS x steps`` steps of batch ``--batch-size``."""
+def _reference(args: argparse.Namespace, task_opts: dict[str, Any]) -> tuple[Any, Any, list[Any], Any]:
+    """The one-process reference's (task, model, optimizers, batches): ``worker.tasks.mf.torch_reference``."""
     import warnings
-
-    import torch
 
     from worker.tasks import load_task
     from worker.tasks.mf import MFModel, torch_reference
@@ -237,7 +242,14 @@ def run_local(args: argparse.Namespace, task_opts: dict[str, Any], threads: int)
     assert isinstance(task.model, MFModel) and task.evaluate is not None
     model, optimizers = torch_reference(task.model, task.dense_optimizer)
     model.train()
-    data = task.batches(0, 1, args.batch_size, 0)
+    return task, model, optimizers, task.batches(0, 1, args.batch_size, 0)
+
+
+def run_local(args: argparse.Namespace, task_opts: dict[str, Any], threads: int) -> dict[str, Any]:
+    """The reference in this process: ``WORKERS x steps`` steps of batch ``--batch-size``."""
+    import torch
+
+    task, model, optimizers, data = _reference(args, task_opts)
     steps = WORKERS * args.steps
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -257,6 +269,47 @@ def run_local(args: argparse.Namespace, task_opts: dict[str, Any], threads: int)
         torch.set_num_threads(before)
     return {"rmse": task.evaluate(model)["rmse"], "wall": wall, "cpu": cpu, "steps": steps, "threads": threads,
             "best_rmse": task.info["best_rmse"]}
+
+
+def stale_curve(args: argparse.Namespace, task_opts: dict[str, Any], delay: int) -> dict[str, Any]:
+    """What staleness alone does to the test RMSE: the reference's training (same model, examples,
+    optimizers) with every step's gradient computed on the parameters as they were ``delay`` updates
+    before (0: the reference itself), evaluated every 10 steps over the last 15% of the steps.
+    Untimed; one thread. Returns its final RMSE, the range of the evaluations and their mean absolute
+    change from one to the next (``jitter``)."""
+    import collections
+    import copy
+
+    import torch
+
+    task, model, optimizers, data = _reference(args, task_opts)
+    stale = copy.deepcopy(model)  # computes each gradient, from a snapshot
+    params, stale_params = list(model.parameters()), list(stale.parameters())
+    ring = collections.deque([[p.detach().clone() for p in params]], maxlen=delay + 1)  # ring[0]: `delay` updates ago
+    steps = WORKERS * args.steps
+    curve = []
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for s in range(steps):
+            with torch.no_grad():
+                for q, old in zip(stale_params, ring[0]):
+                    q.copy_(old)
+            for q in stale_params:
+                q.grad = None
+            task.loss(stale, next(data)).backward()
+            for p, q in zip(params, stale_params):
+                p.grad = q.grad
+            for o in optimizers:
+                o.step()
+            ring.append([p.detach().clone() for p in params])
+            if s >= 0.85 * steps and s % 10 == 9:
+                curve.append(task.evaluate(model)["rmse"])
+    finally:
+        torch.set_num_threads(before)
+    # how much it moves from one evaluation to the next, 10 steps apart (the trend is ~0.001 of it)
+    jitter = statistics.mean(abs(b - a) for a, b in zip(curve, curve[1:]))
+    return {"delay": delay, "rmse": curve[-1], "min": min(curve), "max": max(curve), "jitter": jitter, "evals": len(curve)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,16 +361,22 @@ def main(argv: list[str] | None = None) -> int:
                     lr["rep"] = rep
                     local_runs.append(lr)
                     log(f"  one process, {threads} thread(s): rmse {lr['rmse']:.4f}, training {lr['wall']:.2f} s")
+        # the cluster's staleness alone, in one process (untimed, after every timed run): how far apart two
+        # runs that differ only in it end, and how much the async model's RMSE moves from one step to the next
+        delay = max(1, round(statistics.mean(r["staleness"] for r in ps_runs)))
+        curves = [stale_curve(args, task_opts, d) for d in (0, delay)]
+        log(f"  one process, gradients {delay} updates stale: rmse {curves[1]['rmse']:.4f}, moving {curves[1]['jitter']:.4f} per 10 steps "
+            f"at the end ({curves[0]['jitter']:.4f} with fresh gradients)")
     except KeyboardInterrupt:
         log("interrupted: every process stopped")
         return 130
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return report(args, ps_runs, local_runs, load0, time.perf_counter() - t_start)
+    return report(args, ps_runs, local_runs, curves, load0, time.perf_counter() - t_start)
 
 
-def report(args: argparse.Namespace, ps_runs: list[dict[str, Any]], local_runs: list[dict[str, Any]], load0: float,
-           total_s: float) -> int:
+def report(args: argparse.Namespace, ps_runs: list[dict[str, Any]], local_runs: list[dict[str, Any]], curves: list[dict[str, Any]],
+           load0: float, total_s: float) -> int:
     # per repeat: the cluster against that repeat's faster reference (1 or 2 threads)
     rows = []
     for rep, p in enumerate(ps_runs):
@@ -376,11 +435,19 @@ def report(args: argparse.Namespace, ps_runs: list[dict[str, Any]], local_runs: 
         "steps": args.steps, "batch_size": args.batch_size, "workers": WORKERS, "shards": SHARDS, "examples": examples,
         "repeats": args.repeats, "quick": args.quick, "cpus": os.cpu_count(), "total_s": round(total_s, 1),
         "loadavg_start": round(load0, 2), "loadavg_end": round(os.getloadavg()[0], 2),
+        # the reference trained on gradients `stale_delay` updates old (the cluster's mean staleness): its final
+        # RMSE, and the spread of its RMSE over the last 15% of its steps; the same spread with fresh gradients
+        "stale_delay": curves[1]["delay"], "rmse_local_stale": round(curves[1]["rmse"], 5),
+        "rmse_stale_gap": round(curves[1]["rmse"] - loc["rmse"], 5),
+        "rmse_stale_spread": [round(curves[1]["min"], 5), round(curves[1]["max"], 5)], "rmse_stale_jitter": round(curves[1]["jitter"], 5),
+        "rmse_fresh": round(curves[0]["rmse"], 5), "rmse_fresh_spread": [round(curves[0]["min"], 5), round(curves[0]["max"], 5)], "rmse_fresh_jitter": round(curves[0]["jitter"], 5),
     }
     print(
         f"\nrmse_ps {out['rmse_ps']:.4f} vs rmse_local {out['rmse_local']:.4f} (median repeat; largest gap of any repeat "
         f"{out['rmse_gap']:+.4f}, goal |gap| <= 0.01; "
-        f"noise floor {out['best_rmse']:.4f}); wall_ratio {out['wall_ratio']:.2f} (median repeat, the higher of two; min {out['wall_ratio_min']:.2f}; "
+        f"noise floor {out['best_rmse']:.4f}; staleness alone, in one process with gradients {out['stale_delay']} updates old: "
+        f"gap {out['rmse_stale_gap']:+.4f}; over the last 15% of its steps the RMSE moves {out['rmse_stale_jitter']:.4f} per 10 "
+        f"steps, against {out['rmse_fresh_jitter']:.4f} with fresh gradients); wall_ratio {out['wall_ratio']:.2f} (median repeat, the higher of two; min {out['wall_ratio_min']:.2f}; "
         f"goal <= 1.5): cluster {out['wall_ps_s']:.2f} s vs one process {out['wall_local_s']:.2f} s ({loc['threads']} thread(s)); "
         f"CPU per worker step: workers {out['worker_cpu_ms_per_step']:.2f} ms + shards {out['shard_cpu_ms_per_step']:.2f} ms "
         f"vs {out['local_cpu_ms_per_step']:.2f} ms per one-process step; total {total_s:.0f} s\n"

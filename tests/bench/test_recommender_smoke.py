@@ -9,7 +9,8 @@ as long, and how stale async reads get depends on how the machine's load schedul
 learned, and the gap must be within 0.03. Exactness is test_mf_task's (sync workers equal the
 reference step for step). Speed is not asserted (benchmarks measure, tests check): only that
 the wall ratio is what its definition says, from the raw figures beside it, and that the run left
-none of its processes behind.
+none of its processes behind. Also the one-process run with the cluster's staleness (every gradient
+computed on parameters ``stale_delay`` updates old): with a delay of 0 it is the reference exactly.
 """
 from __future__ import annotations
 
@@ -41,3 +42,10 @@ def test_recommender_quick(tmp_path) -> None:
     assert last["wall_ratio_min"] <= last["wall_ratio"] + 1e-9
     assert 0 <= last["compute_frac"] <= 1 and 0 <= last["push_wait_frac"] <= 1
     assert "rmse_ps" in stdout and "wall_ratio" in stdout
+    # staleness alone, in one process: the cluster's mean staleness as the delay; with no delay the same
+    # training is the reference itself (same final RMSE), so the delayed run differs by the delay only
+    assert last["stale_delay"] == max(1, round(last["mean_staleness"])), last
+    assert last["rmse_fresh"] == last["rmse_local"], last
+    assert abs(last["rmse_stale_gap"] - (last["rmse_local_stale"] - last["rmse_local"])) < 2e-5, last
+    assert last["rmse_local_stale"] != last["rmse_local"] and last["rmse_local_stale"] < 0.7, last
+    assert last["rmse_stale_jitter"] > 0 and last["rmse_fresh_jitter"] > 0, last
