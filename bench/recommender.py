@@ -46,7 +46,7 @@ Figures, per repeat (``--repeats``, default 2):
 Reported: min and median over the repeats (the JSON's headline ``wall_ratio`` is the median
 repeat's, the higher of two; ``wall_ratio_min`` the best; ``rmse_gap`` the largest |gap| of any repeat).
 
-Run (about 1.5 minutes on 2 cores, 2.5 beside other work)::
+Run (about a minute on 2 cores, 20 s with ``--quick``; more beside other work)::
 
     python bench/recommender.py                  # 2 repeats
     python bench/recommender.py --quick          # smoke run: 300 steps per worker, a smaller task, 1 repeat
