@@ -551,7 +551,7 @@ with tempfile.TemporaryDirectory() as d:
     t.push(np.arange(16, dtype=np.int64), np.zeros((16, dim), np.float32))
     # the test's own inputs (11 MiB) before the start: they are not the table's
     ids = np.random.default_rng(0).permutation(np.arange(rows, dtype=np.int64)) * 7919 + 13
-    fill = np.ones((1 << 15, dim), np.float32) * 0  # (written: resident now)
+    fill = np.full((1 << 15, dim), 0.0, np.float32)  # (written, so resident now: np.zeros' pages would come later)
     start = peak = rss()
     for a in range(0, rows, 1 << 15):  # pushes create rows (a pull is a read): a zero gradient leaves Adagrad's rows at init
         b = ids[a : a + (1 << 15)]
