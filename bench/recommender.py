@@ -309,7 +309,7 @@ def stale_curve(args: argparse.Namespace, task_opts: dict[str, Any], delay: int)
         torch.set_num_threads(before)
     # how much it moves from one evaluation to the next, 10 steps apart (the trend alone: ~0.0002 per 10 steps at the end)
     jitter = statistics.mean(abs(b - a) for a, b in zip(curve, curve[1:]))
-    return {"delay": delay, "rmse": curve[-1], "min": min(curve), "max": max(curve), "jitter": jitter, "evals": len(curve)}
+    return {"delay": delay, "rmse": curve[-1], "min": min(curve), "max": max(curve), "jitter": jitter}
 
 
 def main(argv: list[str] | None = None) -> int:
