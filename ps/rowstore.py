@@ -297,8 +297,7 @@ class RowStore:
         _, layout = self._layout(rows)
         cols = {}
         for c, off in layout:
-            n = rows * c.row_nbytes
-            v = buf[off : off + n].view(c.dtype)
+            v = buf[off : off + rows * c.row_nbytes].view(c.dtype)
             cols[c.name] = v.view(rows, c.width) if c.width else v
         return _Chunk(buf, cols, rows)
 
@@ -468,17 +467,13 @@ class RowStore:
     ) -> dict[str, torch.Tensor]:
         """Copies of ``names`` (default all columns) for ``rows`` (int64, any order): {name: (n, width) or (n,)}.
         With ``plan`` (``plan(rows)``): in the plan's order (``plan.rows``); ``rows`` is not read."""
+        rows = plan.rows if plan is not None else np.ascontiguousarray(rows, np.int64)
         groups: Iterable[tuple[_Chunk, slice | torch.Tensor | None, slice | torch.Tensor]]
-        if plan is not None:
-            n, groups = len(plan.rows), plan.groups
-        else:
-            rows = np.ascontiguousarray(rows, np.int64)
-            n, groups = len(rows), self._groups(rows)
+        groups = plan.groups if plan is not None else self._groups(rows)
+        n = len(rows)
         names = list(self.columns) if names is None else list(names)
-        out = {}
-        for name in names:
-            c = self.columns[name]
-            out[name] = torch.empty((n, c.width) if c.width else (n,), dtype=c.dtype)
+        cols = [self.columns[name] for name in names]
+        out = {c.name: torch.empty((n, c.width) if c.width else (n,), dtype=c.dtype) for c in cols}
         outs = {k: (None if v.dtype == torch.bfloat16 else v.numpy()) for k, v in out.items()}
         for ch, pos, off in groups:
             at = None if isinstance(off, slice) or not isinstance(pos, slice) else off.numpy()
@@ -504,10 +499,7 @@ class RowStore:
         (no duplicates). Values are cast to each column's dtype. With ``plan`` (``plan(rows)``): the
         values are in the plan's order (``plan.rows``); ``rows`` is not read."""
         groups: Iterable[tuple[_Chunk, slice | torch.Tensor | None, slice | torch.Tensor]]
-        if plan is not None:
-            groups = plan.groups
-        else:
-            groups = self._groups(np.ascontiguousarray(rows, np.int64))
+        groups = plan.groups if plan is not None else self._groups(np.ascontiguousarray(rows, np.int64))
         tens: dict[str, torch.Tensor | float | int] = {}
         # the values as _Chunk.items sees them, made once per call (making the row-item views per chunk
         # and column instead took a 3-column scatter of 2048 rows over 8 chunks from 0.15 to 0.23-0.33 ms)
