@@ -128,9 +128,6 @@ class _Block:
         self.param = param
         self.state = state
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.param, *self.state.values())
-
 
 def _unreferenced(holder: list[_Block], i: int) -> bool:
     """Is ``holder[i]`` referred to by ``holder`` alone: no other reference to the block, its state dict,
@@ -149,7 +146,7 @@ def _unreferenced(holder: list[_Block], i: int) -> bool:
     if any(sys.getrefcount(holder[i].state[name]) != 2 for name in holder[i].state):
         return False
     # per tensor: its own TensorImpl + the storage object untyped_storage() makes for the call
-    return all(_storage_use_count(x.untyped_storage()._cdata) == 2 for x in holder[i].tensors())
+    return all(_storage_use_count(x.untyped_storage()._cdata) == 2 for x in (holder[i].param, *holder[i].state.values()))
 
 
 # A push computes early only where this shard's range has _EARLY_BLOCKS chunks or more: with few
@@ -639,8 +636,7 @@ def _filled(shape: tuple[int, int], value: float, dtype: torch.dtype) -> torch.T
     if value != 0.0:
         return torch.full(shape, value, dtype=dtype)
     itemsize = torch.empty(0, dtype=dtype).element_size()
-    z = torch.from_numpy(np.zeros(shape, {4: np.int32, 2: np.int16}[itemsize]))
-    return z.view(dtype)
+    return torch.from_numpy(np.zeros(shape, {4: np.int32, 2: np.int16}[itemsize])).view(dtype)
 
 
 class TieredRows:
@@ -944,9 +940,7 @@ class SparseTable:
 
     def _resident_cap(self) -> int:
         """Rows this table may keep resident now (-1: no limit)."""
-        if self._budget is None:
-            return -1
-        return self._budget.rows_for(self._budget_handle, self._store.row_nbytes)
+        return -1 if self._budget is None else self._budget.rows_for(self._budget_handle, self._store.row_nbytes)
 
     def _cold_tier(self) -> ColdTier:
         if self._cold is None:
@@ -1030,8 +1024,7 @@ class SparseTable:
 
     def _create(self, ids: np.ndarray, seen: np.ndarray | None = None) -> np.ndarray:
         """Allocate and initialize rows for new ``ids`` (room was made); returns their row numbers."""
-        n = len(ids)
-        rows = self._store.alloc(n)
+        rows = self._store.alloc(len(ids))
         fill = self.spec.optimizer.hparams.get("initial_accumulator", 0.0)
         data: dict[str, Any] = {
             "values": self._created_values(ids),
@@ -1594,11 +1587,9 @@ class SparseTable:
                 need += self._cold_tier().ram_alloc_bytes(cold_n)
             with self._growth:
                 self._reserve(need)  # the budget first
-                rows = self._store.alloc(hot)
-                loc[new[:hot]] = rows
+                loc[new[:hot]] = self._store.alloc(hot)
                 if cold_n:
-                    slots = self._cold_tier().alloc(cold_n)
-                    loc[new[hot:]] = -slots - 2
+                    loc[new[hot:]] = -self._cold_tier().alloc(cold_n) - 2
                 self._index.insert(ids[new], loc[new])
         data: dict[str, Any] = {"values": values, "version": np.asarray(versions, np.int64), "id": ids}
         data.update({k: torch.from_numpy(np.ascontiguousarray(state[k], np.float32)) for k in self._state_names})
