@@ -72,9 +72,6 @@ class ChunkBacking:
     def allocate(self, nbytes: int) -> torch.Tensor:
         raise NotImplementedError
 
-    def free(self, buf: torch.Tensor) -> None:
-        """``buf`` (from allocate) is no longer used (chunk 0 replaced by a bigger one)."""
-
     def drop_pages(self) -> None:
         """Let the kernel drop this backing's pages from the process's resident set (file backing)."""
 
@@ -318,16 +315,9 @@ class RowStore:
         have = self.capacity
         if need <= have:
             return 0, have
-        extra = 0
-        if not self._chunks or (len(self._chunks) == 1 and self._chunks[0].rows < self.chunk_rows):
-            cap0 = self._chunks[0].rows if self._chunks else 0
-            new0 = max(self.first_rows, cap0)
-            while new0 < min(need, self.chunk_rows):
-                new0 *= 2
-            new0 = min(new0, self.chunk_rows)
-            if new0 > cap0:
-                extra += self._chunk_nbytes(new0) - (self._chunk_nbytes(cap0) if cap0 else 0)
-            have = new0
+        cap0, new0 = self._chunk0_growth(need)
+        extra = self._chunk_nbytes(new0) - (self._chunk_nbytes(cap0) if cap0 else 0) if new0 > cap0 else 0
+        have += new0 - cap0
         if need > have:
             chunks = -(-(need - have) // self.chunk_rows)
             extra += chunks * self._chunk_nbytes(self.chunk_rows)
@@ -342,25 +332,29 @@ class RowStore:
         """Rows never used before that ``alloc(n)`` hands out (the rest come from the free stack)."""
         return max(0, n - (self._n_free if self.reuse else 0))
 
+    def _chunk0_growth(self, need: int) -> tuple[int, int]:
+        """(chunk 0's rows now, its rows once ``need`` rows fit): it doubles from ``first_rows`` up to
+        ``chunk_rows`` while it is the only chunk (no chunk yet: 0 rows now)."""
+        cap0 = self._chunks[0].rows if self._chunks else 0
+        if len(self._chunks) > 1 or cap0 >= self.chunk_rows:
+            return cap0, cap0
+        new0 = max(self.first_rows, cap0)
+        while new0 < min(need, self.chunk_rows):
+            new0 *= 2
+        return cap0, min(new0, self.chunk_rows)
+
     def _ensure(self, need: int) -> None:
         if need <= self.capacity:
             return
-        if not self._chunks or (len(self._chunks) == 1 and self._chunks[0].rows < self.chunk_rows):
-            old = self._chunks[0] if self._chunks else None
-            cap0 = old.rows if old else 0
-            new0 = max(self.first_rows, cap0)
-            while new0 < min(need, self.chunk_rows):
-                new0 *= 2
-            new0 = min(new0, self.chunk_rows)
-            if new0 > cap0:
-                ch = self._new_chunk(new0)
-                if old is not None:
-                    for name, v in old.cols.items():
-                        ch.cols[name][: old.rows] = v
-                    self.backing.free(old.buf)
-                    self._chunks[0] = ch
-                else:
-                    self._chunks.append(ch)
+        cap0, new0 = self._chunk0_growth(need)
+        if new0 > cap0:
+            ch = self._new_chunk(new0)
+            if self._chunks:  # chunk 0 regrown: its rows copied over
+                for name, v in self._chunks[0].cols.items():
+                    ch.cols[name][:cap0] = v
+                self._chunks[0] = ch
+            else:
+                self._chunks.append(ch)
         while self.capacity < need:
             self._chunks.append(self._new_chunk(self.chunk_rows))
         self._pointers = {}
