@@ -128,8 +128,7 @@ def pack_plain(obj: Any) -> bytes:
     """Plain data with numpy arrays (as checkpoints hold it) as one buffer: u64 meta length,
     msgpack meta, raw array bytes. No pickle."""
     buf = io.BytesIO()
-    w = _ArrayWriter(buf)
-    meta = msgpack.packb(_encode(obj, w), use_bin_type=True)
+    meta = msgpack.packb(_encode(obj, _ArrayWriter(buf)), use_bin_type=True)
     return struct.pack("<Q", len(meta)) + meta + buf.getvalue()
 
 

@@ -169,15 +169,13 @@ def direct_out(out: Any, numel: int) -> np.ndarray | None:
     contiguous CPU float32 tensors that do not require grad. On a failed call such an ``out`` may
     be partly overwritten.
     """
-    if isinstance(out, np.ndarray):
-        if out.dtype == np.float32 and out.size == numel and out.flags.c_contiguous and out.flags.writeable:
-            return out.reshape(-1)
-    elif isinstance(out, torch.Tensor):
-        if (
-            out.device.type == "cpu" and out.dtype == torch.float32 and out.numel() == numel
-            and out.is_contiguous() and not out.requires_grad
-        ):
-            return out.detach().numpy().reshape(-1)
+    if isinstance(out, np.ndarray) and out.dtype == np.float32 and out.size == numel and out.flags.c_contiguous:
+        return out.reshape(-1) if out.flags.writeable else None
+    if (
+        isinstance(out, torch.Tensor) and out.device.type == "cpu" and out.dtype == torch.float32 and out.numel() == numel
+        and out.is_contiguous() and not out.requires_grad
+    ):
+        return out.detach().numpy().reshape(-1)
     return None
 
 

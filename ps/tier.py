@@ -110,8 +110,7 @@ class ColdTier:
     def _sync(self) -> None:
         while self._done:
             self._holds.discard(self._done.popleft())
-        reuse = not self._holds
-        self.payload.reuse = self.meta.reuse = reuse
+        self.payload.reuse = self.meta.reuse = not self._holds
 
     def alloc(self, n: int) -> np.ndarray:
         """``n`` slots (payload and metadata numbered alike; fresh ones only while held)."""

@@ -77,8 +77,7 @@ def unframe(cls: type[M], raw: bytes) -> tuple[M, dict[str, memoryview]]:
     if numbers is None:
         return unpack(cls, raw)[0], {}
     msg, payloads = unpack(cls, raw, tuple(numbers.values()))
-    names = _NAMES[cls]
-    return msg, {names[k]: v for k, v in payloads.items()}
+    return msg, {_NAMES[cls][k]: v for k, v in payloads.items()}
 
 
 _KIND_TO_PB = {DENSE: pb.TABLE_KIND_DENSE, SPARSE: pb.TABLE_KIND_SPARSE}
@@ -230,13 +229,11 @@ def _put(pieces: list[Any], at: int, *new: memoryview) -> tuple[int, int]:
     """Append ``new`` (byte views, one array's bytes) to a bulk field's ``pieces``, which end ``at``
     bytes in, after zero bytes up to a multiple of codec.ALIGN (the field starts aligned, so every
     array in it is): (where ``new`` starts, where it ends)."""
-    start = end = at + -at % ALIGN
+    start = at + -at % ALIGN
     if start > at:
         pieces.append(_GAPS[start - at])
-    for b in new:
-        pieces.append(b)
-        end += b.nbytes
-    return start, end
+    pieces.extend(new)
+    return start, start + sum(b.nbytes for b in new)
 
 
 def step_parts_from_proto(req: pb.StepRequest, data: memoryview) -> list[StepPart]:
