@@ -144,11 +144,10 @@ class Mirroring(ShardState):
                     self._apply_entry(entry)
                     return
             if time.monotonic() > deadline:
-                break
+                raise FailedPreconditionError(
+                    f"Replicate: mutation of attach {attach_id}, this backup installed attach {self.attach_id}; re-attach"
+                )
             time.sleep(0.01)
-        raise FailedPreconditionError(
-            f"Replicate: mutation of attach {attach_id}, this backup installed attach {self.attach_id}; re-attach"
-        )
 
     def _apply_entry(self, entry: dict) -> None:
         k = entry["k"]

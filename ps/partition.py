@@ -75,9 +75,7 @@ class SlotMap:
     @property
     def shards(self) -> np.ndarray:
         """The shard of every slot (built on demand for the default map)."""
-        if self._shards is None:
-            return np.arange(self.num_slots, dtype=np.int64) % self.num_shards
-        return self._shards
+        return self._shards if self._shards is not None else np.arange(self.num_slots, dtype=np.int64) % self.num_shards
 
     @property
     def nbytes(self) -> int:

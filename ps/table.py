@@ -486,9 +486,7 @@ class DenseUpdate:
         table as at the push's first chunk), else None. Provisional: they are the committed values
         only if commit() then sets ``early_final`` (no other commit came first, not a duplicate).
         The tensor is not written again once returned, except by a commit that recomputes it."""
-        if not self._early or k not in self._computed:
-            return None
-        return self._out[k].param
+        return self._out[k].param if self._early and k in self._computed else None
 
     def _stop_early(self) -> None:
         t = self.table
@@ -577,8 +575,7 @@ class DenseUpdate:
             t = self.table
             with t.lock:
                 while self._out:
-                    k, b = self._out.popitem()
-                    t._keep_spare(k, b)
+                    t._keep_spare(*self._out.popitem())
         self._computed.clear()
 
 
