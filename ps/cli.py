@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -168,11 +169,9 @@ def _serve(args: argparse.Namespace) -> int:
     # buffers into an arena of its own keeps that memory out of the others' reach, so a shard with 64 handler
     # threads held tens of MiB more than its tables (--max-bytes and --max-resident-bytes count table bytes).
     # No-op where the C library is not glibc.
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallopt(-8, 2)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass
     if args.torch_threads > 0:
         # torch's default (an OpenMP pool of one thread per core in every shard process) oversubscribes
         # the host as soon as shards or the client share cores; 1 MiB chunks gain little from it anyway

@@ -12,6 +12,7 @@ dict lookup (it runs after every call).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -128,11 +129,9 @@ class ShardWatch:
         return f"{what}; " if what else ""
 
     def _say(self, line: str) -> None:
-        try:
+        with contextlib.suppress(Exception):  # a closed stderr must not fail a call: the line goes to the log
             if self.say is not None:
                 return self.say(line)
-        except Exception:  # noqa: BLE001 - a closed stderr must not fail a call: the line goes to the log
-            pass
         log.warning("%s", line)
 
 

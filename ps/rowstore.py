@@ -183,10 +183,8 @@ class FileBacking(ChunkBacking):
 
     def close(self) -> None:
         for mm in self._maps:
-            try:
+            with contextlib.suppress(BufferError):  # a tensor view is still referenced somewhere: the mapping goes with it
                 mm.close()
-            except BufferError:  # a tensor view is still referenced somewhere: the mapping goes with it
-                pass
         self._maps.clear()
         self._file.close()
 
