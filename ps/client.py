@@ -722,8 +722,7 @@ class PSClient:
         """
         push_dense, push_sparse = dict(push_dense or {}), dict(push_sparse or {})
         pull_dense = dict(pull_dense) if isinstance(pull_dense, Mapping) else {n: None for n in (pull_dense or ())}
-        pull_sparse = dict(pull_sparse or {})
-        base_versions = dict(base_versions or {})
+        pull_sparse, base_versions = dict(pull_sparse or {}), dict(base_versions or {})
         item = DTYPES[self.wire_dtype].itemsize
         largest = {n: max(b - a for a, b in self._dense_meta(n).ranges) for n in (*push_dense, *pull_dense)}
         big = stream_dense(largest, item, self.step_inline_bytes)
