@@ -33,6 +33,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -143,21 +144,35 @@ class ZygotePopen(_REAL_POPEN):  # type: ignore[misc, valid-type]
         self._zconn = None
         return _LEN.unpack(data)[0] if data else -signal.SIGKILL  # zygote gone: treat as killed
 
+    # One thread at a time reads the zygote connection, under Popen's own _waitpid_lock as subprocess
+    # reaps a child: a poll while another thread waits answers None (as subprocess's does), and no
+    # caller closes the connection under another one's read.
     def _internal_poll(self, _deadstate=None, _waitpid=os.waitpid, _WNOHANG=os.WNOHANG, _ECHILD=10):  # noqa: ANN001, N803
         if not self._forked:
             return super()._internal_poll(_deadstate, _waitpid, _WNOHANG, _ECHILD)
-        if self.returncode is None and self._zconn is not None:
-            self.returncode = self._zstatus(0.0)
+        if self.returncode is None and self._waitpid_lock.acquire(False):
+            try:
+                if self.returncode is None and self._zconn is not None:
+                    self.returncode = self._zstatus(0.0)
+            finally:
+                self._waitpid_lock.release()
         return self.returncode
 
     def _wait(self, timeout):  # noqa: ANN001
         if not self._forked or self.returncode is not None:
             return super()._wait(timeout) if not self._forked else self.returncode
-        code = self._zstatus(timeout)
-        if code is None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._waitpid_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             raise subprocess.TimeoutExpired(self.args, timeout)
-        self.returncode = code
-        return code
+        try:
+            if self.returncode is None:
+                code = self._zstatus(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                if code is None:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                self.returncode = code
+            return self.returncode
+        finally:
+            self._waitpid_lock.release()
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:

@@ -221,3 +221,32 @@ def test_a_zygote_serves_where_a_dead_one_left_its_socket(tmp_path) -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_one_thread_waits_while_another_polls(script) -> None:
+    """As with subprocess's own Popen, a thread may wait() for a forked child while others poll()
+    it: every caller gets the child's exit status or None, and no call fails (before the fix, a
+    poll closed the zygote connection under the waiting thread: OSError EBADF, or a lost status).
+    Reference: the status the child exits with (7), as an exec'd child gives it."""
+    import threading
+
+    for _ in range(20):
+        p = subprocess.Popen([sys.executable, str(script), "code"], stdout=subprocess.DEVNULL)
+        got: list[object] = []
+
+        def wait(p: subprocess.Popen = p) -> None:
+            try:
+                got.append(p.wait(30))
+            except BaseException as e:  # noqa: BLE001 - reported by the assert below
+                got.append(e)
+
+        waiters = [threading.Thread(target=wait) for _ in range(2)]
+        for t in waiters:
+            t.start()
+        polled = []
+        while any(t.is_alive() for t in waiters):
+            polled.append(p.poll())
+        for t in waiters:
+            t.join()
+        assert got == [7, 7], got
+        assert set(polled) <= {None, 7} and p.poll() == 7 and p.returncode == 7, polled
