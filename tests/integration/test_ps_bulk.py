@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -285,6 +286,46 @@ def test_the_bad_input_step_and_fused_push_suites_pass_over_bulk() -> None:
     tail = (r.stdout + r.stderr)[-3000:]
     assert r.returncode == 0, tail
     assert " passed" in tail and "failed" not in tail, tail
+
+
+def test_after_the_cool_down_the_client_tries_the_bulk_port_again(monkeypatch, caplog) -> None:
+    """README: while the advertised bulk port cannot be reached the calls stay on gRPC for the
+    cool-down (``_Replica.BULK_COOLDOWN_S``, 30 s; 0.5 s here), then the bulk port is tried again.
+    The shard's bulk server is stopped (its port still advertised), then served again on the same
+    port, as a firewall that opens later: the first call after the cool-down goes over bulk, with a
+    warning that says so. Reference: SGD with lr 1 on ones by hand."""
+    from ps.servicer import PSServicer
+    from ps.stub import _Replica
+    from tessera.bulk import serve_bulk
+
+    monkeypatch.setattr(_Replica, "BULK_COOLDOWN_S", 0.5)
+    server, port, shard, bulk, access = _build(ShardConfig(bulk_port=0), False, None, None)
+    assert bulk is not None
+    bulk.stop()
+    again = None
+    ones = np.ones(16, np.float32)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ps.stub"), PSClient(f"127.0.0.1:{port}", timeout=5, retry_timeout=5) as c:
+            c.create_dense("w", 16, "sgd", lr=1.0)
+            c.push_dense("w", ones)
+            assert _uses_bulk(c) == [False]
+            again = serve_bulk(
+                (PSServicer(shard, access).handlers(),), "127.0.0.1", bulk.port, ServerSecurity(), access.caller,
+                interceptors=[access.interceptor()],
+            )
+            time.sleep(0.6)
+            c.push_dense("w", ones)
+            assert _uses_bulk(c) == [True]
+            assert again.connections >= 1
+            np.testing.assert_array_equal(c.pull_dense("w"), -2 * ones)
+        said = [r.getMessage() for r in caplog.records if r.name == "ps.stub"]
+        assert len([m for m in said if "cannot be reached" in m]) == 1, said
+        assert [m for m in said if f"bulk port {bulk.port} reachable again" in m], said
+    finally:
+        if again is not None:
+            again.stop()
+        server.stop(None)
+        shard.close()
 
 
 def test_bulk_calls_are_counted_in_the_servers_metrics(inproc_cluster) -> None:

@@ -21,7 +21,7 @@ from ps.cli import start_local_shards, stop_processes
 from ps.client import PSClient
 from ps.config import ShardConfig
 from ps.consistency import SyncPolicy
-from ps.server import build_server
+from ps.server import build_server, restore_latest
 from ps.shard import Shard
 
 pytestmark = pytest.mark.timeout(90)
@@ -122,7 +122,9 @@ def _corrupt(path: str, name: str, how: str) -> None:
 @pytest.mark.parametrize(
     "name,how", [("data.bin", "flip"), ("data.bin", "truncate"), ("meta.msgpack", "flip"), ("manifest.json", "truncate"), ("manifest.json", "delete")]
 )
-def test_a_damaged_checkpoint_is_reported_and_skipped(inproc_cluster, tmp_path, name, how) -> None:
+def test_a_damaged_checkpoint_is_reported_and_skipped(inproc_cluster, tmp_path, capsys, name, how) -> None:
+    """The newest checkpoint damaged: ``load_latest`` skips it for the one before, and a shard's
+    ``--restore`` (``restore_latest``) loads that one and says on stderr which it skipped and why."""
     root = str(tmp_path / "s0")
     cluster = inproc_cluster(1, checkpoint_dir=root)
     c = cluster.client()
@@ -137,12 +139,16 @@ def test_a_damaged_checkpoint_is_reported_and_skipped(inproc_cluster, tmp_path, 
     snap, path, skipped = load_latest(root)
     assert path == good and [p for p, _ in skipped] == [bad]
     assert snap is not None
-    restored = Shard(ShardConfig())
+    capsys.readouterr()
+    restored = Shard(ShardConfig(checkpoint_dir=root))
     try:
-        restored.restore(snap)
+        assert restore_latest(restored) == good
         _assert_same_tables(good_state, _state(restored))
     finally:
         restored.close()
+    said = capsys.readouterr().err.splitlines()
+    assert [line for line in said if line.startswith("tessera-ps: skipped checkpoint ")] == [f"tessera-ps: skipped checkpoint {bad}: {skipped[0][1]}"]
+    assert [line for line in said if line.startswith("tessera-ps: restored ")][0].startswith(f"tessera-ps: restored {good} ")
 
 
 def test_crash_before_the_rename_leaves_only_the_previous_checkpoint(tmp_path) -> None:

@@ -238,3 +238,32 @@ def test_start_local_shards_finds_the_listening_line_after_the_metrics_line() ->
             c.create_dense("m", 4)
     finally:
         stop_processes(started)
+
+
+# ---------------------------------------------------------------------- worker --ps-transport grpc
+def _requests(server: str) -> float:
+    """Calls this process's servers counted under ``server`` (tessera.metrics, Prometheus), every method and code."""
+    from prometheus_client import REGISTRY
+
+    return sum(
+        s.value for m in REGISTRY.collect() if m.name == "tessera_rpc_requests"
+        for s in m.samples if s.name == "tessera_rpc_requests_total" and s.labels.get("server") == server
+    )
+
+
+def test_worker_ps_transport_grpc_keeps_every_call_on_grpc(inproc_cluster) -> None:
+    """README: `tessera worker --ps-transport grpc` keeps every call on gRPC. A `tessera worker` process
+    (digits, 3 steps) against a shard in this process that serves both planes: with the flag, its calls
+    are counted on the shard's gRPC server ("ps0") and none on its bulk port ("ps0-bulk"); the same run
+    without the flag (auto, the control) sends its data calls to the bulk port."""
+    cl = inproc_cluster(1, bulk_port=0)
+    for transport, over_bulk in (("grpc", False), ("auto", True)):
+        bulk0, grpc0 = _requests("ps0-bulk"), _requests("ps0")
+        r = subprocess.run(
+            [*CLI, "worker", "--ps", cl.addresses[0], "--task", "digits", "--steps", "3", "--batch-size", "16",
+             "--no-progress", "--torch-threads", "1", "--ps-transport", transport, "--name", f"w-{transport}"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        over = _requests("ps0-bulk") - bulk0, _requests("ps0") - grpc0
+        assert over[1] > 0 and (over[0] > 0) == over_bulk, (transport, over)

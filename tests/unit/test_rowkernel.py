@@ -275,6 +275,35 @@ def test_without_the_kernel_a_process_says_so_once_and_runs_the_numpy_path() -> 
     assert t.pull_rows(np.array([1, 3, 7], np.int64))[0].numpy().tobytes().hex() == rows
 
 
+def test_a_kernel_that_fails_its_self_check_is_not_used() -> None:
+    """README: where the kernel's self-check at load finds it would not give the torch path's floats bit
+    for bit, tables run the numpy path and say why. In a fresh process whose torch Adam (ps.optim, the
+    self-check's reference) is made to differ in the last bits, as on a machine where torch sums in
+    another order, the loaded kernel is refused and a sparse table of any optimizer says so."""
+    import subprocess
+    import sys
+
+    code = (
+        "import ps.optim as o\n"
+        "update = o.Adam.update\n"
+        "def skewed(self, param, grad, state, step):\n"
+        "    update(self, param, grad, state, step)\n"
+        "    param.mul_(1 + 2 ** -20)\n"
+        "o.Adam.update = skewed\n"
+        "import ps.rowkernel as k\n"
+        "from ps.config import OptimizerSpec, TableSpec\n"
+        "from ps.table import SparseTable\n"
+        "t = SparseTable(TableSpec('a', 'sparse', dim=8, optimizer=OptimizerSpec('sgd', {'lr': 0.1})), 0, 1)\n"
+        "print(k.KERNEL is None)\n"
+        "print(t.memory_stats().row_path)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    why = "adam on float32 rows differs from ps.optim's torch path on this machine"
+    assert r.stdout.splitlines() == ["True", f"numpy ({why})"]
+    assert r.stderr.count(f"tessera ps: row kernel not in use ({why})") == 1
+    assert rowkernel.KERNEL is not None  # (this process: the same kernel, the self-check passed)
+
+
 def test_ps_stats_says_which_path_each_table_takes(monkeypatch) -> None:
     """Shard.stats() carries each sparse table's row_path through the StatsReply message, and
     `tessera ps stats` prints it (ps.cli.format_stats, the command's formatter). The "slow" table is
