@@ -269,6 +269,60 @@ def test_ps_serve_bulk_port_flag(tmp_path) -> None:
     assert bad.returncode != 0 and "bulk_port" in bad.stderr, bad.stderr
 
 
+def test_ps_serve_bulk_port_flag_serves_the_port_it_names() -> None:
+    """README: ``--bulk-port PORT`` serves the bulk plane on that fixed port (a container or firewall
+    setup names one, as docker-compose.yml does with 7001), and the shard says it in its Role reply.
+    Reference: a free port chosen here before the shard starts (bind port 0, close); the shard's
+    first line, its Role reply and the client's bulk channel must all name that port, and a push and
+    a pull over it give SGD's lr-1 result on ones by hand."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        named = s.getsockname()[1]
+    p = subprocess.Popen(
+        [sys.executable, "-m", "tessera.cli", "ps", "serve", "--bulk-port", str(named)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        line = p.stdout.readline()  # type: ignore[union-attr]
+        assert "listening on" in line and f" bulk {named}" in line, line
+        address = line.split("listening on ")[1].split()[0]
+        ch = grpc.insecure_channel(address)
+        try:
+            role = pb.RoleReply.FromString(ch.unary_unary("/tessera.v1.ParameterServer/Role")(pb.RoleRequest().SerializeToString(), timeout=10))
+        finally:
+            ch.close()
+        assert role.bulk_port == named, role
+        with PSClient(address, timeout=10) as c:
+            c.create_dense("w", 4, "sgd", lr=1.0)
+            c.push_dense("w", np.ones(4, np.float32))
+            np.testing.assert_array_equal(c.pull_dense("w"), -np.ones(4, np.float32))
+            assert c._shards[0].replicas[0].bulk.address == f"127.0.0.1:{named}"  # type: ignore[union-attr]
+            assert _uses_bulk(c) == [True]
+    finally:
+        p.terminate()
+        p.wait(20)
+
+
+def test_a_shard_closes_idle_bulk_connections_after_5_minutes() -> None:
+    """README: the bulk plane closes idle connections after 5 minutes. The closing itself is
+    tested with 0.5 s (tests/integration/test_bulk.py::test_idle_and_silent_connections_are_closed);
+    this checks the figure: ``serve_bulk``'s default ``idle_timeout_s`` and what the bulk server of a
+    shard built by ps.server (as ``tessera ps serve`` builds it) runs with are 300 s."""
+    import inspect
+
+    from tessera.bulk import serve_bulk
+
+    assert inspect.signature(serve_bulk).parameters["idle_timeout_s"].default == 300.0
+    server, _, shard, bulk, _ = _build(ShardConfig(bulk_port=0), False, None, None)
+    try:
+        assert bulk is not None and bulk._idle == 300.0
+    finally:
+        server.stop(None)
+        shard.close()
+
+
 @pytest.mark.timeout(400)
 def test_the_bad_input_step_and_fused_push_suites_pass_over_bulk() -> None:
     """The house's bad-input contract (every refusal typed, named, state unchanged, still serving),

@@ -287,6 +287,31 @@ def test_periodic_checkpoints_and_the_cli(tmp_path) -> None:
         stop_processes(procs)
 
 
+def test_ps_serve_keeps_3_checkpoints_by_default(tmp_path) -> None:
+    """README: "The newest ``--checkpoint-keep`` (3) are kept." A `tessera ps serve` process given no
+    --checkpoint-keep writes checkpoints every 0.1 s until it has written at least 5, then is
+    stopped (SIGTERM writes a final one): exactly 3 are left. Reference: the
+    checkpoint count the shard reports (Stats) and the README's figure; the parser's default and
+    ShardConfig's are 3 too (test_periodic_checkpoints_and_the_cli passes 2 explicitly)."""
+    from tessera.cli import build_parser
+
+    assert build_parser().parse_args(["ps", "serve"]).checkpoint_keep == 3 and ShardConfig().checkpoint_keep == 3
+    d = str(tmp_path / "ck")
+    procs, addresses = start_local_shards(1, ("--checkpoint-dir", d, "--checkpoint-every", "0.1"))
+    try:
+        with PSClient(addresses, timeout=10) as c:
+            c.create_dense("w", 8)
+            deadline = time.monotonic() + 30
+            while c.stats()[0].checkpoints < 5 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert c.stats()[0].checkpoints >= 5
+    finally:
+        stop_processes(procs)
+    kept = list_checkpoints(d)
+    assert len(kept) == 3, kept
+    assert load_latest(d)[1] == kept[-1]  # and they hold: the newest is what --restore would load
+
+
 # ---------------------------------------------------------------------- issue 18: bf16 rows, the disk tier
 def test_bf16_rows_checkpoint_and_reshard_bit_exactly(inproc_cluster, tmp_path) -> None:
     """A bf16 table with row-wise Adagrad (created over the wire: TableSpec.dtype is the row dtype)

@@ -237,3 +237,46 @@ def test_backup_health_serving_only_once_attached(group) -> None:
     g = group()  # waits until the backup is attached and installed
     wait_for(lambda: check(g.baddr) == "SERVING", "attached backup SERVING")
     assert check(g.paddr) == "SERVING"
+
+
+def _serve_configs(monkeypatch, *flag_sets: tuple[str, ...]) -> list[ShardConfig]:
+    """The ShardConfig `tessera ps serve FLAGS` runs its shard with, for each set of flags: the
+    command's own parser and handler (ps.cli._serve), with ps.server.serve (which would run the
+    shard until SIGTERM) replaced by one that keeps the config it is given."""
+    from tessera.cli import build_parser
+
+    got: list[ShardConfig] = []
+    monkeypatch.setattr("ps.server.serve", lambda cfg, **kw: got.append(cfg))
+    for flags in flag_sets:
+        args = build_parser().parse_args(["ps", "serve", "--torch-threads", "0", *flags])
+        assert args.func(args) == 0
+    assert len(got) == len(flag_sets)
+    return got
+
+
+def test_ps_serve_solo_after_flag_reaches_the_shard_config_default_10(monkeypatch) -> None:
+    """README (replication): a primary whose backup fails an update refuses writes for
+    ``--solo-after`` seconds (default 10), then goes on alone. The going-on-alone is
+    test_primary_that_lost_its_backup_waits_then_goes_on_alone (solo_after_s 1.5); this checks the
+    flag: its default and ShardConfig's are 10, and what `tessera ps serve` is given (or not) is the
+    ``solo_after_s`` the shard is built with. Reference: the README's figure and the value passed."""
+    from tessera.cli import build_parser
+
+    assert build_parser().parse_args(["ps", "serve"]).solo_after == 10.0
+    assert ShardConfig().solo_after_s == 10.0
+    default, given = _serve_configs(monkeypatch, (), ("--solo-after", "3.5"))
+    assert default.solo_after_s == 10.0 and given.solo_after_s == 3.5
+
+
+def test_ps_serve_failover_flag_reaches_the_shard_config_default_2(monkeypatch) -> None:
+    """README (replication): when the primary has been unreachable for ``--failover`` seconds
+    (default 2) an in-sync backup takes over. The takeover is test_failover_loses_no_acknowledged_update
+    (failover_s 1); this checks the flag: its default and ShardConfig's are 2, and what `tessera ps
+    serve --backup-of P` is given (or not) is the ``failover_s`` the backup is built with."""
+    from tessera.cli import build_parser
+
+    assert build_parser().parse_args(["ps", "serve"]).failover == 2.0
+    assert ShardConfig().failover_s == 2.0
+    default, given = _serve_configs(monkeypatch, ("--backup-of", "127.0.0.1:1"), ("--backup-of", "127.0.0.1:1", "--failover", "0.7"))
+    assert default.failover_s == 2.0 and given.failover_s == 0.7
+    assert default.backup_of == given.backup_of == "127.0.0.1:1"
