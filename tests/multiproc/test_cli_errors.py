@@ -178,6 +178,72 @@ def test_healthy_run_stats_show_no_errors_or_internal_tables_and_eval_warning(pr
     assert "plain/ready" in full.stdout
 
 
+def test_stats_hide_the_clock_table_unless_all(proc_cluster) -> None:
+    """README: ``ps stats`` leaves out the trainer's internal tables, ``PREFIX/ready`` and
+    ``PREFIX/clock`` (the steps each worker finished), unless ``--all``. The run above checks
+    ``/ready``; here a shard holds a model table and both internal tables, named as the trainer names
+    them (worker.paramsync.ParamSync.ready_table / clock_table with prefix "run"). Reference: the
+    shard's own Stats (all three tables are there)."""
+    (address,) = proc_cluster(1)
+    from ps.client import PSClient
+
+    with PSClient([address], timeout=10) as c:
+        c.create_sparse("run/emb", 4)
+        c.create_sparse("run/clock", 1, optimizer="sgd", lr=1.0)  # as ParamSync.create_tables makes it
+        c.create_dense("run/ready", 1)
+        assert {t.name for t in c.stats()[0].tables} == {"run/emb", "run/clock", "run/ready"}
+    plain = _tessera("ps", "stats", "--ps", address)
+    assert plain.returncode == 0, plain.stderr
+    assert "run/emb" in plain.stdout and "run/clock" not in plain.stdout and "run/ready" not in plain.stdout, plain.stdout
+    full = _tessera("ps", "stats", "--ps", address, "--all")
+    assert full.returncode == 0, full.stderr
+    assert "run/emb" in full.stdout and "run/clock" in full.stdout and "run/ready" in full.stdout, full.stdout
+
+
+def test_stats_list_the_workers_as_name_at_clock(proc_cluster) -> None:
+    """README: ``ps stats`` prints per shard "its workers (``name@clock``)". Two workers join a
+    real shard and report the steps they finished (heartbeats with clocks 7 and 3). Reference: the
+    clocks they reported, as the shard's own Stats holds them."""
+    (address,) = proc_cluster(1)
+    from ps.client import PSClient
+
+    with PSClient([address], timeout=10, worker="alice") as a, PSClient([address], timeout=10, worker="bob") as b:
+        a.join(lease_s=60)
+        b.join(lease_s=60)
+        a.heartbeat(7)
+        b.heartbeat(3)
+    with PSClient([address], timeout=10) as c:
+        assert {(w.name, w.clock) for w in c.stats()[0].workers} == {("alice", 7), ("bob", 3)}
+    r = _tessera("ps", "stats", "--ps", address)
+    assert r.returncode == 0, r.stderr
+    line = next((ln for ln in r.stdout.splitlines() if ln.strip().startswith("workers:")), "")
+    assert "alice@7" in line and "bob@3" in line and "name@clock" in line, r.stdout
+
+
+def test_worker_retry_timeout_defaults_to_60_seconds() -> None:
+    """README: calls that find a shard unavailable are retried for at most ``retry_timeout``
+    seconds ("one setting; ``tessera worker --retry-timeout``, default 60"). The parser's default is
+    60, and a real `tessera worker` given no --retry-timeout, started against a port nothing listens
+    on, says after 5 s that it waits for its shard out of 60 s (the wait at start is that same
+    setting; test_unreachable_shard_is_named_with_the_cause gives up after --retry-timeout 2).
+    Reference: the README's figure."""
+    assert build_parser().parse_args(["worker", "--ps", "127.0.0.1:1"]).retry_timeout == 60.0
+    port = _free_port()
+    p = subprocess.Popen([sys.executable, "-m", "tessera.cli", "worker", "--ps", f"127.0.0.1:{port}", "--steps", "1",
+                          "--task-opt", "test_size=8"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stderr is not None
+        seen = []
+        for line in p.stderr:  # the first note comes after 5 s of waiting
+            seen.append(line)
+            if "waiting for shard 0" in line:
+                break
+        assert f"waiting for shard 0 at 127.0.0.1:{port} (5 s of 60)" in line, seen
+    finally:
+        p.kill()
+        p.wait(20)
+
+
 def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
     yield path, parser
     for action in parser._actions:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ import time
 import pytest
 
 from ps.cli import start_local_shards, stop_processes
+from ps.client import PSClient
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -55,5 +57,35 @@ def test_stats_show_role_epoch_and_the_attached_backup() -> None:
         out = _until(ps, "replication: primary, epoch 1")
         assert "no backup attached" in out and f"  member {primary}: not reachable" in out, out
         assert f"  member {backup}: primary, epoch 1" in out, out
+    finally:
+        stop_processes(procs)
+
+
+def test_stats_say_a_backup_the_primary_does_not_hold_is_not_attached() -> None:
+    """README: for ``--ps PRIMARY|BACKUP`` one ``member`` line per server, asked on its own:
+    ``attached, in sync``, ``not attached``, or ``not reachable (why)``; the test above sees the first
+    and the last. Here the backup named with the primary is one its primary never held: it was
+    started as the backup of a server that is not there (a port nothing listens on), so it cannot
+    attach and never takes over. Reference: each server's own Stats (PSClient): the primary holds no
+    backup, the other server is a backup of that absent address."""
+    procs: list[subprocess.Popen] = []
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            absent = f"127.0.0.1:{s.getsockname()[1]}"
+        p, (primary,) = start_local_shards(1)
+        procs += p
+        b, (backup,) = start_local_shards(1, ("--backup-of", absent))
+        procs += b
+        ps = f"{primary}|{backup}"
+        r = _stats(ps)
+        assert r.returncode == 0, r.stderr
+        assert "  replication: primary, epoch 0; no backup attached" in r.stdout, r.stdout
+        assert f"  member {primary}: primary, epoch 0" in r.stdout, r.stdout
+        assert f"  member {backup}: backup of {absent}, epoch 0, not attached" in r.stdout, r.stdout
+        assert "attached, in sync" not in r.stdout and "not reachable" not in r.stdout, r.stdout
+        with PSClient([primary], timeout=10) as cp, PSClient([backup], timeout=10) as cb:
+            assert (cp.stats()[0].role, cp.stats()[0].backup) == ("primary", "")
+            assert (cb.stats()[0].role, cb.stats()[0].backup_of) == ("backup", absent)
     finally:
         stop_processes(procs)
