@@ -85,3 +85,39 @@ def test_an_unknown_row_dtype_is_refused_naming_it(shard) -> None:
         with pytest.raises(InvalidArgumentError, match=r"'e'.*int8"):
             c.create_sparse("e", DIM, row_dtype="int8")
     assert "e" not in sh.tables
+
+
+def test_the_ctr_task_option_and_psembedding_choose_the_row_dtype(shard) -> None:
+    """README: the worker chooses the row dtype, among others through the ``ctr`` task's ``--task-opt
+    row_dtype=bfloat16`` and ``PSEmbedding(..., row_dtype=)``. The worker's own path: the option as
+    `tessera worker` parses it (tessera.cli.parse_key_values) into load_task, then the tables
+    created as worker 0 creates them (PSSync.create_tables, the trainer's) on a real shard; a
+    PSEmbedding given float16 makes a float16 table the same way; an unknown row dtype is refused by
+    PSEmbedding itself (ValueError naming it and the choices). Reference: the dtype each table was
+    asked for, as the shard's DescribeTable and its own table report it; ctr's default stays float32."""
+    import torch.nn as nn
+
+    from tessera.cli import build_parser, parse_key_values
+    from worker.binding import PSEmbedding
+    from worker.paramsync import PSSync
+    from worker.tasks import load_task
+
+    address, sh = shard
+    args = build_parser().parse_args(["worker", "--ps", address, "--task", "ctr", "--task-opt", "row_dtype=bfloat16",
+                                      "--task-opt", "test_size=8"])
+    task = load_task(args.task, seed=args.seed, **parse_key_values(args.task_opt))
+    assert [m.row_dtype for m in task.model.modules() if isinstance(m, PSEmbedding)] == ["bfloat16"]
+    assert [m.row_dtype for m in load_task("ctr", test_size=8).model.modules() if isinstance(m, PSEmbedding)] == ["float32"]
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = PSEmbedding("two/emb", 4, row_dtype="float16")
+
+    with PSClient([address], timeout=10) as c:
+        PSSync(task.model, c, task.name, dense_optimizer=task.dense_optimizer).create_tables(creator=True)
+        PSSync(Two(), c, "two").create_tables(creator=True)
+        assert c.describe("ctr/emb")[0].spec.dtype == "bfloat16" and c.describe("two/emb")[0].spec.dtype == "float16"
+    assert sh.tables["ctr/emb"].row_dtype == torch.bfloat16 and sh.tables["two/emb"].row_dtype == torch.float16
+    with pytest.raises(ValueError, match=r"PSEmbedding 'bad': row_dtype must be one of .*'bfloat16'.*got 'int8'"):
+        PSEmbedding("bad", 4, row_dtype="int8")

@@ -87,3 +87,50 @@ def test_gate_shared_is_reentrant_and_exclusive_waits_for_shared() -> None:
         t.join(5)
     assert order == ["reader done", "writer in", "writer shared"]
     assert late_reader_in.is_set()
+
+
+def test_a_shard_keeps_the_last_16_pushes_per_client_and_table_and_8192_records() -> None:
+    """README: a shard records the last 16 pushes per client and table (8192 client-table records at
+    most, least recently used dropped), so a retry whose first attempt was applied is answered with
+    the original result and not applied again. The tests above use their own bounds; this checks
+    the shard's: its Dedup is built with 16 and 8192; a real in-process Shard given pushes 1..17 by
+    one client answers a retry of the 16th-newest (seq 2) from the record (its original result,
+    version 2) and one 17 back (seq 1) as too old (a placeholder, not its original result), applying
+    neither again; after 8192 other clients pushed, that client's record is the one dropped (its
+    seq 17 applies anew) and the others' stay. Reference: SGD with lr 1 on ones, in numpy fp32."""
+    import numpy as np
+
+    from ps.config import OptimizerSpec, ShardConfig, TableSpec
+    from ps.shard import Shard
+
+    shard = Shard(ShardConfig())
+    try:
+        assert (shard.dedup.window, shard.dedup.max_keys) == (16, 8192)
+        shard.create_table(TableSpec("e", "sparse", dim=1, optimizer=OptimizerSpec("sgd", {"lr": 1.0})))
+        ids, ones = np.array([5], np.int64), np.ones((1, 1), np.float32)
+
+        def row() -> np.float32:
+            return np.float32(shard.pull_sparse("e", ids)[0].float()[0, 0])
+
+        want = row()  # the row's initial value (a pull only reads it)
+        first = [shard.push_sparse("e", ids, ones, client="c", seq=s) for s in range(1, 18)]
+        for _ in range(17):
+            want = want - np.float32(1.0)
+        assert [p.result.version for p in first] == list(range(1, 18)) and not any(p.duplicate for p in first)
+        assert row() == want
+
+        newest16 = shard.push_sparse("e", ids, ones, client="c", seq=2)  # the 16th newest of 1..17: in the record
+        assert newest16.duplicate and newest16.result == first[1].result and newest16.result.version == 2
+        back17 = shard.push_sparse("e", ids, ones, client="c", seq=1)  # 17 back: out of the record, too old
+        assert back17.duplicate and back17.result != first[0].result and back17.result.version != 1
+        assert row() == want and shard.stats().duplicates == 2  # neither applied again
+
+        for k in range(8192):  # 8192 more (client, table) records: "c"'s, the least recently used, goes
+            shard.push_sparse("e", ids, ones, client=f"k{k}", seq=1)
+        assert not shard.push_sparse("e", ids, ones, client="c", seq=17).duplicate
+        assert shard.push_sparse("e", ids, ones, client="k1", seq=1).duplicate
+        for _ in range(8192 + 1):
+            want = want - np.float32(1.0)
+        assert row() == want
+    finally:
+        shard.close()

@@ -178,6 +178,23 @@ def test_shard_forgets_dead_members_by_itself(shard_factory) -> None:
     assert shard.membership.workers() == [] and shard.stats().workers == []
 
 
+def test_stats_list_at_most_10000_members(shard_factory) -> None:
+    """README (resource bounds): "Stats lists at most 10,000 members". A shard that remembers
+    10,001 (max_workers raised to allow it; joined through its Membership, as Join does) answers
+    Stats with 10,000 of them: the live ones first, so the one member that left is the one left
+    out. Shard.stats reports no total beyond the list (ShardStats has no member count), so there is
+    none to check. Reference: the 10,001 names joined."""
+    shard = shard_factory(max_workers=10_001, lease_s=60.0)
+    names = [f"w{i:05d}" for i in range(10_001)]
+    for n in names:
+        shard.membership.join(n, clock=0)  # (a clock given: no scan for the slowest live one, O(n) per join)
+    shard.membership.leave("w00042")
+    assert len(shard.membership.workers()) == 10_001  # all remembered
+    listed = shard.stats().workers
+    assert len(listed) == 10_000
+    assert [w.name for w in listed] == [n for n in names if n != "w00042"] and all(w.live for w in listed)
+
+
 def test_shard_config_defaults_bound_everything() -> None:
     c = ShardConfig()
     assert c.max_bytes == 8 << 30 and c.max_tables == 4096 and c.max_workers == 4096
