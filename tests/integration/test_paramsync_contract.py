@@ -163,3 +163,29 @@ class TestZero2(_Zero):
 
 class TestZero3(_Zero):
     stage = 3
+
+
+def test_default_buckets_are_25_mib_whole_parameters_last_first_the_first_at_most_1_mib() -> None:
+    """README (Peer mode, Buckets): "Gradients are cut into buckets of `--bucket-mb` MiB (default 25;
+    whole parameters, last layer first; the first bucket at most 1 MiB, as in DDP, so communication
+    starts early)". The rank program's parser (what `tessera peer` passes through) gives 25, and a
+    ``GroupReducer`` (the core every peer layout's all-reduce goes through) built at that size over 200
+    fp32 parameters of 256 KiB each (50 MiB) has the buckets computed here by hand: the last 4
+    parameters (1 MiB), then 100 (25 MiB), then the 96 left; each a contiguous range of whole
+    parameters of the flat buffer, the last parameters first."""
+    import argparse
+
+    from worker.peer.cli import add_train_args
+    from worker.peer.core import ALONE, GroupReducer
+
+    p = argparse.ArgumentParser()
+    add_train_args(p)
+    bucket_mb = p.parse_args([]).bucket_mb
+    assert bucket_mb == 25.0
+    n = 2**16  # elements of one parameter: 256 KiB in fp32
+    params = [nn.Parameter(torch.zeros(n)) for _ in range(200)]
+    r = GroupReducer(params, ALONE, bucket_mb=bucket_mb)
+    assert [b.params for b in r.buckets] == [list(range(196, 200)), list(range(96, 196)), list(range(0, 96))]
+    assert [(b.start, b.stop) for b in r.buckets] == [(196 * n, 200 * n), (96 * n, 196 * n), (0, 96 * n)]
+    assert (r.buckets[0].stop - r.buckets[0].start) * 4 == 2**20
+    assert r.bucket_bytes == 25 * 2**20 and GroupReducer(params[:1], ALONE).bucket_bytes == 25 * 2**20

@@ -37,3 +37,34 @@ def test_hybrid_without_shards_says_what_it_waits_for_then_one_line_per_rank() -
     for r in range(2):
         lines = [line for line in err.splitlines() if f"tessera peer: rank {r}: " in line and f"rank {r}: waiting for shard" not in line]
         assert len(lines) == 1 and dead in lines[0], f"rank {r}:\n{err[-4000:]}"
+
+
+@pytest.mark.timeout(180)
+def test_hybrid_waits_60_seconds_by_default() -> None:
+    """README (Peer mode): "The hybrid waits for its shards as the worker does: rank 0 says every 5 s
+    which shard it waits for and why, and after `--retry-timeout` (60 s) every rank prints one line".
+    A real `tessera peer --mode hybrid` of one rank, given no --retry-timeout, against a port nothing
+    listens on: rank 0's first note (after 5 s) says it waits out of 60 s. Stopped then (its whole
+    process group). Reference: the README's figure; the give-up itself is the test above."""
+    import signal
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore::FutureWarning", "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", "1", "--mode", "hybrid",
+                          "--ps", dead, "--task", "ctr", "--steps", "1", "--no-progress"],
+                         env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    seen: list[str] = []
+    try:
+        assert p.stderr is not None
+        line = ""
+        for line in p.stderr:
+            seen.append(line)
+            if f"tessera peer: rank 0: waiting for shard 0 at {dead}" in line:
+                break
+        assert f"waiting for shard 0 at {dead} (5 s of 60)" in line, "".join(seen)[-3000:]
+    finally:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(30)

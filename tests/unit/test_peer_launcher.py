@@ -84,3 +84,19 @@ def test_the_registry_gives_hybrid_any_zero_stage() -> None:
         SyncPlan("zero1", zero=2)
     with pytest.raises(ValueError, match="--zero 1 with --mode sync: ZeRO is peer mode's"):
         check_mode("sync", zero=1)
+
+
+def test_documented_defaults_of_the_rank_flags() -> None:
+    """README (Peer mode): "`--sparse-mode async` (default)", "`--timeout` (seconds, default 120)
+    bounds every collective", "`--bucket-mb` MiB (default 25", "`--moe-aux`, default 0.01", "the
+    router z-loss (`--moe-z`, 0.001)", and the hybrid's "`--retry-timeout` (60 s)". `tessera peer`
+    given none of them, and the rank program's own parser (`python -m worker.peer` under a torchrun
+    you start yourself), both parse to those values. Reference: the README's figures (the mode and
+    stage defaults: test_zero_selects_the_stage_and_mode_zero_k_is_its_alias)."""
+    from worker.peer.cli import add_train_args
+
+    rank = argparse.ArgumentParser()
+    add_train_args(rank)
+    for args in (_parse(), rank.parse_args([])):
+        got = (args.sparse_mode, args.timeout, args.bucket_mb, args.moe_aux, args.moe_z, args.retry_timeout)
+        assert got == ("async", 120.0, 25.0, 0.01, 0.001, 60.0), got
