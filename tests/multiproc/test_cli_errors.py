@@ -244,6 +244,44 @@ def test_worker_retry_timeout_defaults_to_60_seconds() -> None:
         p.wait(20)
 
 
+def test_worker_lease_defaults_to_10_seconds(proc_cluster, tmp_path) -> None:
+    """README (Membership): "A worker silent longer than its lease (`--lease`, default 10 s; `tessera ps
+    serve --lease` sets the shard default) leaves the live set". A real shard process whose own default
+    lease is 1 s, and a real `tessera worker` given no --lease, training; the worker is SIGKILLed, and
+    once the shard has not heard from it for 3 s (3 x the shard's default, well under 10) it still
+    counts it live: the worker asked for its own 10 s. Reference: the shard's 1 s default, which a
+    worker without its own lease would get (the parser's default is checked too)."""
+    import time
+
+    from ps import PSClient
+
+    assert build_parser().parse_args(["worker", "--ps", "127.0.0.1:1"]).lease == 10.0
+    (address,) = proc_cluster(1, "--lease", "1")
+    err = (tmp_path / "worker.err").open("w")
+    p = subprocess.Popen([sys.executable, "-m", "tessera.cli", "worker", "--ps", address, "--steps", "1000000",
+                          "--task-opt", "test_size=8", "--no-progress"], stdout=subprocess.DEVNULL, stderr=err)
+    try:
+        with PSClient([address], timeout=10) as c:
+            deadline = time.monotonic() + 90
+            while not [w for w in c.stats()[0].workers if w.clock >= 2]:  # joined and training
+                assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "worker.err").read_text()[-2000:]
+                time.sleep(0.2)
+            p.kill()
+            p.wait(20)
+            while True:
+                (w,) = c.stats()[0].workers
+                if w.idle_s >= 3.0:
+                    break
+                time.sleep(0.2)
+            assert w.idle_s < 9.0, w  # else this check came too late to tell 10 s from 1 s
+            assert w.live, w
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(20)
+        err.close()
+
+
 def _walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
     yield path, parser
     for action in parser._actions:

@@ -1,6 +1,8 @@
 """worker/experiment.py's pure parts: the mode grid, time/updates to a target."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from worker.experiment import ExperimentConfig, ModeSpec, parse_modes, time_to_target
@@ -39,3 +41,41 @@ def test_time_to_target_is_the_first_crossing() -> None:
     assert time_to_target(series, 0.7) == (2.0, 20)
     assert time_to_target(series, 0.9) == (None, None)
     assert time_to_target(series, 0.65, higher_is_better=False) == (1.0, 10)
+
+
+def _results(tmp_path, metric: str, hib: bool, bests: dict[str, list[float]]) -> dict:
+    cfg = ExperimentConfig(out=str(tmp_path))
+    modes = {}
+    for label, values in bests.items():
+        series = [{"time_s": float(i + 1), "updates": 10 * (i + 1), "metric": v} for i, v in enumerate(values)]
+        modes[label] = {"spec": {}, "series": series, "complete": True,
+                        "summary": {"final_metric": values[-1], "mean_staleness": 0.0, "max_staleness": 0,
+                                    "examples_per_s": 1.0, "blocked_fraction": 0.0}}
+    return {"settings": {**dataclasses.asdict(cfg), "modes": list(bests)}, "metric": metric, "higher_is_better": hib,
+            "task_info": {}, "modes": modes, "complete": True}, cfg
+
+
+def test_default_target_is_99_percent_of_the_worst_modes_best(tmp_path) -> None:
+    """README (Experiments): "The target is `--target`, or 99% of the worst mode's best metric."
+    A run's results (three modes' metric series, AUC: higher is better; each series peaks before its
+    end, so its best is not its last point) go through ``finish`` (what `tessera experiment` calls
+    at the end, also after Ctrl-C). Reference: 0.99 x the smallest of the per-mode maxima, computed
+    here by hand; it lands in results.json and summary.md and the times to target are measured
+    against it. With --target given, that value is the target."""
+    import json
+
+    from worker.experiment import finish
+
+    bests = {"sync": [0.60, 0.80, 0.79], "async": [0.62, 0.76, 0.74], "ssp:4": [0.70, 0.78, 0.77]}
+    results, cfg = _results(tmp_path, "auc", True, bests)
+    finish(results, cfg, str(tmp_path))
+    want = 0.99 * 0.76  # the worst mode (async)'s best
+    assert results["target"] == pytest.approx(want, rel=1e-12)
+    assert json.loads((tmp_path / "results.json").read_text())["target"] == pytest.approx(want, rel=1e-12)
+    assert f"target auc: {want:.4f}" in (tmp_path / "summary.md").read_text()
+    # every mode crosses 0.7524 at its second point (0.80, 0.76, 0.78), none at its first
+    assert {lb: m["summary"]["time_to_target_s"] for lb, m in results["modes"].items()} == {lb: 2.0 for lb in bests}
+
+    results, cfg = _results(tmp_path, "auc", True, bests)
+    finish(results, dataclasses.replace(cfg, target=0.79), str(tmp_path))
+    assert results["target"] == 0.79 and results["modes"]["async"]["summary"]["time_to_target_s"] is None
