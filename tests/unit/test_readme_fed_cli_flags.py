@@ -50,3 +50,24 @@ def test_secagg_refuses_strategies_that_need_individual_updates(digits, strategy
 def test_dp_noise_without_a_clip_is_refused(digits) -> None:
     with pytest.raises(ConfigError, match="--dp-noise needs --dp-clip"):
         _server(digits, "--dp-noise", "1.0")
+
+
+def test_retry_straggler_and_per_identity_defaults(digits) -> None:
+    """README (Federated mode): a round that gathers too few answers "is retried up to `--max-retries`
+    times (default 20), waiting `--retry-backoff` s (default 1) doubling to 30 s between attempts";
+    a straggler is a client silent "(1 + straggler_factor) * t" after its task went out,
+    "`ServerConfig.straggler_factor`, default 1 ... never less than `(1 + straggler_factor) *
+    straggler_min_s`, default 0.2 s"; each identity "may hold `max_clients_per_identity` client ids
+    (default 10,000) and have `max_calls_per_identity` calls open (default 64". A server built by
+    `tessera fed server` with none of these flags has them: its orchestrator waits 1, 2, 4, ... s,
+    capped at 30 s, between its 20 retries, the straggler floor is 0.2 s, and the registry and the
+    kernel's admission hold the per-identity limits. Reference: the README's figures."""
+    server, _ = _server(digits)
+    c = server.config
+    assert c.max_retries == 20
+    assert [server.orchestrator.retry_delay(a) for a in range(8)] == [1, 2, 4, 8, 16, 30, 30, 30]
+    assert c.straggler_factor == 1.0
+    assert (1 + c.straggler_factor) * c.straggler_min_s == pytest.approx(0.2)
+    assert (c.max_clients_per_identity, c.max_calls_per_identity) == (10_000, 64)
+    assert server.registry.max_clients_per_identity == 10_000
+    assert (server.security.max_concurrent, server.security.max_waiting) == (64, 64)
