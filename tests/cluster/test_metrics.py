@@ -19,6 +19,8 @@ from tessera.cli import main as cli_main
 from tessera.health import check
 from tessera.metrics import SHARD_METRICS, ShardCollector, serve_metrics
 
+from ports import free_port  # type: ignore[import-not-found]  # (tests/ports.py)
+
 
 def _sample(text: str, name: str, **labels: str) -> float:
     for line in text.splitlines():
@@ -278,7 +280,7 @@ def test_the_endpoint_binds_loopback_unless_metrics_host_is_given(capsys) -> Non
 
     from tessera.metrics import start_from_args
 
-    port = start_from_args(argparse.Namespace(metrics_port=_free_port(), metrics_host=None, host="0.0.0.0"), what="t")
+    port = start_from_args(argparse.Namespace(metrics_port=free_port(), metrics_host=None, host="0.0.0.0"), what="t")
     assert f"t metrics on 127.0.0.1:{port}" in capsys.readouterr().out
     with socket.socket() as s:  # nothing on another address of this machine
         s.settimeout(2)
@@ -291,11 +293,3 @@ def test_the_endpoint_binds_loopback_unless_metrics_host_is_given(capsys) -> Non
         if other.startswith("127.") or other == "0.0.0.0":
             pytest.skip("this machine has no non-loopback address to try")
         assert s.connect_ex((other, port)) != 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

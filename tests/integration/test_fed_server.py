@@ -3,7 +3,6 @@ models, reconnects, compressed uplinks, refused combinations, and TorchClient's
 FedProx and SCAFFOLD against a reference computed by hand in torch."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any
@@ -20,6 +19,8 @@ from federated.runtime import Client, ClientRuntime
 from federated.server import FedServer
 from federated.strategy import make_strategy
 from federated.torch_client import TensorBatches, TorchClient
+
+from ports import free_port  # type: ignore[import-not-found]  # (tests/ports.py)
 
 
 class RoundNoise(Client):
@@ -94,11 +95,6 @@ def servers():
     for s in made:
         s.stop(grace=0.2)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 W0 = [np.linspace(-1, 1, 20).reshape(4, 5), np.zeros(3)]

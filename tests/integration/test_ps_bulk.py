@@ -35,6 +35,8 @@ from tessera.bulk import BulkChannel
 from tessera.service import ClientSecurity, ServerSecurity, issue_cert, make_ca
 from tessera.v1 import ps_pb2 as pb
 
+from ports import free_port  # type: ignore[import-not-found]  # (tests/ports.py)
+
 pytestmark = pytest.mark.timeout(120)
 
 CHUNK = 64
@@ -275,11 +277,7 @@ def test_ps_serve_bulk_port_flag_serves_the_port_it_names() -> None:
     Reference: a free port chosen here before the shard starts (bind port 0, close); the shard's
     first line, its Role reply and the client's bulk channel must all name that port, and a push and
     a pull over it give SGD's lr-1 result on ones by hand."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        named = s.getsockname()[1]
+    named = free_port()
     p = subprocess.Popen(
         [sys.executable, "-m", "tessera.cli", "ps", "serve", "--bulk-port", str(named)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},

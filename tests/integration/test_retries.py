@@ -1,7 +1,6 @@
 """Deadlines and retries against a real server that is briefly unavailable."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -13,15 +12,12 @@ from ps.config import ShardConfig
 from ps.errors import ShardUnavailableError
 from ps.server import build_server
 
+from ports import free_port  # type: ignore[import-not-found]  # (tests/ports.py)
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_call_retries_until_the_shard_comes_up() -> None:
-    port = _free_port()
+    port = free_port()
     servers = []
 
     def start_later() -> None:
@@ -44,7 +40,7 @@ def test_call_retries_until_the_shard_comes_up() -> None:
 
 
 def test_gives_up_with_a_typed_error() -> None:
-    client = PSClient([f"127.0.0.1:{_free_port()}"], timeout=2, retries=2)
+    client = PSClient([f"127.0.0.1:{free_port()}"], timeout=2, retries=2)
     try:
         t0 = time.monotonic()
         with pytest.raises(ShardUnavailableError, match="UNAVAILABLE"):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tessera.cli import build_parser
+
+from ports import free_port  # type: ignore[import-not-found]  # (tests/ports.py)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,11 +40,6 @@ def _one_line_error(r: subprocess.CompletedProcess, code: int, *needles: str) ->
         assert n in lines[0], (n, lines[0])
     return lines[0]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_bad_flags_and_bad_settings_are_one_line(tmp_path) -> None:
@@ -106,7 +102,7 @@ def test_bad_task_and_module_in_the_current_directory(tmp_path) -> None:
 
 
 def test_unreachable_shard_is_named_with_the_cause() -> None:
-    port = _free_port()
+    port = free_port()
     r = _tessera("worker", "--ps", f"127.0.0.1:{port}", "--retry-timeout", "2", "--steps", "2")
     _one_line_error(r, 1, f"shard 0 (127.0.0.1:{port}) not reachable within 2 s", "nothing is listening", "connection refused")
 
@@ -228,7 +224,7 @@ def test_worker_retry_timeout_defaults_to_60_seconds() -> None:
     setting; test_unreachable_shard_is_named_with_the_cause gives up after --retry-timeout 2).
     Reference: the README's figure."""
     assert build_parser().parse_args(["worker", "--ps", "127.0.0.1:1"]).retry_timeout == 60.0
-    port = _free_port()
+    port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "tessera.cli", "worker", "--ps", f"127.0.0.1:{port}", "--steps", "1",
                           "--task-opt", "test_size=8"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:

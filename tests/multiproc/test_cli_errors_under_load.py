@@ -13,7 +13,6 @@ start one, it gets the 10 runs by itself."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,8 @@ from pathlib import Path
 import pytest
 
 from ps.cli import start_local_shards, stop_processes
+
+from ports import free_port  # type: ignore[import-not-found]  # (tests/ports.py)
 
 pytestmark = pytest.mark.timeout(1800)  # ~50 runs of real processes; on a loaded 2-core machine minutes
 PROBES = 2  # runs of every case with the thread recorder
@@ -44,11 +45,6 @@ atexit.register(_write)
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
@@ -70,7 +66,7 @@ def _cases(s: dict[str, str]) -> list[tuple[str, tuple[str, ...], int, str]]:
     error cases (Training with workers; Federated mode) and the malformed address. The worker runs
     its default task, as `tessera worker --ps ...` typed by a user does (the digits task would add
     the import of scikit-learn, ~1.5 CPU-s, to each of these runs)."""
-    dead = f"127.0.0.1:{_free_port()}"
+    dead = f"127.0.0.1:{free_port()}"
     return [
         ("bad flag", ("worker", "--ps", s["plain"], "--bogus"), 2, "see: tessera worker --help"),
         ("index out of range", ("worker", "--ps", s["plain"], "--worker-index", "2", "--num-workers", "2"), 2, "out of range"),

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -27,16 +26,13 @@ from tessera.cli import main
 from tessera.metrics import FED_METRICS
 from tessera.service import issue_cert, make_ca
 
+from ports import free_port  # type: ignore[import-not-found]  # (tests/ports.py)
+
 pytestmark = pytest.mark.timeout(180)
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class FedProcess:
@@ -47,7 +43,7 @@ class FedProcess:
         self.err = open(tmp / f"server-{time.monotonic_ns()}.err", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tessera.cli", "fed", "server", "--task", "digits_logreg", "--rounds", "1",
-             "--min-clients", "1", "--eval-every", "0", "--metrics-port", str(_free_port()), *extra],
+             "--min-clients", "1", "--eval-every", "0", "--metrics-port", str(free_port()), *extra],
             cwd=ROOT, env=ENV, text=True, stdout=subprocess.PIPE, stderr=self.err)
         deadline = time.monotonic() + 90
         self.line = read_first_line(self.proc, deadline).strip()
@@ -210,7 +206,7 @@ def test_prometheus_scrapes_the_fed_server_with_the_documented_job(tls_server, p
     run.mkdir(exist_ok=True)
     (run / "prometheus.yml").write_text(yaml.safe_dump(
         {"global": {"scrape_interval": "1s", "scrape_timeout": "1s"}, "scrape_configs": [job, anonymous]}))
-    web = _free_port()
+    web = free_port()
     prom = subprocess.Popen([binary, f"--config.file={run / 'prometheus.yml'}", f"--storage.tsdb.path={run / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{web}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)

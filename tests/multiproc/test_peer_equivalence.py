@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,14 +19,11 @@ import time
 import pytest
 import torch
 
+from ports import free_port  # type: ignore[import-not-found]  # (tests/ports.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHILD = os.path.join(ROOT, "tests", "multiproc", "peer_child.py")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(
@@ -38,7 +34,7 @@ def run_ranks(
     ``python -m worker.peer``); returns [(returncode, stdout, stderr)] per rank. Every rank is
     killed at the deadline (``only_rank0``: as soon as rank 0 has exited). ``args``: one command line
     for all ranks, or one per rank."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(world):
         env = dict(

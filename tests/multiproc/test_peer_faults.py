@@ -11,7 +11,8 @@ import sys
 import time
 
 import pytest
-from test_peer_equivalence import ROOT, _free_port  # type: ignore[import-not-found]
+from ports import free_port  # type: ignore[import-not-found]  # (tests/ports.py)
+from test_peer_equivalence import ROOT  # type: ignore[import-not-found]
 
 GPT = ["--task", "gpt", "--task-opt", "dim=32", "--task-opt", "seq=16", "--task-opt", "layers=1", "--no-progress",
        "--torch-threads", "1", "--global-batch", "8", "--steps", "100000", "--max-seconds", "90", "--log-every", "1",
@@ -27,7 +28,7 @@ def _wait_for_steps(path: str, deadline: float) -> None:
 
 @pytest.mark.timeout(120)
 def test_killed_rank_is_named_by_the_others_within_the_timeout(tmp_path) -> None:
-    port = _free_port()
+    port = free_port()
     procs = []
     for r in range(2):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",

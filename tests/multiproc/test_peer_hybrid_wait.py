@@ -6,20 +6,19 @@ launcher then stops the others (SIGTERM), and each of them says so, naming the s
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from ports import free_port  # type: ignore[import-not-found]  # (tests/ports.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.timeout(240)
 def test_hybrid_without_shards_says_what_it_waits_for_then_one_line_per_rank() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens there
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore::FutureWarning", "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", "2", "--mode", "hybrid",
                         "--ps", dead, "--retry-timeout", "23", "--task", "ctr", "--steps", "1", "--no-progress"],
@@ -48,9 +47,7 @@ def test_hybrid_waits_60_seconds_by_default() -> None:
     process group). Reference: the README's figure; the give-up itself is the test above."""
     import signal
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    dead = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore::FutureWarning", "OMP_NUM_THREADS": "1"}
     p = subprocess.Popen([sys.executable, "-m", "tessera.cli", "peer", "--nproc-per-node", "1", "--mode", "hybrid",
                           "--ps", dead, "--task", "ctr", "--steps", "1", "--no-progress"],

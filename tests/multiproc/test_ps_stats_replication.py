@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,8 @@ import pytest
 
 from ps.cli import start_local_shards, stop_processes
 from ps.client import PSClient
+
+from ports import free_port  # type: ignore[import-not-found]  # (tests/ports.py)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -70,9 +71,7 @@ def test_stats_say_a_backup_the_primary_does_not_hold_is_not_attached() -> None:
     backup, the other server is a backup of that absent address."""
     procs: list[subprocess.Popen] = []
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            absent = f"127.0.0.1:{s.getsockname()[1]}"
+        absent = f"127.0.0.1:{free_port()}"
         p, (primary,) = start_local_shards(1)
         procs += p
         b, (backup,) = start_local_shards(1, ("--backup-of", absent))

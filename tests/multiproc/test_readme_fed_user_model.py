@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from ports import free_port  # type: ignore[import-not-found]  # (tests/ports.py)
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
 
@@ -20,11 +21,6 @@ def block(lang: str, marker: str) -> str:
     text = open(README).read()
     return next(b for b in re.findall(rf"```{lang}\n(.*?)```", text, re.S) if marker in b)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(150)

@@ -19,7 +19,8 @@ import time
 
 import pytest
 import torch
-from test_peer_equivalence import ROOT, _free_port  # type: ignore[import-not-found]
+from ports import free_port  # type: ignore[import-not-found]  # (tests/ports.py)
+from test_peer_equivalence import ROOT  # type: ignore[import-not-found]
 
 from worker.peer.mesh import ParallelMesh, PeerConfigError, check_divisibility
 
@@ -32,7 +33,7 @@ def run_mesh(
     """Start the D*T*P ranks of ``child`` (tp_child.py); [(returncode, stdout, stderr)] per rank. Output goes to
     files, not pipes: a rank printing more than a pipe holds (the parameters) while another rank's
     pipe is being read would block in print and hang its peers in their next collective."""
-    world, port = dp * tp * pp, _free_port()
+    world, port = dp * tp * pp, free_port()
     procs: list[subprocess.Popen[str]] = []
     files = []
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
