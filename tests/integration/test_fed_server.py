@@ -264,7 +264,7 @@ def test_torch_client_fedprox_and_scaffold_match_hand_reference(nodes, servers, 
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
 
 
-def test_small_models_ride_inside_the_task_larger_ones_are_fetched_in_1_mib_chunks(nodes, servers) -> None:
+def test_small_models_ride_inside_the_task_larger_ones_are_fetched_in_1_mib_chunks(nodes, servers, monkeypatch) -> None:
     """README (Federated mode, Wire): "`Fetch` (a task's tensors in 1 MiB chunks; blobs under 64 KiB
     ride inside the task)". Two servers with ServerConfig's defaults, one client each, one round:
     a 56,000-byte model (float64, under 64 KiB) reaches the client with no Fetch call; a 2.5 MiB
@@ -281,18 +281,14 @@ def test_small_models_ride_inside_the_task_larger_ones_are_fetched_in_1_mib_chun
             pieces.append(len(msg))
             yield msg
 
+    monkeypatch.setattr(servicer_mod, "blob_chunks", counting_chunks)
     for w0, fetches in (([np.linspace(-1, 1, 7000)], 0), ([np.linspace(-1, 1, 5 * 2**16)], 1)):
         pieces.clear()
         srv = FedServer(ServerConfig(rounds=1, min_clients=1, round_timeout=60, wait_timeout=60, eval_every=0),
                         make_strategy("fedavg"), w0)
         servers.append(srv)
-        port = srv.start()
-        servicer_mod.blob_chunks = counting_chunks
-        try:
-            nodes.add(f"127.0.0.1:{port}", RoundNoise(1, 3), f"c{fetches}")
-            srv.run()
-        finally:
-            servicer_mod.blob_chunks = real_chunks
+        nodes.add(f"127.0.0.1:{srv.start()}", RoundNoise(1, 3), f"c{fetches}")
+        srv.run()
         np.testing.assert_array_equal(srv.weights[0], hand(w0, {"c": (1, 3)}, 1)[0])
         assert srv.servicer.requests["Fetch"] == fetches, (w0[0].nbytes, srv.servicer.requests)
         if fetches:
