@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -234,7 +235,9 @@ def test_worker_retry_timeout_defaults_to_60_seconds() -> None:
             seen.append(line)
             if "waiting for shard 0" in line:
                 break
-        assert f"waiting for shard 0 at 127.0.0.1:{port} (5 s of 60)" in line, seen
+        # the note's first figure is when load let it print (5 s on an idle machine, 6 under the suite): the total is the point
+        waited = re.search(rf"waiting for shard 0 at 127\.0\.0\.1:{port} \((\d+) s of 60\)", line)
+        assert waited is not None and int(waited.group(1)) >= 5, seen
     finally:
         p.kill()
         p.wait(20)

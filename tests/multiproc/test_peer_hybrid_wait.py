@@ -6,6 +6,7 @@ launcher then stops the others (SIGTERM), and each of them says so, naming the s
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -61,7 +62,9 @@ def test_hybrid_waits_60_seconds_by_default() -> None:
             seen.append(line)
             if f"tessera peer: rank 0: waiting for shard 0 at {dead}" in line:
                 break
-        assert f"waiting for shard 0 at {dead} (5 s of 60)" in line, "".join(seen)[-3000:]
+        # the note's first figure is when load let it print (5 s on an idle machine, 6 under the suite): the total is the point
+        waited = re.search(rf"waiting for shard 0 at {re.escape(dead)} \((\d+) s of 60\)", line)
+        assert waited is not None and int(waited.group(1)) >= 5, "".join(seen)[-3000:]
     finally:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait(30)
